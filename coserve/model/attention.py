@@ -1,0 +1,92 @@
+"""Paged attention over a flat batch: write new K/V into the cache, attend to each sequence's own prefix."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from coserve.model.forward_batch import ForwardBatch
+
+
+class PagedKVCache:
+    """Per-layer K and V block pools: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    K is stored after RoPE, so attention never re-rotates the prefix.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """Memory one block takes over all layers, K and V."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[T, Hkv, D]`` at flat ``slots`` ``[T]``."""
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        self.k[layer].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+        self.v[layer].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the blocks ``block_table`` ``[..., nb]`` as ``[..., nb * block_size, Hkv, D]``."""
+        k = self.k[layer][block_table]
+        v = self.v[layer][block_table]
+        lead = block_table.shape[:-1]
+        return (k.reshape(*lead, -1, k.shape[-2], k.shape[-1]),
+                v.reshape(*lead, -1, v.shape[-2], v.shape[-1]))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    cache: PagedKVCache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Causal attention of each chunk's queries over its sequence's cached keys and values.
+
+    Args:
+        q: ``[T, Hq, D]`` rotated queries of the new tokens.
+        k, v: ``[T, Hkv, D]`` rotated keys and values of the new tokens; written into ``cache``.
+
+    Returns:
+        ``[T, Hq * D]`` attention outputs in row order.
+    """
+    cache.write(layer, batch.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    if batch.single_rows is not None:
+        out[batch.single_rows] = _single_token_attention(q[batch.single_rows], layer, cache, batch, scale)
+    for chunk in batch.multi_chunks:
+        qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        prefix = chunk.context_len - chunk.num_new
+        if prefix == 0:
+            kc = k[chunk.start:chunk.end]
+            vc = v[chunk.start:chunk.end]
+            mask, causal = None, True
+        else:
+            nb = (chunk.context_len + cache.block_size - 1) // cache.block_size
+            table = torch.tensor(chunk.block_table[:nb], dtype=torch.long, device=q.device)
+            kc, vc = cache.gather(layer, table)
+            kc, vc = kc[:chunk.context_len], vc[:chunk.context_len]
+            rows = torch.arange(chunk.num_new, device=q.device).unsqueeze(1) + prefix
+            mask, causal = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows, False
+        o = F.scaled_dot_product_attention(
+            qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+        out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+    return out.reshape(q.shape[0], -1)
+
+
+def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, batch: ForwardBatch,
+                            scale: float) -> torch.Tensor:
+    """All one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes."""
+    kc, vc = cache.gather(layer, batch.single_block_tables)  # [D, L, Hkv, Dh]
+    length = kc.shape[1]
+    valid = torch.arange(length, device=q.device).unsqueeze(0) < batch.single_context_lens.unsqueeze(1)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)  # [D, Hq, 1, Dh]
+    return o.squeeze(2)

@@ -1,0 +1,162 @@
+"""The model's shape, read from a Hugging Face ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The HF architectures coserve runs, and what each implies for the decoder.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": {"qkv_bias": False},
+    "MistralForCausalLM": {"qkv_bias": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+}
+
+
+class ModelConfigError(ValueError):
+    """A model directory whose config.json coserve cannot run."""
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    """Rotary embedding parameters (plain RoPE or Llama-3 frequency scaling)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" or "llama3"
+    factor: float = 1.0  # llama3: how much longer the new context is
+    low_freq_factor: float = 1.0  # llama3: wavelengths above orig/low are scaled by 1/factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths below orig/high are kept
+    original_max_position_embeddings: int = 8192  # llama3: the pre-scaling context
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Everything the decoder needs to know about a checkpoint's shape."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    torch_dtype: str  # the dtype the checkpoint was saved in
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.rope.rope_type not in ("default", "llama3"):
+            raise ModelConfigError(
+                f"config.json: rope type {self.rope.rope_type!r} is not supported (default, llama3)")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """Read ``model_dir/config.json``; raises ModelConfigError naming the file and field."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path}: no config.json in the model directory")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{path}: not valid JSON ({e})") from e
+        try:
+            return cls.from_dict(raw)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{path}: {e}") from e
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Build from the dict of an HF config.json (transformers 4.x and 5.x spellings)."""
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"field 'architectures': {arch!r} is not supported; "
+                f"coserve runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            cfg = cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]["qkv_bias"])),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                rope=_rope_from_dict(raw),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+            )
+        except KeyError as e:
+            raise ModelConfigError(f"missing field {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelConfigError):
+                raise
+            raise ModelConfigError(f"a field has the wrong type ({e})") from e
+        if arch == "MistralForCausalLM" and raw.get("sliding_window") not in (None, 0) \
+                and int(raw["sliding_window"]) < cfg.max_position_embeddings:
+            raise ModelConfigError(
+                f"field 'sliding_window': {raw['sliding_window']} is shorter than the context "
+                f"({cfg.max_position_embeddings}); sliding-window attention is not supported")
+        return cfg
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
+    """RoPE settings from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "llama3":
+        return RopeConfig(theta=theta, rope_type=rope_type)
+    try:
+        return RopeConfig(
+            theta=theta,
+            rope_type="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelConfigError(f"field 'rope_scaling': llama3 scaling needs {e.args[0]!r}") from e

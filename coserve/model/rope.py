@@ -1,0 +1,53 @@
+"""Rotary position embeddings: plain RoPE and Llama-3 frequency scaling, as HF computes them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from coserve.model.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """The ``head_dim // 2`` rotation frequencies, float32, scaled per ``rope.rope_type``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1: long wavelengths are stretched by `factor`, short ones kept, the middle band blended.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """A cos/sin table for every position up to ``max_positions``, applied by position id."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = inverse_frequencies(rope, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [P, head_dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.max_positions = max_positions
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` by their tokens' ``positions`` ``[T]``."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

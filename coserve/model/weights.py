@@ -1,0 +1,89 @@
+"""Reading Hugging Face safetensors checkpoints (one file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from coserve.model.config import ModelConfig
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint whose weight files are missing, corrupt, or do not fit the config."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or ``model.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightLoadError(f"{index}: not a valid safetensors index ({e})") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise WeightLoadError(f"{f}: shard named in {index.name} is missing")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise WeightLoadError(
+        f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are supported)")
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint on the CPU, keyed by their HF names."""
+    model_dir = Path(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(model_dir):
+        try:
+            state.update(load_file(str(f), device="cpu"))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise WeightLoadError(f"{f}: cannot read safetensors file ({e})") from e
+    return state
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensor names and shapes a checkpoint of this config must hold."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (cfg.q_size, h),
+            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.o_proj.weight": (h, cfg.q_size),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+        if cfg.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+    return shapes
+
+
+def check_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, model_dir: Path) -> None:
+    """Raise WeightLoadError naming the first missing or misshapen tensor."""
+    for name, shape in expected_shapes(cfg).items():
+        if name not in state:
+            raise WeightLoadError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
+        if tuple(state[name].shape) != shape:
+            raise WeightLoadError(
+                f"{model_dir}: tensor {name!r} has shape {tuple(state[name].shape)}, "
+                f"config.json implies {shape}")
