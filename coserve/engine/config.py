@@ -1,0 +1,36 @@
+"""The engine's one configuration object, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything needed to start an engine; errors name the field."""
+
+    model: str  # a Hugging Face model directory
+    dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
+    device: str | None = None  # None = cuda when available, else cpu
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None = as many as kv_cache_memory_gb holds
+    kv_cache_memory_gb: float = 1.0  # memory for the KV cache when num_kv_blocks is None
+    max_num_batched_tokens: int = 2048  # new tokens per iteration
+    max_num_seqs: int = 128  # requests running at once
+    max_loras: int = 4  # distinct adapters in one batch (device slots)
+    max_lora_rank: int = 16  # largest adapter rank the slots hold
+    seed: int = 0  # seed for requests that sample without their own seed
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")

@@ -1,0 +1,170 @@
+"""The engine: validated requests in, one iteration per ``step()``, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+from coserve.engine.config import EngineConfig
+from coserve.engine.executor import ModelExecutor
+from coserve.engine.output_processor import OutputProcessor
+from coserve.engine.outputs import RequestOutput
+from coserve.kvcache import BlockManager
+from coserve.model.attention import PagedKVCache
+from coserve.model.config import ModelConfig
+from coserve.model.loader import load_model, resolve_device, resolve_dtype
+from coserve.model.tokenizer import load_tokenizer
+from coserve.peft import AdapterError, LoraAdapter, LoraBank, load_lora_adapter
+from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+
+
+class LLMEngine:
+    """Owns the model, KV cache, adapters, scheduler and executor of one device.
+
+    ``step()`` is the whole loop body: ``plan = scheduler.schedule()``,
+    ``result = executor.execute(plan)``, ``scheduler.update(plan, result)``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise ValueError(f"model: {model_dir} is not a directory")
+        model_cfg = ModelConfig.from_dir(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_cfg)
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        self.model = load_model(model_dir, self.dtype, self.device, max_positions=self.max_model_len)
+        self.model_config = model_cfg
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
+        self.cache = PagedKVCache(model_cfg.num_layers, num_blocks, config.block_size,
+                                  model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
+                            config.max_loras),
+            BlockManager(num_blocks, config.block_size))
+        self.adapters: dict[str, LoraAdapter] = {}
+        bank = LoraBank(self.model.module_shapes(), model_cfg.num_layers, config.max_loras,
+                        config.max_lora_rank, self.device, self.dtype)
+        self.executor = ModelExecutor(self.model, self.cache, bank, self.adapters, config.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
+        self._ids = itertools.count()
+
+    # ---- adapters ------------------------------------------------------------
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Make a PEFT LoRA adapter servable under ``name``; checked against the model first."""
+        if not name or not isinstance(name, str):
+            raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
+        adapter = load_lora_adapter(name, path, self.model.module_shapes(), self.model_config.num_layers)
+        if adapter.rank > self.config.max_lora_rank:
+            raise AdapterError(f"{path}: r={adapter.rank} exceeds max_lora_rank={self.config.max_lora_rank}")
+        self.executor.bank.evict(name)  # replacing an adapter of the same name
+        self.adapters[name] = adapter
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name``; refused while requests still use it."""
+        if name not in self.adapters:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+        users = [r.request_id for r in self.scheduler.requests.values()
+                 if r.adapter == name and not r.is_finished]
+        if users:
+            raise AdapterError(f"adapter {name!r} is in use by {len(users)} request(s)")
+        self.executor.bank.evict(name)
+        del self.adapters[name]
+
+    # ---- requests ------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
+                     request_id: str | None = None) -> tuple[Request, str | None]:
+        """Validate and tokenize one request without queueing it; raises ValueError naming the field."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter: {adapter!r} is not loaded (loaded: {sorted(self.adapters)})")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt: is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        capacity = self.scheduler.blocks.num_blocks * self.scheduler.blocks.block_size
+        need = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if need > capacity:
+            raise ValueError(f"prompt: {len(token_ids)} tokens plus max_tokens={params.max_tokens} need "
+                             f"{need} KV slots; the whole cache holds {capacity}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request_id: {rid!r} is already in use")
+        request = Request(rid, list(token_ids), params, adapter, self.eos_token_ids, time.monotonic())
+        return request, text
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate, tokenize and queue a request; returns its id. Other requests are unaffected by errors."""
+        request, text = self.make_request(prompt, params, adapter, request_id)
+        self.enqueue(request, text)
+        return request.request_id
+
+    def enqueue(self, request: Request, text: str | None) -> None:
+        """Queue a request built by ``make_request``."""
+        self.scheduler.add_request(request)
+        self.outputs.add(request, text)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs of requests that got a token or finished."""
+        plan = self.scheduler.schedule()
+        result = self.executor.execute(plan)
+        events = self.scheduler.update(plan, result)
+        outputs = []
+        for event in events:
+            request = self.scheduler.requests[event.request_id]
+            if self.outputs.process(request, event):
+                self.scheduler.finish_request(request.request_id, "stop")
+            outputs.append(self.outputs.output(request, request.is_finished))
+            if request.is_finished:
+                self.scheduler.pop_request(request.request_id)
+        for request_id in plan.finished:  # aborted ones produce a final output too
+            request = self.scheduler.pop_request(request_id)
+            if request is not None:
+                outputs.append(self.outputs.output(request, True))
+        return outputs
+
+    def _blocks_for_memory(self, cfg: ModelConfig) -> int:
+        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, self.config.block_size,
+                                                 cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        by_memory = int(self.config.kv_cache_memory_gb * 2**30) // per_block
+        # No point holding more than every running request at full length.
+        by_use = -(-self.config.max_num_seqs * self.max_model_len // self.config.block_size)
+        return max(1, min(by_memory, by_use))
+
+    def _eos_ids(self, cfg: ModelConfig) -> set[int]:
+        ids = set(cfg.eos_token_ids)
+        gen_cfg = Path(self.config.model) / "generation_config.json"
+        if gen_cfg.is_file():
+            try:
+                raw = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{gen_cfg}: not valid JSON ({e})") from e
+            ids.update(raw if isinstance(raw, list) else [raw] if raw is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids

@@ -1,0 +1,74 @@
+"""Turns token events into RequestOutputs: detokenization, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coserve.engine.outputs import CompletionOutput, RequestOutput
+from coserve.scheduler import Request, TokenEvent, TokenLogprobs
+
+
+@dataclass(slots=True)
+class _RequestText:
+    prompt: str | None
+    logprobs: list[TokenLogprobs] | None
+    text: str = ""
+    decoded: int = 0  # output tokens that `text` covers; -1 once a stop string cut it
+    stop_reason: str | int | None = None
+    finish_reason: str | None = None
+
+
+class OutputProcessor:
+    """Keeps each live request's text; reports which requests a stop string ended."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[str, _RequestText] = {}
+
+    def add(self, request: Request, prompt: str | None) -> None:
+        self._texts[request.request_id] = _RequestText(
+            prompt, [] if request.params.logprobs is not None else None)
+
+    def process(self, request: Request, event: TokenEvent) -> bool:
+        """Record one new token; returns True when a stop string has just ended the request."""
+        state = self._texts[request.request_id]
+        if event.logprobs is not None and state.logprobs is not None:
+            state.logprobs.append(event.logprobs)
+        if event.finished:
+            state.finish_reason = event.finish_reason
+            if event.new_token_id in request.params.stop_token_ids:
+                state.stop_reason = event.new_token_id
+            return False
+        if not request.params.stop:
+            return False
+        text = self._text(request, state)
+        for stop in request.params.stop:
+            at = text.find(stop)
+            if at >= 0:
+                state.text, state.decoded = text[:at], -1  # frozen: later decodes keep the cut
+                state.stop_reason = stop
+                state.finish_reason = "stop"
+                return True
+        return False
+
+    def output(self, request: Request, finished: bool) -> RequestOutput:
+        """The request's RequestOutput now; forgets it once finished."""
+        state = self._texts[request.request_id]
+        if finished and request.finish_reason == "abort":
+            state.finish_reason = "abort"
+        completion = CompletionOutput(
+            index=0, text=self._text(request, state), token_ids=list(request.output_token_ids),
+            finish_reason=state.finish_reason if finished else None,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            stop_reason=state.stop_reason)
+        if finished:
+            del self._texts[request.request_id]
+        return RequestOutput(request.request_id, state.prompt, list(request.prompt_token_ids),
+                             [completion], finished, request.num_preemptions)
+
+    def _text(self, request: Request, state: _RequestText) -> str:
+        """The request's output text, decoded again only when new tokens arrived."""
+        if state.decoded != -1 and state.decoded != len(request.output_token_ids):
+            state.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            state.decoded = len(request.output_token_ids)
+        return state.text

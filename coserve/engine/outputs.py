@@ -1,0 +1,41 @@
+"""What generation returns to callers (the vLLM ``RequestOutput`` shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coserve.scheduler.plan import TokenLogprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token when asked for
+    stop_reason: str | int | None = None  # the stop string or token that ended it, if any
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's prompt and its output so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def text(self) -> str:
+        """The first (only) completion's text."""
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The first (only) completion's token ids."""
+        return self.outputs[0].token_ids

@@ -1,0 +1,116 @@
+"""HF PEFT LoRA adapter files: ``adapter_config.json`` + ``adapter_model.safetensors``."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from coserve.model.decoder import TARGET_MODULES
+
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter directory that does not load or does not fit the model."""
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    """One LoRA adapter's weights on the CPU, keyed by (layer, module)."""
+
+    name: str
+    path: Path
+    rank: int
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+    target_modules: frozenset[str]  # modules with weights, e.g. {"q_proj", "down_proj"}
+    a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [r, in]
+    b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [out, r]
+
+
+def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tuple[int, int]],
+                      num_layers: int) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter against the model's shapes; errors name the file and field."""
+    path = Path(path)
+    config = _read_config(path)
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    cfg_file = path / "adapter_config.json"
+    if not isinstance(rank, int) or rank <= 0:
+        raise AdapterError(f"{cfg_file}: field 'r' must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, (int, float)):
+        raise AdapterError(f"{cfg_file}: field 'lora_alpha' must be a number, got {alpha!r}")
+    for fld, ok in (("use_dora", False), ("fan_in_fan_out", False)):
+        if config.get(fld, ok) != ok:
+            raise AdapterError(f"{cfg_file}: field {fld!r} = {config[fld]!r} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"{cfg_file}: field 'bias' = {config['bias']!r} is not supported (only 'none')")
+    for fld in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+        if config.get(fld):
+            raise AdapterError(f"{cfg_file}: field {fld!r} is not supported (per-module ranks or saved modules)")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        if unknown:
+            raise AdapterError(f"{cfg_file}: field 'target_modules' names {unknown}, which this model "
+                               f"does not have as LoRA targets ({', '.join(TARGET_MODULES)})")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    adapter = LoraAdapter(name=name, path=path, rank=rank, scaling=float(scaling),
+                          target_modules=frozenset())
+    _read_weights(adapter, path, module_shapes, num_layers)
+    return adapter
+
+
+def _read_config(path: Path) -> dict:
+    cfg_file = path / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise AdapterError(f"{cfg_file}: no adapter_config.json in the adapter directory")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{cfg_file}: not valid JSON ({e})") from e
+    peft_type = str(config.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"{cfg_file}: field 'peft_type' = {config.get('peft_type')!r}; "
+                           "inference serves LORA adapters")
+    return config
+
+
+def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tuple[int, int]],
+                  num_layers: int) -> None:
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise AdapterError(f"{weights_file}: missing (only safetensors adapters are supported)")
+    try:
+        tensors = load_file(str(weights_file), device="cpu")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise AdapterError(f"{weights_file}: cannot read safetensors file ({e})") from e
+    targets = set()
+    for key, tensor in tensors.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise AdapterError(f"{weights_file}: tensor {key!r} is not a LoRA weight of a decoder "
+                               f"layer's {', '.join(TARGET_MODULES)}")
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if module not in module_shapes:
+            raise AdapterError(f"{weights_file}: tensor {key!r} targets {module!r}, which the model lacks")
+        if layer >= num_layers:
+            raise AdapterError(f"{weights_file}: tensor {key!r} is for layer {layer}; "
+                               f"the model has {num_layers} layers")
+        fan_in, fan_out = module_shapes[module]
+        want = (adapter.rank, fan_in) if which == "A" else (fan_out, adapter.rank)
+        if tuple(tensor.shape) != want:
+            raise AdapterError(f"{weights_file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                               f"the model and r={adapter.rank} need {want}")
+        (adapter.a if which == "A" else adapter.b)[(layer, module)] = tensor.float()
+        targets.add(module)
+    if not tensors:
+        raise AdapterError(f"{weights_file}: holds no tensors")
+    for key in set(adapter.a) ^ set(adapter.b):
+        raise AdapterError(f"{weights_file}: layer {key[0]} {key[1]} has only one of lora_A and lora_B")
+    adapter.target_modules = frozenset(targets)

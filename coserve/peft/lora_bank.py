@@ -1,0 +1,128 @@
+"""Device-resident LoRA slots and the batched, per-token application of many adapters at once."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from coserve.peft.lora_adapter import LoraAdapter
+
+
+class LoraBank:
+    """``max_loras`` slots of stacked LoRA weights per (layer, module), ranks zero-padded to ``max_rank``.
+
+    Slot ``s`` of module ``m`` at layer ``l`` lives in rows ``s*R:(s+1)*R`` of ``a[m][l]``
+    (``[slots*R, in]``) and columns ``s*R:(s+1)*R`` of ``b[m][l]`` (``[out, slots*R]``), so one
+    matmul pair covers every adapter in a batch; padding rows are zero and add exact zeros.
+    """
+
+    def __init__(self, module_shapes: dict[str, tuple[int, int]], num_layers: int, max_loras: int,
+                 max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.module_shapes = module_shapes
+        self.num_layers = num_layers
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.device = device
+        self.dtype = dtype
+        self.a: dict[str, torch.Tensor] = {}  # module -> [layers, slots*R, in]
+        self.b: dict[str, torch.Tensor] = {}  # module -> [layers, out, slots*R]
+        self.scaling = [0.0] * max_loras
+        self.slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # adapter name -> slot, LRU order
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slot_of.get(name)
+
+    def activate(self, adapters: list[LoraAdapter]) -> dict[str, int]:
+        """Make every adapter resident in a slot (evicting the least recently used others)."""
+        if len(adapters) > self.max_loras:
+            raise ValueError(f"{len(adapters)} adapters in one batch; max_loras is {self.max_loras}")
+        wanted = {a.name for a in adapters}
+        for adapter in adapters:
+            if adapter.name in self._slot_of:
+                self._slot_of.move_to_end(adapter.name)
+                continue
+            slot = self._free_slot(wanted)
+            self._write(slot, adapter)
+            self._slot_of[adapter.name] = slot
+        return {a.name: self._slot_of[a.name] for a in adapters}
+
+    def evict(self, name: str) -> None:
+        """Drop an adapter from its slot (after unloading it)."""
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self._clear(slot)
+
+    def _free_slot(self, keep: set[str]) -> int:
+        used = set(self._slot_of.values())
+        for slot in range(self.max_loras):
+            if slot not in used:
+                return slot
+        for name, slot in self._slot_of.items():  # least recently used first
+            if name not in keep:
+                del self._slot_of[name]
+                return slot
+        raise AssertionError("no slot to evict")  # activate() bounds the batch by max_loras
+
+    def _module_tensors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if module not in self.a:
+            fan_in, fan_out = self.module_shapes[module]
+            width = self.max_loras * self.max_rank
+            self.a[module] = torch.zeros(self.num_layers, width, fan_in, device=self.device, dtype=self.dtype)
+            self.b[module] = torch.zeros(self.num_layers, fan_out, width, device=self.device, dtype=self.dtype)
+        return self.a[module], self.b[module]
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"adapter {adapter.name!r} has r={adapter.rank}; max_lora_rank is {self.max_rank}")
+        self._clear(slot)
+        lo = slot * self.max_rank
+        for (layer, module), a in adapter.a.items():
+            bank_a, bank_b = self._module_tensors(module)
+            bank_a[layer, lo:lo + adapter.rank] = a.to(self.device, self.dtype)
+            bank_b[layer, :, lo:lo + adapter.rank] = adapter.b[(layer, module)].to(self.device, self.dtype)
+        self.scaling[slot] = adapter.scaling
+        self.slot_modules[slot] = adapter.target_modules
+
+    def _clear(self, slot: int) -> None:
+        lo, hi = slot * self.max_rank, (slot + 1) * self.max_rank
+        for module in self.a:
+            self.a[module][:, lo:hi] = 0
+            self.b[module][:, :, lo:hi] = 0
+        self.scaling[slot] = 0.0
+        self.slot_modules[slot] = frozenset()
+
+    def batch(self, token_slots: torch.Tensor) -> "LoraBatch | None":
+        """The adapters of one batch, given each token's slot ``[T]`` (-1 = base model)."""
+        used = sorted(set(token_slots.unique().tolist()) - {-1})
+        if not used:
+            return None
+        num_slots = used[-1] + 1
+        scale_of_slot = torch.tensor(self.scaling[:num_slots], device=self.device, dtype=self.dtype)
+        onehot = token_slots.unsqueeze(1) == torch.arange(num_slots, device=self.device).unsqueeze(0)
+        token_scale = onehot.to(self.dtype) * scale_of_slot  # [T, num_slots]
+        modules = frozenset().union(*(self.slot_modules[s] for s in used))
+        return LoraBatch(self, token_scale, num_slots, modules)
+
+
+class LoraBatch:
+    """Applies the bank's adapters to a batch: ``delta = ((x @ A^T) * scale_per_token) @ B^T``."""
+
+    def __init__(self, bank: LoraBank, token_scale: torch.Tensor, num_slots: int,
+                 modules: frozenset[str]) -> None:
+        self.bank = bank
+        self.token_scale = token_scale  # [T, num_slots]: the slot's scaling where the token uses it, else 0
+        self.num_slots = num_slots
+        self.modules = modules
+
+    def delta(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor | None:
+        """LoRA output ``[T, out]`` for ``x`` ``[T, in]``, each token through its own adapter."""
+        if module not in self.modules:
+            return None
+        width = self.num_slots * self.bank.max_rank
+        a = self.bank.a[module][layer, :width]  # [S*R, in]
+        b = self.bank.b[module][layer, :, :width]  # [out, S*R]
+        xa = (x @ a.T).view(x.shape[0], self.num_slots, self.bank.max_rank)
+        xa = xa * self.token_scale.unsqueeze(-1)
+        return xa.view(x.shape[0], width) @ b.T

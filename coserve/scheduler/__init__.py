@@ -1,0 +1,10 @@
+"""Request state and iteration planning: plain Python, no tensors."""
+
+from coserve.scheduler.config import SchedulerConfig
+from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
+from coserve.scheduler.request import Request, RequestStatus
+from coserve.scheduler.sampling_params import SamplingParams
+from coserve.scheduler.scheduler import Scheduler, TokenEvent
+
+__all__ = ["ExecutionResult", "InferenceChunk", "IterationPlan", "Request", "RequestStatus",
+           "SamplingParams", "Scheduler", "SchedulerConfig", "TokenEvent", "TokenLogprobs"]

@@ -1,0 +1,59 @@
+"""What the scheduler asks of the executor for one iteration, and what comes back. Plain data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class InferenceChunk:
+    """New tokens of one request to run this iteration."""
+
+    request_id: str  # which request
+    start: int  # position of the first new token (the request's num_computed_tokens)
+    token_ids: list[int]  # the new tokens themselves, positions start .. start + len - 1
+    block_table: list[int]  # the request's KV blocks, covering at least start + len positions
+    adapter: str | None  # LoRA adapter applied to these tokens, None = base model
+    sample: bool  # whether this chunk reaches the request's last known token: sample the next one
+    params: SamplingParams  # how to sample (read only when sample is true)
+    num_output_tokens: int  # outputs the request already has (for per-request seeded sampling)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class IterationPlan:
+    """The scheduler's decision for one engine iteration."""
+
+    step: int  # iteration counter
+    chunks: list[InferenceChunk]  # inference work, decode tokens and prefill chunks alike
+    preempted: list[str] = field(default_factory=list)  # requests preempted while planning (blocks freed)
+    finished: list[str] = field(default_factory=list)  # requests finished since the last plan
+    adapters: list[str] = field(default_factory=list)  # distinct adapters this iteration uses
+    num_scheduled_tokens: int = 0  # total new tokens across chunks
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one sampled position."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability
+    top: dict[int, float] = field(default_factory=dict)  # the N most likely tokens and theirs
+
+
+@dataclass(slots=True)
+class ExecutionResult:
+    """The executor's answer to an IterationPlan."""
+
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked
+    elapsed_s: float = 0.0  # wall time of the iteration's model work

@@ -1,0 +1,57 @@
+"""An inference request's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from coserve.scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request.
+
+    There is no prefill or decode phase: ``num_computed_tokens`` catches up with
+    ``num_tokens`` (prompt plus outputs so far), and whenever it reaches it a new
+    token is sampled.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None  # LoRA adapter name, None = the bare base model
+    eos_token_ids: frozenset[int]  # tokens that end the sequence unless params.ignore_eos
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Known tokens ``[start, end)`` of prompt followed by outputs."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

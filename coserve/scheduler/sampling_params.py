@@ -1,0 +1,44 @@
+"""How to sample a request's tokens (the vLLM ``SamplingParams`` shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling settings for one request; validated on construction, errors name the field."""
+
+    max_tokens: int = 16  # tokens to generate at most
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # keep the k most likely tokens; -1 or 0 = all
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
+    seed: int | None = None  # per-request random seed; the same seed gives the same tokens
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (kept in token_ids)
+    ignore_eos: bool = False  # keep generating past end-of-sequence tokens
+    logprobs: int | None = None  # None = no logprobs; N = the sampled token's and the top-N's
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or a non-negative integer, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

@@ -1,0 +1,184 @@
+"""Iteration-level (continuous) batching with chunked prefill under a token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from coserve.kvcache import BlockManager
+from coserve.scheduler.config import SchedulerConfig
+from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
+from coserve.scheduler.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """A request's progress after one iteration (plain data for the output processor)."""
+
+    request_id: str
+    new_token_id: int | None  # the token sampled this iteration, if any
+    logprobs: TokenLogprobs | None
+    finished: bool
+    finish_reason: str | None
+
+
+class Scheduler:
+    """Decides each iteration's chunks; owns request state and KV blocks, never tensors.
+
+    Running requests go first, oldest first, each taking as many of its pending tokens
+    as the budget allows (one for a decode, a chunk for a prefill). When a running
+    request needs a block and none is free, the most recently admitted running request
+    is preempted: its blocks are freed and it is recomputed later. Waiting requests are
+    admitted in arrival order, only when their whole prompt fits in free blocks.
+    """
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._step = 0
+        self._finished_since_plan: list[str] = []
+
+    # ---- requests in and out -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (the engine checks lengths and adapters first)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: str) -> None:
+        """End a request now (a stop string, an abort); frees its blocks. Unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_request(self, request_id: str) -> Request | None:
+        """Forget a finished request (the engine calls this once its output is delivered)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.is_finished:
+            return self.requests.pop(request_id)
+        return None
+
+    # ---- one iteration -------------------------------------------------------
+    def schedule(self) -> IterationPlan:
+        """Plan the next iteration: running requests first, then admissions."""
+        self._step += 1
+        plan = IterationPlan(step=self._step, chunks=[], finished=self._finished_since_plan)
+        self._finished_since_plan = []
+        budget = self.config.max_num_batched_tokens
+        adapters: set[str] = set()
+        scheduled = 0
+        while scheduled < len(self.running) and budget > 0:
+            request = self.running[scheduled]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, request.num_computed_tokens + n, plan):
+                break  # the request itself was preempted; everything after it too
+            plan.chunks.append(self._chunk(request, n))
+            budget -= n
+            scheduled += 1
+        if not plan.preempted:
+            budget = self._admit(plan, budget)
+        for chunk in plan.chunks:
+            if chunk.adapter is not None:
+                adapters.add(chunk.adapter)
+        plan.adapters = sorted(adapters)
+        plan.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return plan
+
+    def update(self, plan: IterationPlan, result: ExecutionResult) -> list[TokenEvent]:
+        """Advance requests by the executed plan; returns one event per sampled token."""
+        events = []
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the iteration ran
+            request.num_computed_tokens = chunk.end
+            if not chunk.sample:
+                continue
+            token = result.sampled[chunk.request_id]
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+            events.append(TokenEvent(request.request_id, token, result.logprobs.get(request.request_id),
+                                     request.is_finished, request.finish_reason))
+        return events
+
+    # ---- internals -----------------------------------------------------------
+    def _reserve(self, request: Request, num_tokens: int, plan: IterationPlan) -> bool:
+        """Make room for ``num_tokens`` of ``request``, preempting from the tail; False if it was the victim."""
+        while not self.blocks.can_allocate(request.request_id, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        self.blocks.allocate(request.request_id, num_tokens)
+        return True
+
+    def _admit(self, plan: IterationPlan, budget: int) -> int:
+        adapters = {r.adapter for r in self.running if r.adapter is not None}
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if (request.adapter is not None and request.adapter not in adapters
+                    and len(adapters) >= self.config.max_loras):
+                break  # first come, first served: wait until an adapter's requests finish
+            if not self.blocks.can_allocate(request.request_id, request.num_tokens):
+                break  # admitted only when the whole prompt fits
+            self.waiting.popleft()
+            self.blocks.allocate(request.request_id, request.num_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if request.adapter is not None:
+                adapters.add(request.adapter)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            plan.chunks.append(self._chunk(request, n))
+            budget -= n
+        return budget
+
+    def _chunk(self, request: Request, n: int) -> InferenceChunk:
+        start = request.num_computed_tokens
+        return InferenceChunk(
+            request_id=request.request_id, start=start, token_ids=request.token_ids(start, start + n),
+            block_table=self.blocks.block_table(request.request_id), adapter=request.adapter,
+            sample=start + n == request.num_tokens, params=request.params,
+            num_output_tokens=len(request.output_token_ids))
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.blocks.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._finished_since_plan.append(request.request_id)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        if request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
