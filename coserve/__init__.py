@@ -1,7 +1,32 @@
 """coserve: co-serving LLM inference and parameter-efficient finetuning on the same accelerators."""
 
-from coserve.engine import LLM, CompletionOutput, EngineConfig, LLMEngine, RequestOutput
-from coserve.scheduler import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+# Public names load lazily, so that torch-free layers (scheduler, kvcache) import without torch.
+_EXPORTS = {
+    "LLM": "coserve.engine.llm",
+    "LLMEngine": "coserve.engine.llm_engine",
+    "EngineConfig": "coserve.engine.config",
+    "RequestOutput": "coserve.engine.outputs",
+    "CompletionOutput": "coserve.engine.outputs",
+    "SamplingParams": "coserve.scheduler.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from coserve.engine.config import EngineConfig
+    from coserve.engine.llm import LLM
+    from coserve.engine.llm_engine import LLMEngine
+    from coserve.engine.outputs import CompletionOutput, RequestOutput
+    from coserve.scheduler.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'coserve' has no attribute {name!r}")

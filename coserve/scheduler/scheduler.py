@@ -83,6 +83,10 @@ class Scheduler:
         while scheduled < len(self.running) and budget > 0:
             request = self.running[scheduled]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.blocks.blocks_for(request.num_computed_tokens + n) > self.blocks.num_blocks:
+                self.running.pop(scheduled)  # can never fit, even alone: stop it rather than spin
+                self._finish(request, "length")
+                continue
             if not self._reserve(request, request.num_computed_tokens + n, plan):
                 break  # the request itself was preempted; everything after it too
             plan.chunks.append(self._chunk(request, n))

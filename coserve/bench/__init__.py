@@ -1,0 +1,1 @@
+"""Benchmarks that drive the real engine, side by side with the peers."""

@@ -1,0 +1,111 @@
+"""``coserve bench-generation``: coserve against HF transformers ``generate`` on the same model, same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from coserve.bench.workload import sharegpt_prompts
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--sharegpt", default=None, help="ShareGPT trace JSON (default: ../shared/data)")
+    p.add_argument("--skip-hf", action="store_true", help="measure coserve only")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+
+
+def run(args) -> int:
+    from coserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.num_requests, 1))
+    prompts = sharegpt_prompts(llm.tokenizer, args.num_requests, args.max_prompt_len,
+                               Path(args.sharegpt) if args.sharegpt else None)
+    prompt_tokens = sum(len(p) for p in prompts.prompts)
+    out_tokens = args.num_requests * args.output_len
+    full = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate(prompts.prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    t_prefill = _timed(lambda: llm.generate(prompts.prompts, one))[0]
+    t_full, outs = _timed(lambda: llm.generate(prompts.prompts, full))
+    figures = {
+        "coserve": {"prefill_s": t_prefill, "total_s": t_full,
+                    "prefill_tokens_per_s": prompt_tokens / t_prefill,
+                    "output_tokens_per_s": out_tokens / t_full,
+                    "preemptions": llm.engine.scheduler.num_preemptions},
+    }
+    if not args.skip_hf:
+        hf, hf_tokens, padded = _run_hf(args, prompts.prompts, llm.engine.device)
+        figures["hf"] = {**hf, "prefill_tokens_per_s": prompt_tokens / hf["prefill_s"],
+                         "output_tokens_per_s": out_tokens / hf["total_s"], "padded_prompt_tokens": padded}
+        figures["ratio"] = {k: figures["coserve"][k] / figures["hf"][k]
+                            for k in ("prefill_tokens_per_s", "output_tokens_per_s")}
+        figures["identical_outputs"] = sum(o.token_ids == h for o, h in zip(outs, hf_tokens))
+    report = {
+        "model": args.model, "device": str(llm.engine.device), "dtype": args.dtype,
+        "num_requests": args.num_requests, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
+        "prompt_source": prompts.source, "max_prompt_len": args.max_prompt_len,
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus", **figures,
+    }
+    _print(report)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def _run_hf(args, prompts: list[list[int]], device: torch.device) -> tuple[dict, list[list[int]], int]:
+    """One static left-padded batch through ``model.generate``; returns timings and its tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+
+    def gen(n: int, rows: slice = slice(None)):
+        with torch.inference_mode():
+            return model.generate(input_ids=ids[rows], attention_mask=mask[rows], max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=pad)
+
+    gen(4, slice(0, 4))  # warm-up
+    t_prefill = _timed(lambda: gen(1))[0]
+    t_full, out = _timed(lambda: gen(args.output_len))
+    tokens = [row[width:].tolist() for row in out]
+    return {"prefill_s": t_prefill, "total_s": t_full}, tokens, width * len(prompts)
+
+
+def _print(r: dict) -> None:
+    print(f"model {r['model']} on {r['device']} {r['dtype']}, {r['threads']} threads; "
+          f"{r['num_requests']} requests, {r['prompt_tokens']} prompt tokens ({r['prompt_source']}), "
+          f"{r['output_tokens']} output tokens")
+    for name in ("coserve", "hf"):
+        if name in r:
+            f = r[name]
+            print(f"  {name:8s} prefill {f['prefill_tokens_per_s']:9.1f} tok/s   "
+                  f"output {f['output_tokens_per_s']:8.1f} tok/s   total {f['total_s']:.2f}s")
+    if "ratio" in r:
+        print(f"  ratio    prefill {r['ratio']['prefill_tokens_per_s']:.2f}x   "
+              f"output {r['ratio']['output_tokens_per_s']:.2f}x   "
+              f"identical greedy outputs {r['identical_outputs']}/{r['num_requests']}")

@@ -1,0 +1,104 @@
+"""The one ``coserve`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="coserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_create_model(sub)
+    _add_generate(sub)
+    _add_bench_generation(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, no stack trace
+        print(f"coserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_create_model(sub) -> None:
+    p = sub.add_parser("create-model", help="write a randomly initialised HF model directory")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-shard-size", default=None, help="e.g. 20MB: write sharded safetensors")
+    p.set_defaults(func=_create_model)
+
+
+def _create_model(args) -> int:
+    from coserve.model.create import create_model
+    out = create_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype,
+                       max_shard_size=args.max_shard_size)
+    print(f"wrote {args.preset} {args.arch} model to {out}")
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="load a PEFT LoRA adapter; the prompts use it (or the one named by --use)")
+    p.add_argument("--use", default=None, metavar="NAME", help="which loaded adapter the prompts use")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=_generate)
+
+
+def _generate(args) -> int:
+    from coserve import LLM, SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    names = []
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--adapter: expected NAME=PATH, got {spec!r}")
+        llm.load_adapter(name, path)
+        names.append(name)
+    use = args.use or (names[-1] if names else None)
+    if use is not None and use not in names:
+        raise ValueError(f"--use: {use!r} is not one of the loaded adapters {names}")
+    start = time.perf_counter()
+    outs = llm.generate(args.prompt, params, adapter=use)
+    elapsed = time.perf_counter() - start
+    for out in outs:
+        print(f"--- prompt: {out.prompt!r}  (adapter: {use or 'none'})")
+        print(out.text)
+        print(f"[{len(out.token_ids)} tokens, finish: {out.outputs[0].finish_reason}]")
+    total = sum(len(o.token_ids) for o in outs)
+    engine = llm.engine
+    print(f"{len(outs)} requests, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s) "
+          f"on {engine.device} {str(engine.dtype).removeprefix('torch.')}")
+    return 0
+
+
+def _add_bench_generation(sub) -> None:
+    p = sub.add_parser("bench-generation", help="generation throughput against HF transformers generate")
+    from coserve.bench.generation import add_arguments
+    add_arguments(p)
+    p.set_defaults(func=_bench_generation)
+
+
+def _bench_generation(args) -> int:
+    from coserve.bench.generation import run
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The scheduler on plain data: plans fed back with hand-built results, no model."""
+
+from coserve.kvcache import BlockManager
+from coserve.scheduler import (ExecutionResult, Request, SamplingParams, Scheduler, SchedulerConfig)
+
+
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256, max_loras=2):
+    return Scheduler(SchedulerConfig(budget, max_seqs, max_len, max_loras), BlockManager(num_blocks, block_size))
+
+
+def req(rid, n_prompt, max_tokens=4, adapter=None, **kw):
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw),
+                   adapter, frozenset({0}), 0.0)
+
+
+def run_step(s, token=7):
+    plan = s.schedule()
+    result = ExecutionResult(sampled={c.request_id: token for c in plan.chunks if c.sample})
+    return plan, s.update(plan, result)
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = make(budget=10)
+    s.add_request(req("a", 23))
+    sizes = []
+    for _ in range(3):
+        plan, events = run_step(s)
+        sizes.append([len(c.token_ids) for c in plan.chunks])
+    assert sizes == [[10], [10], [3]]
+    assert events and events[0].new_token_id == 7  # the last chunk samples
+
+
+def test_decodes_go_first_and_prefill_fills_the_rest():
+    s = make(budget=8)
+    s.add_request(req("a", 3, max_tokens=10))
+    run_step(s)  # a prefilled, one token sampled
+    s.add_request(req("b", 20))
+    plan, _ = run_step(s)
+    assert [(c.request_id, len(c.token_ids)) for c in plan.chunks] == [("a", 1), ("b", 7)]
+    assert plan.num_scheduled_tokens == 8
+
+
+def test_admission_only_when_the_whole_prompt_fits():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    s.add_request(req("big", 17))  # needs 5 blocks of 4
+    s.add_request(req("small", 3))
+    plan, _ = run_step(s)
+    assert plan.chunks == []  # FCFS: the head does not fit, nothing jumps the queue
+    assert s.blocks.num_free_blocks == 4
+
+
+def test_preemption_takes_the_most_recently_admitted_and_recomputes_it():
+    s = make(num_blocks=4, block_size=4, budget=64, max_len=64)
+    s.add_request(req("old", 4, max_tokens=12))  # at most 16 tokens: the whole cache
+    s.add_request(req("new", 8, max_tokens=8))
+    run_step(s)  # both prefilled: old holds 1 block, new 2; one free
+    for _ in range(8):
+        plan, _ = run_step(s)
+        if plan.preempted:
+            break
+    assert plan.preempted == ["new"]
+    assert s.num_preemptions == 1
+    new = s.requests["new"]
+    assert new.num_computed_tokens == 0 and not s.blocks.has("new")
+    assert s.waiting[0] is new
+    # once "old" finishes, "new" is admitted again and recomputes its prompt plus outputs
+    while not s.requests["old"].is_finished:
+        run_step(s)
+    outputs_before = len(new.output_token_ids)
+    plan, _ = run_step(s)
+    chunk = next(c for c in plan.chunks if c.request_id == "new")
+    assert chunk.start == 0 and len(chunk.token_ids) == 8 + outputs_before
+    s.blocks.check_invariants()
+
+
+def test_finish_on_eos_max_tokens_and_stop_token():
+    s = make()
+    s.add_request(req("eos", 2, max_tokens=10))
+    s.add_request(req("stop_id", 2, max_tokens=10, stop_token_ids=[5]))
+    s.add_request(req("ignore", 2, max_tokens=3, ignore_eos=True))
+    plan = s.schedule()
+    events = s.update(plan, ExecutionResult(sampled={"eos": 0, "stop_id": 5, "ignore": 0}))
+    done = {e.request_id: e.finish_reason for e in events if e.finished}
+    assert done == {"eos": "stop", "stop_id": "stop"}
+    run_step(s, token=0)
+    _, events = run_step(s, token=0)
+    assert [(e.request_id, e.finish_reason) for e in events] == [("ignore", "length")]
+    assert s.blocks.num_free_blocks == s.blocks.num_blocks
+
+
+def test_max_loras_bounds_distinct_adapters_running():
+    s = make(max_loras=2, budget=64)
+    for i, a in enumerate(["x", "y", None, "z", "x"]):
+        s.add_request(req(f"r{i}", 3, adapter=a))
+    plan = s.schedule()
+    assert [c.request_id for c in plan.chunks] == ["r0", "r1", "r2"]  # r3 ("z") waits, FCFS
+    assert plan.adapters == ["x", "y"]
+
+
+def test_abort_frees_blocks_and_is_reported_in_the_next_plan():
+    s = make()
+    s.add_request(req("a", 5, max_tokens=50))
+    run_step(s)
+    s.finish_request("a", "abort")
+    assert s.blocks.num_free_blocks == s.blocks.num_blocks
+    plan = s.schedule()
+    assert plan.finished == ["a"] and plan.chunks == []
+    assert s.requests["a"].finish_reason == "abort"
+
+
+def test_max_num_seqs_caps_running_requests():
+    s = make(max_seqs=2, budget=64)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 2))
+    plan = s.schedule()
+    assert len(plan.chunks) == 2 and len(s.waiting) == 2
+
+
+def test_a_request_that_outgrows_the_whole_cache_ends_with_length():
+    s = make(num_blocks=2, block_size=4, budget=64, max_len=64)
+    s.add_request(req("a", 4, max_tokens=30))  # the engine refuses this; the scheduler must not spin
+    for _ in range(10):
+        run_step(s)
+    assert s.requests["a"].finish_reason == "length"
+    assert len(s.requests["a"].output_token_ids) == 5  # 8 tokens fill both blocks
+    assert not s.has_unfinished()
