@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models of each architecture, made once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+ARCHS = ("llama", "qwen2", "mistral")
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """``make(arch, **create_model kwargs) -> Path``, cached per argument set."""
+    from coserve.model.create import create_model
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **kwargs) -> Path:
+        key = (arch, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])).__repr__())
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            made[key] = create_model(out, preset="tiny", arch=arch, **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_model(request, model_factory) -> Path:
+    """A tiny model directory, once per architecture."""
+    return model_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def hf_model_cache():
+    """Loads HF reference models once per directory."""
+    from transformers import AutoModelForCausalLM
+    cache: dict[str, object] = {}
+
+    def get(path: Path, dtype=torch.float32):
+        key = f"{path}:{dtype}"
+        if key not in cache:
+            cache[key] = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """``../shared/data``; tests that need it skip cleanly when it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is absent")
+    return SHARED_DATA

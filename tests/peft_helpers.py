@@ -1,0 +1,30 @@
+"""Making real HF PEFT adapters for tests (random non-zero B so that they change outputs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_lora_adapter(model_dir: Path, out_dir: Path, seed: int = 0, **lora_kwargs) -> Path:
+    """Save a PEFT LoRA adapter of ``model_dir`` with both A and B random; returns ``out_dir``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(**lora_kwargs))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def peft_model(model_dir: Path, adapter_dir: Path):
+    """The HF PEFT oracle: a fresh base model with the adapter applied."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()

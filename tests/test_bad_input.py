@@ -1,0 +1,118 @@
+"""Bad input: a clear error naming the file or field, raised before any work; the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from coserve import LLM, SamplingParams
+from coserve.model.config import ModelConfigError
+from coserve.model.tokenizer import TokenizerLoadError
+from coserve.model.weights import WeightLoadError
+from coserve.peft import AdapterError
+from peft_helpers import make_lora_adapter
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture(model_factory, tmp_path):
+    d = _copy(model_factory("llama"), tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match="architectures.*GPTNeoXForCausalLM"):
+        LLM(d, device="cpu")
+
+
+def test_missing_and_corrupt_weights(model_factory, tmp_path):
+    d = _copy(model_factory("llama"), tmp_path)
+    (d / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(WeightLoadError, match="model.safetensors"):
+        LLM(d, device="cpu")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(WeightLoadError, match="no model.safetensors"):
+        LLM(d, device="cpu")
+
+
+def test_missing_tensor_is_named(model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = _copy(model_factory("llama"), tmp_path)
+    state = load_file(str(d / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="model.layers.1.mlp.up_proj.weight"):
+        LLM(d, device="cpu")
+
+
+def test_tokenizer_that_does_not_load(model_factory, tmp_path):
+    d = _copy(model_factory("llama"), tmp_path)
+    (d / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerLoadError, match="tokenizer"):
+        LLM(d, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    return LLM(model_factory("llama"), dtype="float32", device="cpu", max_model_len=64)
+
+
+def test_adapter_that_does_not_fit(llm, model_factory, tmp_path):
+    other = model_factory("llama")
+    path = make_lora_adapter(other, tmp_path / "ok", r=4, lora_alpha=8, target_modules=["q_proj"])
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "lm_head"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match="target_modules.*lm_head"):
+        llm.load_adapter("bad", path)
+    from safetensors.torch import load_file, save_file
+    cfg["target_modules"] = ["q_proj"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "lora_A" in k)
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="shape"):
+        llm.load_adapter("bad", path)
+    with pytest.raises(AdapterError, match="adapter_config.json"):
+        llm.load_adapter("bad", tmp_path / "nowhere")
+
+
+def test_bad_requests_fail_before_any_work_and_the_engine_keeps_serving(llm):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("a request already running", SamplingParams(max_tokens=6, temperature=0,
+                                                                   ignore_eos=True), request_id="ok")
+    engine.step()
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-3)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("word " * 100, params)
+    with pytest.raises(ValueError, match="adapter.*nope"):
+        engine.add_request("hi", params, adapter="nope")
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request([1, 10**9], params)
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        llm.generate(["fine", "word " * 100], params)
+    assert set(engine.scheduler.requests) == {"ok"}  # nothing half-queued
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["ok"] and len(done[0].token_ids) == 6
+
+
+def test_abort_returns_a_final_output(llm):
+    engine = llm.engine
+    engine.add_request("to be aborted", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                       request_id="gone")
+    engine.step()
+    engine.abort_request("gone")
+    outs = engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("gone", True, "abort")]

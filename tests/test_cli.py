@@ -1,0 +1,51 @@
+"""The ``coserve`` command end to end: create-model, generate (with an adapter), bench-generation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from coserve.cli import main
+from peft_helpers import make_lora_adapter
+
+
+def test_create_model_then_generate(tmp_path, capsys):
+    model = tmp_path / "m"
+    assert main(["create-model", str(model), "--preset", "tiny", "--arch", "qwen2", "--seed", "3"]) == 0
+    assert (model / "config.json").is_file() and (model / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model), "--prompt", "Hello", "--prompt", "World",
+                 "--max-tokens", "5", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- prompt:") == 2 and "2 requests, 10 tokens" in out
+
+
+def test_generate_with_an_adapter(model_factory, tmp_path, capsys):
+    model = model_factory("llama")
+    adapter = make_lora_adapter(model, tmp_path / "a", r=4, lora_alpha=8, target_modules=["down_proj"])
+    assert main(["generate", "--model", str(model), "--prompt", "Hi", "--adapter", f"sql={adapter}",
+                 "--max-tokens", "3", "--ignore-eos"]) == 0
+    assert "(adapter: sql)" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_clear_line(model_factory, tmp_path):
+    model = model_factory("llama")
+    cmd = [sys.executable, "-m", "coserve.cli", "generate", "--model", str(model), "--prompt", "x",
+           "--max-tokens", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "max_tokens must be a positive integer" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(cmd[:4] + ["--model", str(tmp_path / "missing"), "--prompt", "x"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "missing" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_generation_runs_on_tiny_settings(model_factory, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench-generation", "--model", str(model_factory("llama")), "--num-requests", "4",
+                 "--max-prompt-len", "32", "--output-len", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["num_requests"] == 4 and report["output_tokens"] == 16
+    assert report["coserve"]["output_tokens_per_s"] > 0 and report["hf"]["output_tokens_per_s"] > 0
+    assert report["identical_outputs"] == 4

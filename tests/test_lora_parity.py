@@ -1,0 +1,90 @@
+"""HF PEFT is the oracle: one batch mixing the bare model and two adapters, request by request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coserve import LLM, SamplingParams
+from peft_helpers import make_lora_adapter, peft_model
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides which tokens run",
+           "JSON: {\"key\": [1, 2", "Once upon"]
+
+
+def _greedy(model, ids, n):
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    made = {}
+
+    def get(model_dir):
+        if model_dir not in made:
+            root = tmp_path_factory.mktemp("adapters")
+            made[model_dir] = {
+                "attn": make_lora_adapter(model_dir, root / "attn", seed=1, r=8, lora_alpha=16,
+                                          target_modules=["q_proj", "v_proj"]),
+                "mlp": make_lora_adapter(model_dir, root / "mlp", seed=2, r=4, lora_alpha=8, use_rslora=True,
+                                         target_modules=["k_proj", "o_proj", "gate_proj", "up_proj",
+                                                         "down_proj"]),
+            }
+        return made[model_dir]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_adapter_batch_matches_peft(model_factory, hf_model_cache, adapters, arch):
+    model_dir = model_factory(arch)
+    paths = adapters(model_dir)
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=11)
+    for name, path in paths.items():
+        llm.load_adapter(name, path)
+    which = [None, "attn", "mlp", "attn", "mlp", None]
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), adapter=which)
+    oracles = {None: hf_model_cache(model_dir), **{n: peft_model(model_dir, p) for n, p in paths.items()}}
+    differs = 0
+    for out, name in zip(outs, which):
+        ref = _greedy(oracles[name], out.prompt_token_ids, 24)
+        assert out.token_ids == ref, (name, out.prompt)
+        if name is not None:
+            differs += out.token_ids != _greedy(oracles[None], out.prompt_token_ids, 24)
+    assert differs >= 2, "the adapters should change the outputs"
+
+
+def test_adapter_logits_match_peft(model_factory, adapters):
+    model_dir = model_factory("llama")
+    paths = adapters(model_dir)
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    llm.load_adapter("mlp", paths["mlp"])
+    ids = llm.tokenizer(PROMPTS[3])["input_ids"]
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, logprobs=5), adapter="mlp")[0]
+    with torch.inference_mode():
+        ref = peft_model(model_dir, paths["mlp"])(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+    top = out.outputs[0].logprobs[0].top
+    for token, lp in top.items():
+        assert abs(lp - ref[token].item()) < 1e-4
+
+
+def test_load_and_unload_at_run_time(model_factory, adapters):
+    model_dir = model_factory("llama")
+    paths = adapters(model_dir)
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_loras=1)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    base = llm.generate(PROMPTS[0], params)[0].token_ids
+    llm.load_adapter("attn", paths["attn"])
+    llm.load_adapter("mlp", paths["mlp"])
+    # max_loras=1: two adapters in one call are served one after the other, slots swapped
+    a, m = llm.generate([PROMPTS[0], PROMPTS[0]], params, adapter=["attn", "mlp"])
+    assert a.token_ids != base or m.token_ids != base
+    assert llm.generate(PROMPTS[0], params, adapter="attn")[0].token_ids == a.token_ids
+    llm.unload_adapter("attn")
+    with pytest.raises(ValueError, match="attn"):
+        llm.generate(PROMPTS[0], params, adapter="attn")
+    assert llm.generate(PROMPTS[0], params, adapter="mlp")[0].token_ids == m.token_ids
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == base

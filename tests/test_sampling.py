@@ -1,0 +1,87 @@
+"""Sampling: seeds, top-k, top-p, stop strings and tokens, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coserve import LLM, SamplingParams
+from coserve.model.sampling import SamplingRow, _filtered_probs, sample
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    return LLM(model_factory("llama"), dtype="float32", device="cpu")
+
+
+def test_same_seed_same_tokens_whatever_the_batch(llm):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=123, ignore_eos=True)
+    alone = llm.generate("Hello there", params)[0].token_ids
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    batch = llm.generate(["x y z", "Hello there", "more words"], [others, params, others])
+    assert batch[1].token_ids == alone
+    different = llm.generate("Hello there", SamplingParams(max_tokens=16, temperature=1.0, seed=124,
+                                                           ignore_eos=True))[0].token_ids
+    assert different != alone
+
+
+def test_top_k_and_top_p_filter_exactly():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    probs = _filtered_probs(logits, SamplingRow(1.0, 2, 1.0, None))
+    assert (probs[2:] == 0).all() and probs[:2].sum().item() == pytest.approx(1.0)
+    p = logits.softmax(-1)  # [0.55, 0.20, 0.12, 0.07, 0.03]
+    probs = _filtered_probs(logits, SamplingRow(1.0, -1, float(p[0] + p[1]) - 1e-3, None))
+    assert (probs > 0).tolist() == [True, True, False, False, False]
+    probs = _filtered_probs(logits, SamplingRow(1.0, -1, 0.01, None))
+    assert (probs > 0).tolist() == [True, False, False, False, False]  # the top token always stays
+
+
+def test_low_temperature_sampling_approaches_greedy():
+    logits = torch.tensor([[3.0, 2.9, -5.0]])
+    gen = torch.Generator().manual_seed(0)
+    picks = [sample(logits, [SamplingRow(0.01, -1, 1.0, gen)])[0] for _ in range(50)]
+    assert set(picks) == {0}
+
+
+def test_max_tokens_and_finish_reasons(llm):
+    out = llm.generate("Count:", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_end_the_request(llm):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    free = llm.generate("Tokens flow", params)[0].token_ids
+    stop_at = free[3]
+    out = llm.generate("Tokens flow", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                     stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == free[:free.index(stop_at) + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+
+
+def test_stop_strings_cut_the_text(llm):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    free = llm.generate("Text goes", params)[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate("Text goes", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                   stop=[stop]))[0]
+    assert out.text == text[:text.index(stop)]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert len(out.token_ids) < 24
+
+
+def test_logprobs_match_a_log_softmax_of_hf_logits(llm, model_factory, hf_model_cache):
+    ids = llm.tokenizer("Log probabilities")["input_ids"]
+    out = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0, logprobs=3, ignore_eos=True))[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 3
+    hf = hf_model_cache(model_factory("llama"))
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids + out.token_ids])).logits[0].log_softmax(-1)
+    for i, lp in enumerate(lps):
+        row = ref[len(ids) - 1 + i]
+        assert lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+        assert list(lp.top) == row.topk(3).indices.tolist()
+        assert max(lp.top.values()) == pytest.approx(lp.logprob, abs=1e-6)  # greedy picked the top one
