@@ -1,0 +1,208 @@
+"""Write randomly initialised models in the real Hugging Face format.
+
+``create_model`` builds the HF config class of the architecture, initialises the HF model class
+with a fixed seed, and saves it with ``save_pretrained`` (safetensors, optionally sharded), plus a
+``generation_config.json`` and the tokenizer from :mod:`coserve.model.tokenizer_builder`. So the
+directory is exactly what ``transformers`` itself would write and reads back unchanged with
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+
+Initialisation: ``from_config`` applies the HF default init (weights normal with std
+``initializer_range = 0.02``, biases zero, RMSNorm weights one). Two things about a random model
+initialised that way make it a poor test subject, and :func:`shape_init` then rescales a few
+tensors (deterministically, by constant factors that depend only on ``hidden_size``):
+
+* Logits. The final RMSNorm output has unit RMS, so a logit's std is ``std(lm_head) *
+  sqrt(hidden_size)``: 0.16 for the tiny preset, a near-uniform next-token distribution whose top
+  candidates differ by round-off, so greedy decoding by two correct implementations could diverge.
+  With untied embeddings ``lm_head.weight`` is scaled to std ``LOGIT_STD / sqrt(hidden_size)``
+  (:data:`LOGIT_STD` = 3). With tied embeddings the matrix is also the input embedding, and scaling
+  it would make the embedding swamp the residual stream (every position then predicts its own
+  token), so the final ``norm.weight`` is set to ``LOGIT_STD / (0.02 * sqrt(hidden_size))``
+  instead, and the residual writers ``o_proj`` and ``down_proj`` are scaled by
+  :data:`TIED_RESIDUAL_GAIN` (10) so that the blocks, not the current token's embedding,
+  dominate the residual stream. Typical logits then have std about 3 and the top two logits of a
+  position differ by about 0.5 (rarely below 1e-3), far above float32 round-off.
+* Attention. Scores ``q.k / sqrt(head_dim)`` have std ``std(W_q) * std(W_k) * hidden_size``, 0.03
+  for the tiny preset: attention is uniform and RoPE or masking bugs barely show. ``q_proj`` and
+  ``k_proj`` are scaled to std ``sqrt(ATTN_SCORE_STD / hidden_size)`` so scores have std about
+  :data:`ATTN_SCORE_STD` (1), as in trained models.
+
+A tied random model still tends to fall into short loops under greedy decoding (its output feeds
+back through the same matrix); an untied one produces varied text.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
+                          PreTrainedConfig, PreTrainedModel, Qwen2Config)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import logging as hf_logging
+
+from coserve.model.presets import ARCHS, DTYPES, ModelPreset, get_preset
+from coserve.model.tokenizer_builder import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, build_tokenizer,
+                                             save_tokenizer)
+
+#: Target standard deviation of the logits of a created model (see the module docstring).
+LOGIT_STD = 3.0
+#: Std of the normal init of every linear and embedding weight (the HF default).
+INITIALIZER_RANGE = 0.02
+#: Target standard deviation of the attention scores ``q.k / sqrt(head_dim)``.
+ATTN_SCORE_STD = 1.0
+#: With tied embeddings, ``o_proj`` and ``down_proj`` weights are scaled by this.
+TIED_RESIDUAL_GAIN = 10.0
+
+
+def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else ``ValueError`` naming ``field``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{field}: unknown {field} {value!r} (choose from {', '.join(choices)})")
+    return value
+
+
+def _rope_parameters(preset: ModelPreset, arch: str, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """transformers-5 ``rope_parameters``: the preset's theta, or Llama-3 style scaling on top."""
+    if rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": preset.rope_theta}
+    if arch != "llama":
+        raise ValueError(f"rope_scaling: only supported for arch 'llama', not {arch!r}")
+    if not isinstance(rope_scaling, dict):
+        raise ValueError(f"rope_scaling: must be a dict, got {type(rope_scaling).__name__}")
+    params: dict[str, Any] = {"rope_theta": preset.rope_theta, **rope_scaling}
+    if "type" in params:  # the transformers-4 spelling
+        params.setdefault("rope_type", params.pop("type"))
+    params.setdefault("rope_type", "default")
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    if params["rope_type"] not in known:
+        raise ValueError(f"rope_scaling: unknown rope_type {params['rope_type']!r} "
+                         f"(choose from {', '.join(known)})")
+    return params
+
+
+def _check_shard_size(max_shard_size: str | int | None) -> None:
+    """``ValueError`` naming ``max_shard_size`` unless it is None, a positive int or like ``"20MB"``."""
+    if max_shard_size is None:
+        return
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
+        ok = False
+    elif isinstance(max_shard_size, int):
+        ok = max_shard_size > 0
+    else:
+        ok = re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", max_shard_size, re.IGNORECASE) is not None
+    if not ok:
+        raise ValueError(f"max_shard_size: expected a positive byte count or a size such as '20MB', "
+                         f"got {max_shard_size!r}")
+
+
+def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float32",
+                 tie_word_embeddings: bool | None = None,
+                 rope_scaling: dict[str, Any] | None = None) -> PreTrainedConfig:
+    """The HF config (``LlamaConfig``, ``Qwen2Config`` or ``MistralConfig``) ``create_model`` uses.
+
+    Raises ``ValueError`` naming the field for an unknown preset, arch or dtype, or a bad
+    ``rope_scaling``.
+    """
+    p = get_preset(preset)
+    _check_choice("arch", arch, ARCHS)
+    _check_choice("dtype", dtype, DTYPES)
+    tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
+    common: dict[str, Any] = dict(
+        vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads, max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=p.rms_norm_eps, initializer_range=INITIALIZER_RANGE, hidden_act="silu",
+        tie_word_embeddings=tied, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        rope_parameters=_rope_parameters(p, arch, rope_scaling), dtype=dtype,
+    )
+    try:
+        if arch == "llama":
+            cfg: PreTrainedConfig = LlamaConfig(**common, head_dim=p.head_dim, attention_bias=False,
+                                                mlp_bias=False)
+        elif arch == "qwen2":  # Qwen2 always has q/k/v biases
+            cfg = Qwen2Config(**common, use_sliding_window=False)
+        else:
+            cfg = MistralConfig(**common, head_dim=p.head_dim, sliding_window=None)
+    except (TypeError, ValueError, KeyError) as e:
+        field = "rope_scaling" if rope_scaling is not None else "preset"
+        raise ValueError(f"{field}: invalid {arch} config ({type(e).__name__}: {e})") from e
+    return cfg
+
+
+def shape_init(model: PreTrainedModel) -> None:
+    """Rescale a freshly initialised float32 model in place for stable, sharp outputs.
+
+    Scales q/k projections (attention scores of std ~:data:`ATTN_SCORE_STD`) and the output
+    projection (logits of std ~:data:`LOGIT_STD`); see the module docstring for the reasoning.
+    """
+    cfg = model.config
+    hidden = cfg.hidden_size
+    qk_gain = math.sqrt(ATTN_SCORE_STD / hidden) / INITIALIZER_RANGE
+    tied = bool(cfg.tie_word_embeddings)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(qk_gain)
+            layer.self_attn.k_proj.weight.mul_(qk_gain)
+            if tied:
+                layer.self_attn.o_proj.weight.mul_(TIED_RESIDUAL_GAIN)
+                layer.mlp.down_proj.weight.mul_(TIED_RESIDUAL_GAIN)
+        if tied:
+            model.model.norm.weight.fill_(LOGIT_STD / (INITIALIZER_RANGE * math.sqrt(hidden)))
+        else:
+            model.get_output_embeddings().weight.mul_(LOGIT_STD / (INITIALIZER_RANGE * math.sqrt(hidden)))
+
+
+def _generation_config() -> GenerationConfig:
+    """Stops at ``<|end_of_text|>`` and at ChatML's ``<|im_end|>``."""
+    return GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID)
+
+
+def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0,
+                 dtype: str = "float32", max_shard_size: str | int | None = None,
+                 tie_word_embeddings: bool | None = None,
+                 rope_scaling: dict[str, Any] | None = None) -> Path:
+    """Write a randomly initialised HF causal LM into ``out_dir`` and return that path.
+
+    The directory holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (or,
+    when ``max_shard_size`` such as ``"20MB"`` is given, ``model-0000i-of-0000n.safetensors``
+    shards and ``model.safetensors.index.json``), ``tokenizer.json`` and ``tokenizer_config.json``.
+    The same arguments always give the same weights; the weights depend on ``seed``.
+
+    ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``), ``arch``
+    one of ``llama``, ``qwen2``, ``mistral``, ``dtype`` one of ``float32``, ``bfloat16``,
+    ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
+    only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;
+    ``rope_theta`` defaults to the preset's. Raises ``ValueError`` naming the offending field.
+    """
+    cfg = build_config(preset, arch, dtype, tie_word_embeddings, rope_scaling)
+    _check_shard_size(max_shard_size)
+    p = get_preset(preset)
+    tokenizer = build_tokenizer(p.vocab_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    cfg.dtype = "float32"  # initialise (and rescale) in float32, whatever dtype is written
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    shape_init(model)
+    model = model.to(getattr(torch, dtype)).eval()
+    model.config.dtype = dtype
+    model.generation_config = _generation_config()
+    save_kwargs: dict[str, Any] = {}  # transformers 5 always writes safetensors
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a few kilobytes
+    try:
+        model.save_pretrained(str(out), **save_kwargs)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    save_tokenizer(tokenizer, out, model_max_length=p.max_position_embeddings)
+    return out

@@ -1,0 +1,68 @@
+"""Model size presets for :func:`coserve.model.create.create_model`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Architectures ``create_model`` can write, each an HF ``model_type``.
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral")
+#: Weight dtypes ``create_model`` can write.
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """The shape of a decoder-only transformer (shared by every architecture in :data:`ARCHS`)."""
+
+    name: str
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width: ``hidden_size // num_attention_heads``."""
+        return self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self, arch: str = "llama", tie_word_embeddings: bool | None = None) -> int:
+        """Parameter count of this preset as ``arch`` (analytic; matches the HF model's count)."""
+        tied = self.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if arch == "qwen2":  # q/k/v biases
+            attn += q + 2 * kv
+        mlp = 3 * h * self.intermediate_size
+        layer = attn + mlp + 2 * h  # input and post-attention RMSNorm
+        embed = self.vocab_size * h
+        return self.num_hidden_layers * layer + h + embed * (1 if tied else 2)
+
+
+PRESETS: dict[str, ModelPreset] = {
+    # For tests: 2 layers, GQA (4 query heads share 2 KV heads). The vocabulary is the same 8192-token
+    # one as "small" (trained once per process); a smaller one would make prompts longer.
+    "tiny": ModelPreset(
+        name="tiny", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=176, vocab_size=8192, max_position_embeddings=512,
+    ),
+    # About 31M parameters (untied embeddings): big enough for benchmarks, small enough for a CPU.
+    "small": ModelPreset(
+        name="small", num_hidden_layers=8, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=1408, vocab_size=8192, max_position_embeddings=2048, rope_theta=500000.0,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    """The preset called ``name``; ``ValueError`` naming the ``preset`` field if there is none."""
+    try:
+        return PRESETS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"preset: unknown preset {name!r} (choose from {', '.join(PRESETS)})") from None
