@@ -62,7 +62,7 @@ ENGINE_SETTINGS = {
     "default": {},
     "chunked-odd": {"max_num_batched_tokens": 7},
     "chunked-3-small-blocks": {"max_num_batched_tokens": 3, "block_size": 5},
-    "preempting": {"num_kv_blocks": 14, "block_size": 4, "max_num_batched_tokens": 13},
+    "preempting": {"num_kv_blocks": 20, "block_size": 4, "max_num_batched_tokens": 13},
 }
 
 

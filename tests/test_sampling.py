@@ -85,3 +85,12 @@ def test_logprobs_match_a_log_softmax_of_hf_logits(llm, model_factory, hf_model_
         assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
         assert list(lp.top) == row.topk(3).indices.tolist()
         assert max(lp.top.values()) == pytest.approx(lp.logprob, abs=1e-6)  # greedy picked the top one
+
+
+def test_chat_renders_the_template_once(llm):
+    messages = [{"role": "user", "content": "Say hi"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert out.prompt_token_ids == llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert out.prompt_token_ids.count(llm.tokenizer.bos_token_id) <= 1
+    assert len(out.token_ids) == 4

@@ -77,6 +77,25 @@ class LLM:
         bar.close()
         return results  # type: ignore[return-value]
 
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             adapter: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's chat template.
+
+        ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts) or a list of them.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                prompts.append(self.tokenizer.apply_chat_template(conv, add_generation_prompt=True,
+                                                                  tokenize=False))
+            except Exception as e:  # jinja and transformers raise many kinds
+                raise ValueError(f"messages[{i}]: the chat template cannot render it ({e})") from e
+        # The template already holds the special tokens: tokenize without adding more.
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        return self.generate(ids, sampling_params, adapter)
+
 
 def _per_prompt(value, n: int, name: str, kind) -> list:
     """One value for every prompt, or a list with exactly one per prompt."""
