@@ -41,7 +41,8 @@ def sharegpt_prompts(tokenizer, num: int, max_len: int, path: Path | None = None
         texts.append(texts[len(texts) % max(1, len(texts))])
     prompts = []
     for text, length in zip(texts, lengths):
-        ids = tokenizer(text)["input_ids"] or [tokenizer.bos_token_id or 0]
+        ids = tokenizer(text, truncation=True, max_length=max(length, 2))["input_ids"]
+        ids = ids or [tokenizer.bos_token_id or 0]
         body = ids[1:] or ids
         while len(ids) < length:
             ids = ids + body

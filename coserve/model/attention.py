@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from coserve.model.forward_batch import ForwardBatch
+from coserve.model.forward_batch import ForwardBatch, SingleTokenGroup
 
 
 class PagedKVCache:
@@ -57,8 +57,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """
     cache.write(layer, batch.slot_mapping, k, v)
     out = torch.empty_like(q)
-    if batch.single_rows is not None:
-        out[batch.single_rows] = _single_token_attention(q[batch.single_rows], layer, cache, batch, scale)
+    for group in batch.single_groups:
+        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale)
     for chunk in batch.multi_chunks:
         qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         prefix = chunk.context_len - chunk.num_new
@@ -80,12 +80,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return out.reshape(q.shape[0], -1)
 
 
-def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, batch: ForwardBatch,
+def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
                             scale: float) -> torch.Tensor:
-    """All one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes."""
-    kc, vc = cache.gather(layer, batch.single_block_tables)  # [D, L, Hkv, Dh]
+    """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes."""
+    kc, vc = cache.gather(layer, group.block_tables)  # [D, L, Hkv, Dh]
     length = kc.shape[1]
-    valid = torch.arange(length, device=q.device).unsqueeze(0) < batch.single_context_lens.unsqueeze(1)
+    valid = torch.arange(length, device=q.device).unsqueeze(0) < group.context_lens.unsqueeze(1)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)  # [D, Hq, 1, Dh]

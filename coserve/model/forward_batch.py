@@ -22,6 +22,20 @@ class SequenceChunk:
 
 
 @dataclass(slots=True)
+class SingleTokenGroup:
+    """One-token chunks of similar context length, attended in one padded call."""
+
+    rows: torch.Tensor  # [D] rows of these chunks in the flat batch
+    block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0
+    context_lens: torch.Tensor  # [D] long
+
+
+# A group of one-token chunks takes sequences down to this fraction of its longest context, so
+# that padding at most doubles the attention work while the number of calls stays small.
+GROUP_LENGTH_RATIO = 0.5
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """Token ids and everything attention needs, for several sequences at once.
 
@@ -34,11 +48,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long, flat KV-cache slot (block * block_size + offset) per token
     chunks: list[SequenceChunk]  # one per sequence, in row order
     logits_rows: torch.Tensor  # [N] long, rows whose next-token logits are wanted
-    adapter_scale: torch.Tensor | None = None  # [T, max_loras] LoRA scaling per token and slot (0 = unused)
-    # Derived once per batch for the batched single-token path (see attention.py).
-    single_rows: torch.Tensor | None = field(default=None)  # [D] rows of the 1-token chunks
-    single_block_tables: torch.Tensor | None = field(default=None)  # [D, max_blocks] long
-    single_context_lens: torch.Tensor | None = field(default=None)  # [D] long
+    # Derived once per batch for attention (see attention.py).
+    single_groups: list[SingleTokenGroup] = field(default_factory=list)  # 1-token chunks, by length
     multi_chunks: list[SequenceChunk] = field(default_factory=list)  # chunks of 2+ tokens
 
     @property
@@ -47,8 +58,7 @@ class ForwardBatch:
 
 
 def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChunk], block_size: int,
-                        logits_rows: list[int], device: torch.device,
-                        adapter_scale: torch.Tensor | None = None) -> ForwardBatch:
+                        logits_rows: list[int], device: torch.device) -> ForwardBatch:
     """Assemble a ForwardBatch from per-sequence token lists and chunk descriptions."""
     token_ids: list[int] = []
     positions: list[int] = []
@@ -59,21 +69,34 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
             positions.append(pos)
             slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
         token_ids.extend(tokens)
-    singles = [c for c in chunks if c.num_new == 1]
-    batch = ForwardBatch(
+    singles = sorted((c for c in chunks if c.num_new == 1), key=lambda c: -c.context_len)
+    return ForwardBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         chunks=chunks,
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
-        adapter_scale=adapter_scale,
+        single_groups=[_group(g, block_size, device) for g in _split_by_length(singles)],
         multi_chunks=[c for c in chunks if c.num_new > 1],
     )
-    if singles:
-        max_blocks = max(len(c.block_table) for c in singles)
-        tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in singles]
-        batch.single_rows = torch.tensor([c.start for c in singles], dtype=torch.long, device=device)
-        batch.single_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-        batch.single_context_lens = torch.tensor([c.context_len for c in singles], dtype=torch.long,
-                                                 device=device)
-    return batch
+
+
+def _split_by_length(singles: list[SequenceChunk]) -> list[list[SequenceChunk]]:
+    """Cut chunks sorted by descending context length into groups of similar length."""
+    groups: list[list[SequenceChunk]] = []
+    for c in singles:
+        if groups and c.context_len >= GROUP_LENGTH_RATIO * groups[-1][0].context_len:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def _group(chunks: list[SequenceChunk], block_size: int, device: torch.device) -> SingleTokenGroup:
+    max_blocks = -(-chunks[0].context_len // block_size)  # the first is the longest
+    tables = [c.block_table[:max_blocks] + [0] * (max_blocks - min(max_blocks, len(c.block_table)))
+              for c in chunks]
+    return SingleTokenGroup(
+        rows=torch.tensor([c.start for c in chunks], dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=device))
