@@ -62,6 +62,10 @@ def run(args) -> int:
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", **figures,
     }
+    for name in ("coserve", "hf"):  # the run less its prefill, per decode step (an estimate)
+        if name in report:
+            f = report[name]
+            f["decode_ms_per_step"] = 1000 * (f["total_s"] - f["prefill_s"]) / max(1, args.output_len - 1)
     _print(report)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +110,8 @@ def _print(r: dict) -> None:
         if name in r:
             f = r[name]
             print(f"  {name:8s} prefill {f['prefill_tokens_per_s']:9.1f} tok/s   "
-                  f"output {f['output_tokens_per_s']:8.1f} tok/s   total {f['total_s']:.2f}s")
+                  f"output {f['output_tokens_per_s']:8.1f} tok/s   total {f['total_s']:.2f}s   "
+                  f"decode step ~{f['decode_ms_per_step']:.1f} ms")
     if "hf" in r:
         print(f"  hf computes {r['hf']['padded_prompt_tokens']} padded prompt positions: "
               f"{r['hf']['padded_prefill_tokens_per_s']:.1f} positions/s")
