@@ -1,0 +1,52 @@
+"""Scheduler properties over random workloads, driven with fake results (no model)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coserve.kvcache import BlockManager
+from coserve.scheduler import ExecutionResult, Request, SamplingParams, Scheduler, SchedulerConfig
+
+workload = st.lists(st.tuples(st.integers(0, 6),   # arrival step
+                              st.integers(1, 30),  # prompt length
+                              st.integers(1, 12),  # max_tokens
+                              st.sampled_from([None, "a", "b", "c"])),
+                    min_size=1, max_size=14)
+
+
+@settings(max_examples=150, deadline=None)
+@given(reqs=workload, num_blocks=st.integers(11, 30), block_size=st.integers(1, 6),
+       budget=st.integers(1, 40), max_seqs=st.integers(1, 6), max_loras=st.integers(1, 3))
+def test_every_request_finishes_within_budgets_and_frees_its_blocks(reqs, num_blocks, block_size, budget,
+                                                                    max_seqs, max_loras):
+    capacity = num_blocks * block_size
+    s = Scheduler(SchedulerConfig(budget, max_seqs, 64, max_loras), BlockManager(num_blocks, block_size))
+    pending = []
+    for i, (arrive, n_prompt, max_tokens, adapter) in enumerate(reqs):
+        n_prompt = min(n_prompt, capacity - max_tokens)  # what the engine's validation guarantees
+        if n_prompt < 1:
+            continue
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        pending.append((arrive, Request(f"r{i}", [1] * n_prompt, params, adapter, frozenset(), 0.0)))
+    step = 0
+    while step < 2000 and (pending or s.has_unfinished()):
+        for arrive, request in [p for p in pending if p[0] <= step]:
+            s.add_request(request)
+        pending = [p for p in pending if p[0] > step]
+        plan = s.schedule()
+        # the plan respects every budget and every chunk's blocks cover its tokens
+        assert plan.num_scheduled_tokens == sum(len(c.token_ids) for c in plan.chunks) <= budget
+        assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
+        assert len(s.running) <= max_seqs
+        assert len({r.adapter for r in s.running if r.adapter}) <= max_loras
+        for c in plan.chunks:
+            assert len(c.block_table) * block_size >= c.end
+            assert c.start == s.requests[c.request_id].num_computed_tokens
+        s.blocks.check_invariants()
+        s.update(plan, ExecutionResult(sampled={c.request_id: 5 for c in plan.chunks if c.sample}))
+        step += 1
+    assert not s.has_unfinished(), "a request starved"
+    for request in s.requests.values():
+        assert request.finish_reason in ("length", "stop")
+        assert len(request.output_token_ids) == min(request.params.max_tokens,
+                                                    64 - request.num_prompt_tokens)
+    assert s.blocks.num_free_blocks == num_blocks
