@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -16,11 +17,24 @@ from coserve.model.rope import RotaryEmbedding
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class AdapterDelta(Protocol):
-    """What the decoder asks of the adapters in a batch (implemented in ``coserve.peft``)."""
+# Modules whose input a bypass may rescale (IA3's feed-forward placement): each has its own matmul.
+INPUT_SCALABLE_MODULES = ("o_proj", "down_proj")
 
-    def delta(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor | None:
-        """The bypass output ``[T, out]`` to add to ``module``'s output for input ``x`` ``[T, in]``."""
+# Attention over a layer's new tokens: (q [T, Hq, D], k, v [T, Hkv, D], layer) -> [T, Hq * D].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class Bypass(Protocol):
+    """Adapters acting on the frozen linear modules (LoRA, IA3; implemented in ``coserve.peft``)."""
+
+    modules: frozenset[str]  # the modules it touches anywhere
+
+    def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+        """The input the module's matmul sees (only for INPUT_SCALABLE_MODULES)."""
+        ...
+
+    def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The module's output given its input ``x`` ``[T, in]`` and frozen output ``y`` ``[T, out]``."""
         ...
 
 
@@ -65,12 +79,6 @@ class DecoderModel:
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
         self.scale = cfg.head_dim ** -0.5
-        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        # Where each adapter target sits inside the fused outputs: (fused name, start, end).
-        self.fused_slices = {
-            "q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, q + kv), "v_proj": ("qkv", q + kv, q + 2 * kv),
-            "gate_proj": ("gate_up", 0, i), "up_proj": ("gate_up", i, 2 * i),
-        }
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` of every adapter-targetable linear module."""
@@ -82,63 +90,61 @@ class DecoderModel:
                 "down_proj": (c.intermediate_size, c.hidden_size)}
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: PagedKVCache,
-                adapters: AdapterDelta | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, bypass: Bypass | None = None) -> torch.Tensor:
         """Final hidden states ``[T, H]`` (after the last norm) for the batch's tokens."""
+
+        def attend(q, k, v, layer):
+            return paged_attention(q, k, v, layer, cache, batch, self.scale)
+
         x = self.embed[batch.token_ids]  # [T, H]
         for layer in self.layers:
-            x = self._layer(layer, x, batch, cache, adapters)
-        return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            x, _, _ = self.layer_forward(layer, x, batch.positions, attend, bypass)
+        return self.final_norm(x)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[N, V]`` in float32 for hidden states ``[N, H]``."""
         return F.linear(hidden, self.lm_head).float()
 
-    def _layer(self, layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
-               adapters: AdapterDelta | None) -> torch.Tensor:
-        cfg = self.cfg
-        t = x.shape[0]
-        h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, q + 2kv]
-        self._add_deltas(qkv, layer.index, ("q_proj", "k_proj", "v_proj"), h, adapters)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rope(q, k, batch.positions)
-        attn = paged_attention(q, k, v, layer.index, cache, batch, self.scale)  # [T, q]
-        out = F.linear(attn, layer.o)
-        self._add_delta(out, layer.index, "o_proj", attn, adapters)
-        x = x + out
-        h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-        gate_up = F.linear(h, layer.gate_up)  # [T, 2I]
-        self._add_deltas(gate_up, layer.index, ("gate_proj", "up_proj"), h, adapters)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        down = F.linear(act, layer.down)
-        self._add_delta(down, layer.index, "down_proj", act, adapters)
-        return x + down
+    def layer_forward(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                      bypass: Bypass | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoder block over rows ``x`` ``[T, H]``; returns its output and the rows' rotated K and V.
 
-    def _add_deltas(self, fused: torch.Tensor, layer: int, modules: tuple[str, ...], x: torch.Tensor,
-                    adapters: AdapterDelta | None) -> None:
-        if adapters is None:
-            return
-        for module in modules:
-            d = adapters.delta(layer, module, x)
-            if d is not None:
-                _, start, end = self.fused_slices[module]
-                fused[:, start:end] += d
+        Inference passes paged attention as ``attend``; finetuning passes attention over a
+        window's cached prefix and runs this under autograd. Both share this one definition.
+        """
+        cfg, i = self.cfg, layer.index
+        t = x.shape[0]
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        if bypass is not None:
+            q = bypass.output(i, "q_proj", h, q) if "q_proj" in bypass.modules else q
+            k = bypass.output(i, "k_proj", h, k) if "k_proj" in bypass.modules else k
+            v = bypass.output(i, "v_proj", h, v) if "v_proj" in bypass.modules else v
+        q, k = self.rope(q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim),
+                         positions)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        x = x + self._linear(attend(q, k, v, i), layer.o, i, "o_proj", bypass)
+        h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+        if bypass is not None:
+            gate = bypass.output(i, "gate_proj", h, gate) if "gate_proj" in bypass.modules else gate
+            up = bypass.output(i, "up_proj", h, up) if "up_proj" in bypass.modules else up
+        x = x + self._linear(F.silu(gate) * up, layer.down, i, "down_proj", bypass)
+        return x, k, v
 
     @staticmethod
-    def _add_delta(out: torch.Tensor, layer: int, module: str, x: torch.Tensor,
-                   adapters: AdapterDelta | None) -> None:
-        if adapters is not None:
-            d = adapters.delta(layer, module, x)
-            if d is not None:
-                out += d
+    def _linear(x: torch.Tensor, weight: torch.Tensor, layer: int, module: str, bypass: Bypass | None
+                ) -> torch.Tensor:
+        if bypass is None or module not in bypass.modules:
+            return F.linear(x, weight)
+        x = bypass.input(layer, module, x)
+        return bypass.output(layer, module, x, F.linear(x, weight))
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back, as HF's LlamaRMSNorm does."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -107,7 +107,7 @@ class LoraBank:
 
 
 class LoraBatch:
-    """Applies the bank's adapters to a batch: ``delta = ((x @ A^T) * scale_per_token) @ B^T``."""
+    """Applies the bank's adapters to a batch (a ``Bypass``): ``y + ((x @ A^T) * scale[token, slot]) @ B^T``."""
 
     def __init__(self, bank: LoraBank, token_scale: torch.Tensor, num_slots: int,
                  modules: frozenset[str]) -> None:
@@ -116,13 +116,16 @@ class LoraBatch:
         self.num_slots = num_slots
         self.modules = modules
 
-    def delta(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor | None:
-        """LoRA output ``[T, out]`` for ``x`` ``[T, in]``, each token through its own adapter."""
+    def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+        return x  # LoRA leaves the frozen module's input alone
+
+    def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus each token's own adapter's LoRA output for input ``x`` ``[T, in]``."""
         if module not in self.modules:
-            return None
+            return y
         width = self.num_slots * self.bank.max_rank
         a = self.bank.a[module][layer, :width]  # [S*R, in]
         b = self.bank.b[module][layer, :, :width]  # [out, S*R]
         xa = (x @ a.T).view(x.shape[0], self.num_slots, self.bank.max_rank)
         xa = xa * self.token_scale.unsqueeze(-1)
-        return xa.view(x.shape[0], width) @ b.T
+        return y + xa.view(x.shape[0], width) @ b.T
