@@ -1,0 +1,28 @@
+"""Whole-sequence finetuning with plain autograd: the oracle for token-level windows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from coserve.finetune.sequence_state import IGNORE_INDEX
+from coserve.finetune.window_attention import window_attention
+from coserve.model.decoder import Bypass, DecoderModel
+
+
+def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int], targets: list[int]
+                        ) -> torch.Tensor:
+    """Summed cross-entropy of one sequence, differentiable w.r.t. the bypass parameters."""
+    ids = torch.tensor(token_ids, device=model.device)
+    tgt = torch.tensor(targets, device=model.device)
+    positions = torch.arange(len(token_ids), device=model.device)
+    empty = torch.empty(0, model.cfg.num_kv_heads, model.cfg.head_dim, device=model.device, dtype=model.dtype)
+
+    def attend(q, k, v, _i):
+        return window_attention(q, empty, empty, k, v, model.scale)
+
+    x = model.embed[ids]
+    for layer in model.layers:
+        x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
+    logits = model.logits(model.final_norm(x))
+    return F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum")

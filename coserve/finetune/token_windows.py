@@ -1,0 +1,99 @@
+"""One forward window and one backward window of a finetuning sequence (FlexLLM Algorithm 2).
+
+Any window schedule gives the gradients of one whole-sequence backward: a backward
+window of layer ``l`` recomputes the layer on its tokens under autograd, with the
+cached prefix K/V as leaves, and back-propagates the gradient from the layer above
+together with the dK/dV that later windows accumulated for its own positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState
+from coserve.finetune.window_attention import window_attention
+from coserve.model.decoder import Bypass, DecoderModel
+
+
+def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, num_tokens: int,
+                   loss_scale: float) -> float:
+    """Run the next ``num_tokens`` tokens through every layer; returns their scaled loss.
+
+    ``loss_scale`` is 1 / (target tokens of the whole mini-batch), so that a mini-batch's
+    gradients equal those of its mean loss. The gradient at the last layer's output is kept.
+    """
+    a = state.forward_done
+    b = min(a + num_tokens, state.num_tokens)
+    if b <= a:
+        raise ValueError("forward_window: the sequence's forward pass is already finished")
+    positions = state.positions[a:b]
+    with torch.no_grad():
+        x = model.embed[state.token_ids[a:b]]
+        for layer in model.layers:
+            i = layer.index
+            state.layer_inputs[i][a:b] = x
+
+            def attend(q, k, v, _i, i=i):
+                state.k[i][a:b], state.v[i][a:b] = k, v
+                return window_attention(q, state.k[i][:a], state.v[i][:a], k, v, model.scale)
+
+            x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
+    loss = _head_loss_and_grad(model, state, x, a, b, loss_scale)
+    state.forward_done = b
+    state.loss_sum += loss
+    state.window_log.append(("forward", -1, a, b))
+    if state.forward_finished:
+        state.backward_layer = len(model.layers) - 1
+        state.backward_end = state.num_tokens
+    return loss
+
+
+def _head_loss_and_grad(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,
+                        loss_scale: float) -> float:
+    """Cross-entropy of the window's targets; stores dL/dx at the last layer's output for rows a:b."""
+    targets = state.targets[a:b]
+    if not bool((targets != IGNORE_INDEX).any()):
+        state.grad[a:b] = 0
+        return 0.0
+    with torch.enable_grad():
+        x = x.detach().requires_grad_()
+        logits = model.logits(model.final_norm(x))  # [n, V] float32
+        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") * loss_scale
+        (grad,) = torch.autograd.grad(loss, x)
+    state.grad[a:b] = grad
+    return float(loss)
+
+
+def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, num_tokens: int) -> None:
+    """Back-propagate the current backward layer over its last ``num_tokens`` pending tokens.
+
+    Adapter gradients accumulate into the bypass parameters' ``.grad``.
+    """
+    if not state.forward_finished or state.backward_layer < 0:
+        raise ValueError("backward_window: the sequence is not in its backward phase")
+    i = state.backward_layer
+    b = state.backward_end
+    a = max(0, b - num_tokens)
+    layer = model.layers[i]
+    x = state.layer_inputs[i][a:b].detach().requires_grad_()
+    k_prefix = state.k[i][:a].detach().requires_grad_()
+    v_prefix = state.v[i][:a].detach().requires_grad_()
+
+    def attend(q, k, v, _i):
+        return window_attention(q, k_prefix, v_prefix, k, v, model.scale)
+
+    with torch.enable_grad():
+        out, k_own, v_own = model.layer_forward(layer, x, state.positions[a:b], attend, bypass)
+        torch.autograd.backward([out, k_own, v_own], [state.grad[a:b], state.dk[a:b], state.dv[a:b]])
+    state.grad[a:b] = x.grad
+    if a:
+        state.dk[:a] += k_prefix.grad
+        state.dv[:a] += v_prefix.grad
+    state.window_log.append(("backward", i, a, b))
+    state.backward_end = a
+    if a == 0:  # this layer is done: move to the one below with a fresh accumulator
+        state.backward_layer = i - 1
+        state.backward_end = state.num_tokens
+        state.dk.zero_()
+        state.dv.zero_()

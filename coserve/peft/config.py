@@ -1,0 +1,68 @@
+"""Typed configurations of the trainable bypass networks (the HF PEFT ``LoraConfig`` / ``IA3Config`` shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coserve.model.decoder import INPUT_SCALABLE_MODULES, TARGET_MODULES
+
+
+def _check_targets(name: str, modules: list[str]) -> None:
+    if not modules:
+        raise ValueError(f"{name}: at least one module is needed")
+    unknown = sorted(set(modules) - set(TARGET_MODULES))
+    if unknown:
+        raise ValueError(f"{name}: unknown module(s) {unknown}; choose from {', '.join(TARGET_MODULES)}")
+
+
+@dataclass(slots=True)
+class LoraConfig:
+    """LoRA: ``y = W x + (B A dropout(x)) * scaling``; A Kaiming-uniform, B zeros (PEFT's init)."""
+
+    r: int = 16  # rank
+    lora_alpha: float = 16  # scaling numerator
+    lora_dropout: float = 0.0  # dropout on the bypass input
+    target_modules: list[str] = field(default_factory=lambda: ["down_proj"])  # the papers' setting
+    use_rslora: bool = False  # scaling = alpha / sqrt(r) instead of alpha / r
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"r: must be a positive integer, got {self.r!r}")
+        if not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
+            raise ValueError(f"lora_alpha: must be positive, got {self.lora_alpha!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout!r}")
+        self.target_modules = list(self.target_modules)
+        _check_targets("target_modules", self.target_modules)
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (self.r ** 0.5 if self.use_rslora else self.r)
+
+    @property
+    def peft_type(self) -> str:
+        return "LORA"
+
+
+@dataclass(slots=True)
+class IA3Config:
+    """IA3: learned vectors scaling the outputs of k/v and the input of feed-forward modules (ones at init)."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["k_proj", "v_proj", "down_proj"])
+    feedforward_modules: list[str] = field(default_factory=lambda: ["down_proj"])  # input-scaled ones
+
+    def __post_init__(self) -> None:
+        self.target_modules = list(self.target_modules)
+        self.feedforward_modules = list(self.feedforward_modules)
+        _check_targets("target_modules", self.target_modules)
+        extra = sorted(set(self.feedforward_modules) - set(self.target_modules))
+        if extra:
+            raise ValueError(f"feedforward_modules: {extra} are not in target_modules")
+        fused = sorted(set(self.feedforward_modules) - set(INPUT_SCALABLE_MODULES))
+        if fused:
+            raise ValueError(f"feedforward_modules: input scaling of {fused} is not supported "
+                             f"(only {', '.join(INPUT_SCALABLE_MODULES)})")
+
+    @property
+    def peft_type(self) -> str:
+        return "IA3"

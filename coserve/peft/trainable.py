@@ -1,0 +1,191 @@
+"""Trainable bypass networks over the frozen base (LoRA, IA3), saved and loaded in HF PEFT format."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.lora_adapter import AdapterError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _prefix(layer: int, module: str) -> str:
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"base_model.model.model.layers.{layer}.{block}.{module}"
+
+
+class TrainableBypass:
+    """Parameters keyed by ``(layer, module)``; a ``Bypass`` the decoder applies on the fly."""
+
+    def __init__(self, config: LoraConfig | IA3Config, num_layers: int) -> None:
+        self.config = config
+        self.num_layers = num_layers
+        self.modules = frozenset(config.target_modules)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The trainable tensors, in a fixed order (for the optimizer and gradient clipping)."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors under their HF PEFT names."""
+        return {name: p.detach().contiguous() for name, p in self.named_parameters()}
+
+    def save_pretrained(self, out_dir: str | Path, base_model: str = "") -> None:
+        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` atomically (a temp dir, then rename)."""
+        out_dir = Path(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
+        try:
+            save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(tmp / ADAPTER_WEIGHTS),
+                      metadata={"format": "pt"})
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(self.peft_config(base_model), indent=2))
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            if out_dir.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def peft_config(self, base_model: str) -> dict:
+        raise NotImplementedError
+
+    def load_state(self, tensors: dict[str, torch.Tensor], source: Path) -> None:
+        """Copy saved tensors in; errors name the file and tensor."""
+        own = dict(self.named_parameters())
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        if missing or unexpected:
+            raise AdapterError(f"{source}: tensors do not match the adapter config "
+                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        with torch.no_grad():
+            for name, p in own.items():
+                if tensors[name].shape != p.shape:
+                    raise AdapterError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                                       f"expected {tuple(p.shape)}")
+                p.copy_(tensors[name])
+
+
+class TrainableLora(TrainableBypass):
+    """LoRA matrices ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per targeted module and layer."""
+
+    def __init__(self, config: LoraConfig, module_shapes: dict[str, tuple[int, int]], num_layers: int,
+                 device: torch.device, generator: torch.Generator | None = None) -> None:
+        super().__init__(config, num_layers)
+        if config.lora_dropout > 0:
+            raise ValueError("lora_dropout: dropout > 0 is not supported by token-level finetuning yet")
+        self.scaling = config.scaling
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(num_layers):
+            for module in config.target_modules:
+                fan_in, fan_out = module_shapes[module]
+                a = torch.empty(config.r, fan_in)
+                # nn.Linear's default init, as PEFT uses for A: Kaiming-uniform with a = sqrt(5).
+                bound = 1 / math.sqrt(fan_in)
+                a.uniform_(-bound, bound, generator=generator)
+                self.a[(layer, module)] = a.to(device).requires_grad_()
+                self.b[(layer, module)] = torch.zeros(fan_out, config.r, device=device, requires_grad=True)
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for key in sorted(self.a):
+            out.append((f"{_prefix(*key)}.lora_A.weight", self.a[key]))
+            out.append((f"{_prefix(*key)}.lora_B.weight", self.b[key]))
+        return out
+
+    def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a, b = self.a[(layer, module)], self.b[(layer, module)]
+        return y + (x.to(a.dtype) @ a.T @ b.T * self.scaling).to(y.dtype)
+
+    def peft_config(self, base_model: str) -> dict:
+        c = self.config
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+                "r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
+                "target_modules": sorted(c.target_modules), "use_rslora": c.use_rslora, "bias": "none",
+                "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True,
+                "inference_mode": True, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+class TrainableIA3(TrainableBypass):
+    """IA3 vectors: ``[out, 1]`` scaling a module's output, ``[1, in]`` a feed-forward module's input."""
+
+    def __init__(self, config: IA3Config, module_shapes: dict[str, tuple[int, int]], num_layers: int,
+                 device: torch.device) -> None:
+        super().__init__(config, num_layers)
+        self.feedforward = frozenset(config.feedforward_modules)
+        self.vectors: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(num_layers):
+            for module in config.target_modules:
+                fan_in, fan_out = module_shapes[module]
+                shape = (1, fan_in) if module in self.feedforward else (fan_out, 1)
+                self.vectors[(layer, module)] = torch.ones(shape, device=device, requires_grad=True)
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{_prefix(*key)}.ia3_l", self.vectors[key]) for key in sorted(self.vectors)]
+
+    def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+        if module not in self.feedforward:
+            return x
+        return (x * self.vectors[(layer, module)].flatten()).to(x.dtype)
+
+    def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if module in self.feedforward:
+            return y
+        return (y * self.vectors[(layer, module)].flatten()).to(y.dtype)
+
+    def peft_config(self, base_model: str) -> dict:
+        c = self.config
+        return {"peft_type": "IA3", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+                "target_modules": sorted(c.target_modules), "feedforward_modules": sorted(c.feedforward_modules),
+                "fan_in_fan_out": False, "init_ia3_weights": True, "inference_mode": True,
+                "modules_to_save": None}
+
+
+def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], num_layers: int,
+                   device: torch.device) -> TrainableBypass:
+    """A saved LoRA or IA3 adapter (HF PEFT format) as a trainable bypass, e.g. to resume training."""
+    path = Path(path)
+    cfg_file = path / ADAPTER_CONFIG
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{cfg_file}: cannot read the adapter config ({e})") from e
+    kind = str(raw.get("peft_type", "")).upper()
+    if kind == "LORA":
+        config = LoraConfig(r=raw["r"], lora_alpha=raw["lora_alpha"], lora_dropout=raw.get("lora_dropout", 0.0),
+                            target_modules=list(raw["target_modules"]), use_rslora=bool(raw.get("use_rslora")))
+        bypass: TrainableBypass = TrainableLora(config, module_shapes, num_layers, device)
+    elif kind == "IA3":
+        config = IA3Config(target_modules=list(raw["target_modules"]),
+                           feedforward_modules=list(raw.get("feedforward_modules") or []))
+        bypass = TrainableIA3(config, module_shapes, num_layers, device)
+    else:
+        raise AdapterError(f"{cfg_file}: field 'peft_type' = {raw.get('peft_type')!r} is not LORA or IA3")
+    try:
+        tensors = load_file(str(path / ADAPTER_WEIGHTS), device=str(device))
+    except Exception as e:  # safetensors raises several kinds for a bad file
+        raise AdapterError(f"{path / ADAPTER_WEIGHTS}: cannot read ({e})") from e
+    bypass.load_state(tensors, path / ADAPTER_WEIGHTS)
+    return bypass

@@ -1,0 +1,89 @@
+"""Exactness of token-level finetuning: any window schedule gives one whole-sequence backward's gradients."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from coserve.finetune.reference import whole_sequence_loss
+from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
+from coserve.finetune.token_windows import backward_window, forward_window
+from coserve.model.loader import load_model
+from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.trainable import TrainableIA3, TrainableLora
+
+BYPASSES = {
+    "lora-attn": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "lora-mlp": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "ia3": IA3Config(),
+}
+
+
+def _bypass(name, model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cfg = BYPASSES[name]
+    if isinstance(cfg, IA3Config):
+        bypass = TrainableIA3(cfg, model.module_shapes(), model.cfg.num_layers, model.device)
+        with torch.no_grad():  # away from ones, so that every path carries gradient
+            for p in bypass.parameters():
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+        return bypass
+    bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, gen)
+    with torch.no_grad():  # non-zero B so that A gets gradient too
+        for p in bypass.parameters():
+            if p.shape[1] == cfg.r:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return bypass
+
+
+def _windows(rng: random.Random, n: int) -> list[int]:
+    sizes = []
+    while sum(sizes) < n:
+        sizes.append(rng.choice([1, 1, 2, 3, rng.randint(1, n)]))
+    return sizes
+
+
+def _grads(bypass):
+    return [p.grad.detach().clone() for p in bypass.parameters()]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", list(BYPASSES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_window_schedules_match_whole_sequence_autograd(model_factory, arch, kind, seed):
+    model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
+    rng = random.Random(seed)
+    bypass = _bypass(kind, model, seed)
+    seqs = []
+    for _ in range(2):  # a mini-batch of two sequences, gradients accumulated
+        n = rng.randint(5, 23)
+        ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(n)]
+        targets = ids[1:] + [IGNORE_INDEX]
+        targets = [t if rng.random() > 0.3 else IGNORE_INDEX for t in targets]  # masked prompt tokens
+        seqs.append((ids, targets))
+    total = sum(sum(t != IGNORE_INDEX for t in tg) for _, tg in seqs)
+
+    bypass.zero_grad()
+    ref_loss = sum(whole_sequence_loss(model, bypass, ids, tg) for ids, tg in seqs) / total
+    ref_loss.backward()
+    ref = _grads(bypass)
+
+    bypass.zero_grad()
+    loss = 0.0
+    for ids, tg in seqs:
+        state = new_sequence_state(ids, tg, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
+                                   model.cfg.head_dim, model.device, model.dtype)
+        for size in _windows(rng, len(ids)):
+            loss += forward_window(model, bypass, state, size, 1.0 / total)
+        while not state.finished:
+            backward_window(model, bypass, state, rng.choice(_windows(rng, len(ids))))
+        assert {w[1] for w in state.window_log if w[0] == "backward"} == set(range(model.cfg.num_layers))
+    got = _grads(bypass)
+
+    assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+    for g, r in zip(got, ref):
+        assert r.abs().max() > 0
+        rel = (g - r).norm() / r.norm()
+        assert rel <= 1e-5, float(rel)
