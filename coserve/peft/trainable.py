@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -48,22 +45,13 @@ class TrainableBypass:
         return {name: p.detach().contiguous() for name, p in self.named_parameters()}
 
     def save_pretrained(self, out_dir: str | Path, base_model: str = "") -> None:
-        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` atomically (a temp dir, then rename)."""
+        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into ``out_dir`` (see
+        ``coserve.finetune.checkpoint`` for the atomic checkpoint around it)."""
         out_dir = Path(out_dir)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
-        try:
-            save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(tmp / ADAPTER_WEIGHTS),
-                      metadata={"format": "pt"})
-            (tmp / ADAPTER_CONFIG).write_text(json.dumps(self.peft_config(base_model), indent=2))
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            if out_dir.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(out_dir / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(self.peft_config(base_model), indent=2))
 
     def peft_config(self, base_model: str) -> dict:
         raise NotImplementedError

@@ -1,0 +1,71 @@
+"""Finetuning job options (the same for ``coserve finetune`` and ``LLM.finetune``), validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+REMATERIALIZE = ("cheap", "all")
+
+
+@dataclass(slots=True)
+class FinetuneConfig:
+    """How to train one adapter; errors name the field."""
+
+    output_dir: str  # where the adapter, optimizer state and training_log.jsonl go
+    epochs: int = 1  # passes over the data (ignored once max_steps is reached)
+    max_steps: int = 0  # optimizer steps at most; 0 = as many as the epochs give
+    batch_size: int = 1  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-4  # peak learning rate
+    optimizer: str = "adamw"  # adamw (torch defaults for betas and eps) or sgd
+    lr_scheduler: str = "linear"  # constant, linear or cosine decay to 0 after warm-up
+    warmup_steps: int = 0  # linear warm-up from 0
+    weight_decay: float = 0.0  # decoupled (AdamW) or L2 (SGD)
+    max_grad_norm: float = 1.0  # global gradient-norm clipping; 0 = off
+    max_seq_len: int = 1024  # longer examples are truncated (and counted)
+    seed: int = 0  # data order and adapter initialisation
+    shuffle: bool = True  # shuffle the examples every epoch
+    window_tokens: int = 0  # forward and backward window size; 0 = whole sequences
+    window_schedule: str = ""  # "random:SEED": random window sizes (exactness checks)
+    rematerialize: str = "cheap"  # cheap or all (the memory/speed trade-off of graph pruning)
+    max_nonfinite_steps: int = 3  # consecutive steps with a non-finite loss before the job stops
+    train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "max_nonfinite_steps"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_steps", "warmup_steps", "window_tokens", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"lr: must be positive, got {self.lr!r}")
+        for name in ("weight_decay", "max_grad_norm"):
+            if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        _choice("rematerialize", self.rematerialize, REMATERIALIZE)
+        if self.window_schedule and not _is_random_schedule(self.window_schedule):
+            raise ValueError(f"window_schedule: expected 'random:SEED', got {self.window_schedule!r}")
+        if self.window_schedule and self.window_tokens:
+            raise ValueError("window_schedule: give either window_tokens or window_schedule, not both")
+        if not self.output_dir:
+            raise ValueError("output_dir: is required")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+
+
+def _is_random_schedule(spec: str) -> bool:
+    kind, _, seed = spec.partition(":")
+    return kind == "random" and seed.isdigit()

@@ -1,0 +1,193 @@
+"""A finetuning job: mini-batches of sequences, each a series of window calls, then an optimizer step."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from coserve.finetune.checkpoint import LOG_FILE, load_optimizer_state, save_checkpoint
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.optim import make_optimizer, make_scheduler
+from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState, new_sequence_state
+from coserve.finetune.token_windows import backward_window, forward_window
+from coserve.model.decoder import DecoderModel
+from coserve.peft.trainable import TrainableBypass
+
+
+class FinetuneError(RuntimeError):
+    """A job that cannot go on (e.g. repeated non-finite losses); the last good checkpoint stays."""
+
+
+@dataclass(slots=True)
+class Example:
+    """One tokenized training sequence (what ``coserve.finetune.dataset`` yields)."""
+
+    token_ids: list[int]
+    targets: list[int]  # the next token each position predicts, or IGNORE_INDEX
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One line of ``training_log.jsonl``."""
+
+    step: int  # optimizer steps done, counting this one
+    loss: float  # mean loss per target token of the step's sequences
+    lr: float  # learning rate this step used
+    tokens: int  # tokens of the step's sequences
+    elapsed_s: float  # since the job started
+    skipped: bool = False  # the loss or gradient was not finite: no update
+
+
+class FinetuneJob:
+    """Trains ``bypass`` over ``examples``; every window is one call the engine may interleave.
+
+    ``next_work()`` says what comes next ("forward" or "backward" of the current sequence);
+    ``forward(n)`` / ``backward(n)`` run one window of up to ``n`` tokens. After the last
+    backward window of a mini-batch's last sequence, the optimizer steps.
+    """
+
+    def __init__(self, model: DecoderModel, bypass: TrainableBypass, examples: list, cfg: FinetuneConfig,
+                 base_model: str = "", resume_from: Path | None = None) -> None:
+        if not examples:
+            raise ValueError("examples: the job has no training examples")
+        self.model, self.bypass, self.cfg, self.base_model = model, bypass, cfg, base_model
+        self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
+        self.per_step = cfg.batch_size * cfg.grad_accum
+        steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
+        self.total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+        self.optimizer = make_optimizer(bypass.parameters(), cfg)
+        self.scheduler = make_scheduler(self.optimizer, cfg, self.total_steps)
+        self.step = 0
+        if resume_from is not None:
+            self._resume(resume_from)
+        self.output_dir = Path(cfg.output_dir)
+        self.log: list[StepRecord] = []
+        self.nonfinite_in_a_row = 0
+        self._batch: list[int] = []  # example indices of the current optimizer step
+        self._seq: SequenceState | None = None
+        self._next_in_batch = 0
+        self._loss_scale = 0.0
+        self._batch_loss = 0.0
+        self._start = time.perf_counter()
+        self.tokens_done = 0  # tokens through forward and backward, for throughput
+
+    # ---- the work interface ------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def next_work(self) -> str | None:
+        """``"forward"``, ``"backward"`` or None when the job is done."""
+        if self.done:
+            return None
+        if self._seq is None:
+            self._start_sequence()
+        return "forward" if not self._seq.forward_finished else "backward"
+
+    def pending_tokens(self) -> int:
+        """Tokens the next window may cover at most (the rest of this forward pass or backward layer)."""
+        kind = self.next_work()
+        if kind is None:
+            return 0
+        return self._seq.num_tokens - self._seq.forward_done if kind == "forward" else self._seq.backward_end
+
+    def forward(self, num_tokens: int) -> float:
+        """One forward window of up to ``num_tokens`` tokens through every layer; returns its scaled loss."""
+        if self.next_work() != "forward":
+            raise ValueError("forward: the current sequence is not in its forward phase")
+        loss = forward_window(self.model, self.bypass, self._seq, num_tokens, self._loss_scale)
+        self._batch_loss += loss
+        return loss
+
+    def backward(self, num_tokens: int) -> None:
+        """One backward window of up to ``num_tokens`` tokens of the current layer."""
+        if self.next_work() != "backward":
+            raise ValueError("backward: the current sequence is not in its backward phase")
+        backward_window(self.model, self.bypass, self._seq, num_tokens)
+        if self._seq.finished:
+            self.tokens_done += self._seq.num_tokens
+            self._seq = None
+            if self._next_in_batch == len(self._batch):
+                self._optimizer_step()
+
+    # ---- internals -----------------------------------------------------------
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        if self.cfg.shuffle:
+            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def _start_sequence(self) -> None:
+        if self._next_in_batch == len(self._batch):  # a new optimizer step: pick its sequences
+            steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
+            epoch, offset = divmod(self.step, steps_per_epoch)
+            order = self._order(epoch)
+            self._batch = order[offset * self.per_step:(offset + 1) * self.per_step]
+            self._next_in_batch = 0
+            targets = sum(sum(t != IGNORE_INDEX for t in self.examples[i].targets) for i in self._batch)
+            self._loss_scale = 1.0 / max(1, targets)
+            self._batch_loss = 0.0
+        ex = self.examples[self._batch[self._next_in_batch]]
+        self._next_in_batch += 1
+        c = self.model.cfg
+        self._seq = new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
+                                       c.head_dim, self.model.device, self.model.dtype)
+
+    def _optimizer_step(self) -> None:
+        params = self.bypass.parameters()
+        lr = self.optimizer.param_groups[0]["lr"]
+        finite = math.isfinite(self._batch_loss) and all(
+            p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+        if finite:
+            if self.cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+            self.optimizer.step()
+            self.nonfinite_in_a_row = 0
+        else:
+            self.nonfinite_in_a_row += 1
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        tokens = sum(len(self.examples[i].token_ids) for i in self._batch)
+        record = StepRecord(self.step, self._batch_loss, lr, tokens, time.perf_counter() - self._start,
+                            skipped=not finite)
+        self.log.append(record)
+        self._append_log(record)
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            raise FinetuneError(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
+                                f"gradient (last at step {self.step}); stopping, the last saved adapter is kept")
+
+    def _append_log(self, record: StepRecord) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        line = {"step": record.step, "loss": record.loss, "lr": record.lr, "tokens": record.tokens,
+                "elapsed_s": round(record.elapsed_s, 6)}
+        if record.skipped:
+            line["skipped"] = "non-finite loss or gradient"
+        with open(self.output_dir / LOG_FILE, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def save(self) -> None:
+        """Write the adapter and optimizer state to ``output_dir`` atomically."""
+        save_checkpoint(self.output_dir, self.bypass, self.optimizer, self.scheduler, self.step,
+                        self.base_model, {"total_steps": self.total_steps, "config": _plain(self.cfg)})
+
+    def _resume(self, adapter_dir: Path) -> None:
+        saved = load_optimizer_state(adapter_dir)
+        if saved is None:
+            return  # an adapter without optimizer state: start the optimizer afresh
+        try:
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{adapter_dir}: the saved optimizer state does not fit this job ({e})") from e
+        self.step = int(saved.get("step", 0))
+
+
+def _plain(cfg: FinetuneConfig) -> dict:
+    return {name: getattr(cfg, name) for name in cfg.__slots__}

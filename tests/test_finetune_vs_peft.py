@@ -1,0 +1,90 @@
+"""HF PEFT is the oracle: the same starting adapter, examples and optimizer give the same adapter and losses."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.job import Example, FinetuneJob
+from coserve.finetune.runner import run_job
+from coserve.finetune.sequence_state import IGNORE_INDEX
+from coserve.model.loader import load_model
+from coserve.peft.trainable import load_trainable
+from peft_helpers import make_lora_adapter
+
+
+def _examples(vocab: int, n: int, seed: int) -> list[Example]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = [0] + [rng.randrange(5, vocab) for _ in range(rng.randint(6, 20))]
+        prompt = rng.randint(1, len(ids) - 2)
+        targets = [IGNORE_INDEX] * (prompt - 1) + ids[prompt:] + [IGNORE_INDEX]  # loss on the completion only
+        out.append(Example(ids, targets))
+    return out
+
+
+def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: int):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = get_linear_schedule_with_warmup(opt, cfg.warmup_steps, steps)
+    losses = []
+    for step in range(steps):
+        batch = examples[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        total = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in batch)
+        loss = 0
+        for e in batch:
+            logits = model(input_ids=torch.tensor([e.token_ids])).logits[0]
+            loss = loss + F.cross_entropy(logits, torch.tensor(e.targets), ignore_index=IGNORE_INDEX,
+                                          reduction="sum") / total
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    state = {n.replace(".default", ""): p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, state
+
+
+@pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-5), ("adamw", 1e-4)])
+@pytest.mark.parametrize("targets", [["down_proj"], ["q_proj", "v_proj", "o_proj", "gate_proj"]])
+def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, targets):
+    model_dir = model_factory("llama")
+    start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, target_modules=targets)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    examples = _examples(model.cfg.vocab_size, 6, seed=5)
+    steps = 3
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), batch_size=2, lr=0.05 if optimizer == "sgd" else 0.01,
+                         optimizer=optimizer, warmup_steps=1, lr_scheduler="linear", max_grad_norm=1.0,
+                         weight_decay=0.01, shuffle=False, window_schedule="random:7")
+    bypass = load_trainable(start, model.module_shapes(), model.cfg.num_layers, model.device)
+    job = FinetuneJob(model, bypass, examples, cfg, base_model=str(model_dir))
+    run_job(job, progress=False)
+    ref_losses, ref_state = _peft_train(model_dir, start, examples, cfg, steps)
+
+    assert [r.loss for r in job.log] == pytest.approx(ref_losses, abs=1e-4)
+    ours = bypass.state_dict()
+    assert set(ours) == set(ref_state)
+    for name, ref in ref_state.items():
+        rel = (ours[name] - ref).norm() / ref.norm()
+        assert rel <= tol, (name, float(rel))
+    # the saved adapter is what PEFT loads, with the same outputs
+    saved = load_trainable(cfg.output_dir, model.module_shapes(), model.cfg.num_layers, model.device)
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(tensor, ours[name])
+    lines = [json.loads(x) for x in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert set(lines[0]) >= {"step", "loss", "lr", "tokens", "elapsed_s"}
