@@ -13,12 +13,19 @@ def main(argv: list[str] | None = None) -> int:
     _add_create_model(sub)
     _add_generate(sub)
     _add_bench_generation(sub)
+    _add_finetune(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, no stack trace
         print(f"coserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from coserve.finetune.job import FinetuneError
+        if not isinstance(e, FinetuneError):
+            raise
+        print(f"coserve {args.command}: stopped: {e}", file=sys.stderr)
+        return 1
 
 
 def _add_create_model(sub) -> None:
@@ -97,6 +104,18 @@ def _add_bench_generation(sub) -> None:
 
 def _bench_generation(args) -> int:
     from coserve.bench.generation import run
+    return run(args)
+
+
+def _add_finetune(sub) -> None:
+    p = sub.add_parser("finetune", help="train a LoRA or IA3 adapter with token-level windows")
+    from coserve.finetune.command import add_arguments
+    add_arguments(p)
+    p.set_defaults(func=_finetune)
+
+
+def _finetune(args) -> int:
+    from coserve.finetune.command import run
     return run(args)
 
 

@@ -28,3 +28,18 @@ def peft_model(model_dir: Path, adapter_dir: Path):
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def make_ia3_adapter(model_dir: Path, out_dir: Path, seed: int = 0, **ia3_kwargs) -> Path:
+    """Save a PEFT IA3 adapter of ``model_dir`` with vectors moved away from ones; returns ``out_dir``."""
+    from peft import IA3Config, get_peft_model
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, IA3Config(task_type="CAUSAL_LM", **ia3_kwargs))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "ia3_l" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    model.save_pretrained(str(out_dir))
+    return out_dir

@@ -15,7 +15,7 @@ from coserve.finetune.runner import run_job
 from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.model.loader import load_model
 from coserve.peft.trainable import load_trainable
-from peft_helpers import make_lora_adapter
+from peft_helpers import make_ia3_adapter, make_lora_adapter
 
 
 def _examples(vocab: int, n: int, seed: int) -> list[Example]:
@@ -60,10 +60,14 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
 
 
 @pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-5), ("adamw", 1e-4)])
-@pytest.mark.parametrize("targets", [["down_proj"], ["q_proj", "v_proj", "o_proj", "gate_proj"]])
-def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, targets):
-    model_dir = model_factory("llama")
-    start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, target_modules=targets)
+@pytest.mark.parametrize("arch,targets", [("llama", ["down_proj"]), ("llama", ["q_proj", "v_proj", "o_proj", "gate_proj"]),
+                                          ("qwen2", "ia3")])
+def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, targets):
+    model_dir = model_factory(arch)
+    if targets == "ia3":  # PEFT's default IA3 placement: k_proj and v_proj outputs, down_proj input
+        start = make_ia3_adapter(model_dir, tmp_path / "start", seed=3)
+    else:
+        start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, target_modules=targets)
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     examples = _examples(model.cfg.vocab_size, 6, seed=5)
     steps = 3

@@ -56,6 +56,9 @@ class FinetuneJob:
                  base_model: str = "", resume_from: Path | None = None) -> None:
         if not examples:
             raise ValueError("examples: the job has no training examples")
+        if cfg.rematerialize != "all":
+            raise ValueError(f"rematerialize: {cfg.rematerialize!r} is not supported yet; the executor "
+                             "keeps each layer's input and K/V and recomputes the rest ('all')")
         self.model, self.bypass, self.cfg, self.base_model = model, bypass, cfg, base_model
         self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
         self.per_step = cfg.batch_size * cfg.grad_accum

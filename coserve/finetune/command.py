@@ -1,0 +1,113 @@
+"""``coserve finetune``: train a LoRA or IA3 adapter on a dataset file with token-level windows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.job import FinetuneJob
+from coserve.finetune.memory import autograd_saved_bytes, peak_rss_bytes
+from coserve.finetune.runner import run_job
+from coserve.model.loader import load_model, resolve_device, resolve_dtype
+from coserve.model.config import ModelConfig
+from coserve.model.tokenizer import load_tokenizer
+from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora, load_trainable
+
+
+def add_arguments(p) -> None:
+    d = FinetuneConfig(output_dir="-")
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records")
+    p.add_argument("--output", required=True, help="adapter directory (HF PEFT format) and training_log.jsonl")
+    p.add_argument("--init-adapter", default=None, help="start from (resume) this adapter and its optimizer state")
+    p.add_argument("--peft", default="lora", choices=["lora", "ia3"])
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=16)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--use-rslora", action="store_true")
+    p.add_argument("--target-modules", default=None, help="comma-separated (lora default: down_proj; "
+                   "ia3 default: k_proj,v_proj,down_proj)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr-scheduler", default=d.lr_scheduler, choices=["constant", "linear", "cosine"])
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 = off")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--max-steps", type=int, default=d.max_steps, help="0 = as the epochs give")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-shuffle", action="store_true")
+    p.add_argument("--train-on-prompt", action="store_true")
+    windows = p.add_mutually_exclusive_group()
+    windows.add_argument("--window-tokens", type=int, default=0, help="window size; 0 = whole sequences")
+    windows.add_argument("--window-schedule", default="", help="random:SEED")
+    p.add_argument("--rematerialize", default=d.rematerialize, choices=["cheap", "all"])
+    p.add_argument("--memory-report", default=None, metavar="FILE.json")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args) -> int:
+    from coserve.finetune.dataset import load_dataset
+    cfg = FinetuneConfig(
+        output_dir=args.output, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, lr=args.lr, optimizer=args.optimizer, lr_scheduler=args.lr_scheduler,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        max_seq_len=args.max_seq_len, seed=args.seed, shuffle=not args.no_shuffle,
+        window_tokens=args.window_tokens, window_schedule=args.window_schedule,
+        rematerialize=args.rematerialize, train_on_prompt=args.train_on_prompt)
+    model_cfg = ModelConfig.from_dir(args.model)
+    tokenizer = load_tokenizer(args.model)
+    examples, report = load_dataset(args.data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
+    print(report.summary())
+    device = resolve_device(args.device)
+    model = load_model(args.model, resolve_dtype(args.dtype, model_cfg), device)
+    bypass = _bypass(args, model, device, cfg.seed)
+    job = FinetuneJob(model, bypass, examples, cfg, base_model=str(Path(args.model).resolve()),
+                      resume_from=Path(args.init_adapter) if args.init_adapter else None)
+    run_job(job, progress=not args.no_progress)
+    last = job.log[-1] if job.log else None
+    print(f"trained {job.step} steps; last loss {last.loss:.4f}; adapter in {cfg.output_dir}" if last
+          else f"nothing to train; adapter in {cfg.output_dir}")
+    if args.memory_report:
+        _memory_report(args.memory_report, job, examples)
+    return 0
+
+
+def _bypass(args, model, device: torch.device, seed: int) -> TrainableBypass:
+    shapes, layers = model.module_shapes(), model.cfg.num_layers
+    if args.init_adapter:
+        return load_trainable(args.init_adapter, shapes, layers, device)
+    targets = args.target_modules.split(",") if args.target_modules else None
+    if args.peft == "ia3":
+        cfg = IA3Config(**({"target_modules": targets,
+                            "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets else {}))
+        return TrainableIA3(cfg, shapes, layers, device)
+    cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                     use_rslora=args.use_rslora, **({"target_modules": targets} if targets else {}))
+    return TrainableLora(cfg, shapes, layers, device, torch.Generator().manual_seed(seed))
+
+
+def _memory_report(path: str, job: FinetuneJob, examples) -> None:
+    from coserve.finetune.executor_memory import kept_bytes_per_token, keep_all_bytes_per_token
+    sample = max(examples, key=lambda e: len(e.token_ids))
+    autograd = autograd_saved_bytes(job.model, job.bypass, sample.token_ids, sample.targets)
+    report = {
+        "kept_bytes_per_token": kept_bytes_per_token(job),
+        "keep_all_bytes_per_token": keep_all_bytes_per_token(job),
+        "autograd_bytes_per_token": autograd / len(sample.token_ids),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "rematerialize": job.cfg.rematerialize,
+        "measured_on_tokens": len(sample.token_ids),
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2))
+    print(f"memory report: {path}")

@@ -1,0 +1,43 @@
+"""Measuring activation memory: what PyTorch autograd saves, and the process's peak RSS."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from coserve.finetune.reference import whole_sequence_loss
+from coserve.model.decoder import Bypass, DecoderModel
+
+
+def autograd_saved_bytes(model: DecoderModel, bypass: Bypass, token_ids: list[int], targets: list[int]) -> int:
+    """Bytes of activations autograd saves for one whole-sequence backward (weights excluded).
+
+    Counted with saved-tensor hooks, each storage once, so views of one tensor are not double counted.
+    """
+    weights = {model.embed.data_ptr(), model.lm_head.data_ptr(), model.norm.data_ptr()}
+    for layer in model.layers:
+        for t in (layer.input_norm, layer.post_norm, layer.qkv, layer.qkv_bias, layer.o, layer.gate_up, layer.down):
+            if t is not None:
+                weights.add(t.data_ptr())
+    weights.update(p.data_ptr() for p in getattr(bypass, "parameters", lambda: [])())
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in weights and ptr not in seen:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = whole_sequence_loss(model, bypass, token_ids, targets)
+    del loss
+    return sum(seen.values())
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -1,0 +1,114 @@
+"""The finetuning job: resume, non-finite losses, atomic checkpoints, serving the result."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from coserve import LLM, SamplingParams
+from coserve.finetune import checkpoint
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.job import FinetuneError, FinetuneJob
+from coserve.finetune.runner import run_job
+from coserve.model.loader import load_model
+from coserve.peft.config import LoraConfig
+from coserve.peft.trainable import TrainableLora, load_trainable
+from test_finetune_vs_peft import _examples
+
+
+@pytest.fixture
+def setup(model_factory):
+    model_dir = model_factory("llama")
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    examples = _examples(model.cfg.vocab_size, 8, seed=11)
+
+    def bypass(seed=0):
+        return TrainableLora(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]),
+                             model.module_shapes(), model.cfg.num_layers, model.device,
+                             torch.Generator().manual_seed(seed))
+
+    return model_dir, model, examples, bypass
+
+
+def _cfg(out, **kw):
+    base = dict(output_dir=str(out), batch_size=2, lr=1e-2, max_steps=4, seed=3, window_tokens=5,
+                lr_scheduler="cosine", warmup_steps=1)
+    return FinetuneConfig(**{**base, **kw})
+
+
+def test_resume_continues_exactly(setup, tmp_path):
+    model_dir, model, examples, bypass = setup
+    whole = bypass()
+    run_job(FinetuneJob(model, whole, examples, _cfg(tmp_path / "whole")), progress=False)
+    first = bypass()
+    half = FinetuneJob(model, first, examples, _cfg(tmp_path / "half"))
+    while half.step < 2:
+        kind = half.next_work()
+        (half.forward if kind == "forward" else half.backward)(5)
+    half.save()
+    resumed_bypass = load_trainable(tmp_path / "half", model.module_shapes(), model.cfg.num_layers, model.device)
+    resumed = FinetuneJob(model, resumed_bypass, examples, _cfg(tmp_path / "rest"), resume_from=tmp_path / "half")
+    assert resumed.step == 2
+    run_job(resumed, progress=False)
+    for name, tensor in whole.state_dict().items():
+        torch.testing.assert_close(resumed_bypass.state_dict()[name], tensor, rtol=1e-6, atol=1e-7)
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_job(setup, tmp_path):
+    model_dir, model, examples, bypass = setup
+    b = bypass()
+    job = FinetuneJob(model, b, examples, _cfg(tmp_path / "out", max_steps=8, max_nonfinite_steps=2))
+    job.save()  # a good checkpoint to keep
+    good = {k: v.clone() for k, v in b.state_dict().items()}
+    with torch.no_grad():
+        for p in b.parameters():
+            p.fill_(float("nan"))
+    with pytest.raises(FinetuneError, match="non-finite"):
+        run_job(job, progress=False)
+    assert [r.skipped for r in job.log] == [True, True]
+    log = [json.loads(x) for x in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    assert all("skipped" in x and math.isnan(x["loss"]) for x in log)
+    saved = load_trainable(tmp_path / "out", model.module_shapes(), model.cfg.num_layers, model.device)
+    for name, tensor in saved.state_dict().items():  # no corrupt adapter was written
+        assert torch.equal(tensor, good[name])
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_whole(setup, tmp_path, monkeypatch):
+    model_dir, model, examples, bypass = setup
+    out = tmp_path / "out"
+    job = FinetuneJob(model, bypass(), examples, _cfg(out, max_steps=2))
+    run_job(job, progress=False)
+    before = (out / "adapter_model.safetensors").read_bytes()
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)  # the optimizer state is written after the adapter
+    with pytest.raises(OSError):
+        job.save()
+    assert (out / "adapter_model.safetensors").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+    # a crash between the two renames: the previous directory is brought back
+    (out).rename(tmp_path / ".out.old")
+    checkpoint.recover(out)
+    assert (out / "adapter_model.safetensors").read_bytes() == before
+
+
+def test_the_trained_adapter_is_served_by_the_engine(setup, tmp_path):
+    model_dir, model, examples, bypass = setup
+    job = FinetuneJob(model, bypass(), examples, _cfg(tmp_path / "out", lr=0.5, max_steps=3))
+    run_job(job, progress=False)
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    llm.load_adapter("trained", tmp_path / "out")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    base, tuned = llm.generate(["Hello", "Hello"], params, adapter=[None, "trained"])
+    assert base.token_ids != tuned.token_ids
+
+
+def test_cheap_rematerialization_is_refused_until_the_pruned_executor_exists(setup, tmp_path):
+    model_dir, model, examples, bypass = setup
+    with pytest.raises(ValueError, match="rematerialize"):
+        FinetuneJob(model, bypass(), examples, _cfg(tmp_path / "o", rematerialize="cheap"))
