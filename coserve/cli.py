@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_bench_generation(sub)
     _add_finetune(sub)
+    _add_bench_finetune(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
@@ -116,6 +117,18 @@ def _add_finetune(sub) -> None:
 
 def _finetune(args) -> int:
     from coserve.finetune.command import run
+    return run(args)
+
+
+def _add_bench_finetune(sub) -> None:
+    p = sub.add_parser("bench-finetune", help="token-level finetuning against HF PEFT with a torch loop")
+    from coserve.bench.finetune import add_arguments
+    add_arguments(p)
+    p.set_defaults(func=_bench_finetune)
+
+
+def _bench_finetune(args) -> int:
+    from coserve.bench.finetune import run
     return run(args)
 
 

@@ -79,6 +79,7 @@ class FinetuneJob:
         self._batch_loss = 0.0
         self._start = time.perf_counter()
         self.tokens_done = 0  # tokens through forward and backward, for throughput
+        self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
 
     # ---- the work interface ------------------------------------------------
     @property
@@ -115,6 +116,7 @@ class FinetuneJob:
         backward_window(self.model, self.bypass, self._seq, num_tokens)
         if self._seq.finished:
             self.tokens_done += self._seq.num_tokens
+            self.kept_bytes_per_token = self._seq.kept_bytes() / self._seq.num_tokens
             self._seq = None
             if self._next_in_batch == len(self._batch):
                 self._optimizer_step()

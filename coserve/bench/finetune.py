@@ -1,0 +1,175 @@
+"""``coserve bench-finetune``: token-level finetuning against HF PEFT with a plain torch loop, same model.
+
+Each measurement runs in its own subprocess so that peak RSS is that system's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from coserve.bench.workload import DEFAULT_SHAREGPT
+
+DEFAULT_ALPACA = DEFAULT_SHAREGPT.with_name("alpaca_en_demo.json")
+ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", default=str(DEFAULT_ALPACA), help="Alpaca JSON (default: ../shared/data)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=3, help="measured optimizer steps (one 1-sequence batch each)")
+    p.add_argument("--targets", action="append", default=None,
+                   help="comma-separated target modules; repeat (default: down_proj, and all linear modules)")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--window-tokens", type=int, action="append", default=None,
+                   help="coserve window sizes to measure (0 = whole sequence; default: 0 and 64)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one measurement, as JSON
+
+
+def packed_sequences(tokenizer, path: Path, seq_len: int, count: int) -> list[list[int]]:
+    """``count`` sequences of exactly ``seq_len`` tokens, packed from Alpaca records (or synthetic text)."""
+    if path.is_file():
+        records = json.loads(path.read_text())
+        texts = [f"{r['instruction']}\n{r.get('input', '')}\n{r['output']}" for r in records]
+    else:
+        texts = [f"Example {i}: the scheduler packs tokens into iterations." for i in range(2000)]
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(tokenizer(text)["input_ids"] + [tokenizer.eos_token_id])
+        if len(stream) >= seq_len * count:
+            break
+    while len(stream) < seq_len * count:
+        stream.extend(stream[: seq_len * count - len(stream)])
+    return [stream[i * seq_len:(i + 1) * seq_len] for i in range(count)]
+
+
+def run(args) -> int:
+    if args.worker:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return 0
+    targets = args.targets or ["down_proj", ALL_LINEAR]
+    windows = args.window_tokens if args.window_tokens is not None else [0, 64]
+    rows = []
+    for t in targets:
+        spec = {"model": args.model, "data": args.data, "seq_len": args.seq_len, "steps": args.steps,
+                "targets": t, "r": args.lora_r}
+        hf = _spawn({**spec, "system": "hf"})
+        rows.append(hf)
+        for w in windows:
+            co = _spawn({**spec, "system": "coserve", "window_tokens": w})
+            co["ratio_tokens_per_s"] = co["tokens_per_s"] / hf["tokens_per_s"]
+            co["ratio_kept_to_autograd"] = co["kept_bytes_per_token"] / hf["autograd_bytes_per_token"]
+            co["ratio_peak_rss"] = co["peak_rss_bytes"] / hf["peak_rss_bytes"]
+            rows.append(co)
+    report = {"model": args.model, "seq_len": args.seq_len, "steps": args.steps, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "rows": rows}
+    for r in rows:
+        extra = (f" | x{r['ratio_tokens_per_s']:.2f} tok/s, kept/autograd {r['ratio_kept_to_autograd']:.3f}, "
+                 f"rss x{r['ratio_peak_rss']:.2f}") if r["system"] == "coserve" else ""
+        print(f"{r['system']:8s} {r['targets']:45s} window {r.get('window_tokens', '-')!s:>4s}: "
+              f"{r['tokens_per_s']:7.1f} tok/s, kept {r['kept_bytes_per_token']:8.0f} B/token, "
+              f"peak RSS {r['peak_rss_bytes'] / 2**20:7.1f} MiB{extra}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _spawn(spec: dict) -> dict:
+    cmd = [sys.executable, "-m", "coserve.cli", "bench-finetune", "--model", spec["model"], "--worker",
+           json.dumps(spec)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench worker {spec['system']} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _worker(spec: dict) -> dict:
+    from coserve.finetune.memory import peak_rss_bytes
+    from coserve.model.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(spec["model"])
+    seqs = packed_sequences(tokenizer, Path(spec["data"]), spec["seq_len"], spec["steps"] + 1)
+    fn = _run_hf if spec["system"] == "hf" else _run_coserve
+    seconds, kept = fn(spec, seqs)
+    tokens = spec["seq_len"] * spec["steps"]
+    return {**{k: spec[k] for k in ("system", "targets") if k in spec},
+            **({"window_tokens": spec["window_tokens"]} if "window_tokens" in spec else {}),
+            "tokens_per_s": tokens / seconds, "seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), **kept}
+
+
+def _run_hf(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
+    """HF PEFT: get_peft_model, plain loop of forward, loss.backward(), AdamW step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=spec["r"], lora_alpha=spec["r"],
+                                            target_modules=spec["targets"].split(",")))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = _saved_bytes(lambda: model(input_ids=torch.tensor([seqs[0]]), labels=torch.tensor([seqs[0]])).loss,
+                         weights)
+
+    def step(ids):
+        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(seqs[0])  # warm-up
+    start = time.perf_counter()
+    for ids in seqs[1:]:
+        step(ids)
+    per_token = saved / len(seqs[0])
+    return time.perf_counter() - start, {"autograd_bytes_per_token": per_token, "kept_bytes_per_token": per_token}
+
+
+def _saved_bytes(forward, weights: set[int]) -> int:
+    """Activation bytes autograd saves for one forward (parameters excluded), each storage once."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            seen.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward()
+    del loss
+    return sum(seen.values())
+
+
+def _run_coserve(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
+    from coserve.finetune.config import FinetuneConfig
+    from coserve.finetune.job import Example, FinetuneJob
+    from coserve.finetune.runner import run_job
+    from coserve.model.loader import load_model
+    from coserve.peft.config import LoraConfig
+    from coserve.peft.trainable import TrainableLora
+    model = load_model(spec["model"], torch.float32, torch.device("cpu"))
+    bypass = TrainableLora(LoraConfig(r=spec["r"], lora_alpha=spec["r"], target_modules=spec["targets"].split(",")),
+                           model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(0))
+    examples = [Example(ids, ids[1:] + [-100]) for ids in seqs]
+    out = tempfile.mkdtemp(prefix="coserve-bench-ft-")
+    cfg = FinetuneConfig(output_dir=out, batch_size=1, lr=1e-4, max_steps=len(seqs), shuffle=False,
+                         max_grad_norm=0, lr_scheduler="constant", window_tokens=spec["window_tokens"])
+    job = FinetuneJob(model, bypass, examples, cfg)
+    while job.step < 1:  # warm-up step
+        kind = job.next_work()
+        (job.forward if kind == "forward" else job.backward)(cfg.window_tokens or job.pending_tokens())
+    start = time.perf_counter()
+    while (kind := job.next_work()) is not None:
+        n = cfg.window_tokens or job.pending_tokens()
+        (job.forward if kind == "forward" else job.backward)(n)
+    seconds = time.perf_counter() - start
+    return seconds, {"kept_bytes_per_token": job.kept_bytes_per_token}
