@@ -62,7 +62,7 @@ def _head_loss_and_grad(model: DecoderModel, state: SequenceState, x: torch.Tens
         loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") * loss_scale
         (grad,) = torch.autograd.grad(loss, x)
     state.grad[a:b] = grad
-    return float(loss)
+    return float(loss.detach())
 
 
 def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, num_tokens: int) -> None:
