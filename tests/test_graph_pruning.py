@@ -1,0 +1,240 @@
+"""Graph pruning plans (FlexLLM §5.2): keep sets reasoned by hand, and properties over random configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coserve.finetune.graph import (TARGET_MODULES, GraphBuilder, LayerGraph, LayerShape, OpKind, TensorKind,
+                                    build_layer_graph)
+from coserve.finetune.graph_pruning import PruningPlan, plan_graph, plan_layer, plan_model
+from coserve.peft.config import IA3Config, LoraConfig
+
+SHAPE = LayerShape(hidden_size=512, intermediate_size=1408, num_heads=8, num_kv_heads=2, head_dim=64,
+                   element_size=4)
+FROZEN_ONLY = {"h_attn", "h_mlp", "q_pre", "k_pre", "attn_proj", "mlp_out"}  # read only by frozen dW
+
+
+def stored(plan: PruningPlan) -> dict[str, str]:
+    return {k.name: k.storage for k in plan.kept}
+
+
+def remat(plan: PruningPlan) -> set[str]:
+    return {r.name for r in plan.rematerialized}
+
+
+def step_keys(plan: PruningPlan) -> set[tuple[str, int]]:
+    return {s.key for s in plan.surviving}
+
+
+def reads_of(plan: PruningPlan, op: str, wrt: str) -> set[str]:
+    (step,) = [s for s in plan.surviving if s.op == op and s.wrt == wrt]
+    return {r.tensor for r in step.reads}
+
+
+def test_lora_down_proj_keeps_what_its_gradients_read():
+    plan = plan_layer(SHAPE, LoraConfig(r=16, target_modules=["down_proj"]), rematerialize="none")
+    # dB = dL/dxAB^T xA reads xA; dA = (dL/dxA)^T x reads the down_proj input; dL/dxA reads B only.
+    assert reads_of(plan, "down_proj.lora_B", "down_proj.lora_B.W") == {"down_proj.lora_a"}
+    assert reads_of(plan, "down_proj.lora_A", "down_proj.lora_A.W") == {"mlp_in"}
+    assert reads_of(plan, "down_proj.lora_B", "down_proj.lora_a") == {"down_proj.lora_B.W"}
+    keep = stored(plan)
+    assert keep["mlp_in"] == "full" and keep["down_proj.lora_a"] == "full"
+    assert not FROZEN_ONLY & set(keep)
+    assert {s.wrt for s in plan.pruned} == {f"{m}.W" for m in TARGET_MODULES} | {"attn_norm.w", "mlp_norm.w"}
+    cheap = plan_layer(SHAPE, LoraConfig(r=16, target_modules=["down_proj"]))
+    # The down_proj input is cheap to recompute from gate and up (SiLU, multiply); the norms' rms too.
+    assert remat(cheap) == {"mlp_in", "act", "rms_attn", "rms_mlp"}
+    assert set(stored(cheap)) == {"x", "q", "k", "v", "attn.o", "attn.lse", "resid", "gate", "up",
+                                  "down_proj.lora_a"}
+    assert not FROZEN_ONLY & (set(stored(cheap)) | remat(cheap))
+    assert cheap.kept_bytes_per_token == 4 * (512 + 512 + 128 + 128 + 512 + 8 + 512 + 1408 + 1408 + 16)
+
+
+def test_lora_all_linear_modules():
+    plan = plan_layer(SHAPE, LoraConfig(r=8, target_modules=list(TARGET_MODULES)))
+    keep, re = stored(plan), remat(plan)
+    assert {f"{m}.lora_a" for m in TARGET_MODULES} <= set(keep)  # each dB reads its xA
+    assert {"h_attn", "h_mlp", "mlp_in"} <= re  # dA inputs, recomputed from x / resid / gate, up
+    assert "attn.o" in keep  # o_proj's dA and attention's backward
+    assert not {"q_pre", "k_pre", "attn_proj", "mlp_out"} & (set(keep) | re)
+    assert len(plan.pruned) == 9  # the seven frozen W and two norm weights
+    assert step_keys(plan_layer(SHAPE, LoraConfig(r=8, target_modules=["down_proj"]))) < step_keys(plan)
+
+
+def test_ia3_default_scales_k_v_outputs_and_down_proj_input():
+    plan = plan_layer(SHAPE, IA3Config(), rematerialize="none")
+    assert reads_of(plan, "k_proj.ia3", "k_proj.ia3_l") == {"k_proj.y"}
+    assert reads_of(plan, "v_proj.ia3", "v_proj.ia3_l") == {"v_proj.y"}
+    assert reads_of(plan, "down_proj.ia3", "down_proj.ia3_l") == {"mlp_in"}
+    assert {"k_proj.y", "v_proj.y", "mlp_in"} <= set(stored(plan))
+    assert "down_proj.in" not in stored(plan)  # only the frozen dW would read the scaled input
+    cheap = plan_layer(SHAPE, IA3Config())
+    assert {"k_proj.y", "v_proj.y"} <= set(stored(cheap)) and "mlp_in" in remat(cheap)
+
+
+def test_all_policy_keeps_only_input_and_kv_cache():
+    for cfg in (LoraConfig(target_modules=["down_proj"]), LoraConfig(target_modules=list(TARGET_MODULES)),
+                IA3Config()):
+        plan = plan_layer(SHAPE, cfg, rematerialize="all")
+        assert set(stored(plan)) == {"x", "k", "v"}
+        assert plan.kept_bytes_per_token == (512 + 2 * 128) * 4
+
+
+def test_byte_ordering_and_model_totals():
+    cfg = LoraConfig(r=16, target_modules=["down_proj"])
+    cheap, none = plan_layer(SHAPE, cfg), plan_layer(SHAPE, cfg, rematerialize="none")
+    assert cheap.kept_bytes_per_token < none.kept_bytes_per_token < cheap.keep_all_bytes_per_token
+    model = plan_model(SHAPE, cfg, num_layers=6)
+    assert model.model_kept_bytes_per_token == 6 * cheap.kept_bytes_per_token + 512 * 4
+    assert model.model_keep_all_bytes_per_token == 6 * cheap.keep_all_bytes_per_token + 512 * 4
+    text = model.describe()
+    assert "mlp_in" in text and "20,576" in text and "6 layer(s)" in text
+
+
+def test_first_layer_without_input_gradient_prunes_to_the_bypass():
+    plan = plan_layer(SHAPE, LoraConfig(r=16, target_modules=["down_proj"]), need_input_grad=False)
+    assert {s.op for s in plan.surviving} == {"mlp_residual", "down_proj.lora_add", "down_proj.lora_scale",
+                                             "down_proj.lora_B", "down_proj.lora_A"}
+    assert stored(plan) == {"x": "full", "k": "full", "v": "full", "mlp_in": "full",
+                            "down_proj.lora_a": "full"}  # mlp_in's inputs are not kept: no recompute
+
+
+def relu_mlp(lora_on_fc2: bool) -> LayerGraph:
+    """x -> fc1 (+LoRA) -> z -> ReLU -> r -> fc2 (+LoRA optionally) -> out: the paper's Figure 5 shape."""
+    b = GraphBuilder(element_size=2)
+    h, f, r = 64, 256, 4
+
+    def lora(name: str, x: str, fan_in: int, fan_out: int, out: str) -> str:
+        y = b.matmul(name, x, fan_in, fan_out, f"{name}.y")
+        xa = b.matmul(f"{name}.lora_A", x, fan_in, r, f"{name}.lora_a", trainable=True)
+        xb = b.matmul(f"{name}.lora_B", xa, r, fan_out, f"{name}.lora_b", trainable=True)
+        return b.pointwise(f"{name}.add", OpKind.ADD, "add", (y, xb), out)
+
+    x = b.input("x", h)
+    z = lora("fc1", x, h, f, "z")
+    act = b.pointwise("relu", OpKind.ACTIVATION, "relu", (z,), "r")
+    out = lora("fc2", act, f, h, "out") if lora_on_fc2 else b.matmul("fc2", act, f, h, "out")
+    return b.build(x, out, always_kept=(x,), required_grads=(x,))
+
+
+def test_relu_input_kept_as_bitmask():
+    plan = plan_graph(relu_mlp(lora_on_fc2=False))
+    assert stored(plan) == {"x": "full", "z": "bitmask", "fc1.lora_a": "full"}
+    (z,) = [k for k in plan.kept if k.name == "z"]
+    assert z.bytes == 256 / 8
+    assert plan.kept_bytes_per_token == 64 * 2 + 32 + 4 * 2
+    assert "bitmask" in plan.describe()
+
+
+def test_relu_output_rematerialised_from_full_input_when_cheaper():
+    none = plan_graph(relu_mlp(lora_on_fc2=True), "none")
+    assert stored(none)["z"] == "bitmask" and stored(none)["r"] == "full"  # fc2's dA reads r
+    cheap = plan_graph(relu_mlp(lora_on_fc2=True))
+    # Storing z in full (512 B) and recomputing r beats r in full plus z's bitmask (512 + 32 B).
+    assert stored(cheap)["z"] == "full" and remat(cheap) == {"r"}
+    assert cheap.kept_bytes_per_token < none.kept_bytes_per_token
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="rematerialize"):
+        plan_layer(SHAPE, LoraConfig(), rematerialize="some")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        LayerShape(512, 1408, 8, 3, 64)
+    with pytest.raises(ValueError, match="peft_type"):
+        build_layer_graph(SHAPE, object())
+
+
+def test_graph_matches_the_decoder():
+    from types import SimpleNamespace
+
+    from coserve.model import decoder
+    from coserve.model.config import ModelConfig
+    cfg = ModelConfig("Qwen2ForCausalLM", vocab_size=100, hidden_size=96, intermediate_size=160, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, qkv_bias=True, torch_dtype="bfloat16")
+    shape = LayerShape.from_model_config(cfg, element_size=2)
+    assert TARGET_MODULES == decoder.TARGET_MODULES  # repeated in graph.py to stay torch-free
+    assert shape.module_shapes() == decoder.DecoderModel.module_shapes(SimpleNamespace(cfg=cfg))
+    graph = build_layer_graph(shape, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert graph.op("q_proj").inputs == ("h_attn", "q_proj.W", "q_proj.b")
+    assert graph.op("q_proj").flops == 2 * 96 * 96 and graph.op("q_proj.lora_A").flops == 2 * 96 * 4
+
+
+def test_modules_import_without_torch():
+    code = ("import sys; import coserve.finetune.graph_pruning; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- properties over random shapes and PEFT configs ----
+
+@st.composite
+def shapes(draw) -> LayerShape:
+    kv = draw(st.integers(1, 4))
+    return LayerShape(hidden_size=draw(st.integers(8, 4096)), intermediate_size=draw(st.integers(8, 8192)),
+                      num_heads=kv * draw(st.integers(1, 4)), num_kv_heads=kv,
+                      head_dim=draw(st.sampled_from([8, 16, 64, 128])), qkv_bias=draw(st.booleans()),
+                      element_size=draw(st.sampled_from([2, 4])))
+
+
+@st.composite
+def nested_configs(draw):
+    """A PEFT config and one with a superset of its target modules."""
+    big = draw(st.lists(st.sampled_from(TARGET_MODULES), min_size=1, unique=True))
+    small = draw(st.lists(st.sampled_from(big), min_size=1, unique=True))
+    if draw(st.booleans()):
+        r = draw(st.integers(1, 64))
+        return LoraConfig(r=r, target_modules=small), LoraConfig(r=r, target_modules=big)
+    ff = [m for m in big if m in ("o_proj", "down_proj") and draw(st.booleans())]
+    return (IA3Config(target_modules=small, feedforward_modules=[m for m in ff if m in small]),
+            IA3Config(target_modules=big, feedforward_modules=ff))
+
+
+def assert_closed(plan: PruningPlan) -> None:
+    """Every read of a surviving step is a weight/index, stored, or rematerialised from stored tensors."""
+    g = plan.graph
+    keep, re = stored(plan), remat(plan)
+
+    def available(t: str) -> bool:  # in full, in the backward pass
+        if g.tensors[t].kind is not TensorKind.ACTIVATION or keep.get(t) == "full":
+            return True
+        if t not in re:
+            return False
+        inputs = g.producer(t).inputs
+        if plan.policy == "all":  # a recomputation of the layer from x (and the K/V cache)
+            return all(derivable(i) for i in inputs)
+        assert g.producer(t).flops_per_element < plan.cost_threshold, t
+        return all(available(i) for i in inputs)
+
+    def derivable(t: str) -> bool:
+        op = g.producer(t)
+        return available(t) or (op is not None and all(derivable(i) for i in op.inputs))
+
+    for s in plan.surviving:
+        for rd in s.reads:
+            assert (rd.sign_only and rd.tensor in keep) or available(rd.tensor), (s.name, rd.tensor)
+    assert all(available(t) for t in re)
+    assert {"x", "k", "v"} <= {t for t, how in keep.items() if how == "full"}
+    if plan.policy == "none":
+        assert not re
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes(), configs=nested_configs(), need_input_grad=st.booleans())
+def test_plans_are_closed_monotone_and_ordered(shape, configs, need_input_grad):
+    small, big = configs
+    plans = {}
+    for cfg in (small, big):
+        for policy in ("all", "cheap", "none"):
+            plan = plan_layer(shape, cfg, rematerialize=policy, need_input_grad=need_input_grad)
+            assert_closed(plan)
+            plans[id(cfg), policy] = plan
+        b_all, b_cheap, b_none = (plans[id(cfg), p].kept_bytes_per_token for p in ("all", "cheap", "none"))
+        assert b_all <= b_cheap <= b_none <= plans[id(cfg), "cheap"].keep_all_bytes_per_token
+        assert b_all == (shape.hidden_size + 2 * shape.kv_size) * shape.element_size
+    assert step_keys(plans[id(small), "cheap"]) <= step_keys(plans[id(big), "cheap"])
