@@ -112,3 +112,18 @@ def test_cheap_rematerialization_is_refused_until_the_pruned_executor_exists(set
     model_dir, model, examples, bypass = setup
     with pytest.raises(ValueError, match="rematerialize"):
         FinetuneJob(model, bypass(), examples, _cfg(tmp_path / "o", rematerialize="cheap"))
+
+
+@pytest.mark.parametrize("peft", ["lora", "ia3"])
+def test_the_executor_keeps_exactly_the_plans_bytes(setup, tmp_path, peft):
+    from coserve.finetune.memory import job_plan
+    from coserve.peft.config import IA3Config
+    from coserve.peft.trainable import TrainableIA3
+    model_dir, model, examples, bypass = setup
+    b = bypass() if peft == "lora" else TrainableIA3(IA3Config(), model.module_shapes(), model.cfg.num_layers,
+                                                     model.device)
+    job = FinetuneJob(model, b, examples, _cfg(tmp_path / "o", max_steps=1))
+    run_job(job, progress=False)
+    plan = job_plan(job)
+    assert job.kept_bytes_per_token == plan.model_kept_bytes_per_token
+    assert plan.model_kept_bytes_per_token < plan.model_keep_all_bytes_per_token

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from coserve.finetune.graph import LayerShape
+from coserve.finetune.graph_pruning import PruningPlan, plan_model
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.model.decoder import Bypass, DecoderModel
 
@@ -41,3 +43,10 @@ def peak_rss_bytes() -> int:
     """The process's peak resident set size so far."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def job_plan(job) -> PruningPlan:
+    """The graph-pruning plan of a FinetuneJob's model, adapter and rematerialisation policy."""
+    model = job.model
+    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size())
+    return plan_model(shape, job.bypass.config, model.cfg.num_layers, job.cfg.rematerialize)

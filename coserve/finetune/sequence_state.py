@@ -50,8 +50,8 @@ class SequenceState:
         return self.forward_finished and self.backward_layer < 0
 
     def kept_bytes(self) -> int:
-        """Bytes of the tensors kept between forward and backward (inputs and K/V of every layer)."""
-        kept = self.layer_inputs + self.k + self.v
+        """Bytes kept between forward and backward: every layer's input and K/V, and the head's gradient."""
+        kept = self.layer_inputs + self.k + self.v + [self.grad]
         return sum(t.numel() * t.element_size() for t in kept)
 
 

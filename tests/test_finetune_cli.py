@@ -1,0 +1,77 @@
+"""``coserve finetune`` end to end: a data file in, a PEFT adapter that PEFT and the engine both load, out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from coserve import LLM, SamplingParams
+from coserve.cli import main
+from peft_helpers import peft_model
+
+RECORDS = [
+    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+    {"text": "The quick brown fox jumps over the lazy dog."},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}]},
+    {"instruction": "Name a colour.", "output": "Blue."},
+]
+
+
+@pytest.mark.parametrize("peft_kind", ["lora", "ia3"])
+def test_finetune_writes_an_adapter_peft_loads_identically(model_factory, tmp_path, capsys, peft_kind):
+    model_dir = model_factory("qwen2")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n{not json\n")
+    out = tmp_path / "adapter"
+    args = ["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(out), "--peft", peft_kind,
+            "--max-steps", "2", "--batch-size", "2", "--lr", "0.05", "--window-schedule", "random:3",
+            "--memory-report", str(tmp_path / "mem.json"), "--no-progress"]
+    if peft_kind == "lora":
+        args += ["--lora-r", "4", "--target-modules", "q_proj,down_proj"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "4 examples" in printed and "1 malformed (line 5)" in printed
+    log = [json.loads(x) for x in (out / "training_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2]
+    mem = json.loads((tmp_path / "mem.json").read_text())
+    assert set(mem) >= {"kept_bytes_per_token", "keep_all_bytes_per_token", "autograd_bytes_per_token",
+                        "peak_rss_bytes"}
+    assert 0 < mem["kept_bytes_per_token"] < mem["autograd_bytes_per_token"]
+
+    from coserve.finetune.reference import whole_sequence_loss  # noqa: F401  (same math as the executor)
+    from coserve.model.loader import load_model
+    from coserve.peft.trainable import load_trainable
+    from coserve.finetune.window_attention import window_attention
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    bypass = load_trainable(out, model.module_shapes(), model.cfg.num_layers, model.device)
+    ids = torch.tensor([0, 17, 99, 402, 7, 1234, 55])
+    empty = torch.empty(0, model.cfg.num_kv_heads, model.cfg.head_dim)
+    x = model.embed[ids]
+    with torch.no_grad():
+        for layer in model.layers:
+            x, _, _ = model.layer_forward(layer, x, torch.arange(len(ids)),
+                                          lambda q, k, v, i: window_attention(q, empty, empty, k, v, model.scale),
+                                          bypass)
+        ours = model.logits(model.final_norm(x))
+        ref = peft_model(model_dir, out)(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    if peft_kind == "lora":  # and the engine serves it
+        llm = LLM(model_dir, dtype="float32", device="cpu")
+        llm.load_adapter("ft", out)
+        out_tokens = llm.generate([ids.tolist()], SamplingParams(max_tokens=1, temperature=0), adapter="ft")[0]
+        assert out_tokens.token_ids == [int(ref[-1].argmax())]
+
+
+def test_finetune_bad_data_is_one_clear_error(model_factory, tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text("{not json\n[1, 2]\n")
+    rc = main(["finetune", "--model", str(model_factory("llama")), "--data", str(data), "--output",
+               str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err and "line 1" in err
+    rc = main(["finetune", "--model", str(model_factory("llama")), "--data", str(data), "--output",
+               str(tmp_path / "o"), "--target-modules", "lm_head", "--no-progress"])
+    assert rc == 2
