@@ -108,21 +108,16 @@ def test_the_trained_adapter_is_served_by_the_engine(setup, tmp_path):
     assert base.token_ids != tuned.token_ids
 
 
-def test_cheap_rematerialization_is_refused_until_the_pruned_executor_exists(setup, tmp_path):
-    model_dir, model, examples, bypass = setup
-    with pytest.raises(ValueError, match="rematerialize"):
-        FinetuneJob(model, bypass(), examples, _cfg(tmp_path / "o", rematerialize="cheap"))
-
-
+@pytest.mark.parametrize("remat", ["cheap", "all"])
 @pytest.mark.parametrize("peft", ["lora", "ia3"])
-def test_the_executor_keeps_exactly_the_plans_bytes(setup, tmp_path, peft):
+def test_the_executor_keeps_exactly_the_plans_bytes(setup, tmp_path, peft, remat):
     from coserve.finetune.memory import job_plan
     from coserve.peft.config import IA3Config
     from coserve.peft.trainable import TrainableIA3
     model_dir, model, examples, bypass = setup
     b = bypass() if peft == "lora" else TrainableIA3(IA3Config(), model.module_shapes(), model.cfg.num_layers,
                                                      model.device)
-    job = FinetuneJob(model, b, examples, _cfg(tmp_path / "o", max_steps=1))
+    job = FinetuneJob(model, b, examples, _cfg(tmp_path / "o", max_steps=1, rematerialize=remat))
     run_job(job, progress=False)
     plan = job_plan(job)
     assert job.kept_bytes_per_token == plan.model_kept_bytes_per_token

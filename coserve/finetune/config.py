@@ -29,7 +29,7 @@ class FinetuneConfig:
     shuffle: bool = True  # shuffle the examples every epoch
     window_tokens: int = 0  # forward and backward window size; 0 = whole sequences
     window_schedule: str = ""  # "random:SEED": random window sizes (exactness checks)
-    rematerialize: str = "all"  # all: keep layer inputs and K/V only ("cheap" needs the pruned executor)
+    rematerialize: str = "cheap"  # cheap: keep what the graph-pruning plan keeps; all: layer inputs and K/V only
     max_nonfinite_steps: int = 3  # consecutive steps with a non-finite loss before the job stops
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
 

@@ -229,8 +229,12 @@ def _check_peft(peft: Any) -> None:
         raise ValueError(f"peft_config.r: must be a positive integer, got {peft.r!r}")
 
 
-def build_layer_graph(shape: LayerShape, peft: Any) -> LayerGraph:
+def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "flash") -> LayerGraph:
     """The graph of one decoder layer with ``peft``'s bypass networks.
+
+    ``attention_backward``: "flash" (the backward reads q, k, v, the output and the
+    log-sum-exp) or "recompute" (it recomputes attention from q, k, v, as coserve's pruned
+    executor does: then the output costs nothing extra to rematerialise and lse is not read).
 
     ``peft`` is a ``coserve.peft.config.LoraConfig`` or ``IA3Config``, or any object with
     ``peft_type`` ("LORA" / "IA3"), ``target_modules``, and ``r`` (LoRA) or
@@ -272,9 +276,14 @@ def build_layer_graph(shape: LayerShape, peft: Any) -> LayerGraph:
     rope = FLOPS_PER_ELEMENT["rope"]
     q = b.op("rope_q", OpKind.ROPE, (q_pre, pos), (("q", shape.q_size),), rope * shape.q_size)
     k = b.op("rope_k", OpKind.ROPE, (k_pre, pos), (("k", shape.kv_size),), rope * shape.kv_size)  # K cache
+    if attention_backward not in ("flash", "recompute"):
+        raise ValueError(f"attention_backward: must be 'flash' or 'recompute', got {attention_backward!r}")
     attn_flops = (4 * shape.q_size + SOFTMAX_FLOPS_PER_SCORE * shape.num_heads) * shape.context_tokens
+    if attention_backward == "recompute":
+        attn_flops = 0.0  # the backward recomputes attention anyway: its output comes for free
     o = b.op("attention", OpKind.ATTENTION, (q, k, v),
-             (("attn.o", shape.q_size), ("attn.lse", shape.num_heads)), attn_flops)  # [Hq*D], [Hq]
+             (("attn.o", shape.q_size), ("attn.lse", shape.num_heads)), attn_flops,
+             fn=attention_backward)  # [Hq*D], [Hq]
     proj = linear("o_proj", o, "attn_proj")  # [H]
     resid = b.pointwise("attn_residual", OpKind.ADD, "add", (x, proj), "resid")  # [H]
     h2 = b.norm("mlp_norm", resid, "h_mlp", "rms_mlp")  # [H], [1]

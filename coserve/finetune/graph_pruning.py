@@ -89,6 +89,8 @@ def _rule(op: Op) -> list[tuple[int, tuple[Read, ...]]]:
         # Flash-attention backward: P = exp(q k^T - lse) needs q, k, lse; dV = P^T dO needs no more;
         # dq and dk also need dP = dO V^T (v) and rowsum(dO * o) (o).
         q, k, v = ins
+        if op.fn == "recompute":  # P and o are recomputed from q, k, v inside the backward
+            return [(0, r(q, k, v)), (1, r(q, k, v)), (2, r(q, k, v))]
         full = r(q, k, v, outs[0], outs[1])
         return [(0, full), (1, full), (2, r(q, k, outs[1]))]
     raise ValueError(f"op {op.name!r}: no backward rule for kind {op.kind.value} fn {op.fn!r}")
@@ -278,17 +280,19 @@ def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
 
 
 def plan_layer(shape: LayerShape, peft_config: Any, rematerialize: str = "cheap",
-               cost_threshold: float = DEFAULT_COST_THRESHOLD, need_input_grad: bool = True) -> PruningPlan:
+               cost_threshold: float = DEFAULT_COST_THRESHOLD, need_input_grad: bool = True,
+               attention_backward: str = "flash") -> PruningPlan:
     """The plan of one decoder layer (``num_layers`` = 1) with ``peft_config``'s bypasses.
 
     ``peft_config``: a ``LoraConfig`` / ``IA3Config``, or any object with their attributes
     (see ``build_layer_graph``). ``rematerialize``: "cheap" (default), "all" or "none".
     """
-    return plan_graph(build_layer_graph(shape, peft_config), rematerialize, cost_threshold, need_input_grad)
+    return plan_graph(build_layer_graph(shape, peft_config, attention_backward), rematerialize, cost_threshold,
+                      need_input_grad)
 
 
 def plan_model(shape: LayerShape, peft_config: Any, num_layers: int, rematerialize: str = "cheap",
-               cost_threshold: float = DEFAULT_COST_THRESHOLD) -> PruningPlan:
+               cost_threshold: float = DEFAULT_COST_THRESHOLD, attention_backward: str = "flash") -> PruningPlan:
     """The plan every one of ``num_layers`` layers runs; ``model_*_bytes_per_token`` give the totals.
 
     Every layer keeps its input gradient (the executor runs one plan for all layers); layer 0
@@ -296,6 +300,6 @@ def plan_model(shape: LayerShape, peft_config: Any, num_layers: int, remateriali
     """
     if not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
-    plan = plan_layer(shape, peft_config, rematerialize, cost_threshold)
+    plan = plan_layer(shape, peft_config, rematerialize, cost_threshold, attention_backward=attention_backward)
     plan.num_layers = num_layers
     return plan

@@ -14,6 +14,7 @@ import torch
 from coserve.finetune.checkpoint import LOG_FILE, load_optimizer_state, save_checkpoint
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.optim import make_optimizer, make_scheduler
+from coserve.finetune.pruned_layer import new_layer_keep
 from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.decoder import DecoderModel
@@ -56,9 +57,6 @@ class FinetuneJob:
                  base_model: str = "", resume_from: Path | None = None) -> None:
         if not examples:
             raise ValueError("examples: the job has no training examples")
-        if cfg.rematerialize != "all":
-            raise ValueError(f"rematerialize: {cfg.rematerialize!r} is not supported yet; the executor "
-                             "keeps each layer's input and K/V and recomputes the rest ('all')")
         self.model, self.bypass, self.cfg, self.base_model = model, bypass, cfg, base_model
         self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
         self.per_step = cfg.batch_size * cfg.grad_accum
@@ -143,6 +141,8 @@ class FinetuneJob:
         c = self.model.cfg
         self._seq = new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
                                        c.head_dim, self.model.device, self.model.dtype)
+        if self.cfg.rematerialize == "cheap":
+            self._seq.keeps = [new_layer_keep(self.model, len(ex.token_ids)) for _ in range(c.num_layers)]
 
     def _optimizer_step(self) -> None:
         params = self.bypass.parameters()

@@ -49,4 +49,6 @@ def job_plan(job) -> PruningPlan:
     """The graph-pruning plan of a FinetuneJob's model, adapter and rematerialisation policy."""
     model = job.model
     shape = LayerShape.from_model_config(model.cfg, model.embed.element_size())
-    return plan_model(shape, job.bypass.config, model.cfg.num_layers, job.cfg.rematerialize)
+    # The pruned executor recomputes attention from the kept q, K and V in its backward.
+    return plan_model(shape, job.bypass.config, model.cfg.num_layers, job.cfg.rematerialize,
+                      attention_backward="recompute")

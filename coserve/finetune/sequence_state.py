@@ -32,6 +32,7 @@ class SequenceState:
     backward_end: int = 0  # tokens [0, backward_end) of backward_layer still to back-propagate
     loss_sum: float = 0.0  # the sequence's (scaled) loss so far
     window_log: list[tuple[str, int, int, int]] = field(default_factory=list)  # (kind, layer, start, end)
+    keeps: list | None = None  # per layer LayerKeep under --rematerialize cheap (pruned_layer.py), else None
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +53,8 @@ class SequenceState:
     def kept_bytes(self) -> int:
         """Bytes kept between forward and backward: every layer's input and K/V, and the head's gradient."""
         kept = self.layer_inputs + self.k + self.v + [self.grad]
+        for keep in self.keeps or ():
+            kept += keep.tensors()
         return sum(t.numel() * t.element_size() for t in kept)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from coserve.finetune import pruned_layer
 from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState
 from coserve.finetune.window_attention import window_attention
 from coserve.model.decoder import Bypass, DecoderModel
@@ -38,7 +39,10 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
                 state.k[i][a:b], state.v[i][a:b] = k, v
                 return window_attention(q, state.k[i][:a], state.v[i][:a], k, v, model.scale)
 
-            x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
+            if state.keeps is None:
+                x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
+            else:
+                x = pruned_layer.forward_layer(model, layer, x, positions, attend, bypass, state.keeps[i], a, b)
     loss = _head_loss_and_grad(model, state, x, a, b, loss_scale)
     state.forward_done = b
     state.loss_sum += loss
@@ -76,6 +80,24 @@ def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, n
     b = state.backward_end
     a = max(0, b - num_tokens)
     layer = model.layers[i]
+    if state.keeps is not None:
+        state.grad[a:b] = pruned_layer.backward_layer(
+            model, layer, bypass, state.keeps[i], state.layer_inputs[i][a:b], state.grad[a:b],
+            state.positions[a:b], state.k[i], state.v[i], state.dk, state.dv, a, b)
+    else:
+        _recompute_backward(model, bypass, state, i, a, b)
+    state.window_log.append(("backward", i, a, b))
+    state.backward_end = a
+    if a == 0:  # this layer is done: move to the one below with a fresh accumulator
+        state.backward_layer = i - 1
+        state.backward_end = state.num_tokens
+        state.dk.zero_()
+        state.dv.zero_()
+
+
+def _recompute_backward(model: DecoderModel, bypass: Bypass, state: SequenceState, i: int, a: int, b: int) -> None:
+    """``--rematerialize all``: recompute the layer on rows a:b under autograd and back-propagate."""
+    layer = model.layers[i]
     x = state.layer_inputs[i][a:b].detach().requires_grad_()
     k_prefix = state.k[i][:a].detach().requires_grad_()
     v_prefix = state.v[i][:a].detach().requires_grad_()
@@ -90,10 +112,3 @@ def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, n
     if a:
         state.dk[:a] += k_prefix.grad
         state.dv[:a] += v_prefix.grad
-    state.window_log.append(("backward", i, a, b))
-    state.backward_end = a
-    if a == 0:  # this layer is done: move to the one below with a fresh accumulator
-        state.backward_layer = i - 1
-        state.backward_end = state.num_tokens
-        state.dk.zero_()
-        state.dv.zero_()

@@ -56,6 +56,12 @@ class TrainableBypass:
     def peft_config(self, base_model: str) -> dict:
         raise NotImplementedError
 
+    # ---- hand-written backward (the pruned executor; see coserve.finetune.pruned_layer) ----------
+    # output_keep(layer, module, x, y) -> (y', kept): the bypassed output and what its backward needs.
+    # output_backward(layer, module, x, kept, dy') -> (dy, dx or None): the gradient for the frozen
+    #   output and any extra gradient for the module input; parameter gradients accumulate in .grad.
+    # input_backward(layer, module, x, dx') -> dx: for modules whose input the bypass scales.
+
     def load_state(self, tensors: dict[str, torch.Tensor], source: Path) -> None:
         """Copy saved tensors in; errors name the file and tensor."""
         own = dict(self.named_parameters())
@@ -70,6 +76,14 @@ class TrainableBypass:
                     raise AdapterError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
                                        f"expected {tuple(p.shape)}")
                 p.copy_(tensors[name])
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.grad`` (as autograd would)."""
+    if param.grad is None:
+        param.grad = grad.detach().to(param.dtype).clone()
+    else:
+        param.grad.add_(grad.detach().to(param.dtype))
 
 
 class TrainableLora(TrainableBypass):
@@ -107,6 +121,25 @@ class TrainableLora(TrainableBypass):
         a, b = self.a[(layer, module)], self.b[(layer, module)]
         return y + (x.to(a.dtype) @ a.T @ b.T * self.scaling).to(y.dtype)
 
+    def output_keep(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``y + (x A^T) B^T * s``, keeping ``x A^T`` ``[T, r]`` for dB."""
+        a, b = self.a[(layer, module)].detach(), self.b[(layer, module)].detach()
+        xa = x.to(a.dtype) @ a.T
+        return y + (xa @ b.T * self.scaling).to(y.dtype), xa
+
+    def output_backward(self, layer: int, module: str, x: torch.Tensor, xa: torch.Tensor, dy: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.a[(layer, module)], self.b[(layer, module)]
+        dy = dy.to(a.dtype)
+        _accumulate(b, dy.T @ xa * self.scaling)  # [out, r]
+        dxa = dy @ b.detach() * self.scaling  # [T, r]
+        _accumulate(a, dxa.T @ x.to(a.dtype))  # [r, in]
+        return dy, dxa @ a.detach()
+
+    def input_backward(self, layer: int, module: str, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+        return dx  # LoRA leaves the input alone
+
     def peft_config(self, base_model: str) -> dict:
         c = self.config
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
@@ -142,6 +175,29 @@ class TrainableIA3(TrainableBypass):
         if module in self.feedforward:
             return y
         return (y * self.vectors[(layer, module)].flatten()).to(y.dtype)
+
+    def output_keep(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scaled output, keeping the frozen output ``y`` (dl reads it)."""
+        if module in self.feedforward:
+            return y, None
+        return (y * self.vectors[(layer, module)].detach().flatten()).to(y.dtype), y
+
+    def output_backward(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor | None,
+                        dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if module in self.feedforward:
+            return dy, None
+        vec = self.vectors[(layer, module)]
+        _accumulate(vec, (dy * y).sum(0).unsqueeze(1))  # [out, 1]
+        return dy * vec.detach().flatten(), None
+
+    def input_backward(self, layer: int, module: str, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+        """``x`` is the unscaled input; returns the gradient for it."""
+        if module not in self.feedforward:
+            return dx
+        vec = self.vectors[(layer, module)]
+        _accumulate(vec, (dx * x).sum(0).unsqueeze(0))  # [1, in]
+        return dx * vec.detach().flatten()
 
     def peft_config(self, base_model: str) -> dict:
         c = self.config
