@@ -29,8 +29,9 @@ def add_arguments(p) -> None:
     p.add_argument("--targets", action="append", default=None,
                    help="comma-separated target modules; repeat (default: down_proj, and all linear modules)")
     p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--window-tokens", type=int, action="append", default=None,
-                   help="coserve window sizes to measure (0 = whole sequence; default: 0 and 64)")
+    p.add_argument("--config", action="append", default=None, metavar="REMAT:WINDOW",
+                   help="coserve settings to measure, e.g. cheap:0 (0 = whole-sequence windows); "
+                        "default: cheap:0, all:0, cheap:64")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one measurement, as JSON
 
@@ -57,15 +58,15 @@ def run(args) -> int:
         print(json.dumps(_worker(json.loads(args.worker))))
         return 0
     targets = args.targets or ["down_proj", ALL_LINEAR]
-    windows = args.window_tokens if args.window_tokens is not None else [0, 64]
+    configs = [_parse_config(c) for c in (args.config or ["cheap:0", "all:0", "cheap:64"])]
     rows = []
     for t in targets:
         spec = {"model": args.model, "data": args.data, "seq_len": args.seq_len, "steps": args.steps,
                 "targets": t, "r": args.lora_r}
         hf = _spawn({**spec, "system": "hf"})
         rows.append(hf)
-        for w in windows:
-            co = _spawn({**spec, "system": "coserve", "window_tokens": w})
+        for remat, w in configs:
+            co = _spawn({**spec, "system": "coserve", "rematerialize": remat, "window_tokens": w})
             co["ratio_tokens_per_s"] = co["tokens_per_s"] / hf["tokens_per_s"]
             co["ratio_kept_to_autograd"] = co["kept_bytes_per_token"] / hf["autograd_bytes_per_token"]
             co["ratio_peak_rss"] = co["peak_rss_bytes"] / hf["peak_rss_bytes"]
@@ -75,13 +76,21 @@ def run(args) -> int:
     for r in rows:
         extra = (f" | x{r['ratio_tokens_per_s']:.2f} tok/s, kept/autograd {r['ratio_kept_to_autograd']:.3f}, "
                  f"rss x{r['ratio_peak_rss']:.2f}") if r["system"] == "coserve" else ""
-        print(f"{r['system']:8s} {r['targets']:45s} window {r.get('window_tokens', '-')!s:>4s}: "
+        setting = f"{r['rematerialize']}:{r['window_tokens']}" if r["system"] == "coserve" else "-"
+        print(f"{r['system']:8s} {r['targets']:20.20s} {setting:>8s}: "
               f"{r['tokens_per_s']:7.1f} tok/s, kept {r['kept_bytes_per_token']:8.0f} B/token, "
               f"peak RSS {r['peak_rss_bytes'] / 2**20:7.1f} MiB{extra}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _parse_config(text: str) -> tuple[str, int]:
+    remat, _, window = text.partition(":")
+    if remat not in ("cheap", "all") or not window.isdigit():
+        raise ValueError(f"--config: expected cheap:N or all:N, got {text!r}")
+    return remat, int(window)
 
 
 def _spawn(spec: dict) -> dict:
@@ -103,7 +112,7 @@ def _worker(spec: dict) -> dict:
     seconds, kept = fn(spec, seqs)
     tokens = spec["seq_len"] * spec["steps"]
     return {**{k: spec[k] for k in ("system", "targets") if k in spec},
-            **({"window_tokens": spec["window_tokens"]} if "window_tokens" in spec else {}),
+            **{k: spec[k] for k in ("rematerialize", "window_tokens") if k in spec},
             "tokens_per_s": tokens / seconds, "seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), **kept}
 
 
@@ -162,7 +171,8 @@ def _run_coserve(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
     examples = [Example(ids, ids[1:] + [-100]) for ids in seqs]
     out = tempfile.mkdtemp(prefix="coserve-bench-ft-")
     cfg = FinetuneConfig(output_dir=out, batch_size=1, lr=1e-4, max_steps=len(seqs), shuffle=False,
-                         max_grad_norm=0, lr_scheduler="constant", window_tokens=spec["window_tokens"])
+                         max_grad_norm=0, lr_scheduler="constant", window_tokens=spec["window_tokens"],
+                         rematerialize=spec["rematerialize"])
     job = FinetuneJob(model, bypass, examples, cfg)
     while job.step < 1:  # warm-up step
         kind = job.next_work()
