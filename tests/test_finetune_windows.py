@@ -16,6 +16,7 @@ from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import TrainableIA3, TrainableLora
 
 BYPASSES = {
+    "lora-dropout": LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["v_proj", "o_proj", "down_proj"]),
     "lora-attn": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "lora-mlp": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]),
     "ia3": IA3Config(),
@@ -67,15 +68,17 @@ def test_random_window_schedules_match_whole_sequence_autograd(model_factory, ar
     total = sum(sum(t != IGNORE_INDEX for t in tg) for _, tg in seqs)
 
     bypass.zero_grad()
-    ref_loss = sum(whole_sequence_loss(model, bypass, ids, tg) for ids, tg in seqs) / total
+    ref_loss = sum(whole_sequence_loss(model, bypass, ids, tg, dropout_seed=n)
+                   for n, (ids, tg) in enumerate(seqs)) / total
     ref_loss.backward()
     ref = _grads(bypass)
 
     bypass.zero_grad()
     loss = 0.0
-    for ids, tg in seqs:
+    for n, (ids, tg) in enumerate(seqs):
         state = new_sequence_state(ids, tg, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
                                    model.cfg.head_dim, model.device, model.dtype)
+        state.dropout_seed = n
         if remat == "cheap":
             state.keeps = [new_layer_keep(model, len(ids)) for _ in range(model.cfg.num_layers)]
         for size in _windows(rng, len(ids)):
@@ -90,3 +93,27 @@ def test_random_window_schedules_match_whole_sequence_autograd(model_factory, ar
         assert r.abs().max() > 0
         rel = (g - r).norm() / r.norm()
         assert rel <= 1e-5, float(rel)
+
+
+def test_dropout_masks_are_window_independent_and_change_gradients(model_factory):
+    from coserve.peft.dropout import keep_mask
+    pos = torch.arange(40)
+    whole = keep_mask(7, pos, 16, 0.25, torch.float32)
+    assert torch.equal(torch.cat([keep_mask(7, pos[:13], 16, 0.25, torch.float32),
+                                  keep_mask(7, pos[13:], 16, 0.25, torch.float32)]), whole)
+    assert 0.6 < (whole > 0).float().mean() < 0.9
+    assert whole.unique().tolist() == [0.0, torch.tensor(1 / 0.75).item()]
+    assert not torch.equal(keep_mask(8, pos, 16, 0.25, torch.float32), whole)
+    model = load_model(model_factory("llama"), torch.float32, torch.device("cpu"))
+    grads = []
+    for p in (0.0, 0.3):
+        cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=p, target_modules=["down_proj"])
+        bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device,
+                               torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for t in bypass.parameters():
+                t.add_(0.1)
+        ids = list(range(5, 25))
+        whole_sequence_loss(model, bypass, ids, ids[1:] + [IGNORE_INDEX]).backward()
+        grads.append(bypass.parameters()[0].grad.clone())
+    assert not torch.allclose(grads[0], grads[1])

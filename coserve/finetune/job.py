@@ -18,6 +18,7 @@ from coserve.finetune.pruned_layer import new_layer_keep
 from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.decoder import DecoderModel
+from coserve.peft.dropout import mix_seed
 from coserve.peft.trainable import TrainableBypass
 
 
@@ -141,6 +142,7 @@ class FinetuneJob:
         c = self.model.cfg
         self._seq = new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
                                        c.head_dim, self.model.device, self.model.dtype)
+        self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, self._next_in_batch)
         if self.cfg.rematerialize == "cheap":
             self._seq.keeps = [new_layer_keep(self.model, len(ex.token_ids)) for _ in range(c.num_layers)]
 

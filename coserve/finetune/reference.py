@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from coserve.finetune.sequence_state import IGNORE_INDEX
+from coserve.finetune.token_windows import training_rows
 from coserve.finetune.window_attention import window_attention
 from coserve.model.decoder import Bypass, DecoderModel
 
 
-def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int], targets: list[int]
-                        ) -> torch.Tensor:
+def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int], targets: list[int],
+                        dropout_seed: int = 0) -> torch.Tensor:
     """Summed cross-entropy of one sequence, differentiable w.r.t. the bypass parameters."""
     ids = torch.tensor(token_ids, device=model.device)
     tgt = torch.tensor(targets, device=model.device)
@@ -22,7 +23,8 @@ def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int
         return window_attention(q, empty, empty, k, v, model.scale)
 
     x = model.embed[ids]
-    for layer in model.layers:
-        x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
+    with training_rows(bypass, dropout_seed, positions):
+        for layer in model.layers:
+            x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
     logits = model.logits(model.final_norm(x))
     return F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -33,6 +33,7 @@ class SequenceState:
     loss_sum: float = 0.0  # the sequence's (scaled) loss so far
     window_log: list[tuple[str, int, int, int]] = field(default_factory=list)  # (kind, layer, start, end)
     keeps: list | None = None  # per layer LayerKeep under --rematerialize cheap (pruned_layer.py), else None
+    dropout_seed: int = 0  # this sequence's LoRA dropout masks (one per job seed, step and sequence)
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,8 @@ together with the dK/dV that later windows accumulated for its own positions.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +31,7 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
     if b <= a:
         raise ValueError("forward_window: the sequence's forward pass is already finished")
     positions = state.positions[a:b]
-    with torch.no_grad():
+    with torch.no_grad(), training_rows(bypass, state.dropout_seed, positions):
         x = model.embed[state.token_ids[a:b]]
         for layer in model.layers:
             i = layer.index
@@ -51,6 +53,12 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
         state.backward_layer = len(model.layers) - 1
         state.backward_end = state.num_tokens
     return loss
+
+
+def training_rows(bypass: Bypass, seed: int, positions: torch.Tensor):
+    """Tell a trainable bypass which rows a window holds (for its dropout masks)."""
+    rows = getattr(bypass, "training_rows", None)
+    return rows(seed, positions) if rows is not None else contextlib.nullcontext()
 
 
 def _head_loss_and_grad(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,
@@ -80,12 +88,13 @@ def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, n
     b = state.backward_end
     a = max(0, b - num_tokens)
     layer = model.layers[i]
-    if state.keeps is not None:
-        state.grad[a:b] = pruned_layer.backward_layer(
-            model, layer, bypass, state.keeps[i], state.layer_inputs[i][a:b], state.grad[a:b],
-            state.positions[a:b], state.k[i], state.v[i], state.dk, state.dv, a, b)
-    else:
-        _recompute_backward(model, bypass, state, i, a, b)
+    with training_rows(bypass, state.dropout_seed, state.positions[a:b]):
+        if state.keeps is not None:
+            state.grad[a:b] = pruned_layer.backward_layer(
+                model, layer, bypass, state.keeps[i], state.layer_inputs[i][a:b], state.grad[a:b],
+                state.positions[a:b], state.k[i], state.v[i], state.dk, state.dv, a, b)
+        else:
+            _recompute_backward(model, bypass, state, i, a, b)
     state.window_log.append(("backward", i, a, b))
     state.backward_end = a
     if a == 0:  # this layer is done: move to the one below with a fresh accumulator

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from coserve.model.decoder import TARGET_MODULES
 from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.lora_adapter import AdapterError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -28,6 +32,7 @@ class TrainableBypass:
         self.config = config
         self.num_layers = num_layers
         self.modules = frozenset(config.target_modules)
+        self._rows: tuple[int, torch.Tensor] | None = None  # (dropout seed, positions) of a training window
 
     def parameters(self) -> list[torch.Tensor]:
         """The trainable tensors, in a fixed order (for the optimizer and gradient clipping)."""
@@ -35,6 +40,15 @@ class TrainableBypass:
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    @contextmanager
+    def training_rows(self, seed: int, positions: torch.Tensor) -> Iterator[None]:
+        """While a training window runs: its rows' positions and the sequence's dropout seed."""
+        self._rows = (seed, positions)
+        try:
+            yield
+        finally:
+            self._rows = None
 
     def zero_grad(self) -> None:
         for p in self.parameters():
@@ -92,8 +106,7 @@ class TrainableLora(TrainableBypass):
     def __init__(self, config: LoraConfig, module_shapes: dict[str, tuple[int, int]], num_layers: int,
                  device: torch.device, generator: torch.Generator | None = None) -> None:
         super().__init__(config, num_layers)
-        if config.lora_dropout > 0:
-            raise ValueError("lora_dropout: dropout > 0 is not supported by token-level finetuning yet")
+        self.dropout = config.lora_dropout
         self.scaling = config.scaling
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
@@ -117,25 +130,40 @@ class TrainableLora(TrainableBypass):
     def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def _mask(self, layer: int, module: str, width: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The dropout mask of the current training window's rows, or None (no dropout, inference)."""
+        if self.dropout == 0 or self._rows is None:
+            return None
+        seed, positions = self._rows
+        return keep_mask(mix_seed(seed, layer, TARGET_MODULES.index(module)), positions, width, self.dropout, dtype)
+
     def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         a, b = self.a[(layer, module)], self.b[(layer, module)]
-        return y + (x.to(a.dtype) @ a.T @ b.T * self.scaling).to(y.dtype)
+        x = x.to(a.dtype)
+        mask = self._mask(layer, module, x.shape[1], x.dtype)
+        x = x if mask is None else x * mask
+        return y + (x @ a.T @ b.T * self.scaling).to(y.dtype)
 
     def output_keep(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``y + (x A^T) B^T * s``, keeping ``x A^T`` ``[T, r]`` for dB."""
+        """``y + (dropout(x) A^T) B^T * s``, keeping ``dropout(x) A^T`` ``[T, r]`` for dB."""
         a, b = self.a[(layer, module)].detach(), self.b[(layer, module)].detach()
-        xa = x.to(a.dtype) @ a.T
+        x = x.to(a.dtype)
+        mask = self._mask(layer, module, x.shape[1], x.dtype)
+        xa = (x if mask is None else x * mask) @ a.T
         return y + (xa @ b.T * self.scaling).to(y.dtype), xa
 
     def output_backward(self, layer: int, module: str, x: torch.Tensor, xa: torch.Tensor, dy: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self.a[(layer, module)], self.b[(layer, module)]
         dy = dy.to(a.dtype)
+        x = x.to(a.dtype)
+        mask = self._mask(layer, module, x.shape[1], x.dtype)
         _accumulate(b, dy.T @ xa * self.scaling)  # [out, r]
         dxa = dy @ b.detach() * self.scaling  # [T, r]
-        _accumulate(a, dxa.T @ x.to(a.dtype))  # [r, in]
-        return dy, dxa @ a.detach()
+        _accumulate(a, dxa.T @ (x if mask is None else x * mask))  # [r, in]
+        dx = dxa @ a.detach()
+        return dy, dx if mask is None else dx * mask
 
     def input_backward(self, layer: int, module: str, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
         return dx  # LoRA leaves the input alone
