@@ -94,3 +94,15 @@ def test_chat_renders_the_template_once(llm):
     assert out.prompt_token_ids == llm.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert out.prompt_token_ids.count(llm.tokenizer.bos_token_id) <= 1
     assert len(out.token_ids) == 4
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_still_cuts_the_text(llm):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    free = llm.generate("Edge case", params)[0]
+    # the shortest text ending the output that appears nowhere before its last token
+    tails = [llm.tokenizer.decode(free.token_ids[-n:], skip_special_tokens=True).strip() for n in range(1, 5)]
+    stop = next(t for t in tails if t and free.text.find(t) == len(free.text) - len(t))
+    out = llm.generate("Edge case", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.token_ids == free.token_ids
+    assert out.text == free.text[:-len(stop)]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop

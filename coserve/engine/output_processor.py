@@ -38,7 +38,6 @@ class OutputProcessor:
             state.finish_reason = event.finish_reason
             if event.new_token_id in request.params.stop_token_ids:
                 state.stop_reason = event.new_token_id
-            return False
         if not request.params.stop:
             return False
         text = self._text(request, state)
@@ -48,14 +47,14 @@ class OutputProcessor:
                 state.text, state.decoded = text[:at], -1  # frozen: later decodes keep the cut
                 state.stop_reason = stop
                 state.finish_reason = "stop"
-                return True
+                return not event.finished  # True: the scheduler must still end it
         return False
 
     def output(self, request: Request, finished: bool) -> RequestOutput:
         """The request's RequestOutput now; forgets it once finished."""
         state = self._texts[request.request_id]
-        if finished and request.finish_reason == "abort":
-            state.finish_reason = "abort"
+        if finished and (request.finish_reason == "abort" or state.finish_reason is None):
+            state.finish_reason = request.finish_reason  # ended by the scheduler or an abort
         completion = CompletionOutput(
             index=0, text=self._text(request, state), token_ids=list(request.output_token_ids),
             finish_reason=state.finish_reason if finished else None,
