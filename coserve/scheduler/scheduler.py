@@ -78,7 +78,6 @@ class Scheduler:
         plan = IterationPlan(step=self._step, chunks=[], finished=self._finished_since_plan)
         self._finished_since_plan = []
         budget = self.config.max_num_batched_tokens
-        adapters: set[str] = set()
         scheduled = 0
         while scheduled < len(self.running) and budget > 0:
             request = self.running[scheduled]
@@ -94,10 +93,7 @@ class Scheduler:
             scheduled += 1
         if not plan.preempted:
             budget = self._admit(plan, budget)
-        for chunk in plan.chunks:
-            if chunk.adapter is not None:
-                adapters.add(chunk.adapter)
-        plan.adapters = sorted(adapters)
+        plan.adapters = sorted({c.adapter for c in plan.chunks if c.adapter is not None})
         plan.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return plan
 
