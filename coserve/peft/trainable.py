@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,7 @@ def _prefix(layer: int, module: str) -> str:
     return f"base_model.model.model.layers.{layer}.{block}.{module}"
 
 
-class TrainableBypass:
+class TrainableBypass(ABC):
     """Parameters keyed by ``(layer, module)``; a ``Bypass`` the decoder applies on the fly."""
 
     def __init__(self, config: LoraConfig | IA3Config, num_layers: int) -> None:
@@ -38,8 +39,9 @@ class TrainableBypass:
         """The trainable tensors, in a fixed order (for the optimizer and gradient clipping)."""
         return [p for _, p in self.named_parameters()]
 
+    @abstractmethod
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        raise NotImplementedError
+        """``(HF PEFT name, tensor)`` of every trainable tensor, in a fixed order."""
 
     @contextmanager
     def training_rows(self, seed: int, positions: torch.Tensor) -> Iterator[None]:
@@ -67,8 +69,9 @@ class TrainableBypass:
                   metadata={"format": "pt"})
         (out_dir / ADAPTER_CONFIG).write_text(json.dumps(self.peft_config(base_model), indent=2))
 
+    @abstractmethod
     def peft_config(self, base_model: str) -> dict:
-        raise NotImplementedError
+        """The ``adapter_config.json`` contents."""
 
     # ---- hand-written backward (the pruned executor; see coserve.finetune.pruned_layer) ----------
     # output_keep(layer, module, x, y) -> (y', kept): the bypassed output and what its backward needs.
