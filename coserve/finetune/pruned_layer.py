@@ -1,5 +1,6 @@
-"""The pruned executor (``--rematerialize cheap``): a decoder layer's forward that keeps the plan's
-tensors, and a hand-written backward that reads them instead of recomputing the frozen matmuls.
+"""The pruned executor (``--rematerialize cheap``): the decoder's ``layer_forward`` with a tap that
+keeps the plan's tensors, and a hand-written backward that reads them instead of recomputing the
+frozen matmuls.
 
 Kept per token and layer, besides the layer input and K/V: the rotated queries, the residual
 after attention, the gate and up outputs, and what the bypasses' backward reads (LoRA's
@@ -39,46 +40,21 @@ def new_layer_keep(model: DecoderModel, n: int) -> LayerKeep:
                      z(n, c.intermediate_size))
 
 
-def _keep_out(bypass, keep: LayerKeep, i: int, module: str, x, y, a: int, b: int):
-    if bypass is None or module not in bypass.modules:
-        return y
-    y, kept = bypass.output_keep(i, module, x, y)
-    if kept is not None:
-        if module not in keep.bypass:
-            keep.bypass[module] = torch.zeros(keep.q.shape[0], kept.shape[1], device=kept.device, dtype=kept.dtype)
-        keep.bypass[module][a:b] = kept
-    return y
-
-
 def forward_layer(model: DecoderModel, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend,
                   bypass, keep: LayerKeep, a: int, b: int) -> torch.Tensor:
-    """``layer_forward``'s math on rows ``a:b``, storing the plan's tensors into ``keep``."""
-    cfg, i = model.cfg, layer.index
-    n = x.shape[0]
-    h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-    q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    q = _keep_out(bypass, keep, i, "q_proj", h, q, a, b)
-    k = _keep_out(bypass, keep, i, "k_proj", h, k, a, b)
-    v = _keep_out(bypass, keep, i, "v_proj", h, v, a, b)
-    q, k = model.rope(q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim),
-                      positions)
-    keep.q[a:b] = q
-    attn = attend(q, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim), i)
-    x = x + _module(bypass, keep, i, "o_proj", attn, layer.o, a, b)
-    keep.resid[a:b] = x
-    h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-    gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-    gate = _keep_out(bypass, keep, i, "gate_proj", h, gate, a, b)
-    up = _keep_out(bypass, keep, i, "up_proj", h, up, a, b)
-    keep.gate[a:b], keep.up[a:b] = gate, up
-    return x + _module(bypass, keep, i, "down_proj", F.silu(gate) * up, layer.down, a, b)
+    """``layer_forward`` on rows ``a:b``, its tap storing the plan's tensors into ``keep``."""
 
+    def tap(name: str, value: torch.Tensor) -> None:
+        if name in ("q", "resid", "gate", "up"):
+            getattr(keep, name)[a:b] = value
+            return
+        if name not in keep.bypass:  # a bypass's own kept tensor, allocated on first sight
+            keep.bypass[name] = torch.zeros(keep.q.shape[0], value.shape[1], device=value.device,
+                                            dtype=value.dtype)
+        keep.bypass[name][a:b] = value
 
-def _module(bypass, keep, i, module, x, weight, a, b):
-    if bypass is None or module not in bypass.modules:
-        return F.linear(x, weight)
-    x = bypass.input(i, module, x)
-    return _keep_out(bypass, keep, i, module, x, F.linear(x, weight), a, b)
+    out, _, _ = model.layer_forward(layer, x, positions, attend, bypass, tap)
+    return out
 
 
 def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: LayerKeep, x: torch.Tensor,

@@ -37,6 +37,11 @@ class Bypass(Protocol):
         """The module's output given its input ``x`` ``[T, in]`` and frozen output ``y`` ``[T, out]``."""
         ...
 
+    def output_keep(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``output`` plus the tensor its backward will read (only called when a tap is given)."""
+        ...
+
 
 class DecoderLayer:
     """One transformer block's frozen weights, with q/k/v and gate/up fused for fewer matmuls."""
@@ -109,39 +114,64 @@ class DecoderModel:
         return F.linear(hidden, self.lm_head).float()
 
     def layer_forward(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                      bypass: Bypass | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      bypass: Bypass | None, tap: Tap | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoder block over rows ``x`` ``[T, H]``; returns its output and the rows' rotated K and V.
 
         Inference passes paged attention as ``attend``; finetuning passes attention over a
-        window's cached prefix and runs this under autograd. Both share this one definition.
+        window's cached prefix, and a ``tap`` that stores what its backward will read
+        (``q`` rotated, ``resid`` after attention, ``gate``, ``up``, and each bypassed
+        module's own kept tensor under the module's name). One definition serves both.
         """
         cfg, i = self.cfg, layer.index
         t = x.shape[0]
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        if bypass is not None:
-            q = bypass.output(i, "q_proj", h, q) if "q_proj" in bypass.modules else q
-            k = bypass.output(i, "k_proj", h, k) if "k_proj" in bypass.modules else k
-            v = bypass.output(i, "v_proj", h, v) if "v_proj" in bypass.modules else v
+        q = _bypass_output(bypass, tap, i, "q_proj", h, q)
+        k = _bypass_output(bypass, tap, i, "k_proj", h, k)
+        v = _bypass_output(bypass, tap, i, "v_proj", h, v)
         q, k = self.rope(q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim),
                          positions)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        x = x + self._linear(attend(q, k, v, i), layer.o, i, "o_proj", bypass)
+        if tap is not None:
+            tap("q", q)
+        x = x + _linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o)
+        if tap is not None:
+            tap("resid", x)
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        if bypass is not None:
-            gate = bypass.output(i, "gate_proj", h, gate) if "gate_proj" in bypass.modules else gate
-            up = bypass.output(i, "up_proj", h, up) if "up_proj" in bypass.modules else up
-        x = x + self._linear(F.silu(gate) * up, layer.down, i, "down_proj", bypass)
+        gate = _bypass_output(bypass, tap, i, "gate_proj", h, gate)
+        up = _bypass_output(bypass, tap, i, "up_proj", h, up)
+        if tap is not None:
+            tap("gate", gate)
+            tap("up", up)
+        x = x + _linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down)
         return x, k, v
 
-    @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor, layer: int, module: str, bypass: Bypass | None
-                ) -> torch.Tensor:
-        if bypass is None or module not in bypass.modules:
-            return F.linear(x, weight)
-        x = bypass.input(layer, module, x)
-        return bypass.output(layer, module, x, F.linear(x, weight))
+
+# Sees a layer's intermediate tensors by name, e.g. to keep them for a backward pass.
+Tap = Callable[[str, torch.Tensor], None]
+
+
+def _bypass_output(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,
+                   y: torch.Tensor) -> torch.Tensor:
+    """``y`` through the bypass of ``module`` (if any); with a tap, the bypass's kept tensor goes to it."""
+    if bypass is None or module not in bypass.modules:
+        return y
+    if tap is None:
+        return bypass.output(layer, module, x, y)
+    y, kept = bypass.output_keep(layer, module, x, y)
+    if kept is not None:
+        tap(module, kept)
+    return y
+
+
+def _linear(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,
+            weight: torch.Tensor) -> torch.Tensor:
+    if bypass is None or module not in bypass.modules:
+        return F.linear(x, weight)
+    x = bypass.input(layer, module, x)
+    return _bypass_output(bypass, tap, layer, module, x, F.linear(x, weight))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
