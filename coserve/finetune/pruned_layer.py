@@ -69,13 +69,11 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     n = x.shape[0]
     # MLP: out = resid + down(silu(gate) * up)
     gate, up, resid = keep.gate[a:b], keep.up[a:b], keep.resid[a:b]
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    act = silu * up
-    dact = _module_backward(bypass, keep, i, "down_proj", act, layer.down, dout, a, b)
-    dgate = dact * up * (sig * (1 + gate * (1 - sig)))
+    silu = F.silu(gate)
+    dact = _module_backward(bypass, keep, i, "down_proj", silu * up, layer.down, dout, a, b)
+    dgate = torch.ops.aten.silu_backward(dact * up, gate)
     dup = dact * silu
-    h2 = rms_norm(resid, layer.post_norm, cfg.rms_norm_eps)
+    h2 = rms_norm(resid, layer.post_norm, cfg.rms_norm_eps) if _touches(bypass, "gate_proj", "up_proj") else None
     dgate, ex_g = _out_backward(bypass, keep, i, "gate_proj", h2, dgate, a, b)
     dup, ex_u = _out_backward(bypass, keep, i, "up_proj", h2, dup, a, b)
     dh2 = torch.cat([dgate, dup], dim=-1) @ layer.gate_up
@@ -95,12 +93,17 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     dq = _rope_backward(model, q.grad, positions).reshape(n, cfg.q_size)
     dk = _rope_backward(model, k_own.grad + dk_acc[a:b], positions).reshape(n, cfg.kv_size)
     dv = (v_own.grad + dv_acc[a:b]).reshape(n, cfg.kv_size)
-    h1 = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+    h1 = rms_norm(x, layer.input_norm, cfg.rms_norm_eps) if _touches(bypass, "q_proj", "k_proj", "v_proj") else None
     dq, ex_q = _out_backward(bypass, keep, i, "q_proj", h1, dq, a, b)
     dk, ex_k = _out_backward(bypass, keep, i, "k_proj", h1, dk, a, b)
     dv, ex_v = _out_backward(bypass, keep, i, "v_proj", h1, dv, a, b)
     dh1 = _plus(torch.cat([dq, dk, dv], dim=-1) @ layer.qkv, ex_q, ex_k, ex_v)
     return dresid + _rms_norm_backward(dh1, x, layer.input_norm, cfg.rms_norm_eps)
+
+
+def _touches(bypass, *modules: str) -> bool:
+    """Whether the bypass acts on any of ``modules`` (else their inputs need not be recomputed)."""
+    return bypass is not None and any(m in bypass.modules for m in modules)
 
 
 def _out_backward(bypass, keep, i, module, x, dy, a, b):
