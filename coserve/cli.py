@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -12,9 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_create_model(sub)
     _add_generate(sub)
-    _add_bench_generation(sub)
-    _add_finetune(sub)
-    _add_bench_finetune(sub)
+    _add_module_commands(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
@@ -96,40 +95,20 @@ def _generate(args) -> int:
     return 0
 
 
-def _add_bench_generation(sub) -> None:
-    p = sub.add_parser("bench-generation", help="generation throughput against HF transformers generate")
-    from coserve.bench.generation import add_arguments
-    add_arguments(p)
-    p.set_defaults(func=_bench_generation)
+# Subcommands whose module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+MODULE_COMMANDS = {
+    "finetune": ("coserve.finetune.command", "train a LoRA or IA3 adapter with token-level windows"),
+    "bench-generation": ("coserve.bench.generation", "generation throughput against HF transformers generate"),
+    "bench-finetune": ("coserve.bench.finetune", "token-level finetuning against HF PEFT with a torch loop"),
+}
 
 
-def _bench_generation(args) -> int:
-    from coserve.bench.generation import run
-    return run(args)
-
-
-def _add_finetune(sub) -> None:
-    p = sub.add_parser("finetune", help="train a LoRA or IA3 adapter with token-level windows")
-    from coserve.finetune.command import add_arguments
-    add_arguments(p)
-    p.set_defaults(func=_finetune)
-
-
-def _finetune(args) -> int:
-    from coserve.finetune.command import run
-    return run(args)
-
-
-def _add_bench_finetune(sub) -> None:
-    p = sub.add_parser("bench-finetune", help="token-level finetuning against HF PEFT with a torch loop")
-    from coserve.bench.finetune import add_arguments
-    add_arguments(p)
-    p.set_defaults(func=_bench_finetune)
-
-
-def _bench_finetune(args) -> int:
-    from coserve.bench.finetune import run
-    return run(args)
+def _add_module_commands(sub) -> None:
+    for name, (module_name, help_text) in MODULE_COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
 
 
 if __name__ == "__main__":
