@@ -43,8 +43,15 @@ def new_layer_keep(model: DecoderModel, n: int) -> LayerKeep:
 def forward_layer(model: DecoderModel, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend,
                   bypass, keep: LayerKeep, a: int, b: int) -> torch.Tensor:
     """``layer_forward`` on rows ``a:b``, its tap storing the plan's tensors into ``keep``."""
+    out, _, _ = model.layer_forward(layer, x, positions, attend, bypass, keep_tap(keep, a, b))
+    return out
+
+
+def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
+    """A ``layer_forward`` tap storing rows ``first_row:`` of what it sees into ``keep``'s rows ``a:b``."""
 
     def tap(name: str, value: torch.Tensor) -> None:
+        value = value[first_row:]
         if name in ("q", "resid", "gate", "up"):
             getattr(keep, name)[a:b] = value
             return
@@ -53,8 +60,7 @@ def forward_layer(model: DecoderModel, layer: DecoderLayer, x: torch.Tensor, pos
                                             dtype=value.dtype)
         keep.bypass[name][a:b] = value
 
-    out, _, _ = model.layer_forward(layer, x, positions, attend, bypass, tap)
-    return out
+    return tap
 
 
 def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: LayerKeep, x: torch.Tensor,

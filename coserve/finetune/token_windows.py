@@ -45,6 +45,12 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
                 x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
             else:
                 x = pruned_layer.forward_layer(model, layer, x, positions, attend, bypass, state.keeps[i], a, b)
+    return finish_forward_window(model, state, x, a, b, loss_scale)
+
+
+def finish_forward_window(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,
+                          loss_scale: float) -> float:
+    """After the last layer: the window's loss and gradient, and the sequence's progress."""
     loss = _head_loss_and_grad(model, state, x, a, b, loss_scale)
     state.forward_done = b
     state.loss_sum += loss

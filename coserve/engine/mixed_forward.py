@@ -1,0 +1,100 @@
+"""One forward call over inference rows and a finetuning forward window together (co-serving).
+
+Inference rows come first and go through paged attention and the LoRA bank; the finetuning
+rows follow and go through attention over their sequence's own cached prefix and the job's
+trainable bypass, keeping what its backward will read. Every matmul of the layer runs once
+over all rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from coserve.finetune.pruned_layer import keep_tap
+from coserve.finetune.sequence_state import SequenceState
+from coserve.finetune.token_windows import finish_forward_window, training_rows
+from coserve.finetune.window_attention import window_attention
+from coserve.model.attention import PagedKVCache, paged_attention
+from coserve.model.decoder import Bypass, DecoderModel
+from coserve.model.forward_batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class FinetuneSlice:
+    """The next forward window of one finetuning sequence, riding in an inference iteration."""
+
+    bypass: Bypass  # the job's trainable bypass
+    state: SequenceState
+    num_tokens: int  # window size (capped at what the sequence has left)
+    loss_scale: float  # 1 / target tokens of the job's mini-batch
+
+
+class RowSplitBypass:
+    """Rows ``[:split]`` through the inference adapters, rows ``[split:]`` through the trainable bypass."""
+
+    def __init__(self, inference: Bypass | None, finetune: Bypass, split: int) -> None:
+        self.inference, self.finetune, self.split = inference, finetune, split
+        self.modules = finetune.modules | (inference.modules if inference is not None else frozenset())
+
+    def _parts(self, module: str):
+        inf = self.inference if self.inference is not None and module in self.inference.modules else None
+        return inf, self.finetune if module in self.finetune.modules else None
+
+    def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+        inf, ft = self._parts(module)
+        s = self.split
+        top = inf.input(layer, module, x[:s]) if inf is not None else x[:s]
+        bottom = ft.input(layer, module, x[s:]) if ft is not None else x[s:]
+        return torch.cat([top, bottom])
+
+    def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.output_keep(layer, module, x, y, keep=False)[0]
+
+    def output_keep(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor, keep: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inf, ft = self._parts(module)
+        s = self.split
+        top = inf.output(layer, module, x[:s], y[:s]) if inf is not None else y[:s]
+        kept = None
+        if ft is None:
+            bottom = y[s:]
+        elif keep:
+            bottom, kept = ft.output_keep(layer, module, x[s:], y[s:])
+        else:
+            bottom = ft.output(layer, module, x[s:], y[s:])
+        if kept is not None:  # the tap slices rows [split:]; pad the inference rows' part
+            kept = torch.cat([kept.new_zeros(s, *kept.shape[1:]), kept])
+        return torch.cat([top, bottom]), kept
+
+
+@torch.inference_mode(False)  # the finetuning rows' kept tensors must stay usable by autograd later
+def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache, lora: Bypass | None,
+                  ft: FinetuneSlice) -> tuple[torch.Tensor, float]:
+    """Final hidden states of the inference rows ``[T, H]`` and the finetuning window's scaled loss."""
+    st = ft.state
+    a = st.forward_done
+    b = min(a + ft.num_tokens, st.num_tokens)
+    if b <= a:
+        raise ValueError("mixed_forward: the sequence's forward pass is already finished")
+    t = batch.num_tokens
+    positions = torch.cat([batch.positions, st.positions[a:b]])
+    bypass = RowSplitBypass(lora, ft.bypass, t)
+    with torch.no_grad(), training_rows(ft.bypass, st.dropout_seed, st.positions[a:b]):
+        x = model.embed[torch.cat([batch.token_ids, st.token_ids[a:b]])]
+        for layer in model.layers:
+            i = layer.index
+            st.layer_inputs[i][a:b] = x[t:]
+
+            def attend(q, k, v, _i, i=i):
+                st.k[i][a:b], st.v[i][a:b] = k[t:], v[t:]
+                tail = window_attention(q[t:], st.k[i][:a], st.v[i][:a], k[t:], v[t:], model.scale)
+                if not t:
+                    return tail
+                return torch.cat([paged_attention(q[:t], k[:t], v[:t], i, cache, batch, model.scale), tail])
+
+            tap = keep_tap(st.keeps[i], a, b, first_row=t) if st.keeps is not None else None
+            x, _, _ = model.layer_forward(layer, x, positions, attend, bypass, tap)
+    loss = finish_forward_window(model, st, x[t:], a, b, ft.loss_scale)
+    return model.final_norm(x[:t]), loss
