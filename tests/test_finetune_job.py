@@ -16,6 +16,7 @@ from coserve.finetune.runner import run_job
 from coserve.model.loader import load_model
 from coserve.peft.config import LoraConfig
 from coserve.peft.trainable import TrainableLora, load_trainable
+from coserve.finetune.sequence_state import IGNORE_INDEX as IGNORE
 from test_finetune_vs_peft import _examples
 
 
@@ -122,3 +123,19 @@ def test_the_executor_keeps_exactly_the_plans_bytes(setup, tmp_path, peft, remat
     plan = job_plan(job)
     assert job.kept_bytes_per_token == plan.model_kept_bytes_per_token
     assert plan.model_kept_bytes_per_token < plan.model_keep_all_bytes_per_token
+
+
+def test_sequences_longer_than_the_rope_table_are_refused_clearly(setup, tmp_path):
+    from coserve.finetune.job import Example
+    model_dir, model, examples, bypass = setup
+    too_long = Example(list(range(5, 5 + model.rope.max_positions + 1)), [IGNORE] * (model.rope.max_positions + 1))
+    with pytest.raises(ValueError, match="positions"):
+        FinetuneJob(model, bypass(), examples + [too_long], _cfg(tmp_path / "o"))
+
+
+def test_finetune_cli_trains_past_the_nominal_context(model_factory, tmp_path):
+    from coserve.cli import main
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"text": "word " * 700}) + "\n")  # > 512 tokens, the tiny preset's context
+    assert main(["finetune", "--model", str(model_factory("llama")), "--data", str(data), "--output",
+                 str(tmp_path / "o"), "--max-steps", "1", "--max-seq-len", "800", "--no-progress"]) == 0

@@ -45,7 +45,7 @@ def packed_sequences(tokenizer, path: Path, seq_len: int, count: int) -> list[li
         texts = [f"Example {i}: the scheduler packs tokens into iterations." for i in range(2000)]
     stream: list[int] = []
     for text in texts:
-        stream.extend(tokenizer(text)["input_ids"] + [tokenizer.eos_token_id])
+        stream.extend(tokenizer(text, verbose=False)["input_ids"] + [tokenizer.eos_token_id])
         if len(stream) >= seq_len * count:
             break
     while len(stream) < seq_len * count:

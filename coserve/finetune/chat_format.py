@@ -85,7 +85,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], 
 
 
 def _ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:

@@ -69,7 +69,9 @@ def run(args) -> int:
     examples, report = load_dataset(args.data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
     print(report.summary())
     device = resolve_device(args.device)
-    model = load_model(args.model, resolve_dtype(args.dtype, model_cfg), device)
+    # RoPE positions for every training position, also past the checkpoint's nominal context.
+    model = load_model(args.model, resolve_dtype(args.dtype, model_cfg), device,
+                       max_positions=max(model_cfg.max_position_embeddings, cfg.max_seq_len))
     bypass = _bypass(args, model, device, cfg.seed)
     job = FinetuneJob(model, bypass, examples, cfg, base_model=str(Path(args.model).resolve()),
                       resume_from=Path(args.init_adapter) if args.init_adapter else None)

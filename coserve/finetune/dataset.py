@@ -99,7 +99,7 @@ def _string(record: dict, key: str, optional: bool = False) -> str:
 
 
 def _ids(tokenizer: PreTrainedTokenizerBase, text: str, special: bool) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
 
 
 def _encode_text(record: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[bool]]:

@@ -59,6 +59,10 @@ class FinetuneJob:
         if not examples:
             raise ValueError("examples: the job has no training examples")
         self.model, self.bypass, self.cfg, self.base_model = model, bypass, cfg, base_model
+        longest = max(len(e.token_ids) for e in examples)
+        if longest > model.rope.max_positions:
+            raise ValueError(f"examples: a sequence has {longest} tokens; the model was loaded with positions "
+                             f"for {model.rope.max_positions} (lower max_seq_len or load it with more)")
         self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
         self.per_step = cfg.batch_size * cfg.grad_accum
         steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
