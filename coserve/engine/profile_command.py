@@ -1,0 +1,46 @@
+"""``coserve profile --model DIR --out FILE``: measure iteration latencies and fit the latency model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
+from coserve.model.config import ModelConfig
+from coserve.model.loader import load_model, resolve_device, resolve_dtype
+from coserve.scheduler.latency_model import FEATURE_NAMES
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", default=None, help=f"latency JSON (default: {default_profile_path()})")
+    p.add_argument("--points", type=int, default=60, help="grid points to time")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median counts)")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default=None)
+
+
+def run(args) -> int:
+    for name in ("points", "repeats", "max_context"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be positive")
+    cfg = ModelConfig.from_dir(args.model)
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
+    model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
+    key = latency_key(args.model, device, dtype)
+    bar = tqdm(total=args.points, desc="profile", unit="point")
+    latency, samples = profile(model, key, args.points, args.repeats, args.seed, args.max_context,
+                               progress=lambda done, total: bar.update(1))
+    bar.close()
+    out = Path(args.out) if args.out else default_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_latency_model(out, latency)
+    err = latency.heldout_median_abs_pct_error
+    print(f"{len(samples)} iterations timed; held-out median absolute error "
+          f"{'n/a' if err is None else f'{err:.1f}%'}; saved to {out} under {key}")
+    for name, coef in zip(FEATURE_NAMES, latency.coefficients):
+        print(f"  {name:32s} {coef:.3e} s")
+    return 0

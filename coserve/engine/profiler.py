@@ -1,0 +1,172 @@
+"""``coserve profile``: time real co-serving iterations over a grid and fit the latency model.
+
+Each grid point is one synthetic iteration: decode tokens of sequences with a given context,
+a prefill chunk, a finetuning forward window (in the same forward call, as co-serving runs it)
+and a finetuning backward window. K/V contents do not matter for timing, so decode sequences
+share their prefix blocks and each writes its new token into a block of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from coserve.engine.mixed_forward import FinetuneSlice, mixed_forward
+from coserve.finetune.pruned_layer import new_layer_keep
+from coserve.finetune.sequence_state import SequenceState, new_sequence_state
+from coserve.finetune.token_windows import backward_window, forward_window
+from coserve.model.attention import PagedKVCache
+from coserve.model.decoder import DecoderModel
+from coserve.model.forward_batch import SequenceChunk, build_forward_batch
+from coserve.peft.config import LoraConfig
+from coserve.peft.trainable import TrainableLora
+from coserve.scheduler.latency_model import IterationShape, LatencyModel, fit, load_model as load_latency
+
+BLOCK = 16
+
+
+@dataclass(slots=True, frozen=True)
+class ProfilePoint:
+    """One synthetic iteration's token mix."""
+
+    decode_seqs: int  # sequences with one decode token each
+    decode_ctx: int  # their context length
+    prefill: int  # prompt tokens of one prefill chunk (from position 0)
+    ft_forward: int  # finetuning forward window (from position 0)
+    ft_backward: int  # finetuning backward window: tokens of one layer, at the end of a ft_context sequence
+    ft_context: int  # length of the sequence the backward window belongs to
+
+
+def grid(num_points: int, max_ctx: int, seed: int = 0) -> list[ProfilePoint]:
+    """``num_points`` points drawn from a grid of decode batches, contexts, prefill and finetuning sizes."""
+    rng = random.Random(seed)
+    sizes = [0, 16, 64, 128, 256, 512]
+    ctxs = [c for c in (32, 128, 512, 1024, 2048) if c <= max_ctx] or [max_ctx]
+    points: set[ProfilePoint] = set()
+    while len(points) < num_points:
+        ft_ctx = rng.choice(ctxs)
+        point = ProfilePoint(rng.choice([0, 1, 4, 16, 32, 64]), rng.choice(ctxs), rng.choice(sizes),
+                             min(rng.choice(sizes), max_ctx), min(rng.choice(sizes), ft_ctx), ft_ctx)
+        if point.decode_seqs or point.prefill or point.ft_forward or point.ft_backward:
+            points.add(point)
+    return sorted(points, key=lambda p: (p.decode_seqs, p.decode_ctx, p.prefill, p.ft_forward, p.ft_backward))
+
+
+class IterationRig:
+    """A model, a KV cache of scratch blocks and a finetuning adapter, to time synthetic iterations."""
+
+    def __init__(self, model: DecoderModel, max_ctx: int, max_decode: int = 64) -> None:
+        c = model.cfg
+        self.model = model
+        self.bypass = TrainableLora(LoraConfig(r=16, lora_alpha=16), model.module_shapes(), c.num_layers,
+                                    model.device, torch.Generator().manual_seed(0))
+        self.shared = -(-max_ctx // BLOCK)  # blocks 0 .. shared-1: the common prefix
+        self.cache = PagedKVCache(c.num_layers, self.shared * 2 + max_decode + 1, BLOCK, c.num_kv_heads,
+                                  c.head_dim, model.device, model.dtype)
+        self.max_decode = max_decode
+
+    def _state(self, n: int) -> SequenceState:
+        c = self.model.cfg
+        ids = torch.randint(5, c.vocab_size, (n,)).tolist()
+        state = new_sequence_state(ids, ids[1:] + [-100], c.num_layers, c.hidden_size, c.num_kv_heads, c.head_dim,
+                                   self.model.device, self.model.dtype)
+        state.keeps = [new_layer_keep(self.model, n) for _ in range(c.num_layers)]
+        return state
+
+    def _batch(self, p: ProfilePoint):
+        chunks, tokens, row = [], [], 0
+        nb = -(-p.decode_ctx // BLOCK)
+        for s in range(p.decode_seqs):
+            table = list(range(nb - 1)) + [2 * self.shared + s]  # shared prefix, own last block
+            chunks.append(SequenceChunk(row, row + 1, p.decode_ctx, table))
+            tokens.append([7])
+            row += 1
+        if p.prefill:
+            table = list(range(self.shared, self.shared + -(-p.prefill // BLOCK)))
+            chunks.append(SequenceChunk(row, row + p.prefill, p.prefill, table))
+            tokens.append([7] * p.prefill)
+            row += p.prefill
+        logits = [c.end - 1 for c in chunks]
+        return build_forward_batch(tokens, chunks, BLOCK, logits, self.model.device)
+
+    def time(self, p: ProfilePoint, repeats: int) -> tuple[IterationShape, float]:
+        """The point's IterationShape and the median wall time of ``repeats`` runs (after one warm-up)."""
+        times = [self._once(p) for _ in range(repeats + 1)][1:]
+        n_bwd = p.ft_backward
+        shape = IterationShape(
+            decode_tokens=p.decode_seqs, decode_context=p.decode_seqs * p.decode_ctx,
+            prefill_tokens=p.prefill, prefill_context=p.prefill * (p.prefill + 1) // 2,
+            finetune_forward_tokens=p.ft_forward, finetune_forward_context=p.ft_forward * (p.ft_forward + 1) // 2,
+            finetune_backward_token_layers=n_bwd,
+            finetune_backward_context=sum(range(p.ft_context - n_bwd + 1, p.ft_context + 1)))
+        return shape, statistics.median(times)
+
+    def _once(self, p: ProfilePoint) -> float:
+        model = self.model
+        batch = self._batch(p)
+        fwd_state = self._state(p.ft_forward) if p.ft_forward else None
+        bwd_state = None
+        if p.ft_backward:  # forward the whole sequence first (not timed): the backward reads its keeps
+            bwd_state = self._state(p.ft_context)
+            forward_window(model, self.bypass, bwd_state, p.ft_context, 1.0 / p.ft_context)
+        sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        if fwd_state is not None:
+            hidden, _ = mixed_forward(model, batch, self.cache, None,
+                                      FinetuneSlice(self.bypass, fwd_state, p.ft_forward, 1.0 / p.ft_forward))
+        elif batch.num_tokens:
+            hidden = model.forward(batch, self.cache)
+        if batch.num_tokens:
+            model.logits(hidden[batch.logits_rows]).argmax(-1)
+        if bwd_state is not None:
+            backward_window(model, self.bypass, bwd_state, p.ft_backward)
+        sync()
+        elapsed = time.perf_counter() - start
+        self.bypass.zero_grad()
+        return elapsed
+
+
+def profile(model: DecoderModel, key: dict[str, str], num_points: int = 60, repeats: int = 3, seed: int = 0,
+            max_ctx: int = 1024, progress=None) -> tuple[LatencyModel, list[tuple[IterationShape, float]]]:
+    """Time ``num_points`` grid iterations and fit; the model reports its held-out median error."""
+    max_ctx = min(max_ctx, model.rope.max_positions)
+    rig = IterationRig(model, max_ctx)
+    samples = []
+    for i, point in enumerate(grid(num_points, max_ctx, seed)):
+        samples.append(rig.time(point, repeats))
+        if progress is not None:
+            progress(i + 1, num_points)
+    return fit(samples, key), samples
+
+
+def save_latency_model(path: Path, latency: LatencyModel) -> None:
+    """Add (or replace) ``latency`` in the JSON file at ``path``, keeping models with other keys."""
+    from coserve.scheduler.latency_model import save_models
+    others = []
+    if path.is_file():
+        raw = json.loads(path.read_text())
+        others = [LatencyModel.from_json(m) for m in raw.get("models", []) if m.get("key") != latency.key]
+    save_models(path, others + [latency])
+
+
+def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """What a fit is valid for: the model directory, device, dtype and thread count."""
+    return {"model": str(Path(model_dir).resolve()), "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "threads": str(torch.get_num_threads())}
+
+
+def cached_latency_model(path: Path, key: dict[str, str]) -> LatencyModel | None:
+    """The saved fit for ``key``, if any."""
+    return load_latency(path, key) if path.is_file() else None
+
+
+def default_profile_path() -> Path:
+    return Path(os.environ.get("COSERVE_PROFILE", Path.home() / ".cache" / "coserve" / "latency.json"))

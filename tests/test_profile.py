@@ -1,0 +1,35 @@
+"""``coserve profile`` on tiny settings: real timed iterations in, a keyed latency model out."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from coserve.cli import main
+from coserve.engine.profiler import grid, latency_key
+from coserve.scheduler.latency_model import load_model
+
+
+def test_grid_points_are_distinct_and_do_work():
+    points = grid(30, 512, seed=1)
+    assert len(points) == len(set(points)) == 30
+    assert all(p.decode_seqs or p.prefill or p.ft_forward or p.ft_backward for p in points)
+    assert all(p.ft_backward <= p.ft_context <= 512 and p.decode_ctx <= 512 for p in points)
+
+
+def test_profile_writes_a_model_keyed_by_model_device_dtype_threads(model_factory, tmp_path, capsys):
+    model_dir = model_factory("llama")
+    out = tmp_path / "latency.json"
+    assert main(["profile", "--model", str(model_dir), "--out", str(out), "--points", "12", "--repeats", "1",
+                 "--max-context", "256"]) == 0
+    assert "held-out median absolute error" in capsys.readouterr().out
+    key = latency_key(model_dir, torch.device("cpu"), torch.float32)
+    latency = load_model(out, key)
+    assert latency is not None and latency.heldout_median_abs_pct_error is not None
+    assert load_model(out, {**key, "threads": "999"}) is None
+    # profiling another dtype adds a model beside the first one
+    assert main(["profile", "--model", str(model_dir), "--out", str(out), "--points", "12", "--repeats", "1",
+                 "--max-context", "256", "--dtype", "bfloat16"]) == 0
+    assert len(json.loads(out.read_text())["models"]) == 2
+    assert load_model(out, key) is not None
