@@ -139,3 +139,21 @@ def test_finetune_cli_trains_past_the_nominal_context(model_factory, tmp_path):
     data.write_text(json.dumps({"text": "word " * 700}) + "\n")  # > 512 tokens, the tiny preset's context
     assert main(["finetune", "--model", str(model_factory("llama")), "--data", str(data), "--output",
                  str(tmp_path / "o"), "--max-steps", "1", "--max-seq-len", "800", "--no-progress"]) == 0
+
+
+@pytest.mark.parametrize("remat", ["cheap", "all"])
+@pytest.mark.parametrize("peft", ["lora", "ia3"])
+def test_bfloat16_models_train(model_factory, tmp_path, remat, peft):
+    from coserve.peft.config import IA3Config
+    from coserve.peft.trainable import TrainableIA3
+    model = load_model(model_factory("llama"), torch.bfloat16, torch.device("cpu"))
+    examples = _examples(model.cfg.vocab_size, 4, seed=2)
+    if peft == "lora":
+        b = TrainableLora(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]), model.module_shapes(),
+                          model.cfg.num_layers, model.device, torch.Generator().manual_seed(0))
+    else:
+        b = TrainableIA3(IA3Config(), model.module_shapes(), model.cfg.num_layers, model.device)
+    job = FinetuneJob(model, b, examples, _cfg(tmp_path / "o", max_steps=2, rematerialize=remat))
+    run_job(job, progress=False)
+    assert all(math.isfinite(r.loss) and not r.skipped for r in job.log)
+    assert all(p.dtype == torch.float32 for p in b.parameters())  # the adapter trains in float32

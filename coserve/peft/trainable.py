@@ -159,14 +159,15 @@ class TrainableLora(TrainableBypass):
     def output_backward(self, layer: int, module: str, x: torch.Tensor, xa: torch.Tensor, dy: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self.a[(layer, module)], self.b[(layer, module)]
-        dy = dy.to(a.dtype)
+        out_dtype = x.dtype  # the model's; the adapter computes in its own dtype
+        dyf = dy.to(a.dtype)
         x = x.to(a.dtype)
         mask = self._mask(layer, module, x.shape[1], x.dtype)
-        _accumulate(b, dy.T @ xa * self.scaling)  # [out, r]
-        dxa = dy @ b.detach() * self.scaling  # [T, r]
+        _accumulate(b, dyf.T @ xa * self.scaling)  # [out, r]
+        dxa = dyf @ b.detach() * self.scaling  # [T, r]
         _accumulate(a, dxa.T @ (x if mask is None else x * mask))  # [r, in]
         dx = dxa @ a.detach()
-        return dy, dx if mask is None else dx * mask
+        return dy, (dx if mask is None else dx * mask).to(out_dtype)
 
     def input_backward(self, layer: int, module: str, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
         return dx  # LoRA leaves the input alone
@@ -219,16 +220,16 @@ class TrainableIA3(TrainableBypass):
         if module in self.feedforward:
             return dy, None
         vec = self.vectors[(layer, module)]
-        _accumulate(vec, (dy * y).sum(0).unsqueeze(1))  # [out, 1]
-        return dy * vec.detach().flatten(), None
+        _accumulate(vec, (dy.float() * y.float()).sum(0).unsqueeze(1))  # [out, 1]
+        return (dy * vec.detach().flatten()).to(dy.dtype), None
 
     def input_backward(self, layer: int, module: str, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
         """``x`` is the unscaled input; returns the gradient for it."""
         if module not in self.feedforward:
             return dx
         vec = self.vectors[(layer, module)]
-        _accumulate(vec, (dx * x).sum(0).unsqueeze(0))  # [1, in]
-        return dx * vec.detach().flatten()
+        _accumulate(vec, (dx.float() * x.float()).sum(0).unsqueeze(0))  # [1, in]
+        return (dx * vec.detach().flatten()).to(dx.dtype)
 
     def peft_config(self, base_model: str) -> dict:
         c = self.config
