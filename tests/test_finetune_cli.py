@@ -40,7 +40,6 @@ def test_finetune_writes_an_adapter_peft_loads_identically(model_factory, tmp_pa
                         "peak_rss_bytes"}
     assert 0 < mem["kept_bytes_per_token"] < mem["autograd_bytes_per_token"]
 
-    from coserve.finetune.reference import whole_sequence_loss  # noqa: F401  (same math as the executor)
     from coserve.model.loader import load_model
     from coserve.peft.trainable import load_trainable
     from coserve.finetune.window_attention import window_attention

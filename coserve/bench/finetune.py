@@ -118,6 +118,7 @@ def _worker(spec: dict) -> dict:
 
 def _run_hf(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
     """HF PEFT: get_peft_model, plain loop of forward, loss.backward(), AdamW step."""
+    from coserve.finetune.memory import saved_activation_bytes
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
@@ -125,7 +126,7 @@ def _run_hf(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
                                             target_modules=spec["targets"].split(",")))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = _saved_bytes(lambda: model(input_ids=torch.tensor([seqs[0]]), labels=torch.tensor([seqs[0]])).loss,
+    saved = saved_activation_bytes(lambda: model(input_ids=torch.tensor([seqs[0]]), labels=torch.tensor([seqs[0]])).loss,
                          weights)
 
     def step(ids):
@@ -142,26 +143,9 @@ def _run_hf(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
     return time.perf_counter() - start, {"autograd_bytes_per_token": per_token, "kept_bytes_per_token": per_token}
 
 
-def _saved_bytes(forward, weights: set[int]) -> int:
-    """Activation bytes autograd saves for one forward (parameters excluded), each storage once."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights:
-            seen.setdefault(ptr, t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = forward()
-    del loss
-    return sum(seen.values())
-
-
 def _run_coserve(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
     from coserve.finetune.config import FinetuneConfig
     from coserve.finetune.job import Example, FinetuneJob
-    from coserve.finetune.runner import run_job
     from coserve.model.loader import load_model
     from coserve.peft.config import LoraConfig
     from coserve.peft.trainable import TrainableLora

@@ -27,7 +27,7 @@ from coserve.model.decoder import DecoderModel
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.peft.config import LoraConfig
 from coserve.peft.trainable import TrainableLora
-from coserve.scheduler.latency_model import IterationShape, LatencyModel, fit, load_model as load_latency
+from coserve.scheduler.latency_model import IterationShape, LatencyModel, fit
 
 BLOCK = 16
 
@@ -163,10 +163,6 @@ def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype)
             "dtype": str(dtype).removeprefix("torch."), "threads": str(torch.get_num_threads())}
 
 
-def cached_latency_model(path: Path, key: dict[str, str]) -> LatencyModel | None:
-    """The saved fit for ``key``, if any."""
-    return load_latency(path, key) if path.is_file() else None
-
-
 def default_profile_path() -> Path:
+    """Where profiles go unless told otherwise (``$COSERVE_PROFILE`` or the user cache)."""
     return Path(os.environ.get("COSERVE_PROFILE", Path.home() / ".cache" / "coserve" / "latency.json"))

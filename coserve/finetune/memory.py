@@ -16,7 +16,7 @@ from coserve.model.decoder import Bypass, DecoderModel
 def autograd_saved_bytes(model: DecoderModel, bypass: Bypass, token_ids: list[int], targets: list[int]) -> int:
     """Bytes of activations autograd saves for one whole-sequence backward (weights excluded).
 
-    Counted with saved-tensor hooks, each storage once, so views of one tensor are not double counted.
+    Counted with saved-tensor hooks (``saved_activation_bytes``), each storage once.
     """
     weights = {model.embed.data_ptr(), model.lm_head.data_ptr(), model.norm.data_ptr()}
     for layer in model.layers:
@@ -24,17 +24,21 @@ def autograd_saved_bytes(model: DecoderModel, bypass: Bypass, token_ids: list[in
             if t is not None:
                 weights.add(t.data_ptr())
     weights.update(p.data_ptr() for p in getattr(bypass, "parameters", lambda: [])())
+    return saved_activation_bytes(lambda: whole_sequence_loss(model, bypass, token_ids, targets), weights)
+
+
+def saved_activation_bytes(forward, weight_ptrs: set[int]) -> int:
+    """Bytes autograd saves while ``forward()`` runs, storages in ``weight_ptrs`` excluded, each storage once."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in weights and ptr not in seen:
-            seen[ptr] = storage.nbytes()
+        if storage.data_ptr() not in weight_ptrs:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = whole_sequence_loss(model, bypass, token_ids, targets)
+        loss = forward()
     del loss
     return sum(seen.values())
 

@@ -77,12 +77,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         """Read ``model_dir/config.json``; raises ModelConfigError naming the file and field."""
         path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(f"{path}: no config.json in the model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelConfigError(f"{path}: not valid JSON ({e})") from e
+        raw = read_json_file(path, "the model directory", ModelConfigError)
         try:
             return cls.from_dict(raw)
         except ModelConfigError as e:
@@ -130,6 +125,16 @@ class ModelConfig:
                 f"field 'sliding_window': {raw['sliding_window']} is shorter than the context "
                 f"({cfg.max_position_embeddings}); sliding-window attention is not supported")
         return cfg
+
+
+def read_json_file(path: Path, where: str, error: type[ValueError]) -> dict:
+    """A JSON object from ``path``; ``error`` naming the file when it is missing or not valid JSON."""
+    if not path.is_file():
+        raise error(f"{path}: no {path.name} in {where}")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from e
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from coserve.model.config import read_json_file
 from coserve.model.decoder import TARGET_MODULES
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -68,12 +68,7 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
 
 def _read_config(path: Path) -> dict:
     cfg_file = path / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise AdapterError(f"{cfg_file}: no adapter_config.json in the adapter directory")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{cfg_file}: not valid JSON ({e})") from e
+    config = read_json_file(cfg_file, "the adapter directory", AdapterError)
     peft_type = str(config.get("peft_type", "")).upper()
     if peft_type != "LORA":
         raise AdapterError(f"{cfg_file}: field 'peft_type' = {config.get('peft_type')!r}; "
