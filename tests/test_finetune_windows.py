@@ -9,7 +9,7 @@ import torch
 
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
-from coserve.finetune.pruned_layer import new_layer_keep
+from coserve.finetune.pruned_layer import BASE_KEEPS, executor_plan, new_keeps, planned_keeps
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.loader import load_model
 from coserve.peft.config import IA3Config, LoraConfig
@@ -53,8 +53,10 @@ def _grads(bypass):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", list(BYPASSES))
-@pytest.mark.parametrize("seed,remat", [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap")])
+@pytest.mark.parametrize("seed,remat", [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap"), (0, "cheap:none"),
+                                        (1, "cheap:every")])
 def test_random_window_schedules_match_whole_sequence_autograd(model_factory, arch, kind, seed, remat):
+    """``cheap`` keeps the plan's tensors; ``cheap:none`` recomputes q, resid, gate and up; ``cheap:every`` keeps them."""
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
     rng = random.Random(seed)
     bypass = _bypass(kind, model, seed)
@@ -79,8 +81,10 @@ def test_random_window_schedules_match_whole_sequence_autograd(model_factory, ar
         state = new_sequence_state(ids, tg, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
                                    model.cfg.head_dim, model.device, model.dtype)
         state.dropout_seed = n
-        if remat == "cheap":
-            state.keeps = [new_layer_keep(model, len(ids)) for _ in range(model.cfg.num_layers)]
+        if remat.startswith("cheap"):
+            names = {"cheap": planned_keeps(executor_plan(model, bypass.config, "cheap")), "cheap:none": (),
+                     "cheap:every": BASE_KEEPS}[remat]
+            state.keeps = new_keeps(model, len(ids), names)
         for size in _windows(rng, len(ids)):
             loss += forward_window(model, bypass, state, size, 1.0 / total)
         while not state.finished:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coserve.engine.mixed_forward import FinetuneSlice, mixed_forward
-from coserve.finetune.pruned_layer import new_layer_keep
+from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
 from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.attention import PagedKVCache
@@ -55,7 +55,7 @@ def test_finetuning_rows_in_an_inference_batch(model_factory, tmp_path, remat, n
         state = new_sequence_state(ids, targets, c.num_layers, c.hidden_size, c.num_kv_heads, c.head_dim,
                                    model.device, model.dtype)
         if remat == "cheap":
-            state.keeps = [new_layer_keep(model, len(ids)) for _ in range(c.num_layers)]
+            state.keeps = new_keeps(model, len(ids), planned_keeps(executor_plan(model, bypass.config, "cheap")))
         for window in (7, 9, 14):
             if not mixed:
                 forward_window(model, bypass, state, window, 1 / 29)

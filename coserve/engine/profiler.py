@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from coserve.engine.mixed_forward import FinetuneSlice, mixed_forward
-from coserve.finetune.pruned_layer import new_layer_keep
+from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
 from coserve.finetune.sequence_state import SequenceState, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.attention import PagedKVCache
@@ -71,13 +71,14 @@ class IterationRig:
         self.cache = PagedKVCache(c.num_layers, self.shared * 2 + max_decode + 1, BLOCK, c.num_kv_heads,
                                   c.head_dim, model.device, model.dtype)
         self.max_decode = max_decode
+        self.keep_names = planned_keeps(executor_plan(model, self.bypass.config, "cheap"))
 
     def _state(self, n: int) -> SequenceState:
         c = self.model.cfg
         ids = torch.randint(5, c.vocab_size, (n,)).tolist()
         state = new_sequence_state(ids, ids[1:] + [-100], c.num_layers, c.hidden_size, c.num_kv_heads, c.head_dim,
                                    self.model.device, self.model.dtype)
-        state.keeps = [new_layer_keep(self.model, n) for _ in range(c.num_layers)]
+        state.keeps = new_keeps(self.model, n, self.keep_names)
         return state
 
     def _batch(self, p: ProfilePoint):

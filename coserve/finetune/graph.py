@@ -94,6 +94,7 @@ class LayerGraph:
     required_grads: tuple[str, ...]  # gradients that must be produced (see graph_pruning)
     element_size: int  # bytes per element
     title: str = ""
+    projections: tuple[str, ...] = ()  # base-layer matmul outputs a budgeted rematerialisation may recompute
 
     def op(self, name: str) -> Op:
         return next(o for o in self.ops if o.name == name)
@@ -159,9 +160,9 @@ class GraphBuilder:
                        FLOPS_PER_ELEMENT["norm"] * n)
 
     def build(self, input: str, output: str, always_kept: tuple[str, ...], required_grads: tuple[str, ...],
-              title: str = "") -> LayerGraph:
+              title: str = "", projections: tuple[str, ...] = ()) -> LayerGraph:
         return LayerGraph(dict(self.tensors), list(self.ops), input, output, always_kept, required_grads,
-                          self.element_size, title)
+                          self.element_size, title, projections)
 
 
 @dataclass(slots=True)
@@ -296,4 +297,6 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     title = (f"{peft_summary(peft)}; hidden {shape.hidden_size}, intermediate {shape.intermediate_size}, "
              f"heads {shape.num_heads}/{shape.num_kv_heads} x {shape.head_dim}, {shape.element_size} B/element")
     # dL/dK and dL/dV are required: later tokens' backward windows produce them for earlier tokens.
-    return b.build(x, out, always_kept=(x, k, v), required_grads=(x, k, v), title=title)
+    # The projections the pruned executor can recompute in its backward (bypass tensors stay kept).
+    return b.build(x, out, always_kept=(x, k, v), required_grads=(x, k, v), title=title,
+                   projections=(q, resid, gate, up))

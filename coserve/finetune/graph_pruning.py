@@ -15,12 +15,16 @@ Pure Python over ``coserve.finetune.graph``. Steps:
    since earlier windows run those same steps.
 3. The activations read by the surviving steps form the keep set; the layer input and
    the K/V cache are always stored.
-4. Rematerialisation (policy ``cheap``): a kept tensor whose producer costs under
-   ``cost_threshold`` FLOPs per output element and whose producer's activation inputs are
-   all in the keep set (stored, or themselves rematerialised: they are recomputed first)
-   is recomputed in the backward pass instead of stored. ``all`` stores only the input and
-   K/V and recomputes the rest (what ``coserve.finetune.token_windows`` does); ``none``
-   stores the whole keep set.
+4. Rematerialisation (policy ``cheap``), in two passes. (a) A kept tensor whose producer
+   costs under ``cost_threshold`` FLOPs per output element and whose producer's activation
+   inputs are all in the keep set (stored, or themselves rematerialised: they are recomputed
+   first) is recomputed in the backward pass instead of stored. (b) Then the base layer's
+   projection outputs (``LayerGraph.projections``: rotated q, the residual after attention,
+   gate, up) are recomputed, with whatever chain of ops leads to them from available tensors,
+   cheapest FLOPs per byte saved first, as long as the FLOPs added stay within
+   ``recompute_budget`` times the layer's training FLOPs per token (``training_flops``).
+   ``all`` stores only the input and K/V and recomputes the rest (what
+   ``coserve.finetune.token_windows`` does); ``none`` stores the whole keep set.
 5. Bitmask compression: a stored tensor that every surviving reader needs only the sign of
    (ReLU's backward) is kept as 1 bit per element. A recomputation reads its inputs in full,
    so rematerialising from a bitmask-only tensor is taken only when it saves bytes overall.
@@ -35,6 +39,9 @@ from coserve.finetune.graph import LayerGraph, LayerShape, Op, OpKind, TensorKin
 
 POLICIES = ("cheap", "all", "none")
 DEFAULT_COST_THRESHOLD = 8.0  # FLOPs per output element: elementwise, norms, RoPE, SiLU are under it
+# Extra FLOPs pass (b) may spend recomputing projections, as a fraction of the layer's training FLOPs:
+# on Llama shapes it buys back q and the post-attention residual (two hidden x hidden matmuls).
+DEFAULT_RECOMPUTE_BUDGET = 0.10
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +144,22 @@ def keep_set(graph: LayerGraph, surviving: list[BackwardStep]) -> dict[str, bool
     return keep
 
 
-def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_threshold: float
-                  ) -> tuple[dict[str, str], list[str]]:
-    """Algorithm 1, step 2: ``(stored name -> "full" | "bitmask", rematerialised names in forward order)``."""
+def training_flops(graph: LayerGraph, surviving: list[BackwardStep]) -> float:
+    """FLOPs per token of one layer's forward and pruned backward (what the recompute budget is a share of).
+
+    Each surviving backward step is priced at its op's forward FLOPs (a matmul's input or
+    weight gradient costs what the forward matmul does).
+    """
+    ops = {op.name: op for op in graph.ops}
+    return sum(op.flops for op in graph.ops) + sum(ops[s.op].flops for s in surviving)
+
+
+def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_threshold: float,
+                  recompute_budget: float = 0.0, budget_flops: float = 0.0) -> tuple[dict[str, str], list[str]]:
+    """Algorithm 1, step 2: ``(stored name -> "full" | "bitmask", rematerialised names in forward order)``.
+
+    ``budget_flops``: what pass (b) may add (``recompute_budget`` x the training FLOPs).
+    """
     order = [t for op in graph.ops for t in op.outputs if t in keep]  # forward order
     if policy == "all":
         return {t: "full" for t in graph.always_kept}, [t for t in order if t not in graph.always_kept]
@@ -165,7 +185,59 @@ def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_th
             del stored[t]
             remat.append(t)
             changed = True
-    return stored, [t for t in order if t in remat]
+    if policy == "cheap" and recompute_budget > 0:
+        remat += _spend_budget(graph, stored, remat, budget_flops)
+    return stored, [t for op in graph.ops for t in op.outputs if t in remat]
+
+
+def _spend_budget(graph: LayerGraph, stored: dict[str, str], remat: list[str], budget: float) -> list[str]:
+    """Pass (b): recompute projections cheapest per byte first while their chains fit in ``budget`` FLOPs.
+
+    Returns the tensors added to the rematerialised set (the projections and the intermediate
+    tensors of their chains), removing the projections from ``stored``.
+    """
+    added: list[str] = []
+    spent = 0.0
+    while True:
+        available = {t for t, how in stored.items() if how == "full"} | set(remat) | set(added) | {graph.input}
+        best = None
+        for t in graph.projections:
+            if stored.get(t) != "full" or t in graph.always_kept:
+                continue
+            chain = _chain(graph, t, available - {t})
+            if chain is None:
+                continue
+            cost = sum(graph.producer(c).flops for c in chain)
+            key = (cost / _bytes(graph, t, "full"), cost)
+            if spent + cost <= budget and (best is None or key < best[0]):
+                best = (key, t, chain, cost)
+        if best is None:
+            return added
+        _, t, chain, cost = best
+        del stored[t]
+        added += [c for c in chain if c not in added]
+        spent += cost
+
+
+def _chain(graph: LayerGraph, tensor: str, available: set[str]) -> list[str] | None:
+    """Tensors to recompute, in forward order, to get ``tensor`` from ``available`` ones (None: impossible).
+
+    A producer with several outputs (a norm and its rms) recomputes them all; only the first is listed.
+    """
+    out: list[str] = []
+
+    def visit(t: str) -> bool:
+        spec = graph.tensors[t]
+        if spec.kind is not TensorKind.ACTIVATION or t in available or t in out:
+            return True
+        op = graph.producer(t)
+        if op is None or not all(visit(i) for i in op.inputs):
+            return False
+        if op.outputs[0] not in out:
+            out.append(op.outputs[0])
+        return True
+
+    return out if visit(tensor) else None
 
 
 def _bytes(graph: LayerGraph, tensor: str, storage: str) -> float:
@@ -203,6 +275,9 @@ class PruningPlan:
     title: str
     policy: str
     cost_threshold: float  # FLOPs per output element
+    recompute_budget: float  # pass (b)'s extra FLOPs as a fraction of training_flops_per_token
+    training_flops_per_token: float  # one layer's forward and pruned backward
+    recompute_flops_per_token: float  # one layer: what the backward pass spends rematerialising
     element_size: int  # bytes
     kept: list[KeptTensor]  # stored, in forward order
     rematerialized: list[RematTensor]  # recomputed in the backward pass, in forward (recompute) order
@@ -225,7 +300,8 @@ class PruningPlan:
 
     def describe(self) -> str:
         """A readable multi-line summary."""
-        how = {"cheap": f"rematerialise ops under {self.cost_threshold:g} FLOPs per output element",
+        how = {"cheap": f"rematerialise ops under {self.cost_threshold:g} FLOPs per output element, then "
+                        f"projections within {self.recompute_budget:.0%} of the training FLOPs",
                "all": "store the input and the K/V cache, recompute the rest",
                "none": "store the whole keep set"}[self.policy]
         lines = [f"Pruning plan: {self.title}", f"policy {self.policy!r}: {how}",
@@ -235,6 +311,9 @@ class PruningPlan:
                          f"from {k.producer}; read by {', '.join(k.readers) or 'the forward (cache)'}")
         remat = ", ".join(f"{r.name} ({r.producer}, {_num(r.flops)} FLOPs)" for r in self.rematerialized)
         lines.append(f"rematerialised ({len(self.rematerialized)}): {remat or '-'}")
+        lines.append(f"recompute FLOPs/token, one layer: {_num(self.recompute_flops_per_token)} "
+                     f"({self.recompute_flops_per_token / self.training_flops_per_token:.1%} of the "
+                     f"{_num(self.training_flops_per_token)} of forward and pruned backward)")
         lines.append(f"backward steps: {len(self.surviving)} kept, {len(self.pruned)} pruned: "
                      f"{', '.join(s.name for s in self.pruned) or '-'}")
         ratio = self.kept_bytes_per_token / self.keep_all_bytes_per_token
@@ -251,15 +330,19 @@ def _num(x: float) -> str:
 
 def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
                cost_threshold: float = DEFAULT_COST_THRESHOLD, need_input_grad: bool = True,
-               num_layers: int = 1) -> PruningPlan:
+               num_layers: int = 1, recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET) -> PruningPlan:
     """Differentiate, prune, pick the keep set, rematerialise and compress any ``LayerGraph``."""
     if rematerialize_policy not in POLICIES:
         raise ValueError(f"rematerialize: must be one of {', '.join(POLICIES)}, got {rematerialize_policy!r}")
     if not cost_threshold > 0:
         raise ValueError(f"cost_threshold: must be positive, got {cost_threshold!r}")
+    if not recompute_budget >= 0:
+        raise ValueError(f"recompute_budget: must be >= 0, got {recompute_budget!r}")
     surviving, pruned = prune(graph, differentiate(graph), need_input_grad)
     keep = keep_set(graph, surviving)
-    stored, remat = rematerialize(graph, keep, rematerialize_policy, cost_threshold)
+    train = training_flops(graph, surviving)
+    stored, remat = rematerialize(graph, keep, rematerialize_policy, cost_threshold, recompute_budget,
+                                  recompute_budget * train)
     readers: dict[str, list[str]] = {}
     for s in surviving:
         for rd in s.reads:
@@ -274,25 +357,28 @@ def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
     rematerialized = [RematTensor(t, graph.tensors[t].elements, graph.producer(t).name, graph.producer(t).flops)
                       for t in remat]
     keep_all = sum(_bytes(graph, t, "full") for t in graph.activations() if t != graph.output)
-    return PruningPlan(graph.title, rematerialize_policy, cost_threshold, graph.element_size, kept,
+    return PruningPlan(graph.title, rematerialize_policy, cost_threshold, recompute_budget, train,
+                       sum(r.flops for r in rematerialized), graph.element_size, kept,
                        rematerialized, surviving, pruned, sum(k.bytes for k in kept), keep_all,
                        _bytes(graph, graph.output, "full"), num_layers, graph)
 
 
 def plan_layer(shape: LayerShape, peft_config: Any, rematerialize: str = "cheap",
                cost_threshold: float = DEFAULT_COST_THRESHOLD, need_input_grad: bool = True,
-               attention_backward: str = "flash") -> PruningPlan:
+               attention_backward: str = "flash", recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET
+               ) -> PruningPlan:
     """The plan of one decoder layer (``num_layers`` = 1) with ``peft_config``'s bypasses.
 
     ``peft_config``: a ``LoraConfig`` / ``IA3Config``, or any object with their attributes
     (see ``build_layer_graph``). ``rematerialize``: "cheap" (default), "all" or "none".
     """
     return plan_graph(build_layer_graph(shape, peft_config, attention_backward), rematerialize, cost_threshold,
-                      need_input_grad)
+                      need_input_grad, recompute_budget=recompute_budget)
 
 
 def plan_model(shape: LayerShape, peft_config: Any, num_layers: int, rematerialize: str = "cheap",
-               cost_threshold: float = DEFAULT_COST_THRESHOLD, attention_backward: str = "flash") -> PruningPlan:
+               cost_threshold: float = DEFAULT_COST_THRESHOLD, attention_backward: str = "flash",
+               recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET) -> PruningPlan:
     """The plan every one of ``num_layers`` layers runs; ``model_*_bytes_per_token`` give the totals.
 
     Every layer keeps its input gradient (the executor runs one plan for all layers); layer 0
@@ -300,6 +386,7 @@ def plan_model(shape: LayerShape, peft_config: Any, num_layers: int, remateriali
     """
     if not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
-    plan = plan_layer(shape, peft_config, rematerialize, cost_threshold, attention_backward=attention_backward)
+    plan = plan_layer(shape, peft_config, rematerialize, cost_threshold, attention_backward=attention_backward,
+                      recompute_budget=recompute_budget)
     plan.num_layers = num_layers
     return plan

@@ -14,7 +14,7 @@ import torch
 from coserve.finetune.checkpoint import LOG_FILE, load_optimizer_state, save_checkpoint
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.optim import make_optimizer, make_scheduler
-from coserve.finetune.pruned_layer import new_layer_keep
+from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
 from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.decoder import DecoderModel
@@ -83,6 +83,7 @@ class FinetuneJob:
         self._start = time.perf_counter()
         self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
+        self.plan = executor_plan(model, bypass.config, cfg.rematerialize)  # what the executor keeps
 
     # ---- the work interface ------------------------------------------------
     @property
@@ -148,7 +149,7 @@ class FinetuneJob:
                                        c.head_dim, self.model.device, self.model.dtype)
         self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, self._next_in_batch)
         if self.cfg.rematerialize == "cheap":
-            self._seq.keeps = [new_layer_keep(self.model, len(ex.token_ids)) for _ in range(c.num_layers)]
+            self._seq.keeps = new_keeps(self.model, len(ex.token_ids), planned_keeps(self.plan))
 
     def _optimizer_step(self) -> None:
         params = self.bypass.parameters()

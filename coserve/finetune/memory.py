@@ -7,8 +7,7 @@ import sys
 
 import torch
 
-from coserve.finetune.graph import LayerShape
-from coserve.finetune.graph_pruning import PruningPlan, plan_model
+from coserve.finetune.graph_pruning import PruningPlan
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.model.decoder import Bypass, DecoderModel
 
@@ -51,8 +50,4 @@ def peak_rss_bytes() -> int:
 
 def job_plan(job) -> PruningPlan:
     """The graph-pruning plan of a FinetuneJob's model, adapter and rematerialisation policy."""
-    model = job.model
-    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size())
-    # The pruned executor recomputes attention from the kept q, K and V in its backward.
-    return plan_model(shape, job.bypass.config, model.cfg.num_layers, job.cfg.rematerialize,
-                      attention_backward="recompute")
+    return job.plan

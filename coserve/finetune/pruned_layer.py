@@ -2,42 +2,75 @@
 keeps the plan's tensors, and a hand-written backward that reads them instead of recomputing the
 frozen matmuls.
 
-Kept per token and layer, besides the layer input and K/V: the rotated queries, the residual
-after attention, the gate and up outputs, and what the bypasses' backward reads (LoRA's
-``x A^T``; IA3's frozen outputs). Cheap tensors (the two norms, SiLU, the MLP product) are
-recomputed; attention is recomputed from the kept q, K and V under autograd.
+Kept per token and layer, besides the layer input and K/V: whichever of the rotated queries,
+the residual after attention and the gate and up outputs the graph-pruning plan stores (on
+Llama shapes the default plan recomputes q and the residual: two hidden x hidden matmuls), and
+what the bypasses' backward reads (LoRA's ``x A^T``; IA3's frozen outputs). Cheap tensors (the
+two norms, SiLU, the MLP product) are recomputed; attention is recomputed from q, K and V under
+autograd, and its output gives back the residual when that is not kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from coserve.finetune.graph import LayerShape
+from coserve.finetune.graph_pruning import PruningPlan, plan_model
 from coserve.finetune.window_attention import window_attention
 from coserve.model.decoder import DecoderLayer, DecoderModel, rms_norm
+from coserve.model.norm_grad import rms_norm_backward
+
+BASE_KEEPS = ("q", "resid", "gate", "up")  # the base layer's tensors a plan may store or recompute
+
+
+def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str) -> PruningPlan:
+    """The graph-pruning plan the executors run for ``model`` with ``peft_config``'s bypasses."""
+    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size())
+    # The pruned executor recomputes attention from q, K and V in its backward.
+    return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward="recompute")
+
+
+def planned_keeps(plan: PruningPlan) -> frozenset[str]:
+    """The base-layer tensors (``BASE_KEEPS``) that ``plan`` stores."""
+    return frozenset(k.name for k in plan.kept if k.name in BASE_KEEPS)
 
 
 @dataclass(slots=True)
 class LayerKeep:
     """One layer's kept tensors for one sequence, ``[N, ...]``, filled by forward windows."""
 
-    q: torch.Tensor  # [N, Hq, D] rotated queries
-    resid: torch.Tensor  # [N, H] residual stream after attention
-    gate: torch.Tensor  # [N, I] gate output (after its bypass)
-    up: torch.Tensor  # [N, I] up output (after its bypass)
+    num_tokens: int
+    base: dict[str, torch.Tensor]  # stored BASE_KEEPS by name: q [N, Hq, D], resid [N, H], gate/up [N, I]
     bypass: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> [N, r] or [N, out]
 
+    def get(self, name: str, a: int, b: int) -> torch.Tensor | None:
+        """Rows ``a:b`` of a stored base tensor, or None when the plan recomputes it."""
+        t = self.base.get(name)
+        return None if t is None else t[a:b]
+
     def tensors(self) -> list[torch.Tensor]:
-        return [self.q, self.resid, self.gate, self.up, *self.bypass.values()]
+        return [*self.base.values(), *self.bypass.values()]
 
 
-def new_layer_keep(model: DecoderModel, n: int) -> LayerKeep:
+def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[str, ...] = BASE_KEEPS) -> LayerKeep:
+    """Room for one layer's ``names`` (a subset of BASE_KEEPS) over ``n`` tokens."""
     c = model.cfg
-    z = lambda *shape: torch.zeros(*shape, device=model.device, dtype=model.dtype)  # noqa: E731
-    return LayerKeep(z(n, c.num_heads, c.head_dim), z(n, c.hidden_size), z(n, c.intermediate_size),
-                     z(n, c.intermediate_size))
+    shapes = {"q": (n, c.num_heads, c.head_dim), "resid": (n, c.hidden_size), "gate": (n, c.intermediate_size),
+              "up": (n, c.intermediate_size)}
+    unknown = set(names) - set(shapes)
+    if unknown:
+        raise ValueError(f"new_layer_keep: unknown tensors {sorted(unknown)}; choose from {', '.join(BASE_KEEPS)}")
+    return LayerKeep(n, {k: torch.empty(shapes[k], device=model.device, dtype=model.dtype)
+                         for k in BASE_KEEPS if k in names})
+
+
+def new_keeps(model: DecoderModel, n: int, names: frozenset[str] | tuple[str, ...] = BASE_KEEPS) -> list[LayerKeep]:
+    """Every layer's ``LayerKeep`` for a sequence of ``n`` tokens."""
+    return [new_layer_keep(model, n, names) for _ in range(model.cfg.num_layers)]
 
 
 def forward_layer(model: DecoderModel, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend,
@@ -51,14 +84,14 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
     """A ``layer_forward`` tap storing rows ``first_row:`` of what it sees into ``keep``'s rows ``a:b``."""
 
     def tap(name: str, value: torch.Tensor) -> None:
-        value = value[first_row:]
-        if name in ("q", "resid", "gate", "up"):
-            getattr(keep, name)[a:b] = value
+        if name in BASE_KEEPS:
+            if name in keep.base:
+                keep.base[name][a:b] = value[first_row:]
             return
         if name not in keep.bypass:  # a bypass's own kept tensor, allocated on first sight
-            keep.bypass[name] = torch.zeros(keep.q.shape[0], value.shape[1], device=value.device,
+            keep.bypass[name] = torch.empty(keep.num_tokens, value.shape[1], device=value.device,
                                             dtype=value.dtype)
-        keep.bypass[name][a:b] = value
+        keep.bypass[name][a:b] = value[first_row:]
 
     return tap
 
@@ -70,41 +103,78 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
 
     ``dout`` ``[n, H]`` is dL/d(layer output); ``dk_acc``/``dv_acc`` ``[N, Hkv, D]`` hold what later
     windows contributed to this window's own K/V. Bypass parameter gradients accumulate.
+    What ``keep`` does not store is recomputed: q from the input, the residual from the
+    recomputed attention, gate and up from the residual.
     """
     cfg, i = model.cfg, layer.index
     n = x.shape[0]
-    # MLP: out = resid + down(silu(gate) * up)
-    gate, up, resid = keep.gate[a:b], keep.up[a:b], keep.resid[a:b]
-    silu = F.silu(gate)
-    dact = _module_backward(bypass, keep, i, "down_proj", silu * up, layer.down, dout, a, b)
-    dgate = torch.ops.aten.silu_backward(dact * up, gate)
-    dup = dact * silu
-    h2 = rms_norm(resid, layer.post_norm, cfg.rms_norm_eps) if _touches(bypass, "gate_proj", "up_proj") else None
-    dgate, ex_g = _out_backward(bypass, keep, i, "gate_proj", h2, dgate, a, b)
-    dup, ex_u = _out_backward(bypass, keep, i, "up_proj", h2, dup, a, b)
-    dh2 = torch.cat([dgate, dup], dim=-1) @ layer.gate_up
-    dh2 = _plus(dh2, ex_g, ex_u)
-    dresid = dout + _rms_norm_backward(dh2, resid, layer.post_norm, cfg.rms_norm_eps)
-    # attention, recomputed from the kept q, K and V under autograd
-    q = keep.q[a:b].detach().requires_grad_()
+    q = keep.get("q", a, b)
+    h1 = None
+    if q is None or _touches(bypass, "q_proj", "k_proj", "v_proj"):
+        h1 = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+    if q is None:
+        bias = layer.qkv_bias[:cfg.q_size] if layer.qkv_bias is not None else None
+        q = _bypass_output(bypass, i, "q_proj", h1, F.linear(h1, layer.qkv[:cfg.q_size], bias))
+        q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
+    # attention, recomputed from q, K and V under autograd
+    q = q.detach().requires_grad_()
     k_prefix, v_prefix = k_all[:a].detach().requires_grad_(), v_all[:a].detach().requires_grad_()
     k_own, v_own = k_all[a:b].detach().requires_grad_(), v_all[a:b].detach().requires_grad_()
     with torch.enable_grad():
         attn = window_attention(q, k_prefix, v_prefix, k_own, v_own, model.scale)
+    resid = keep.get("resid", a, b)
+    if resid is None:
+        resid = x + _module_output(bypass, i, "o_proj", attn.detach(), layer.o)
+    gate, up = keep.get("gate", a, b), keep.get("up", a, b)
+    h2 = None
+    if gate is None or up is None or _touches(bypass, "gate_proj", "up_proj"):
+        h2 = rms_norm(resid, layer.post_norm, cfg.rms_norm_eps)
+    if gate is None or up is None:
+        g, u = F.linear(h2, layer.gate_up).chunk(2, dim=-1)
+        gate = _bypass_output(bypass, i, "gate_proj", h2, g) if gate is None else gate
+        up = _bypass_output(bypass, i, "up_proj", h2, u) if up is None else up
+    # MLP: out = resid + down(silu(gate) * up)
+    silu = F.silu(gate)
+    dact = _module_backward(bypass, keep, i, "down_proj", silu * up, layer.down, dout, a, b)
+    dgu = torch.empty(n, 2 * cfg.intermediate_size, device=x.device, dtype=x.dtype)  # [dgate | dup]
+    dgate, dup = dgu.chunk(2, dim=-1)
+    torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgate)
+    torch.mul(dact, silu, out=dup)
+    ex_g = _out_backward_into(bypass, keep, i, "gate_proj", h2, dgate, a, b)
+    ex_u = _out_backward_into(bypass, keep, i, "up_proj", h2, dup, a, b)
+    dh2 = _plus(dgu @ layer.gate_up, ex_g, ex_u)
+    dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm, cfg.rms_norm_eps)
     dattn = _module_backward(bypass, keep, i, "o_proj", attn.detach(), layer.o, dresid, a, b)
     attn.backward(dattn)
     if a:
         dk_acc[:a] += k_prefix.grad
         dv_acc[:a] += v_prefix.grad
-    dq = _rope_backward(model, q.grad, positions).reshape(n, cfg.q_size)
-    dk = _rope_backward(model, k_own.grad + dk_acc[a:b], positions).reshape(n, cfg.kv_size)
-    dv = (v_own.grad + dv_acc[a:b]).reshape(n, cfg.kv_size)
-    h1 = rms_norm(x, layer.input_norm, cfg.rms_norm_eps) if _touches(bypass, "q_proj", "k_proj", "v_proj") else None
-    dq, ex_q = _out_backward(bypass, keep, i, "q_proj", h1, dq, a, b)
-    dk, ex_k = _out_backward(bypass, keep, i, "k_proj", h1, dk, a, b)
-    dv, ex_v = _out_backward(bypass, keep, i, "v_proj", h1, dv, a, b)
-    dh1 = _plus(torch.cat([dq, dk, dv], dim=-1) @ layer.qkv, ex_q, ex_k, ex_v)
-    return dresid + _rms_norm_backward(dh1, x, layer.input_norm, cfg.rms_norm_eps)
+    dqkv = torch.empty(n, cfg.q_size + 2 * cfg.kv_size, device=x.device, dtype=x.dtype)  # [dq | dk | dv]
+    dq, dk, dv = dqkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    _rope_backward_into(model, q.grad, positions, dq.unflatten(1, (cfg.num_heads, cfg.head_dim)))
+    _rope_backward_into(model, k_own.grad.add_(dk_acc[a:b]), positions,
+                        dk.unflatten(1, (cfg.num_kv_heads, cfg.head_dim)))
+    torch.add(v_own.grad, dv_acc[a:b], out=dv.unflatten(1, (cfg.num_kv_heads, cfg.head_dim)))
+    ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)
+    ex_k = _out_backward_into(bypass, keep, i, "k_proj", h1, dk, a, b)
+    ex_v = _out_backward_into(bypass, keep, i, "v_proj", h1, dv, a, b)
+    dh1 = _plus(dqkv @ layer.qkv, ex_q, ex_k, ex_v)
+    return dresid + rms_norm_backward(dh1, x, layer.input_norm, cfg.rms_norm_eps)
+
+
+@torch.no_grad()
+def _bypass_output(bypass, i: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A recomputed frozen output ``y`` through ``module``'s bypass (if any); a value, not a graph."""
+    return bypass.output(i, module, x, y) if bypass is not None and module in bypass.modules else y
+
+
+@torch.no_grad()
+def _module_output(bypass, i: int, module: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``module``'s output with its bypass, recomputed from its input ``x``; a value, not a graph."""
+    if bypass is None or module not in bypass.modules:
+        return F.linear(x, weight)
+    x_in = bypass.input(i, module, x)
+    return bypass.output(i, module, x_in, F.linear(x_in, weight))
 
 
 def _touches(bypass, *modules: str) -> bool:
@@ -117,6 +187,14 @@ def _out_backward(bypass, keep, i, module, x, dy, a, b):
         return dy, None
     kept = keep.bypass[module][a:b] if module in keep.bypass else None
     return bypass.output_backward(i, module, x, kept, dy)
+
+
+def _out_backward_into(bypass, keep, i, module, x, dy, a, b):
+    """``_out_backward`` writing the gradient for the frozen output back into ``dy`` (a buffer view)."""
+    dy_new, extra = _out_backward(bypass, keep, i, module, x, dy, a, b)
+    if dy_new is not dy:
+        dy.copy_(dy_new)
+    return extra
 
 
 def _module_backward(bypass, keep, i, module, x, weight, dy, a, b):
@@ -135,19 +213,12 @@ def _plus(t: torch.Tensor, *extras: torch.Tensor | None) -> torch.Tensor:
     return t
 
 
-def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """dL/dx of ``weight * (x * rsqrt(mean(x^2) + eps))`` (computed in float32 like the forward)."""
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    xhat = xf * rstd
-    g = dy.float() * weight.float()
-    return (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
-
-
-def _rope_backward(model: DecoderModel, dy: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The transpose of the rotation ``y = x cos + rotate_half(x) sin`` for ``[n, H, D]`` gradients."""
+def _rope_backward_into(model: DecoderModel, dy: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+    """The transpose of the rotation ``y = x cos + rotate_half(x) sin``, for ``[n, H, D]`` gradients, into ``out``."""
     cos = model.rope.cos[positions].unsqueeze(1)
     sin = model.rope.sin[positions].unsqueeze(1)
     ys = dy * sin
     half = dy.shape[-1] // 2
-    return dy * cos + torch.cat((ys[..., half:], -ys[..., :half]), dim=-1)
+    torch.mul(dy, cos, out=out)
+    out[..., :half] += ys[..., half:]
+    out[..., half:] -= ys[..., :half]

@@ -66,14 +66,17 @@ def new_sequence_state(token_ids: list[int], targets: list[int], num_layers: int
     if n == 0 or len(targets) != n:
         raise ValueError(f"a sequence needs tokens and one target per token, got {n} and {len(targets)}")
 
-    def zeros(*shape):
+    def empty(*shape):  # written by the forward windows before anything reads it
+        return torch.empty(*shape, device=device, dtype=dtype)
+
+    def zeros(*shape):  # accumulators
         return torch.zeros(*shape, device=device, dtype=dtype)
 
     return SequenceState(
         token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
         positions=torch.arange(n, device=device),
-        layer_inputs=[zeros(n, hidden) for _ in range(num_layers)],
-        k=[zeros(n, num_kv_heads, head_dim) for _ in range(num_layers)],
-        v=[zeros(n, num_kv_heads, head_dim) for _ in range(num_layers)],
-        grad=zeros(n, hidden), dk=zeros(n, num_kv_heads, head_dim), dv=zeros(n, num_kv_heads, head_dim))
+        layer_inputs=[empty(n, hidden) for _ in range(num_layers)],
+        k=[empty(n, num_kv_heads, head_dim) for _ in range(num_layers)],
+        v=[empty(n, num_kv_heads, head_dim) for _ in range(num_layers)],
+        grad=empty(n, hidden), dk=zeros(n, num_kv_heads, head_dim), dv=zeros(n, num_kv_heads, head_dim))

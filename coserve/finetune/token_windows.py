@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from coserve.finetune import pruned_layer
-from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState
+from coserve.finetune.head_loss import head_loss_and_grad
+from coserve.finetune.sequence_state import SequenceState
 from coserve.finetune.window_attention import window_attention
 from coserve.model.decoder import Bypass, DecoderModel
 
@@ -70,17 +70,8 @@ def training_rows(bypass: Bypass, seed: int, positions: torch.Tensor):
 def _head_loss_and_grad(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,
                         loss_scale: float) -> float:
     """Cross-entropy of the window's targets; stores dL/dx at the last layer's output for rows a:b."""
-    targets = state.targets[a:b]
-    if not bool((targets != IGNORE_INDEX).any()):
-        state.grad[a:b] = 0
-        return 0.0
-    with torch.enable_grad():
-        x = x.detach().requires_grad_()
-        logits = model.logits(model.final_norm(x))  # [n, V] float32
-        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") * loss_scale
-        (grad,) = torch.autograd.grad(loss, x)
-    state.grad[a:b] = grad
-    return float(loss.detach())
+    loss, state.grad[a:b] = head_loss_and_grad(model, x, state.targets[a:b], loss_scale)
+    return loss
 
 
 def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, num_tokens: int) -> None:

@@ -43,9 +43,13 @@ class RotaryEmbedding:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` by their tokens' ``positions`` ``[T]``."""
+        return self.rotate(q, positions), self.rotate(k, positions)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate one of ``q`` or ``k`` (``[T, H, D]``) as ``__call__`` does."""
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""The LM head's loss and its gradient for one forward window, without autograd.
+
+Cross-entropy is ``logsumexp(logits) - logits[target]``; its gradient with respect to the
+logits is ``softmax(logits) - onehot(target)``, computed in place over the logits buffer (no
+log-softmax buffer, no zero-filled gradient), only for rows that have a target. The gradient
+then goes back through the LM head matmul and the final RMSNorm by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coserve.finetune.sequence_state import IGNORE_INDEX
+from coserve.model.decoder import DecoderModel
+from coserve.model.norm_grad import rms_norm_backward
+
+
+def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tensor, loss_scale: float
+                       ) -> tuple[float, torch.Tensor]:
+    """``(loss, dL/dx)`` for last-layer outputs ``x`` ``[n, H]`` and ``targets`` ``[n]`` (IGNORE_INDEX: none).
+
+    The loss is the sum of the rows' cross-entropies times ``loss_scale``; rows without a
+    target get a zero gradient.
+    """
+    grad = torch.zeros_like(x)
+    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    m = int(rows.numel())
+    if m == 0:
+        return 0.0, grad
+    xs = x if m == x.shape[0] else x[rows]
+    t = targets[rows]
+    logits = model.logits(model.final_norm(xs))  # [m, V] float32
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = float((lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum()) * loss_scale
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' buffer
+    probs[torch.arange(m, device=probs.device), t] -= 1.0
+    probs.mul_(loss_scale)
+    dh = probs.to(x.dtype) @ model.lm_head  # [m, H]
+    dx = rms_norm_backward(dh, xs, model.norm, model.cfg.rms_norm_eps)
+    if m == x.shape[0]:
+        return loss, dx
+    grad[rows] = dx
+    return loss, grad
