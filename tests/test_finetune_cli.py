@@ -46,12 +46,11 @@ def test_finetune_writes_an_adapter_peft_loads_identically(model_factory, tmp_pa
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     bypass = load_trainable(out, model.module_shapes(), model.cfg.num_layers, model.device)
     ids = torch.tensor([0, 17, 99, 402, 7, 1234, 55])
-    empty = torch.empty(0, model.cfg.num_kv_heads, model.cfg.head_dim)
     x = model.embed[ids]
     with torch.no_grad():
         for layer in model.layers:
             x, _, _ = model.layer_forward(layer, x, torch.arange(len(ids)),
-                                          lambda q, k, v, i: window_attention(q, empty, empty, k, v, model.scale),
+                                          lambda q, k, v, i: window_attention(q, k, v, model.scale),
                                           bypass)
         ours = model.logits(model.final_norm(x))
         ref = peft_model(model_dir, out)(ids.unsqueeze(0)).logits[0]

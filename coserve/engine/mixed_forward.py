@@ -89,7 +89,7 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
 
             def attend(q, k, v, _i, i=i):
                 st.k[i][a:b], st.v[i][a:b] = k[t:], v[t:]
-                tail = window_attention(q[t:], st.k[i][:a], st.v[i][:a], k[t:], v[t:], model.scale)
+                tail = window_attention(q[t:], st.k[i][:b], st.v[i][:b], model.scale)
                 if not t:
                     return tail
                 return torch.cat([paged_attention(q[:t], k[:t], v[:t], i, cache, batch, model.scale), tail])

@@ -30,9 +30,12 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
     xs = x if m == x.shape[0] else x[rows]
     t = targets[rows]
     logits = model.logits(model.final_norm(xs))  # [m, V] float32
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = float((lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum()) * loss_scale
-    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' buffer
+    picked = logits.gather(1, t.unsqueeze(1))  # [m, 1]
+    top = logits.amax(dim=-1, keepdim=True)
+    probs = logits.sub_(top).exp_()  # exp(logits - max), in the logits' buffer
+    total = probs.sum(dim=-1, keepdim=True)
+    loss = float((top + total.log() - picked).sum()) * loss_scale  # logsumexp - logit[target]
+    probs.div_(total)  # softmax
     probs[torch.arange(m, device=probs.device), t] -= 1.0
     probs.mul_(loss_scale)
     dh = probs.to(x.dtype) @ model.lm_head  # [m, H]

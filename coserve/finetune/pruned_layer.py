@@ -118,10 +118,9 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     # attention, recomputed from q, K and V under autograd
     q = q.detach().requires_grad_()
-    k_prefix, v_prefix = k_all[:a].detach().requires_grad_(), v_all[:a].detach().requires_grad_()
-    k_own, v_own = k_all[a:b].detach().requires_grad_(), v_all[a:b].detach().requires_grad_()
+    k_win, v_win = k_all[:b].detach().requires_grad_(), v_all[:b].detach().requires_grad_()
     with torch.enable_grad():
-        attn = window_attention(q, k_prefix, v_prefix, k_own, v_own, model.scale)
+        attn = window_attention(q, k_win, v_win, model.scale)
     resid = keep.get("resid", a, b)
     if resid is None:
         resid = x + _module_output(bypass, i, "o_proj", attn.detach(), layer.o)
@@ -147,14 +146,17 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     dattn = _module_backward(bypass, keep, i, "o_proj", attn.detach(), layer.o, dresid, a, b)
     attn.backward(dattn)
     if a:
-        dk_acc[:a] += k_prefix.grad
-        dv_acc[:a] += v_prefix.grad
+        dk_acc[:a] += k_win.grad[:a]
+        dv_acc[:a] += v_win.grad[:a]
+    k_own_grad, v_own_grad = k_win.grad[a:], v_win.grad[a:]
+    if b < dk_acc.shape[0]:  # later windows of this layer contributed to these positions' K/V
+        k_own_grad += dk_acc[a:b]
+        v_own_grad += dv_acc[a:b]
     dqkv = torch.empty(n, cfg.q_size + 2 * cfg.kv_size, device=x.device, dtype=x.dtype)  # [dq | dk | dv]
     dq, dk, dv = dqkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     _rope_backward_into(model, q.grad, positions, dq.unflatten(1, (cfg.num_heads, cfg.head_dim)))
-    _rope_backward_into(model, k_own.grad.add_(dk_acc[a:b]), positions,
-                        dk.unflatten(1, (cfg.num_kv_heads, cfg.head_dim)))
-    torch.add(v_own.grad, dv_acc[a:b], out=dv.unflatten(1, (cfg.num_kv_heads, cfg.head_dim)))
+    _rope_backward_into(model, k_own_grad, positions, dk.unflatten(1, (cfg.num_kv_heads, cfg.head_dim)))
+    dv.copy_(v_own_grad.flatten(1))
     ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)
     ex_k = _out_backward_into(bypass, keep, i, "k_proj", h1, dk, a, b)
     ex_v = _out_backward_into(bypass, keep, i, "v_proj", h1, dv, a, b)

@@ -17,10 +17,8 @@ def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int
     ids = torch.tensor(token_ids, device=model.device)
     tgt = torch.tensor(targets, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
-    empty = torch.empty(0, model.cfg.num_kv_heads, model.cfg.head_dim, device=model.device, dtype=model.dtype)
-
     def attend(q, k, v, _i):
-        return window_attention(q, empty, empty, k, v, model.scale)
+        return window_attention(q, k, v, model.scale)
 
     x = model.embed[ids]
     with training_rows(bypass, dropout_seed, positions):

@@ -39,7 +39,7 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
 
             def attend(q, k, v, _i, i=i):
                 state.k[i][a:b], state.v[i][a:b] = k, v
-                return window_attention(q, state.k[i][:a], state.v[i][:a], k, v, model.scale)
+                return window_attention(q, state.k[i][:b], state.v[i][:b], model.scale)
 
             if state.keeps is None:
                 x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
@@ -109,7 +109,7 @@ def _recompute_backward(model: DecoderModel, bypass: Bypass, state: SequenceStat
     v_prefix = state.v[i][:a].detach().requires_grad_()
 
     def attend(q, k, v, _i):
-        return window_attention(q, k_prefix, v_prefix, k, v, model.scale)
+        return window_attention(q, torch.cat([k_prefix, k]), torch.cat([v_prefix, v]), model.scale)
 
     with torch.enable_grad():
         out, k_own, v_own = model.layer_forward(layer, x, state.positions[a:b], attend, bypass)

@@ -1,4 +1,4 @@
-"""Causal attention of a window of tokens over its sequence's cached prefix (autograd-friendly)."""
+"""Causal attention of a window of tokens over its sequence's keys so far (autograd-friendly)."""
 
 from __future__ import annotations
 
@@ -6,21 +6,22 @@ import torch
 import torch.nn.functional as F
 
 
-def window_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_own: torch.Tensor,
-                     v_own: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of window queries over ``prefix + own`` keys, causal within the window.
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the window's queries over the sequence's first ``p + n`` keys, causal within the window.
 
     Args:
-        q: ``[n, Hq, D]`` rotated queries of the window's tokens.
-        k_prefix, v_prefix: ``[p, Hkv, D]`` the sequence's K/V before the window.
-        k_own, v_own: ``[n, Hkv, D]`` the window's own K/V.
+        q: ``[n, Hq, D]`` rotated queries of the window's tokens (positions ``p .. p + n - 1``).
+        k, v: ``[p + n, Hkv, D]`` the sequence's K/V up to the window's end: the prefix the
+            window attends to in full, then the window's own (callers pass slices of the
+            sequence's K/V cache, so no copy is made).
 
     Returns:
         ``[n, Hq * D]``.
     """
-    n, p = q.shape[0], k_prefix.shape[0]
-    k = torch.cat([k_prefix, k_own]) if p else k_own
-    v = torch.cat([v_prefix, v_own]) if p else v_own
+    n = q.shape[0]
+    p = k.shape[0] - n
+    if p < 0:
+        raise ValueError(f"window_attention: {k.shape[0]} keys for {n} queries")
     mask = None
     if p:
         rows = torch.arange(n, device=q.device).unsqueeze(1) + p
