@@ -21,6 +21,8 @@ class EngineConfig:
     max_loras: int = 4  # distinct adapters in one batch (device slots)
     max_lora_rank: int = 16  # largest adapter rank the slots hold
     seed: int = 0  # seed for requests that sample without their own seed
+    policy: str = "coserve"  # how finetuning jobs share iterations: coserve, inference-only, finetune-only
+    slo_tpot_ms: float = 50.0  # inference time-per-output-token target the finetuning slice respects
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank")

@@ -6,20 +6,37 @@ import time
 
 import torch
 
+from coserve.engine.mixed_forward import mixed_forward
+from coserve.finetune.job import FinetuneJob
 from coserve.model.attention import PagedKVCache
 from coserve.model.decoder import DecoderModel
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.model.sampling import SamplingRow, sample, top_logprobs
 from coserve.peft import LoraAdapter, LoraBank
+from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
 from coserve.scheduler.plan import ExecutionResult, IterationPlan, TokenLogprobs
+
+# Inference rows share the finetuning window's matmul calls only from this many rows on: below it, CPU GEMMs
+# round a row differently depending on the other rows (measured: 1-5 rows), so a small inference batch runs its
+# own forward and a concurrent finetuning job cannot change its outputs.
+MIN_SHARED_ROWS = 8
+
+
+def job_progress(job_id: str, job: FinetuneJob) -> FinetuneProgress:
+    """A job's position as plain data for the scheduler."""
+    phase, pending, forward_done, layers_left, seq_tokens = job.position()
+    return FinetuneProgress(job_id, phase, pending, forward_done, layers_left, seq_tokens,
+                            job.model.cfg.num_layers, job.tokens_done)
 
 
 class ModelExecutor:
-    """Runs plans on one device: builds the flat batch, runs the model, samples."""
+    """Runs plans on one device: builds the flat batch, runs the model (with a finetuning forward window
+    in the same call), samples, then runs the plan's finetuning backward windows."""
 
     def __init__(self, model: DecoderModel, cache: PagedKVCache, bank: LoraBank,
                  adapters: dict[str, LoraAdapter], seed: int) -> None:
         self.model = model
+        self.jobs: dict[str, FinetuneJob] = {}  # the engine's active finetuning jobs, by id (shared)
         self.cache = cache
         self.bank = bank
         self.adapters = adapters  # the engine's resident adapters, by name (shared, read only here)
@@ -33,11 +50,54 @@ class ModelExecutor:
         if plan.is_empty:
             return ExecutionResult()
         start_time = time.perf_counter()
+        result = ExecutionResult()
+        forward = next((w for w in plan.finetune if w.kind == FORWARD), None)
+        if plan.chunks:
+            self._inference(plan, result, forward)
+        elif forward is not None:
+            self._forward_alone(forward, result)
+        for w in plan.finetune:
+            if w.kind == BACKWARD and w.job_id not in result.finetune_errors:
+                try:
+                    self._backward(self.jobs[w.job_id], w.num_tokens)
+                except Exception as e:  # a job that cannot go on stops alone; inference keeps serving
+                    result.finetune_errors[w.job_id] = f"{type(e).__name__}: {e}"
+        result.finetune = [job_progress(w.job_id, self.jobs[w.job_id]) for w in plan.finetune]
+        for p in result.finetune:
+            if p.job_id in result.finetune_errors:
+                p.phase = DONE
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        result.elapsed_s = time.perf_counter() - start_time
+        return result
+
+    def _forward_alone(self, w, result: ExecutionResult) -> None:
+        try:
+            result.finetune_losses[w.job_id] = self.jobs[w.job_id].forward(w.num_tokens)
+        except Exception as e:  # a job that cannot go on stops alone; inference keeps serving
+            result.finetune_errors[w.job_id] = f"{type(e).__name__}: {e}"
+
+    def _backward(self, job: FinetuneJob, token_layers: int) -> None:
+        """Backward windows over ``token_layers`` token-layers, layer after layer, from the job's position."""
+        while token_layers > 0 and job.next_work() == "backward":
+            n = min(token_layers, job.pending_tokens())
+            job.backward(n)
+            token_layers -= n
+
+    def _inference(self, plan: IterationPlan, result: ExecutionResult, forward) -> None:
+        """The inference chunks' forward (with the finetuning window when the batch is big enough), then sampling."""
         batch = self._forward_batch(plan)
         lora = self._lora_batch(plan, batch.num_tokens) if plan.adapters else None
-        hidden = self.model.forward(batch, self.cache, lora)
+        if forward is not None and batch.num_tokens >= MIN_SHARED_ROWS:
+            job = self.jobs[forward.job_id]
+            hidden, loss = mixed_forward(self.model, batch, self.cache, lora, job.forward_slice(forward.num_tokens))
+            job.forward_ran(loss)
+            result.finetune_losses[forward.job_id] = loss
+        else:
+            hidden = self.model.forward(batch, self.cache, lora)
+            if forward is not None:
+                self._forward_alone(forward, result)
         sampling = [c for c in plan.chunks if c.sample]
-        result = ExecutionResult()
         if sampling:
             logits = self.model.logits(hidden[batch.logits_rows])  # [N, V] float32
             rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
@@ -50,10 +110,6 @@ class ModelExecutor:
                                   [sampling[i].params.logprobs for i in wants])
                 for i, (chosen, top) in zip(wants, lp):
                     result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        result.elapsed_s = time.perf_counter() - start_time
-        return result
 
     def _forward_batch(self, plan: IterationPlan):
         chunks, tokens, logits_rows = [], [], []

@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from coserve.engine.config import EngineConfig
-from coserve.engine.executor import ModelExecutor
+from coserve.engine.executor import ModelExecutor, job_progress
 from coserve.engine.output_processor import OutputProcessor
 from coserve.engine.outputs import RequestOutput
 from coserve.kvcache import BlockManager
@@ -17,7 +18,18 @@ from coserve.model.config import ModelConfig
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import load_tokenizer
 from coserve.peft import AdapterError, LoraAdapter, LoraBank, load_lora_adapter
+from coserve.finetune.job import FinetuneJob
 from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from coserve.scheduler.finetune_work import DONE
+
+
+@dataclass(slots=True)
+class JobState:
+    """A finetuning job and where it ended up."""
+
+    job: FinetuneJob
+    status: str = "running"  # running, succeeded, failed or cancelled
+    error: str | None = None  # why it failed
 
 
 class LLMEngine:
@@ -44,8 +56,8 @@ class LLMEngine:
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
-                            config.max_loras),
-            BlockManager(num_blocks, config.block_size))
+                            config.max_loras, config.policy, config.slo_tpot_ms / 1000),
+            BlockManager(num_blocks, config.block_size), latency=None)
         self.adapters: dict[str, LoraAdapter] = {}
         bank = LoraBank(self.model.module_shapes(), model_cfg.num_layers, config.max_loras,
                         config.max_lora_rank, self.device, self.dtype)
@@ -53,6 +65,46 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
         self._ids = itertools.count()
+        self._job_ids = itertools.count()
+        self.job_states: dict[str, JobState] = {}  # every finetuning job this engine was given, by id
+
+    # ---- finetuning jobs -----------------------------------------------------
+    def add_finetune_job(self, job: FinetuneJob, job_id: str | None = None) -> str:
+        """Co-serve ``job`` from the next iteration on; returns its id."""
+        jid = job_id if job_id is not None else f"ftjob-{next(self._job_ids)}"
+        if jid in self.job_states:
+            raise ValueError(f"job_id: {jid!r} is already in use")
+        self.job_states[jid] = JobState(job)
+        self.executor.jobs[jid] = job
+        self.scheduler.add_job(job_progress(jid, job))
+        if job.done:
+            self._finish_job(jid, None)
+        return jid
+
+    def cancel_finetune_job(self, job_id: str) -> None:
+        """Stop a running job; its last saved checkpoint (if any) stays. Refused for a finished job."""
+        state = self.job_states.get(job_id)
+        if state is None:
+            raise ValueError(f"job_id: {job_id!r} is not known")
+        if state.status != "running":
+            raise ValueError(f"job {job_id!r} is already {state.status}")
+        self.scheduler.remove_job(job_id)
+        self.executor.jobs.pop(job_id, None)
+        state.status = "cancelled"
+
+    def has_running_jobs(self) -> bool:
+        return any(s.status == "running" for s in self.job_states.values())
+
+    def _finish_job(self, job_id: str, error: str | None) -> None:
+        state = self.job_states[job_id]
+        self.scheduler.remove_job(job_id)
+        self.executor.jobs.pop(job_id, None)
+        if error is None:
+            try:
+                state.job.save()
+            except OSError as e:
+                error = f"saving the adapter failed: {e}"
+        state.status, state.error = ("failed", error) if error else ("succeeded", None)
 
     # ---- adapters ------------------------------------------------------------
     def load_adapter(self, name: str, path: str | Path) -> None:
@@ -134,6 +186,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         result = self.executor.execute(plan)
         events = self.scheduler.update(plan, result)
+        for progress in result.finetune:
+            if progress.phase == DONE and self.job_states[progress.job_id].status == "running":
+                self._finish_job(progress.job_id, result.finetune_errors.get(progress.job_id))
         outputs = []
         for event in events:
             request = self.scheduler.requests[event.request_id]

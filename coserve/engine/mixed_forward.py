@@ -8,27 +8,15 @@ over all rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from coserve.finetune.pruned_layer import keep_tap
 from coserve.finetune.sequence_state import SequenceState
-from coserve.finetune.token_windows import finish_forward_window, training_rows
+from coserve.finetune.token_windows import FinetuneSlice, finish_forward_window, training_rows
 from coserve.finetune.window_attention import window_attention
 from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.decoder import Bypass, DecoderModel
 from coserve.model.forward_batch import ForwardBatch
-
-
-@dataclass(slots=True)
-class FinetuneSlice:
-    """The next forward window of one finetuning sequence, riding in an inference iteration."""
-
-    bypass: Bypass  # the job's trainable bypass
-    state: SequenceState
-    num_tokens: int  # window size (capped at what the sequence has left)
-    loss_scale: float  # 1 / target tokens of the job's mini-batch
 
 
 class RowSplitBypass:

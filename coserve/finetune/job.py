@@ -16,7 +16,7 @@ from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.optim import make_optimizer, make_scheduler
 from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
 from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState, new_sequence_state
-from coserve.finetune.token_windows import backward_window, forward_window
+from coserve.finetune.token_windows import FinetuneSlice, backward_window, forward_window
 from coserve.model.decoder import DecoderModel
 from coserve.peft.dropout import mix_seed
 from coserve.peft.trainable import TrainableBypass
@@ -112,6 +112,28 @@ class FinetuneJob:
         loss = forward_window(self.model, self.bypass, self._seq, num_tokens, self._loss_scale)
         self._batch_loss += loss
         return loss
+
+    def forward_slice(self, num_tokens: int) -> FinetuneSlice:
+        """The next forward window, for an engine to run inside its own forward call (``mixed_forward``).
+
+        The caller runs it, then hands the window's loss to ``forward_ran``.
+        """
+        if self.next_work() != "forward":
+            raise ValueError("forward_slice: the current sequence is not in its forward phase")
+        return FinetuneSlice(self.bypass, self._seq, num_tokens, self._loss_scale)
+
+    def forward_ran(self, loss: float) -> None:
+        """Account the loss of a window run from ``forward_slice``."""
+        self._batch_loss += loss
+
+    def position(self) -> tuple[str, int, int, int, int]:
+        """``(phase, pending tokens, forward tokens done, backward layers left, sequence tokens)``; phase "done" at the end."""
+        kind = self.next_work()
+        if kind is None:
+            return "done", 0, 0, 0, 0
+        seq = self._seq
+        layers_left = seq.backward_layer + 1 if kind == "backward" else 0
+        return kind, self.pending_tokens(), seq.forward_done, layers_left, seq.num_tokens
 
     def backward(self, num_tokens: int) -> None:
         """One backward window of up to ``num_tokens`` tokens of the current layer."""

@@ -9,6 +9,7 @@ together with the dK/dV that later windows accumulated for its own positions.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,16 @@ from coserve.finetune.head_loss import head_loss_and_grad
 from coserve.finetune.sequence_state import SequenceState
 from coserve.finetune.window_attention import window_attention
 from coserve.model.decoder import Bypass, DecoderModel
+
+
+@dataclass(slots=True)
+class FinetuneSlice:
+    """The next forward window of one finetuning sequence, riding in an inference iteration."""
+
+    bypass: Bypass  # the job's trainable bypass
+    state: SequenceState
+    num_tokens: int  # window size (capped at what the sequence has left)
+    loss_scale: float  # 1 / target tokens of the job's mini-batch
 
 
 def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, num_tokens: int,

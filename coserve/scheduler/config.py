@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# coserve: inference first, then the largest finetuning slice within the SLO (the hybrid token scheduler);
+# inference-only: finetuning jobs wait; finetune-only: inference requests wait while a job has work.
+POLICIES = ("coserve", "inference-only", "finetune-only")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Budgets that bound one iteration; validated on construction."""
@@ -13,9 +18,19 @@ class SchedulerConfig:
     max_num_seqs: int = 128  # requests running at once
     max_model_len: int = 2048  # prompt plus output tokens of one request
     max_loras: int = 4  # distinct adapters among the running requests
+    policy: str = "coserve"  # how finetuning shares iterations (POLICIES)
+    slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
+    slo_margin: float = 0.1  # fraction of the SLO kept free for prediction error
+    min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_loras"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_loras", "min_finetune_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not (isinstance(self.slo_tpot_s, (int, float)) and self.slo_tpot_s > 0):
+            raise ValueError(f"slo_tpot_s must be positive, got {self.slo_tpot_s!r}")
+        if not (isinstance(self.slo_margin, (int, float)) and 0 <= self.slo_margin < 1):
+            raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")

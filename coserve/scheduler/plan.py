@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coserve.scheduler.finetune_work import FinetuneProgress, FinetuneWork
+from coserve.scheduler.latency_model import IterationShape
 from coserve.scheduler.sampling_params import SamplingParams
 
 
@@ -35,10 +37,13 @@ class IterationPlan:
     finished: list[str] = field(default_factory=list)  # requests finished since the last plan
     adapters: list[str] = field(default_factory=list)  # distinct adapters this iteration uses
     num_scheduled_tokens: int = 0  # total new tokens across chunks
+    finetune: list[FinetuneWork] = field(default_factory=list)  # finetuning slices: at most one forward
+    predicted_s: float = 0.0  # the latency model's estimate of this iteration (0 without a model)
+    shape: IterationShape | None = None  # the token mix the finetuning slices were sized for
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.finetune
 
 
 @dataclass(slots=True)
@@ -57,3 +62,6 @@ class ExecutionResult:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked
     elapsed_s: float = 0.0  # wall time of the iteration's model work
+    finetune: list[FinetuneProgress] = field(default_factory=list)  # jobs the iteration advanced, after it
+    finetune_losses: dict[str, float] = field(default_factory=dict)  # job id -> loss of its forward window
+    finetune_errors: dict[str, str] = field(default_factory=dict)  # job id -> why it stopped (reported DONE)

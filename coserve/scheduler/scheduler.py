@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 from coserve.kvcache import BlockManager
 from coserve.scheduler.config import SchedulerConfig
+from coserve.scheduler.finetune_work import DONE, FinetuneProgress
+from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
 from coserve.scheduler.request import Request, RequestStatus
+from coserve.scheduler.slice_policy import inference_shape, plan_slices
 
 
 @dataclass(slots=True)
@@ -30,11 +33,17 @@ class Scheduler:
     request needs a block and none is free, the most recently admitted running request
     is preempted: its blocks are freed and it is recomputed later. Waiting requests are
     admitted in arrival order, only when their whole prompt fits in free blocks.
+
+    Finetuning jobs then take the rest of the iteration (``config.policy``, ``slice_policy``):
+    the largest slice whose predicted latency (``latency``) stays within the TPOT SLO minus a
+    margin, or without a latency model what inference left of the token budget.
     """
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, latency: LatencyModel | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.latency = latency
+        self.jobs: dict[str, FinetuneProgress] = {}  # active finetuning jobs, in round-robin order
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -64,6 +73,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- finetuning jobs -----------------------------------------------------
+    def add_job(self, progress: FinetuneProgress) -> None:
+        """Start scheduling a finetuning job from ``progress`` (its position now)."""
+        if progress.job_id in self.jobs:
+            raise ValueError(f"job_id {progress.job_id!r} is already in use")
+        if progress.phase != DONE:
+            self.jobs[progress.job_id] = progress
+
+    def remove_job(self, job_id: str) -> None:
+        """Stop scheduling a job (cancelled or finished); unknown ids are ignored."""
+        self.jobs.pop(job_id, None)
+
     def pop_request(self, request_id: str) -> Request | None:
         """Forget a finished request (the engine calls this once its output is delivered)."""
         request = self.requests.get(request_id)
@@ -77,6 +98,28 @@ class Scheduler:
         self._step += 1
         plan = IterationPlan(step=self._step, chunks=[], finished=self._finished_since_plan)
         self._finished_since_plan = []
+        policy = self.config.policy
+        if policy == "finetune-only" and self.jobs:  # requests wait while a job has work
+            self._plan_finetune(plan, self.config.max_num_batched_tokens, use_latency=False)
+            return plan
+        budget = self._plan_inference(plan)
+        if policy == "coserve" and self.jobs:
+            self._plan_finetune(plan, budget, use_latency=True)
+        return plan
+
+    def _plan_finetune(self, plan: IterationPlan, token_budget: int, use_latency: bool) -> None:
+        """Add the jobs' slices after the inference chunks; the jobs rotate (round robin) for fairness."""
+        order = list(self.jobs.values())
+        shift = plan.step % len(order)
+        order = order[shift:] + order[:shift]
+        budget_s = self.config.slo_tpot_s * (1 - self.config.slo_margin)
+        latency = self.latency if use_latency else None
+        plan.finetune, plan.shape = plan_slices(order, inference_shape(plan.chunks), latency, budget_s,
+                                                token_budget, self.config.min_finetune_window)
+        plan.predicted_s = latency.predict(plan.shape) if latency is not None else 0.0
+
+    def _plan_inference(self, plan: IterationPlan) -> int:
+        """Running requests first, then admissions; returns what is left of the token budget."""
         budget = self.config.max_num_batched_tokens
         scheduled = 0
         while scheduled < len(self.running) and budget > 0:
@@ -95,10 +138,19 @@ class Scheduler:
             budget = self._admit(plan, budget)
         plan.adapters = sorted({c.adapter for c in plan.chunks if c.adapter is not None})
         plan.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
-        return plan
+        return budget
 
     def update(self, plan: IterationPlan, result: ExecutionResult) -> list[TokenEvent]:
-        """Advance requests by the executed plan; returns one event per sampled token."""
+        """Advance requests and jobs by the executed plan; returns one event per sampled token."""
+        for progress in result.finetune:
+            if progress.job_id not in self.jobs:
+                continue  # cancelled while the iteration ran
+            if progress.phase == DONE:
+                del self.jobs[progress.job_id]
+            else:
+                self.jobs[progress.job_id] = progress
+        if self.latency is not None and plan.finetune and result.elapsed_s > 0:
+            self.latency.observe(plan.shape, result.elapsed_s)
         events = []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)

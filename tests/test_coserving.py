@@ -1,0 +1,132 @@
+"""Co-serving exactness: a finetuning job riding in the inference iterations changes no inference
+output, and trains the same adapter as the same job run alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from coserve.engine.config import EngineConfig
+from coserve.engine.llm_engine import LLMEngine
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.job import Example, FinetuneJob
+from coserve.finetune.runner import run_job
+from coserve.finetune.sequence_state import IGNORE_INDEX
+from coserve.peft.config import LoraConfig
+from coserve.peft.trainable import TrainableLora
+from coserve.scheduler import SamplingParams
+
+
+def _examples(vocab: int, seed: int, n: int = 4) -> list[Example]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = [rng.randrange(5, vocab) for _ in range(rng.randint(20, 60))]
+        out.append(Example(ids, ids[1:] + [IGNORE_INDEX]))
+    return out
+
+
+def _job(engine: LLMEngine, out_dir, seed: int = 0) -> FinetuneJob:
+    model = engine.model
+    cfg = FinetuneConfig(output_dir=str(out_dir), batch_size=2, max_steps=2, lr=1e-2, optimizer="sgd",
+                         lr_scheduler="constant", seed=seed, shuffle=False)
+    bypass = TrainableLora(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]),
+                           model.module_shapes(), model.cfg.num_layers, model.device,
+                           torch.Generator().manual_seed(seed))
+    return FinetuneJob(model, bypass, _examples(model.cfg.vocab_size, seed), cfg)
+
+
+def _engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
+                                  block_size=4, max_num_batched_tokens=48, **kw))
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], steps_log: list | None = None) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        if steps_log is not None:
+            steps_log.append(engine.has_running_jobs())
+    return {rid: done[rid] for rid in ids}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, tmp_path, arch):
+    model_dir = model_factory(arch)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 200) for _ in range(rng.randint(3, 30))] for _ in range(12)]
+    alone = _generate(_engine(model_dir), prompts)
+    engine = _engine(model_dir)
+    job_id = engine.add_finetune_job(_job(engine, tmp_path / "job"))
+    log: list[bool] = []
+    together = _generate(engine, prompts, log)
+    assert sum(log) >= 3, "the job should have run alongside the requests for several iterations"
+    assert list(together.values()) == list(alone.values())
+    while engine.has_running_jobs():
+        engine.step()
+    assert engine.job_states[job_id].status == "succeeded"
+    assert (tmp_path / "job" / "adapter_model.safetensors").is_file()
+
+
+def test_coserved_job_trains_the_same_adapter_as_alone(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    engine = _engine(model_dir)
+    solo = _job(engine, tmp_path / "solo")
+    run_job(solo, progress=False)
+    job = _job(engine, tmp_path / "co")
+    job_id = engine.add_finetune_job(job)
+    rng = random.Random(5)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    while engine.has_running_jobs():  # requests keep arriving while the job trains
+        if rng.random() < 0.5:
+            engine.add_request([rng.randrange(5, 200) for _ in range(rng.randint(2, 20))], params)
+        engine.step()
+    assert engine.job_states[job_id].status == "succeeded"
+    assert job.step == solo.step == 2
+    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
+        rel = (a - b).norm() / b.norm()
+        assert rel <= 1e-5, float(rel)
+    assert [r.loss for r in job.log] == pytest.approx([r.loss for r in solo.log], rel=1e-5)
+
+
+def test_finetune_only_and_inference_only_policies(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    for policy in ("inference-only", "finetune-only"):
+        engine = _engine(model_dir, policy=policy)
+        job_id = engine.add_finetune_job(_job(engine, tmp_path / policy))
+        rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        first = engine.step()
+        for _ in range(200):
+            engine.step()
+        assert not engine.has_unfinished_requests()
+        if policy == "inference-only":  # the baseline without finetuning: the job never runs
+            assert first and first[0].request_id == rid
+            assert engine.executor.jobs[job_id].tokens_done == 0
+            assert engine.job_states[job_id].status == "running"
+        else:  # the job runs first, the request waits for it
+            assert not first
+            assert engine.job_states[job_id].status == "succeeded"
+
+
+def test_a_failing_job_stops_alone_and_the_engine_keeps_serving(model_factory, tmp_path):
+    engine = _engine(model_factory("llama"))
+    job = _job(engine, tmp_path / "bad")
+    with torch.no_grad():  # every loss becomes non-finite
+        for p in job.bypass.parameters():
+            p.fill_(float("nan"))
+    job.cfg.max_nonfinite_steps = 1
+    job_id = engine.add_finetune_job(job)
+    outs = _generate(engine, [[5, 6, 7, 8]])
+    while engine.has_running_jobs():
+        engine.step()
+    assert engine.job_states[job_id].status == "failed"
+    assert "non-finite" in engine.job_states[job_id].error
+    assert len(next(iter(outs.values()))) == 12
+    with pytest.raises(ValueError, match="already failed"):
+        engine.cancel_finetune_job(job_id)
