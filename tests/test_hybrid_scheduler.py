@@ -1,0 +1,124 @@
+"""The hybrid token scheduler on plain data: finetuning slices sized by the latency model, fed back
+with hand-built results (no model, no tensors)."""
+
+from __future__ import annotations
+
+from coserve.kvcache import BlockManager
+from coserve.scheduler import ExecutionResult, Request, SamplingParams, Scheduler, SchedulerConfig
+from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
+from coserve.scheduler.latency_model import FEATURE_NAMES, IterationShape, LatencyModel
+
+# 1 ms per iteration, 0.1 ms per inference token, 0.2 ms per finetuning forward token, 0.05 ms per backward token-layer.
+COEF = {"overhead": 1e-3, "decode_tokens": 1e-4, "prefill_tokens": 1e-4, "finetune_forward_tokens": 2e-4,
+        "finetune_backward_token_layers": 5e-5}
+
+
+def latency() -> LatencyModel:
+    return LatencyModel({"model": "m", "device": "cpu", "dtype": "float32", "threads": "2"},
+                        [COEF.get(name, 0.0) for name in FEATURE_NAMES])
+
+
+def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True) -> Scheduler:
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, max_model_len=512, max_loras=2,
+                          policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, min_finetune_window=4)
+    return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None)
+
+
+def job(jid="job", phase=FORWARD, pending=500, done=0, layers=0, tokens=500) -> FinetuneProgress:
+    return FinetuneProgress(jid, phase, pending, done, layers, tokens, num_layers=4)
+
+
+def req(rid, n_prompt, max_tokens=50):
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, temperature=0),
+                   None, frozenset({0}), 0.0)
+
+
+def step(s, progress=None):
+    plan = s.schedule()
+    result = ExecutionResult(sampled={c.request_id: 7 for c in plan.chunks if c.sample},
+                             finetune=progress(plan) if progress else [])
+    s.update(plan, result)
+    return plan
+
+
+def test_idle_inference_gives_finetuning_the_whole_slo_budget():
+    s = make()
+    s.add_job(job())
+    plan = step(s)
+    (w,) = plan.finetune
+    # 18 ms budget (20 ms SLO minus 10%): 1 ms overhead + 0.2 ms per token -> 85 tokens.
+    assert (w.kind, w.num_tokens) == (FORWARD, 85)
+    assert plan.predicted_s <= 0.018 + 1e-12 < latency().predict(IterationShape(finetune_forward_tokens=86))
+
+
+def test_a_burst_cuts_the_finetuning_slice_within_one_iteration():
+    s = make(budget=200)
+    s.add_job(job())
+    assert step(s).finetune[0].num_tokens == 85
+    for i in range(4):  # a burst: 4 prompts of 42 tokens arrive
+        s.add_request(req(f"r{i}", 42))
+    plan = step(s)
+    assert sum(len(c.token_ids) for c in plan.chunks) == 168
+    assert plan.finetune == []  # 1 + 16.8 ms of prefill leaves room for 1 token, under the 4-token minimum
+    plan = step(s)  # now four decodes: 1.4 ms, the slice grows back
+    assert len(plan.chunks) == 4 and plan.finetune[0].num_tokens == 83
+    assert plan.predicted_s <= 0.018 + 1e-12
+
+
+def test_backward_slices_span_layers_and_several_jobs_share_an_iteration():
+    s = make()
+    s.add_job(job("a", BACKWARD, pending=30, done=500, layers=2, tokens=500))  # 30 + 500 token-layers left
+    s.add_job(job("b", FORWARD, pending=20, done=0))
+    plan = step(s)
+    kinds = {w.job_id: (w.kind, w.num_tokens) for w in plan.finetune}
+    assert kinds["b"] == (FORWARD, 20)  # finishes b's forward pass
+    assert kinds["a"][0] == BACKWARD and kinds["a"][1] == int((0.018 - 1e-3 - 20 * 2e-4) / 5e-5 + 1e-9)
+    assert plan.predicted_s <= 0.018 + 1e-12
+
+
+def test_jobs_rotate_and_none_starves():
+    s = make(slo_ms=5.0)  # room for one small slice only: 3.5 ms / 0.2 ms -> 17 tokens
+    for jid in ("a", "b", "c"):
+        s.add_job(job(jid))
+    served = [step(s).finetune[0].job_id for _ in range(6)]
+    assert sorted(set(served)) == ["a", "b", "c"] and all(served.count(j) == 2 for j in "abc")
+
+
+def test_no_inference_request_starves_under_finetuning():
+    s = make(budget=16)
+    s.add_job(job(pending=10**6, tokens=10**6))
+    s.add_request(req("r", 40, max_tokens=3))
+    finished = False
+    for _ in range(10):
+        step(s)
+        finished = finished or s.requests["r"].is_finished
+    assert finished
+
+
+def test_done_jobs_leave_and_policies():
+    s = make()
+    s.add_job(job())
+    step(s, progress=lambda plan: [job(phase=DONE, pending=0)])
+    assert not s.jobs and step(s).finetune == []
+    only_inf = make(policy="inference-only")
+    only_inf.add_job(job())
+    assert step(only_inf).finetune == []
+    only_ft = make(policy="finetune-only", with_latency=False)
+    only_ft.add_job(job())
+    only_ft.add_request(req("r", 10))
+    plan = step(only_ft)
+    assert plan.chunks == [] and plan.finetune[0].num_tokens == 64  # the whole token budget
+    no_model = make(with_latency=False)
+    no_model.add_job(job())
+    no_model.add_request(req("r", 10))
+    plan = step(no_model)
+    assert plan.finetune[0].num_tokens == 64 - 10  # what inference left of the token budget
+
+
+def test_the_latency_model_learns_from_measured_iterations():
+    s = make()
+    s.add_job(job())
+    plan = s.schedule()
+    s.update(plan, ExecutionResult(elapsed_s=2 * plan.predicted_s))  # twice as slow as predicted
+    assert s.latency.correction > 1.0
+    assert step(s).finetune[0].num_tokens < 85
