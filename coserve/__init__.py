@@ -15,6 +15,9 @@ _EXPORTS = {
     "RequestOutput": "coserve.engine.outputs",
     "CompletionOutput": "coserve.engine.outputs",
     "SamplingParams": "coserve.scheduler.sampling_params",
+    "FinetuneConfig": "coserve.finetune.config",
+    "LoraConfig": "coserve.peft.config",
+    "IA3Config": "coserve.peft.config",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -23,6 +26,8 @@ if TYPE_CHECKING:
     from coserve.engine.llm import LLM
     from coserve.engine.llm_engine import LLMEngine
     from coserve.engine.outputs import CompletionOutput, RequestOutput
+    from coserve.finetune.config import FinetuneConfig
+    from coserve.peft.config import IA3Config, LoraConfig
     from coserve.scheduler.sampling_params import SamplingParams
 
 

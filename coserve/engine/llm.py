@@ -8,6 +8,13 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from coserve.engine.config import EngineConfig
+from coserve.engine.engine_loop import EngineLoop
+from coserve.engine.finetune_handle import FinetuneHandle
+from coserve.finetune.build import make_bypass
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.dataset import load_dataset
+from coserve.finetune.job import FinetuneJob
+from coserve.peft.config import IA3Config, LoraConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import RequestOutput
 from coserve.scheduler import SamplingParams
@@ -28,6 +35,31 @@ class LLM:
     def __init__(self, model: str | Path, **kwargs) -> None:
         """``kwargs`` are EngineConfig fields (dtype, device, max_model_len, max_loras, ...)."""
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self.model_dir = Path(model)
+        self._loop: EngineLoop | None = None  # the background engine thread, once a job has started
+
+    def finetune(self, data: str | Path, peft: LoraConfig | IA3Config | None = None,
+                 config: FinetuneConfig | None = None) -> FinetuneHandle:
+        """Start a finetuning job co-served with ``generate`` calls (the engine then runs in a background thread).
+
+        ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``);
+        ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config; ``config``: FinetuneConfig
+        (``output_dir`` is required). The adapter is written to ``output_dir`` when the job ends.
+        """
+        if config is None:
+            raise ValueError("config: a FinetuneConfig with output_dir is required")
+        model = self.engine.model
+        examples, report = load_dataset(data, self.tokenizer, config.max_seq_len, config.train_on_prompt)
+        bypass = make_bypass(peft or LoraConfig(), model, config.seed)
+        job = FinetuneJob(model, bypass, examples, config, base_model=str(self.model_dir.resolve()))
+        loop = self._background()
+        job_id = loop.call(lambda: self.engine.add_finetune_job(job))
+        return FinetuneHandle(self, job_id, Path(config.output_dir), report.summary())
+
+    def _background(self) -> EngineLoop:
+        if self._loop is None:
+            self._loop = EngineLoop(self.engine)
+        return self._loop
 
     @property
     def tokenizer(self):
@@ -63,6 +95,9 @@ class LLM:
                 built.append(self.engine.make_request(p, sp, a))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
+        if self._loop is not None:  # the engine runs in its thread: hand the requests over and wait
+            self._loop.call(lambda: [self.engine.enqueue(r, t) for r, t in built])
+            return self._loop.wait_for([r.request_id for r, _ in built])
         order = {}
         for i, (request, text) in enumerate(built):
             self.engine.enqueue(request, text)

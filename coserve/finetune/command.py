@@ -15,7 +15,8 @@ from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.config import ModelConfig
 from coserve.model.tokenizer import load_tokenizer
 from coserve.peft.config import IA3Config, LoraConfig
-from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora, load_trainable
+from coserve.finetune.build import make_bypass
+from coserve.peft.trainable import TrainableBypass, load_trainable
 
 
 def add_arguments(p) -> None:
@@ -92,10 +93,10 @@ def _bypass(args, model, device: torch.device, seed: int) -> TrainableBypass:
     if args.peft == "ia3":
         cfg = IA3Config(**({"target_modules": targets,
                             "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets else {}))
-        return TrainableIA3(cfg, shapes, layers, device)
-    cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                     use_rslora=args.use_rslora, **({"target_modules": targets} if targets else {}))
-    return TrainableLora(cfg, shapes, layers, device, torch.Generator().manual_seed(seed))
+    else:
+        cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                         use_rslora=args.use_rslora, **({"target_modules": targets} if targets else {}))
+    return make_bypass(cfg, model, seed)
 
 
 def _memory_report(path: str, job: FinetuneJob, examples) -> None:

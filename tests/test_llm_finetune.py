@@ -1,0 +1,50 @@
+"""``LLM.finetune``: a job co-served with ``generate`` calls, the engine in a background thread."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coserve import LLM, FinetuneConfig, LoraConfig, SamplingParams
+
+
+def _data(path, n=6):
+    rows = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(str(j) for j in range(i + 3))}
+            for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_finetune_runs_beside_generate_and_the_adapter_serves(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    before = llm.generate([[5, 6, 7, 8]] * 3, params)
+    job = llm.finetune(_data(tmp_path / "d.jsonl"), LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]),
+                       FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=3, batch_size=2, lr=5e-2,
+                                      seed=1))
+    assert job.status()["status"] == "running"
+    during = llm.generate([[5, 6, 7, 8]] * 3, params)  # served while the job trains
+    assert [o.token_ids for o in during] == [o.token_ids for o in before]
+    final = job.wait(timeout=120)
+    assert final["status"] == "succeeded" and final["step"] == 3 and final["error"] is None
+    assert (job.output_dir / "adapter_model.safetensors").is_file()
+    lines = (job.output_dir / "training_log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    llm.load_adapter("tuned", job.output_dir)  # servable right away
+    tuned = llm.generate([[5, 6, 7, 8]], params, adapter="tuned")
+    assert len(tuned[0].token_ids) == 8
+    with pytest.raises(ValueError, match="already succeeded"):
+        job.cancel()
+
+
+def test_cancel_and_bad_config(model_factory, tmp_path):
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu", num_kv_blocks=32, block_size=4)
+    with pytest.raises(ValueError, match="config"):
+        llm.finetune(_data(tmp_path / "d.jsonl"))
+    job = llm.finetune(_data(tmp_path / "d.jsonl", n=40), config=FinetuneConfig(output_dir=str(tmp_path / "o"),
+                                                                              epochs=50))
+    job.cancel()
+    assert job.wait(timeout=30)["status"] == "cancelled"
