@@ -130,3 +130,23 @@ def test_a_failing_job_stops_alone_and_the_engine_keeps_serving(model_factory, t
     assert len(next(iter(outs.values()))) == 12
     with pytest.raises(ValueError, match="already failed"):
         engine.cancel_finetune_job(job_id)
+
+
+def test_the_engine_loads_a_profiled_latency_model_that_fits(model_factory, tmp_path):
+    from coserve.engine.profiler import latency_key
+    from coserve.scheduler.latency_model import FEATURE_NAMES, LatencyModel, save_models
+    model_dir = model_factory("llama")
+    key = latency_key(model_dir, torch.device("cpu"), torch.float32)
+    fitted = LatencyModel(key, [1e-3] + [1e-5] * (len(FEATURE_NAMES) - 1))
+    other = LatencyModel({**key, "dtype": "bfloat16"}, [2e-3] + [1e-5] * (len(FEATURE_NAMES) - 1))
+    path = tmp_path / "latency.json"
+    save_models(path, [other, fitted])
+    engine = _engine(model_dir, latency_model=str(path))
+    assert engine.scheduler.latency.coefficients == fitted.coefficients
+    engine.add_finetune_job(_job(engine, tmp_path / "job"))
+    plan = engine.scheduler.schedule()  # idle: the slice fills the SLO budget as the model predicts it
+    assert plan.finetune and 0 < plan.predicted_s <= 0.045 + 1e-12
+    assert _engine(model_dir, latency_model=str(tmp_path / "none.json")).scheduler.latency is None
+    (tmp_path / "bad.json").write_text('{"version": 99}')
+    with pytest.raises(ValueError, match="latency_model"):
+        _engine(model_dir, latency_model=str(tmp_path / "bad.json"))

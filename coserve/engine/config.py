@@ -23,6 +23,8 @@ class EngineConfig:
     seed: int = 0  # seed for requests that sample without their own seed
     policy: str = "coserve"  # how finetuning jobs share iterations: coserve, inference-only, finetune-only
     slo_tpot_ms: float = 50.0  # inference time-per-output-token target the finetuning slice respects
+    latency_model: str | None = None  # `coserve profile` JSON; None = the default profile path. A fit for this
+    #   model, device, dtype and thread count sizes finetuning slices; without one, the token budget does
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from coserve.engine.config import EngineConfig
 from coserve.engine.executor import ModelExecutor, job_progress
+from coserve.engine.profiler import default_profile_path, latency_key
 from coserve.engine.output_processor import OutputProcessor
 from coserve.engine.outputs import RequestOutput
 from coserve.kvcache import BlockManager
@@ -21,6 +22,8 @@ from coserve.peft import AdapterError, LoraAdapter, LoraBank, load_lora_adapter
 from coserve.finetune.job import FinetuneJob
 from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from coserve.scheduler.finetune_work import DONE
+from coserve.scheduler.latency_model import LatencyModel
+from coserve.scheduler.latency_model import load_model as load_latency
 
 
 @dataclass(slots=True)
@@ -57,7 +60,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                             config.max_loras, config.policy, config.slo_tpot_ms / 1000),
-            BlockManager(num_blocks, config.block_size), latency=None)
+            BlockManager(num_blocks, config.block_size), latency=self._latency_model())
         self.adapters: dict[str, LoraAdapter] = {}
         bank = LoraBank(self.model.module_shapes(), model_cfg.num_layers, config.max_loras,
                         config.max_lora_rank, self.device, self.dtype)
@@ -202,6 +205,14 @@ class LLMEngine:
             if request is not None:
                 outputs.append(self.outputs.output(request, True))
         return outputs
+
+    def _latency_model(self) -> LatencyModel | None:
+        """The profiled latency model that fits this engine (model, device, dtype, threads), if any."""
+        path = Path(self.config.latency_model) if self.config.latency_model else default_profile_path()
+        try:
+            return load_latency(path, latency_key(self.config.model, self.device, self.dtype))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"latency_model: {path} cannot be read ({e})") from e
 
     def _blocks_for_memory(self, cfg: ModelConfig) -> int:
         per_block = PagedKVCache.bytes_per_block(cfg.num_layers, self.config.block_size,
