@@ -112,7 +112,6 @@ def test_the_trained_adapter_is_served_by_the_engine(setup, tmp_path):
 @pytest.mark.parametrize("remat", ["cheap", "all"])
 @pytest.mark.parametrize("peft", ["lora", "ia3"])
 def test_the_executor_keeps_exactly_the_plans_bytes(setup, tmp_path, peft, remat):
-    from coserve.finetune.memory import job_plan
     from coserve.peft.config import IA3Config
     from coserve.peft.trainable import TrainableIA3
     model_dir, model, examples, bypass = setup
@@ -120,7 +119,7 @@ def test_the_executor_keeps_exactly_the_plans_bytes(setup, tmp_path, peft, remat
                                                      model.device)
     job = FinetuneJob(model, b, examples, _cfg(tmp_path / "o", max_steps=1, rematerialize=remat))
     run_job(job, progress=False)
-    plan = job_plan(job)
+    plan = job.plan
     assert job.kept_bytes_per_token == plan.model_kept_bytes_per_token
     assert plan.model_kept_bytes_per_token < plan.model_keep_all_bytes_per_token
 

@@ -122,3 +122,14 @@ def test_the_latency_model_learns_from_measured_iterations():
     s.update(plan, ExecutionResult(elapsed_s=2 * plan.predicted_s))  # twice as slow as predicted
     assert s.latency.correction > 1.0
     assert step(s).finetune[0].num_tokens < 85
+
+
+def test_has_work_only_when_the_policy_can_schedule_something():
+    s = make(policy="inference-only")
+    s.add_job(job())
+    assert not s.has_work()  # a job inference-only never runs is no reason to iterate
+    s.add_request(req("r", 5))
+    assert s.has_work()
+    co = make()
+    co.add_job(job())
+    assert co.has_work()

@@ -25,14 +25,11 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="coserve-engine", daemon=True)
         self.thread.start()
 
-    def _has_work(self) -> bool:
-        return self.engine.has_unfinished_requests() or self.engine.has_running_jobs()
-
     def _run(self) -> None:
         try:
             while True:
                 with self.cond:
-                    self.cond.wait_for(lambda: self._stop or self._has_work())
+                    self.cond.wait_for(lambda: self._stop or self.engine.scheduler.has_work())
                     if self._stop:
                         return
                     for out in self.engine.step():

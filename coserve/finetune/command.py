@@ -9,7 +9,7 @@ import torch
 
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.job import FinetuneJob
-from coserve.finetune.memory import autograd_saved_bytes, job_plan, peak_rss_bytes
+from coserve.finetune.memory import autograd_saved_bytes, peak_rss_bytes
 from coserve.finetune.runner import run_job
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.config import ModelConfig
@@ -102,7 +102,7 @@ def _bypass(args, model, device: torch.device, seed: int) -> TrainableBypass:
 def _memory_report(path: str, job: FinetuneJob, examples) -> None:
     sample = max(examples, key=lambda e: len(e.token_ids))
     autograd = autograd_saved_bytes(job.model, job.bypass, sample.token_ids, sample.targets)
-    plan = job_plan(job)
+    plan = job.plan
     report = {
         "kept_bytes_per_token": plan.model_kept_bytes_per_token,
         "keep_all_bytes_per_token": plan.model_keep_all_bytes_per_token,

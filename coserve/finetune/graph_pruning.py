@@ -155,10 +155,10 @@ def training_flops(graph: LayerGraph, surviving: list[BackwardStep]) -> float:
 
 
 def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_threshold: float,
-                  recompute_budget: float = 0.0, budget_flops: float = 0.0) -> tuple[dict[str, str], list[str]]:
+                  budget_flops: float = 0.0) -> tuple[dict[str, str], list[str]]:
     """Algorithm 1, step 2: ``(stored name -> "full" | "bitmask", rematerialised names in forward order)``.
 
-    ``budget_flops``: what pass (b) may add (``recompute_budget`` x the training FLOPs).
+    ``budget_flops``: per token, what pass (b) may add (``recompute_budget`` x the training FLOPs).
     """
     order = [t for op in graph.ops for t in op.outputs if t in keep]  # forward order
     if policy == "all":
@@ -185,7 +185,7 @@ def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_th
             del stored[t]
             remat.append(t)
             changed = True
-    if policy == "cheap" and recompute_budget > 0:
+    if policy == "cheap" and budget_flops > 0:
         remat += _spend_budget(graph, stored, remat, budget_flops)
     return stored, [t for op in graph.ops for t in op.outputs if t in remat]
 
@@ -341,8 +341,7 @@ def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
     surviving, pruned = prune(graph, differentiate(graph), need_input_grad)
     keep = keep_set(graph, surviving)
     train = training_flops(graph, surviving)
-    stored, remat = rematerialize(graph, keep, rematerialize_policy, cost_threshold, recompute_budget,
-                                  recompute_budget * train)
+    stored, remat = rematerialize(graph, keep, rematerialize_policy, cost_threshold, recompute_budget * train)
     readers: dict[str, list[str]] = {}
     for s in surviving:
         for rd in s.reads:

@@ -7,7 +7,6 @@ import sys
 
 import torch
 
-from coserve.finetune.graph_pruning import PruningPlan
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.model.decoder import Bypass, DecoderModel
 
@@ -46,8 +45,3 @@ def peak_rss_bytes() -> int:
     """The process's peak resident set size so far."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-def job_plan(job) -> PruningPlan:
-    """The graph-pruning plan of a FinetuneJob's model, adapter and rematerialisation policy."""
-    return job.plan

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from coserve.finetune.graph import LayerShape
 from coserve.finetune.graph_pruning import PruningPlan, plan_model
 from coserve.finetune.window_attention import window_attention
-from coserve.model.decoder import DecoderLayer, DecoderModel, rms_norm
+from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
 from coserve.model.norm_grad import rms_norm_backward
 
 BASE_KEEPS = ("q", "resid", "gate", "up")  # the base layer's tensors a plan may store or recompute
@@ -112,9 +112,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     h1 = None
     if q is None or _touches(bypass, "q_proj", "k_proj", "v_proj"):
         h1 = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-    if q is None:
+    if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
         bias = layer.qkv_bias[:cfg.q_size] if layer.qkv_bias is not None else None
-        q = _bypass_output(bypass, i, "q_proj", h1, F.linear(h1, layer.qkv[:cfg.q_size], bias))
+        with torch.no_grad():
+            q = bypass_output(bypass, None, i, "q_proj", h1, F.linear(h1, layer.qkv[:cfg.q_size], bias))
         q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     # attention, recomputed from q, K and V under autograd
     q = q.detach().requires_grad_()
@@ -123,15 +124,17 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         attn = window_attention(q, k_win, v_win, model.scale)
     resid = keep.get("resid", a, b)
     if resid is None:
-        resid = x + _module_output(bypass, i, "o_proj", attn.detach(), layer.o)
+        with torch.no_grad():
+            resid = x + bypassed_linear(bypass, None, i, "o_proj", attn.detach(), layer.o)
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     h2 = None
     if gate is None or up is None or _touches(bypass, "gate_proj", "up_proj"):
         h2 = rms_norm(resid, layer.post_norm, cfg.rms_norm_eps)
     if gate is None or up is None:
         g, u = F.linear(h2, layer.gate_up).chunk(2, dim=-1)
-        gate = _bypass_output(bypass, i, "gate_proj", h2, g) if gate is None else gate
-        up = _bypass_output(bypass, i, "up_proj", h2, u) if up is None else up
+        with torch.no_grad():
+            gate = bypass_output(bypass, None, i, "gate_proj", h2, g) if gate is None else gate
+            up = bypass_output(bypass, None, i, "up_proj", h2, u) if up is None else up
     # MLP: out = resid + down(silu(gate) * up)
     silu = F.silu(gate)
     dact = _module_backward(bypass, keep, i, "down_proj", silu * up, layer.down, dout, a, b)
@@ -162,21 +165,6 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     ex_v = _out_backward_into(bypass, keep, i, "v_proj", h1, dv, a, b)
     dh1 = _plus(dqkv @ layer.qkv, ex_q, ex_k, ex_v)
     return dresid + rms_norm_backward(dh1, x, layer.input_norm, cfg.rms_norm_eps)
-
-
-@torch.no_grad()
-def _bypass_output(bypass, i: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A recomputed frozen output ``y`` through ``module``'s bypass (if any); a value, not a graph."""
-    return bypass.output(i, module, x, y) if bypass is not None and module in bypass.modules else y
-
-
-@torch.no_grad()
-def _module_output(bypass, i: int, module: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``module``'s output with its bypass, recomputed from its input ``x``; a value, not a graph."""
-    if bypass is None or module not in bypass.modules:
-        return F.linear(x, weight)
-    x_in = bypass.input(i, module, x)
-    return bypass.output(i, module, x_in, F.linear(x_in, weight))
 
 
 def _touches(bypass, *modules: str) -> bool:

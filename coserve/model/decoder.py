@@ -127,25 +127,25 @@ class DecoderModel:
         t = x.shape[0]
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = _bypass_output(bypass, tap, i, "q_proj", h, q)
-        k = _bypass_output(bypass, tap, i, "k_proj", h, k)
-        v = _bypass_output(bypass, tap, i, "v_proj", h, v)
+        q = bypass_output(bypass, tap, i, "q_proj", h, q)
+        k = bypass_output(bypass, tap, i, "k_proj", h, k)
+        v = bypass_output(bypass, tap, i, "v_proj", h, v)
         q, k = self.rope(q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim),
                          positions)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if tap is not None:
             tap("q", q)
-        x = x + _linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o)
+        x = x + bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o)
         if tap is not None:
             tap("resid", x)
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        gate = _bypass_output(bypass, tap, i, "gate_proj", h, gate)
-        up = _bypass_output(bypass, tap, i, "up_proj", h, up)
+        gate = bypass_output(bypass, tap, i, "gate_proj", h, gate)
+        up = bypass_output(bypass, tap, i, "up_proj", h, up)
         if tap is not None:
             tap("gate", gate)
             tap("up", up)
-        x = x + _linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down)
+        x = x + bypassed_linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down)
         return x, k, v
 
 
@@ -153,7 +153,7 @@ class DecoderModel:
 Tap = Callable[[str, torch.Tensor], None]
 
 
-def _bypass_output(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,
+def bypass_output(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,
                    y: torch.Tensor) -> torch.Tensor:
     """``y`` through the bypass of ``module`` (if any); with a tap, the bypass's kept tensor goes to it."""
     if bypass is None or module not in bypass.modules:
@@ -166,12 +166,12 @@ def _bypass_output(bypass: Bypass | None, tap: Tap | None, layer: int, module: s
     return y
 
 
-def _linear(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,
+def bypassed_linear(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,
             weight: torch.Tensor) -> torch.Tensor:
     if bypass is None or module not in bypass.modules:
         return F.linear(x, weight)
     x = bypass.input(layer, module, x)
-    return _bypass_output(bypass, tap, layer, module, x, F.linear(x, weight))
+    return bypass_output(bypass, tap, layer, module, x, F.linear(x, weight))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

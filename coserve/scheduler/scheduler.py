@@ -73,6 +73,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_work(self) -> bool:
+        """Whether the next plan can hold anything: requests, or jobs the policy lets run."""
+        return self.has_unfinished() or (bool(self.jobs) and self.config.policy != "inference-only")
+
     # ---- finetuning jobs -----------------------------------------------------
     def add_job(self, progress: FinetuneProgress) -> None:
         """Start scheduling a finetuning job from ``progress`` (its position now)."""
