@@ -100,6 +100,7 @@ MODULE_COMMANDS = {
     "finetune": ("coserve.finetune.command", "train a LoRA or IA3 adapter with token-level windows"),
     "bench-generation": ("coserve.bench.generation", "generation throughput against HF transformers generate"),
     "bench-finetune": ("coserve.bench.finetune", "token-level finetuning against HF PEFT with a torch loop"),
+    "bench": ("coserve.bench.serving", "co-serving benchmark: SLO attainment and finetuning throughput per policy and rate"),
     "profile": ("coserve.engine.profile_command", "time co-serving iterations and fit the latency model"),
 }
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Latency profiles the engines make (a brief one when none fits) go to a scratch file, not the user's cache.
+os.environ["COSERVE_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="coserve-test-"), "latency.json")
 
 ARCHS = ("llama", "qwen2", "mistral")
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

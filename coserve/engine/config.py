@@ -21,13 +21,17 @@ class EngineConfig:
     max_loras: int = 4  # distinct adapters in one batch (device slots)
     max_lora_rank: int = 16  # largest adapter rank the slots hold
     seed: int = 0  # seed for requests that sample without their own seed
-    policy: str = "coserve"  # how finetuning jobs share iterations: coserve, inference-only, finetune-only
+    policy: str = "coserve"  # how finetuning jobs share iterations (scheduler.config.POLICIES)
+    temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
     slo_tpot_ms: float = 50.0  # inference time-per-output-token target the finetuning slice respects
     latency_model: str | None = None  # `coserve profile` JSON; None = the default profile path. A fit for this
-    #   model, device, dtype and thread count sizes finetuning slices; without one, the token budget does
+    #   model, device, dtype and thread count sizes finetuning slices
+    auto_profile: bool = True  # policy coserve: profile briefly (and save to latency_model's path) when the first
+    #   finetuning job arrives and no fit exists; False = size slices by the token budget instead
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank")
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",
+                    "temporal_interval")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from coserve.engine.config import EngineConfig
 from coserve.engine.executor import ModelExecutor, job_progress
-from coserve.engine.profiler import default_profile_path, latency_key
+from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
 from coserve.engine.output_processor import OutputProcessor
 from coserve.engine.outputs import RequestOutput
 from coserve.kvcache import BlockManager
@@ -22,8 +23,13 @@ from coserve.peft import AdapterError, LoraAdapter, LoraBank, load_lora_adapter
 from coserve.finetune.job import FinetuneJob
 from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from coserve.scheduler.finetune_work import DONE
+from coserve.scheduler.plan import ExecutionResult, IterationPlan
 from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.latency_model import load_model as load_latency
+
+log = logging.getLogger("coserve.engine")
+BRIEF_PROFILE_POINTS = 25  # iterations timed when a coserve engine has no latency profile (11 features to fit)
+BRIEF_PROFILE_CONTEXT = 512  # longest context they use
 
 
 @dataclass(slots=True)
@@ -59,7 +65,8 @@ class LLMEngine:
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
-                            config.max_loras, config.policy, config.slo_tpot_ms / 1000),
+                            config.max_loras, config.policy, config.slo_tpot_ms / 1000,
+                            temporal_interval=config.temporal_interval),
             BlockManager(num_blocks, config.block_size), latency=self._latency_model())
         self.adapters: dict[str, LoraAdapter] = {}
         bank = LoraBank(self.model.module_shapes(), model_cfg.num_layers, config.max_loras,
@@ -70,6 +77,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._job_ids = itertools.count()
         self.job_states: dict[str, JobState] = {}  # every finetuning job this engine was given, by id
+        self.last_plan: IterationPlan | None = None  # the latest iteration's plan and result (for benchmarks)
+        self.last_result: ExecutionResult | None = None
 
     # ---- finetuning jobs -----------------------------------------------------
     def add_finetune_job(self, job: FinetuneJob, job_id: str | None = None) -> str:
@@ -77,6 +86,7 @@ class LLMEngine:
         jid = job_id if job_id is not None else f"ftjob-{next(self._job_ids)}"
         if jid in self.job_states:
             raise ValueError(f"job_id: {jid!r} is already in use")
+        self._ensure_latency_model()
         self.job_states[jid] = JobState(job)
         self.executor.jobs[jid] = job
         self.scheduler.add_job(job_progress(jid, job))
@@ -188,6 +198,7 @@ class LLMEngine:
         """Run one iteration; returns outputs of requests that got a token or finished."""
         plan = self.scheduler.schedule()
         result = self.executor.execute(plan)
+        self.last_plan, self.last_result = plan, result
         events = self.scheduler.update(plan, result)
         for progress in result.finetune:
             if progress.phase == DONE and self.job_states[progress.job_id].status == "running":
@@ -206,13 +217,35 @@ class LLMEngine:
                 outputs.append(self.outputs.output(request, True))
         return outputs
 
+    def _latency_path(self) -> Path:
+        return Path(self.config.latency_model) if self.config.latency_model else default_profile_path()
+
     def _latency_model(self) -> LatencyModel | None:
         """The profiled latency model that fits this engine (model, device, dtype, threads), if any."""
-        path = Path(self.config.latency_model) if self.config.latency_model else default_profile_path()
+        path = self._latency_path()
         try:
             return load_latency(path, latency_key(self.config.model, self.device, self.dtype))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"latency_model: {path} cannot be read ({e})") from e
+
+    def _ensure_latency_model(self) -> None:
+        """Under the coserve policy, profile briefly when no latency model fits (FlexLLM sizes slices by one)."""
+        if self.scheduler.latency is not None or self.config.policy != "coserve" or not self.config.auto_profile:
+            return
+        key = latency_key(self.config.model, self.device, self.dtype)
+        start = time.perf_counter()
+        latency, _ = profile(self.model, key, num_points=BRIEF_PROFILE_POINTS, repeats=1,
+                             max_ctx=min(BRIEF_PROFILE_CONTEXT, self.max_model_len))
+        path = self._latency_path()
+        try:
+            save_latency_model(path, latency)
+        except OSError as e:  # the fit still serves this engine
+            log.warning("could not save the latency profile to %s: %s", path, e)
+        err = latency.heldout_median_abs_pct_error
+        log.warning("no latency profile fitted %s; profiled %d iterations in %.1f s (held-out median error %s); "
+                    "saved to %s (run `coserve profile` for a fuller one)", key, BRIEF_PROFILE_POINTS,
+                    time.perf_counter() - start, "n/a" if err is None else f"{err:.1f}%", path)
+        self.scheduler.latency = latency
 
     def _blocks_for_memory(self, cfg: ModelConfig) -> int:
         per_block = PagedKVCache.bytes_per_block(cfg.num_layers, self.config.block_size,

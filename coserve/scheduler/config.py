@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 
 # coserve: inference first, then the largest finetuning slice within the SLO (the hybrid token scheduler);
-# inference-only: finetuning jobs wait; finetune-only: inference requests wait while a job has work.
-POLICIES = ("coserve", "inference-only", "finetune-only")
+# inference-only: finetuning jobs wait; finetune-only: inference requests wait while a job has work;
+# temporal: one finetuning iteration (a whole sequence, forward and backward) after every
+# `temporal_interval` inference iterations; dts: the same with the interval set by dynamic temporal
+# sharing (FlexLLM Appendix A). Both baselines run finetuning whenever no request is in the engine.
+POLICIES = ("coserve", "inference-only", "finetune-only", "temporal", "dts")
 
 
 @dataclass(slots=True)
@@ -22,9 +25,11 @@ class SchedulerConfig:
     slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
     slo_margin: float = 0.1  # fraction of the SLO kept free for prediction error
     min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)
+    temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_loras", "min_finetune_window"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_loras", "min_finetune_window",
+                     "temporal_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

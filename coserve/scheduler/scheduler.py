@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from coserve.kvcache import BlockManager
 from coserve.scheduler.config import SchedulerConfig
-from coserve.scheduler.finetune_work import DONE, FinetuneProgress
+from coserve.scheduler.dts import DynamicTemporalSharing, TemporalSharing
+from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress, FinetuneWork
 from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
 from coserve.scheduler.request import Request, RequestStatus
@@ -37,6 +38,10 @@ class Scheduler:
     Finetuning jobs then take the rest of the iteration (``config.policy``, ``slice_policy``):
     the largest slice whose predicted latency (``latency``) stays within the TPOT SLO minus a
     margin, or without a latency model what inference left of the token budget.
+
+    The temporal-sharing baselines (``temporal``, ``dts``) instead give a whole iteration to one
+    job's current sequence (its forward and backward) when their controller says so, and whenever
+    no request is in the engine.
     """
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, latency: LatencyModel | None = None) -> None:
@@ -50,6 +55,11 @@ class Scheduler:
         self.num_preemptions = 0
         self._step = 0
         self._finished_since_plan: list[str] = []
+        self.sharing = (TemporalSharing(config.temporal_interval) if config.policy == "temporal"
+                        else DynamicTemporalSharing() if config.policy == "dts" else None)
+        self._finetune_turn = False  # temporal sharing: the next iteration belongs to finetuning
+        self._arrivals = 0  # requests added since the last inference iteration (temporal sharing's statistics)
+        self._completions = 0  # requests finished since then
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -58,6 +68,7 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._arrivals += 1
 
     def finish_request(self, request_id: str, reason: str) -> None:
         """End a request now (a stop string, an abort); frees its blocks. Unknown ids are ignored."""
@@ -106,7 +117,15 @@ class Scheduler:
         if policy == "finetune-only" and self.jobs:  # requests wait while a job has work
             self._plan_finetune(plan, self.config.max_num_batched_tokens, use_latency=False)
             return plan
+        if self.sharing is not None and self.jobs and (self._finetune_turn or not self.has_unfinished()):
+            self._finetune_turn = False
+            self._plan_whole_sequence(plan)
+            return plan
         budget = self._plan_inference(plan)
+        if self.sharing is not None and plan.chunks:
+            self._finetune_turn = self.sharing.step(len(self.waiting), len(self.running), self._arrivals,
+                                                    self._completions) and bool(self.jobs)
+            self._arrivals = self._completions = 0
         if policy == "coserve" and self.jobs:
             self._plan_finetune(plan, budget, use_latency=True)
         return plan
@@ -121,6 +140,18 @@ class Scheduler:
         plan.finetune, plan.shape = plan_slices(order, inference_shape(plan.chunks), latency, budget_s,
                                                 token_budget, self.config.min_finetune_window)
         plan.predicted_s = latency.predict(plan.shape) if latency is not None else 0.0
+
+    def _plan_whole_sequence(self, plan: IterationPlan) -> None:
+        """Temporal sharing's finetuning iteration: what is left of one job's current sequence, forward
+        then backward through every layer (jobs take turns)."""
+        order = list(self.jobs.values())
+        job = order[plan.step % len(order)]
+        if job.phase == FORWARD:
+            plan.finetune.append(FinetuneWork(job.job_id, FORWARD, job.pending_tokens))
+            token_layers = job.num_layers * job.sequence_tokens
+        else:
+            token_layers = job.backward_token_layers_left
+        plan.finetune.append(FinetuneWork(job.job_id, BACKWARD, token_layers))
 
     def _plan_inference(self, plan: IterationPlan) -> int:
         """Running requests first, then admissions; returns what is left of the token budget."""
@@ -153,7 +184,7 @@ class Scheduler:
                 del self.jobs[progress.job_id]
             else:
                 self.jobs[progress.job_id] = progress
-        if self.latency is not None and plan.finetune and result.elapsed_s > 0:
+        if self.latency is not None and plan.shape is not None and plan.finetune and result.elapsed_s > 0:
             self.latency.observe(plan.shape, result.elapsed_s)
         events = []
         for chunk in plan.chunks:
@@ -226,6 +257,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_since_plan.append(request.request_id)
+        self._completions += 1
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params

@@ -1,0 +1,285 @@
+"""One (policy, rate) run of ``coserve bench``: an engine driven in real time by a request stream,
+with a finetuning job beside it as the policy says.
+
+Policies of the engine's scheduler (``coserve``, ``inference-only``, ``finetune-only``,
+``temporal``, ``dts``) run the job inside the engine's iterations. Two baselines run it outside:
+``spatial`` trains in a second thread on the same model and cores, with no coordination (the CPU
+stand-in for two CUDA streams), and ``separate`` trains in a second process pinned to its share of
+the cores while the engine keeps the rest (two clusters, ``--split``). Each run happens in a fresh
+process (``run_in_child``) so that threads, core affinity and allocator state never leak between runs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coserve.bench.metrics import RequestRecord, idle_fraction, summarize
+from coserve.bench.serving_workload import BenchRequest
+
+ENGINE_POLICIES = ("coserve", "inference-only", "finetune-only", "temporal", "dts")
+BENCH_POLICIES = ENGINE_POLICIES + ("spatial", "separate")
+
+
+@dataclass(slots=True)
+class FinetuneSpec:
+    """The job every run trains (the same everywhere, so throughputs compare)."""
+
+    data: str  # a dataset file ({text}, Alpaca or chat records)
+    max_seq_len: int = 1024
+    lora_r: int = 16
+    target_modules: tuple[str, ...] = ("down_proj",)
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class RunSpec:
+    """Everything one run needs; plain data, so it crosses into the child process."""
+
+    model: str
+    policy: str  # one of BENCH_POLICIES
+    label: str  # how results name it: "temporal:64", "separate 50:50", ...
+    rate: float
+    duration_s: float
+    requests: list[BenchRequest]
+    finetune: FinetuneSpec | None
+    slo_tpot_ms: float = 50.0
+    ttft_limit_s: float = 5.0
+    drain_s: float = 30.0  # after the last arrival, how long requests may still finish
+    temporal_interval: int = 64
+    split: tuple[int, int] = (50, 50)  # separate: percent of the cores for inference, finetuning
+    dtype: str = "float32"
+    device: str | None = None
+    max_model_len: int | None = None
+    latency_model: str | None = None
+    seed: int = 0
+    progress: bool = True
+    extra: dict = field(default_factory=dict)  # copied into the result (workload sources, ...)
+
+
+def split_cores(split: tuple[int, int], cores: list[int]) -> tuple[list[int], list[int]]:
+    """The cores for inference and for finetuning: ``split`` percent each, at least one each."""
+    if len(cores) < 2:
+        raise ValueError(f"separate needs at least 2 cores to split, this process may use {len(cores)}")
+    a, b = split
+    if a <= 0 or b <= 0:
+        raise ValueError(f"split: both shares must be positive, got {a}:{b}")
+    n = min(len(cores) - 1, max(1, round(len(cores) * a / (a + b))))
+    return cores[:n], cores[n:]
+
+
+def _make_job(model, tokenizer, spec: FinetuneSpec, out_dir: str):
+    """A job with the same data, adapter and seed in every run, long enough never to finish."""
+    from coserve.finetune.build import make_bypass
+    from coserve.finetune.config import FinetuneConfig
+    from coserve.finetune.dataset import load_dataset
+    from coserve.finetune.job import FinetuneJob
+    from coserve.peft.config import LoraConfig
+
+    cfg = FinetuneConfig(output_dir=out_dir, epochs=1000, max_seq_len=spec.max_seq_len, seed=spec.seed)
+    examples, _ = load_dataset(spec.data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
+    bypass = make_bypass(LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_r, target_modules=list(spec.target_modules)),
+                         model, spec.seed)
+    return FinetuneJob(model, bypass, examples, cfg)
+
+
+def _train_until(job, stop: threading.Event | None, deadline: float | None) -> None:
+    """Whole windows, as a standalone trainer runs them, until ``stop`` is set or ``deadline`` passes."""
+    while (stop is None or not stop.is_set()) and (deadline is None or time.perf_counter() < deadline):
+        kind = job.next_work()
+        if kind == "forward":
+            job.forward(job.pending_tokens())
+        elif kind == "backward":
+            job.backward(job.pending_tokens())
+        else:
+            return
+
+
+def _separate_worker(conn, model: str, spec: FinetuneSpec, dtype: str, cores: list[int], duration_s: float) -> None:
+    """The finetuning side of ``separate``: its own process on its own cores; reports tokens trained."""
+    import torch
+
+    from coserve.model.config import ModelConfig
+    from coserve.model.loader import load_model, resolve_device, resolve_dtype
+    from coserve.model.tokenizer import load_tokenizer
+
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    cfg = ModelConfig.from_dir(model)
+    m = load_model(model, resolve_dtype(dtype, cfg), resolve_device("cpu"), max_positions=spec.max_seq_len)
+    with tempfile.TemporaryDirectory() as out:
+        job = _make_job(m, load_tokenizer(model), spec, out)
+        conn.send("ready")
+        conn.recv()  # go
+        start = time.perf_counter()
+        _train_until(job, None, start + duration_s)
+        conn.send((job.tokens_done, time.perf_counter() - start))
+
+
+def run_one(spec: RunSpec) -> dict:
+    """Drive one run in this process; returns its result row (JSON-ready)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from coserve.engine.config import EngineConfig
+    from coserve.engine.llm_engine import LLMEngine
+    from coserve.scheduler import SamplingParams
+
+    if spec.policy not in BENCH_POLICIES:
+        raise ValueError(f"policy: {spec.policy!r} is not one of {', '.join(BENCH_POLICIES)}")
+    worker = None
+    cores = sorted(os.sched_getaffinity(0))
+    if spec.policy == "separate" and spec.finetune is not None:
+        inference_cores, finetune_cores = split_cores(spec.split, cores)
+        os.sched_setaffinity(0, inference_cores)
+        torch.set_num_threads(len(inference_cores))
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        worker = ctx.Process(target=_separate_worker, args=(child, spec.model, spec.finetune, spec.dtype,
+                                                            finetune_cores, spec.duration_s), daemon=True)
+        worker.start()
+    engine_policy = spec.policy if spec.policy in ENGINE_POLICIES else "inference-only"
+    engine = LLMEngine(EngineConfig(
+        model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
+        max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, latency_model=spec.latency_model,
+        temporal_interval=spec.temporal_interval, seed=spec.seed))
+    _warm_up(engine)
+    job, stop, thread = None, threading.Event(), None
+    tmp = tempfile.TemporaryDirectory()
+    if spec.finetune is not None and spec.policy not in ("inference-only", "separate"):
+        job = _make_job(engine.model, engine.tokenizer, spec.finetune, tmp.name)
+        if spec.policy == "spatial":
+            thread = threading.Thread(target=_train_until, args=(job, stop, None), daemon=True)
+        else:
+            engine.add_finetune_job(job, "bench")
+    if worker is not None:
+        assert parent.recv() == "ready"
+        parent.send("go")
+    if thread is not None:
+        thread.start()
+
+    params = {}
+    records: dict[str, RequestRecord] = {}
+    pending = deque(sorted(spec.requests, key=lambda r: r.arrival_s))
+    unfinished: set[str] = set()
+    iterations, busy = [], []
+    failed = []
+    finetune_tokens, finetune_time = None, None
+    num_layers = engine.model_config.num_layers
+    bar = tqdm(total=round(spec.duration_s), disable=not spec.progress, leave=False, unit="s",
+               desc=f"{spec.label} @ {spec.rate:g} req/s")
+    t0 = time.perf_counter()
+    clock = lambda: time.perf_counter() - t0  # noqa: E731
+    while True:
+        now = clock()
+        bar.update(min(round(now), bar.total) - bar.n)
+        if finetune_tokens is None and now >= spec.duration_s:
+            finetune_tokens, finetune_time = (job.tokens_done if job is not None else 0), now
+        while pending and pending[0].arrival_s <= now:
+            r = pending.popleft()
+            sp = params.setdefault(r.max_tokens, SamplingParams(max_tokens=r.max_tokens, temperature=0,
+                                                                ignore_eos=True))
+            try:
+                rid = engine.add_request(r.prompt, sp)
+            except ValueError as e:
+                failed.append(RequestRecord(r.arrival_s, None, None, len(r.prompt), 0, failed=True, error=str(e)))
+                continue
+            records[rid] = RequestRecord(r.arrival_s, None, None, len(r.prompt), 0)
+            unfinished.add(rid)
+        if now >= spec.duration_s and (not unfinished or now >= spec.duration_s + spec.drain_s):
+            break
+        if not engine.scheduler.has_work():
+            wake = pending[0].arrival_s if pending else spec.duration_s + spec.drain_s
+            if now < spec.duration_s:
+                wake = min(wake, spec.duration_s)
+            time.sleep(max(0.0, min(wake - now, 0.05)))
+            continue
+        start = clock()
+        outs = engine.step()
+        end = clock()
+        plan = engine.last_plan
+        if not plan.is_empty:
+            ft_fwd = sum(w.num_tokens for w in plan.finetune if w.kind == "forward")
+            ft_bwd = sum(w.num_tokens for w in plan.finetune if w.kind == "backward") / num_layers
+            iterations.append({"t_s": round(start, 4), "elapsed_s": round(end - start, 5),
+                               "predicted_s": round(plan.predicted_s, 5), "decode_tokens": plan.shape.decode_tokens
+                               if plan.shape is not None else None,
+                               "inference_tokens": plan.num_scheduled_tokens,
+                               "finetune_forward_tokens": ft_fwd, "finetune_backward_tokens": round(ft_bwd, 2)})
+        if plan.chunks:
+            busy.append((start, end))
+        for out in outs:
+            rec = records[out.request_id]
+            if rec.first_token_s is None and out.token_ids:
+                rec.first_token_s = end
+            if out.finished:
+                rec.finish_s = end
+                rec.num_output_tokens = len(out.token_ids)
+                unfinished.discard(out.request_id)
+    bar.close()
+    elapsed = clock()
+    if thread is not None:
+        stop.set()
+        thread.join()
+    if worker is not None:
+        finetune_tokens, finetune_time = parent.recv()
+        worker.join()
+    tmp.cleanup()
+    all_records = list(records.values()) + failed
+    # Rates are over the arrival window: at a sustainable load they equal what arrived.
+    summary = summarize(all_records, spec.duration_s, spec.slo_tpot_ms / 1000, spec.ttft_limit_s)
+    num_requests = len(all_records)
+    return {
+        "policy": spec.label, "rate": spec.rate, **summary,
+        "run_s": elapsed, "duration_s": spec.duration_s, "num_unfinished": len(unfinished),
+        "finetune_tokens": finetune_tokens if spec.finetune is not None and spec.policy != "inference-only" else None,
+        "finetune_tokens_per_s": (finetune_tokens / finetune_time
+                                  if spec.finetune is not None and spec.policy != "inference-only" else None),
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "kv_preemption_rate": engine.scheduler.num_preemptions / num_requests if num_requests else 0.0,
+        "idle_fraction": idle_fraction(busy, spec.duration_s),
+        "num_iterations": len(iterations),
+        "errors": sorted({r.error for r in failed})[:5],
+        "threads": torch.get_num_threads(),
+        "iterations": iterations, **spec.extra,
+    }
+
+
+def _warm_up(engine) -> None:
+    """One short request end to end, so that first-call costs stay out of the measurement."""
+    from coserve.scheduler import SamplingParams
+    engine.add_request([engine.tokenizer.bos_token_id or 0] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _child(conn, spec: RunSpec) -> None:
+    try:
+        conn.send(("ok", run_one(spec)))
+    except BaseException as e:  # reported to the parent, which names the run
+        import traceback
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_in_child(spec: RunSpec) -> dict:
+    """``run_one(spec)`` in a fresh (spawned) process."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(child, spec))
+    proc.start()
+    child.close()
+    try:
+        status, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"run {spec.label} @ {spec.rate} req/s: the process died (exit code {proc.exitcode})")
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"run {spec.label} @ {spec.rate} req/s failed: {value}")
+    return value
