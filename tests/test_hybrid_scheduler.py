@@ -18,10 +18,22 @@ def latency() -> LatencyModel:
                         [COEF.get(name, 0.0) for name in FEATURE_NAMES])
 
 
-def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True) -> Scheduler:
+class Clock:
+    """The scheduler's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True, clock=None, interval=64,
+         idle_s=0.018) -> Scheduler:
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, max_model_len=512, max_loras=2,
-                          policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, min_finetune_window=4)
-    return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None)
+                          policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, min_finetune_window=4,
+                          temporal_interval=interval, idle_iteration_s=idle_s)
+    return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None, clock=clock or Clock())
 
 
 def job(jid="job", phase=FORWARD, pending=500, done=0, layers=0, tokens=500) -> FinetuneProgress:
@@ -49,6 +61,15 @@ def test_idle_inference_gives_finetuning_the_whole_slo_budget():
     # 18 ms budget (20 ms SLO minus 10%): 1 ms overhead + 0.2 ms per token -> 85 tokens.
     assert (w.kind, w.num_tokens) == (FORWARD, 85)
     assert plan.predicted_s <= 0.018 + 1e-12 < latency().predict(IterationShape(finetune_forward_tokens=86))
+
+
+def test_with_no_request_in_the_engine_iterations_may_run_to_the_idle_length():
+    s = make(idle_s=0.05)
+    s.add_job(job())
+    assert s.iteration_budget_s() == 0.05
+    assert step(s).finetune[0].num_tokens == int((0.05 - 1e-3) / 2e-4 + 1e-9)  # 245 tokens
+    s.add_request(req("r", 4))
+    assert abs(s.iteration_budget_s() - 0.018) < 1e-12  # a request arrived: the SLO's budget again
 
 
 def test_a_burst_cuts_the_finetuning_slice_within_one_iteration():
@@ -133,3 +154,52 @@ def test_has_work_only_when_the_policy_can_schedule_something():
     co = make()
     co.add_job(job())
     assert co.has_work()
+
+
+def test_a_request_behind_its_tpot_target_gets_short_iterations_until_it_catches_up():
+    clock = Clock()
+    s = make(clock=clock)
+    s.add_job(job(pending=10**6, tokens=10**6))
+    s.add_request(req("r", 4, max_tokens=100))
+    step(s)  # prefill: the first token at t = 0
+    assert s.requests["r"].first_token_time == 0.0
+    clock.now = 0.010  # one output after the first so far would be on target at 18 ms: 8 ms of slack
+    assert abs(s.iteration_budget_s() - 0.008) < 1e-12
+    plan = step(s)
+    assert plan.predicted_s <= 0.008 + 1e-12 and plan.finetune[0].num_tokens == int((0.008 - 1e-3 - 1e-4) / 2e-4)
+    clock.now = 0.040  # 2 outputs after the first would need <= 36 ms: behind, finetuning waits
+    assert s.iteration_budget_s() < 0
+    plan = step(s)
+    assert len(plan.chunks) == 1 and plan.finetune == []
+    clock.now = 0.045  # 3 tokens' worth (54 ms) of target: 9 ms of slack again
+    assert step(s).finetune != []
+
+
+def _whole_sequence_progress(plan):
+    """Finetuning work reported done: after a temporal-sharing iteration the job starts its next sequence."""
+    return [job(w.job_id, FORWARD, pending=500) for w in plan.finetune]
+
+
+def test_temporal_sharing_gives_one_whole_sequence_after_every_n_inference_iterations():
+    s = make(policy="temporal", interval=3, with_latency=False)
+    s.add_job(job(pending=200, done=300, tokens=500))
+    plan = step(s, _whole_sequence_progress)  # no request: finetuning runs, the whole rest of the sequence
+    assert [(w.kind, w.num_tokens) for w in plan.finetune] == [(FORWARD, 200), (BACKWARD, 4 * 500)]
+    s.add_request(req("r", 4, max_tokens=100))
+    kinds = []
+    for _ in range(8):
+        plan = step(s, _whole_sequence_progress)
+        kinds.append("ft" if plan.finetune else "inf")
+        assert not (plan.finetune and plan.chunks)  # never both in one iteration
+    assert kinds == ["inf", "inf", "inf", "ft", "inf", "inf", "inf", "ft"]
+    back = make(policy="temporal", with_latency=False)
+    back.add_job(job(phase=BACKWARD, pending=100, done=500, layers=2, tokens=500))
+    assert [(w.kind, w.num_tokens) for w in step(back).finetune] == [(BACKWARD, 100 + 500)]
+
+
+def test_dynamic_temporal_sharing_switches_when_its_controller_says_so():
+    s = make(policy="dts", with_latency=False)
+    s.add_job(job(pending=10**6, tokens=10**6))
+    s.add_request(req("r", 4, max_tokens=500))
+    kinds = ["ft" if step(s, _whole_sequence_progress).finetune else "inf" for _ in range(66)]
+    assert kinds.index("ft") == 64  # Algorithm 3's first interval: 64 inference iterations

@@ -12,6 +12,7 @@ from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keep
 from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.attention import PagedKVCache
+from coserve.model.decoder import BATCH_INVARIANT_ROWS
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.model.loader import load_model
 from coserve.peft.config import LoraConfig
@@ -36,7 +37,7 @@ def _cache(model):
 
 
 @pytest.mark.parametrize("remat", ["cheap", "all"])
-@pytest.mark.parametrize("num_inference", [3, 8, 21])
+@pytest.mark.parametrize("num_inference", [1, 3, 8, 21])
 def test_finetuning_rows_in_an_inference_batch(model_factory, tmp_path, remat, num_inference):
     model_dir = model_factory("qwen2")
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
@@ -63,15 +64,18 @@ def test_finetuning_rows_in_an_inference_batch(model_factory, tmp_path, remat, n
             tokens = [rng.randrange(5, c.vocab_size) for _ in range(num_inference)]
             batch = build_forward_batch([tokens], [SequenceChunk(0, num_inference, num_inference, list(range(8)))],
                                         4, [], model.device)
-            slots = torch.tensor([0] * (num_inference // 2) + [-1] * (num_inference - num_inference // 2))
-            lora = bank.batch(slots)  # half the inference rows use an adapter, half the bare model
-            alone = model.forward(batch, _cache(model), lora)
-            hidden, _ = mixed_forward(model, batch, _cache(model), lora, FinetuneSlice(bypass, state, window, 1 / 29))
-            if num_inference >= 8:
-                # CPU GEMMs round rows the same from 8 rows on (measured): co-serving changes no bit
-                assert torch.equal(hidden, alone)
-            else:  # tiny row counts take another GEMM path: close, not bitwise
-                torch.testing.assert_close(hidden, alone, atol=1e-5, rtol=0)
+            slots = [0] * (num_inference // 2) + [-1] * (num_inference - num_inference // 2)
+            rows = max(num_inference, BATCH_INVARIANT_ROWS)  # alone, a small batch runs padded to 8 rows
+            # half the inference rows use an adapter, half the bare model (and so do padding rows)
+            padded = bank.batch(torch.tensor(slots + [-1] * (rows - num_inference)))
+            alone = model.forward(batch, _cache(model), padded, min_rows=rows)
+            hidden, _ = mixed_forward(model, batch, _cache(model), padded, FinetuneSlice(bypass, state, window, 1 / 29),
+                                      lora_rows=rows)
+            # CPU GEMMs round rows the same from 8 rows on (measured): co-serving changes no bit
+            assert torch.equal(hidden, alone)
+            if num_inference < BATCH_INVARIANT_ROWS:  # and padding changes nothing but the last bits
+                unpadded = model.forward(batch, _cache(model), bank.batch(torch.tensor(slots)))
+                torch.testing.assert_close(unpadded, alone, atol=1e-5, rtol=0)
         while not state.finished:
             backward_window(model, bypass, state, 5)
         grads.append([p.grad.clone() for p in bypass.parameters()])

@@ -9,17 +9,12 @@ import torch
 from coserve.engine.mixed_forward import mixed_forward
 from coserve.finetune.job import FinetuneJob
 from coserve.model.attention import PagedKVCache
-from coserve.model.decoder import DecoderModel
+from coserve.model.decoder import BATCH_INVARIANT_ROWS, DecoderModel
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.model.sampling import SamplingRow, sample, top_logprobs
 from coserve.peft import LoraAdapter, LoraBank
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
 from coserve.scheduler.plan import ExecutionResult, IterationPlan, TokenLogprobs
-
-# Inference rows share the finetuning window's matmul calls only from this many rows on: below it, CPU GEMMs
-# round a row differently depending on the other rows (measured: 1-5 rows), so a small inference batch runs its
-# own forward and a concurrent finetuning job cannot change its outputs.
-MIN_SHARED_ROWS = 8
 
 
 def job_progress(job_id: str, job: FinetuneJob) -> FinetuneProgress:
@@ -87,14 +82,19 @@ class ModelExecutor:
     def _inference(self, plan: IterationPlan, result: ExecutionResult, forward) -> None:
         """The inference chunks' forward (with the finetuning window when the batch is big enough), then sampling."""
         batch = self._forward_batch(plan)
-        lora = self._lora_batch(plan, batch.num_tokens) if plan.adapters else None
-        if forward is not None and batch.num_tokens >= MIN_SHARED_ROWS:
+        t = batch.num_tokens
+        # Inference rows share the finetuning window's matmuls when the call has enough rows to be
+        # batch-invariant; alone they run padded to that many, so their results are the same either way.
+        rows = max(t, BATCH_INVARIANT_ROWS)
+        lora = self._lora_batch(plan, rows) if plan.adapters else None
+        if forward is not None and t + forward.num_tokens >= BATCH_INVARIANT_ROWS:
             job = self.jobs[forward.job_id]
-            hidden, loss = mixed_forward(self.model, batch, self.cache, lora, job.forward_slice(forward.num_tokens))
+            hidden, loss = mixed_forward(self.model, batch, self.cache, lora, job.forward_slice(forward.num_tokens),
+                                         lora_rows=rows)
             job.forward_ran(loss)
             result.finetune_losses[forward.job_id] = loss
         else:
-            hidden = self.model.forward(batch, self.cache, lora)
+            hidden = self.model.forward(batch, self.cache, lora, min_rows=rows)
             if forward is not None:
                 self._forward_alone(forward, result)
         sampling = [c for c in plan.chunks if c.sample]
@@ -123,11 +123,13 @@ class ModelExecutor:
             row += n
         return build_forward_batch(tokens, chunks, self.cache.block_size, logits_rows, self.model.device)
 
-    def _lora_batch(self, plan: IterationPlan, num_tokens: int):
+    def _lora_batch(self, plan: IterationPlan, num_rows: int):
+        """The adapters of the plan's rows; rows past its tokens (padding) use the base model."""
         slots = self.bank.activate([self.adapters[name] for name in plan.adapters])
         per_token = []
         for c in plan.chunks:
             per_token.extend([slots[c.adapter] if c.adapter is not None else -1] * len(c.token_ids))
+        per_token.extend([-1] * (num_rows - len(per_token)))
         return self.bank.batch(torch.tensor(per_token, dtype=torch.long, device=self.model.device))
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:

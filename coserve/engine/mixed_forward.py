@@ -20,11 +20,25 @@ from coserve.model.forward_batch import ForwardBatch
 
 
 class RowSplitBypass:
-    """Rows ``[:split]`` through the inference adapters, rows ``[split:]`` through the trainable bypass."""
+    """Rows ``[:split]`` through the inference adapters, rows ``[split:]`` through the trainable bypass.
 
-    def __init__(self, inference: Bypass | None, finetune: Bypass, split: int) -> None:
+    The inference adapters run over ``inference_rows`` rows (the inference rows, then zero rows), as
+    the inference batch alone would (``DecoderModel.forward``'s ``min_rows``), so that their matmuls
+    round the same with or without the finetuning rows.
+    """
+
+    def __init__(self, inference: Bypass | None, finetune: Bypass, split: int, inference_rows: int = 0) -> None:
         self.inference, self.finetune, self.split = inference, finetune, split
+        self.pad = max(0, inference_rows - split)
         self.modules = finetune.modules | (inference.modules if inference is not None else frozenset())
+
+    def _inference_output(self, inf: Bypass, layer: int, module: str, x: torch.Tensor, y: torch.Tensor):
+        s, pad = self.split, self.pad
+        if not pad:
+            return inf.output(layer, module, x[:s], y[:s])
+        x = torch.cat([x[:s], x.new_zeros(pad, x.shape[1])])
+        y = torch.cat([y[:s], y.new_zeros(pad, y.shape[1])])
+        return inf.output(layer, module, x, y)[:s]
 
     def _parts(self, module: str):
         inf = self.inference if self.inference is not None and module in self.inference.modules else None
@@ -44,7 +58,7 @@ class RowSplitBypass:
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inf, ft = self._parts(module)
         s = self.split
-        top = inf.output(layer, module, x[:s], y[:s]) if inf is not None else y[:s]
+        top = self._inference_output(inf, layer, module, x, y) if inf is not None else y[:s]
         kept = None
         if ft is None:
             bottom = y[s:]
@@ -59,8 +73,11 @@ class RowSplitBypass:
 
 @torch.inference_mode(False)  # the finetuning rows' kept tensors must stay usable by autograd later
 def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache, lora: Bypass | None,
-                  ft: FinetuneSlice) -> tuple[torch.Tensor, float]:
-    """Final hidden states of the inference rows ``[T, H]`` and the finetuning window's scaled loss."""
+                  ft: FinetuneSlice, lora_rows: int = 0) -> tuple[torch.Tensor, float]:
+    """Final hidden states of the inference rows ``[T, H]`` and the finetuning window's scaled loss.
+
+    ``lora`` covers ``max(T, lora_rows)`` rows (padded past the batch, as for ``model.forward``).
+    """
     st = ft.state
     a = st.forward_done
     b = min(a + ft.num_tokens, st.num_tokens)
@@ -68,7 +85,7 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
         raise ValueError("mixed_forward: the sequence's forward pass is already finished")
     t = batch.num_tokens
     positions = torch.cat([batch.positions, st.positions[a:b]])
-    bypass = RowSplitBypass(lora, ft.bypass, t)
+    bypass = RowSplitBypass(lora, ft.bypass, t, lora_rows)
     with torch.no_grad(), training_rows(ft.bypass, st.dropout_seed, st.positions[a:b]):
         x = model.embed[torch.cat([batch.token_ids, st.token_ids[a:b]])]
         for layer in model.layers:

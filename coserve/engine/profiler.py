@@ -47,13 +47,15 @@ class ProfilePoint:
 def grid(num_points: int, max_ctx: int, seed: int = 0) -> list[ProfilePoint]:
     """``num_points`` points drawn from a grid of decode batches, contexts, prefill and finetuning sizes."""
     rng = random.Random(seed)
-    sizes = [0, 16, 64, 128, 256, 512]
+    sizes = [n for n in (0, 16, 64, 128, 256, 512) if n <= max_ctx] + ([max_ctx] if max_ctx < 16 else [])
     ctxs = [c for c in (32, 128, 512, 1024, 2048) if c <= max_ctx] or [max_ctx]
     points: set[ProfilePoint] = set()
-    while len(points) < num_points:
+    for _ in range(num_points * 1000):  # a tiny context has fewer distinct points than asked for
+        if len(points) == num_points:
+            break
         ft_ctx = rng.choice(ctxs)
         point = ProfilePoint(rng.choice([0, 1, 4, 16, 32, 64]), rng.choice(ctxs), rng.choice(sizes),
-                             min(rng.choice(sizes), max_ctx), min(rng.choice(sizes), ft_ctx), ft_ctx)
+                             rng.choice(sizes), min(rng.choice(sizes), ft_ctx), ft_ctx)
         if point.decode_seqs or point.prefill or point.ft_forward or point.ft_backward:
             points.add(point)
     return sorted(points, key=lambda p: (p.decode_seqs, p.decode_ctx, p.prefill, p.ft_forward, p.ft_backward))

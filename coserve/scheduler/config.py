@@ -25,6 +25,8 @@ class SchedulerConfig:
     slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
     slo_margin: float = 0.1  # fraction of the SLO kept free for prediction error
     min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)
+    idle_iteration_s: float = 0.2  # with no request in the engine, how long a finetuning-only iteration may be
+    #   (the most a newly arrived request waits for the running iteration before its prefill)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
 
     def __post_init__(self) -> None:
@@ -37,5 +39,7 @@ class SchedulerConfig:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
         if not (isinstance(self.slo_tpot_s, (int, float)) and self.slo_tpot_s > 0):
             raise ValueError(f"slo_tpot_s must be positive, got {self.slo_tpot_s!r}")
+        if not (isinstance(self.idle_iteration_s, (int, float)) and self.idle_iteration_s > 0):
+            raise ValueError(f"idle_iteration_s must be positive, got {self.idle_iteration_s!r}")
         if not (isinstance(self.slo_margin, (int, float)) and 0 <= self.slo_margin < 1):
             raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")

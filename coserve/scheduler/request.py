@@ -34,6 +34,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     num_preemptions: int = 0
+    first_token_time: float | None = None  # when the first output token was sampled (the scheduler's clock)
 
     @property
     def num_tokens(self) -> int:

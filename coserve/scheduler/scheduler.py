@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coserve.kvcache import BlockManager
@@ -37,15 +39,19 @@ class Scheduler:
 
     Finetuning jobs then take the rest of the iteration (``config.policy``, ``slice_policy``):
     the largest slice whose predicted latency (``latency``) stays within the TPOT SLO minus a
-    margin, or without a latency model what inference left of the token budget.
+    margin, and within every running request's slack (a request whose time per output token so
+    far is behind the target gets iterations short enough to catch up), or without a latency
+    model what inference left of the token budget.
 
     The temporal-sharing baselines (``temporal``, ``dts``) instead give a whole iteration to one
     job's current sequence (its forward and backward) when their controller says so, and whenever
     no request is in the engine.
     """
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, latency: LatencyModel | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, latency: LatencyModel | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # seconds; first-token times and TPOT slack are on it
         self.blocks = blocks
         self.latency = latency
         self.jobs: dict[str, FinetuneProgress] = {}  # active finetuning jobs, in round-robin order
@@ -135,11 +141,26 @@ class Scheduler:
         order = list(self.jobs.values())
         shift = plan.step % len(order)
         order = order[shift:] + order[:shift]
-        budget_s = self.config.slo_tpot_s * (1 - self.config.slo_margin)
+        budget_s = self.iteration_budget_s()
         latency = self.latency if use_latency else None
         plan.finetune, plan.shape = plan_slices(order, inference_shape(plan.chunks), latency, budget_s,
                                                 token_budget, self.config.min_finetune_window)
         plan.predicted_s = latency.predict(plan.shape) if latency is not None else 0.0
+
+    def iteration_budget_s(self) -> float:
+        """The longest the next iteration may take: the TPOT target (SLO minus margin), lowered to what
+        keeps every running request's mean time per output token within it (negative when one is
+        already behind: no finetuning until it catches up). With no request in the engine, the idle
+        iteration length (``config.idle_iteration_s``) instead."""
+        target = self.config.slo_tpot_s * (1 - self.config.slo_margin)
+        if not self.has_unfinished():  # no request to slow down: only a newcomer's wait is bounded
+            return max(target, self.config.idle_iteration_s)
+        now = self.clock()
+        budget = target
+        for r in self.running:
+            if r.first_token_time is not None:  # after the next token: (elapsed + t) / outputs-after-first
+                budget = min(budget, target * len(r.output_token_ids) - (now - r.first_token_time))
+        return budget
 
     def _plan_whole_sequence(self, plan: IterationPlan) -> None:
         """Temporal sharing's finetuning iteration: what is left of one job's current sequence, forward
@@ -195,6 +216,8 @@ class Scheduler:
             if not chunk.sample:
                 continue
             token = result.sampled[chunk.request_id]
+            if not request.output_token_ids:
+                request.first_token_time = self.clock()
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
             if reason is not None:

@@ -1,0 +1,119 @@
+"""``coserve bench``: the request stream, the policy options, and short real runs on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coserve.bench.serving import parse_policy, parse_split
+from coserve.bench.serving_run import FinetuneSpec, RunSpec, run_one, split_cores
+from coserve.bench.serving_workload import fit_length, load_sharegpt, serving_workload
+from coserve.model.tokenizer import load_tokenizer
+
+
+def _alpaca(path, n=6):
+    rows = [{"instruction": f"Say {i} twice.", "input": "", "output": f"{i} {i}, and once more {i}."}
+            for i in range(n)]
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def _sharegpt(path, entries):
+    path.write_text(json.dumps({"entries": entries}))
+    return path
+
+
+def test_fit_length_cuts_or_repeats_the_body():
+    assert fit_length([9, 1, 2], 7) == [9, 1, 2, 1, 2, 1, 2]
+    assert fit_length([9, 1, 2], 2) == [9, 1]
+    assert fit_length([5], 3) == [5, 5, 5]
+    with pytest.raises(ValueError):
+        fit_length([], 3)
+
+
+def test_workload_lengths_are_scaled_to_the_context_and_fit_it(model_factory, tmp_path):
+    tok = load_tokenizer(model_factory("llama"))
+    trace = _sharegpt(tmp_path / "sg.json", [
+        {"prompt": "hello there", "prompt_length": 400, "response_length": 200},
+        {"prompt": "a long one", "prompt_length": 4000, "response_length": 800}])
+    w = serving_workload(tok, 256, rate=20.0, duration_s=2.0, prompts=trace, seed=1)
+    assert w.requests and w.lengths == str(trace) and w.arrivals == "poisson"
+    times = [r.arrival_s for r in w.requests]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 2.0
+    first = w.requests[0]
+    assert (len(first.prompt), first.max_tokens) == (25, 12)  # 400 and 200 scaled by 256 / 4096
+    long = w.requests[1]
+    assert len(long.prompt) == 250 and len(long.prompt) + long.max_tokens <= 256  # clipped to fit
+    assert serving_workload(tok, 256, 0.0, 2.0).requests == []
+    synthetic = serving_workload(tok, 256, 20.0, 2.0, burstiness=0.5, seed=3)
+    assert synthetic.lengths == "synthetic" and synthetic.arrivals == "gamma(burstiness=0.5)"
+    assert all(1 <= len(r.prompt) < 256 and len(r.prompt) + r.max_tokens <= 256 for r in synthetic.requests)
+
+
+def test_bad_prompt_files_name_the_entry(tmp_path):
+    with pytest.raises(ValueError, match="entries"):
+        load_sharegpt(_sharegpt(tmp_path / "a.json", []))
+    with pytest.raises(ValueError, match=r"entries\[1\]"):
+        load_sharegpt(_sharegpt(tmp_path / "b.json", [{"prompt": "x", "prompt_length": 3, "response_length": 2},
+                                                      {"prompt": "y", "prompt_length": 3}]))
+    (tmp_path / "c.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_sharegpt(tmp_path / "c.json")
+
+
+def test_policy_and_split_options():
+    assert parse_policy("temporal:128", (50, 50))["temporal_interval"] == 128
+    assert parse_policy("temporal", (50, 50))["label"] == "temporal:64"
+    assert parse_policy("separate", (30, 70))["label"] == "separate 30:70"
+    for bad in ("fast", "temporal:0", "temporal:x", "coserve:3"):
+        with pytest.raises(ValueError, match="--policy"):
+            parse_policy(bad, (50, 50))
+    assert parse_split("25:75") == (25, 75)
+    for bad in ("50", "0:100", "a:b"):
+        with pytest.raises(ValueError, match="--split"):
+            parse_split(bad)
+    assert split_cores((50, 50), [0, 1]) == ([0], [1])
+    assert split_cores((25, 75), [0, 1, 2, 3]) == ([0], [1, 2, 3])
+    assert split_cores((90, 10), [0, 1, 2, 3]) == ([0, 1, 2], [3])  # finetuning keeps at least one core
+    with pytest.raises(ValueError, match="2 cores"):
+        split_cores((50, 50), [0])
+
+
+@pytest.mark.parametrize("policy", ["coserve", "spatial"])
+def test_a_short_run_serves_every_request_and_trains(model_factory, tmp_path, policy):
+    model = model_factory("llama")
+    tok = load_tokenizer(model)
+    w = serving_workload(tok, 128, rate=8.0, duration_s=1.5, seed=0)
+    spec = RunSpec(model=str(model), policy=policy, label=policy, rate=8.0, duration_s=1.5, requests=w.requests,
+                   finetune=FinetuneSpec(str(_alpaca(tmp_path / "a.json")), max_seq_len=64), slo_tpot_ms=1000.0,
+                   ttft_limit_s=60.0, drain_s=30.0, max_model_len=128, progress=False)
+    row = run_one(spec)
+    assert row["policy"] == policy and row["num_requests"] == len(w.requests) > 0
+    assert row["num_completed"] == row["num_requests"] and row["num_failed"] == 0
+    assert row["slo_attainment"] == 1.0  # a generous SLO on a tiny model
+    assert row["finetune_tokens"] > 0 and row["finetune_tokens_per_s"] > 0
+    assert row["iterations"] and 0 <= row["idle_fraction"] <= 1
+    if policy == "coserve":  # finetuning rode in the engine's iterations, sized by a (brief) latency profile
+        assert any(it["finetune_forward_tokens"] or it["finetune_backward_tokens"] for it in row["iterations"])
+        assert any(it["predicted_s"] > 0 for it in row["iterations"])
+    else:  # trained beside the engine: its iterations carry inference only
+        assert all(it["finetune_forward_tokens"] == it["finetune_backward_tokens"] == 0 for it in row["iterations"])
+
+
+def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
+    from coserve.cli import main
+    model = model_factory("llama")
+    out, plots = tmp_path / "bench.json", tmp_path / "plots"
+    code = main(["bench", "--model", str(model), "--policy", "coserve", "--policy", "inference-only",
+                 "--rate", "6", "--duration", "1", "--drain", "20", "--max-model-len", "128",
+                 "--finetune-data", str(_alpaca(tmp_path / "a.json")), "--finetune-seq-len", "64",
+                 "--slo-tpot-ms", "1000", "--out", str(out), "--plot", str(plots), "--no-progress"])
+    assert code == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["policy"] for r in rows] == ["coserve", "inference-only"]
+    assert rows[1]["finetune_tokens_per_s"] is None and rows[0]["finetune_tokens_per_s"] > 0
+    assert rows[0]["num_requests"] == rows[1]["num_requests"]  # the same stream for both
+    assert {p.name for p in plots.iterdir()} >= {"slo_attainment.png", "finetune_throughput.png",
+                                                 "inference_throughput.png", "token_mix_coserve_6.png"}
+    assert main(["bench", "--model", str(model), "--policy", "nope", "--no-progress"]) == 2
