@@ -203,3 +203,17 @@ def test_dynamic_temporal_sharing_switches_when_its_controller_says_so():
     s.add_request(req("r", 4, max_tokens=500))
     kinds = ["ft" if step(s, _whole_sequence_progress).finetune else "inf" for _ in range(66)]
     assert kinds.index("ft") == 64  # Algorithm 3's first interval: 64 inference iterations
+
+
+def test_backward_slices_pay_each_layer_window_they_touch():
+    from coserve.scheduler.slice_policy import backward_windows
+    windows = backward_windows(job("a", BACKWARD, pending=30, done=500, layers=3, tokens=500))
+    assert [windows(n) for n in (0, 1, 30, 31, 530, 531, 1030)] == [0, 1, 1, 2, 2, 3, 3]
+    per_window = [0.0] * len(FEATURE_NAMES)
+    per_window[FEATURE_NAMES.index("finetune_backward_windows")] = 1e-3  # 1 ms per layer window, nothing else
+    lat = LatencyModel(latency().key, per_window)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512, slo_tpot_s=0.0025 / 0.9,
+                                  min_finetune_window=4, idle_iteration_s=0.0025), BlockManager(64, 4), lat, clock=Clock())
+    s.add_job(job("a", BACKWARD, pending=30, done=500, layers=3, tokens=500))
+    (w,) = step(s).finetune  # 2.5 ms: two windows, the rest of this layer and the whole next one
+    assert (w.kind, w.num_tokens) == (BACKWARD, 530)

@@ -137,7 +137,7 @@ def test_online_correction_converges_and_clamps(model):
     shapes = [random_shape(rng) for _ in range(80)]
     m = LatencyModel.from_json(model.to_json())  # a copy: the fixture is shared
     for s in shapes:
-        m.observe(s, 1.3 * m.predict(s) / m.correction * (1 + 0.02 * rng.standard_normal()))
+        m.observe(s, 1.3 * model.predict(s) * (1 + 0.02 * rng.standard_normal()))
     assert m.correction == pytest.approx(1.3, rel=0.03)
     s = shapes[0]
     assert m.predict(s) == pytest.approx(1.3 * model.predict(s), rel=0.03)
@@ -149,6 +149,18 @@ def test_online_correction_converges_and_clamps(model):
     assert m.correction == CORRECTION_RANGE[0]
     m.observe(IterationShape(), 1.0)  # only the overhead term: still a valid ratio
     assert CORRECTION_RANGE[0] <= m.correction <= CORRECTION_RANGE[1]
+
+
+def test_each_iteration_kind_learns_its_own_correction(model):
+    m = LatencyModel.from_json(model.to_json())
+    fwd, bwd = IterationShape(decode_tokens=4, finetune_forward_tokens=50), IterationShape(
+        decode_tokens=4, finetune_backward_token_layers=400)
+    for _ in range(100):  # forward windows run faster than fitted, backward windows slower
+        m.observe(fwd, 0.8 * model.predict(fwd))
+        m.observe(bwd, 1.4 * model.predict(bwd))
+    assert m.predict(fwd) == pytest.approx(0.8 * model.predict(fwd), rel=0.01)
+    assert m.predict(bwd) == pytest.approx(1.4 * model.predict(bwd), rel=0.01)
+    assert "kind_corrections" not in m.to_json()  # learned per run, not saved
 
 
 def test_json_round_trip_and_keyed_load(tmp_path, model):

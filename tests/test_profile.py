@@ -12,10 +12,14 @@ from coserve.scheduler.latency_model import load_model
 
 
 def test_grid_points_are_distinct_and_do_work():
-    points = grid(30, 512, seed=1)
+    points = grid(30, 512, seed=1, model_layers=4)
     assert len(points) == len(set(points)) == 30
     assert all(p.decode_seqs or p.prefill or p.ft_forward or p.ft_backward for p in points)
-    assert all(p.ft_backward <= p.ft_context <= 512 and p.decode_ctx <= 512 for p in points)
+    assert all(p.ft_context <= 512 and p.decode_ctx <= 512 and p.prefill <= 512 for p in points)
+    # backward work over one layer's window, and over several layers (at most 3)
+    assert all(p.ft_backward <= 3 * p.ft_context for p in points)
+    assert any(0 < p.ft_backward <= p.ft_context for p in points) and any(p.ft_backward > p.ft_context for p in points)
+    assert all(p.ft_context <= 128 and p.prefill <= 128 for p in grid(20, 128))
 
 
 def test_profile_writes_a_model_keyed_by_model_device_dtype_threads(model_factory, tmp_path, capsys):

@@ -40,11 +40,12 @@ class ProfilePoint:
     decode_ctx: int  # their context length
     prefill: int  # prompt tokens of one prefill chunk (from position 0)
     ft_forward: int  # finetuning forward window (from position 0)
-    ft_backward: int  # finetuning backward window: tokens of one layer, at the end of a ft_context sequence
+    ft_backward: int  # finetuning backward token-layers from the end of a ft_context sequence (windows of
+    #   at most a layer each, from the last layer down, as the executor runs them)
     ft_context: int  # length of the sequence the backward window belongs to
 
 
-def grid(num_points: int, max_ctx: int, seed: int = 0) -> list[ProfilePoint]:
+def grid(num_points: int, max_ctx: int, seed: int = 0, model_layers: int = 3) -> list[ProfilePoint]:
     """``num_points`` points drawn from a grid of decode batches, contexts, prefill and finetuning sizes."""
     rng = random.Random(seed)
     sizes = [n for n in (0, 16, 64, 128, 256, 512) if n <= max_ctx] + ([max_ctx] if max_ctx < 16 else [])
@@ -54,8 +55,9 @@ def grid(num_points: int, max_ctx: int, seed: int = 0) -> list[ProfilePoint]:
         if len(points) == num_points:
             break
         ft_ctx = rng.choice(ctxs)
+        backward = rng.choice(sizes + [ft_ctx + s for s in sizes[1:3]] + [2 * ft_ctx + 16])  # over 1 to 3 layers
         point = ProfilePoint(rng.choice([0, 1, 4, 16, 32, 64]), rng.choice(ctxs), rng.choice(sizes),
-                             rng.choice(sizes), min(rng.choice(sizes), ft_ctx), ft_ctx)
+                             rng.choice(sizes), min(backward, ft_ctx * min(3, model_layers)), ft_ctx)
         if point.decode_seqs or point.prefill or point.ft_forward or point.ft_backward:
             points.add(point)
     return sorted(points, key=lambda p: (p.decode_seqs, p.decode_ctx, p.prefill, p.ft_forward, p.ft_backward))
@@ -102,13 +104,18 @@ class IterationRig:
     def time(self, p: ProfilePoint, repeats: int) -> tuple[IterationShape, float]:
         """The point's IterationShape and the median wall time of ``repeats`` runs (after one warm-up)."""
         times = [self._once(p) for _ in range(repeats + 1)][1:]
-        n_bwd = p.ft_backward
+        n_bwd, ctx = p.ft_backward, p.ft_context
+        first = min(n_bwd, ctx)  # the top layer's window, then whole layers, then a partial one
+        rest_full, rest_part = divmod(n_bwd - first, ctx)
+        windows = (1 if n_bwd else 0) + rest_full + (1 if rest_part else 0)
+        backward_context = (sum(range(ctx - first + 1, ctx + 1)) + rest_full * ctx * (ctx + 1) // 2
+                            + sum(range(ctx - rest_part + 1, ctx + 1)))
         shape = IterationShape(
             decode_tokens=p.decode_seqs, decode_context=p.decode_seqs * p.decode_ctx,
             prefill_tokens=p.prefill, prefill_context=p.prefill * (p.prefill + 1) // 2,
             finetune_forward_tokens=p.ft_forward, finetune_forward_context=p.ft_forward * (p.ft_forward + 1) // 2,
-            finetune_backward_token_layers=n_bwd,
-            finetune_backward_context=sum(range(p.ft_context - n_bwd + 1, p.ft_context + 1)))
+            finetune_backward_token_layers=n_bwd, finetune_backward_context=backward_context,
+            finetune_backward_windows=windows)
         return shape, statistics.median(times)
 
     def _once(self, p: ProfilePoint) -> float:
@@ -129,8 +136,11 @@ class IterationRig:
             hidden = model.forward(batch, self.cache)
         if batch.num_tokens:
             model.logits(hidden[batch.logits_rows]).argmax(-1)
-        if bwd_state is not None:
-            backward_window(model, self.bypass, bwd_state, p.ft_backward)
+        left = p.ft_backward
+        while left > 0:  # window by window across layers, as the executor runs a backward slice
+            n = min(left, bwd_state.backward_end)
+            backward_window(model, self.bypass, bwd_state, n)
+            left -= n
         sync()
         elapsed = time.perf_counter() - start
         self.bypass.zero_grad()
@@ -143,7 +153,7 @@ def profile(model: DecoderModel, key: dict[str, str], num_points: int = 60, repe
     max_ctx = min(max_ctx, model.rope.max_positions)
     rig = IterationRig(model, max_ctx)
     samples = []
-    for i, point in enumerate(grid(num_points, max_ctx, seed)):
+    for i, point in enumerate(grid(num_points, max_ctx, seed, model.cfg.num_layers)):
         samples.append(rig.time(point, repeats))
         if progress is not None:
             progress(i + 1, num_points)

@@ -13,7 +13,8 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "finetune_backward_token_layers",  # backward matmul work, per token per layer
     "finetune_backward_context",       # backward attention work
     "finetune_forward_active",         # 1 if any finetuning forward token: loss/LoRA-activation setup
-    "finetune_backward_active",        # 1 if any backward work: per-layer backward launches, grad buffers
+    "finetune_backward_windows",       # backward windows (one per layer touched): per-window launches, recompute
 )
 KEY_FIELDS = ("model", "device", "dtype", "threads")
 CORRECTION_ALPHA = 0.1          # weight of each new observation in the online correction
@@ -37,7 +38,7 @@ CORRECTION_RANGE = (0.5, 2.0)   # the correction is clamped to this range
 _CONTEXT_OF = {"decode_tokens": "decode_context", "prefill_tokens": "prefill_context",
                "finetune_forward_tokens": "finetune_forward_context",
                "finetune_backward_token_layers": "finetune_backward_context"}
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: per-window backward cost (version 1 files are stale: re-profile)
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,6 +53,7 @@ class IterationShape:
     finetune_forward_context: int = 0  # keys attended summed over those tokens
     finetune_backward_token_layers: int = 0  # tokens x layers of backward windows
     finetune_backward_context: int = 0  # keys attended summed over backward token-layers
+    finetune_backward_windows: int = 0  # per-layer backward windows those token-layers take (>= 1 if any)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -62,8 +64,9 @@ def features(shape: IterationShape) -> list[float]:
     """Feature vector of ``shape``, in the order of ``FEATURE_NAMES``.
 
     A constant (per-iteration overhead), one linear term per token count (matmul work scales with
-    tokens), one per context sum (attention work scales with keys attended), and two 0/1 indicators
-    for the fixed cost of switching finetuning forward/backward on. Every feature is non-decreasing
+    tokens), one per context sum (attention work scales with keys attended), a 0/1 indicator for
+    the fixed cost of a finetuning forward window, and the number of backward windows (each layer's
+    backward has a fixed cost; at least one when there is backward work). Every feature is non-decreasing
     in every count, so non-negative coefficients make predictions monotone.
     """
     return [1.0, float(shape.decode_tokens), float(shape.decode_context),
@@ -71,7 +74,15 @@ def features(shape: IterationShape) -> list[float]:
             float(shape.finetune_forward_tokens), float(shape.finetune_forward_context),
             float(shape.finetune_backward_token_layers), float(shape.finetune_backward_context),
             1.0 if shape.finetune_forward_tokens > 0 else 0.0,
-            1.0 if shape.finetune_backward_token_layers > 0 else 0.0]
+            float(max(shape.finetune_backward_windows, 1 if shape.finetune_backward_token_layers > 0 else 0))]
+
+
+def iteration_kind(shape: IterationShape) -> str:
+    """``forward`` (a finetuning forward window rides along), ``backward`` (backward windows, no forward
+    window) or ``inference`` (no finetuning work): iterations whose prediction errors differ."""
+    if shape.finetune_forward_tokens:
+        return "forward"
+    return "backward" if shape.finetune_backward_token_layers else "inference"
 
 
 def _check_count(name: str, value: int) -> None:
@@ -94,6 +105,8 @@ class LatencyModel:
     coefficients: list[float]  # seconds per unit of each feature, non-negative
     heldout_median_abs_pct_error: float | None = None  # percent, on held-out samples at fit time
     correction: float = 1.0  # online multiplicative correction, within CORRECTION_RANGE
+    kind_corrections: dict[str, float] = field(default_factory=dict)  # per iteration kind (``iteration_kind``),
+    #   learned online and not saved: a fit's errors differ by kind (e.g. backward windows over several layers)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, dict) or any(k not in self.key for k in KEY_FIELDS) \
@@ -112,8 +125,9 @@ class LatencyModel:
         return max(0.0, sum(c * x for c, x in zip(self.coefficients, features(shape))))
 
     def predict(self, shape: IterationShape) -> float:
-        """Predicted iteration time in seconds (never negative), including the online correction."""
-        return self._raw(shape) * self.correction
+        """Predicted iteration time in seconds (never negative), including the online correction of
+        the shape's kind (the overall one until that kind has been observed)."""
+        return self._raw(shape) * self.kind_corrections.get(iteration_kind(shape), self.correction)
 
     def observe(self, shape: IterationShape, measured_s: float) -> None:
         """Fold one measured iteration into the correction.
@@ -127,16 +141,22 @@ class LatencyModel:
         if raw <= 0:
             return
         lo, hi = CORRECTION_RANGE
-        mixed = (1 - CORRECTION_ALPHA) * self.correction + CORRECTION_ALPHA * measured / raw
+        ratio = measured / raw
+        mixed = (1 - CORRECTION_ALPHA) * self.correction + CORRECTION_ALPHA * ratio
         self.correction = min(hi, max(lo, mixed))
+        kind = iteration_kind(shape)
+        mixed = (1 - CORRECTION_ALPHA) * self.kind_corrections.get(kind, self.correction) + CORRECTION_ALPHA * ratio
+        self.kind_corrections[kind] = min(hi, max(lo, mixed))
 
     def max_tokens_within(self, base: IterationShape, budget_s: float, field: str,
-                          per_token_context: int = 0, *, max_n: int = 1 << 20) -> int:
+                          per_token_context: int = 0, *, max_n: int = 1 << 20,
+                          windows_of: Callable[[int], int] | None = None) -> int:
         """Largest ``n <= max_n`` whose shape fits ``budget_s``; 0 if even ``n = 0`` exceeds it.
 
         The shape is ``base`` with ``field`` (a token-count field) increased by ``n`` and its context
-        field by ``n * per_token_context``. Exponential then binary search; exact because predictions
-        are monotone in every count. ``max_n`` bounds the answer when the field costs nothing.
+        field by ``n * per_token_context`` (and ``finetune_backward_windows`` by ``windows_of(n)``, a
+        non-decreasing function). Exponential then binary search; exact because predictions are
+        monotone in every count. ``max_n`` bounds the answer when the field costs nothing.
         """
         if field not in _CONTEXT_OF:
             raise ValueError(f"field must be one of {sorted(_CONTEXT_OF)}, got {field!r}")
@@ -149,6 +169,8 @@ class LatencyModel:
         def fits(n: int) -> bool:
             grown = replace(base, **{field: getattr(base, field) + n,
                                      ctx: getattr(base, ctx) + n * per_token_context})
+            if windows_of is not None:
+                grown = replace(grown, finetune_backward_windows=grown.finetune_backward_windows + windows_of(n))
             return self.predict(grown) <= budget_s
 
         if not fits(0):
@@ -165,6 +187,7 @@ class LatencyModel:
     def to_json(self) -> dict:
         """A JSON-ready dict; ``from_json`` inverts it."""
         d = asdict(self)
+        del d["kind_corrections"]
         d["feature_names"] = list(FEATURE_NAMES)
         return d
 
@@ -264,6 +287,8 @@ def load_model(path: str | os.PathLike, key: dict[str, str]) -> LatencyModel | N
     try:
         payload = json.loads(Path(path).read_text())
     except FileNotFoundError:
+        return None
+    if payload.get("version") == 1:  # fitted without per-window backward costs: as if none fitted
         return None
     if payload.get("version") != _FORMAT_VERSION:
         raise ValueError(f"version must be {_FORMAT_VERSION}, got {payload.get('version')!r} in {path}")

@@ -32,6 +32,15 @@ def inference_shape(chunks: list[InferenceChunk]) -> IterationShape:
     return IterationShape(**counts)
 
 
+def backward_windows(job: FinetuneProgress):
+    """``n -> `` how many per-layer backward windows ``n`` token-layers of ``job`` take from its position."""
+    def windows(n: int) -> int:
+        if n <= 0:
+            return 0
+        return 1 + -(-max(0, n - job.pending_tokens) // max(1, job.sequence_tokens))
+    return windows
+
+
 def plan_slices(jobs: list[FinetuneProgress], shape: IterationShape, latency: LatencyModel | None,
                 budget_s: float, token_budget: int, min_window: int = 1) -> tuple[list[FinetuneWork], IterationShape]:
     """Finetuning work for one iteration, jobs in the given (fairness) order, and the iteration's shape.
@@ -54,8 +63,9 @@ def plan_slices(jobs: list[FinetuneProgress], shape: IterationShape, latency: La
             ctx = job.sequence_tokens // 2
         else:
             continue
+        windows = backward_windows(job) if job.phase == BACKWARD else None
         if latency is not None:
-            n = latency.max_tokens_within(shape, budget_s, field, ctx, max_n=limit)
+            n = latency.max_tokens_within(shape, budget_s, field, ctx, max_n=limit, windows_of=windows)
         else:
             n = min(limit, tokens_left)
         if n <= 0 or (n < min_window and n < limit):
@@ -63,6 +73,8 @@ def plan_slices(jobs: list[FinetuneProgress], shape: IterationShape, latency: La
         context_field = _CONTEXT[field]
         shape = replace(shape, **{field: getattr(shape, field) + n,
                                   context_field: getattr(shape, context_field) + n * ctx})
+        if windows is not None:
+            shape = replace(shape, finetune_backward_windows=shape.finetune_backward_windows + windows(n))
         has_forward = has_forward or job.phase == FORWARD
         tokens_left -= n
         work.append(FinetuneWork(job.job_id, job.phase, n))
