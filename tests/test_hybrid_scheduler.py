@@ -217,3 +217,38 @@ def test_backward_slices_pay_each_layer_window_they_touch():
     s.add_job(job("a", BACKWARD, pending=30, done=500, layers=3, tokens=500))
     (w,) = step(s).finetune  # 2.5 ms: two windows, the rest of this layer and the whole next one
     assert (w.kind, w.num_tokens) == (BACKWARD, 530)
+
+
+def treq(rid, tenant, n_prompt=8, max_tokens=4):
+    r = req(rid, n_prompt, max_tokens)
+    r.tenant = tenant
+    return r
+
+
+def test_a_light_tenant_is_admitted_ahead_of_a_heavy_tenants_backlog():
+    s = make(budget=16, with_latency=False)
+    s.config.max_num_seqs = 2
+    for i in range(6):
+        s.add_request(treq(f"a{i}", "heavy"))
+    step(s)  # heavy's first two requests run and are charged
+    s.add_request(treq("b0", "light"))
+    assert s.vtc.counter("light") == s.vtc.counter("heavy") > 0  # lifted on arrival: no credit for idleness
+    admitted = []
+    for _ in range(30):
+        plan = step(s)
+        admitted += [c.request_id for c in plan.chunks if c.start == 0]
+    assert admitted.index("b0") == 0  # the next free seat goes to the tenant with the smaller counter
+
+
+def test_finetuning_jobs_are_served_in_counter_order():
+    s = make(slo_ms=5.0)  # room for one small slice only
+    s.add_job(job("ja"), tenant="a")
+    s.add_job(job("jb"), tenant="b")
+    served = [step(s).finetune[0].job_id for _ in range(10)]
+    assert served.count("ja") == served.count("jb") == 5  # equal work, equal counters: they alternate
+    s.add_request(treq("r", "a", n_prompt=40, max_tokens=2))  # tenant a also uses inference
+    step(s)
+    served = [step(s).finetune[0].job_id for _ in range(4)]
+    assert served[0] == "jb"  # a's counter rose with its prompt: b's job first
+    s.remove_job("jb")
+    assert not s.vtc.is_backlogged("b")  # b has nothing left: its counter waits, lifted on return

@@ -81,15 +81,15 @@ class LLMEngine:
         self.last_result: ExecutionResult | None = None
 
     # ---- finetuning jobs -----------------------------------------------------
-    def add_finetune_job(self, job: FinetuneJob, job_id: str | None = None) -> str:
-        """Co-serve ``job`` from the next iteration on; returns its id."""
+    def add_finetune_job(self, job: FinetuneJob, job_id: str | None = None, tenant: str = "default") -> str:
+        """Co-serve ``job`` (of ``tenant``, for fairness) from the next iteration on; returns its id."""
         jid = job_id if job_id is not None else f"ftjob-{next(self._job_ids)}"
         if jid in self.job_states:
             raise ValueError(f"job_id: {jid!r} is already in use")
         self._ensure_latency_model()
         self.job_states[jid] = JobState(job)
         self.executor.jobs[jid] = job
-        self.scheduler.add_job(job_progress(jid, job))
+        self.scheduler.add_job(job_progress(jid, job), tenant)
         if job.done:
             self._finish_job(jid, None)
         return jid
@@ -143,7 +143,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
-                     request_id: str | None = None) -> tuple[Request, str | None]:
+                     request_id: str | None = None, tenant: str = "default") -> tuple[Request, str | None]:
         """Validate and tokenize one request without queueing it; raises ValueError naming the field."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -172,13 +172,13 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
-        request = Request(rid, list(token_ids), params, adapter, self.eos_token_ids, time.monotonic())
+        request = Request(rid, list(token_ids), params, adapter, self.eos_token_ids, time.monotonic(), tenant=tenant)
         return request, text
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, tenant: str = "default") -> str:
         """Validate, tokenize and queue a request; returns its id. Other requests are unaffected by errors."""
-        request, text = self.make_request(prompt, params, adapter, request_id)
+        request, text = self.make_request(prompt, params, adapter, request_id, tenant)
         self.enqueue(request, text)
         return request.request_id
 

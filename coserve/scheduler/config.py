@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from coserve.scheduler.fairness import FairnessWeights
 
 
 # coserve: inference first, then the largest finetuning slice within the SLO (the hybrid token scheduler);
@@ -28,6 +30,7 @@ class SchedulerConfig:
     idle_iteration_s: float = 0.2  # with no request in the engine, how long a finetuning-only iteration may be
     #   (the most a newly arrived request waits for the running iteration before its prefill)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
+    fairness: FairnessWeights = field(default_factory=FairnessWeights)  # VTC cost of input, output, finetuning tokens
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_loras", "min_finetune_window",

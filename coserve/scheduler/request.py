@@ -35,6 +35,7 @@ class Request:
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     num_preemptions: int = 0
     first_token_time: float | None = None  # when the first output token was sampled (the scheduler's clock)
+    tenant: str = "default"  # who asked: the Virtual Token Counter shares the engine fairly among tenants
 
     @property
     def num_tokens(self) -> int:

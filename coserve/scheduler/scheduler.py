@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from coserve.kvcache import BlockManager
 from coserve.scheduler.config import SchedulerConfig
 from coserve.scheduler.dts import DynamicTemporalSharing, TemporalSharing
+from coserve.scheduler.fairness import VirtualTokenCounter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress, FinetuneWork
 from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
@@ -43,6 +44,10 @@ class Scheduler:
     far is behind the target gets iterations short enough to catch up), or without a latency
     model what inference left of the token budget.
 
+    Tenants share the engine through the Virtual Token Counter (FlexLLM Algorithm 4): admission
+    takes the earliest waiting request of the tenant with the smallest counter, finetuning jobs are
+    served in counter order, and prompt, output and finetuning tokens are charged to their tenant.
+
     The temporal-sharing baselines (``temporal``, ``dts``) instead give a whole iteration to one
     job's current sequence (its forward and backward) when their controller says so, and whenever
     no request is in the engine.
@@ -66,6 +71,9 @@ class Scheduler:
         self._finetune_turn = False  # temporal sharing: the next iteration belongs to finetuning
         self._arrivals = 0  # requests added since the last inference iteration (temporal sharing's statistics)
         self._completions = 0  # requests finished since then
+        self.vtc = VirtualTokenCounter(config.fairness)
+        self.job_tenants: dict[str, str] = {}  # job id -> tenant
+        self._tenant_work: dict[str, int] = {}  # tenant -> its unfinished requests and active jobs
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -75,6 +83,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self._arrivals += 1
+        self._tenant_arrives(request.tenant)
 
     def finish_request(self, request_id: str, reason: str) -> None:
         """End a request now (a stop string, an abort); frees its blocks. Unknown ids are ignored."""
@@ -95,16 +104,39 @@ class Scheduler:
         return self.has_unfinished() or (bool(self.jobs) and self.config.policy != "inference-only")
 
     # ---- finetuning jobs -----------------------------------------------------
-    def add_job(self, progress: FinetuneProgress) -> None:
-        """Start scheduling a finetuning job from ``progress`` (its position now)."""
+    def add_job(self, progress: FinetuneProgress, tenant: str = "default") -> None:
+        """Start scheduling a finetuning job of ``tenant`` from ``progress`` (its position now)."""
         if progress.job_id in self.jobs:
             raise ValueError(f"job_id {progress.job_id!r} is already in use")
         if progress.phase != DONE:
             self.jobs[progress.job_id] = progress
+            self.job_tenants[progress.job_id] = tenant
+            self._tenant_arrives(tenant)
 
     def remove_job(self, job_id: str) -> None:
         """Stop scheduling a job (cancelled or finished); unknown ids are ignored."""
-        self.jobs.pop(job_id, None)
+        if self.jobs.pop(job_id, None) is not None:
+            self._tenant_leaves(self.job_tenants.pop(job_id))
+
+    # ---- fairness --------------------------------------------------------------
+    def _tenant_arrives(self, tenant: str) -> None:
+        self.vtc.on_arrival(tenant)  # lifts an idle tenant's counter (no credit for idleness)
+        self._tenant_work[tenant] = self._tenant_work.get(tenant, 0) + 1
+
+    def _tenant_leaves(self, tenant: str) -> None:
+        self._tenant_work[tenant] -= 1
+        if not self._tenant_work[tenant]:
+            del self._tenant_work[tenant]
+            self.vtc.set_backlogged(tenant, False)
+
+    def _next_waiting(self) -> Request:
+        """Algorithm 4, lines 17-18: the earliest waiting request of the tenant with the smallest counter."""
+        first = self.waiting[0]
+        tenants = {r.tenant for r in self.waiting}
+        if len(tenants) == 1:
+            return first
+        tenant = self.vtc.pick(tenants)
+        return next(r for r in self.waiting if r.tenant == tenant)
 
     def pop_request(self, request_id: str) -> Request | None:
         """Forget a finished request (the engine calls this once its output is delivered)."""
@@ -140,12 +172,16 @@ class Scheduler:
         """Add the jobs' slices after the inference chunks; the jobs rotate (round robin) for fairness."""
         order = list(self.jobs.values())
         shift = plan.step % len(order)
-        order = order[shift:] + order[:shift]
+        order = order[shift:] + order[:shift]  # equal counters: round robin
+        order.sort(key=lambda p: self.vtc.counter(self.job_tenants[p.job_id]))
         budget_s = self.iteration_budget_s()
         latency = self.latency if use_latency else None
         plan.finetune, plan.shape = plan_slices(order, inference_shape(plan.chunks), latency, budget_s,
                                                 token_budget, self.config.min_finetune_window)
         plan.predicted_s = latency.predict(plan.shape) if latency is not None else 0.0
+        for w in plan.finetune:  # a finetuning token is charged once, when its forward window is planned
+            if w.kind == FORWARD:
+                self.vtc.charge_finetune(self.job_tenants[w.job_id], w.num_tokens)
 
     def iteration_budget_s(self) -> float:
         """The longest the next iteration may take: the TPOT target (SLO minus margin), lowered to what
@@ -202,7 +238,7 @@ class Scheduler:
             if progress.job_id not in self.jobs:
                 continue  # cancelled while the iteration ran
             if progress.phase == DONE:
-                del self.jobs[progress.job_id]
+                self.remove_job(progress.job_id)
             else:
                 self.jobs[progress.job_id] = progress
         if self.latency is not None and plan.shape is not None and plan.finetune and result.elapsed_s > 0:
@@ -219,6 +255,7 @@ class Scheduler:
             if not request.output_token_ids:
                 request.first_token_time = self.clock()
             request.output_token_ids.append(token)
+            self.vtc.charge_output(request.tenant, 1)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.running.remove(request)
@@ -242,13 +279,14 @@ class Scheduler:
     def _admit(self, plan: IterationPlan, budget: int) -> int:
         adapters = {r.adapter for r in self.running if r.adapter is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_waiting()
             if (request.adapter is not None and request.adapter not in adapters
                     and len(adapters) >= self.config.max_loras):
                 break  # first come, first served: wait until an adapter's requests finish
             if not self.blocks.can_allocate(request.request_id, request.num_tokens):
                 break  # admitted only when the whole prompt fits
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            self.vtc.charge_input(request.tenant, request.num_tokens)
             self.blocks.allocate(request.request_id, request.num_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -281,6 +319,7 @@ class Scheduler:
         request.finish_reason = reason
         self._finished_since_plan.append(request.request_id)
         self._completions += 1
+        self._tenant_leaves(request.tenant)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
