@@ -150,3 +150,20 @@ def test_the_engine_loads_a_profiled_latency_model_that_fits(model_factory, tmp_
     (tmp_path / "bad.json").write_text('{"version": 99}')
     with pytest.raises(ValueError, match="latency_model"):
         _engine(model_dir, latency_model=str(tmp_path / "bad.json"))
+
+
+def test_jobs_are_admitted_within_the_finetuning_memory_budget(model_factory, tmp_path):
+    from coserve.finetune.memory_budget import job_memory
+    model_dir = model_factory("llama")
+    probe = _engine(model_dir)
+    need = job_memory(_job(probe, tmp_path / "probe"))
+    params = sum(p.numel() for p in _job(probe, tmp_path / "probe").bypass.parameters())
+    assert need.adapter_bytes == params * 4 * 2  # float32 weights and gradients; SGD keeps no state
+    longest = max(len(e.token_ids) for e in _examples(probe.model.cfg.vocab_size, 0))
+    assert need.activation_bytes == int(_job(probe, tmp_path / "p").plan.model_kept_bytes_per_token * longest)
+    engine = _engine(model_dir, finetune_memory_gb=1.5 * need.total_bytes / 2**30, auto_profile=False)
+    first = engine.add_finetune_job(_job(engine, tmp_path / "a"))
+    with pytest.raises(ValueError, match="finetune_memory_gb"):  # a second one does not fit beside it
+        engine.add_finetune_job(_job(engine, tmp_path / "b"))
+    engine.cancel_finetune_job(first)  # its memory is free again
+    engine.add_finetune_job(_job(engine, tmp_path / "c"))

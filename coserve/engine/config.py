@@ -26,6 +26,8 @@ class EngineConfig:
     slo_tpot_ms: float = 50.0  # inference time-per-output-token target the finetuning slice respects
     latency_model: str | None = None  # `coserve profile` JSON; None = the default profile path. A fit for this
     #   model, device, dtype and thread count sizes finetuning slices
+    finetune_memory_gb: float | None = None  # finetuning jobs' adapters, gradients, optimizer state and kept
+    #   activations together (a job that would exceed it is refused); None = no limit
     auto_profile: bool = True  # policy coserve: profile briefly (and save to latency_model's path) when the first
     #   finetuning job arrives and no fit exists; False = size slices by the token budget instead
 
@@ -40,5 +42,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.finetune_memory_gb is not None and not self.finetune_memory_gb > 0:
+            raise ValueError(f"finetune_memory_gb must be positive or None, got {self.finetune_memory_gb!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")

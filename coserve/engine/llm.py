@@ -48,6 +48,8 @@ class LLM:
         """
         if config is None:
             raise ValueError("config: a FinetuneConfig with output_dir is required")
+        if self.engine.config.policy == "inference-only":
+            raise ValueError("policy: this LLM was made with policy='inference-only', which never runs finetuning")
         model = self.engine.model
         examples, report = load_dataset(data, self.tokenizer, config.max_seq_len, config.train_on_prompt)
         bypass = make_bypass(peft or LoraConfig(), model, config.seed)

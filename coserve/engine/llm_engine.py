@@ -21,6 +21,7 @@ from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import load_tokenizer
 from coserve.peft import AdapterError, LoraAdapter, LoraBank, load_lora_adapter
 from coserve.finetune.job import FinetuneJob
+from coserve.finetune.memory_budget import job_memory
 from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from coserve.scheduler.finetune_work import DONE
 from coserve.scheduler.plan import ExecutionResult, IterationPlan
@@ -86,6 +87,7 @@ class LLMEngine:
         jid = job_id if job_id is not None else f"ftjob-{next(self._job_ids)}"
         if jid in self.job_states:
             raise ValueError(f"job_id: {jid!r} is already in use")
+        self._check_finetune_memory(job)
         self._ensure_latency_model()
         self.job_states[jid] = JobState(job)
         self.executor.jobs[jid] = job
@@ -93,6 +95,20 @@ class LLMEngine:
         if job.done:
             self._finish_job(jid, None)
         return jid
+
+    def finetune_memory_in_use(self) -> int:
+        """Bytes the running jobs hold (``job_memory``)."""
+        return sum(job_memory(s.job).total_bytes for s in self.job_states.values() if s.status == "running")
+
+    def _check_finetune_memory(self, job: FinetuneJob) -> None:
+        if self.config.finetune_memory_gb is None:
+            return
+        budget = int(self.config.finetune_memory_gb * 2**30)
+        need, used = job_memory(job), self.finetune_memory_in_use()
+        if used + need.total_bytes > budget:
+            raise ValueError(f"finetune_memory_gb: the job needs {need.total_bytes / 2**20:.1f} MiB (adapter and "
+                             f"optimizer {need.adapter_bytes / 2**20:.1f}, activations {need.activation_bytes / 2**20:.1f});"
+                             f" {used / 2**20:.1f} of {budget / 2**20:.1f} MiB are in use by running jobs")
 
     def cancel_finetune_job(self, job_id: str) -> None:
         """Stop a running job; its last saved checkpoint (if any) stays. Refused for a finished job."""

