@@ -165,6 +165,21 @@ def test_azure_rescale_wraps_around(tmp_path):
     assert len(rows) / 12.0 == pytest.approx(2.0)
 
 
+def test_azure_segment_has_the_target_rate_over_the_run(tmp_path):
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]  # a burst of 4 at 1 s apart, a 60 s gap, 4 more
+    stamps = [0, 1, 2, 3, 63, 64, 65, 66]
+    lines += [f"2023-11-16 18:{t // 60:02d}:{t % 60:02d}.0000000,{100 + i},{i}" for i, t in enumerate(stamps)]
+    trace = load_azure_trace(_write(tmp_path, lines))
+    rows = trace.segment(rate=1.0, duration_s=4.0)  # 4 requests, then the 5th closes the span: 63 s -> 4 s
+    assert [r[1] for r in rows] == [100, 101, 102, 103]
+    assert [r[0] for r in rows] == pytest.approx([0.0, 4 / 63, 8 / 63, 12 / 63])  # the burst keeps its shape
+    later = trace.segment(rate=1.0, duration_s=6.0, start=3)  # from the 4th request on, wrapping around
+    assert [r[1] for r in later] == [103, 104, 105, 106, 107, 100]
+    assert all(0 <= r[0] < 6.0 for r in later) and len(later) == 6
+    with pytest.raises(ValueError, match="start"):
+        trace.segment(1.0, 4.0, start=8)
+
+
 def test_azure_rescale_needs_a_rate(tmp_path):
     trace = _even_trace(tmp_path, n=1)
     with pytest.raises(ValueError, match="two requests"):

@@ -96,6 +96,29 @@ class AzureTrace:
             raise ValueError(f"{self.source}: a mean rate needs at least two requests at distinct times")
         return (len(self) - 1) / self.span_s
 
+    def segment(self, rate: float, duration_s: float, start: int = 0) -> list[tuple[float, int, int]]:
+        """``(arrival_s, context_tokens, generated_tokens)`` of ``round(rate * duration_s)`` consecutive
+        requests from request ``start`` on (wrapping around the trace), their timestamps scaled so that
+        they arrive over ``duration_s``: the run's mean rate is ``rate`` and the trace's bursts keep their
+        shape. (``rescaled`` keeps the whole trace's mean instead, which a short run can miss by far:
+        this trace's first minutes hold 63 requests and then nothing for two minutes.)
+        """
+        _check_rate(rate, duration_s)
+        n = max(1, round(rate * duration_s))
+        if not 0 <= start < len(self):
+            raise ValueError(f"start must lie in [0, {len(self)}), got {start!r}")
+        period = self.span_s + 1.0 / self.mean_rate  # one copy of the trace, then the next one's start
+        times, rows = [], []
+        for j in range(n + 1):  # n requests plus the one after them (it closes the span)
+            copy, i = divmod(start + j, len(self))
+            times.append(copy * period + self.offsets_s[i])
+            rows.append((self.context_tokens[i], self.generated_tokens[i]))
+        span = times[-1] - times[0]
+        scale = duration_s / span if span > 0 else 0.0
+        out = [((t - times[0]) * scale if scale else duration_s * j / n, c, g)
+               for j, (t, (c, g)) in enumerate(zip(times[:-1], rows[:-1]))]
+        return [row for row in out if row[0] < duration_s]
+
     def rescaled(self, rate: float, duration_s: float) -> list[tuple[float, int, int]]:
         """``(arrival_s, context_tokens, generated_tokens)`` with the trace's timestamps
         scaled by ``mean_rate / rate`` so that its mean rate is ``rate``, keeping the arrivals

@@ -31,7 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drain", type=float, default=30.0, help="seconds after the last arrival for requests to finish")
     p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson; < 1 burstier)")
-    p.add_argument("--trace", default=None, help="Azure LLM trace CSV: arrivals rescaled to each rate")
+    p.add_argument("--trace", default=None, help="Azure LLM trace CSV: rate x duration consecutive requests, "
+                                                  "their timestamps scaled to the run")
+    p.add_argument("--trace-start", type=int, default=0, help="the trace request the runs start from")
     p.add_argument("--prompts", default=None, help="ShareGPT-trace JSON: prompt texts and lengths")
     p.add_argument("--finetune-data", default=None, help="dataset for the finetuning job (none: inference only)")
     p.add_argument("--finetune-seq-len", type=int, default=1024)
@@ -99,7 +101,8 @@ def run(args) -> int:
         workload = serving_workload(tokenizer, max_len, rate, args.duration,
                                     burstiness=args.burstiness if args.arrival == "gamma" else 1.0,
                                     trace=Path(args.trace) if args.trace else None,
-                                    prompts=Path(args.prompts) if args.prompts else None, seed=args.seed)
+                                    prompts=Path(args.prompts) if args.prompts else None, seed=args.seed,
+                                    trace_start=args.trace_start)
         for pol in policies:
             spec = RunSpec(model=args.model, policy=pol["policy"], label=pol["label"], rate=rate,
                            duration_s=args.duration, requests=workload.requests, finetune=finetune,

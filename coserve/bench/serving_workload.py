@@ -72,17 +72,22 @@ def load_sharegpt(path: Path) -> list[tuple[str, int, int]]:
 
 
 def serving_workload(tokenizer, max_model_len: int, rate: float, duration_s: float, *, burstiness: float = 1.0,
-                     trace: Path | None = None, prompts: Path | None = None, seed: int = 0) -> Workload:
-    """The requests arriving in ``[0, duration_s)`` at mean ``rate`` req/s (none at rate 0)."""
+                     trace: Path | None = None, prompts: Path | None = None, seed: int = 0,
+                     trace_start: int = 0) -> Workload:
+    """The requests arriving in ``[0, duration_s)`` at mean ``rate`` req/s (none at rate 0).
+
+    With a trace: ``rate * duration_s`` consecutive requests from request ``trace_start`` on, their
+    timestamps scaled to the run (``AzureTrace.segment``).
+    """
     if rate < 0:
         raise ValueError(f"rate must be >= 0, got {rate!r}")
     azure = load_azure_trace(trace) if trace is not None else None
-    arrivals_name = str(trace) if trace is not None else ("poisson" if burstiness == 1 else
+    arrivals_name = f"{trace} from request {trace_start}" if trace is not None else ("poisson" if burstiness == 1 else
                                                           f"gamma(burstiness={burstiness})")
     if rate == 0:
         return Workload([], arrivals_name, "none")
     if azure is not None:
-        rows = azure.rescaled(rate, duration_s)
+        rows = azure.segment(rate, duration_s, trace_start)
         times = [t for t, _, _ in rows]
         trace_lengths = [(c, g) for _, c, g in rows]
     else:
