@@ -117,3 +117,26 @@ def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
     assert {p.name for p in plots.iterdir()} >= {"slo_attainment.png", "finetune_throughput.png",
                                                  "inference_throughput.png", "token_mix_coserve_6.png"}
     assert main(["bench", "--model", str(model), "--policy", "nope", "--no-progress"]) == 2
+
+
+def _row(policy, rate, slo, ft, idle=0.5):
+    return {"policy": policy, "rate": rate, "slo_attainment": slo, "finetune_tokens_per_s": ft,
+            "idle_fraction": idle}
+
+
+def test_headline_compares_against_the_best_baseline_that_holds_the_slo():
+    from coserve.bench.headline import headline, markdown
+    rows = [_row("finetune-only", 0, 1.0, 1000.0), _row("coserve", 0, 1.0, 950.0),
+            _row("inference-only", 2, 1.0, None, idle=0.6), _row("coserve", 2, 0.95, 800.0),
+            _row("temporal:64", 2, 0.99, 700.0), _row("dts", 2, 0.92, 640.0), _row("temporal:32", 2, 0.5, 900.0),
+            _row("separate 50:50", 2, 0.80, 600.0),
+            _row("inference-only", 4, 0.93, None, idle=0.2), _row("coserve", 4, 0.91, 500.0),
+            _row("separate 50:50", 4, 0.95, 250.0)]
+    zero, two, four = headline(rows)
+    assert zero["vs_finetune_only"] == 0.95
+    assert two["best_temporal"] == "temporal:64" and two["vs_temporal"] == 800 / 700  # temporal:32 misses the SLO
+    assert two["best_separate"] is None and two["vs_separate"] is None  # no split holds 90%
+    assert two["harvest"] == 800 / (1000 * 0.6)
+    assert four["vs_separate"] == 2.0 and four["inference_only_holds"] and four["coserve_holds"]
+    table = markdown(headline(rows))
+    assert "| 2 | 100% / 95% | 800 | - (none holds) | 1.14x (temporal:64) | 1.33x |" in table

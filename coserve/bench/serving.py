@@ -116,6 +116,9 @@ def run(args) -> int:
             print(format_row(row), flush=True)
             if args.out:  # after every run: a long sweep keeps what it measured
                 write_report(Path(args.out), args, rows)
+    if any(r["policy"] == "coserve" for r in rows):
+        from coserve.bench.headline import headline, markdown
+        print(markdown(headline(rows)))
     if args.plot:
         from coserve.bench.plots import plot_sweep, plot_token_mix
         paths = plot_sweep(rows, Path(args.plot))
