@@ -252,26 +252,3 @@ def test_finetuning_jobs_are_served_in_counter_order():
     assert served[0] == "jb"  # a's counter rose with its prompt: b's job first
     s.remove_job("jb")
     assert not s.vtc.is_backlogged("b")  # b has nothing left: its counter waits, lifted on return
-
-
-def test_prompt_chunks_beside_decoding_requests_fit_the_iteration_budget():
-    s = make(budget=1000, policy="inference-only")
-    for i in range(4):
-        s.add_request(req(f"d{i}", 4, max_tokens=100))
-    step(s)  # four short prompts prefilled: they decode from now on
-    s.add_request(req("long", 600))
-    plan = step(s)
-    chunk = next(c for c in plan.chunks if c.request_id == "long")
-    # 18 ms budget: 1 ms + 4 decodes x 0.1 ms leave 16.6 ms, 0.1 ms per prompt token -> 166 tokens
-    assert len(chunk.token_ids) == 166 and len(plan.chunks) == 5
-    assert s.latency.predict(plan.shape or IterationShape(decode_tokens=4, prefill_tokens=166)) <= 0.018 + 1e-12
-    alone = make(budget=1000, policy="inference-only")
-    alone.add_request(req("long", 600))
-    assert len(step(alone).chunks[0].token_ids) == 600  # nobody decoding: no cap but the token budget
-    clock = Clock()
-    behind = make(budget=1000, policy="inference-only", clock=clock)
-    behind.add_request(req("d", 4, max_tokens=100))
-    step(behind)
-    clock.now = 1.0  # far behind its TPOT target: prompts still progress, min_prefill_chunk at a time
-    behind.add_request(req("long", 600))
-    assert len(next(c for c in step(behind).chunks if c.request_id == "long").token_ids) == 32

@@ -12,7 +12,7 @@ from coserve.scheduler.config import SchedulerConfig
 from coserve.scheduler.dts import DynamicTemporalSharing, TemporalSharing
 from coserve.scheduler.fairness import VirtualTokenCounter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress, FinetuneWork
-from coserve.scheduler.latency_model import IterationShape, LatencyModel
+from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
 from coserve.scheduler.request import Request, RequestStatus
 from coserve.scheduler.slice_policy import inference_shape, plan_slices
@@ -66,7 +66,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._step = 0
         self._finished_since_plan: list[str] = []
-        self._prefill_left = 0  # prompt tokens the iteration being planned may still take
         self.sharing = (TemporalSharing(config.temporal_interval) if config.policy == "temporal"
                         else DynamicTemporalSharing() if config.policy == "dts" else None)
         self._finetune_turn = False  # temporal sharing: the next iteration belongs to finetuning
@@ -214,14 +213,10 @@ class Scheduler:
     def _plan_inference(self, plan: IterationPlan) -> int:
         """Running requests first, then admissions; returns what is left of the token budget."""
         budget = self.config.max_num_batched_tokens
-        self._prefill_left = self._prefill_cap()
         scheduled = 0
         while scheduled < len(self.running) and budget > 0:
             request = self.running[scheduled]
-            n = self._chunk_size(request, budget)
-            if n == 0:  # a prompt chunk with no prefill room left this iteration: it waits
-                scheduled += 1
-                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.blocks.blocks_for(request.num_computed_tokens + n) > self.blocks.num_blocks:
                 self.running.pop(scheduled)  # can never fit, even alone: stop it rather than spin
                 self._finish(request, "length")
@@ -230,33 +225,12 @@ class Scheduler:
                 break  # the request itself was preempted; everything after it too
             plan.chunks.append(self._chunk(request, n))
             budget -= n
-            if n > 1 or request.num_computed_tokens == 0:
-                self._prefill_left -= n
             scheduled += 1
         if not plan.preempted:
             budget = self._admit(plan, budget)
         plan.adapters = sorted({c.adapter for c in plan.chunks if c.adapter is not None})
         plan.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return budget
-
-    def _prefill_cap(self) -> int:
-        """Prompt tokens this iteration may hold: with a latency model and requests decoding, what fits
-        the iteration budget beside the decodes (at least ``min_prefill_chunk``); else no cap."""
-        decoding = [r for r in self.running if r.first_token_time is not None]
-        if self.latency is None or not decoding:
-            return self.config.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        shape = IterationShape(decode_tokens=len(decodes), decode_context=sum(r.num_tokens for r in decodes))
-        cap = self.latency.max_tokens_within(shape, self.iteration_budget_s(), "prefill_tokens",
-                                             max_n=self.config.max_num_batched_tokens)
-        return max(cap, self.config.min_prefill_chunk)
-
-    def _chunk_size(self, request: Request, budget: int) -> int:
-        """A decode takes one token; a prompt chunk what the token budget and the prefill cap allow."""
-        pending = request.num_tokens - request.num_computed_tokens
-        if pending == 1 and request.num_computed_tokens > 0:
-            return 1
-        return max(0, min(pending, budget, self._prefill_left))
 
     def update(self, plan: IterationPlan, result: ExecutionResult) -> list[TokenEvent]:
         """Advance requests and jobs by the executed plan; returns one event per sampled token."""
@@ -304,8 +278,7 @@ class Scheduler:
 
     def _admit(self, plan: IterationPlan, budget: int) -> int:
         adapters = {r.adapter for r in self.running if r.adapter is not None}
-        while (self.waiting and budget > 0 and self._prefill_left > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting()
             if (request.adapter is not None and request.adapter not in adapters
                     and len(adapters) >= self.config.max_loras):
@@ -319,10 +292,9 @@ class Scheduler:
             self.running.append(request)
             if request.adapter is not None:
                 adapters.add(request.adapter)
-            n = self._chunk_size(request, budget)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
             plan.chunks.append(self._chunk(request, n))
             budget -= n
-            self._prefill_left -= n
         return budget
 
     def _chunk(self, request: Request, n: int) -> InferenceChunk:
