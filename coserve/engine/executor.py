@@ -80,7 +80,7 @@ class ModelExecutor:
             token_layers -= n
 
     def _inference(self, plan: IterationPlan, result: ExecutionResult, forward) -> None:
-        """The inference chunks' forward (with the finetuning window when the batch is big enough), then sampling."""
+        """The inference chunks' forward (with the finetuning window in the same call), then sampling."""
         batch = self._forward_batch(plan)
         t = batch.num_tokens
         # Inference rows share the finetuning window's matmuls when the call has enough rows to be
