@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coserve.finetune.graph_pruning import DEFAULT_RECOMPUTE_BUDGET
+
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REMATERIALIZE = ("cheap", "all")
@@ -30,6 +32,8 @@ class FinetuneConfig:
     window_tokens: int = 0  # forward and backward window size; 0 = whole sequences
     window_schedule: str = ""  # "random:SEED": random window sizes (exactness checks)
     rematerialize: str = "cheap"  # cheap: keep what the graph-pruning plan keeps; all: layer inputs and K/V only
+    recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET  # cheap: FLOPs the plan may add to recompute projections instead of keeping
+    #   them, as a fraction of the layer's training FLOPs (0 = recompute only the cheap tensors)
     max_nonfinite_steps: int = 3  # consecutive steps with a non-finite loss before the job stops
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
 
@@ -42,7 +46,7 @@ class FinetuneConfig:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
         if not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"lr: must be positive, got {self.lr!r}")
-        for name in ("weight_decay", "max_grad_norm"):
+        for name in ("weight_decay", "max_grad_norm", "recompute_budget"):
             if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         _choice("optimizer", self.optimizer, OPTIMIZERS)

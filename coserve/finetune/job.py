@@ -83,7 +83,7 @@ class FinetuneJob:
         self._start = time.perf_counter()
         self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
-        self.plan = executor_plan(model, bypass.config, cfg.rematerialize)  # what the executor keeps
+        self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.recompute_budget)  # what it keeps
 
     # ---- the work interface ------------------------------------------------
     @property

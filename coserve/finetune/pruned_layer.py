@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from coserve.finetune.graph import LayerShape
-from coserve.finetune.graph_pruning import PruningPlan, plan_model
+from coserve.finetune.graph_pruning import DEFAULT_RECOMPUTE_BUDGET, PruningPlan, plan_model
 from coserve.finetune.window_attention import window_attention
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
 from coserve.model.norm_grad import rms_norm_backward
@@ -27,11 +27,13 @@ from coserve.model.norm_grad import rms_norm_backward
 BASE_KEEPS = ("q", "resid", "gate", "up")  # the base layer's tensors a plan may store or recompute
 
 
-def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str) -> PruningPlan:
+def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
+                  recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET) -> PruningPlan:
     """The graph-pruning plan the executors run for ``model`` with ``peft_config``'s bypasses."""
     shape = LayerShape.from_model_config(model.cfg, model.embed.element_size())
     # The pruned executor recomputes attention from q, K and V in its backward.
-    return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward="recompute")
+    return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward="recompute",
+                      recompute_budget=recompute_budget)
 
 
 def planned_keeps(plan: PruningPlan) -> frozenset[str]:
