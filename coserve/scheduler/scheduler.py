@@ -59,7 +59,7 @@ class Scheduler:
         self.clock = clock  # seconds; first-token times and TPOT slack are on it
         self.blocks = blocks
         self.latency = latency
-        self.jobs: dict[str, FinetuneProgress] = {}  # active finetuning jobs, in round-robin order
+        self.jobs: dict[str, FinetuneProgress] = {}  # active finetuning jobs, in the order they were added
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -169,7 +169,7 @@ class Scheduler:
         return plan
 
     def _plan_finetune(self, plan: IterationPlan, token_budget: int, use_latency: bool) -> None:
-        """Add the jobs' slices after the inference chunks; the jobs rotate (round robin) for fairness."""
+        """Add the jobs' slices after the inference chunks; jobs in tenant-counter order (VTC), round robin on ties."""
         order = list(self.jobs.values())
         shift = plan.step % len(order)
         order = order[shift:] + order[:shift]  # equal counters: round robin
