@@ -48,3 +48,18 @@ def test_cancel_and_bad_config(model_factory, tmp_path):
                                                                               epochs=50))
     job.cancel()
     assert job.wait(timeout=30)["status"] == "cancelled"
+
+
+def test_requests_and_jobs_are_charged_to_their_tenants(model_factory, tmp_path):
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=32, auto_profile=False)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), tenant="acme")
+    vtc = llm.engine.scheduler.vtc
+    assert vtc.counter("acme") == 4 * 1.0 + 3 * 2.0  # 4 prompt tokens (w_p = 1), 3 outputs (w_q = 2)
+    job = llm.finetune(_data(tmp_path / "d.jsonl"), LoraConfig(r=4, lora_alpha=8),
+                       FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=1), tenant="globex")
+    job.wait(timeout=120)
+    assert vtc.counter("globex") > 0 and vtc.counter("acme") == 10.0
+    with pytest.raises(ValueError, match="inference-only"):
+        LLM(model_factory("llama"), dtype="float32", device="cpu", policy="inference-only").finetune(
+            _data(tmp_path / "e.jsonl"), config=FinetuneConfig(output_dir=str(tmp_path / "o2")))

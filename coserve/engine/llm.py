@@ -39,12 +39,13 @@ class LLM:
         self._loop: EngineLoop | None = None  # the background engine thread, once a job has started
 
     def finetune(self, data: str | Path, peft: LoraConfig | IA3Config | None = None,
-                 config: FinetuneConfig | None = None) -> FinetuneHandle:
+                 config: FinetuneConfig | None = None, tenant: str = "default") -> FinetuneHandle:
         """Start a finetuning job co-served with ``generate`` calls (the engine then runs in a background thread).
 
         ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``);
         ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config; ``config``: FinetuneConfig
         (``output_dir`` is required). The adapter is written to ``output_dir`` when the job ends.
+        ``tenant``: whose job it is (the Virtual Token Counter shares the engine among tenants).
         """
         if config is None:
             raise ValueError("config: a FinetuneConfig with output_dir is required")
@@ -55,7 +56,7 @@ class LLM:
         bypass = make_bypass(peft or LoraConfig(), model, config.seed)
         job = FinetuneJob(model, bypass, examples, config, base_model=str(self.model_dir.resolve()))
         loop = self._background()
-        job_id = loop.call(lambda: self.engine.add_finetune_job(job))
+        job_id = loop.call(lambda: self.engine.add_finetune_job(job, tenant=tenant))
         return FinetuneHandle(self, job_id, Path(config.output_dir), report.summary())
 
     def _background(self) -> EngineLoop:
@@ -77,12 +78,12 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapter: str | None | Sequence[str | None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, tenant: str = "default") -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         ``prompts`` are strings (tokenized like ``tokenizer(prompt)`` in transformers) or
         token-id lists; ``sampling_params`` and ``adapter`` are one for all or one per
-        prompt. Every prompt is validated before any work starts.
+        prompt. Every prompt is validated before any work starts. ``tenant``: whose requests they are.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
@@ -94,7 +95,7 @@ class LLM:
         built = []
         for i, (p, sp, a) in enumerate(zip(prompts, params, adapters)):
             try:
-                built.append(self.engine.make_request(p, sp, a))
+                built.append(self.engine.make_request(p, sp, a, tenant=tenant))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
         if self._loop is not None:  # the engine runs in its thread: hand the requests over and wait
