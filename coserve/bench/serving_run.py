@@ -18,7 +18,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from coserve.bench.metrics import RequestRecord, idle_fraction, summarize
 from coserve.bench.serving_workload import BenchRequest
@@ -183,8 +182,9 @@ def run_one(spec: RunSpec) -> dict:
             finetune_tokens, finetune_time = (job.tokens_done if job is not None else 0), now
         while pending and pending[0].arrival_s <= now:
             r = pending.popleft()
-            sp = params.setdefault(r.max_tokens, SamplingParams(max_tokens=r.max_tokens, temperature=0,
-                                                                ignore_eos=True))
+            if r.max_tokens not in params:
+                params[r.max_tokens] = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+            sp = params[r.max_tokens]
             try:
                 rid = engine.add_request(r.prompt, sp)
             except ValueError as e:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from coserve.finetune.pruned_layer import keep_tap
-from coserve.finetune.sequence_state import SequenceState
 from coserve.finetune.token_windows import FinetuneSlice, finish_forward_window, training_rows
 from coserve.finetune.window_attention import window_attention
 from coserve.model.attention import PagedKVCache, paged_attention
