@@ -8,7 +8,8 @@ import pytest
 
 from coserve.bench.serving import parse_policy, parse_split
 from coserve.bench.serving_run import FinetuneSpec, RunSpec, run_one, split_cores
-from coserve.bench.serving_workload import fit_length, load_sharegpt, serving_workload
+from coserve.bench.serving_workload import serving_workload
+from coserve.bench.workload import fit_length, load_sharegpt
 from coserve.model.tokenizer import load_tokenizer
 
 

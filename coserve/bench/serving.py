@@ -17,8 +17,6 @@ from pathlib import Path
 from coserve.bench.serving_run import BENCH_POLICIES, FinetuneSpec, RunSpec, run_in_child
 from coserve.bench.serving_workload import serving_workload
 
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True)

@@ -9,12 +9,12 @@ so that prompt plus output fit it.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from coserve.bench.arrivals import gamma_arrivals, load_azure_trace, scale_lengths
+from coserve.bench.workload import fit_length, load_sharegpt
 
 SHAREGPT_CONTEXT = 4096  # the context ShareGPT's lengths were collected for (Llama-2 tokens)
 AZURE_CONTEXT = 8192  # the Azure trace's
@@ -36,39 +36,6 @@ class Workload:
     requests: list[BenchRequest]
     arrivals: str  # "poisson", "gamma(burstiness=B)" or the trace file
     lengths: str  # the prompts file, the trace file, or "synthetic"
-
-
-def fit_length(ids: list[int], length: int) -> list[int]:
-    """``ids`` cut or repeated (its body after the first token) to exactly ``length`` tokens (>= 1)."""
-    if not ids:
-        raise ValueError("fit_length: no tokens to fit")
-    length = max(1, length)
-    body = ids[1:] or ids
-    out = list(ids)
-    while len(out) < length:
-        out.extend(body)
-    return out[:length]
-
-
-def load_sharegpt(path: Path) -> list[tuple[str, int, int]]:
-    """``(prompt text, prompt_length, response_length)`` per entry of a ShareGPT-format trace file."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-    entries = raw.get("entries") if isinstance(raw, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{path}: expected {{\"entries\": [...]}} with at least one entry")
-    out = []
-    for i, e in enumerate(entries):
-        try:
-            text, p, r = e["prompt"], int(e["prompt_length"]), int(e["response_length"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{path}: entries[{i}] needs prompt, prompt_length and response_length ({err})") from err
-        if not isinstance(text, str) or p < 1 or r < 1:
-            raise ValueError(f"{path}: entries[{i}] has an empty prompt or a length below 1")
-        out.append((text, p, r))
-    return out
 
 
 def serving_workload(tokenizer, max_model_len: int, rate: float, duration_s: float, *, burstiness: float = 1.0,

@@ -28,9 +28,9 @@ def sharegpt_prompts(tokenizer, num: int, max_len: int, path: Path | None = None
     path = path or DEFAULT_SHAREGPT
     rng = random.Random(seed)
     if path.is_file():
-        entries = json.loads(path.read_text())["entries"][:num]
-        texts = [e["prompt"] for e in entries]
-        lengths = [min(int(e["prompt_length"]), max_len) for e in entries]
+        entries = load_sharegpt(path)[:num]
+        texts = [text for text, _, _ in entries]
+        lengths = [min(p, max_len) for _, p, _ in entries]
         source = str(path)
     else:
         lengths = [min(max(4, int(rng.lognormvariate(3.9, 1.4))), max_len) for _ in range(num)]
@@ -42,9 +42,39 @@ def sharegpt_prompts(tokenizer, num: int, max_len: int, path: Path | None = None
     prompts = []
     for text, length in zip(texts, lengths):
         ids = tokenizer(text, truncation=True, max_length=max(length, 2))["input_ids"]
-        ids = ids or [tokenizer.bos_token_id or 0]
-        body = ids[1:] or ids
-        while len(ids) < length:
-            ids = ids + body
-        prompts.append(ids[:max(1, length)])
+        prompts.append(fit_length(ids or [tokenizer.bos_token_id or 0], length))
     return PromptSet(prompts, source)
+
+
+def fit_length(ids: list[int], length: int) -> list[int]:
+    """``ids`` cut or repeated (its body after the first token) to exactly ``length`` tokens (>= 1)."""
+    if not ids:
+        raise ValueError("fit_length: no tokens to fit")
+    length = max(1, length)
+    body = ids[1:] or ids
+    out = list(ids)
+    while len(out) < length:
+        out.extend(body)
+    return out[:length]
+
+
+def load_sharegpt(path: Path) -> list[tuple[str, int, int]]:
+    """``(prompt text, prompt_length, response_length)`` per entry of a ShareGPT-format trace file."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    entries = raw.get("entries") if isinstance(raw, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{path}: expected {{\"entries\": [...]}} with at least one entry")
+    out = []
+    for i, e in enumerate(entries):
+        try:
+            text, p, r = e["prompt"], int(e["prompt_length"]), int(e["response_length"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: entries[{i}] needs prompt, prompt_length and response_length ({err})") from err
+        if not isinstance(text, str) or p < 1 or r < 1:
+            raise ValueError(f"{path}: entries[{i}] has an empty prompt or a length below 1")
+        out.append((text, p, r))
+    return out
+

@@ -131,10 +131,9 @@ class Scheduler:
 
     def _next_waiting(self) -> Request:
         """Algorithm 4, lines 17-18: the earliest waiting request of the tenant with the smallest counter."""
-        first = self.waiting[0]
+        if len(self._tenant_work) == 1:  # one tenant (the common case): no set of tenants to build
+            return self.waiting[0]
         tenants = {r.tenant for r in self.waiting}
-        if len(tenants) == 1:
-            return first
         tenant = self.vtc.pick(tenants)
         return next(r for r in self.waiting if r.tenant == tenant)
 
