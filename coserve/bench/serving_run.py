@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from coserve.bench.metrics import RequestRecord, idle_fraction, summarize
 from coserve.bench.serving_workload import BenchRequest
+from coserve.scheduler.finetune_work import BACKWARD, FORWARD
 
 ENGINE_POLICIES = ("coserve", "inference-only", "finetune-only", "temporal", "dts")
 BENCH_POLICIES = ENGINE_POLICIES + ("spatial", "separate")
@@ -132,9 +133,10 @@ def run_one(spec: RunSpec) -> dict:
 
     if spec.policy not in BENCH_POLICIES:
         raise ValueError(f"policy: {spec.policy!r} is not one of {', '.join(BENCH_POLICIES)}")
+    trains = spec.finetune is not None and spec.policy != "inference-only"  # this run has a finetuning job
     worker = None
     cores = sorted(os.sched_getaffinity(0))
-    if spec.policy == "separate" and spec.finetune is not None:
+    if trains and spec.policy == "separate":
         inference_cores, finetune_cores = split_cores(spec.split, cores)
         os.sched_setaffinity(0, inference_cores)
         torch.set_num_threads(len(inference_cores))
@@ -151,7 +153,7 @@ def run_one(spec: RunSpec) -> dict:
     _warm_up(engine)
     job, stop, thread = None, threading.Event(), None
     tmp = tempfile.TemporaryDirectory()
-    if spec.finetune is not None and spec.policy not in ("inference-only", "separate"):
+    if trains and spec.policy != "separate":
         job = _make_job(engine.model, engine.tokenizer, spec.finetune, tmp.name)
         if spec.policy == "spatial":
             thread = threading.Thread(target=_train_until, args=(job, stop, None), daemon=True)
@@ -205,8 +207,8 @@ def run_one(spec: RunSpec) -> dict:
         end = clock()
         plan = engine.last_plan
         if not plan.is_empty:
-            ft_fwd = sum(w.num_tokens for w in plan.finetune if w.kind == "forward")
-            ft_bwd = sum(w.num_tokens for w in plan.finetune if w.kind == "backward") / num_layers
+            ft_fwd = sum(w.num_tokens for w in plan.finetune if w.kind == FORWARD)
+            ft_bwd = sum(w.num_tokens for w in plan.finetune if w.kind == BACKWARD) / num_layers
             iterations.append({"t_s": round(start, 4), "elapsed_s": round(end - start, 5),
                                "predicted_s": round(plan.predicted_s, 5), "decode_tokens": plan.shape.decode_tokens
                                if plan.shape is not None else None,
@@ -238,9 +240,8 @@ def run_one(spec: RunSpec) -> dict:
     return {
         "policy": spec.label, "rate": spec.rate, **summary,
         "run_s": elapsed, "duration_s": spec.duration_s, "num_unfinished": len(unfinished),
-        "finetune_tokens": finetune_tokens if spec.finetune is not None and spec.policy != "inference-only" else None,
-        "finetune_tokens_per_s": (finetune_tokens / finetune_time
-                                  if spec.finetune is not None and spec.policy != "inference-only" else None),
+        "finetune_tokens": finetune_tokens if trains else None,
+        "finetune_tokens_per_s": finetune_tokens / finetune_time if trains else None,
         "num_preemptions": engine.scheduler.num_preemptions,
         "kv_preemption_rate": engine.scheduler.num_preemptions / num_requests if num_requests else 0.0,
         "idle_fraction": idle_fraction(busy, spec.duration_s),

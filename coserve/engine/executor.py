@@ -54,7 +54,7 @@ class ModelExecutor:
         for w in plan.finetune:
             if w.kind == BACKWARD and w.job_id not in result.finetune_errors:
                 try:
-                    self._backward(self.jobs[w.job_id], w.num_tokens)
+                    self.jobs[w.job_id].backward_token_layers(w.num_tokens)
                 except Exception as e:  # a job that cannot go on stops alone; inference keeps serving
                     result.finetune_errors[w.job_id] = f"{type(e).__name__}: {e}"
         result.finetune = [job_progress(w.job_id, self.jobs[w.job_id]) for w in plan.finetune]
@@ -71,13 +71,6 @@ class ModelExecutor:
             result.finetune_losses[w.job_id] = self.jobs[w.job_id].forward(w.num_tokens)
         except Exception as e:  # a job that cannot go on stops alone; inference keeps serving
             result.finetune_errors[w.job_id] = f"{type(e).__name__}: {e}"
-
-    def _backward(self, job: FinetuneJob, token_layers: int) -> None:
-        """Backward windows over ``token_layers`` token-layers, layer after layer, from the job's position."""
-        while token_layers > 0 and job.next_work() == "backward":
-            n = min(token_layers, job.pending_tokens())
-            job.backward(n)
-            token_layers -= n
 
     def _inference(self, plan: IterationPlan, result: ExecutionResult, forward) -> None:
         """The inference chunks' forward (with the finetuning window in the same call), then sampling."""

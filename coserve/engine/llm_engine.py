@@ -24,7 +24,7 @@ from coserve.finetune.job import FinetuneJob
 from coserve.finetune.memory_budget import job_memory
 from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from coserve.scheduler.finetune_work import DONE
-from coserve.scheduler.plan import ExecutionResult, IterationPlan
+from coserve.scheduler.plan import IterationPlan
 from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.latency_model import load_model as load_latency
 
@@ -78,8 +78,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._job_ids = itertools.count()
         self.job_states: dict[str, JobState] = {}  # every finetuning job this engine was given, by id
-        self.last_plan: IterationPlan | None = None  # the latest iteration's plan and result (for benchmarks)
-        self.last_result: ExecutionResult | None = None
+        self.last_plan: IterationPlan | None = None  # the latest iteration's plan (benchmarks read its token mix)
 
     # ---- finetuning jobs -----------------------------------------------------
     def add_finetune_job(self, job: FinetuneJob, job_id: str | None = None, tenant: str = "default") -> str:
@@ -214,7 +213,7 @@ class LLMEngine:
         """Run one iteration; returns outputs of requests that got a token or finished."""
         plan = self.scheduler.schedule()
         result = self.executor.execute(plan)
-        self.last_plan, self.last_result = plan, result
+        self.last_plan = plan
         events = self.scheduler.update(plan, result)
         for progress in result.finetune:
             if progress.phase == DONE and self.job_states[progress.job_id].status == "running":

@@ -28,6 +28,7 @@ from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.peft.config import LoraConfig
 from coserve.peft.trainable import TrainableLora
 from coserve.scheduler.latency_model import IterationShape, LatencyModel, fit
+from coserve.scheduler.slice_policy import layer_windows
 
 BLOCK = 16
 
@@ -107,7 +108,7 @@ class IterationRig:
         n_bwd, ctx = p.ft_backward, p.ft_context
         first = min(n_bwd, ctx)  # the top layer's window, then whole layers, then a partial one
         rest_full, rest_part = divmod(n_bwd - first, ctx)
-        windows = (1 if n_bwd else 0) + rest_full + (1 if rest_part else 0)
+        windows = layer_windows(n_bwd, ctx, ctx)
         backward_context = (sum(range(ctx - first + 1, ctx + 1)) + rest_full * ctx * (ctx + 1) // 2
                             + sum(range(ctx - rest_part + 1, ctx + 1)))
         shape = IterationShape(

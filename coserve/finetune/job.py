@@ -135,6 +135,14 @@ class FinetuneJob:
         layers_left = seq.backward_layer + 1 if kind == "backward" else 0
         return kind, self.pending_tokens(), seq.forward_done, layers_left, seq.num_tokens
 
+    def backward_token_layers(self, token_layers: int) -> None:
+        """Backward windows over up to ``token_layers`` token-layers from the current position, each at most
+        the rest of its layer, layer after layer; stops early when the sequence's backward pass ends."""
+        while token_layers > 0 and self.next_work() == "backward":
+            n = min(token_layers, self.pending_tokens())
+            self.backward(n)
+            token_layers -= n
+
     def backward(self, num_tokens: int) -> None:
         """One backward window of up to ``num_tokens`` tokens of the current layer."""
         if self.next_work() != "backward":

@@ -32,13 +32,17 @@ def inference_shape(chunks: list[InferenceChunk]) -> IterationShape:
     return IterationShape(**counts)
 
 
+def layer_windows(token_layers: int, pending: int, sequence_tokens: int) -> int:
+    """Per-layer backward windows that ``token_layers`` take when ``pending`` tokens are left in the current
+    layer and each further layer has ``sequence_tokens``."""
+    if token_layers <= 0:
+        return 0
+    return 1 + -(-max(0, token_layers - pending) // max(1, sequence_tokens))
+
+
 def backward_windows(job: FinetuneProgress):
     """``n -> `` how many per-layer backward windows ``n`` token-layers of ``job`` take from its position."""
-    def windows(n: int) -> int:
-        if n <= 0:
-            return 0
-        return 1 + -(-max(0, n - job.pending_tokens) // max(1, job.sequence_tokens))
-    return windows
+    return lambda n: layer_windows(n, job.pending_tokens, job.sequence_tokens)
 
 
 def plan_slices(jobs: list[FinetuneProgress], shape: IterationShape, latency: LatencyModel | None,
