@@ -1,0 +1,353 @@
+"""The server's durable state: tenants, files, fine-tuning jobs, events, checkpoints.
+
+Everything lives under one state directory: ``state.db`` (SQLite, WAL journal,
+``synchronous=FULL``, so every committed write survives the process being
+killed) and ``files/<file-id>.jsonl`` (the bytes of uploaded files, written
+atomically before their row is inserted). Objects cross the boundary as plain
+OpenAI-shaped dicts; each call returns fresh dicts the caller may mutate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import sqlite3
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+_FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+
+_SCHEMA = """
+CREATE TABLE tenants (name TEXT PRIMARY KEY, created_at INTEGER NOT NULL);
+CREATE TABLE files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), filename TEXT NOT NULL,
+    purpose TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL);
+CREATE INDEX files_tenant ON files(tenant, seq);
+CREATE TABLE jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), status TEXT NOT NULL,
+    created_at INTEGER NOT NULL, obj TEXT NOT NULL);
+CREATE INDEX jobs_tenant ON jobs(tenant, seq);
+CREATE INDEX jobs_status ON jobs(status, seq);
+CREATE TABLE events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL REFERENCES jobs(id), step INTEGER, obj TEXT NOT NULL);
+CREATE INDEX events_job ON events(job_id, seq);
+CREATE INDEX events_step ON events(job_id, step);
+CREATE TABLE checkpoints (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL REFERENCES jobs(id), step INTEGER NOT NULL,
+    path TEXT NOT NULL, model TEXT NOT NULL, obj TEXT NOT NULL,
+    UNIQUE (job_id, step));
+CREATE INDEX checkpoints_model ON checkpoints(model);
+"""
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _in(statuses: tuple[str, ...]) -> tuple[str, list[str]]:
+    """A ``status IN (...)`` clause (placeholders only) or none when no statuses."""
+    if not statuses:
+        return "1", []
+    return f"status IN ({','.join('?' * len(statuses))})", list(statuses)
+
+
+class Store:
+    """SQLite-backed state of the server; every public method is thread-safe."""
+
+    def __init__(self, state_dir: Path | str) -> None:
+        self.state_dir = Path(state_dir)
+        self.files_dir = self.state_dir / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(self.state_dir / "state.db", check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._create_schema()
+
+    def _create_schema(self) -> None:
+        (version,) = self._conn.execute("PRAGMA user_version").fetchone()
+        if version == SCHEMA_VERSION:
+            return
+        if version != 0:
+            raise ValueError(f"state_dir: state.db has schema version {version}, "
+                             f"this server knows {SCHEMA_VERSION}")
+        # executescript commits first; BEGIN..COMMIT makes schema + version one step.
+        self._conn.executescript(
+            f"BEGIN; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+
+    def close(self) -> None:
+        """Close the database connection."""
+        with self._lock:
+            self._conn.close()
+
+    def _one(self, sql: str, params: tuple | list = ()) -> tuple | None:
+        with self._lock:
+            return self._conn.execute(sql, params).fetchone()
+
+    def _all(self, sql: str, params: tuple | list = ()) -> list[tuple]:
+        with self._lock:
+            return self._conn.execute(sql, params).fetchall()
+
+    # ---- tenants
+
+    def _insert_tenant(self, tenant: str) -> None:
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")
+        self._conn.execute("INSERT OR IGNORE INTO tenants VALUES (?, ?)", (tenant, _now()))
+
+    def ensure_tenant(self, tenant: str) -> None:
+        """Record ``tenant`` if it is not recorded yet."""
+        with self._lock, self._conn:
+            self._insert_tenant(tenant)
+
+    def tenants(self) -> list[str]:
+        """Every tenant ever seen, oldest first."""
+        return [name for (name,) in self._all("SELECT name FROM tenants ORDER BY rowid")]
+
+    # ---- files
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        """A fresh id such as ``ftjob-<24 hex>``."""
+        return f"{prefix}-{secrets.token_hex(12)}"
+
+    def file_path(self, file_id: str) -> Path:
+        """Where the bytes of ``file_id`` live; ValueError unless it is a file id."""
+        if not isinstance(file_id, str) or not _FILE_ID.fullmatch(file_id):
+            raise ValueError(f"file_id: {file_id!r} is not a file id (file-<24 hex>)")
+        return self.files_dir / f"{file_id}.jsonl"
+
+    def _write_atomically(self, path: Path, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.files_dir, prefix=".upload-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(self.files_dir, os.O_RDONLY)  # make the rename itself durable
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def add_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> dict:
+        """Store an uploaded file (bytes first, then the row); returns the file object."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise ValueError(f"data: must be bytes, got {type(data).__name__}")
+        file_id = self.new_id("file")
+        path = self.file_path(file_id)
+        self._write_atomically(path, bytes(data))
+        row = (file_id, tenant, str(filename), str(purpose), len(data), _now())
+        try:
+            with self._lock, self._conn:
+                self._insert_tenant(tenant)
+                self._conn.execute("INSERT INTO files (id, tenant, filename, purpose, bytes,"
+                                   " created_at) VALUES (?, ?, ?, ?, ?, ?)", row)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return _file_object(row)
+
+    def get_file(self, tenant: str, file_id: str) -> dict | None:
+        """The file object, or None when absent or owned by another tenant."""
+        row = self._one(f"SELECT {_FILE_COLS} FROM files WHERE id = ? AND tenant = ?",
+                        (file_id, tenant))
+        return None if row is None else _file_object(row)
+
+    def list_files(self, tenant: str, purpose: str | None = None) -> list[dict]:
+        """The tenant's files, newest first, optionally only those with ``purpose``."""
+        sql = f"SELECT {_FILE_COLS} FROM files WHERE tenant = ?"
+        params: list = [tenant]
+        if purpose is not None:
+            sql += " AND purpose = ?"
+            params.append(purpose)
+        return [_file_object(r) for r in self._all(sql + " ORDER BY seq DESC", params)]
+
+    def delete_file(self, tenant: str, file_id: str) -> bool:
+        """Remove the row and the bytes; False when absent or another tenant's."""
+        with self._lock, self._conn:
+            cur = self._conn.execute("DELETE FROM files WHERE id = ? AND tenant = ?",
+                                     (file_id, tenant))
+        if cur.rowcount == 0:
+            return False
+        self.file_path(file_id).unlink(missing_ok=True)
+        return True
+
+    # ---- fine-tuning jobs
+
+    def add_job(self, tenant: str, job: dict) -> dict:
+        """Store a complete job object built by the caller; returns a copy of it."""
+        for key in ("id", "status"):
+            if not isinstance(job.get(key), str) or not job[key]:
+                raise ValueError(f"job.{key}: must be a non-empty string, got {job.get(key)!r}")
+        obj = json.loads(json.dumps(job))
+        obj.setdefault("created_at", _now())
+        with self._lock:
+            if self.job_tenant(obj["id"]) is not None:
+                raise ValueError(f"job.id: a job {obj['id']!r} already exists")
+            with self._conn:
+                self._insert_tenant(tenant)
+                self._conn.execute("INSERT INTO jobs (id, tenant, status, created_at, obj)"
+                                   " VALUES (?, ?, ?, ?, ?)",
+                                   (obj["id"], tenant, obj["status"], obj["created_at"],
+                                    json.dumps(obj)))
+        return obj
+
+    def update_job(self, job_id: str, **fields) -> dict:
+        """Merge ``fields`` into the stored job; returns the new object; KeyError if absent."""
+        if "id" in fields and fields["id"] != job_id:
+            raise ValueError(f"id: a job's id cannot change ({job_id!r} -> {fields['id']!r})")
+        with self._lock, self._conn:
+            row = self._conn.execute("SELECT obj FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"job_id: no job {job_id!r}")
+            obj = {**json.loads(row[0]), **fields}
+            self._conn.execute("UPDATE jobs SET status = ?, obj = ? WHERE id = ?",
+                               (obj["status"], json.dumps(obj), job_id))
+        return obj
+
+    def get_job(self, tenant: str | None, job_id: str) -> dict | None:
+        """The job object, or None; ``tenant=None`` finds a job of any tenant."""
+        if tenant is None:
+            row = self._one("SELECT obj FROM jobs WHERE id = ?", (job_id,))
+        else:
+            row = self._one("SELECT obj FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant))
+        return None if row is None else json.loads(row[0])
+
+    def job_tenant(self, job_id: str) -> str | None:
+        """The tenant owning ``job_id``, or None when there is no such job."""
+        row = self._one("SELECT tenant FROM jobs WHERE id = ?", (job_id,))
+        return None if row is None else row[0]
+
+    def list_jobs(self, tenant: str, after: str | None = None,
+                  limit: int = 20) -> tuple[list[dict], bool]:
+        """One page of the tenant's jobs, newest first, older than job ``after``."""
+        return self._page("jobs", "seq", "tenant = ?", [tenant], after, limit,
+                          "a job of this tenant")
+
+    def jobs_with_status(self, *statuses: str) -> list[tuple[str, dict]]:
+        """(tenant, job) for every job of any tenant in ``statuses`` (all if none), oldest first."""
+        where, params = _in(statuses)
+        rows = self._all(f"SELECT tenant, obj FROM jobs WHERE {where} ORDER BY seq", params)
+        return [(tenant, json.loads(obj)) for tenant, obj in rows]
+
+    def count_jobs(self, *statuses: str, tenant: str | None = None) -> int:
+        """How many jobs are in ``statuses`` (all if none), of ``tenant`` or of everyone."""
+        where, params = _in(statuses)
+        if tenant is not None:
+            where, params = f"{where} AND tenant = ?", [*params, tenant]
+        return self._one(f"SELECT COUNT(*) FROM jobs WHERE {where}", params)[0]
+
+    # ---- job events
+
+    def add_event(self, job_id: str, message: str, level: str = "info", type: str = "message",
+                  data: dict | None = None) -> dict:
+        """Append an event to a job; KeyError if the job does not exist."""
+        obj = {"id": self.new_id("ftevent"), "object": "fine_tuning.job.event",
+               "created_at": _now(), "level": level, "message": message, "type": type,
+               "data": json.loads(json.dumps(data or {}))}
+        step = obj["data"].get("step") if type == "metrics" else None
+        with self._lock:
+            self._require_job(job_id)
+            with self._conn:
+                self._conn.execute("INSERT INTO events (id, job_id, step, obj) VALUES (?, ?, ?, ?)",
+                                   (obj["id"], job_id, step, json.dumps(obj)))
+        return obj
+
+    def list_events(self, job_id: str, after: str | None = None,
+                    limit: int = 20) -> tuple[list[dict], bool]:
+        """One page of a job's events, newest first, older than event ``after``."""
+        return self._page("events", "seq", "job_id = ?", [job_id], after, limit,
+                          "an event of this job")
+
+    def has_step_event(self, job_id: str, step: int) -> bool:
+        """Whether a metrics event for ``step`` was already recorded for the job."""
+        return self._one("SELECT 1 FROM events WHERE job_id = ? AND step = ? LIMIT 1",
+                         (job_id, step)) is not None
+
+    # ---- checkpoints
+
+    def add_checkpoint(self, job_id: str, step: int, path: str, fine_tuned_model_checkpoint: str,
+                       metrics: dict) -> dict:
+        """Record the adapter saved at ``step``, replacing one recorded for the same step."""
+        obj = {"id": self.new_id("ftckpt"), "object": "fine_tuning.job.checkpoint",
+               "created_at": _now(), "fine_tuning_job_id": job_id,
+               "fine_tuned_model_checkpoint": fine_tuned_model_checkpoint,
+               "step_number": int(step), "metrics": json.loads(json.dumps(metrics))}
+        with self._lock:
+            self._require_job(job_id)
+            with self._conn:
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO checkpoints (id, job_id, step, path, model, obj)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (obj["id"], job_id, int(step), str(path), fine_tuned_model_checkpoint,
+                     json.dumps(obj)))
+        return obj
+
+    def list_checkpoints(self, job_id: str, after: str | None = None,
+                         limit: int = 10) -> tuple[list[dict], bool]:
+        """One page of a job's checkpoints, highest step first, below checkpoint ``after``."""
+        return self._page("checkpoints", "step", "job_id = ?", [job_id], after, limit,
+                          "a checkpoint of this job")
+
+    def latest_checkpoint(self, job_id: str) -> tuple[dict, str] | None:
+        """(object, adapter path) of the job's highest-step checkpoint, or None."""
+        row = self._one("SELECT obj, path FROM checkpoints WHERE job_id = ?"
+                        " ORDER BY step DESC LIMIT 1", (job_id,))
+        return None if row is None else (json.loads(row[0]), row[1])
+
+    def checkpoint_by_model(self, name: str) -> tuple[str, str] | None:
+        """(job id, adapter path) of the checkpoint named ``name``, or None."""
+        row = self._one("SELECT job_id, path FROM checkpoints WHERE model = ?"
+                        " ORDER BY seq DESC LIMIT 1", (name,))
+        return None if row is None else (row[0], row[1])
+
+    # ---- shared pieces
+
+    def _require_job(self, job_id: str) -> None:
+        if self._conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
+            raise KeyError(f"job_id: no job {job_id!r}")
+
+    def _page(self, table: str, key: str, where: str, params: list, after: str | None,
+              limit: int, what: str) -> tuple[list[dict], bool]:
+        """Rows of ``table`` by ``key`` descending, below the row ``after``; (page, has_more).
+
+        ``table``, ``key``, ``where`` are constants of this module, never user input.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit: must be a positive integer, got {limit!r}")
+        with self._lock:
+            if after is not None:
+                row = self._conn.execute(f"SELECT {key} FROM {table} WHERE id = ? AND {where}",
+                                         [after, *params]).fetchone()
+                if row is None:
+                    raise ValueError(f"after: {after!r} is not {what}")
+                where, params = f"{where} AND {key} < ?", [*params, row[0]]
+            sql = f"SELECT obj FROM {table} WHERE {where} ORDER BY {key} DESC LIMIT ?"
+            rows = self._conn.execute(sql, [*params, limit + 1]).fetchall()
+        return [json.loads(obj) for (obj,) in rows[:limit]], len(rows) > limit
+
+
+_FILE_COLS = "id, tenant, filename, purpose, bytes, created_at"
+
+
+def _file_object(row: tuple) -> dict:
+    """The OpenAI file object for a ``files`` row in ``_FILE_COLS`` order."""
+    file_id, _tenant, filename, purpose, size, created_at = row
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at,
+            "filename": filename, "purpose": purpose, "status": "processed",
+            "status_details": None}

@@ -1,0 +1,321 @@
+"""The server's SQLite store: files, jobs, events, checkpoints, threads, durability."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from coserve.server.store import Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "state")
+    yield s
+    s.close()
+
+
+def _job(status: str = "queued", **extra) -> dict:
+    return {"id": Store.new_id("ftjob"), "object": "fine_tuning.job", "status": status,
+            "created_at": 1_700_000_000, "model": "tiny", **extra}
+
+
+# ---- layout and tenants
+
+def test_creates_layout_and_schema(tmp_path):
+    s = Store(tmp_path / "a" / "b")
+    try:
+        assert (tmp_path / "a" / "b" / "state.db").is_file()
+        assert (tmp_path / "a" / "b" / "files").is_dir()
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    finally:
+        s.close()
+
+
+def test_tenants(store):
+    store.ensure_tenant("alice")
+    store.ensure_tenant("bob")
+    store.ensure_tenant("alice")
+    assert store.tenants() == ["alice", "bob"]
+    with pytest.raises(ValueError, match="tenant"):
+        store.ensure_tenant("")
+
+
+# ---- files
+
+def test_file_roundtrip(store):
+    data = b'{"prompt": "a", "completion": "b"}\n'
+    f = store.add_file("alice", "train.jsonl", "fine-tune", data)
+    assert f["object"] == "file" and f["bytes"] == len(data) and f["status"] == "processed"
+    assert f["id"].startswith("file-") and len(f["id"]) == 5 + 24
+    assert f["filename"] == "train.jsonl" and f["purpose"] == "fine-tune"
+    assert f["status_details"] is None
+    assert store.file_path(f["id"]).read_bytes() == data
+    assert store.get_file("alice", f["id"]) == f
+    assert "alice" in store.tenants()
+    assert list(store.files_dir.iterdir()) == [store.file_path(f["id"])]  # no temp left
+
+
+def test_list_files_newest_first_and_by_purpose(store):
+    a = store.add_file("alice", "a", "fine-tune", b"1")
+    b = store.add_file("alice", "b", "batch", b"2")
+    c = store.add_file("alice", "c", "fine-tune", b"3")
+    assert [f["id"] for f in store.list_files("alice")] == [c["id"], b["id"], a["id"]]
+    assert [f["id"] for f in store.list_files("alice", "fine-tune")] == [c["id"], a["id"]]
+
+
+def test_delete_file(store):
+    f = store.add_file("alice", "x.jsonl", "fine-tune", b"x")
+    assert store.delete_file("alice", f["id"]) is True
+    assert not store.file_path(f["id"]).exists()
+    assert store.get_file("alice", f["id"]) is None
+    assert store.delete_file("alice", f["id"]) is False
+
+
+def test_files_are_isolated_between_tenants(store):
+    f = store.add_file("alice", "x.jsonl", "fine-tune", b"x")
+    assert store.get_file("bob", f["id"]) is None
+    assert store.list_files("bob") == []
+    assert store.delete_file("bob", f["id"]) is False
+    assert store.get_file("alice", f["id"]) == f
+    assert store.file_path(f["id"]).exists()
+
+
+def test_filename_is_only_metadata(store):
+    f = store.add_file("alice", "../../etc/passwd", "fine-tune", b"x")
+    assert store.file_path(f["id"]).parent == store.files_dir
+    assert store.get_file("alice", f["id"])["filename"] == "../../etc/passwd"
+
+
+@pytest.mark.parametrize("bad", ["../x", "file-../../etc/passwd", "file-" + "A" * 24,
+                                 "file-" + "0" * 23, "file-" + "0" * 24 + "\n", "", None])
+def test_file_path_rejects_non_ids(store, bad):
+    with pytest.raises(ValueError, match="file_id"):
+        store.file_path(bad)
+
+
+def test_add_file_rejects_non_bytes(store):
+    with pytest.raises(ValueError, match="data"):
+        store.add_file("alice", "x", "fine-tune", "text")
+
+
+# ---- jobs
+
+def test_job_add_update_get(store):
+    job = _job()
+    assert store.add_job("alice", job) == job
+    assert store.get_job("alice", job["id"]) == job
+    assert store.get_job("bob", job["id"]) is None
+    assert store.get_job(None, job["id"]) == job
+    assert store.job_tenant(job["id"]) == "alice"
+    assert store.job_tenant("ftjob-none") is None
+    new = store.update_job(job["id"], status="running", trained_tokens=5)
+    assert new == {**job, "status": "running", "trained_tokens": 5}
+    assert store.get_job("alice", job["id"]) == new
+    assert store.count_jobs("running") == 1 and store.count_jobs("queued") == 0
+    got = store.get_job("alice", job["id"])
+    got["status"] = "mutated"  # callers get fresh dicts
+    assert store.get_job("alice", job["id"])["status"] == "running"
+
+
+def test_job_errors_name_the_field(store):
+    job = store.add_job("alice", _job())
+    with pytest.raises(KeyError, match="job_id"):
+        store.update_job("ftjob-missing", status="running")
+    with pytest.raises(ValueError, match="job.id"):
+        store.add_job("alice", dict(job))
+    with pytest.raises(ValueError, match="job.status"):
+        store.add_job("alice", {"id": Store.new_id("ftjob")})
+    with pytest.raises(ValueError, match="id"):
+        store.update_job(job["id"], id="ftjob-other")
+
+
+def test_list_jobs_pagination(store):
+    ids = [store.add_job("alice", _job())["id"] for _ in range(5)]
+    store.add_job("bob", _job())
+    newest = ids[::-1]
+    page, more = store.list_jobs("alice", limit=2)
+    assert [j["id"] for j in page] == newest[:2] and more
+    page, more = store.list_jobs("alice", after=page[-1]["id"], limit=2)
+    assert [j["id"] for j in page] == newest[2:4] and more
+    page, more = store.list_jobs("alice", after=page[-1]["id"], limit=2)
+    assert [j["id"] for j in page] == newest[4:] and not more
+    page, more = store.list_jobs("alice")
+    assert [j["id"] for j in page] == newest and not more
+
+
+def test_list_jobs_bad_cursor_and_limit(store):
+    bob_job = store.add_job("bob", _job())
+    with pytest.raises(ValueError, match="after"):
+        store.list_jobs("alice", after="ftjob-x")
+    with pytest.raises(ValueError, match="after"):
+        store.list_jobs("alice", after=bob_job["id"])  # another tenant's job
+    with pytest.raises(ValueError, match="limit"):
+        store.list_jobs("bob", limit=0)
+
+
+def test_jobs_with_status_and_count(store):
+    a = store.add_job("alice", _job("queued"))
+    b = store.add_job("bob", _job("running"))
+    c = store.add_job("alice", _job("queued"))
+    store.add_job("bob", _job("succeeded"))
+    got = store.jobs_with_status("queued", "running")
+    assert [(t, j["id"]) for t, j in got] == [("alice", a["id"]), ("bob", b["id"]),
+                                              ("alice", c["id"])]
+    assert store.jobs_with_status("failed") == []
+    assert store.count_jobs("queued", "running") == 3
+    assert store.count_jobs("queued", tenant="alice") == 2
+    assert store.count_jobs("queued", tenant="bob") == 0
+    assert store.count_jobs() == 4
+    assert store.count_jobs(tenant="bob") == 2
+
+
+# ---- events
+
+def test_events_order_and_pagination(store):
+    job = store.add_job("alice", _job())
+    events = [store.add_event(job["id"], f"m{i}") for i in range(5)]
+    e = events[0]
+    assert e["object"] == "fine_tuning.job.event" and e["id"].startswith("ftevent-")
+    assert e["level"] == "info" and e["type"] == "message" and e["data"] == {}
+    newest = [e["id"] for e in events[::-1]]
+    page, more = store.list_events(job["id"], limit=2)
+    assert [e["id"] for e in page] == newest[:2] and more
+    page, more = store.list_events(job["id"], after=page[-1]["id"], limit=3)
+    assert [e["id"] for e in page] == newest[2:] and not more
+    with pytest.raises(ValueError, match="after"):
+        store.list_events(job["id"], after="ftevent-x")
+    with pytest.raises(KeyError, match="job_id"):
+        store.add_event("ftjob-missing", "hi")
+
+
+def test_events_of_other_jobs_are_separate(store):
+    j1, j2 = store.add_job("alice", _job()), store.add_job("alice", _job())
+    e1 = store.add_event(j1["id"], "one")
+    store.add_event(j2["id"], "two")
+    assert [e["message"] for e in store.list_events(j1["id"])[0]] == ["one"]
+    with pytest.raises(ValueError, match="after"):
+        store.list_events(j2["id"], after=e1["id"])
+
+
+def test_has_step_event(store):
+    job = store.add_job("alice", _job())
+    store.add_event(job["id"], "step 3", type="metrics", data={"step": 3, "train_loss": 1.5})
+    store.add_event(job["id"], "note", data={"step": 4})  # not a metrics event
+    assert store.has_step_event(job["id"], 3)
+    assert not store.has_step_event(job["id"], 4)
+    assert not store.has_step_event("ftjob-other", 3)
+
+
+# ---- checkpoints
+
+def test_checkpoints(store):
+    job = store.add_job("alice", _job())
+    jid = job["id"]
+    assert store.latest_checkpoint(jid) is None
+    c1 = store.add_checkpoint(jid, 10, "/ck/10", f"ft:tiny:{jid}:ckpt-step-10", {"loss": 2.0})
+    assert c1["object"] == "fine_tuning.job.checkpoint" and c1["step_number"] == 10
+    assert c1["fine_tuning_job_id"] == jid and "path" not in c1
+    store.add_checkpoint(jid, 20, "/ck/20", f"ft:tiny:{jid}:ckpt-step-20", {"loss": 1.0})
+    c3 = store.add_checkpoint(jid, 30, "/ck/30", f"ft:tiny:{jid}:ckpt-step-30", {"loss": 0.5})
+    assert store.latest_checkpoint(jid) == (c3, "/ck/30")
+    page, more = store.list_checkpoints(jid, limit=2)
+    assert [c["step_number"] for c in page] == [30, 20] and more
+    page, more = store.list_checkpoints(jid, after=page[-1]["id"])
+    assert [c["step_number"] for c in page] == [10] and not more
+    assert store.checkpoint_by_model(f"ft:tiny:{jid}:ckpt-step-20") == (jid, "/ck/20")
+    assert store.checkpoint_by_model("ft:nothing") is None
+    with pytest.raises(ValueError, match="after"):
+        store.list_checkpoints(jid, after="ftckpt-x")
+
+
+def test_checkpoint_same_step_replaces(store):
+    jid = store.add_job("alice", _job())["id"]
+    store.add_checkpoint(jid, 10, "/old", "ft:old", {"loss": 2.0})
+    new = store.add_checkpoint(jid, 10, "/new", "ft:new", {"loss": 1.0})
+    page, _ = store.list_checkpoints(jid)
+    assert page == [new]
+    assert store.latest_checkpoint(jid) == (new, "/new")
+    assert store.checkpoint_by_model("ft:old") is None
+
+
+# ---- threads, reopen, durability
+
+def test_concurrent_add_event(store):
+    jid = store.add_job("alice", _job())["id"]
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            barrier.wait()
+            for i in range(50):
+                store.add_event(jid, f"t{t}-{i}")
+                store.list_events(jid, limit=1)
+        except BaseException as e:  # surfaced below: threads swallow exceptions
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    page, more = store.list_events(jid, limit=1000)
+    assert len(page) == 200 and not more
+    assert {e["message"] for e in page} == {f"t{t}-{i}" for t in range(4) for i in range(50)}
+
+
+def test_reopen_sees_data(tmp_path):
+    s = Store(tmp_path)
+    f = s.add_file("alice", "x", "fine-tune", b"abc")
+    job = s.add_job("alice", _job())
+    s.update_job(job["id"], status="running")
+    s.close()
+    s2 = Store(tmp_path)
+    try:
+        assert s2.get_file("alice", f["id"]) == f
+        assert s2.get_job("alice", job["id"])["status"] == "running"
+        assert s2.tenants() == ["alice"]
+    finally:
+        s2.close()
+
+
+def test_state_survives_sigkill(tmp_path):
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from coserve.server.store import Store
+        s = Store(sys.argv[1])
+        f = s.add_file("alice", "t.jsonl", "fine-tune", b"data\\n")
+        jid = Store.new_id("ftjob")
+        s.add_job("alice", {"id": jid, "status": "queued", "created_at": 1})
+        s.update_job(jid, status="running")
+        s.add_event(jid, "started")
+        s.add_event(jid, "step 1", type="metrics", data={"step": 1})
+        s.add_checkpoint(jid, 1, "/ck/1", "ft:m:ckpt-step-1", {"loss": 1.0})
+        print(f["id"], jid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    file_id, jid = proc.stdout.split()
+    s = Store(tmp_path)
+    try:
+        assert s.get_file("alice", file_id)["bytes"] == 5
+        assert s.file_path(file_id).read_bytes() == b"data\n"
+        assert s.get_job("alice", jid)["status"] == "running"
+        assert [e["message"] for e in s.list_events(jid)[0]] == ["step 1", "started"]
+        assert s.has_step_event(jid, 1)
+        assert s.latest_checkpoint(jid)[1] == "/ck/1"
+        assert s.checkpoint_by_model("ft:m:ckpt-step-1") == (jid, "/ck/1")
+    finally:
+        s.close()
