@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -10,16 +12,23 @@ from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import RequestOutput
 
 T = TypeVar("T")
+log = logging.getLogger("coserve.engine")
+IDLE_POLL_S = 0.005  # an idle loop also looks for posted work this often (a post that lost the race to notify)
 
 
 class EngineLoop:
     """One thread runs ``engine.step()`` while there is work; ``call`` runs anything else on the engine
-    between iterations. Finished request outputs are kept until ``wait_for`` collects them."""
+    between iterations, and ``post`` queues work without waiting for the iteration in flight (for an event
+    loop that must not block). A request with a listener gets every output it produces, from the engine
+    thread; other finished request outputs are kept until ``wait_for`` collects them."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.cond = threading.Condition()
         self.finished: dict[str, RequestOutput] = {}
+        # request id -> called with each output (from the engine thread), or with the error that stopped the loop
+        self.listeners: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self._posted: deque[Callable[[], None]] = deque()
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="coserve-engine", daemon=True)
@@ -29,17 +38,50 @@ class EngineLoop:
         try:
             while True:
                 with self.cond:
-                    self.cond.wait_for(lambda: self._stop or self.engine.scheduler.has_work())
+                    while not self.cond.wait_for(self._ready, IDLE_POLL_S):
+                        pass
                     if self._stop:
                         return
+                    self._run_posted()
+                    if not self.engine.scheduler.has_work():
+                        continue
                     for out in self.engine.step():
-                        if out.finished:
+                        listener = self.listeners.get(out.request_id)
+                        if listener is not None:
+                            if out.finished:
+                                del self.listeners[out.request_id]
+                            listener(out)
+                        elif out.finished:
                             self.finished[out.request_id] = out
                     self.cond.notify_all()
-        except BaseException as e:  # surfaced to every waiter rather than lost in the thread
+        except BaseException as e:  # surfaced to every waiter and listener rather than lost in the thread
             with self.cond:
                 self.error = e
+                listeners, self.listeners = self.listeners, {}
+                for listener in listeners.values():
+                    listener(e)
                 self.cond.notify_all()
+
+    def _ready(self) -> bool:
+        return self._stop or bool(self._posted) or self.engine.scheduler.has_work()
+
+    def _run_posted(self) -> None:
+        while self._posted:
+            fn = self._posted.popleft()
+            try:
+                fn()
+            except Exception:  # a posted call reports its own errors; one that raises must not stop the engine
+                log.exception("a call posted to the engine loop failed")
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread before its next iteration; returns at once, never blocks."""
+        self._check()
+        self._posted.append(fn)
+        if self.cond.acquire(blocking=False):  # idle: wake it now (busy: it drains the queue after its iteration)
+            try:
+                self.cond.notify_all()
+            finally:
+                self.cond.release()
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine between iterations, then wake the loop."""

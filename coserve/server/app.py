@@ -1,0 +1,90 @@
+"""The server: one engine (in its own thread) behind every route; ``build_app`` wires the pieces."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from coserve.engine.config import EngineConfig
+from coserve.engine.engine_loop import EngineLoop
+from coserve.engine.llm_engine import LLMEngine
+from coserve.server import errors
+from coserve.server.auth import Authenticator
+from coserve.server.config import ServerConfig
+from coserve.server.context import ServerContext
+from coserve.server.fine_tuning_api import router as fine_tuning_router
+from coserve.server.generation import EngineClient
+from coserve.server.inference_api import router as inference_router
+from coserve.server.jobs import JobManager
+from coserve.server.metrics import ServerMetrics
+from coserve.server.middleware import ServerMiddleware
+from coserve.server.models import ADAPTER_NAME, ModelRegistry
+from coserve.server.store import Store
+
+log = logging.getLogger("coserve.server")
+
+
+def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
+    """Load the model, open the state directory and return the ASGI app (the engine starts with it)."""
+    engine = LLMEngine(engine_config)
+    for name, path in config.adapters.items():
+        if not ADAPTER_NAME.fullmatch(name):
+            raise ValueError(f"--adapter: the name {name!r} must be letters, digits, '.', '_' or '-'")
+        try:
+            engine.load_adapter(name, path)
+        except ValueError as e:
+            raise ValueError(f"--adapter {name}={path}: {e}") from e
+    base = config.served_model_name or Path(config.model).resolve().name
+    store = Store(config.state_dir)
+    loop = EngineLoop(engine)
+    models = ModelRegistry(base, loop, store, Path(config.state_dir))
+    for name in config.adapters:
+        models.add_shared(name)
+
+    def engine_state() -> dict:
+        s = engine.scheduler
+        return {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
+                "kv_cache_usage": s.blocks.usage, "preemptions": s.num_preemptions}
+
+    def job_counts() -> dict:
+        return {status: store.count_jobs(status) for status in
+                ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")}
+
+    metrics = ServerMetrics(engine_state, job_counts)
+    jobs = JobManager(store, loop, config, metrics, base)
+    auth = Authenticator(config.api_keys)
+    ctx = ServerContext(config, EngineClient(loop, config.max_waiting_requests), store, models, jobs, metrics, auth)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        jobs.start()
+        try:
+            yield
+        finally:
+            jobs.stop()
+            loop.stop()
+            store.close()
+
+    app = FastAPI(title="coserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.coserve = ctx
+    errors.install(app)
+    app.include_router(inference_router)
+    app.include_router(fine_tuning_router)
+
+    @app.get("/health")
+    async def health():
+        if loop.error is not None:
+            return Response(status_code=503, content=f"engine stopped: {loop.error!r}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.add_middleware(ServerMiddleware, auth=auth, metrics=metrics, max_body=config.max_body_bytes,
+                       max_upload=config.max_upload_bytes)
+    return app

@@ -1,0 +1,56 @@
+"""The server's configuration (``coserve serve`` flags), validated once; errors name the flag."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Everything the HTTP layer needs beyond the engine's own configuration."""
+
+    model: str  # the base model directory
+    state_dir: str  # SQLite state, uploaded files, adapters and checkpoints
+    served_model_name: str = ""  # the base model's name in the API; "" = the model directory's name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty = no authentication
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT LoRA directory, served to every tenant
+    allow_lora_loading: bool = False  # POST /v1/load_lora_adapter (vLLM's runtime LoRA loading)
+    max_body_bytes: int = 4 * 2**20  # JSON request bodies
+    max_upload_bytes: int = 64 * 2**20  # POST /v1/files
+    max_waiting_requests: int = 512  # requests queued in the engine before new ones get 503
+    max_queued_jobs: int = 16  # per tenant: queued or running fine-tuning jobs before new ones get 429
+    max_running_jobs: int = 2  # fine-tuning jobs co-served at once (more wait, queued)
+    checkpoint_steps: int = 0  # save a servable checkpoint every N optimizer steps; 0 = at each epoch's end
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_upload_bytes", "max_waiting_requests", "max_queued_jobs",
+                     "max_running_jobs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer, got {value!r}")
+        if not isinstance(self.checkpoint_steps, int) or self.checkpoint_steps < 0:
+            raise ValueError(f"--checkpoint-steps: must be a non-negative integer, got {self.checkpoint_steps!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port: {self.port} is not a TCP port")
+        for name in self.adapters:
+            if name.startswith("ft:") or not name:
+                raise ValueError(f"--adapter: the name {name!r} is empty or starts with 'ft:' (kept for fine-tuned models)")
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.api_keys)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (only this machine can connect)."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

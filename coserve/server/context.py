@@ -1,0 +1,42 @@
+"""What every route shares: the engine client, the store, the model registry, the job manager, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from coserve.server.auth import Authenticator
+from coserve.server.config import ServerConfig
+from coserve.server.generation import EngineClient
+from coserve.server.metrics import ServerMetrics
+from coserve.server.models import ModelRegistry
+from coserve.server.store import Store
+
+if TYPE_CHECKING:
+    from coserve.server.jobs import JobManager
+
+
+@dataclass(slots=True)
+class ServerContext:
+    config: ServerConfig
+    client: EngineClient
+    store: Store
+    models: ModelRegistry
+    jobs: "JobManager"
+    metrics: ServerMetrics
+    auth: Authenticator
+
+    @property
+    def engine(self):
+        return self.client.engine
+
+
+def context(request: Request) -> ServerContext:
+    return request.app.state.coserve
+
+
+def tenant_of(request: Request) -> str:
+    """The caller's tenant (401 without a valid key when keys are configured); set by the auth middleware."""
+    return request.state.tenant

@@ -1,0 +1,431 @@
+"""OpenAI-compatible inference: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (streamed as
+server-sent events or not), and vLLM's runtime LoRA loading."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from coserve.engine.outputs import RequestOutput
+from coserve.peft import AdapterError
+from coserve.scheduler import SamplingParams
+from coserve.scheduler.plan import TokenLogprobs
+from coserve.server.context import ServerContext, context, tenant_of
+from coserve.server.errors import APIError, bad_request, not_found
+from coserve.server.generation import TextDelta
+from coserve.server.models import ADAPTER_NAME
+from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, Sampling,
+                                     UnloadLoraRequest)
+
+router = APIRouter()
+MAX_STOPS = 4  # OpenAI's limit on stop sequences
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, ctx: ServerContext = Depends(context)):
+    return {"object": "list", "data": ctx.models.listing(tenant_of(request))}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request, ctx: ServerContext = Depends(context)):
+    for entry in ctx.models.listing(tenant_of(request)):
+        if entry["id"] == model:
+            return entry
+    raise not_found("model", model, "model")
+
+
+# ---- generation --------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Choice:
+    """One generated sequence of a request and what has been sent of it."""
+
+    index: int
+    prompt_ids: list[int]
+    stream: AsyncIterator[RequestOutput]
+    delta: TextDelta
+    prefix: str = ""  # echo: the prompt's text
+    out: RequestOutput | None = None
+    logprobs_sent: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+@dataclass(slots=True)
+class Job:
+    """A request's choices, ready to run."""
+
+    ident: str
+    created: int
+    model: str
+    n: int = 1  # choices per prompt
+    choices: list[Choice] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)
+
+
+def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    if body.presence_penalty or body.frequency_penalty:
+        param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
+        raise bad_request(f"{param}: only 0 is supported", param, "unsupported_value")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise bad_request("stop: sequences must be non-empty", "stop")
+    seed = None if body.seed is None else body.seed + index
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                          top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
+                          ignore_eos=body.ignore_eos, logprobs=logprobs)
+
+
+def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param: str, prompt_param: str) -> int:
+    limit = ctx.engine.max_model_len
+    if prompt_len >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len}",
+                       prompt_param, "context_length_exceeded")
+    if asked is None:
+        return limit - prompt_len
+    if prompt_len + asked > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                       f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} in the completion)",
+                       param, "context_length_exceeded")
+    return asked
+
+
+def start_choice(ctx: ServerContext, tenant: str, ids: list[int], params: SamplingParams, adapter: str | None,
+                 index: int, prompt_param: str) -> Choice:
+    rid = f"{tenant}-{secrets.token_hex(8)}"
+    try:
+        request, text = ctx.engine.make_request(ids, params, adapter, request_id=rid, tenant=tenant)
+    except ValueError as e:
+        raise APIError(400, str(e), prompt_param, "invalid_prompt") from e
+    return Choice(index, ids, ctx.client.stream(request, None), TextDelta.for_stops(params.stop))
+
+
+async def advance(choice: Choice, job: Job, ctx: ServerContext) -> RequestOutput:
+    out = await anext(choice.stream)
+    choice.out = out
+    now = time.monotonic()
+    if choice.first_token_at is None and out.outputs[0].token_ids:
+        choice.first_token_at = now
+        ctx.metrics.ttft.observe(now - job.arrived)
+    if out.finished:
+        choice.finished_at = now
+        n = len(out.outputs[0].token_ids)
+        if n > 1 and choice.first_token_at is not None:
+            ctx.metrics.tpot.observe((now - choice.first_token_at) / (n - 1))
+    return out
+
+
+async def run_to_end(choice: Choice, job: Job, ctx: ServerContext) -> None:
+    while choice.out is None or not choice.out.finished:
+        await advance(choice, job, ctx)
+
+
+def usage(job: Job) -> dict:
+    prompt = sum(len(c.prompt_ids) for c in job.choices if c.index % job.n == 0)  # each prompt once
+    completion = sum(len(c.out.outputs[0].token_ids) for c in job.choices if c.out is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    reason = out.outputs[0].finish_reason
+    return "stop" if reason == "abort" else reason
+
+
+async def close_all(job: Job) -> None:
+    for c in job.choices:
+        if c.out is None or not c.out.finished:
+            await c.stream.aclose()
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events for every choice's new text, interleaved as tokens arrive, then ``[DONE]``."""
+    queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            while choice.out is None or not choice.out.finished:
+                await queue.put((choice, await advance(choice, job, ctx)))
+        except Exception as e:
+            await queue.put((choice, e))
+
+    tasks = [asyncio.create_task(pump(c)) for c in job.choices]
+    try:
+        open_choices = len(job.choices)
+        for c in job.choices:
+            first = chunk(c, None)
+            if first is not None:
+                yield sse(first)
+        while open_choices:
+            choice, out = await queue.get()
+            if isinstance(out, BaseException):
+                error = out if isinstance(out, APIError) else APIError(500, f"generation failed ({out})")
+                yield sse(error.body())
+                break
+            body = chunk(choice, out)
+            if body is not None:
+                yield sse(body)
+            if out.finished:
+                open_choices -= 1
+                yield sse(last_chunk(choice, out))
+        else:
+            if include_usage:
+                yield sse({"id": job.ident, "object": _object(job), "created": job.created, "model": job.model,
+                           "choices": [], "usage": usage(job)})
+            yield sse("[DONE]")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close_all(job)
+
+
+def _object(job: Job) -> str:
+    return "chat.completion.chunk" if job.ident.startswith("chatcmpl") else "text_completion"
+
+
+def streaming(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---- logprobs ---------------------------------------------------------------------------------------------
+def token_text(ctx: ServerContext, token_id: int) -> str:
+    return ctx.engine.tokenizer.decode([token_id])
+
+
+def chat_logprobs(ctx: ServerContext, items: list[TokenLogprobs]) -> list[dict]:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(ctx, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top.items()]}
+            for t in items]
+
+
+def completion_logprobs(ctx: ServerContext, items: list[TokenLogprobs], offset: int) -> dict:
+    tokens, offsets = [], []
+    for t in items:
+        offsets.append(offset)
+        text = token_text(ctx, t.token_id)
+        tokens.append(text)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [{token_text(ctx, i): lp for i, lp in t.top.items()} for t in items],
+            "text_offset": offsets}
+
+
+def new_logprobs(choice: Choice, out: RequestOutput) -> list[TokenLogprobs]:
+    items = out.outputs[0].logprobs or []
+    fresh = items[choice.logprobs_sent:]
+    choice.logprobs_sent = len(items)
+    return fresh
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------------------
+def completion_prompts(ctx: ServerContext, prompt) -> list[tuple[list[int], str]]:
+    """Each prompt as (token ids, text): a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt: is empty", "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            ids = ctx.engine.tokenizer(p)["input_ids"]
+            text = p
+        else:
+            ids = list(p)
+            vocab = ctx.engine.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise bad_request(f"prompt[{i}]: token ids must be in [0, {vocab})", "prompt")
+            text = ctx.engine.tokenizer.decode(ids)
+        if not ids:
+            raise bad_request(f"prompt[{i}]: is empty", "prompt")
+        out.append((ids, text))
+    return out
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(context)):
+    tenant = tenant_of(request)
+    adapter = await ctx.models.resolve(tenant, body.model)
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo: echo with logprobs is not supported", "echo", "unsupported_value")
+    prompts = completion_prompts(ctx, body.prompt)
+    ctx.client.check_capacity(len(prompts) * body.n)
+    job = Job(f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
+    for p, (ids, text) in enumerate(prompts):
+        max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
+        for j in range(body.n):
+            params = sampling_params(body, max_tokens, body.logprobs, j)
+            choice = start_choice(ctx, tenant, ids, params, adapter, p * body.n + j, "prompt")
+            choice.prefix = text if body.echo else ""
+            job.choices.append(choice)
+    ctx.metrics.requests_started(len(job.choices))
+
+    def choice_json(c: Choice, out: RequestOutput, text: str, logprobs: list[TokenLogprobs], offset: int,
+                    finished: bool) -> dict:
+        return {"index": c.index, "text": text,
+                "logprobs": completion_logprobs(ctx, logprobs, offset) if body.logprobs is not None else None,
+                "finish_reason": finish_reason(out) if finished else None,
+                "stop_reason": out.outputs[0].stop_reason if finished else None}
+
+    if body.stream:
+        def chunk(c: Choice, out: RequestOutput | None):
+            if out is None:
+                return ({"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
+                         "choices": [{"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None}]}
+                        if c.prefix else None)
+            offset = c.delta.sent
+            text = c.delta.next(out.outputs[0].text, out.finished)
+            logprobs = new_logprobs(c, out)
+            if not text and not logprobs:
+                return None
+            return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
+                    "choices": [choice_json(c, out, text, logprobs, offset, False)]}
+
+        def last(c: Choice, out: RequestOutput) -> dict:
+            ctx.metrics.request_done("ok")
+            return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
+                    "choices": [{"index": c.index, "text": "", "logprobs": None, "finish_reason": finish_reason(out),
+                                 "stop_reason": out.outputs[0].stop_reason}]}
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return streaming(events(job, ctx, chunk, last, include))
+
+    await gather_all(job, ctx)
+    choices = []
+    for c in job.choices:
+        out = c.out
+        choices.append(choice_json(c, out, c.prefix + out.outputs[0].text, out.outputs[0].logprobs or [], 0, True))
+    return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
+            "choices": choices, "usage": usage(job)}
+
+
+async def gather_all(job: Job, ctx: ServerContext) -> None:
+    try:
+        await asyncio.gather(*(run_to_end(c, job, ctx) for c in job.choices))
+    except BaseException:
+        ctx.metrics.request_done("error", len(job.choices))
+        await close_all(job)
+        raise
+    ctx.metrics.request_done("ok", len(job.choices))
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------------------------
+def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, list):
+            content = "".join(part.text for part in m.content)
+        else:
+            content = m.content or ""
+        role = "system" if m.role == "developer" else m.role
+        messages.append({"role": role, "content": content})
+    try:
+        text = ctx.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja raises its own kinds for a template that rejects the conversation
+        raise bad_request(f"messages: the model's chat template cannot render them ({e})", "messages") from e
+    return ctx.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: ServerContext = Depends(context)):
+    tenant = tenant_of(request)
+    adapter = await ctx.models.resolve(tenant, body.model)
+    ids = render_chat(ctx, body)
+    asked, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
+                    else (body.max_tokens, "max_tokens"))
+    max_tokens = max_tokens_for(ctx, len(ids), asked, param, "messages")
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+    ctx.client.check_capacity(body.n)
+    job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
+    for j in range(body.n):
+        job.choices.append(start_choice(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j), adapter, j,
+                                        "messages"))
+    ctx.metrics.requests_started(len(job.choices))
+
+    if body.stream:
+        def head(c: Choice) -> dict:
+            return {"id": job.ident, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
+
+        def chunk(c: Choice, out: RequestOutput | None):
+            if out is None:
+                return {**head(c), "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}
+            text = c.delta.next(out.outputs[0].text, out.finished)
+            logprobs = new_logprobs(c, out)
+            if not text and not logprobs:
+                return None
+            return {**head(c), "choices": [{
+                "index": c.index, "delta": {"content": text},
+                "logprobs": {"content": chat_logprobs(ctx, logprobs)} if body.logprobs else None,
+                "finish_reason": None}]}
+
+        def last(c: Choice, out: RequestOutput) -> dict:
+            ctx.metrics.request_done("ok")
+            return {**head(c), "choices": [{"index": c.index, "delta": {}, "logprobs": None,
+                                            "finish_reason": finish_reason(out)}]}
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return streaming(events(job, ctx, chunk, last, include))
+
+    await gather_all(job, ctx)
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.out.outputs[0].text},
+                "logprobs": {"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [])} if body.logprobs else None,
+                "finish_reason": finish_reason(c.out), "stop_reason": c.out.outputs[0].stop_reason}
+               for c in job.choices]
+    return {"id": job.ident, "object": "chat.completion", "created": job.created, "model": job.model,
+            "choices": choices, "usage": usage(job)}
+
+
+# ---- vLLM's runtime LoRA loading ---------------------------------------------------------------------------
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraRequest, ctx: ServerContext = Depends(context)):
+    if not ctx.config.allow_lora_loading:
+        raise APIError(403, "Runtime LoRA loading is off; start the server with --allow-lora-loading",
+                       code="lora_loading_disabled")
+    name = body.lora_name
+    if not ADAPTER_NAME.fullmatch(name) or name == ctx.models.base:
+        raise bad_request(f"lora_name: {name!r} must be letters, digits, '.', '_' or '-' (not the base model's name)",
+                          "lora_name")
+    if name in ctx.models.shared:
+        raise bad_request(f"lora_name: an adapter named {name!r} is already loaded", "lora_name", "already_loaded")
+    path = Path(body.lora_path).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise bad_request(f"lora_path: no adapter_config.json in {body.lora_path}", "lora_path")
+    try:
+        await asyncio.to_thread(ctx.client.loop.call, lambda: ctx.engine.load_adapter(name, path.resolve()))
+    except AdapterError as e:
+        raise bad_request(f"lora_path: {e}", "lora_path", "invalid_adapter") from e
+    ctx.models.add_shared(name)
+    return {"object": "lora_adapter", "lora_name": name, "status": "loaded"}
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraRequest, ctx: ServerContext = Depends(context)):
+    if not ctx.config.allow_lora_loading:
+        raise APIError(403, "Runtime LoRA loading is off; start the server with --allow-lora-loading",
+                       code="lora_loading_disabled")
+    if body.lora_name not in ctx.models.shared:
+        raise not_found("model", body.lora_name, "lora_name")
+    try:
+        await asyncio.to_thread(ctx.client.loop.call, lambda: ctx.engine.unload_adapter(body.lora_name))
+    except AdapterError as e:
+        raise APIError(409, str(e), "lora_name", "adapter_in_use") from e
+    del ctx.models.shared[body.lora_name]
+    return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded"}

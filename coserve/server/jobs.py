@@ -1,0 +1,312 @@
+"""Fine-tuning jobs as a service: queued in the store, co-served by the engine, followed into events and
+checkpoints, and resumed from their last checkpoint after a restart.
+
+One watcher thread starts queued jobs (tokenizing their data off the engine thread), turns each optimizer
+step into a metrics event, saves a servable checkpoint every ``checkpoint_steps`` (or epoch), and records
+how each job ends. Every engine access goes through ``EngineLoop.call`` (between iterations).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from coserve.engine.engine_loop import EngineLoop
+from coserve.finetune.build import make_bypass
+from coserve.finetune.checkpoint import save_checkpoint
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.dataset import load_dataset
+from coserve.finetune.job import FinetuneJob
+from coserve.peft import AdapterError
+from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.trainable import load_trainable
+from coserve.server.config import ServerConfig
+from coserve.server.errors import APIError, bad_request, not_found
+from coserve.server.metrics import ServerMetrics
+from coserve.server.models import checkpoint_name, fine_tuned_name
+from coserve.server.protocol import CoserveOptions, FineTuningJobRequest, Hyperparameters
+from coserve.server.store import Store
+
+log = logging.getLogger("coserve.server")
+POLL_S = 0.25  # the watcher looks at running jobs this often
+BASE_LR = 1e-4  # learning_rate_multiplier scales this
+AUTO = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 1.0}  # what "auto" resolves to
+LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier": (1e-4, 100.0)}
+ACTIVE = ("validating_files", "queued", "running")
+SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_SHOW = 5  # bad data lines named in a job's error
+
+
+@dataclass(slots=True)
+class Running:
+    """A job the engine is co-serving, and how far the watcher has followed it."""
+
+    job_id: str
+    tenant: str
+    name: str  # its fine_tuned_model, once it succeeds
+    checkpoint_every: int  # optimizer steps between checkpoints
+    job: FinetuneJob
+    logged: int = 0  # records of job.log already turned into events
+    tokens: int = 0  # tokens_done already counted in the metrics
+    last_checkpoint: int = 0  # step of the last checkpoint
+
+
+class JobManager:
+    def __init__(self, store: Store, loop: EngineLoop, config: ServerConfig, metrics: ServerMetrics,
+                 base_name: str) -> None:
+        self.store, self.loop, self.config, self.metrics = store, loop, config, metrics
+        self.engine = loop.engine
+        self.base_name = base_name
+        self.jobs_dir = Path(config.state_dir) / "jobs"
+        self.running: dict[str, Running] = {}
+        self._lock = threading.RLock()  # job state transitions: the watcher's tick and cancel
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="coserve-jobs", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Requeue jobs a previous process left running (they resume from their last checkpoint), then watch."""
+        for _, job in self.store.jobs_with_status("running", "validating_files"):
+            found = self.store.latest_checkpoint(job["id"])
+            where = f"its checkpoint at step {found[0]['step_number']}" if found else "the start"
+            self.store.update_job(job["id"], status="queued")
+            self.store.add_event(job["id"], f"The server restarted; the job is queued to resume from {where}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                with self._lock:
+                    self._start_queued()
+                    self._follow()
+            except Exception:  # one bad tick must not end the watcher
+                log.exception("the job watcher failed")
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+
+    # ---- the API's side ----------------------------------------------------------------------------------
+    def create(self, tenant: str, body: FineTuningJobRequest) -> dict:
+        """Validate a job request and queue it; errors name the field."""
+        if body.model != self.base_name:
+            if body.model.startswith("ft:"):
+                raise bad_request("model: fine-tuning a fine-tuned model is not supported; use the base model "
+                                  f"'{self.base_name}'", "model", "model_not_supported")
+            raise not_found("model", body.model, "model")
+        for param, file_id in (("training_file", body.training_file), ("validation_file", body.validation_file)):
+            if file_id is None:
+                continue
+            f = self.store.get_file(tenant, file_id)
+            if f is None:
+                raise not_found("file", file_id, param)
+            if f["purpose"] != "fine-tune":
+                raise bad_request(f"{param}: file {file_id} has purpose '{f['purpose']}', not 'fine-tune'", param)
+        if body.suffix is not None and not SUFFIX.fullmatch(body.suffix):
+            raise bad_request("suffix: 1-64 letters, digits, '.', '_' or '-'", "suffix")
+        hyper = self._hyperparameters(body)
+        options = body.coserve or CoserveOptions()
+        peft = self._peft(options)
+        if options.max_seq_len > self.engine.max_model_len:
+            raise bad_request(f"coserve.max_seq_len: {options.max_seq_len} exceeds the model's context "
+                              f"({self.engine.max_model_len})", "coserve.max_seq_len")
+        if self.store.count_jobs(*ACTIVE, tenant=tenant) >= self.config.max_queued_jobs:
+            raise APIError(429, f"Too many fine-tuning jobs queued or running (at most {self.config.max_queued_jobs} "
+                           "per tenant); wait for one to finish", code="too_many_jobs")
+        job_id = Store.new_id("ftjob")
+        seed = body.seed if body.seed is not None else random.randrange(2**31)
+        job = {
+            "id": job_id, "object": "fine_tuning.job", "created_at": int(time.time()), "finished_at": None,
+            "model": body.model, "fine_tuned_model": None, "organization_id": tenant, "status": "queued",
+            "training_file": body.training_file, "validation_file": body.validation_file, "result_files": [],
+            "hyperparameters": hyper, "trained_tokens": None, "error": None, "seed": seed,
+            "user_provided_suffix": body.suffix, "estimated_finish": None, "integrations": [],
+            "metadata": body.metadata,
+            "method": {"type": "supervised", "supervised": {"hyperparameters": dict(hyper)}},
+            "coserve": {**options.model_dump(), "peft_config": peft, "step": 0, "total_steps": None},
+        }
+        self.store.add_job(tenant, job)
+        self.store.add_event(job_id, f"Created fine-tuning job {job_id}")
+        self.store.add_event(job_id, "Files validated, moving job to queued state")
+        self._wake.set()
+        return self.store.get_job(tenant, job_id)
+
+    def cancel(self, tenant: str, job_id: str) -> dict:
+        with self._lock:
+            job = self.store.get_job(tenant, job_id)
+            if job is None:
+                raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
+            if job["status"] not in ACTIVE:
+                raise APIError(409, f"The job is already {job['status']} and cannot be cancelled",
+                               code="job_not_cancellable")
+            if job_id in self.running:
+                try:
+                    self.loop.call(lambda: self.engine.cancel_finetune_job(job_id))
+                except ValueError:
+                    pass  # it ended in the meantime; recorded as cancelled all the same
+                self._forget(job_id)
+            self.store.add_event(job_id, "Job cancelled")
+            return self.store.update_job(job_id, status="cancelled", finished_at=int(time.time()))
+
+    def _hyperparameters(self, body: FineTuningJobRequest) -> dict:
+        given = body.hyperparameters
+        prefix = "hyperparameters"
+        if body.method is not None and body.method.supervised and body.method.supervised.hyperparameters:
+            if given is not None:
+                raise bad_request("hyperparameters: give them in method.supervised.hyperparameters or at the top "
+                                  "level, not both", "hyperparameters")
+            given, prefix = body.method.supervised.hyperparameters, "method.supervised.hyperparameters"
+        given = given or Hyperparameters()
+        out = {}
+        for name, (low, high) in LIMITS.items():
+            value = getattr(given, name)
+            if value == "auto":
+                value = AUTO[name]
+            if not low <= value <= high:
+                raise bad_request(f"{prefix}.{name}: must be between {low} and {high}, got {value}",
+                                  f"{prefix}.{name}")
+            out[name] = value
+        return out
+
+    def _peft(self, options: CoserveOptions) -> dict:
+        try:
+            if options.peft == "ia3":
+                cfg = IA3Config(**({"target_modules": options.target_modules} if options.target_modules else {}))
+                return {"peft": "ia3", "target_modules": cfg.target_modules,
+                        "feedforward_modules": cfg.feedforward_modules}
+            cfg = LoraConfig(r=options.r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
+                             use_rslora=options.use_rslora,
+                             **({"target_modules": options.target_modules} if options.target_modules else {}))
+        except ValueError as e:
+            field = str(e).split(":", 1)[0]
+            raise bad_request(f"coserve.{e}", f"coserve.{field}") from e
+        if cfg.r > self.engine.config.max_lora_rank:
+            raise bad_request(f"coserve.r: {cfg.r} exceeds the server's max_lora_rank "
+                              f"({self.engine.config.max_lora_rank}), so the model could not be served", "coserve.r")
+        return {"peft": "lora", "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+                "use_rslora": cfg.use_rslora, "target_modules": cfg.target_modules}
+
+    # ---- the watcher's side --------------------------------------------------------------------------------
+    def _start_queued(self) -> None:
+        for tenant, job in self.store.jobs_with_status("queued"):
+            if len(self.running) >= self.config.max_running_jobs:
+                return
+            try:
+                self._start(tenant, job)
+            except (ValueError, AdapterError, OSError) as e:  # bad data, a job over the memory budget, ...
+                self._fail(job["id"], str(e), "invalid_training_file" if "training_file" in str(e) else None)
+            except Exception as e:  # a fault of ours: the job fails rather than being retried forever
+                log.exception("starting fine-tuning job %s failed", job["id"])
+                self._fail(job["id"], f"the job could not start ({type(e).__name__}: {e})", "internal_error")
+
+    def _start(self, tenant: str, job: dict) -> None:
+        job_id, opts, hyper = job["id"], job["coserve"], job["hyperparameters"]
+        model = self.engine.model
+        examples, report = load_dataset(self.store.file_path(job["training_file"]), self.engine.tokenizer,
+                                        opts["max_seq_len"])
+        bad = report.malformed + [(n, "every assistant message is empty or has weight 0")
+                                  for n in report.empty_completion]
+        if bad:
+            named = "; ".join(f"line {n}: {why}" for n, why in sorted(bad)[:_SHOW])
+            raise ValueError(f"training_file {job['training_file']}: {len(bad)} example(s) cannot be trained: {named}")
+        out = self.jobs_dir / job_id
+        cfg = FinetuneConfig(output_dir=str(out / "model"), epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
+                             batch_size=hyper["batch_size"], grad_accum=opts["grad_accum"],
+                             lr=BASE_LR * hyper["learning_rate_multiplier"], optimizer=opts["optimizer"],
+                             lr_scheduler=opts["lr_scheduler"], warmup_steps=opts["warmup_steps"],
+                             weight_decay=opts["weight_decay"], max_grad_norm=opts["max_grad_norm"],
+                             max_seq_len=opts["max_seq_len"], seed=job["seed"])
+        found = self.store.latest_checkpoint(job_id)
+        if found is not None:
+            resume = Path(found[1])
+            bypass = load_trainable(resume, model.module_shapes(), model.cfg.num_layers, model.device)
+        else:
+            resume = None
+            p = dict(opts["peft_config"])
+            kind = p.pop("peft")
+            bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
+        ft = FinetuneJob(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume)
+        self.loop.call(lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
+        per_epoch = math.ceil(len(examples) / (cfg.batch_size * cfg.grad_accum))
+        name = fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id)
+        self.running[job_id] = Running(job_id, tenant, name, self.config.checkpoint_steps or per_epoch, ft,
+                                       tokens=0, last_checkpoint=ft.step)
+        self.store.update_job(job_id, status="running",
+                              coserve={**opts, "step": ft.step, "total_steps": ft.total_steps})
+        how = f"resumed at step {ft.step}" if resume else "started"
+        self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps")
+
+    def _follow(self) -> None:
+        for r in list(self.running.values()):
+            status, error, records, step, tokens = self.loop.call(lambda: self._read(r))
+            self.metrics.finetune.add(tokens - r.tokens)
+            r.tokens = tokens
+            for rec in records:
+                if not self.store.has_step_event(r.job_id, rec.step):
+                    self.store.add_event(r.job_id, f"Step {rec.step}/{r.job.total_steps}: training loss="
+                                         f"{rec.loss:.4f}", type="metrics",
+                                         data={"step": rec.step, "train_loss": rec.loss, "learning_rate": rec.lr,
+                                               "tokens": rec.tokens})
+            job = self.store.get_job(None, r.job_id)
+            self.store.update_job(r.job_id, trained_tokens=r.job.tokens_done,
+                                  coserve={**job["coserve"], "step": step})
+            if status == "running" and step - r.last_checkpoint >= r.checkpoint_every and step < r.job.total_steps:
+                self._checkpoint(r)
+            elif status == "succeeded":
+                self._succeed(r)
+            elif status == "failed":
+                self._fail(r.job_id, error or "the job failed", "training_failed")
+                self._forget(r.job_id)
+
+    def _read(self, r: Running):
+        state = self.engine.job_states[r.job_id]
+        records = state.job.log[r.logged:]
+        r.logged = len(state.job.log)
+        return state.status, state.error, records, state.job.step, state.job.tokens_done
+
+    def _checkpoint(self, r: Running) -> None:
+        def save() -> int:  # between iterations: the adapter and optimizer are those after `step` updates
+            j = r.job
+            path = self.jobs_dir / r.job_id / "checkpoints" / f"step-{j.step}"
+            save_checkpoint(path, j.bypass, j.optimizer, j.scheduler, j.step, self.base_name,
+                            {"total_steps": j.total_steps})
+            return j.step
+        step = self.loop.call(save)
+        r.last_checkpoint = step
+        self._record_checkpoint(r, step, self.jobs_dir / r.job_id / "checkpoints" / f"step-{step}")
+
+    def _record_checkpoint(self, r: Running, step: int, path: Path) -> None:
+        loss = next((rec.loss for rec in reversed(r.job.log) if rec.step == step), None)
+        ckpt = self.store.add_checkpoint(r.job_id, step, str(path), checkpoint_name(r.name, step),
+                                         {"step": step, "train_loss": loss})
+        self.store.add_event(r.job_id, f"Checkpoint created at step {step}: {ckpt['fine_tuned_model_checkpoint']}")
+
+    def _succeed(self, r: Running) -> None:
+        model_dir = self.jobs_dir / r.job_id / "model"
+        self._record_checkpoint(r, r.job.step, model_dir)
+        self.store.add_event(r.job_id, f"New fine-tuned model created: {r.name}")
+        self.store.update_job(r.job_id, status="succeeded", fine_tuned_model=r.name, finished_at=int(time.time()),
+                              trained_tokens=r.job.tokens_done)
+        self.store.add_event(r.job_id, "The job has successfully completed")
+        self._forget(r.job_id)
+
+    def _fail(self, job_id: str, message: str, code: str | None) -> None:
+        self.store.add_event(job_id, f"Job failed: {message}", level="error")
+        self.store.update_job(job_id, status="failed", finished_at=int(time.time()),
+                              error={"code": code or "job_failed", "message": message, "param": None})
+
+    def _forget(self, job_id: str) -> None:
+        """Drop a job that ended from the engine's and the watcher's books (its files stay on disk)."""
+        self.running.pop(job_id, None)
+        self.loop.call(lambda: self.engine.job_states.pop(job_id, None))

@@ -1,0 +1,86 @@
+"""Which model a request's ``model`` names: the base, a LoRA adapter served to all, or a tenant's fine-tuned
+model or checkpoint (loaded into the engine on first use)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+from coserve.engine.engine_loop import EngineLoop
+from coserve.peft import AdapterError
+from coserve.server.errors import APIError, not_found
+from coserve.server.store import Store
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_JOB_ID = re.compile(r"ftjob-[0-9a-f]{24}")
+
+
+def fine_tuned_name(base: str, suffix: str | None, job_id: str) -> str:
+    """OpenAI's form: ``ft:<base>:<suffix>:<job id>``."""
+    return f"ft:{base}:{suffix or ''}:{job_id}"
+
+
+def checkpoint_name(fine_tuned: str, step: int) -> str:
+    return f"{fine_tuned}:ckpt-step-{step}"
+
+
+class ModelRegistry:
+    """Names to engine adapters, per tenant."""
+
+    def __init__(self, base: str, loop: EngineLoop, store: Store, state_dir: Path) -> None:
+        self.base = base
+        self.loop = loop
+        self.store = store
+        self.state_dir = state_dir
+        self.shared: dict[str, float] = {}  # adapter name -> created (served to every tenant)
+        self.started = int(time.time())
+
+    async def resolve(self, tenant: str, name: str, param: str = "model") -> str | None:
+        """The engine adapter for ``name`` (None for the base model); 404 when the tenant may not use it."""
+        if name == self.base:
+            return None
+        if name in self.shared:
+            return name
+        path = self.fine_tuned_path(tenant, name)
+        if path is None:
+            raise not_found("model", name, param)
+        if name not in self.loop.engine.adapters:
+            try:
+                await asyncio.to_thread(self.loop.call, lambda: self.loop.engine.load_adapter(name, path))
+            except AdapterError as e:
+                raise APIError(400, f"The model '{name}' cannot be served: {e}", param, "model_not_servable") from e
+        return name
+
+    def fine_tuned_path(self, tenant: str, name: str) -> Path | None:
+        """Where the tenant's fine-tuned model or checkpoint ``name`` lies, or None if it is not theirs."""
+        if not name.startswith("ft:"):
+            return None
+        found = self.store.checkpoint_by_model(name)
+        if found is not None:
+            job_id, path = found
+            return Path(path) if self.store.job_tenant(job_id) == tenant else None
+        job_id = name.rsplit(":", 1)[-1]
+        if not _JOB_ID.fullmatch(job_id):
+            return None
+        job = self.store.get_job(tenant, job_id)
+        if job is None or job.get("status") != "succeeded" or job.get("fine_tuned_model") != name:
+            return None
+        return self.state_dir / "jobs" / job_id / "model"
+
+    def add_shared(self, name: str) -> None:
+        self.shared[name] = int(time.time())
+
+    def listing(self, tenant: str) -> list[dict]:
+        """``GET /v1/models``: the base, shared adapters, and the tenant's fine-tuned models."""
+        data = [{"id": self.base, "object": "model", "created": self.started, "owned_by": "coserve",
+                 "root": self.base, "parent": None}]
+        for name, created in sorted(self.shared.items()):
+            data.append({"id": name, "object": "model", "created": created, "owned_by": "coserve",
+                         "root": name, "parent": self.base})
+        for _, job in self.store.jobs_with_status("succeeded"):
+            if self.store.job_tenant(job["id"]) == tenant and job.get("fine_tuned_model"):
+                data.append({"id": job["fine_tuned_model"], "object": "model", "created": job.get("finished_at"),
+                             "owned_by": tenant, "root": job["fine_tuned_model"], "parent": self.base})
+        return data

@@ -1,0 +1,118 @@
+"""Request bodies of the OpenAI API (and vLLM's extensions), validated strictly: a wrong type is a 400
+naming the field, never coerced. Unknown fields are ignored, as OpenAI-compatible servers do."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class Sampling(Body):
+    """The fields completions and chat completions share."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    user: str | None = None
+    top_k: int = Field(-1, ge=-1)  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class LoadLoraRequest(Body):
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(Body):
+    lora_name: str = Field(min_length=1)
+
+
+class Hyperparameters(Body):
+    n_epochs: int | Literal["auto"] = "auto"
+    batch_size: int | Literal["auto"] = "auto"
+    learning_rate_multiplier: float | Literal["auto"] = "auto"
+
+
+class Supervised(Body):
+    hyperparameters: Hyperparameters | None = None
+
+
+class Method(Body):
+    type: Literal["supervised"]
+    supervised: Supervised | None = None
+
+
+class CoserveOptions(Body):
+    """coserve's extension of a fine-tuning job (send it with the openai client's ``extra_body``)."""
+
+    peft: Literal["lora", "ia3"] = "lora"
+    r: int = Field(16, ge=1, le=256)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    use_rslora: bool = False
+    target_modules: list[str] | None = None
+    max_seq_len: int = Field(1024, ge=2)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)
+    grad_accum: int = Field(1, ge=1)
+    max_steps: int = Field(0, ge=0)
+
+
+class FineTuningJobRequest(Body):
+    model: str
+    training_file: str
+    validation_file: str | None = None
+    suffix: str | None = Field(None, max_length=64)
+    seed: int | None = Field(None, ge=0)
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    metadata: dict[str, str] | None = None
+    coserve: CoserveOptions | None = None

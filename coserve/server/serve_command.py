@@ -1,0 +1,94 @@
+"""``coserve serve``: the OpenAI-compatible server for inference and fine-tuning jobs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_STATE_DIR = "coserve-state"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a Hugging Face model directory")
+    p.add_argument("--served-model-name", default="", help="the base model's name in the API (default: the "
+                   "directory's name)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter every tenant may use (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, help="one key; its tenant is 'default'")
+    keys.add_argument("--api-keys", default=None, metavar="FILE", help="one 'KEY TENANT' per line")
+    p.add_argument("--no-auth", action="store_true", help="serve without keys on a non-loopback host")
+    p.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="SQLite state, files, adapters and checkpoints")
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--finetune-memory-gb", type=float, default=None)
+    p.add_argument("--policy", default="coserve", help="how finetuning shares iterations (see coserve bench)")
+    p.add_argument("--latency-model", default=None, help="a `coserve profile` JSON (default: the user's profile)")
+    p.add_argument("--allow-lora-loading", action="store_true", help="enable POST /v1/load_lora_adapter")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20)
+    p.add_argument("--max-waiting-requests", type=int, default=512)
+    p.add_argument("--max-queued-jobs", type=int, default=16, help="per tenant")
+    p.add_argument("--max-running-jobs", type=int, default=2)
+    p.add_argument("--checkpoint-steps", type=int, default=0, help="0 = a checkpoint at each epoch's end")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from coserve.engine.config import EngineConfig
+    from coserve.server.app import build_app
+    from coserve.server.auth import DEFAULT_TENANT, load_keys_file
+    from coserve.server.config import ServerConfig, is_loopback
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("coserve.server")
+    keys = load_keys_file(args.api_keys) if args.api_keys else {args.api_key: DEFAULT_TENANT} if args.api_key else {}
+    if not keys:
+        if not is_loopback(args.host) and not args.no_auth:
+            raise ValueError(f"--host: {args.host} is reachable from other machines; give --api-key or --api-keys "
+                             "(or --no-auth to serve without keys)")
+        log.warning("serving without API keys: anyone who can reach %s:%d may use it", args.host, args.port)
+    adapters = {}
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--adapter: expected NAME=PATH, got {spec!r}")
+        adapters[name] = path
+    config = ServerConfig(model=args.model, state_dir=args.state_dir, served_model_name=args.served_model_name,
+                          host=args.host, port=args.port, api_keys=keys, adapters=adapters,
+                          allow_lora_loading=args.allow_lora_loading, max_body_bytes=args.max_body_bytes,
+                          max_upload_bytes=args.max_upload_bytes, max_waiting_requests=args.max_waiting_requests,
+                          max_queued_jobs=args.max_queued_jobs, max_running_jobs=args.max_running_jobs,
+                          checkpoint_steps=args.checkpoint_steps)
+    engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                 max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                                 max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,
+                                 slo_tpot_ms=args.slo_tpot_ms, latency_model=args.latency_model,
+                                 finetune_memory_gb=args.finetune_memory_gb)
+    app = build_app(config, engine_config)
+    name = app.state.coserve.models.base
+    base = f"http://{args.host}:{args.port}/v1"
+    key = "YOUR_KEY" if keys else "none"
+    header = ' -H "Authorization: Bearer YOUR_KEY"' if keys else ""
+    client = (f"from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='{key}'); "
+              f"print(c.chat.completions.create(model='{name}', max_tokens=32, "
+              f"messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)")
+    print(f"coserve: serving {name} at {base} (state in {args.state_dir})\n"
+          f"  curl {base}/models{header}\n  python -c \"{client}\"", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    from coserve.cli import main
+    sys.exit(main(["serve", *sys.argv[1:]]))
