@@ -6,6 +6,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class FinetuneJob:
         self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
         self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.recompute_budget)  # what it keeps
+        self.on_step: Callable[[FinetuneJob], None] | None = None  # called after every optimizer step (checkpoints)
 
     # ---- the work interface ------------------------------------------------
     @property
@@ -204,6 +206,8 @@ class FinetuneJob:
         if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
             raise FinetuneError(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
                                 f"gradient (last at step {self.step}); stopping, the last saved adapter is kept")
+        if self.on_step is not None:
+            self.on_step(self)
 
     def _append_log(self, record: StepRecord) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -214,9 +218,9 @@ class FinetuneJob:
         with open(self.output_dir / LOG_FILE, "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def save(self) -> None:
-        """Write the adapter and optimizer state to ``output_dir`` atomically."""
-        save_checkpoint(self.output_dir, self.bypass, self.optimizer, self.scheduler, self.step,
+    def save(self, out_dir: Path | None = None) -> None:
+        """Write the adapter and optimizer state to ``out_dir`` (default ``output_dir``) atomically."""
+        save_checkpoint(out_dir or self.output_dir, self.bypass, self.optimizer, self.scheduler, self.step,
                         self.base_model, {"total_steps": self.total_steps, "config": _plain(self.cfg)})
 
     def _resume(self, adapter_dir: Path) -> None:

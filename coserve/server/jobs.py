@@ -14,12 +14,12 @@ import random
 import re
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from coserve.engine.engine_loop import EngineLoop
 from coserve.finetune.build import make_bypass
-from coserve.finetune.checkpoint import save_checkpoint
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.dataset import load_dataset
 from coserve.finetune.job import FinetuneJob
@@ -35,6 +35,7 @@ from coserve.server.store import Store
 
 log = logging.getLogger("coserve.server")
 POLL_S = 0.25  # the watcher looks at running jobs this often
+DEFAULT_MAX_SEQ_LEN = 1024  # training sequences are cut here unless the job asks otherwise (or the context is shorter)
 BASE_LR = 1e-4  # learning_rate_multiplier scales this
 AUTO = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 1.0}  # what "auto" resolves to
 LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier": (1e-4, 100.0)}
@@ -54,7 +55,7 @@ class Running:
     job: FinetuneJob
     logged: int = 0  # records of job.log already turned into events
     tokens: int = 0  # tokens_done already counted in the metrics
-    last_checkpoint: int = 0  # step of the last checkpoint
+    saved: deque[tuple[int, Path]] = field(default_factory=deque)  # checkpoints written, not yet in the store
 
 
 class JobManager:
@@ -118,6 +119,8 @@ class JobManager:
         hyper = self._hyperparameters(body)
         options = body.coserve or CoserveOptions()
         peft = self._peft(options)
+        if options.max_seq_len is None:
+            options.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, self.engine.max_model_len)
         if options.max_seq_len > self.engine.max_model_len:
             raise bad_request(f"coserve.max_seq_len: {options.max_seq_len} exceeds the model's context "
                               f"({self.engine.max_model_len})", "coserve.max_seq_len")
@@ -237,11 +240,12 @@ class JobManager:
             kind = p.pop("peft")
             bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
         ft = FinetuneJob(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume)
-        self.loop.call(lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
         per_epoch = math.ceil(len(examples) / (cfg.batch_size * cfg.grad_accum))
         name = fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id)
-        self.running[job_id] = Running(job_id, tenant, name, self.config.checkpoint_steps or per_epoch, ft,
-                                       tokens=0, last_checkpoint=ft.step)
+        r = Running(job_id, tenant, name, self.config.checkpoint_steps or per_epoch, ft)
+        ft.on_step = lambda j: self._checkpoint(r)
+        self.loop.call(lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
+        self.running[job_id] = r
         self.store.update_job(job_id, status="running",
                               coserve={**opts, "step": ft.step, "total_steps": ft.total_steps})
         how = f"resumed at step {ft.step}" if resume else "started"
@@ -258,12 +262,12 @@ class JobManager:
                                          f"{rec.loss:.4f}", type="metrics",
                                          data={"step": rec.step, "train_loss": rec.loss, "learning_rate": rec.lr,
                                                "tokens": rec.tokens})
+            while r.saved:
+                self._record_checkpoint(r, *r.saved.popleft())
             job = self.store.get_job(None, r.job_id)
             self.store.update_job(r.job_id, trained_tokens=r.job.tokens_done,
                                   coserve={**job["coserve"], "step": step})
-            if status == "running" and step - r.last_checkpoint >= r.checkpoint_every and step < r.job.total_steps:
-                self._checkpoint(r)
-            elif status == "succeeded":
+            if status == "succeeded":
                 self._succeed(r)
             elif status == "failed":
                 self._fail(r.job_id, error or "the job failed", "training_failed")
@@ -276,15 +280,14 @@ class JobManager:
         return state.status, state.error, records, state.job.step, state.job.tokens_done
 
     def _checkpoint(self, r: Running) -> None:
-        def save() -> int:  # between iterations: the adapter and optimizer are those after `step` updates
-            j = r.job
-            path = self.jobs_dir / r.job_id / "checkpoints" / f"step-{j.step}"
-            save_checkpoint(path, j.bypass, j.optimizer, j.scheduler, j.step, self.base_name,
-                            {"total_steps": j.total_steps})
-            return j.step
-        step = self.loop.call(save)
-        r.last_checkpoint = step
-        self._record_checkpoint(r, step, self.jobs_dir / r.job_id / "checkpoints" / f"step-{step}")
+        """On the engine thread, right after an optimizer step: every ``checkpoint_every`` steps (not the last,
+        which the finished model is), save the adapter and optimizer state; the watcher records it."""
+        j = r.job
+        if j.step % r.checkpoint_every or j.step >= j.total_steps:
+            return
+        path = self.jobs_dir / r.job_id / "checkpoints" / f"step-{j.step}"
+        j.save(path)
+        r.saved.append((j.step, path))
 
     def _record_checkpoint(self, r: Running, step: int, path: Path) -> None:
         loss = next((rec.loss for rec in reversed(r.job.log) if rec.step == step), None)

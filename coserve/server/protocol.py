@@ -96,7 +96,7 @@ class CoserveOptions(Body):
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     use_rslora: bool = False
     target_modules: list[str] | None = None
-    max_seq_len: int = Field(1024, ge=2)
+    max_seq_len: int | None = Field(None, ge=2)  # None = min(1024, the server's context)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
     warmup_steps: int = Field(0, ge=0)

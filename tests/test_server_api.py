@@ -1,0 +1,273 @@
+"""The OpenAI-compatible server, live on localhost, through the official ``openai`` client (and httpx for
+what lies outside OpenAI's API): inference, files, fine-tuning jobs co-served with chat, errors, tenants."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from server_helpers import CHAT_EXAMPLES, chat_jsonl, start_server, wait_for_job
+
+ALICE, BOB = "key-alice", "key-bob"
+BASE = "tiny-llama"
+HELLO = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def server(model_factory, tmp_path_factory):
+    model = model_factory("llama")
+    root = tmp_path_factory.mktemp("serve")
+    keys = root / "keys.txt"
+    keys.write_text(f"# key tenant\n{ALICE} alice\n{BOB} bob\n")
+    srv = start_server(model, root / "state", "--api-keys", str(keys), "--served-model-name", BASE,
+                       "--allow-lora-loading", "--checkpoint-steps", "2", "--max-upload-bytes", "200000",
+                       "--max-body-bytes", "100000", "--max-waiting-requests", "8", "--max-queued-jobs", "3")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def alice(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key=ALICE, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def bob(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key=BOB, max_retries=0, timeout=60)
+
+
+def upload(client, data: bytes, name: str = "train.jsonl"):
+    return client.files.create(file=(name, io.BytesIO(data)), purpose="fine-tune")
+
+
+def test_models_list_has_the_base(alice):
+    ids = [m.id for m in alice.models.list().data]
+    assert ids[0] == BASE
+    assert alice.models.retrieve(BASE).id == BASE
+
+
+def test_completion_streamed_equals_whole(alice):
+    whole = alice.completions.create(model=BASE, prompt="The scheduler decides", max_tokens=12, temperature=0)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    pieces = [c.choices[0].text for c in alice.completions.create(
+        model=BASE, prompt="The scheduler decides", max_tokens=12, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == whole.choices[0].text
+
+
+def test_chat_streamed_equals_whole_with_usage(alice):
+    whole = alice.chat.completions.create(model=BASE, messages=HELLO, max_completion_tokens=10, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    chunks = list(alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=10, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_stop_n_seed_and_logprobs(alice):
+    base = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=12, temperature=0)
+    text = base.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    if stop.strip():
+        cut = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=12, temperature=0, stop=[stop])
+        assert cut.choices[0].message.content == text[:text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+    two = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=1.0, seed=7, n=2)
+    again = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=1.0, seed=7, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.message.content for c in two.choices] == [c.message.content for c in again.choices]
+    lp = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    # greedy: the chosen token is the most likely one
+    assert all(abs(t.logprob - max(x.logprob for x in t.top_logprobs)) < 1e-5 for t in content)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_tokens": 100_000}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(alice, kwargs, param):
+    body = {"model": BASE, "messages": HELLO, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.chat.completions.create(**body)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_prompt_over_the_context_is_400(alice):
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.completions.create(model=BASE, prompt=[5] * 600, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_http_errors_in_openai_shape(server):
+    url = f"{server.url}/v1"
+    h = {"Authorization": f"Bearer {ALICE}"}
+    r = httpx.post(f"{url}/chat/completions", content=b"{not json", headers={**h, "content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{url}/models").status_code == 401
+    r = httpx.get(f"{url}/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(f"{url}/chat/completions", headers=h, json={"model": BASE, "messages": HELLO,
+                                                                 "stop": "x" * 200_000})
+    assert r.status_code == 413
+    r = httpx.post(f"{url}/chat/completions", headers=h, json={"model": BASE, "messages": HELLO, "n": 9})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
+    assert httpx.get(f"{url}/nothing", headers=h).status_code == 404
+    assert httpx.get(f"{server.url}/health").status_code == 200  # and it keeps serving
+
+
+def test_unknown_model_file_and_job_are_404(alice):
+    with pytest.raises(openai.NotFoundError):
+        alice.chat.completions.create(model="no-such-model", messages=HELLO)
+    with pytest.raises(openai.NotFoundError):
+        alice.files.retrieve("file-000000000000000000000000")
+    with pytest.raises(openai.NotFoundError):
+        alice.fine_tuning.jobs.retrieve("ftjob-000000000000000000000000")
+    with pytest.raises(openai.NotFoundError):
+        alice.fine_tuning.jobs.create(model=BASE, training_file="file-000000000000000000000000")
+
+
+def test_files_upload_list_delete_and_isolation(alice, bob):
+    f = upload(alice, chat_jsonl())
+    assert f.purpose == "fine-tune" and f.bytes == len(chat_jsonl())
+    assert f.id in [x.id for x in alice.files.list().data]
+    assert f.id not in [x.id for x in bob.files.list().data]
+    with pytest.raises(openai.NotFoundError):
+        bob.files.retrieve(f.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.files.delete(f.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.fine_tuning.jobs.create(model=BASE, training_file=f.id)
+    assert alice.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alice.files.retrieve(f.id)
+
+
+def test_bad_uploads_name_the_line(alice):
+    bad = chat_jsonl() + b'{"messages": [{"role": "user", "content": "q"}]}\nnot json\n'
+    with pytest.raises(openai.BadRequestError) as e:
+        upload(alice, bad)
+    message = e.value.body["message"]
+    assert "line 7" in message and "no assistant message" in message and "line 8" in message
+    with pytest.raises(openai.BadRequestError):
+        alice.files.create(file=("x.jsonl", io.BytesIO(chat_jsonl())), purpose="assistants")
+    with pytest.raises(openai.APIStatusError) as e:
+        upload(alice, chat_jsonl() * 300)  # over --max-upload-bytes
+    assert e.value.status_code == 413
+
+
+def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob):
+    f = upload(alice, chat_jsonl())
+    job = alice.fine_tuning.jobs.create(
+        model=BASE, training_file=f.id, suffix="facts", seed=3,
+        hyperparameters={"n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": 100},
+        extra_body={"coserve": {"target_modules": ["q_proj", "v_proj", "down_proj"], "r": 8}})
+    assert job.status in ("queued", "running") and job.hyperparameters.n_epochs == 2
+    served, errors = [], []
+
+    def chat_meanwhile():
+        for _ in range(6):
+            try:
+                served.append(alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=0))
+            except Exception as e:  # collected: the test fails below with it
+                errors.append(e)
+    t = threading.Thread(target=chat_meanwhile)
+    t.start()
+    done = wait_for_job(alice, job.id)
+    t.join()
+    assert not errors and len(served) == 6
+    assert done.status == "succeeded", done.error
+    assert done.fine_tuned_model == f"ft:{BASE}:facts:{job.id}" and done.trained_tokens > 0
+    events = alice.fine_tuning.jobs.list_events(job.id, limit=100).data
+    steps = [e for e in events if e.type == "metrics"]
+    assert len(steps) == 2 * len(CHAT_EXAMPLES) and events[0].message == "The job has successfully completed"
+    checkpoints = alice.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in checkpoints][0] == 2 * len(CHAT_EXAMPLES) and len(checkpoints) >= 2
+    # the model and its checkpoints are servable at once, and differ from the base
+    base = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=0)
+    tuned = alice.chat.completions.create(model=done.fine_tuned_model, messages=HELLO, max_tokens=8, temperature=0)
+    assert tuned.choices[0].message.content != base.choices[0].message.content
+    early = alice.chat.completions.create(model=checkpoints[-1].fine_tuned_model_checkpoint, messages=HELLO,
+                                          max_tokens=4)
+    assert early.choices[0].message.content is not None
+    assert done.fine_tuned_model in [m.id for m in alice.models.list().data]
+    # bob sees none of it
+    assert done.fine_tuned_model not in [m.id for m in bob.models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        bob.chat.completions.create(model=done.fine_tuned_model, messages=HELLO)
+    with pytest.raises(openai.NotFoundError):
+        bob.fine_tuning.jobs.retrieve(job.id)
+    assert job.id not in [j.id for j in bob.fine_tuning.jobs.list().data]
+    # a finished job cannot be cancelled
+    with pytest.raises(openai.ConflictError):
+        alice.fine_tuning.jobs.cancel(job.id)
+    # vLLM's runtime LoRA loading serves the adapter to every tenant under a plain name
+    h = {"Authorization": f"Bearer {BOB}"}
+    path = str(server.state_dir / "jobs" / job.id / "model")
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=h, json={"lora_name": "facts", "lora_path": path})
+    assert r.status_code == 200, r.text
+    shared = bob.chat.completions.create(model="facts", messages=HELLO, max_tokens=8, temperature=0)
+    assert shared.choices[0].message.content == tuned.choices[0].message.content
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", headers=h, json={"lora_name": "facts"})
+    assert r.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        bob.chat.completions.create(model="facts", messages=HELLO)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'coserve_fine_tuning_jobs{state="succeeded"}' in metrics
+    count = [ln for ln in metrics.splitlines() if ln.startswith("coserve_time_to_first_token_seconds_count")]
+    assert count and float(count[0].split()[-1]) > 0
+
+
+def test_cancel_a_running_job_and_queue_limit(alice):
+    f = upload(alice, chat_jsonl())
+    job = alice.fine_tuning.jobs.create(model=BASE, training_file=f.id,
+                                        hyperparameters={"n_epochs": 50})
+    cancelled = alice.fine_tuning.jobs.cancel(job.id)
+    assert cancelled.status == "cancelled"
+    assert alice.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+    with pytest.raises(openai.ConflictError):
+        alice.fine_tuning.jobs.cancel(job.id)
+    many = [alice.fine_tuning.jobs.create(model=BASE, training_file=f.id, hyperparameters={"n_epochs": 50})
+            for _ in range(3)]
+    with pytest.raises(openai.RateLimitError):
+        alice.fine_tuning.jobs.create(model=BASE, training_file=f.id)
+    for j in many:
+        alice.fine_tuning.jobs.cancel(j.id)
+    page = alice.fine_tuning.jobs.list(limit=2)
+    assert len(page.data) == 2 and page.has_more
+
+
+def test_job_with_bad_data_fails_naming_the_line(alice):
+    lines = chat_jsonl().decode().splitlines()
+    lines[1] = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]})
+    f = upload(alice, ("\n".join(lines) + "\n").encode())
+    job = alice.fine_tuning.jobs.create(model=BASE, training_file=f.id)
+    done = wait_for_job(alice, job.id)
+    assert done.status == "failed" and "line 2" in done.error.message
+    assert alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=2).choices  # still serving
+
+
+def test_bad_job_requests(alice):
+    f = upload(alice, chat_jsonl())
+    cases = [({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
+             ({"suffix": "../../etc"}, "suffix"),
+             ({"extra_body": {"coserve": {"target_modules": ["nope"]}}}, "coserve.target_modules"),
+             ({"method": {"type": "dpo"}}, "method.type")]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            alice.fine_tuning.jobs.create(model=BASE, training_file=f.id, **kwargs)
+        assert e.value.body["param"] == param, e.value.body
