@@ -1,4 +1,4 @@
-# Set-up on a fresh machine: `make run` (the demo on the embedded default model) and `make test`.
+# Set-up on a fresh machine: `make run` (the server on the embedded default model) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -20,9 +20,9 @@ $(STAMP): pyproject.toml
 $(MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/coserve create-model $(MODEL) --preset small
 
+# The OpenAI-compatible server on 127.0.0.1:8000 (no key on loopback); it prints how to call it.
 run: $(STAMP) $(MODEL)/config.json
-	$(VENV)/bin/coserve generate --model $(MODEL) --max-tokens 48 \
-		--prompt "The scheduler decides" --prompt "def fibonacci(n):" --prompt "Once upon a time"
+	$(VENV)/bin/coserve serve --model $(MODEL) --state-dir runs/state --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(PY) -m pytest
