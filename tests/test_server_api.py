@@ -233,7 +233,7 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob):
 
 
 def test_cancel_a_running_job_and_queue_limit(alice):
-    f = upload(alice, chat_jsonl())
+    f = upload(alice, chat_jsonl(CHAT_EXAMPLES * 20))  # 6,000 steps: running until cancelled
     job = alice.fine_tuning.jobs.create(model=BASE, training_file=f.id,
                                         hyperparameters={"n_epochs": 50})
     cancelled = alice.fine_tuning.jobs.cancel(job.id)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from coserve.engine.engine_loop import EngineLoop
@@ -27,39 +26,63 @@ class EngineClient:
             raise APIError(503, f"The server is over capacity ({waiting} requests waiting); retry later",
                            code="server_overloaded")
 
-    async def stream(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
-        """Every output of ``request`` until it finishes; aborts it if the consumer stops early."""
+    def submit(self, request: Request, text: str | None = None) -> "RequestStream":
+        """Hand ``request`` to the engine now (before any response is sent); iterate the result for its outputs."""
+        return RequestStream(self, request, text)
+
+
+class RequestStream:
+    """A submitted request's outputs as an async iterator; ``aclose`` aborts it unless it has finished."""
+
+    def __init__(self, client: EngineClient, request: Request, text: str | None) -> None:
+        self.client = client
+        self.request_id = rid = request.request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self._closed = False
         aio = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        rid = request.request_id
+        loop = client.loop
 
         def listener(out: RequestOutput | BaseException) -> None:
-            aio.call_soon_threadsafe(queue.put_nowait, out)
+            aio.call_soon_threadsafe(self.queue.put_nowait, out)
 
         def submit() -> None:
-            self.loop.listeners[rid] = listener
+            loop.listeners[rid] = listener
             try:
-                self.engine.enqueue(request, text)
+                client.engine.enqueue(request, text)
             except Exception as e:  # reported to the waiting route rather than lost
-                self.loop.listeners.pop(rid, None)
+                loop.listeners.pop(rid, None)
                 listener(e)
 
-        finished = False
-        self.loop.post(submit)
-        try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise APIError(503, f"the engine could not run the request ({out})", code="engine_error")
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:  # the client went away (or the route failed): free the request's KV blocks
-                self.loop.post(lambda: self._abort(rid))
+        loop.post(submit)
 
-    def _abort(self, rid: str) -> None:
-        self.loop.listeners.pop(rid, None)
-        self.engine.abort_request(rid)
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            out = await self.queue.get()
+        except BaseException:  # cancelled (the client went away): free the request's KV blocks
+            await self.aclose()
+            raise
+        if isinstance(out, BaseException):
+            self.finished = True
+            raise APIError(503, f"the engine could not run the request ({out})", code="engine_error")
+        self.finished = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        if self.finished or self._closed:
+            return
+        self._closed = True
+        loop, engine, rid = self.client.loop, self.client.engine, self.request_id
+
+        def abort() -> None:
+            loop.listeners.pop(rid, None)
+            engine.abort_request(rid)
+        loop.post(abort)
 
 
 @dataclass(slots=True)

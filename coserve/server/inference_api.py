@@ -16,11 +16,12 @@ from fastapi.responses import StreamingResponse
 
 from coserve.engine.outputs import RequestOutput
 from coserve.peft import AdapterError
+from coserve.scheduler import Request as EngineRequest
 from coserve.scheduler import SamplingParams
 from coserve.scheduler.plan import TokenLogprobs
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
-from coserve.server.generation import TextDelta
+from coserve.server.generation import RequestStream, TextDelta
 from coserve.server.models import ADAPTER_NAME
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, Sampling,
                                      UnloadLoraRequest)
@@ -49,7 +50,7 @@ class Choice:
 
     index: int
     prompt_ids: list[int]
-    stream: AsyncIterator[RequestOutput]
+    stream: RequestStream
     delta: TextDelta
     prefix: str = ""  # echo: the prompt's text
     out: RequestOutput | None = None
@@ -99,14 +100,31 @@ def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param
     return asked
 
 
-def start_choice(ctx: ServerContext, tenant: str, ids: list[int], params: SamplingParams, adapter: str | None,
-                 index: int, prompt_param: str) -> Choice:
+def make_request(ctx: ServerContext, tenant: str, ids: list[int], params: SamplingParams, adapter: str | None,
+                 prompt_param: str) -> EngineRequest:
+    """A validated engine request (400 naming the field when it is not)."""
     rid = f"{tenant}-{secrets.token_hex(8)}"
     try:
-        request, text = ctx.engine.make_request(ids, params, adapter, request_id=rid, tenant=tenant)
+        request, _ = ctx.engine.make_request(ids, params, adapter, request_id=rid, tenant=tenant)
     except ValueError as e:
         raise APIError(400, str(e), prompt_param, "invalid_prompt") from e
-    return Choice(index, ids, ctx.client.stream(request, None), TextDelta.for_stops(params.stop))
+    return request
+
+
+def submit(ctx: ServerContext, job: Job, requests: list[tuple[EngineRequest, str]]) -> None:
+    """Hand every choice's request to the engine at once (all were validated first)."""
+    ctx.client.check_capacity(len(requests))
+    for index, (request, prefix) in enumerate(requests):
+        job.choices.append(Choice(index, request.prompt_token_ids, ctx.client.submit(request),
+                                  TextDelta.for_stops(request.params.stop), prefix))
+    ctx.metrics.requests_started(len(requests))
+
+
+def start_choice(ctx: ServerContext, tenant: str, ids: list[int], params: SamplingParams, adapter: str | None,
+                 index: int, prompt_param: str) -> Choice:
+    """One request, validated and submitted (the in-process load benchmark's path)."""
+    request = make_request(ctx, tenant, ids, params, adapter, prompt_param)
+    return Choice(index, ids, ctx.client.submit(request), TextDelta.for_stops(params.stop))
 
 
 async def advance(choice: Choice, job: Job, ctx: ServerContext) -> RequestOutput:
@@ -268,14 +286,13 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     prompts = completion_prompts(ctx, body.prompt)
     ctx.client.check_capacity(len(prompts) * body.n)
     job = Job(f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
-    for p, (ids, text) in enumerate(prompts):
+    requests = []
+    for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
         for j in range(body.n):
             params = sampling_params(body, max_tokens, body.logprobs, j)
-            choice = start_choice(ctx, tenant, ids, params, adapter, p * body.n + j, "prompt")
-            choice.prefix = text if body.echo else ""
-            job.choices.append(choice)
-    ctx.metrics.requests_started(len(job.choices))
+            requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt"), text if body.echo else ""))
+    submit(ctx, job, requests)
 
     def choice_json(c: Choice, out: RequestOutput, text: str, logprobs: list[TokenLogprobs], offset: int,
                     finished: bool) -> dict:
@@ -355,10 +372,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
-    for j in range(body.n):
-        job.choices.append(start_choice(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j), adapter, j,
-                                        "messages"))
-    ctx.metrics.requests_started(len(job.choices))
+    submit(ctx, job, [(make_request(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j), adapter,
+                                    "messages"), "") for j in range(body.n)])
 
     if body.stream:
         def head(c: Choice) -> dict:

@@ -1,0 +1,335 @@
+"""``coserve bench-server``: a load run on localhost through the HTTP server, against the same load on the
+in-process engine.
+
+Both phases run the same streamed chat requests (prompt texts and lengths from the ShareGPT trace, Poisson
+arrivals at ``--rate``, a bounded count) beside the same fine-tuning job. The HTTP phase starts ``coserve
+serve`` in a child process and drives it with the ``openai`` client's async API; the in-process phase builds
+the very same server objects (``build_app``) in a spawned process and calls their engine client directly, with
+no HTTP, no JSON and no client process. The difference of their TTFTs is what the HTTP layer adds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import multiprocessing
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from coserve.bench.arrivals import poisson_arrivals
+from coserve.bench.metrics import RequestRecord, summarize
+from coserve.bench.workload import DEFAULT_SHAREGPT, fit_length, load_sharegpt
+
+DEFAULT_ALPACA = Path(__file__).resolve().parents[3] / "shared" / "data" / "alpaca_en_demo.json"
+TENANT = "default"
+CHAT_TEMPLATE_ROOM = 64  # tokens left for the chat template and re-tokenization drift
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-requests", type=int, default=500)
+    p.add_argument("--rate", type=float, default=2.0, help="mean arrival rate, requests/s (Poisson)")
+    p.add_argument("--prompts", default=None, help="ShareGPT-trace JSON (default: ../shared/data's, if there)")
+    p.add_argument("--length-scale", type=float, default=0.5, help="prompt and output lengths x this")
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens at most per request")
+    p.add_argument("--finetune-data", default=None, help="JSON/JSONL Alpaca or chat records (default: "
+                   "../shared/data/alpaca_en_demo.json); 'none' = no fine-tuning job")
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--ttft-limit-s", type=float, default=5.0)
+    p.add_argument("--phase", choices=["both", "http", "in-process"], default="both")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a phase may take at most")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON results")
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Everything a phase needs, picklable for the spawned process."""
+
+    model: str
+    requests: list[tuple[float, str, int]]  # (arrival offset s, user message, output tokens)
+    finetune_jsonl: bytes | None  # the job's training file (chat JSONL), None for no job
+    slo_tpot_s: float
+    ttft_limit_s: float
+    timeout_s: float
+    dtype: str
+    device: str | None
+    seed: int
+
+
+# ---- the workload ---------------------------------------------------------------------------------------------
+def build_requests(args, tokenizer) -> list[tuple[float, str, int]]:
+    rng = random.Random(args.seed)
+    path = Path(args.prompts) if args.prompts else DEFAULT_SHAREGPT
+    if path.is_file():
+        entries = load_sharegpt(path)
+    else:  # ShareGPT-like log-normal lengths on synthetic text
+        entries = [(f"Request {i}: explain how the scheduler batches work.", max(4, int(rng.lognormvariate(3.9, 1.4))),
+                    max(2, int(rng.lognormvariate(4.6, 1.0)))) for i in range(args.num_requests)]
+    times = poisson_arrivals(args.rate, args.num_requests / args.rate * 3, args.seed)[:args.num_requests]
+    if len(times) < args.num_requests:
+        raise ValueError(f"--num-requests: only {len(times)} arrivals drawn; lower it or raise --rate")
+    from coserve.model.config import ModelConfig
+    context = ModelConfig.from_dir(Path(args.model)).max_position_embeddings
+    out = []
+    for i, t in enumerate(times):
+        text, p, r = entries[i % len(entries)]
+        r = max(2, min(int(r * args.length_scale), args.max_tokens))
+        room = context - r - CHAT_TEMPLATE_ROOM  # the chat template adds its own tokens around the message
+        p = max(4, min(int(p * args.length_scale), args.max_prompt_len, room))
+        ids = fit_length(tokenizer(text, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id or 0], p)
+        out.append((t, tokenizer.decode(ids), r))
+    return out
+
+
+def finetune_jsonl(path: Path) -> bytes:
+    """Alpaca or chat records as chat-format JSONL (what ``POST /v1/files`` takes)."""
+    text = path.read_text()
+    records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    lines = []
+    for r in records:
+        if "messages" in r:
+            lines.append({"messages": r["messages"]})
+        elif "instruction" in r and "output" in r:
+            user = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
+            lines.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": r["output"]}]})
+    if not lines:
+        raise ValueError(f"--finetune-data: {path} has no Alpaca or chat record")
+    return "".join(json.dumps(x) + "\n" for x in lines).encode()
+
+
+JOB = {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}  # longer than any phase: cancelled at the end
+
+
+# ---- the HTTP phase ---------------------------------------------------------------------------------------------
+async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[list[RequestRecord], dict]:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=spec.timeout_s)
+    job = None
+    if spec.finetune_jsonl is not None:
+        f = await client.files.create(file=("train.jsonl", io.BytesIO(spec.finetune_jsonl)), purpose="fine-tune")
+        job = await client.fine_tuning.jobs.create(model=model, training_file=f.id, seed=spec.seed, **JOB)
+        while (await client.fine_tuning.jobs.retrieve(job.id)).status == "queued":
+            await asyncio.sleep(0.1)
+    tokens0 = (await client.fine_tuning.jobs.retrieve(job.id)).trained_tokens or 0 if job else 0
+    start = time.monotonic()
+
+    async def one(offset: float, message: str, max_tokens: int) -> RequestRecord:
+        await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+        sent = time.monotonic() - start
+        first = None
+        n_out = n_prompt = 0
+        try:
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": message}], max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content and first is None:
+                    first = time.monotonic() - start
+                if chunk.usage is not None:
+                    n_out, n_prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+            return RequestRecord(sent, first, time.monotonic() - start, n_prompt, n_out)
+        except Exception as e:  # counted as failed, with why
+            return RequestRecord(sent, None, None, 0, 0, failed=True, error=f"{type(e).__name__}: {e}")
+
+    records = await asyncio.gather(*(one(*r) for r in spec.requests))
+    elapsed = time.monotonic() - start
+    ft = {}
+    if job is not None:
+        done = await client.fine_tuning.jobs.retrieve(job.id)
+        ft = {"finetune_tokens": (done.trained_tokens or 0) - tokens0, "job_status": done.status}
+        if done.status == "running":
+            await client.fine_tuning.jobs.cancel(job.id)
+    await client.close()
+    return list(records), {"elapsed_s": elapsed, **ft}
+
+
+def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
+    """``coserve serve`` in a child process on a free port; the load from this process."""
+    import subprocess
+
+    import httpx
+    with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "coserve.cli", "serve", "--model", spec.model, "--state-dir", f"{tmp}/state",
+               "--port", str(port), "--dtype", spec.dtype, "--log-level", "warning", "--max-waiting-requests",
+               str(max(512, len(spec.requests)))] + (["--device", spec.device] if spec.device else [])
+        log = open(f"{tmp}/server.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited ({proc.returncode}): {Path(tmp, 'server.log').read_text()[-2000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the server did not start in 300 s")
+                time.sleep(0.2)
+            model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+            return asyncio.run(_http_requests(spec, f"http://127.0.0.1:{port}/v1", model))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- the in-process phase ---------------------------------------------------------------------------------------
+async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[RequestRecord], dict]:
+    from coserve.engine.config import EngineConfig
+    from coserve.server.app import build_app
+    from coserve.server.config import ServerConfig
+    from coserve.server.inference_api import max_tokens_for, render_chat, sampling_params, start_choice
+    from coserve.server.protocol import ChatCompletionRequest, FineTuningJobRequest
+    app = build_app(ServerConfig(model=spec.model, state_dir=state_dir),
+                    EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device))
+    ctx = app.state.coserve
+    async with app.router.lifespan_context(app):
+        job = None
+        if spec.finetune_jsonl is not None:
+            f = ctx.store.add_file(TENANT, "train.jsonl", "fine-tune", spec.finetune_jsonl)
+            job = ctx.jobs.create(TENANT, FineTuningJobRequest.model_validate(
+                {"model": ctx.models.base, "training_file": f["id"], "seed": spec.seed, **JOB}))
+            while ctx.store.get_job(TENANT, job["id"])["status"] == "queued":
+                await asyncio.sleep(0.1)
+        tokens0 = ctx.metrics.finetune.total
+        start = time.monotonic()
+
+        async def one(offset: float, message: str, max_tokens: int) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+            sent = time.monotonic() - start
+            body = ChatCompletionRequest.model_validate({
+                "model": ctx.models.base, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "ignore_eos": True})
+            try:
+                ids = render_chat(ctx, body)
+                limit = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "messages")
+                choice = start_choice(ctx, TENANT, ids, sampling_params(body, limit, None, 0), None, 0, "messages")
+                first, out = None, None
+                async for out in choice.stream:
+                    if first is None and choice.delta.next(out.outputs[0].text, out.finished):
+                        first = time.monotonic() - start
+                return RequestRecord(sent, first, time.monotonic() - start, len(ids), len(out.outputs[0].token_ids))
+            except Exception as e:  # counted as failed, with why
+                return RequestRecord(sent, None, None, 0, 0, failed=True, error=f"{type(e).__name__}: {e}")
+
+        records = await asyncio.gather(*(one(*r) for r in spec.requests))
+        elapsed = time.monotonic() - start
+        ft = {}
+        if job is not None:
+            ctx.jobs._wake.set()
+            await asyncio.sleep(2 * 0.25)  # let the watcher count the last tokens
+            ft = {"finetune_tokens": ctx.metrics.finetune.total - tokens0,
+                  "job_status": ctx.store.get_job(TENANT, job["id"])["status"]}
+            if ft["job_status"] == "running":
+                await asyncio.to_thread(ctx.jobs.cancel, TENANT, job["id"])
+    return list(records), {"elapsed_s": elapsed, **ft}
+
+
+def _inprocess_child(conn, spec: LoadSpec) -> None:
+    try:
+        with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
+            records, extra = asyncio.run(_inprocess_requests(spec, f"{tmp}/state"))
+        conn.send(("ok", (records, extra)))
+    except BaseException as e:  # reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+def run_inprocess(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
+    """The same load on the server's own objects in a fresh (spawned) process, without HTTP."""
+    mp = multiprocessing.get_context("spawn")
+    parent, child = mp.Pipe()
+    proc = mp.Process(target=_inprocess_child, args=(child, spec))
+    proc.start()
+    child.close()
+    try:
+        status, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the in-process phase died (exit code {proc.exitcode})")
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"the in-process phase failed: {value}")
+    return value
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+def phase_row(name: str, records: list[RequestRecord], extra: dict, spec: LoadSpec) -> dict:
+    row = {"phase": name, **summarize(records, extra["elapsed_s"], spec.slo_tpot_s, spec.ttft_limit_s)}
+    row["finetune_tokens_per_s"] = extra.get("finetune_tokens", 0) / extra["elapsed_s"]
+    row["finetune_job_status"] = extra.get("job_status")
+    row["errors"] = sorted({r.error for r in records if r.error})[:5]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    def ms(v):
+        return "n/a" if v is None else f"{v * 1000:.1f}"
+    lines = ["| phase | requests | failed | SLO attainment | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms "
+             "| finetuning tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['phase']} | {r['num_requests']} | {r['num_failed']} | {100 * r['slo_attainment']:.1f}% | "
+                     f"{ms(r['ttft_s']['p50'])} | {ms(r['ttft_s']['p90'])} | {ms(r['tpot_s']['p50'])} | "
+                     f"{ms(r['tpot_s']['p90'])} | {r['finetune_tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from coserve.model.tokenizer import load_tokenizer
+    if args.num_requests <= 0:
+        raise ValueError(f"--num-requests: must be positive, got {args.num_requests}")
+    tokenizer = load_tokenizer(args.model)
+    requests = build_requests(args, tokenizer)
+    data = None
+    if args.finetune_data != "none":
+        path = Path(args.finetune_data) if args.finetune_data else DEFAULT_ALPACA
+        if not path.is_file():
+            raise ValueError(f"--finetune-data: {path} is not a file (give one, or 'none')")
+        data = finetune_jsonl(path)
+    spec = LoadSpec(str(Path(args.model).resolve()), requests, data, args.slo_tpot_ms / 1000, args.ttft_limit_s,
+                    args.timeout, args.dtype, args.device, args.seed)
+    rows = []
+    phases = [("in-process", run_inprocess), ("http", run_http)]
+    for name, fn in phases:
+        if args.phase not in ("both", name):
+            continue
+        print(f"{name}: {len(requests)} streamed chat requests at {args.rate} req/s"
+              f"{' beside a fine-tuning job' if data else ''}...", flush=True)
+        records, extra = fn(spec)
+        rows.append(phase_row(name, records, extra, spec))
+    print(table(rows))
+    result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "model": args.model,
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    if len(rows) == 2 and rows[0]["ttft_s"]["p50"] is not None and rows[1]["ttft_s"]["p50"] is not None:
+        added = (rows[1]["ttft_s"]["p50"] - rows[0]["ttft_s"]["p50"]) * 1000
+        result["http_added_ttft_p50_ms"] = added
+        print(f"HTTP adds {added:+.1f} ms to the median TTFT (target <= 5 ms)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
