@@ -102,6 +102,7 @@ MODULE_COMMANDS = {
     "bench-finetune": ("coserve.bench.finetune", "token-level finetuning against HF PEFT with a torch loop"),
     "bench": ("coserve.bench.serving", "co-serving benchmark: SLO attainment and finetuning throughput per policy and rate"),
     "profile": ("coserve.engine.profile_command", "time co-serving iterations and fit the latency model"),
+    "bench-server": ("coserve.bench.server_load", "a load run through the HTTP server against the in-process engine"),
     "serve": ("coserve.server.serve_command", "the OpenAI-compatible server: inference and fine-tuning jobs"),
 }
 
