@@ -203,6 +203,7 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
     from coserve.server.app import build_app
     from coserve.server.config import ServerConfig
     from coserve.server.inference_api import max_tokens_for, render_chat, sampling_params, start_choice
+    from coserve.server.jobs import POLL_S
     from coserve.server.protocol import ChatCompletionRequest, FineTuningJobRequest
     app = build_app(ServerConfig(model=spec.model, state_dir=state_dir),
                     EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device))
@@ -240,8 +241,7 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
         elapsed = time.monotonic() - start
         ft = {}
         if job is not None:
-            ctx.jobs._wake.set()
-            await asyncio.sleep(2 * 0.25)  # let the watcher count the last tokens
+            await asyncio.sleep(2 * POLL_S)  # let the job watcher count the last tokens
             ft = {"finetune_tokens": ctx.metrics.finetune.total - tokens0,
                   "job_status": ctx.store.get_job(TENANT, job["id"])["status"]}
             if ft["job_status"] == "running":
