@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import threading
 
 import httpx
@@ -170,7 +171,7 @@ def test_bad_uploads_name_the_line(alice):
     assert e.value.status_code == 413
 
 
-def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob):
+def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_path):
     f = upload(alice, chat_jsonl())
     job = alice.fine_tuning.jobs.create(
         model=BASE, training_file=f.id, suffix="facts", seed=3,
@@ -205,20 +206,34 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob):
                                           max_tokens=4)
     assert early.choices[0].message.content is not None
     assert done.fine_tuned_model in [m.id for m in alice.models.list().data]
+    assert alice.models.retrieve(checkpoints[-1].fine_tuned_model_checkpoint).owned_by == "alice"
     # bob sees none of it
     assert done.fine_tuned_model not in [m.id for m in bob.models.list().data]
+    for name in (done.fine_tuned_model, checkpoints[-1].fine_tuned_model_checkpoint):
+        with pytest.raises(openai.NotFoundError):
+            bob.chat.completions.create(model=name, messages=HELLO)
+        with pytest.raises(openai.NotFoundError):
+            bob.models.retrieve(name)
+    for call in (bob.fine_tuning.jobs.retrieve, bob.fine_tuning.jobs.cancel, bob.fine_tuning.jobs.list_events,
+                 bob.fine_tuning.jobs.checkpoints.list):
+        with pytest.raises(openai.NotFoundError):
+            call(job.id)
     with pytest.raises(openai.NotFoundError):
-        bob.chat.completions.create(model=done.fine_tuned_model, messages=HELLO)
-    with pytest.raises(openai.NotFoundError):
-        bob.fine_tuning.jobs.retrieve(job.id)
+        bob.fine_tuning.jobs.create(model=BASE, training_file=upload(bob, chat_jsonl()).id, validation_file=f.id)
     assert job.id not in [j.id for j in bob.fine_tuning.jobs.list().data]
     # a finished job cannot be cancelled
     with pytest.raises(openai.ConflictError):
         alice.fine_tuning.jobs.cancel(job.id)
-    # vLLM's runtime LoRA loading serves the adapter to every tenant under a plain name
+    # vLLM's runtime LoRA loading serves an adapter to every tenant under a plain name; not one of the state
+    # directory's (a tenant's own), so alice publishes a copy
     h = {"Authorization": f"Bearer {BOB}"}
-    path = str(server.state_dir / "jobs" / job.id / "model")
-    r = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=h, json={"lora_name": "facts", "lora_path": path})
+    path = server.state_dir / "jobs" / job.id / "model"
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=h,
+                   json={"lora_name": "facts", "lora_path": str(path)})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "lora_path"
+    published = shutil.copytree(path, tmp_path / "published")
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=h,
+                   json={"lora_name": "facts", "lora_path": str(published)})
     assert r.status_code == 200, r.text
     shared = bob.chat.completions.create(model="facts", messages=HELLO, max_tokens=8, temperature=0)
     assert shared.choices[0].message.content == tuned.choices[0].message.content

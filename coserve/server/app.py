@@ -86,5 +86,5 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_middleware(ServerMiddleware, auth=auth, metrics=metrics, max_body=config.max_body_bytes,
-                       max_upload=config.max_upload_bytes)
+                       max_upload=config.max_upload_bytes, engine_error=lambda: loop.error)
     return app

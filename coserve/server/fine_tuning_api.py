@@ -15,6 +15,7 @@ from coserve.server.training_files import PURPOSES, validate_training_jsonl
 
 router = APIRouter()
 MAX_PAGE = 100
+MAX_FILES_PAGE = 10_000  # OpenAI's limit for GET /v1/files
 
 
 async def _multipart(request: Request):
@@ -54,8 +55,23 @@ async def upload_file(request: Request, ctx: ServerContext = Depends(context)):
 
 
 @router.get("/v1/files")
-async def list_files(request: Request, purpose: str | None = None, ctx: ServerContext = Depends(context)):
-    return {"object": "list", "data": ctx.store.list_files(tenant_of(request), purpose), "has_more": False}
+async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
+                     limit: int = Query(MAX_FILES_PAGE), order: str = Query("desc"),
+                     ctx: ServerContext = Depends(context)):
+    """OpenAI's paging: ``limit`` files after the file ``after``, newest first (``order=desc``) or oldest first."""
+    if not 1 <= limit <= MAX_FILES_PAGE:
+        raise bad_request(f"limit: must be between 1 and {MAX_FILES_PAGE}, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", "order")
+    files = ctx.store.list_files(tenant_of(request), purpose)
+    if order == "asc":
+        files.reverse()
+    if after is not None:
+        at = next((i for i, f in enumerate(files) if f["id"] == after), None)
+        if at is None:
+            raise bad_request(f"after: {after!r} is not a file of this tenant", "after")
+        files = files[at + 1:]
+    return {"object": "list", "data": files[:limit], "has_more": len(files) > limit}
 
 
 @router.get("/v1/files/{file_id}")
@@ -75,14 +91,7 @@ async def get_file_content(file_id: str, request: Request, ctx: ServerContext = 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request, ctx: ServerContext = Depends(context)):
-    tenant = tenant_of(request)
-    if ctx.store.get_file(tenant, file_id) is None:
-        raise not_found("file", file_id, "file_id")
-    in_use = [j["id"] for _, j in ctx.store.jobs_with_status("validating_files", "queued", "running")
-              if ctx.store.job_tenant(j["id"]) == tenant and file_id in (j["training_file"], j["validation_file"])]
-    if in_use:
-        raise APIError(409, f"The file is in use by fine-tuning job {in_use[0]}", "file_id", "file_in_use")
-    await asyncio.to_thread(ctx.store.delete_file, tenant, file_id)
+    await asyncio.to_thread(ctx.jobs.delete_file, tenant_of(request), file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

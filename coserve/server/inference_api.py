@@ -28,6 +28,11 @@ from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, L
 
 router = APIRouter()
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+MIN_TEMPERATURE = 1e-2  # vLLM's floor: a smaller positive temperature overflows the logits to inf (NaN probabilities)
+# OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
+UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+               "response_format": (None, {"type": "text"})}
 
 
 @router.get("/v1/models")
@@ -37,10 +42,10 @@ async def list_models(request: Request, ctx: ServerContext = Depends(context)):
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request, ctx: ServerContext = Depends(context)):
-    for entry in ctx.models.listing(tenant_of(request)):
-        if entry["id"] == model:
-            return entry
-    raise not_found("model", model, "model")
+    entry = ctx.models.describe(tenant_of(request), model)
+    if entry is None:
+        raise not_found("model", model, "model")
+    return entry
 
 
 # ---- generation --------------------------------------------------------------------------------------------
@@ -69,6 +74,19 @@ class Job:
     n: int = 1  # choices per prompt
     choices: list[Choice] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
+    counted: bool = False  # its choices' outcomes are in the metrics
+
+
+def reject_unsupported(body: Sampling) -> None:
+    """400 for a field that asks for what this server does not do (silently ignoring it would be worse)."""
+    for name, accepted in UNSUPPORTED.items():
+        value = getattr(body, name, None)
+        if name == "best_of" and value == getattr(body, "n", 1):
+            continue
+        if not any(value == a and type(value) is type(a) for a in accepted):
+            raise bad_request(f"{name}: is not supported by this server", name, "unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
 
 
 def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
@@ -81,7 +99,10 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
     if any(not s for s in stops):
         raise bad_request("stop: sequences must be non-empty", "stop")
     seed = None if body.seed is None else body.seed + index
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                           top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
                           ignore_eos=body.ignore_eos, logprobs=logprobs)
 
@@ -159,9 +180,22 @@ def finish_reason(out: RequestOutput) -> str | None:
 
 
 async def close_all(job: Job) -> None:
+    """Abort every choice still running in the engine (idempotent)."""
     for c in job.choices:
         if c.out is None or not c.out.finished:
             await c.stream.aclose()
+
+
+def count_outcomes(job: Job, ctx: ServerContext, unfinished: str) -> None:
+    """Each choice's outcome into the metrics, once: ``ok`` if it finished, else ``unfinished``."""
+    if job.counted:
+        return
+    job.counted = True
+    done = sum(1 for c in job.choices if c.out is not None and c.out.finished)
+    if done:
+        ctx.metrics.request_done("ok", done)
+    if len(job.choices) - done:
+        ctx.metrics.request_done(unfinished, len(job.choices) - done)
 
 
 def sse(obj: dict | str) -> str:
@@ -180,6 +214,7 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
             await queue.put((choice, e))
 
     tasks = [asyncio.create_task(pump(c)) for c in job.choices]
+    failed = False
     try:
         open_choices = len(job.choices)
         for c in job.choices:
@@ -190,6 +225,7 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
             choice, out = await queue.get()
             if isinstance(out, BaseException):
                 error = out if isinstance(out, APIError) else APIError(500, f"generation failed ({out})")
+                failed = True
                 yield sse(error.body())
                 break
             body = chunk(choice, out)
@@ -208,15 +244,39 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await close_all(job)
+        count_outcomes(job, ctx, "error" if failed else "cancelled")
 
 
 def _object(job: Job) -> str:
     return "chat.completion.chunk" if job.ident.startswith("chatcmpl") else "text_completion"
 
 
-def streaming(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class EventStream(StreamingResponse):
+    """Server-sent events of a job whose requests are already in the engine: however the response ends (even a
+    client gone before the first event, when the generator never starts and so never runs its ``finally``),
+    every unfinished choice is aborted, freeing its KV blocks."""
+
+    def __init__(self, gen: AsyncIterator[str], job: Job, ctx: ServerContext) -> None:
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.ctx = job, ctx
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await close_all(self.job)
+            count_outcomes(self.job, self.ctx, "cancelled")
+
+
+def streaming(gen: AsyncIterator[str], job: Job, ctx: ServerContext) -> StreamingResponse:
+    return EventStream(gen, job, ctx)
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body was read already, so ``receive`` waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # a server that answers at once with empty bodies must not spin us
 
 
 # ---- logprobs ---------------------------------------------------------------------------------------------
@@ -280,11 +340,13 @@ def completion_prompts(ctx: ServerContext, prompt) -> list[tuple[list[int], str]
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(context)):
     tenant = tenant_of(request)
+    reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo: echo with logprobs is not supported", "echo", "unsupported_value")
+    single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
+    ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
     prompts = completion_prompts(ctx, body.prompt)
-    ctx.client.check_capacity(len(prompts) * body.n)
     job = Job(f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
     requests = []
     for ids, text in prompts:
@@ -316,14 +378,13 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
                     "choices": [choice_json(c, out, text, logprobs, offset, False)]}
 
         def last(c: Choice, out: RequestOutput) -> dict:
-            ctx.metrics.request_done("ok")
             return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
                     "choices": [{"index": c.index, "text": "", "logprobs": None, "finish_reason": finish_reason(out),
                                  "stop_reason": out.outputs[0].stop_reason}]}
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming(events(job, ctx, chunk, last, include))
+        return streaming(events(job, ctx, chunk, last, include), job, ctx)
 
-    await gather_all(job, ctx)
+    await gather_all(job, ctx, request)
     choices = []
     for c in job.choices:
         out = c.out
@@ -332,14 +393,25 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             "choices": choices, "usage": usage(job)}
 
 
-async def gather_all(job: Job, ctx: ServerContext) -> None:
+async def gather_all(job: Job, ctx: ServerContext, request: Request) -> None:
+    """Run every choice to its end; a client that goes away first aborts them all, as a closed stream does
+    (a non-streamed response is not cancelled by the server when its client leaves)."""
+    work = asyncio.ensure_future(asyncio.gather(*(run_to_end(c, job, ctx) for c in job.choices)))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
-        await asyncio.gather(*(run_to_end(c, job, ctx) for c in job.choices))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise APIError(499, "The client closed the request", code="client_closed_request")
+        work.result()
     except BaseException:
-        ctx.metrics.request_done("error", len(job.choices))
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
         await close_all(job)
+        count_outcomes(job, ctx, "cancelled" if gone.done() else "error")
         raise
-    ctx.metrics.request_done("ok", len(job.choices))
+    finally:
+        gone.cancel()
+    count_outcomes(job, ctx, "ok")
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------------------
@@ -362,6 +434,7 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: ServerContext = Depends(context)):
     tenant = tenant_of(request)
+    reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
     ids = render_chat(ctx, body)
     asked, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
@@ -393,13 +466,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 "finish_reason": None}]}
 
         def last(c: Choice, out: RequestOutput) -> dict:
-            ctx.metrics.request_done("ok")
             return {**head(c), "choices": [{"index": c.index, "delta": {}, "logprobs": None,
                                             "finish_reason": finish_reason(out)}]}
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming(events(job, ctx, chunk, last, include))
+        return streaming(events(job, ctx, chunk, last, include), job, ctx)
 
-    await gather_all(job, ctx)
+    await gather_all(job, ctx, request)
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.out.outputs[0].text},
                 "logprobs": {"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [])} if body.logprobs else None,
                 "finish_reason": finish_reason(c.out), "stop_reason": c.out.outputs[0].stop_reason}
@@ -423,8 +495,12 @@ async def load_lora_adapter(body: LoadLoraRequest, ctx: ServerContext = Depends(
     path = Path(body.lora_path).expanduser()
     if not (path / "adapter_config.json").is_file():
         raise bad_request(f"lora_path: no adapter_config.json in {body.lora_path}", "lora_path")
+    path = path.resolve()  # symbolic links followed: the check below is on where the files really are
+    if path.is_relative_to(Path(ctx.config.state_dir).resolve()):
+        raise APIError(403, "lora_path: adapters in the server's state directory belong to tenants; each is served "
+                       "to its owner under its fine-tuned model name", "lora_path", "lora_path_forbidden")
     try:
-        await asyncio.to_thread(ctx.client.loop.call, lambda: ctx.engine.load_adapter(name, path.resolve()))
+        await asyncio.to_thread(ctx.client.loop.call, lambda: ctx.engine.load_adapter(name, path))
     except AdapterError as e:
         raise bad_request(f"lora_path: {e}", "lora_path", "invalid_adapter") from e
     ctx.models.add_shared(name)

@@ -67,6 +67,7 @@ class JobManager:
         self.jobs_dir = Path(config.state_dir) / "jobs"
         self.running: dict[str, Running] = {}
         self._lock = threading.RLock()  # job state transitions: the watcher's tick and cancel
+        self._files_lock = threading.Lock()  # a file's deletion against a job being created on it
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="coserve-jobs", daemon=True)
@@ -101,6 +102,21 @@ class JobManager:
     # ---- the API's side ----------------------------------------------------------------------------------
     def create(self, tenant: str, body: FineTuningJobRequest) -> dict:
         """Validate a job request and queue it; errors name the field."""
+        with self._files_lock:  # its files cannot be deleted until the job is recorded (and holds them)
+            return self._create(tenant, body)
+
+    def delete_file(self, tenant: str, file_id: str) -> None:
+        """Delete the tenant's file: 404 if it has none by that id, 409 while a queued or running job uses it."""
+        with self._files_lock:
+            if self.store.get_file(tenant, file_id) is None:
+                raise not_found("file", file_id, "file_id")
+            in_use = [j["id"] for owner, j in self.store.jobs_with_status(*ACTIVE)
+                      if owner == tenant and file_id in (j["training_file"], j["validation_file"])]
+            if in_use:
+                raise APIError(409, f"The file is in use by fine-tuning job {in_use[0]}", "file_id", "file_in_use")
+            self.store.delete_file(tenant, file_id)
+
+    def _create(self, tenant: str, body: FineTuningJobRequest) -> dict:
         if body.model != self.base_name:
             if body.model.startswith("ft:"):
                 raise bad_request("model: fine-tuning a fine-tuned model is not supported; use the base model "
@@ -207,8 +223,11 @@ class JobManager:
                 return
             try:
                 self._start(tenant, job)
-            except (ValueError, AdapterError, OSError) as e:  # bad data, a job over the memory budget, ...
+            except (ValueError, AdapterError) as e:  # bad data, a job over the memory budget, ...
                 self._fail(job["id"], str(e), "invalid_training_file" if "training_file" in str(e) else None)
+            except OSError as e:  # its message would show the server's paths
+                log.exception("starting fine-tuning job %s failed", job["id"])
+                self._fail(job["id"], f"the job's files could not be read or written ({e.strerror})", "internal_error")
             except Exception as e:  # a fault of ours: the job fails rather than being retried forever
                 log.exception("starting fine-tuning job %s failed", job["id"])
                 self._fail(job["id"], f"the job could not start ({type(e).__name__}: {e})", "internal_error")

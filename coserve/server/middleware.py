@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from coserve.server.auth import Authenticator
 from coserve.server.errors import APIError
 from coserve.server.metrics import ServerMetrics
 
+log = logging.getLogger("coserve.server")
 access_log = logging.getLogger("coserve.access")
 OPEN_PATHS = ("/health", "/metrics")  # no key needed
 UPLOAD_PATHS = ("/v1/files",)
-_IDS = re.compile(r"(file|ftjob|ftckpt|ftevent)-[0-9a-f]+")
+UNROUTED = "(unrouted)"  # the metrics label of a request that matched no route (or was refused before routing)
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -25,15 +27,30 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"The request body exceeds the limit of {limit} bytes")
 
 
-def route_label(path: str) -> str:
-    """The path with ids replaced, so that metrics labels stay few."""
-    return _IDS.sub(lambda m: f"{{{m.group(1)}_id}}", path) if not path.startswith("/v1/models/") else "/v1/models/{model}"
+def route_label(scope) -> str:
+    """The matched route's template (``/v1/files/{file_id}``): labels stay few whatever paths clients send."""
+    route = scope.get("route")
+    return getattr(route, "path", None) or UNROUTED
+
+
+def server_fault(exc: BaseException, engine_error: BaseException | None) -> APIError:
+    """The response for an exception no route turned into an APIError: 503 once the engine has stopped, else 500."""
+    if engine_error is not None:
+        return APIError(503, f"The engine has stopped ({engine_error!r}); the server must be restarted",
+                        code="engine_stopped")
+    log.error("internal error", exc_info=exc)
+    return APIError(500, f"internal server error ({type(exc).__name__})", type="server_error")
 
 
 class ServerMiddleware:
-    def __init__(self, app, auth: Authenticator, metrics: ServerMetrics, max_body: int, max_upload: int) -> None:
+    """Also the last line for unexpected exceptions: answered here in OpenAI's shape (Starlette's own handler
+    would answer, then re-raise, and the server would drop the connection)."""
+
+    def __init__(self, app, auth: Authenticator, metrics: ServerMetrics, max_body: int, max_upload: int,
+                 engine_error: Callable[[], BaseException | None] = lambda: None) -> None:
         self.app, self.auth, self.metrics = app, auth, metrics
         self.max_body, self.max_upload = max_body, max_upload
+        self.engine_error = engine_error
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -41,12 +58,12 @@ class ServerMiddleware:
         start = time.perf_counter()
         path, method = scope["path"], scope["method"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        status = {"code": 500}
+        status = {"code": 500, "started": False}
         tenant = None
 
         async def send_logged(message):
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
             await send(message)
 
         try:
@@ -71,8 +88,14 @@ class ServerMiddleware:
             await self.app(scope, limited_receive, send_logged)
         except APIError as e:
             await e.response()(scope, receive, send_logged)
+        except ClientDisconnect:  # nobody to answer
+            status["code"] = 499
+        except Exception as e:
+            if status["started"]:
+                raise
+            await server_fault(e, self.engine_error()).response()(scope, receive, send_logged)
         finally:
             ms = (time.perf_counter() - start) * 1000
-            self.metrics.http.labels(method, route_label(path), str(status["code"])).inc()
+            self.metrics.http.labels(method, route_label(scope), str(status["code"])).inc()
             access_log.info(json.dumps({"method": method, "path": path, "status": status["code"],
                                         "ms": round(ms, 2), "tenant": tenant}))

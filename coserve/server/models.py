@@ -69,6 +69,18 @@ class ModelRegistry:
             return None
         return self.state_dir / "jobs" / job_id / "model"
 
+    def describe(self, tenant: str, name: str) -> dict | None:
+        """``GET /v1/models/{name}``: the model object if the tenant may use ``name`` (checkpoints included)."""
+        for entry in self.listing(tenant):
+            if entry["id"] == name:
+                return entry
+        if self.fine_tuned_path(tenant, name) is None:
+            return None
+        found = self.store.checkpoint_by_model(name)  # a checkpoint of one of the tenant's jobs
+        job = self.store.get_job(tenant, found[0]) if found else None
+        return {"id": name, "object": "model", "created": job["created_at"] if job else self.started,
+                "owned_by": tenant, "root": name, "parent": self.base}
+
     def add_shared(self, name: str) -> None:
         self.shared[name] = int(time.time())
 

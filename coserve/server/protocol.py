@@ -3,12 +3,13 @@ naming the field, never coerced. Unknown fields are ignored, as OpenAI-compatibl
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+INT64 = (-2**63, 2**63 - 1)  # seeds: what a torch generator takes (the server adds the choice's index)
 
 
 class Body(BaseModel):
@@ -29,12 +30,15 @@ class Sampling(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None
     top_k: int = Field(-1, ge=-1)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
+    # OpenAI's fields this server does not implement: accepted when they ask for nothing, else a 400 (ignoring
+    # them would silently answer another question); see inference_api.reject_unsupported
+    logit_bias: Any = None
 
 
 class CompletionRequest(Sampling):
@@ -42,6 +46,8 @@ class CompletionRequest(Sampling):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
 
 
 class TextPart(Body):
@@ -61,6 +67,11 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
 
 
 class LoadLoraRequest(Body):
@@ -111,8 +122,9 @@ class FineTuningJobRequest(Body):
     training_file: str
     validation_file: str | None = None
     suffix: str | None = Field(None, max_length=64)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=512)]] | None = Field(None, max_length=16)  # OpenAI's
     coserve: CoserveOptions | None = None

@@ -1,0 +1,333 @@
+"""The server against clients' mistakes and clients that leave: every mistake is a 4xx in OpenAI's error shape
+(never a 500, never an engine brought down), and a request whose client goes away is aborted in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+import httpx
+import pytest
+
+from server_helpers import CHAT_EXAMPLES, chat_jsonl, start_server
+
+ALICE, BOB = "key-alice", "key-bob"
+BASE = "tiny"
+HELLO = [{"role": "user", "content": "Hello there"}]
+CHAT, COMPLETIONS, JOBS = "/v1/chat/completions", "/v1/completions", "/v1/fine_tuning/jobs"
+NO_JOB = "ftjob-000000000000000000000000"
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def server(model_factory, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-errors")
+    keys = root / "keys.txt"
+    keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
+    srv = start_server(model_factory("llama"), root / "state", "--api-keys", str(keys), "--served-model-name", BASE,
+                       "--allow-lora-loading", "--max-upload-bytes", "20000", "--max-waiting-requests", "8")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def alice(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def bob(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {BOB}"}, timeout=60) as c:
+        yield c
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    """The error object of an OpenAI-shaped error response with ``status``."""
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, body
+    return body["error"]
+
+
+def gauge(server, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def outcomes(server) -> dict[str, float]:
+    return {o: gauge(server, f'coserve_generation_requests_total{{outcome="{o}"}}') for o in ("ok", "cancelled")}
+
+
+def wait_idle(server, timeout: float = 10) -> None:
+    """Until the engine has no running or waiting request (fails after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while gauge(server, "coserve_requests_running") or gauge(server, "coserve_requests_waiting"):
+        assert time.monotonic() < deadline, "requests are left in the engine"
+        time.sleep(0.05)
+
+
+def assert_alive(server) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ---- wrong JSON ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {"n": "2"}, "n"),
+    (CHAT, {"stop": 5}, "stop"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"messages": "hi"}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    (CHAT, {"model": 5}, "model"),
+    (CHAT, {"max_tokens": 2.5}, "max_tokens"),
+    (CHAT, {"stream_options": "x", "stream": True}, "stream_options"),
+    (CHAT, {"seed": 2**70}, "seed"),  # used to stop the engine (torch cannot seed with it)
+    (COMPLETIONS, {"prompt": {"a": 1}}, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", 1]}, "prompt[1]"),
+    (COMPLETIONS, {"prompt": "a", "echo": "yes"}, "echo"),
+    (JOBS, {"hyperparameters": {"n_epochs": "abc"}}, "hyperparameters.n_epochs"),
+    (JOBS, {"hyperparameters": {"learning_rate_multiplier": "abc"}}, "hyperparameters.learning_rate_multiplier"),
+    (JOBS, {"metadata": {"a": 1}}, "metadata.a"),
+    (JOBS, {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    (JOBS, {"training_file": 5}, "training_file"),
+    (JOBS, {"seed": 2**40}, "seed"),
+    (JOBS, {"method": "supervised"}, "method"),
+    ("/v1/load_lora_adapter", {"lora_name": 5, "lora_path": "/x"}, "lora_name"),
+])
+def test_wrong_json_types_are_400_naming_the_field(alice, path, body, param):
+    defaults = {CHAT: {"model": BASE, "messages": HELLO, "max_tokens": 2},
+                COMPLETIONS: {"model": BASE, "prompt": "hi", "max_tokens": 2},
+                JOBS: {"model": BASE, "training_file": "file-000000000000000000000000"}}.get(path, {})
+    error = error_of(alice.post(path, json={**defaults, **body}), 400)
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, JOBS, "/v1/load_lora_adapter"])
+@pytest.mark.parametrize("content, content_type", [
+    (b"", "application/json"), (b"[1, 2]", "application/json"), (b"null", "application/json"),
+    (b"{not json", "application/json"), (b'{"model": "\xff\xfe"}', "application/json"),
+    (b'{"model": "tiny"}', "text/plain"), (b"model=tiny", "application/x-www-form-urlencoded")])
+def test_bodies_that_are_no_json_object_are_400(alice, path, content, content_type):
+    error_of(alice.post(path, content=content, headers={"content-type": content_type}), 400)
+
+
+def test_values_that_used_to_stop_the_engine(server, alice):
+    """A seed torch cannot take, or a positive temperature so small that the logits overflow, stopped the engine
+    thread (every later request failed); now the first is a 400 and the second is served."""
+    for seed in (2**63, -2**63 - 1):
+        error_of(alice.post(CHAT, json={"model": BASE, "messages": HELLO, "seed": seed}), 400)
+    for seed in (2**63 - 1, -2**63):  # the ends of the range, with n > 1 (the server adds the choice's index)
+        r = alice.post(CHAT, json={"model": BASE, "messages": HELLO, "seed": seed, "n": 2, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    r = alice.post(COMPLETIONS, json={"model": BASE, "prompt": "hi", "temperature": 5e-324, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert_alive(server)
+
+
+@pytest.mark.parametrize("path, field, value", [
+    (COMPLETIONS, "logit_bias", {"5": 100}), (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "best_of", 3),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (CHAT, "tool_choice", "required"),
+    (CHAT, "response_format", {"type": "json_object"}), (CHAT, "stream_options", {"include_usage": True}),
+])
+def test_parameters_the_server_cannot_honour_are_400(alice, path, field, value):
+    body = {"model": BASE, "max_tokens": 2, field: value,
+            **({"messages": HELLO} if path == CHAT else {"prompt": "hi"})}
+    assert error_of(alice.post(path, json=body), 400)["param"] == field
+    neutral = {"logit_bias": {}, "suffix": None, "best_of": 1, "tools": [], "tool_choice": "none",
+               "response_format": {"type": "text"}, "stream_options": None}[field]
+    assert alice.post(path, json={**body, field: neutral}).status_code == 200
+
+
+# ---- query parameters, paths, uploads ----------------------------------------------------------------------
+@pytest.mark.parametrize("path", [
+    "/v1/files?limit=abc", "/v1/files?limit=0", "/v1/files?order=sideways", "/v1/files?after=file-x",
+    f"{JOBS}?limit=abc", f"{JOBS}?limit=0", f"{JOBS}?limit=101", f"{JOBS}?limit=99999999999999999999999",
+    f"{JOBS}?after=ftjob-x"])
+def test_bad_query_parameters_are_400(alice, path):
+    param = path.split("?")[1].split("=")[0]
+    assert error_of(alice.get(path), 400)["param"] == param
+
+
+def test_files_are_paged_as_openai_does(alice):
+    ids = [alice.post("/v1/files", files={"file": ("t.jsonl", chat_jsonl()), "purpose": (None, "fine-tune")})
+           .json()["id"] for _ in range(3)]
+    newest = alice.get("/v1/files", params={"limit": 1}).json()
+    assert [f["id"] for f in newest["data"]] == ids[-1:] and newest["has_more"]
+    rest = alice.get("/v1/files", params={"limit": 10, "after": ids[-1]}).json()
+    assert [f["id"] for f in rest["data"]][:2] == [ids[1], ids[0]]
+    oldest_first = [f["id"] for f in alice.get("/v1/files", params={"order": "asc"}).json()["data"]]
+    assert oldest_first[-3:] == ids
+    for i in ids:
+        assert alice.delete(f"/v1/files/{i}").status_code == 200
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/v1/files/{id}"), ("GET", "/v1/files/{id}/content"), ("DELETE", "/v1/files/{id}"),
+    ("GET", JOBS + "/{id}"), ("POST", JOBS + "/{id}/cancel"), ("GET", JOBS + "/{id}/events"),
+    ("GET", JOBS + "/{id}/checkpoints"), ("GET", "/v1/models/{id}")])
+@pytest.mark.parametrize("odd", ["..%2F..%2Fstate.db", "x" * 5000, "file-000000000000000000000000", NO_JOB,
+                                 "%00", "ft:tiny::" + NO_JOB])
+def test_odd_or_unknown_ids_are_404(alice, method, path, odd):
+    error_of(alice.request(method, path.replace("{id}", odd)), 404)
+
+
+def test_upload_mistakes_are_4xx(server, alice):
+    good = chat_jsonl()
+    cases = [({"files": {"purpose": (None, "fine-tune")}}, 400, "file"),
+             ({"files": {"file": ("t.jsonl", good)}}, 400, "purpose"),
+             ({"files": {"file": ("t.jsonl", b"\xff\xfe{}"), "purpose": (None, "fine-tune")}}, 400, "file"),
+             ({"files": {"file": ("t.jsonl", b""), "purpose": (None, "fine-tune")}}, 400, "file"),
+             ({"files": [("file", ("a.jsonl", good)), ("file", ("b.jsonl", good)),
+                         ("purpose", (None, "fine-tune"))]}, 400, None),
+             ({"json": {"purpose": "fine-tune", "file": "x"}}, 400, "file"),
+             ({"content": b"garbage", "headers": {"content-type": "multipart/form-data; boundary=zz"}}, 400, None),
+             ({"content": b"garbage", "headers": {"content-type": "multipart/form-data"}}, 400, None)]
+    for kwargs, status, param in cases:
+        error = error_of(alice.post("/v1/files", **kwargs), status)
+        assert param is None or error["param"] == param, (kwargs, error)
+
+    def chunks():  # no content-length: the limit is enforced on the bytes as they arrive
+        yield b'--zz\r\nContent-Disposition: form-data; name="file"; filename="t.jsonl"\r\n\r\n'
+        for _ in range(30):
+            yield good[:1000].ljust(1000)
+        yield b"\r\n--zz--\r\n"
+    error_of(alice.post("/v1/files", content=chunks(), headers={"content-type": "multipart/form-data; boundary=zz"}),
+             413)
+    assert_alive(server)
+
+
+def test_a_file_in_use_cannot_be_deleted_and_unknown_jobs_cannot_be_cancelled(alice):
+    long = chat_jsonl(CHAT_EXAMPLES * 20)  # 6,000 steps: running until cancelled
+    f = alice.post("/v1/files", files={"file": ("t.jsonl", long), "purpose": (None, "fine-tune")}).json()
+    job = alice.post(JOBS, json={"model": BASE, "training_file": f["id"], "hyperparameters": {"n_epochs": 50}}).json()
+    assert error_of(alice.delete(f"/v1/files/{f['id']}"), 409)["code"] == "file_in_use"
+    assert alice.post(f"{JOBS}/{job['id']}/cancel").json()["status"] == "cancelled"
+    assert alice.delete(f"/v1/files/{f['id']}").json()["deleted"]
+    error_of(alice.post(f"{JOBS}/{NO_JOB}/cancel"), 404)
+    error_of(alice.delete(f"/v1/files/{f['id']}"), 404)
+
+
+# ---- security ------------------------------------------------------------------------------------------------
+def test_lora_path_in_the_state_directory_is_refused(server, bob, tmp_path):
+    """A tenant's fine-tuned adapters lie in the state directory; loading one by path would serve it to all."""
+    inside = server.state_dir / "jobs" / "ftjob-111111111111111111111111" / "model"
+    inside.mkdir(parents=True)
+    (inside / "adapter_config.json").write_text("{}")
+    link = tmp_path / "innocent"
+    link.symlink_to(inside)
+    for path in (inside, link, f"{server.state_dir}/files/../jobs/ftjob-111111111111111111111111/model"):
+        r = bob.post("/v1/load_lora_adapter", json={"lora_name": "stolen", "lora_path": str(path)})
+        assert error_of(r, 403)["param"] == "lora_path"
+    assert "stolen" not in [m["id"] for m in bob.get("/v1/models").json()["data"]]
+
+
+def test_unrouted_paths_do_not_become_metric_labels(server, alice):
+    alice.get("/v1/no-such-route-7f3a")
+    httpx.get(f"{server.url}/v1/unauthenticated-9b2c")
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "7f3a" not in text and "9b2c" not in text
+    assert 'route="/v1/files/{file_id}"' in text or 'route="/v1/models"' in text
+
+
+# ---- clients that leave, streaming -----------------------------------------------------------------------------
+def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
+    wait_idle(server)
+    before = outcomes(server)
+    body = {"model": BASE, "prompt": "Once", "n": 4, "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}{COMPLETIONS}", json=body, headers={"Authorization": f"Bearer {ALICE}"}, timeout=0.2)
+    wait_idle(server, timeout=5)
+    after = outcomes(server)
+    assert after["cancelled"] - before["cancelled"] == 4 and after["ok"] == before["ok"]
+
+
+def test_a_streamed_request_is_aborted_when_its_client_leaves(server, alice):
+    wait_idle(server)
+    before = outcomes(server)
+    body = {"model": BASE, "messages": HELLO, "n": 2, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with alice.stream("POST", CHAT, json=body) as r:
+        for line in r.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break  # a first piece of text: leave
+    wait_idle(server, timeout=5)
+    after = outcomes(server)
+    assert after["cancelled"] - before["cancelled"] == 2 and after["ok"] == before["ok"]
+
+
+def streamed(client: httpx.Client, path: str, body: dict) -> tuple[dict[int, str], list[dict]]:
+    """Each choice's streamed text, and every chunk."""
+    texts: dict[int, str] = {}
+    chunks = []
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    for d in data[:-1]:
+        chunks.append(json.loads(d))
+        for c in chunks[-1]["choices"]:
+            piece = c["text"] if "text" in c else c["delta"].get("content")
+            texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+    return texts, chunks
+
+
+def test_streams_match_whole_answers_with_stops_n_and_echo(alice):
+    base = {"model": BASE, "prompt": "The scheduler decides", "max_tokens": 40, "temperature": 0}
+    text = alice.post(COMPLETIONS, json=base).json()["choices"][0]["text"]
+    for start, length in ((3, 1), (10, 3), (len(text) // 2, 5), (len(text) - 4, 2)):
+        stops = [text[start:start + length], "never-generated-zq"]
+        whole = alice.post(COMPLETIONS, json={**base, "stop": stops}).json()["choices"][0]
+        got, _ = streamed(alice, COMPLETIONS, {**base, "stop": stops})
+        assert got[0] == whole["text"] and not any(s in got[0] for s in stops), (stops, got[0])
+    sampled = {"model": BASE, "messages": HELLO, "max_tokens": 6, "n": 3, "seed": 11, "temperature": 1}
+    whole = alice.post(CHAT, json=sampled).json()
+    got, chunks = streamed(alice, CHAT, sampled)
+    assert got == {c["index"]: c["message"]["content"] for c in whole["choices"]}
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1, 2]
+    echo = {"model": BASE, "prompt": [[1, 500, 600], [1, 700]], "max_tokens": 3, "temperature": 0, "echo": True,
+            "n": 2}
+    whole = alice.post(COMPLETIONS, json=echo).json()
+    got, _ = streamed(alice, COMPLETIONS, echo)
+    assert got == {c["index"]: c["text"] for c in whole["choices"]} and len(got) == 4
+
+
+def test_an_event_stream_whose_generator_never_starts_still_aborts(monkeypatch):
+    """A client gone before the first event: Starlette cancels the response before iterating the generator, whose
+    ``finally`` then never runs; the requests, already in the engine, must be aborted all the same."""
+    from coserve.server.inference_api import Choice, EventStream, Job
+    from coserve.server.generation import TextDelta
+
+    class FakeStream:
+        closed = False
+
+        async def aclose(self):
+            self.closed = True
+
+    class FakeMetrics:
+        done: list = []
+
+        def request_done(self, outcome, n=1):
+            self.done.append((outcome, n))
+
+    class FakeContext:
+        metrics = FakeMetrics()
+
+    async def never_iterated():
+        raise AssertionError("not reached")
+        yield ""
+
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    async def sink(message):
+        await asyncio.sleep(0.01)
+
+    job = Job("chatcmpl-x", 0, BASE, 2, [Choice(i, [1], FakeStream(), TextDelta()) for i in range(2)])
+    gen = never_iterated()
+    asyncio.run(EventStream(gen, job, FakeContext())({"type": "http", "asgi": {"spec_version": "2.3"}}, gone, sink))
+    assert all(c.stream.closed for c in job.choices)
+    assert FakeContext.metrics.done == [("cancelled", 2)]
