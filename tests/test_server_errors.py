@@ -19,6 +19,7 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 CHAT, COMPLETIONS, JOBS = "/v1/chat/completions", "/v1/completions", "/v1/fine_tuning/jobs"
 NO_JOB = "ftjob-000000000000000000000000"
 ERROR_FIELDS = {"message", "type", "param", "code"}
+JOB_GB = 258_048 / 2**30  # what one default LoRA job on the tiny model holds (coserve.finetune.memory_budget)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def server(model_factory, tmp_path_factory):
     keys = root / "keys.txt"
     keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
     srv = start_server(model_factory("llama"), root / "state", "--api-keys", str(keys), "--served-model-name", BASE,
-                       "--allow-lora-loading", "--max-upload-bytes", "20000", "--max-waiting-requests", "8")
+                       "--allow-lora-loading", "--max-upload-bytes", "20000", "--max-waiting-requests", "8",
+                       "--max-running-jobs", "3", "--finetune-memory-gb", str(2.5 * JOB_GB))
     yield srv
     srv.stop()
 
@@ -210,6 +212,42 @@ def test_a_file_in_use_cannot_be_deleted_and_unknown_jobs_cannot_be_cancelled(al
     assert alice.delete(f"/v1/files/{f['id']}").json()["deleted"]
     error_of(alice.post(f"{JOBS}/{NO_JOB}/cancel"), 404)
     error_of(alice.delete(f"/v1/files/{f['id']}"), 404)
+
+
+def test_jobs_wait_for_memory_and_start_fairly_across_tenants(alice, bob):
+    """The finetuning memory budget has room for two jobs: a third waits, queued (it used to fail at once), and when
+    a job ends, the next to start is that of the tenant running fewer jobs, not the oldest queued."""
+    def upload(client):
+        return client.post("/v1/files", files={"file": ("t.jsonl", chat_jsonl(CHAT_EXAMPLES * 20)),
+                                               "purpose": (None, "fine-tune")}).json()["id"]
+
+    def create(client, file_id):
+        return client.post(JOBS, json={"model": BASE, "training_file": file_id,
+                                       "hyperparameters": {"n_epochs": 50}}).json()["id"]
+
+    def status(client, job_id):
+        return client.get(f"{JOBS}/{job_id}").json()["status"]
+
+    def wait(client, job_id, want):
+        deadline = time.monotonic() + 20
+        while status(client, job_id) != want:
+            assert time.monotonic() < deadline, f"{job_id} is still {status(client, job_id)}"
+            time.sleep(0.05)
+
+    fa, fb = upload(alice), upload(bob)
+    a = [create(alice, fa) for _ in range(3)]
+    for j in a[:2]:
+        wait(alice, j, "running")
+    b = create(bob, fb)
+    time.sleep(0.6)  # two rounds of the watcher
+    assert status(alice, a[2]) == "queued" and status(bob, b) == "queued"
+    alice.post(f"{JOBS}/{a[0]}/cancel")
+    wait(bob, b, "running")
+    assert status(alice, a[2]) == "queued"
+    alice.post(f"{JOBS}/{a[1]}/cancel")
+    wait(alice, a[2], "running")
+    for client, j in ((alice, a[2]), (bob, b)):
+        assert client.post(f"{JOBS}/{j}/cancel").json()["status"] == "cancelled"
 
 
 # ---- security ------------------------------------------------------------------------------------------------

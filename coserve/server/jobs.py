@@ -14,7 +14,7 @@ import random
 import re
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from coserve.finetune.build import make_bypass
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.dataset import load_dataset
 from coserve.finetune.job import FinetuneJob
+from coserve.finetune.memory_budget import job_memory
 from coserve.peft import AdapterError
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
@@ -42,6 +43,10 @@ LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier
 ACTIVE = ("validating_files", "queued", "running")
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHOW = 5  # bad data lines named in a job's error
+
+
+class WaitForMemory(Exception):
+    """The job fits the finetuning memory budget alone but not beside the running jobs: it stays queued."""
 
 
 @dataclass(slots=True)
@@ -68,6 +73,8 @@ class JobManager:
         self.running: dict[str, Running] = {}
         self._lock = threading.RLock()  # job state transitions: the watcher's tick and cancel
         self._files_lock = threading.Lock()  # a file's deletion against a job being created on it
+        self._memory_full: frozenset[str] | None = None  # the running jobs when the next one did not fit beside them
+        self._told_waiting: set[str] = set()  # jobs whose "waiting for memory" event is recorded
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="coserve-jobs", daemon=True)
@@ -170,11 +177,17 @@ class JobManager:
                 raise APIError(409, f"The job is already {job['status']} and cannot be cancelled",
                                code="job_not_cancellable")
             if job_id in self.running:
+                r = self.running[job_id]
                 try:
                     self.loop.call(lambda: self.engine.cancel_finetune_job(job_id))
-                except ValueError:
-                    pass  # it ended in the meantime; recorded as cancelled all the same
+                except ValueError:  # it ended before the cancel reached it: recorded as it ended, not lost
+                    status = self._follow_one(r)
+                    raise APIError(409, f"The job is already {status} and cannot be cancelled",
+                                   code="job_not_cancellable") from None
+                self._follow_one(r)  # its last steps and checkpoints
                 self._forget(job_id)
+            self._memory_full = None  # the job that did not fit may be this one
+            self._told_waiting.discard(job_id)
             self.store.add_event(job_id, "Job cancelled")
             return self.store.update_job(job_id, status="cancelled", finished_at=int(time.time()))
 
@@ -218,11 +231,24 @@ class JobManager:
 
     # ---- the watcher's side --------------------------------------------------------------------------------
     def _start_queued(self) -> None:
-        for tenant, job in self.store.jobs_with_status("queued"):
-            if len(self.running) >= self.config.max_running_jobs:
-                return
+        """Start queued jobs while there is room: next, the oldest job of the tenant running the fewest (so that
+        one tenant's many jobs do not hold every slot); none while the memory budget is full."""
+        queued = self.store.jobs_with_status("queued")
+        per_tenant = Counter(r.tenant for r in self.running.values())
+        while queued and len(self.running) < self.config.max_running_jobs:
+            if self._memory_full == frozenset(self.running):
+                return  # nothing ended since the head of the queue did not fit
+            tenant, job = min(queued, key=lambda tj: per_tenant[tj[0]])  # min keeps the oldest among equals
+            queued.remove((tenant, job))
             try:
                 self._start(tenant, job)
+                per_tenant[tenant] += 1
+            except WaitForMemory as e:
+                self._memory_full = frozenset(self.running)
+                if job["id"] not in self._told_waiting:
+                    self._told_waiting.add(job["id"])
+                    self.store.add_event(job["id"], f"Waiting for finetuning memory: {e}")
+                return
             except (ValueError, AdapterError) as e:  # bad data, a job over the memory budget, ...
                 self._fail(job["id"], str(e), "invalid_training_file" if "training_file" in str(e) else None)
             except OSError as e:  # its message would show the server's paths
@@ -263,7 +289,15 @@ class JobManager:
         name = fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id)
         r = Running(job_id, tenant, name, self.config.checkpoint_steps or per_epoch, ft)
         ft.on_step = lambda j: self._checkpoint(r)
-        self.loop.call(lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
+        try:
+            self.loop.call(lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
+        except ValueError as e:
+            budget = self.engine.config.finetune_memory_gb
+            if (self.running and str(e).startswith("finetune_memory_gb")
+                    and job_memory(ft).total_bytes <= budget * 2**30):
+                raise WaitForMemory(str(e).removeprefix("finetune_memory_gb: ")) from e
+            raise
+        self._told_waiting.discard(job_id)
         self.running[job_id] = r
         self.store.update_job(job_id, status="running",
                               coserve={**opts, "step": ft.step, "total_steps": ft.total_steps})
@@ -272,25 +306,30 @@ class JobManager:
 
     def _follow(self) -> None:
         for r in list(self.running.values()):
-            status, error, records, step, tokens = self.loop.call(lambda: self._read(r))
-            self.metrics.finetune.add(tokens - r.tokens)
-            r.tokens = tokens
-            for rec in records:
-                if not self.store.has_step_event(r.job_id, rec.step):
-                    self.store.add_event(r.job_id, f"Step {rec.step}/{r.job.total_steps}: training loss="
-                                         f"{rec.loss:.4f}", type="metrics",
-                                         data={"step": rec.step, "train_loss": rec.loss, "learning_rate": rec.lr,
-                                               "tokens": rec.tokens})
-            while r.saved:
-                self._record_checkpoint(r, *r.saved.popleft())
-            job = self.store.get_job(None, r.job_id)
-            self.store.update_job(r.job_id, trained_tokens=r.job.tokens_done,
-                                  coserve={**job["coserve"], "step": step})
-            if status == "succeeded":
-                self._succeed(r)
-            elif status == "failed":
-                self._fail(r.job_id, error or "the job failed", "training_failed")
-                self._forget(r.job_id)
+            self._follow_one(r)
+
+    def _follow_one(self, r: Running) -> str:
+        """Record a running job's new steps and checkpoints, and how it ended if it has; returns its status."""
+        status, error, records, step, tokens = self.loop.call(lambda: self._read(r))
+        self.metrics.finetune.add(tokens - r.tokens)
+        r.tokens = tokens
+        for rec in records:
+            if not self.store.has_step_event(r.job_id, rec.step):
+                self.store.add_event(r.job_id, f"Step {rec.step}/{r.job.total_steps}: training loss="
+                                     f"{rec.loss:.4f}", type="metrics",
+                                     data={"step": rec.step, "train_loss": rec.loss, "learning_rate": rec.lr,
+                                           "tokens": rec.tokens})
+        while r.saved:
+            self._record_checkpoint(r, *r.saved.popleft())
+        job = self.store.get_job(None, r.job_id)
+        self.store.update_job(r.job_id, trained_tokens=r.job.tokens_done,
+                              coserve={**job["coserve"], "step": step})
+        if status == "succeeded":
+            self._succeed(r)
+        elif status == "failed":
+            self._fail(r.job_id, error or "the job failed", "training_failed")
+            self._forget(r.job_id)
+        return status
 
     def _read(self, r: Running):
         state = self.engine.job_states[r.job_id]

@@ -91,8 +91,8 @@ class ModelRegistry:
         for name, created in sorted(self.shared.items()):
             data.append({"id": name, "object": "model", "created": created, "owned_by": "coserve",
                          "root": name, "parent": self.base})
-        for _, job in self.store.jobs_with_status("succeeded"):
-            if self.store.job_tenant(job["id"]) == tenant and job.get("fine_tuned_model"):
+        for owner, job in self.store.jobs_with_status("succeeded"):
+            if owner == tenant and job.get("fine_tuned_model"):
                 data.append({"id": job["fine_tuned_model"], "object": "model", "created": job.get("finished_at"),
                              "owned_by": tenant, "root": job["fine_tuned_model"], "parent": self.base})
         return data
