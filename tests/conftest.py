@@ -10,6 +10,10 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The float32 exactness tests (against HF at 1e-4 / 1e-5, bitwise batch invariance) need IEEE float32
+# matmuls on CUDA too: TF32 is off by default in torch; pinned here so that nothing imported turns it on.
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
 # Latency profiles the engines make (a brief one when none fits) go to a scratch file, not the user's cache.
 os.environ["COSERVE_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="coserve-test-"), "latency.json")
 

@@ -8,6 +8,7 @@ import torch
 
 from coserve.cli import main
 from coserve.engine.profiler import grid, latency_key
+from coserve.model.loader import resolve_device
 from coserve.scheduler.latency_model import load_model
 
 
@@ -28,7 +29,7 @@ def test_profile_writes_a_model_keyed_by_model_device_dtype_threads(model_factor
     assert main(["profile", "--model", str(model_dir), "--out", str(out), "--points", "12", "--repeats", "1",
                  "--max-context", "256"]) == 0
     assert "held-out median absolute error" in capsys.readouterr().out
-    key = latency_key(model_dir, torch.device("cpu"), torch.float32)
+    key = latency_key(model_dir, resolve_device(None), torch.float32)  # the device the command picks
     latency = load_model(out, key)
     assert latency is not None and latency.heldout_median_abs_pct_error is not None
     assert load_model(out, {**key, "threads": "999"}) is None

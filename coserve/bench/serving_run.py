@@ -101,8 +101,10 @@ def _train_until(job, stop: threading.Event | None, deadline: float | None) -> N
             return
 
 
-def _separate_worker(conn, model: str, spec: FinetuneSpec, dtype: str, cores: list[int], duration_s: float) -> None:
-    """The finetuning side of ``separate``: its own process on its own cores; reports tokens trained."""
+def _separate_worker(conn, model: str, spec: FinetuneSpec, dtype: str, device: str | None, cores: list[int],
+                     duration_s: float) -> None:
+    """The finetuning side of ``separate``: its own process on its own cores (on a GPU machine, the
+    engine's device, shared as two processes share it); reports tokens trained."""
     import torch
 
     from coserve.model.config import ModelConfig
@@ -112,13 +114,15 @@ def _separate_worker(conn, model: str, spec: FinetuneSpec, dtype: str, cores: li
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
     cfg = ModelConfig.from_dir(model)
-    m = load_model(model, resolve_dtype(dtype, cfg), resolve_device("cpu"), max_positions=spec.max_seq_len)
+    m = load_model(model, resolve_dtype(dtype, cfg), resolve_device(device), max_positions=spec.max_seq_len)
     with tempfile.TemporaryDirectory() as out:
         job = _make_job(m, load_tokenizer(model), spec, out)
         conn.send("ready")
         conn.recv()  # go
         start = time.perf_counter()
         _train_until(job, None, start + duration_s)
+        if m.device.type == "cuda":
+            torch.cuda.synchronize(m.device)
         conn.send((job.tokens_done, time.perf_counter() - start))
 
 
@@ -143,7 +147,7 @@ def run_one(spec: RunSpec) -> dict:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         worker = ctx.Process(target=_separate_worker, args=(child, spec.model, spec.finetune, spec.dtype,
-                                                            finetune_cores, spec.duration_s), daemon=True)
+                                                            spec.device, finetune_cores, spec.duration_s), daemon=True)
         worker.start()
     engine_policy = spec.policy if spec.policy in ENGINE_POLICIES else "inference-only"
     engine = LLMEngine(EngineConfig(

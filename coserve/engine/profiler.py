@@ -172,7 +172,13 @@ def save_latency_model(path: Path, latency: LatencyModel) -> None:
 
 
 def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """What a fit is valid for: the model directory, device, dtype and thread count."""
+    """What a fit is valid for: the model directory, device, dtype and thread count.
+
+    A CUDA device is named with its index (``cuda`` and ``cuda:0`` are one key when 0 is current).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return {"model": str(Path(model_dir).resolve()), "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "threads": str(torch.get_num_threads())}
 
