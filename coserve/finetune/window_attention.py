@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from coserve.model.attention import sdpa
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -26,7 +27,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if p:
         rows = torch.arange(n, device=q.device).unsqueeze(1) + p
         mask = torch.arange(p + n, device=q.device).unsqueeze(0) <= rows  # [n, p + n]
-    out = F.scaled_dot_product_attention(
+    out = sdpa(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, is_causal=not p, scale=scale, enable_gqa=True)  # [1, Hq, n, D]
     return out[0].transpose(0, 1).reshape(n, -1)
