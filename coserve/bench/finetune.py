@@ -1,6 +1,7 @@
 """``coserve bench-finetune``: token-level finetuning against HF PEFT with a plain torch loop, same model.
 
-Each measurement runs in its own subprocess so that peak RSS is that system's alone.
+Each measurement runs in its own subprocess so that peak RSS (and, on CUDA, peak GPU memory) is that
+system's alone.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def add_arguments(p) -> None:
     p.add_argument("--config", action="append", default=None, metavar="REMAT:WINDOW",
                    help="coserve settings to measure, e.g. cheap:0 (0 = whole-sequence windows); "
                         "default: cheap:0, all:0, cheap:64")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the base model's dtype for both systems (the adapter trains in float32)")
+    p.add_argument("--device", default=None, help="cuda when available, else cpu (default)")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one measurement, as JSON
 
@@ -57,12 +61,15 @@ def run(args) -> int:
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
         return 0
+    from coserve.model.loader import resolve_device
+    device = str(resolve_device(args.device))
     targets = args.targets or ["down_proj", ALL_LINEAR]
     configs = [_parse_config(c) for c in (args.config or ["cheap:0", "all:0", "cheap:64"])]
     rows = []
     for t in targets:
         spec = {"model": args.model, "data": args.data, "seq_len": args.seq_len, "steps": args.steps,
-                "targets": t, "r": args.lora_r}
+                "targets": t, "r": args.lora_r,
+                "dtype": args.dtype, "device": device}
         hf = _spawn({**spec, "system": "hf"})
         rows.append(hf)
         for remat, w in configs:
@@ -70,12 +77,18 @@ def run(args) -> int:
             co["ratio_tokens_per_s"] = co["tokens_per_s"] / hf["tokens_per_s"]
             co["ratio_kept_to_autograd"] = co["kept_bytes_per_token"] / hf["autograd_bytes_per_token"]
             co["ratio_peak_rss"] = co["peak_rss_bytes"] / hf["peak_rss_bytes"]
+            if "peak_gpu_bytes" in co and "peak_gpu_bytes" in hf:
+                co["ratio_peak_gpu"] = co["peak_gpu_bytes"] / hf["peak_gpu_bytes"]
             rows.append(co)
     report = {"model": args.model, "seq_len": args.seq_len, "steps": args.steps, "threads": torch.get_num_threads(),
+              "device": device, "device_name": _device_name(device), "dtype": args.dtype,
               "torch": torch.__version__, "rows": rows}
     for r in rows:
         extra = (f" | x{r['ratio_tokens_per_s']:.2f} tok/s, kept/autograd {r['ratio_kept_to_autograd']:.3f}, "
                  f"rss x{r['ratio_peak_rss']:.2f}") if r["system"] == "coserve" else ""
+        if "peak_gpu_bytes" in r:
+            extra += f" | peak GPU {r['peak_gpu_bytes'] / 2**20:.1f} MiB" + (
+                f" (x{r['ratio_peak_gpu']:.2f})" if "ratio_peak_gpu" in r else "")
         setting = f"{r['rematerialize']}:{r['window_tokens']}" if r["system"] == "coserve" else "-"
         print(f"{r['system']:8s} {r['targets']:20.20s} {setting:>8s}: "
               f"{r['tokens_per_s']:7.1f} tok/s, kept {r['kept_bytes_per_token']:8.0f} B/token, "
@@ -84,6 +97,10 @@ def run(args) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
 
 
 def _parse_config(text: str) -> tuple[str, int]:
@@ -109,47 +126,67 @@ def _worker(spec: dict) -> dict:
     tokenizer = load_tokenizer(spec["model"])
     seqs = packed_sequences(tokenizer, Path(spec["data"]), spec["seq_len"], spec["steps"] + 1)
     fn = _run_hf if spec["system"] == "hf" else _run_coserve
-    seconds, kept = fn(spec, seqs)
+    device = torch.device(spec.get("device", "cpu"))
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    seconds, kept = fn(spec, seqs, device, dtype)
     tokens = spec["seq_len"] * spec["steps"]
-    return {**{k: spec[k] for k in ("system", "targets") if k in spec},
-            **{k: spec[k] for k in ("rematerialize", "window_tokens") if k in spec},
-            "tokens_per_s": tokens / seconds, "seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), **kept}
+    row = {**{k: spec[k] for k in ("system", "targets") if k in spec},
+           **{k: spec[k] for k in ("rematerialize", "window_tokens") if k in spec},
+           "tokens_per_s": tokens / seconds, "seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), **kept}
+    if device.type == "cuda":
+        row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    return row
 
 
-def _run_hf(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_hf(spec: dict, seqs: list[list[int]], device: torch.device, dtype: torch.dtype) -> tuple[float, dict]:
     """HF PEFT: get_peft_model, plain loop of forward, loss.backward(), AdamW step."""
     from coserve.finetune.memory import saved_activation_bytes
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    base = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).to(device)
     model = get_peft_model(base, LoraConfig(r=spec["r"], lora_alpha=spec["r"],
                                             target_modules=spec["targets"].split(",")))
+    for p in model.parameters():  # the adapter trains in float32, as coserve's does
+        if p.requires_grad:
+            p.data = p.data.float()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = saved_activation_bytes(lambda: model(input_ids=torch.tensor([seqs[0]]), labels=torch.tensor([seqs[0]])).loss,
-                         weights)
+
+    def ids_tensor(ids):
+        return torch.tensor([ids], device=device)
+
+    saved = saved_activation_bytes(lambda: model(input_ids=ids_tensor(seqs[0]), labels=ids_tensor(seqs[0])).loss,
+                                   weights)
 
     def step(ids):
-        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss
+        loss = model(input_ids=ids_tensor(ids), labels=ids_tensor(ids)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
 
     step(seqs[0])  # warm-up
+    _sync(device)
     start = time.perf_counter()
     for ids in seqs[1:]:
         step(ids)
+    _sync(device)
     per_token = saved / len(seqs[0])
     return time.perf_counter() - start, {"autograd_bytes_per_token": per_token, "kept_bytes_per_token": per_token}
 
 
-def _run_coserve(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
+def _run_coserve(spec: dict, seqs: list[list[int]], device: torch.device, dtype: torch.dtype) -> tuple[float, dict]:
     from coserve.finetune.config import FinetuneConfig
     from coserve.finetune.job import Example, FinetuneJob
     from coserve.model.loader import load_model
     from coserve.peft.config import LoraConfig
     from coserve.peft.trainable import TrainableLora
-    model = load_model(spec["model"], torch.float32, torch.device("cpu"))
+    model = load_model(spec["model"], dtype, device)
     bypass = TrainableLora(LoraConfig(r=spec["r"], lora_alpha=spec["r"], target_modules=spec["targets"].split(",")),
                            model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(0))
     examples = [Example(ids, ids[1:] + [-100]) for ids in seqs]
@@ -161,9 +198,11 @@ def _run_coserve(spec: dict, seqs: list[list[int]]) -> tuple[float, dict]:
     while job.step < 1:  # warm-up step
         kind = job.next_work()
         (job.forward if kind == "forward" else job.backward)(cfg.window_tokens or job.pending_tokens())
+    _sync(device)
     start = time.perf_counter()
     while (kind := job.next_work()) is not None:
         n = cfg.window_tokens or job.pending_tokens()
         (job.forward if kind == "forward" else job.backward)(n)
+    _sync(device)
     seconds = time.perf_counter() - start
     return seconds, {"kept_bytes_per_token": job.kept_bytes_per_token}

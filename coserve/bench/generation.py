@@ -60,7 +60,9 @@ def run(args) -> int:
         "num_requests": args.num_requests, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "prompt_source": prompts.source, "max_prompt_len": args.max_prompt_len,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus", **figures,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "device_name": torch.cuda.get_device_name(llm.engine.device) if llm.engine.device.type == "cuda" else "cpu",
+        **figures,
     }
     for name in ("coserve", "hf"):  # the run less its prefill, per decode step (an estimate)
         if name in report:
@@ -74,8 +76,12 @@ def run(args) -> int:
 
 
 def _timed(fn):
+    """Seconds ``fn()`` takes, queued CUDA work included, and its value."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    sync()
     start = time.perf_counter()
     value = fn()
+    sync()
     return time.perf_counter() - start, value
 
 

@@ -172,7 +172,7 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     shards and ``model.safetensors.index.json``), ``tokenizer.json`` and ``tokenizer_config.json``.
     The same arguments always give the same weights; the weights depend on ``seed``.
 
-    ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``), ``arch``
+    ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``, ``medium``), ``arch``
     one of ``llama``, ``qwen2``, ``mistral``, ``dtype`` one of ``float32``, ``bfloat16``,
     ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
     only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,

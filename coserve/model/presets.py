@@ -57,6 +57,11 @@ PRESETS: dict[str, ModelPreset] = {
         name="small", num_hidden_layers=8, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=1408, vocab_size=8192, max_position_embeddings=2048, rope_theta=500000.0,
     ),
+    # About 288M parameters (24 layers, hidden 1024): for benchmarks on a GPU, where "small" is launch-bound.
+    "medium": ModelPreset(
+        name="medium", num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+        intermediate_size=2816, vocab_size=8192, max_position_embeddings=2048, rope_theta=500000.0,
+    ),
 }
 
 
