@@ -369,3 +369,39 @@ def test_an_event_stream_whose_generator_never_starts_still_aborts(monkeypatch):
     asyncio.run(EventStream(gen, job, FakeContext())({"type": "http", "asgi": {"spec_version": "2.3"}}, gone, sink))
     assert all(c.stream.closed for c in job.choices)
     assert FakeContext.metrics.done == [("cancelled", 2)]
+
+
+def test_an_adapter_unloaded_before_its_request_reaches_the_engine(model_factory, tmp_path):
+    """A route resolves ``model`` to an adapter, and only later does the engine thread take the request; an unload in
+    between sees no request using the adapter and succeeds. The request must then fail alone (it used to reach the
+    executor, whose KeyError stopped the engine for everyone)."""
+    from peft_helpers import make_lora_adapter
+
+    from coserve.engine.config import EngineConfig
+    from coserve.engine.engine_loop import EngineLoop
+    from coserve.engine.llm_engine import LLMEngine
+    from coserve.scheduler import SamplingParams
+    from coserve.server.errors import APIError
+    from coserve.server.generation import EngineClient
+
+    model = model_factory("llama")
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu"))
+    engine.load_adapter("shared", make_lora_adapter(model, tmp_path / "shared"))
+    loop = EngineLoop(engine)
+    params = SamplingParams(max_tokens=2)
+
+    async def run() -> None:
+        client = EngineClient(loop, 8)
+        request, _ = engine.make_request([1, 2, 3], params, "shared", request_id="resolved-before-unload")
+        loop.call(lambda: engine.unload_adapter("shared"))
+        with pytest.raises(APIError) as e:
+            [out async for out in client.submit(request)]
+        assert e.value.status == 404
+        other, _ = engine.make_request([1, 2, 3], params, None, request_id="after")
+        assert [out async for out in client.submit(other)][-1].finished  # the engine still serves
+
+    try:
+        asyncio.run(run())
+        assert loop.error is None
+    finally:
+        loop.stop()

@@ -47,6 +47,12 @@ class RequestStream:
             aio.call_soon_threadsafe(self.queue.put_nowait, out)
 
         def submit() -> None:
+            adapter = request.adapter
+            if adapter is not None and adapter not in client.engine.adapters:
+                # unloaded since the route resolved the model (an unload sees only queued requests as users):
+                # queued, the request would stop the engine in the executor
+                listener(APIError(404, f"The model '{adapter}' was unloaded", "model", "model_not_found"))
+                return
             loop.listeners[rid] = listener
             try:
                 client.engine.enqueue(request, text)
@@ -67,6 +73,9 @@ class RequestStream:
         except BaseException:  # cancelled (the client went away): free the request's KV blocks
             await self.aclose()
             raise
+        if isinstance(out, APIError):
+            self.finished = True
+            raise out
         if isinstance(out, BaseException):
             self.finished = True
             raise APIError(503, f"the engine could not run the request ({out})", code="engine_error")
