@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 def _add_create_model(sub) -> None:
     p = sub.add_parser("create-model", help="write a randomly initialised HF model directory")
     p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "medium"])
     p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
