@@ -145,6 +145,24 @@ def test_parameters_the_server_cannot_honour_are_400(alice, path, field, value):
     assert alice.post(path, json={**body, field: neutral}).status_code == 200
 
 
+def test_tokenizing_a_huge_prompt_does_not_stall_other_requests(server, alice):
+    """A prompt of megabytes takes the tokenizer a second or more; on the event loop's thread it stalled every
+    other request (and stream) meanwhile."""
+    import threading
+
+    done = []
+    big = threading.Thread(target=lambda: done.append(alice.post(COMPLETIONS, json={
+        "model": BASE, "prompt": "hello world, this is a test. " * 50_000, "max_tokens": 2})))
+    big.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert_alive(server)
+    waited = time.monotonic() - start
+    big.join()
+    assert error_of(done[0], 400)["code"] == "context_length_exceeded"
+    assert waited < 0.3, f"/health waited {waited:.2f} s behind the tokenizer"
+
+
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------
 @pytest.mark.parametrize("path", [
     "/v1/files?limit=abc", "/v1/files?limit=0", "/v1/files?order=sideways", "/v1/files?after=file-x",
@@ -216,7 +234,8 @@ def test_a_file_in_use_cannot_be_deleted_and_unknown_jobs_cannot_be_cancelled(al
 
 def test_jobs_wait_for_memory_and_start_fairly_across_tenants(alice, bob):
     """The finetuning memory budget has room for two jobs: a third waits, queued (it used to fail at once), and when
-    a job ends, the next to start is that of the tenant running fewer jobs, not the oldest queued."""
+    a job ends, the next to start is that of the tenant running fewer jobs, not the oldest queued. Cancelling is
+    prompt while jobs run (the engine thread took its lock back after each iteration: waits of seconds)."""
     def upload(client):
         return client.post("/v1/files", files={"file": ("t.jsonl", chat_jsonl(CHAT_EXAMPLES * 20)),
                                                "purpose": (None, "fine-tune")}).json()["id"]
@@ -224,6 +243,11 @@ def test_jobs_wait_for_memory_and_start_fairly_across_tenants(alice, bob):
     def create(client, file_id):
         return client.post(JOBS, json={"model": BASE, "training_file": file_id,
                                        "hyperparameters": {"n_epochs": 50}}).json()["id"]
+
+    def cancel(client, job_id):  # promptly: between two iterations, not after the engine thread lets go its lock
+        start = time.monotonic()
+        assert client.post(f"{JOBS}/{job_id}/cancel").json()["status"] == "cancelled"
+        assert time.monotonic() - start < 1.0, f"cancelling took {time.monotonic() - start:.2f} s"
 
     def status(client, job_id):
         return client.get(f"{JOBS}/{job_id}").json()["status"]
@@ -234,20 +258,26 @@ def test_jobs_wait_for_memory_and_start_fairly_across_tenants(alice, bob):
             assert time.monotonic() < deadline, f"{job_id} is still {status(client, job_id)}"
             time.sleep(0.05)
 
+    def events(client, job_id):
+        return [e["message"] for e in client.get(f"{JOBS}/{job_id}/events").json()["data"]]
+
     fa, fb = upload(alice), upload(bob)
     a = [create(alice, fa) for _ in range(3)]
     for j in a[:2]:
         wait(alice, j, "running")
+    deadline = time.monotonic() + 20
+    while not any(m.startswith("Waiting for finetuning memory") for m in events(alice, a[2])):
+        assert status(alice, a[2]) == "queued" and time.monotonic() < deadline
+        time.sleep(0.05)
     b = create(bob, fb)
-    time.sleep(0.6)  # two rounds of the watcher
-    assert status(alice, a[2]) == "queued" and status(bob, b) == "queued"
-    alice.post(f"{JOBS}/{a[0]}/cancel")
+    assert status(bob, b) == "queued"
+    cancel(alice, a[0])
     wait(bob, b, "running")
     assert status(alice, a[2]) == "queued"
-    alice.post(f"{JOBS}/{a[1]}/cancel")
+    cancel(alice, a[1])
     wait(alice, a[2], "running")
-    for client, j in ((alice, a[2]), (bob, b)):
-        assert client.post(f"{JOBS}/{j}/cancel").json()["status"] == "cancelled"
+    cancel(alice, a[2])
+    cancel(bob, b)
 
 
 # ---- security ------------------------------------------------------------------------------------------------

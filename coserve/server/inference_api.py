@@ -21,7 +21,7 @@ from coserve.scheduler import SamplingParams
 from coserve.scheduler.plan import TokenLogprobs
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
-from coserve.server.generation import RequestStream, TextDelta
+from coserve.server.generation import RequestStream, TextDelta, on_engine_async
 from coserve.server.models import ADAPTER_NAME
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, Sampling,
                                      UnloadLoraRequest)
@@ -346,7 +346,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
         raise bad_request("echo: echo with logprobs is not supported", "echo", "unsupported_value")
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
-    prompts = completion_prompts(ctx, body.prompt)
+    prompts = await asyncio.to_thread(completion_prompts, ctx, body.prompt)  # megabytes take seconds: off the loop
     job = Job(f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
     requests = []
     for ids, text in prompts:
@@ -436,7 +436,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     tenant = tenant_of(request)
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
-    ids = render_chat(ctx, body)
+    ids = await asyncio.to_thread(render_chat, ctx, body)  # megabytes take seconds: off the event loop
     asked, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                     else (body.max_tokens, "max_tokens"))
     max_tokens = max_tokens_for(ctx, len(ids), asked, param, "messages")
@@ -500,7 +500,7 @@ async def load_lora_adapter(body: LoadLoraRequest, ctx: ServerContext = Depends(
         raise APIError(403, "lora_path: adapters in the server's state directory belong to tenants; each is served "
                        "to its owner under its fine-tuned model name", "lora_path", "lora_path_forbidden")
     try:
-        await asyncio.to_thread(ctx.client.loop.call, lambda: ctx.engine.load_adapter(name, path))
+        await on_engine_async(ctx.client.loop, lambda: ctx.engine.load_adapter(name, path))
     except AdapterError as e:
         raise bad_request(f"lora_path: {e}", "lora_path", "invalid_adapter") from e
     ctx.models.add_shared(name)
@@ -515,7 +515,7 @@ async def unload_lora_adapter(body: UnloadLoraRequest, ctx: ServerContext = Depe
     if body.lora_name not in ctx.models.shared:
         raise not_found("model", body.lora_name, "lora_name")
     try:
-        await asyncio.to_thread(ctx.client.loop.call, lambda: ctx.engine.unload_adapter(body.lora_name))
+        await on_engine_async(ctx.client.loop, lambda: ctx.engine.unload_adapter(body.lora_name))
     except AdapterError as e:
         raise APIError(409, str(e), "lora_name", "adapter_in_use") from e
     del ctx.models.shared[body.lora_name]

@@ -3,7 +3,7 @@ checkpoints, and resumed from their last checkpoint after a restart.
 
 One watcher thread starts queued jobs (tokenizing their data off the engine thread), turns each optimizer
 step into a metrics event, saves a servable checkpoint every ``checkpoint_steps`` (or epoch), and records
-how each job ends. Every engine access goes through ``EngineLoop.call`` (between iterations).
+how each job ends. Every engine access goes through ``on_engine`` (between iterations).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, not_found
+from coserve.server.generation import on_engine
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import checkpoint_name, fine_tuned_name
 from coserve.server.protocol import CoserveOptions, FineTuningJobRequest, Hyperparameters
@@ -178,14 +179,18 @@ class JobManager:
                                code="job_not_cancellable")
             if job_id in self.running:
                 r = self.running[job_id]
-                try:
-                    self.loop.call(lambda: self.engine.cancel_finetune_job(job_id))
-                except ValueError:  # it ended before the cancel reached it: recorded as it ended, not lost
-                    status = self._follow_one(r)
-                    raise APIError(409, f"The job is already {status} and cannot be cancelled",
-                                   code="job_not_cancellable") from None
-                self._follow_one(r)  # its last steps and checkpoints
+
+                def cancel_and_read():
+                    try:
+                        self.engine.cancel_finetune_job(job_id)
+                    except ValueError:
+                        pass  # it ended before the cancel reached it: recorded below as it ended, not lost
+                    return self._read(r)
+                status = self._record(r, *on_engine(self.loop, cancel_and_read))  # its last steps and checkpoints too
                 self._forget(job_id)
+                if status != "cancelled":
+                    raise APIError(409, f"The job is already {status} and cannot be cancelled",
+                                   code="job_not_cancellable")
             self._memory_full = None  # the job that did not fit may be this one
             self._told_waiting.discard(job_id)
             self.store.add_event(job_id, "Job cancelled")
@@ -290,7 +295,7 @@ class JobManager:
         r = Running(job_id, tenant, name, self.config.checkpoint_steps or per_epoch, ft)
         ft.on_step = lambda j: self._checkpoint(r)
         try:
-            self.loop.call(lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
+            on_engine(self.loop, lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
         except ValueError as e:
             budget = self.engine.config.finetune_memory_gb
             if (self.running and str(e).startswith("finetune_memory_gb")
@@ -305,12 +310,17 @@ class JobManager:
         self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps")
 
     def _follow(self) -> None:
-        for r in list(self.running.values()):
-            self._follow_one(r)
+        running = list(self.running.values())
+        if not running:
+            return
+        reads = on_engine(self.loop, lambda: [self._read(r) for r in running])  # one wait for the engine, not one per job
+        ended = [r.job_id for r, read in zip(running, reads) if self._record(r, *read) != "running"]
+        if ended:
+            self._forget(*ended)
 
-    def _follow_one(self, r: Running) -> str:
-        """Record a running job's new steps and checkpoints, and how it ended if it has; returns its status."""
-        status, error, records, step, tokens = self.loop.call(lambda: self._read(r))
+    def _record(self, r: Running, status: str, error: str | None, records: list, step: int, tokens: int) -> str:
+        """Record what a job did since the last look (steps, checkpoints) and how it ended if it has (the caller
+        then forgets it); returns its status."""
         self.metrics.finetune.add(tokens - r.tokens)
         r.tokens = tokens
         for rec in records:
@@ -328,7 +338,6 @@ class JobManager:
             self._succeed(r)
         elif status == "failed":
             self._fail(r.job_id, error or "the job failed", "training_failed")
-            self._forget(r.job_id)
         return status
 
     def _read(self, r: Running):
@@ -360,14 +369,14 @@ class JobManager:
         self.store.update_job(r.job_id, status="succeeded", fine_tuned_model=r.name, finished_at=int(time.time()),
                               trained_tokens=r.job.tokens_done)
         self.store.add_event(r.job_id, "The job has successfully completed")
-        self._forget(r.job_id)
 
     def _fail(self, job_id: str, message: str, code: str | None) -> None:
         self.store.add_event(job_id, f"Job failed: {message}", level="error")
         self.store.update_job(job_id, status="failed", finished_at=int(time.time()),
                               error={"code": code or "job_failed", "message": message, "param": None})
 
-    def _forget(self, job_id: str) -> None:
-        """Drop a job that ended from the engine's and the watcher's books (its files stay on disk)."""
-        self.running.pop(job_id, None)
-        self.loop.call(lambda: self.engine.job_states.pop(job_id, None))
+    def _forget(self, *job_ids: str) -> None:
+        """Drop jobs that ended from the engine's and the watcher's books (their files stay on disk)."""
+        for job_id in job_ids:
+            self.running.pop(job_id, None)
+        on_engine(self.loop, lambda: [self.engine.job_states.pop(job_id, None) for job_id in job_ids])

@@ -3,7 +3,6 @@ model or checkpoint (loaded into the engine on first use)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from coserve.engine.engine_loop import EngineLoop
 from coserve.peft import AdapterError
 from coserve.server.errors import APIError, not_found
+from coserve.server.generation import on_engine_async
 from coserve.server.store import Store
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -48,7 +48,7 @@ class ModelRegistry:
             raise not_found("model", name, param)
         if name not in self.loop.engine.adapters:
             try:
-                await asyncio.to_thread(self.loop.call, lambda: self.loop.engine.load_adapter(name, path))
+                await on_engine_async(self.loop, lambda: self.loop.engine.load_adapter(name, path))
             except AdapterError as e:
                 raise APIError(400, f"The model '{name}' cannot be served: {e}", param, "model_not_servable") from e
         return name
