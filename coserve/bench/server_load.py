@@ -11,6 +11,7 @@ no HTTP, no JSON and no client process. The difference of their TTFTs is what th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import multiprocessing
@@ -35,7 +36,8 @@ CHAT_TEMPLATE_ROOM = 64  # tokens left for the chat template and re-tokenization
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--num-requests", type=int, default=500)
-    p.add_argument("--rate", type=float, default=2.0, help="mean arrival rate, requests/s (Poisson)")
+    p.add_argument("--rate", type=float, default=2.0, help="mean arrival rate, requests/s (Poisson); 0 = one "
+                   "request at a time (each sent when the last finished: the HTTP layer's cost without load)")
     p.add_argument("--prompts", default=None, help="ShareGPT-trace JSON (default: ../shared/data's, if there)")
     p.add_argument("--length-scale", type=float, default=0.5, help="prompt and output lengths x this")
     p.add_argument("--max-prompt-len", type=int, default=512)
@@ -76,7 +78,10 @@ def build_requests(args, tokenizer) -> list[tuple[float, str, int]]:
     else:  # ShareGPT-like log-normal lengths on synthetic text
         entries = [(f"Request {i}: explain how the scheduler batches work.", max(4, int(rng.lognormvariate(3.9, 1.4))),
                     max(2, int(rng.lognormvariate(4.6, 1.0)))) for i in range(args.num_requests)]
-    times = poisson_arrivals(args.rate, args.num_requests / args.rate * 3, args.seed)[:args.num_requests]
+    if args.rate < 0:
+        raise ValueError(f"--rate: must be >= 0, got {args.rate}")
+    times = ([0.0] * args.num_requests if args.rate == 0 else
+             poisson_arrivals(args.rate, args.num_requests / args.rate * 3, args.seed)[:args.num_requests])
     if len(times) < args.num_requests:
         raise ValueError(f"--num-requests: only {len(times)} arrivals drawn; lower it or raise --rate")
     from coserve.model.config import ModelConfig
@@ -111,6 +116,13 @@ def finetune_jsonl(path: Path) -> bytes:
 JOB = {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}  # longer than any phase: cancelled at the end
 
 
+def one_at_a_time(spec: LoadSpec):
+    """With every arrival at 0 (``--rate 0``) a lock sends one request at a time; else no limit."""
+    if all(offset == 0 for offset, _, _ in spec.requests):
+        return asyncio.Lock()
+    return contextlib.nullcontext()
+
+
 # ---- the HTTP phase ---------------------------------------------------------------------------------------------
 async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[list[RequestRecord], dict]:
     from openai import AsyncOpenAI
@@ -123,8 +135,13 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
             await asyncio.sleep(0.1)
     tokens0 = (await client.fine_tuning.jobs.retrieve(job.id)).trained_tokens or 0 if job else 0
     start = time.monotonic()
+    turn = one_at_a_time(spec)
 
     async def one(offset: float, message: str, max_tokens: int) -> RequestRecord:
+        async with turn:
+            return await send(offset, message, max_tokens)
+
+    async def send(offset: float, message: str, max_tokens: int) -> RequestRecord:
         await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
         sent = time.monotonic() - start
         first = None
@@ -218,8 +235,13 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
                 await asyncio.sleep(0.1)
         tokens0 = ctx.metrics.finetune.total
         start = time.monotonic()
+        turn = one_at_a_time(spec)
 
         async def one(offset: float, message: str, max_tokens: int) -> RequestRecord:
+            async with turn:
+                return await send(offset, message, max_tokens)
+
+        async def send(offset: float, message: str, max_tokens: int) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
             sent = time.monotonic() - start
             body = ChatCompletionRequest.model_validate({
@@ -318,7 +340,8 @@ def run(args) -> int:
     for name, fn in phases:
         if args.phase not in ("both", name):
             continue
-        print(f"{name}: {len(requests)} streamed chat requests at {args.rate} req/s"
+        how = "one at a time" if args.rate == 0 else f"at {args.rate} req/s"
+        print(f"{name}: {len(requests)} streamed chat requests {how}"
               f"{' beside a fine-tuning job' if data else ''}...", flush=True)
         records, extra = fn(spec)
         rows.append(phase_row(name, records, extra, spec))
