@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import time
 
@@ -366,7 +365,7 @@ def test_streams_match_whole_answers_with_stops_n_and_echo(alice):
 def test_an_event_stream_whose_generator_never_starts_still_aborts(monkeypatch):
     """A client gone before the first event: Starlette cancels the response before iterating the generator, whose
     ``finally`` then never runs; the requests, already in the engine, must be aborted all the same."""
-    from coserve.server.inference_api import Choice, EventStream, Job
+    from coserve.server.choices import Choice, EventStream, Job
     from coserve.server.generation import TextDelta
 
     class FakeStream:

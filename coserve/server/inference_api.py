@@ -4,24 +4,21 @@ server-sent events or not), and vLLM's runtime LoRA loading."""
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from coserve.engine.outputs import RequestOutput
 from coserve.peft import AdapterError
 from coserve.scheduler import Request as EngineRequest
 from coserve.scheduler import SamplingParams
 from coserve.scheduler.plan import TokenLogprobs
+from coserve.server.choices import Choice, Job, events, finish_reason, gather_all, streaming, usage
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
-from coserve.server.generation import RequestStream, TextDelta, on_engine_async
+from coserve.server.generation import TextDelta, on_engine_async
 from coserve.server.models import ADAPTER_NAME
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, Sampling,
                                      UnloadLoraRequest)
@@ -31,7 +28,7 @@ MAX_STOPS = 4  # OpenAI's limit on stop sequences
 MIN_TEMPERATURE = 1e-2  # vLLM's floor: a smaller positive temperature overflows the logits to inf (NaN probabilities)
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
 UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+               "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
                "response_format": (None, {"type": "text"})}
 
 
@@ -49,34 +46,6 @@ async def get_model(model: str, request: Request, ctx: ServerContext = Depends(c
 
 
 # ---- generation --------------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Choice:
-    """One generated sequence of a request and what has been sent of it."""
-
-    index: int
-    prompt_ids: list[int]
-    stream: RequestStream
-    delta: TextDelta
-    prefix: str = ""  # echo: the prompt's text
-    out: RequestOutput | None = None
-    logprobs_sent: int = 0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-
-
-@dataclass(slots=True)
-class Job:
-    """A request's choices, ready to run."""
-
-    ident: str
-    created: int
-    model: str
-    n: int = 1  # choices per prompt
-    choices: list[Choice] = field(default_factory=list)
-    arrived: float = field(default_factory=time.monotonic)
-    counted: bool = False  # its choices' outcomes are in the metrics
-
-
 def reject_unsupported(body: Sampling) -> None:
     """400 for a field that asks for what this server does not do (silently ignoring it would be worse)."""
     for name, accepted in UNSUPPORTED.items():
@@ -146,137 +115,6 @@ def start_choice(ctx: ServerContext, tenant: str, ids: list[int], params: Sampli
     """One request, validated and submitted (the in-process load benchmark's path)."""
     request = make_request(ctx, tenant, ids, params, adapter, prompt_param)
     return Choice(index, ids, ctx.client.submit(request), TextDelta.for_stops(params.stop))
-
-
-async def advance(choice: Choice, job: Job, ctx: ServerContext) -> RequestOutput:
-    out = await anext(choice.stream)
-    choice.out = out
-    now = time.monotonic()
-    if choice.first_token_at is None and out.outputs[0].token_ids:
-        choice.first_token_at = now
-        ctx.metrics.ttft.observe(now - job.arrived)
-    if out.finished:
-        choice.finished_at = now
-        n = len(out.outputs[0].token_ids)
-        if n > 1 and choice.first_token_at is not None:
-            ctx.metrics.tpot.observe((now - choice.first_token_at) / (n - 1))
-    return out
-
-
-async def run_to_end(choice: Choice, job: Job, ctx: ServerContext) -> None:
-    while choice.out is None or not choice.out.finished:
-        await advance(choice, job, ctx)
-
-
-def usage(job: Job) -> dict:
-    prompt = sum(len(c.prompt_ids) for c in job.choices if c.index % job.n == 0)  # each prompt once
-    completion = sum(len(c.out.outputs[0].token_ids) for c in job.choices if c.out is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def finish_reason(out: RequestOutput) -> str | None:
-    reason = out.outputs[0].finish_reason
-    return "stop" if reason == "abort" else reason
-
-
-async def close_all(job: Job) -> None:
-    """Abort every choice still running in the engine (idempotent)."""
-    for c in job.choices:
-        if c.out is None or not c.out.finished:
-            await c.stream.aclose()
-
-
-def count_outcomes(job: Job, ctx: ServerContext, unfinished: str) -> None:
-    """Each choice's outcome into the metrics, once: ``ok`` if it finished, else ``unfinished``."""
-    if job.counted:
-        return
-    job.counted = True
-    done = sum(1 for c in job.choices if c.out is not None and c.out.finished)
-    if done:
-        ctx.metrics.request_done("ok", done)
-    if len(job.choices) - done:
-        ctx.metrics.request_done(unfinished, len(job.choices) - done)
-
-
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events for every choice's new text, interleaved as tokens arrive, then ``[DONE]``."""
-    queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException]] = asyncio.Queue()
-
-    async def pump(choice: Choice) -> None:
-        try:
-            while choice.out is None or not choice.out.finished:
-                await queue.put((choice, await advance(choice, job, ctx)))
-        except Exception as e:
-            await queue.put((choice, e))
-
-    tasks = [asyncio.create_task(pump(c)) for c in job.choices]
-    failed = False
-    try:
-        open_choices = len(job.choices)
-        for c in job.choices:
-            first = chunk(c, None)
-            if first is not None:
-                yield sse(first)
-        while open_choices:
-            choice, out = await queue.get()
-            if isinstance(out, BaseException):
-                error = out if isinstance(out, APIError) else APIError(500, f"generation failed ({out})")
-                failed = True
-                yield sse(error.body())
-                break
-            body = chunk(choice, out)
-            if body is not None:
-                yield sse(body)
-            if out.finished:
-                open_choices -= 1
-                yield sse(last_chunk(choice, out))
-        else:
-            if include_usage:
-                yield sse({"id": job.ident, "object": _object(job), "created": job.created, "model": job.model,
-                           "choices": [], "usage": usage(job)})
-            yield sse("[DONE]")
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await close_all(job)
-        count_outcomes(job, ctx, "error" if failed else "cancelled")
-
-
-def _object(job: Job) -> str:
-    return "chat.completion.chunk" if job.ident.startswith("chatcmpl") else "text_completion"
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events of a job whose requests are already in the engine: however the response ends (even a
-    client gone before the first event, when the generator never starts and so never runs its ``finally``),
-    every unfinished choice is aborted, freeing its KV blocks."""
-
-    def __init__(self, gen: AsyncIterator[str], job: Job, ctx: ServerContext) -> None:
-        super().__init__(gen, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job, self.ctx = job, ctx
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await close_all(self.job)
-            count_outcomes(self.job, self.ctx, "cancelled")
-
-
-def streaming(gen: AsyncIterator[str], job: Job, ctx: ServerContext) -> StreamingResponse:
-    return EventStream(gen, job, ctx)
-
-
-async def disconnected(request: Request) -> None:
-    """Returns once the client has gone away (the body was read already, so ``receive`` waits for that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        await asyncio.sleep(0.05)  # a server that answers at once with empty bodies must not spin us
 
 
 # ---- logprobs ---------------------------------------------------------------------------------------------
@@ -391,27 +229,6 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
         choices.append(choice_json(c, out, c.prefix + out.outputs[0].text, out.outputs[0].logprobs or [], 0, True))
     return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
             "choices": choices, "usage": usage(job)}
-
-
-async def gather_all(job: Job, ctx: ServerContext, request: Request) -> None:
-    """Run every choice to its end; a client that goes away first aborts them all, as a closed stream does
-    (a non-streamed response is not cancelled by the server when its client leaves)."""
-    work = asyncio.ensure_future(asyncio.gather(*(run_to_end(c, job, ctx) for c in job.choices)))
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            raise APIError(499, "The client closed the request", code="client_closed_request")
-        work.result()
-    except BaseException:
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
-        await close_all(job)
-        count_outcomes(job, ctx, "cancelled" if gone.done() else "error")
-        raise
-    finally:
-        gone.cancel()
-    count_outcomes(job, ctx, "ok")
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------------------

@@ -313,7 +313,7 @@ class JobManager:
         running = list(self.running.values())
         if not running:
             return
-        reads = on_engine(self.loop, lambda: [self._read(r) for r in running])  # one wait for the engine, not one per job
+        reads = on_engine(self.loop, lambda: [self._read(r) for r in running])  # one engine visit for all
         ended = [r.job_id for r, read in zip(running, reads) if self._record(r, *read) != "running"]
         if ended:
             self._forget(*ended)

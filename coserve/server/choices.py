@@ -1,0 +1,198 @@
+"""A request's choices, already in the engine, run to their end: streamed as server-sent events as tokens
+arrive, or gathered whole; either way a client that leaves aborts them, and each choice's outcome is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from coserve.engine.outputs import RequestOutput
+from coserve.server.context import ServerContext
+from coserve.server.errors import APIError
+from coserve.server.generation import RequestStream, TextDelta
+
+
+@dataclass(slots=True)
+class Choice:
+    """One generated sequence of a request and what has been sent of it."""
+
+    index: int
+    prompt_ids: list[int]
+    stream: RequestStream
+    delta: TextDelta
+    prefix: str = ""  # echo: the prompt's text
+    out: RequestOutput | None = None
+    logprobs_sent: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+@dataclass(slots=True)
+class Job:
+    """A request's choices, ready to run."""
+
+    ident: str
+    created: int
+    model: str
+    n: int = 1  # choices per prompt
+    choices: list[Choice] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)
+    counted: bool = False  # its choices' outcomes are in the metrics
+
+
+async def advance(choice: Choice, job: Job, ctx: ServerContext) -> RequestOutput:
+    out = await anext(choice.stream)
+    choice.out = out
+    now = time.monotonic()
+    if choice.first_token_at is None and out.outputs[0].token_ids:
+        choice.first_token_at = now
+        ctx.metrics.ttft.observe(now - job.arrived)
+    if out.finished:
+        choice.finished_at = now
+        n = len(out.outputs[0].token_ids)
+        if n > 1 and choice.first_token_at is not None:
+            ctx.metrics.tpot.observe((now - choice.first_token_at) / (n - 1))
+    return out
+
+
+async def run_to_end(choice: Choice, job: Job, ctx: ServerContext) -> None:
+    while choice.out is None or not choice.out.finished:
+        await advance(choice, job, ctx)
+
+
+def usage(job: Job) -> dict:
+    prompt = sum(len(c.prompt_ids) for c in job.choices if c.index % job.n == 0)  # each prompt once
+    completion = sum(len(c.out.outputs[0].token_ids) for c in job.choices if c.out is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    reason = out.outputs[0].finish_reason
+    return "stop" if reason == "abort" else reason
+
+
+async def close_all(job: Job) -> None:
+    """Abort every choice still running in the engine (idempotent)."""
+    for c in job.choices:
+        if c.out is None or not c.out.finished:
+            await c.stream.aclose()
+
+
+def count_outcomes(job: Job, ctx: ServerContext, unfinished: str) -> None:
+    """Each choice's outcome into the metrics, once: ``ok`` if it finished, else ``unfinished``."""
+    if job.counted:
+        return
+    job.counted = True
+    done = sum(1 for c in job.choices if c.out is not None and c.out.finished)
+    if done:
+        ctx.metrics.request_done("ok", done)
+    if len(job.choices) - done:
+        ctx.metrics.request_done(unfinished, len(job.choices) - done)
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events for every choice's new text, interleaved as tokens arrive, then ``[DONE]``."""
+    queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            while choice.out is None or not choice.out.finished:
+                await queue.put((choice, await advance(choice, job, ctx)))
+        except Exception as e:
+            await queue.put((choice, e))
+
+    tasks = [asyncio.create_task(pump(c)) for c in job.choices]
+    failed = False
+    try:
+        open_choices = len(job.choices)
+        for c in job.choices:
+            first = chunk(c, None)
+            if first is not None:
+                yield sse(first)
+        while open_choices:
+            choice, out = await queue.get()
+            if isinstance(out, BaseException):
+                error = out if isinstance(out, APIError) else APIError(500, f"generation failed ({out})")
+                failed = True
+                yield sse(error.body())
+                break
+            body = chunk(choice, out)
+            if body is not None:
+                yield sse(body)
+            if out.finished:
+                open_choices -= 1
+                yield sse(last_chunk(choice, out))
+        else:
+            if include_usage:
+                yield sse({"id": job.ident, "object": _object(job), "created": job.created, "model": job.model,
+                           "choices": [], "usage": usage(job)})
+            yield sse("[DONE]")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close_all(job)
+        count_outcomes(job, ctx, "error" if failed else "cancelled")
+
+
+def _object(job: Job) -> str:
+    return "chat.completion.chunk" if job.ident.startswith("chatcmpl") else "text_completion"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events of a job whose requests are already in the engine: however the response ends (even a
+    client gone before the first event, when the generator never starts and so never runs its ``finally``),
+    every unfinished choice is aborted, freeing its KV blocks."""
+
+    def __init__(self, gen: AsyncIterator[str], job: Job, ctx: ServerContext) -> None:
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.ctx = job, ctx
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await close_all(self.job)
+            count_outcomes(self.job, self.ctx, "cancelled")
+
+
+def streaming(gen: AsyncIterator[str], job: Job, ctx: ServerContext) -> StreamingResponse:
+    return EventStream(gen, job, ctx)
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body was read already, so ``receive`` waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # a server that answers at once with empty bodies must not spin us
+
+
+async def gather_all(job: Job, ctx: ServerContext, request: Request) -> None:
+    """Run every choice to its end; a client that goes away first aborts them all, as a closed stream does
+    (a non-streamed response is not cancelled by the server when its client leaves)."""
+    work = asyncio.ensure_future(asyncio.gather(*(run_to_end(c, job, ctx) for c in job.choices)))
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise APIError(499, "The client closed the request", code="client_closed_request")
+        work.result()
+    except BaseException:
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        await close_all(job)
+        count_outcomes(job, ctx, "cancelled" if gone.done() else "error")
+        raise
+    finally:
+        gone.cancel()
+    count_outcomes(job, ctx, "ok")
