@@ -434,3 +434,39 @@ def test_an_adapter_unloaded_before_its_request_reaches_the_engine(model_factory
         assert loop.error is None
     finally:
         loop.stop()
+
+
+def test_requests_submitted_but_not_yet_queued_count_against_capacity():
+    """Submissions wait for the engine thread before they show in the scheduler's queue: a burst used to pass a
+    capacity check of that queue alone, however large."""
+    from types import SimpleNamespace
+
+    from coserve.server.errors import APIError
+    from coserve.server.generation import EngineClient
+
+    posted = []
+    scheduler = SimpleNamespace(waiting=[], running=[])
+    loop = SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler), post=posted.append, listeners={})
+
+    async def burst() -> None:
+        client = EngineClient(loop, max_waiting_requests=4)
+        streams = []
+        for i in range(4):
+            client.check_capacity(1)
+            streams.append(client.submit(SimpleNamespace(request_id=f"r{i}", adapter=None)))
+        with pytest.raises(APIError) as e:
+            client.check_capacity(1)
+        assert e.value.status == 503
+        await streams[0].aclose()  # a client gone: its place is free again
+        client.check_capacity(1)
+
+    asyncio.run(burst())
+    assert len(posted) == 5  # four submissions and one abort
+
+
+def test_capacity_is_whole_again_after_everything_above(server, alice):
+    """Last in this module: every request of the tests above (finished, failed, aborted) has given back its place
+    in the count of requests submitted and not ended; a leak would turn the server away with 503s for good."""
+    wait_idle(server)
+    r = alice.post(CHAT, json={"model": BASE, "messages": HELLO, "n": 8, "max_tokens": 2})  # the whole queue
+    assert r.status_code == 200, r.text

@@ -67,9 +67,13 @@ class EngineClient:
         self.loop = loop
         self.engine = loop.engine
         self.max_waiting_requests = max_waiting_requests
+        self.in_flight = 0  # requests submitted and not ended (counted on the event loop's thread only)
 
     def check_capacity(self, new_requests: int) -> None:
-        waiting = len(self.engine.scheduler.waiting)
+        """503 when ``new_requests`` more would queue over the limit. Queued: the scheduler's waiting requests, or
+        more where submissions have not reached the engine thread yet (a burst, within one iteration)."""
+        scheduler = self.engine.scheduler
+        waiting = max(len(scheduler.waiting), self.in_flight - len(scheduler.running))
         if waiting + new_requests > self.max_waiting_requests:
             raise APIError(503, f"The server is over capacity ({waiting} requests waiting); retry later",
                            code="server_overloaded")
@@ -109,6 +113,7 @@ class RequestStream:
                 listener(e)
 
         loop.post(submit)
+        client.in_flight += 1  # until it ends (_end) or is aborted (aclose)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -121,19 +126,23 @@ class RequestStream:
         except BaseException:  # cancelled (the client went away): free the request's KV blocks
             await self.aclose()
             raise
-        if isinstance(out, APIError):
-            self.finished = True
-            raise out
         if isinstance(out, BaseException):
-            self.finished = True
-            raise APIError(503, f"the engine could not run the request ({out})", code="engine_error")
-        self.finished = out.finished
+            self._end()
+            raise out if isinstance(out, APIError) else APIError(
+                503, f"the engine could not run the request ({out})", code="engine_error")
+        if out.finished:
+            self._end()
         return out
+
+    def _end(self) -> None:
+        self.finished = True
+        self.client.in_flight -= 1
 
     async def aclose(self) -> None:
         if self.finished or self._closed:
             return
         self._closed = True
+        self.client.in_flight -= 1
         loop, engine, rid = self.client.loop, self.client.engine, self.request_id
 
         def abort() -> None:
