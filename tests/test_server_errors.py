@@ -470,3 +470,45 @@ def test_capacity_is_whole_again_after_everything_above(server, alice):
     wait_idle(server)
     r = alice.post(CHAT, json={"model": BASE, "messages": HELLO, "n": 8, "max_tokens": 2})  # the whole queue
     assert r.status_code == 200, r.text
+
+
+def test_a_checkpoint_is_recorded_only_after_the_events_of_its_steps(tmp_path):
+    """The watcher read a job's step records on the engine thread, then its checkpoints later on its own: a step the
+    engine ran in between left a checkpoint in the store without its step's event, and a server killed then resumed
+    from that checkpoint with the event lost for good (test_server_restart saw a step missing)."""
+    from types import SimpleNamespace
+
+    from coserve.server.config import ServerConfig
+    from coserve.server.jobs import JobManager, Running
+    from coserve.server.metrics import ServerMetrics
+    from coserve.server.store import Store
+
+    store = Store(tmp_path / "state")
+    job_id = "ftjob-" + "a" * 24
+    store.add_job("alice", {"id": job_id, "status": "running", "coserve": {"step": 0}})
+    ft = SimpleNamespace(log=[], step=0, tokens_done=0, total_steps=10)
+    engine = SimpleNamespace(job_states={job_id: SimpleNamespace(status="running", error=None, job=ft)})
+    loop = SimpleNamespace(engine=engine, post=lambda fn: fn(), error=None,  # posted work runs at once
+                           thread=SimpleNamespace(is_alive=lambda: True))
+    jobs = JobManager(store, loop, ServerConfig(model="m", state_dir=str(tmp_path / "state")),
+                      ServerMetrics(lambda: {}, lambda: {}), "base")
+    r = Running(job_id, "alice", f"ft:base::{job_id}", 1, ft)
+    jobs.running[job_id] = r
+
+    def engine_step():  # what the engine thread does at an optimizer step (checkpoint_every = 1)
+        ft.step += 1
+        ft.log.append(SimpleNamespace(step=ft.step, loss=1.0, lr=1e-4, tokens=8))
+        r.saved.append((ft.step, tmp_path / f"step-{ft.step}"))
+
+    add_event = store.add_event
+
+    def add_event_while_the_engine_runs(*args, **kwargs):
+        if ft.step == 1:  # once: the engine's next step lands while the watcher records the first one
+            engine_step()
+        return add_event(*args, **kwargs)
+    store.add_event = add_event_while_the_engine_runs
+    engine_step()
+    for steps in ([1], [1, 2]):  # a kill may come after any round: the store must hold no checkpoint ahead
+        jobs._follow()
+        checkpoints = sorted(c["step_number"] for c in store.list_checkpoints(job_id, limit=100)[0])
+        assert checkpoints == steps and all(store.has_step_event(job_id, step) for step in steps)

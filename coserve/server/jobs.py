@@ -14,7 +14,7 @@ import random
 import re
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +61,7 @@ class Running:
     job: FinetuneJob
     logged: int = 0  # records of job.log already turned into events
     tokens: int = 0  # tokens_done already counted in the metrics
-    saved: deque[tuple[int, Path]] = field(default_factory=deque)  # checkpoints written, not yet in the store
+    saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints written, not yet read (engine thread)
 
 
 class JobManager:
@@ -318,7 +318,8 @@ class JobManager:
         if ended:
             self._forget(*ended)
 
-    def _record(self, r: Running, status: str, error: str | None, records: list, step: int, tokens: int) -> str:
+    def _record(self, r: Running, status: str, error: str | None, records: list, saved: list, step: int,
+                tokens: int) -> str:
         """Record what a job did since the last look (steps, checkpoints) and how it ended if it has (the caller
         then forgets it); returns its status."""
         self.metrics.finetune.add(tokens - r.tokens)
@@ -329,8 +330,8 @@ class JobManager:
                                      f"{rec.loss:.4f}", type="metrics",
                                      data={"step": rec.step, "train_loss": rec.loss, "learning_rate": rec.lr,
                                            "tokens": rec.tokens})
-        while r.saved:
-            self._record_checkpoint(r, *r.saved.popleft())
+        for checkpoint in saved:  # after the events of its steps: a resume from it repeats no step and loses none
+            self._record_checkpoint(r, *checkpoint)
         job = self.store.get_job(None, r.job_id)
         self.store.update_job(r.job_id, trained_tokens=r.job.tokens_done,
                               coserve={**job["coserve"], "step": step})
@@ -341,10 +342,14 @@ class JobManager:
         return status
 
     def _read(self, r: Running):
+        """On the engine thread: the job's status, and its step records and checkpoints since the last read, taken
+        together (a checkpoint read later than the records could be of a step whose record is not among them: a
+        crash between the two would lose that step's event on resuming from the checkpoint)."""
         state = self.engine.job_states[r.job_id]
         records = state.job.log[r.logged:]
         r.logged = len(state.job.log)
-        return state.status, state.error, records, state.job.step, state.job.tokens_done
+        saved, r.saved = r.saved, []
+        return state.status, state.error, records, saved, state.job.step, state.job.tokens_done
 
     def _checkpoint(self, r: Running) -> None:
         """On the engine thread, right after an optimizer step: every ``checkpoint_every`` steps (not the last,
