@@ -14,10 +14,11 @@ import torch
 from openai import OpenAI
 from safetensors.torch import load_file
 
-from server_helpers import chat_jsonl, start_server, wait_for_job
+from server_helpers import CHAT_EXAMPLES, chat_jsonl, start_server, wait_for_job
 
 BASE = "tiny"
 HYPER = {"n_epochs": 12, "batch_size": 1, "learning_rate_multiplier": 50}
+DATA = CHAT_EXAMPLES * 4  # 288 steps: the job is still running when its first checkpoint shows
 OPTIONS = {"coserve": {"optimizer": "sgd", "lr_scheduler": "constant", "target_modules": ["v_proj", "down_proj"]}}
 
 
@@ -35,7 +36,7 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
     srv = start_server(model, state, "--served-model-name", BASE, "--checkpoint-steps", "1")
     try:
         c = client(srv)
-        f = c.files.create(file=("train.jsonl", io.BytesIO(chat_jsonl())), purpose="fine-tune")
+        f = c.files.create(file=("train.jsonl", io.BytesIO(chat_jsonl(DATA))), purpose="fine-tune")
         reference = c.fine_tuning.jobs.create(model=BASE, training_file=f.id, seed=5, hyperparameters=HYPER,
                                               extra_body=OPTIONS)
         assert wait_for_job(c, reference.id).status == "succeeded"
@@ -64,7 +65,7 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
         resumed = [m for m in messages if "resumed at step" in m]
         assert resumed and not resumed[0].startswith("Fine-tuning job resumed at step 0")
         steps = sorted(e.data["step"] for e in events if e.type == "metrics")
-        assert steps == list(range(1, HYPER["n_epochs"] * 6 + 1))  # every step once, none repeated after the resume
+        assert steps == list(range(1, HYPER["n_epochs"] * len(DATA) + 1))  # every step once, none repeated after the resume
         got = adapter(again, job.id)
         assert got.keys() == expected.keys()
         for k in expected:

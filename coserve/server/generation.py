@@ -70,8 +70,11 @@ class EngineClient:
         self.in_flight = 0  # requests submitted and not ended (counted on the event loop's thread only)
 
     def check_capacity(self, new_requests: int) -> None:
-        """503 when ``new_requests`` more would queue over the limit. Queued: the scheduler's waiting requests, or
+        """503 when ``new_requests`` more would queue over the limit (400 when they never could). Queued: the scheduler's waiting requests, or
         more where submissions have not reached the engine thread yet (a burst, within one iteration)."""
+        if new_requests > self.max_waiting_requests:  # never fits, however long the client waits
+            raise APIError(400, f"The request asks for {new_requests} generations at once; this server queues at most "
+                           f"{self.max_waiting_requests} (lower n or send fewer prompts)", "n", "too_many_choices")
         scheduler = self.engine.scheduler
         waiting = max(len(scheduler.waiting), self.in_flight - len(scheduler.running))
         if waiting + new_requests > self.max_waiting_requests:

@@ -67,7 +67,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
     if any(not s for s in stops):
         raise bad_request("stop: sequences must be non-empty", "stop")
-    seed = None if body.seed is None else body.seed + index
+    seed = None if body.seed is None else (body.seed + index + 2**63) % 2**64 - 2**63  # int64, wrapping
     temperature = 1.0 if body.temperature is None else body.temperature
     if 0 < temperature < MIN_TEMPERATURE:
         temperature = MIN_TEMPERATURE
