@@ -52,7 +52,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                   help="load a PEFT LoRA adapter; the prompts use it (or the one named by --use)")
+                   help="load a PEFT LoRA or IA3 adapter; the prompts use it (or the one named by --use)")
     p.add_argument("--use", default=None, metavar="NAME", help="which loaded adapter the prompts use")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

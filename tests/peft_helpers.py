@@ -43,3 +43,26 @@ def make_ia3_adapter(model_dir: Path, out_dir: Path, seed: int = 0, **ia3_kwargs
                 param.add_(0.3 * torch.randn_like(param))
     model.save_pretrained(str(out_dir))
     return out_dir
+
+
+def make_coserve_ia3_adapter(model_dir: Path, out_dir: Path, seed: int = 0, **ia3_kwargs) -> Path:
+    """Save an IA3 adapter made by coserve's ``TrainableIA3`` (vectors moved away from ones); returns ``out_dir``."""
+    from coserve.model.loader import load_model
+    from coserve.peft.config import IA3Config
+    from coserve.peft.trainable import TrainableIA3
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    bypass = TrainableIA3(IA3Config(**ia3_kwargs), model.module_shapes(), model.cfg.num_layers, model.device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in bypass.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    bypass.save_pretrained(out_dir, base_model=str(model_dir))
+    return out_dir
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``ids`` from a transformers (or PEFT) model's ``generate``."""
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()

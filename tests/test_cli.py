@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from coserve.cli import main
-from peft_helpers import make_lora_adapter
+from peft_helpers import make_ia3_adapter, make_lora_adapter
 
 
 def test_create_model_then_generate(tmp_path, capsys):
@@ -21,9 +23,11 @@ def test_create_model_then_generate(tmp_path, capsys):
     assert out.count("--- prompt:") == 2 and "2 requests, 10 tokens" in out
 
 
-def test_generate_with_an_adapter(model_factory, tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["lora", "ia3"])
+def test_generate_with_an_adapter(model_factory, tmp_path, capsys, kind):
     model = model_factory("llama")
-    adapter = make_lora_adapter(model, tmp_path / "a", r=4, lora_alpha=8, target_modules=["down_proj"])
+    adapter = (make_lora_adapter(model, tmp_path / "a", r=4, lora_alpha=8, target_modules=["down_proj"])
+               if kind == "lora" else make_ia3_adapter(model, tmp_path / "a"))
     assert main(["generate", "--model", str(model), "--prompt", "Hi", "--adapter", f"sql={adapter}",
                  "--max-tokens", "3", "--ignore-eos"]) == 0
     assert "(adapter: sql)" in capsys.readouterr().out

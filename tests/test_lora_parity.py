@@ -6,17 +6,10 @@ import pytest
 import torch
 
 from coserve import LLM, SamplingParams
-from peft_helpers import make_lora_adapter, peft_model
+from peft_helpers import hf_greedy, make_lora_adapter, peft_model
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides which tokens run",
            "JSON: {\"key\": [1, 2", "Once upon"]
-
-
-def _greedy(model, ids, n):
-    with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +43,10 @@ def test_mixed_adapter_batch_matches_peft(model_factory, hf_model_cache, adapter
     oracles = {None: hf_model_cache(model_dir), **{n: peft_model(model_dir, p) for n, p in paths.items()}}
     differs = 0
     for out, name in zip(outs, which):
-        ref = _greedy(oracles[name], out.prompt_token_ids, 24)
+        ref = hf_greedy(oracles[name], out.prompt_token_ids, 24)
         assert out.token_ids == ref, (name, out.prompt)
         if name is not None:
-            differs += out.token_ids != _greedy(oracles[None], out.prompt_token_ids, 24)
+            differs += out.token_ids != hf_greedy(oracles[None], out.prompt_token_ids, 24)
     assert differs >= 2, "the adapters should change the outputs"
 
 

@@ -70,7 +70,7 @@ def test_finetuning_rows_in_an_inference_batch(model_factory, tmp_path, remat, n
             padded = bank.batch(torch.tensor(slots + [-1] * (rows - num_inference)))
             alone = model.forward(batch, _cache(model), padded, min_rows=rows)
             hidden, _ = mixed_forward(model, batch, _cache(model), padded, FinetuneSlice(bypass, state, window, 1 / 29),
-                                      lora_rows=rows)
+                                      adapter_rows=rows)
             # CPU GEMMs round rows the same from 8 rows on (measured): co-serving changes no bit
             assert torch.equal(hidden, alone)
             if num_inference < BATCH_INVARIANT_ROWS:  # and padding changes nothing but the last bits

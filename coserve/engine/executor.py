@@ -12,7 +12,7 @@ from coserve.model.attention import PagedKVCache
 from coserve.model.decoder import BATCH_INVARIANT_ROWS, DecoderModel
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.model.sampling import SamplingRow, sample, top_logprobs
-from coserve.peft import LoraAdapter, LoraBank
+from coserve.peft import AdapterSlots, ServedAdapter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
 from coserve.scheduler.plan import ExecutionResult, IterationPlan, TokenLogprobs
 
@@ -28,12 +28,12 @@ class ModelExecutor:
     """Runs plans on one device: builds the flat batch, runs the model (with a finetuning forward window
     in the same call), samples, then runs the plan's finetuning backward windows."""
 
-    def __init__(self, model: DecoderModel, cache: PagedKVCache, bank: LoraBank,
-                 adapters: dict[str, LoraAdapter], seed: int) -> None:
+    def __init__(self, model: DecoderModel, cache: PagedKVCache, slots: AdapterSlots,
+                 adapters: dict[str, ServedAdapter], seed: int) -> None:
         self.model = model
         self.jobs: dict[str, FinetuneJob] = {}  # the engine's active finetuning jobs, by id (shared)
         self.cache = cache
-        self.bank = bank
+        self.slots = slots  # device slots of the LoRA and IA3 adapters
         self.adapters = adapters  # the engine's resident adapters, by name (shared, read only here)
         self.generators: dict[str, torch.Generator] = {}  # per-request RNGs of seeded requests
         self.default_generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -79,15 +79,15 @@ class ModelExecutor:
         # Inference rows share the finetuning window's matmuls when the call has enough rows to be
         # batch-invariant; alone they run padded to that many, so their results are the same either way.
         rows = max(t, BATCH_INVARIANT_ROWS)
-        lora = self._lora_batch(plan, rows) if plan.adapters else None
+        adapters = self._adapter_batch(plan, rows) if plan.adapters else None
         if forward is not None and t + forward.num_tokens >= BATCH_INVARIANT_ROWS:
             job = self.jobs[forward.job_id]
-            hidden, loss = mixed_forward(self.model, batch, self.cache, lora, job.forward_slice(forward.num_tokens),
-                                         lora_rows=rows)
+            hidden, loss = mixed_forward(self.model, batch, self.cache, adapters,
+                                         job.forward_slice(forward.num_tokens), adapter_rows=rows)
             job.forward_ran(loss)
             result.finetune_losses[forward.job_id] = loss
         else:
-            hidden = self.model.forward(batch, self.cache, lora, min_rows=rows)
+            hidden = self.model.forward(batch, self.cache, adapters, min_rows=rows)
             if forward is not None:
                 self._forward_alone(forward, result)
         sampling = [c for c in plan.chunks if c.sample]
@@ -116,14 +116,11 @@ class ModelExecutor:
             row += n
         return build_forward_batch(tokens, chunks, self.cache.block_size, logits_rows, self.model.device)
 
-    def _lora_batch(self, plan: IterationPlan, num_rows: int):
-        """The adapters of the plan's rows; rows past its tokens (padding) use the base model."""
-        slots = self.bank.activate([self.adapters[name] for name in plan.adapters])
-        per_token = []
-        for c in plan.chunks:
-            per_token.extend([slots[c.adapter] if c.adapter is not None else -1] * len(c.token_ids))
-        per_token.extend([-1] * (num_rows - len(per_token)))
-        return self.bank.batch(torch.tensor(per_token, dtype=torch.long, device=self.model.device))
+    def _adapter_batch(self, plan: IterationPlan, num_rows: int):
+        """The adapters (LoRA, IA3 or both) of the plan's rows; rows past its tokens (padding) use the base model."""
+        runs = [(c.adapter, len(c.token_ids)) for c in plan.chunks]
+        runs.append((None, num_rows - sum(n for _, n in runs)))
+        return self.slots.batch([self.adapters[name] for name in plan.adapters], runs)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -23,7 +23,7 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """A model ready to generate, with LoRA adapters loadable at run time.
+    """A model ready to generate, with LoRA and IA3 adapters loadable at run time.
 
     Example::
 
@@ -69,10 +69,11 @@ class LLM:
         return self.engine.tokenizer
 
     def load_adapter(self, name: str, path: str | Path) -> None:
-        """Load a HF PEFT LoRA adapter directory to serve under ``name``."""
+        """Load a HF PEFT LoRA or IA3 adapter directory to serve under ``name``."""
         self.engine.load_adapter(name, path)
 
     def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name``; refused while requests still use it."""
         self.engine.unload_adapter(name)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

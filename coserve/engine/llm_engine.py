@@ -19,7 +19,8 @@ from coserve.model.attention import PagedKVCache
 from coserve.model.config import ModelConfig
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import load_tokenizer
-from coserve.peft import AdapterError, LoraAdapter, LoraBank, load_lora_adapter
+from coserve.peft import (AdapterError, AdapterSlots, IA3Bank, LoraAdapter, LoraBank, ServedAdapter,
+                          load_peft_adapter)
 from coserve.finetune.job import FinetuneJob
 from coserve.finetune.memory_budget import job_memory
 from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -69,10 +70,12 @@ class LLMEngine:
                             config.max_loras, config.policy, config.slo_tpot_ms / 1000,
                             temporal_interval=config.temporal_interval),
             BlockManager(num_blocks, config.block_size), latency=self._latency_model())
-        self.adapters: dict[str, LoraAdapter] = {}
-        bank = LoraBank(self.model.module_shapes(), model_cfg.num_layers, config.max_loras,
-                        config.max_lora_rank, self.device, self.dtype)
-        self.executor = ModelExecutor(self.model, self.cache, bank, self.adapters, config.seed)
+        self.adapters: dict[str, ServedAdapter] = {}  # servable LoRA and IA3 adapters, by name
+        shapes = self.model.module_shapes()
+        slots = AdapterSlots(LoraBank(shapes, model_cfg.num_layers, config.max_loras, config.max_lora_rank,
+                                      self.device, self.dtype),
+                             IA3Bank(shapes, model_cfg.num_layers, config.max_loras, self.device))
+        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
         self._ids = itertools.count()
@@ -136,13 +139,16 @@ class LLMEngine:
 
     # ---- adapters ------------------------------------------------------------
     def load_adapter(self, name: str, path: str | Path) -> None:
-        """Make a PEFT LoRA adapter servable under ``name``; checked against the model first."""
+        """Make a HF PEFT LoRA or IA3 adapter directory servable under ``name``; checked against the model first.
+
+        The kind is the ``peft_type`` of its ``adapter_config.json``; a batch may mix both kinds and the base.
+        """
         if not name or not isinstance(name, str):
             raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
-        adapter = load_lora_adapter(name, path, self.model.module_shapes(), self.model_config.num_layers)
-        if adapter.rank > self.config.max_lora_rank:
+        adapter = load_peft_adapter(name, path, self.model.module_shapes(), self.model_config.num_layers)
+        if isinstance(adapter, LoraAdapter) and adapter.rank > self.config.max_lora_rank:
             raise AdapterError(f"{path}: r={adapter.rank} exceeds max_lora_rank={self.config.max_lora_rank}")
-        self.executor.bank.evict(name)  # replacing an adapter of the same name
+        self.executor.slots.evict(name)  # replacing an adapter of the same name (of either kind)
         self.adapters[name] = adapter
 
     def unload_adapter(self, name: str) -> None:
@@ -153,7 +159,7 @@ class LLMEngine:
                  if r.adapter == name and not r.is_finished]
         if users:
             raise AdapterError(f"adapter {name!r} is in use by {len(users)} request(s)")
-        self.executor.bank.evict(name)
+        self.executor.slots.evict(name)
         del self.adapters[name]
 
     # ---- requests ------------------------------------------------------------

@@ -1,9 +1,9 @@
 """One forward call over inference rows and a finetuning forward window together (co-serving).
 
-Inference rows come first and go through paged attention and the LoRA bank; the finetuning
-rows follow and go through attention over their sequence's own cached prefix and the job's
-trainable bypass, keeping what its backward will read. Every matmul of the layer runs once
-over all rows.
+Inference rows come first and go through paged attention and the served adapters (LoRA and
+IA3 slots); the finetuning rows follow and go through attention over their sequence's own cached
+prefix and the job's trainable bypass, keeping what its backward will read. Every matmul of the
+layer runs once over all rows.
 """
 
 from __future__ import annotations
@@ -71,11 +71,12 @@ class RowSplitBypass:
 
 
 @torch.inference_mode(False)  # the finetuning rows' kept tensors must stay usable by autograd later
-def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache, lora: Bypass | None,
-                  ft: FinetuneSlice, lora_rows: int = 0) -> tuple[torch.Tensor, float]:
+def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache, adapters: Bypass | None,
+                  ft: FinetuneSlice, adapter_rows: int = 0) -> tuple[torch.Tensor, float]:
     """Final hidden states of the inference rows ``[T, H]`` and the finetuning window's scaled loss.
 
-    ``lora`` covers ``max(T, lora_rows)`` rows (padded past the batch, as for ``model.forward``).
+    ``adapters``, the inference rows' bypass, covers ``max(T, adapter_rows)`` rows (padded past the batch,
+    as for ``model.forward``).
     """
     st = ft.state
     a = st.forward_done
@@ -84,7 +85,7 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
         raise ValueError("mixed_forward: the sequence's forward pass is already finished")
     t = batch.num_tokens
     positions = torch.cat([batch.positions, st.positions[a:b]])
-    bypass = RowSplitBypass(lora, ft.bypass, t, lora_rows)
+    bypass = RowSplitBypass(adapters, ft.bypass, t, adapter_rows)
     with torch.no_grad(), training_rows(ft.bypass, st.dropout_seed, st.positions[a:b]):
         x = model.embed[torch.cat([batch.token_ids, st.token_ids[a:b]])]
         for layer in model.layers:

@@ -8,17 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from coserve.model.config import read_json_file
 from coserve.model.decoder import TARGET_MODULES
+from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
+                                      peft_type, read_adapter_config, read_adapter_tensors)
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
-
-class AdapterError(ValueError):
-    """An adapter directory that does not load or does not fit the model."""
+__all__ = ["AdapterError", "LoraAdapter", "load_lora_adapter"]
 
 
 @dataclass(slots=True)
@@ -38,9 +35,11 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
                       num_layers: int) -> LoraAdapter:
     """Read and check a PEFT LoRA adapter against the model's shapes; errors name the file and field."""
     path = Path(path)
-    config = _read_config(path)
+    config = read_adapter_config(path)
+    cfg_file = path / CONFIG_FILE
+    if peft_type(config) != "LORA":
+        raise AdapterError(f"{cfg_file}: field 'peft_type' = {config.get('peft_type')!r}; expected LORA")
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    cfg_file = path / "adapter_config.json"
     if not isinstance(rank, int) or rank <= 0:
         raise AdapterError(f"{cfg_file}: field 'r' must be a positive integer, got {rank!r}")
     if not isinstance(alpha, (int, float)):
@@ -55,10 +54,7 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
             raise AdapterError(f"{cfg_file}: field {fld!r} is not supported (per-module ranks or saved modules)")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
-        if unknown:
-            raise AdapterError(f"{cfg_file}: field 'target_modules' names {unknown}, which this model "
-                               f"does not have as LoRA targets ({', '.join(TARGET_MODULES)})")
+        check_target_names(cfg_file, targets, "LoRA")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     adapter = LoraAdapter(name=name, path=path, rank=rank, scaling=float(scaling),
                           target_modules=frozenset())
@@ -66,37 +62,18 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
     return adapter
 
 
-def _read_config(path: Path) -> dict:
-    cfg_file = path / "adapter_config.json"
-    config = read_json_file(cfg_file, "the adapter directory", AdapterError)
-    peft_type = str(config.get("peft_type", "")).upper()
-    if peft_type != "LORA":
-        raise AdapterError(f"{cfg_file}: field 'peft_type' = {config.get('peft_type')!r}; "
-                           "inference serves LORA adapters")
-    return config
-
-
 def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tuple[int, int]],
                   num_layers: int) -> None:
-    weights_file = path / "adapter_model.safetensors"
-    if not weights_file.is_file():
-        raise AdapterError(f"{weights_file}: missing (only safetensors adapters are supported)")
-    try:
-        tensors = load_file(str(weights_file), device="cpu")
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise AdapterError(f"{weights_file}: cannot read safetensors file ({e})") from e
+    weights_file = path / WEIGHTS_FILE
+    tensors = read_adapter_tensors(path)
     targets = set()
     for key, tensor in tensors.items():
         m = _KEY.search(key)
         if m is None:
             raise AdapterError(f"{weights_file}: tensor {key!r} is not a LoRA weight of a decoder "
                                f"layer's {', '.join(TARGET_MODULES)}")
-        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        if module not in module_shapes:
-            raise AdapterError(f"{weights_file}: tensor {key!r} targets {module!r}, which the model lacks")
-        if layer >= num_layers:
-            raise AdapterError(f"{weights_file}: tensor {key!r} is for layer {layer}; "
-                               f"the model has {num_layers} layers")
+        layer, module = layer_module(weights_file, key, module_shapes, num_layers)
+        which = m.group(3)
         fan_in, fan_out = module_shapes[module]
         want = (adapter.rank, fan_in) if which == "A" else (fan_out, adapter.rank)
         if tuple(tensor.shape) != want:
@@ -104,8 +81,6 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
                                f"the model and r={adapter.rank} need {want}")
         (adapter.a if which == "A" else adapter.b)[(layer, module)] = tensor.float()
         targets.add(module)
-    if not tensors:
-        raise AdapterError(f"{weights_file}: holds no tensors")
     for key in set(adapter.a) ^ set(adapter.b):
         raise AdapterError(f"{weights_file}: layer {key[0]} {key[1]} has only one of lora_A and lora_B")
     adapter.target_modules = frozenset(targets)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from coserve.peft.lora_adapter import LoraAdapter
+from coserve.peft.slot_table import SlotBank
 
 
-class LoraBank:
+class LoraBank(SlotBank):
     """``max_loras`` slots of stacked LoRA weights per (layer, module), ranks zero-padded to ``max_rank``.
 
     Slot ``s`` of module ``m`` at layer ``l`` lives in rows ``s*R:(s+1)*R`` of ``a[m][l]``
@@ -19,6 +18,7 @@ class LoraBank:
 
     def __init__(self, module_shapes: dict[str, tuple[int, int]], num_layers: int, max_loras: int,
                  max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(max_loras)
         self.module_shapes = module_shapes
         self.num_layers = num_layers
         self.max_loras = max_loras
@@ -29,41 +29,13 @@ class LoraBank:
         self.b: dict[str, torch.Tensor] = {}  # module -> [layers, out, slots*R]
         self.scaling = [0.0] * max_loras
         self.slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
-        self._slot_of: OrderedDict[str, int] = OrderedDict()  # adapter name -> slot, LRU order
-
-    def slot_of(self, name: str) -> int | None:
-        return self._slot_of.get(name)
 
     def activate(self, adapters: list[LoraAdapter]) -> dict[str, int]:
         """Make every adapter resident in a slot (evicting the least recently used others)."""
-        if len(adapters) > self.max_loras:
-            raise ValueError(f"{len(adapters)} adapters in one batch; max_loras is {self.max_loras}")
-        wanted = {a.name for a in adapters}
         for adapter in adapters:
-            if adapter.name in self._slot_of:
-                self._slot_of.move_to_end(adapter.name)
-                continue
-            slot = self._free_slot(wanted)
-            self._write(slot, adapter)
-            self._slot_of[adapter.name] = slot
-        return {a.name: self._slot_of[a.name] for a in adapters}
-
-    def evict(self, name: str) -> None:
-        """Drop an adapter from its slot (after unloading it)."""
-        slot = self._slot_of.pop(name, None)
-        if slot is not None:
-            self._clear(slot)
-
-    def _free_slot(self, keep: set[str]) -> int:
-        used = set(self._slot_of.values())
-        for slot in range(self.max_loras):
-            if slot not in used:
-                return slot
-        for name, slot in self._slot_of.items():  # least recently used first
-            if name not in keep:
-                del self._slot_of[name]
-                return slot
-        raise AssertionError("no slot to evict")  # activate() bounds the batch by max_loras
+            if adapter.rank > self.max_rank:
+                raise ValueError(f"adapter {adapter.name!r} has r={adapter.rank}; max_lora_rank is {self.max_rank}")
+        return super().activate(adapters)
 
     def _module_tensors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         if module not in self.a:
@@ -74,8 +46,6 @@ class LoraBank:
         return self.a[module], self.b[module]
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
-        if adapter.rank > self.max_rank:
-            raise ValueError(f"adapter {adapter.name!r} has r={adapter.rank}; max_lora_rank is {self.max_rank}")
         self._clear(slot)
         lo = slot * self.max_rank
         for (layer, module), a in adapter.a.items():

@@ -15,10 +15,9 @@ from safetensors.torch import load_file, save_file
 from coserve.model.decoder import TARGET_MODULES
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.dropout import keep_mask, mix_seed
-from coserve.peft.lora_adapter import AdapterError
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
+from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
+from coserve.peft.adapter_dir import AdapterError
 
 
 def _prefix(layer: int, module: str) -> str:

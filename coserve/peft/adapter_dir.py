@@ -1,0 +1,76 @@
+"""An HF PEFT adapter directory on disk: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+Reading both files with errors that name the file, shared by the LoRA and IA3 loaders.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from coserve.model.config import read_json_file
+from coserve.model.decoder import TARGET_MODULES
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# The decoder-layer part of a PEFT tensor name: "...layers.<i>.<self_attn|mlp>.<module>.<rest>".
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.")
+
+
+class AdapterError(ValueError):
+    """An adapter directory that does not load or does not fit the model."""
+
+
+def read_adapter_config(path: Path) -> dict:
+    """``adapter_config.json`` of the directory ``path`` as a dict."""
+    config = read_json_file(path / CONFIG_FILE, "the adapter directory", AdapterError)
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path / CONFIG_FILE}: must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def peft_type(config: dict) -> str:
+    """The config's ``peft_type``, upper-cased (``LORA``, ``IA3``, ...; empty when absent)."""
+    return str(config.get("peft_type", "")).upper()
+
+
+def check_target_names(cfg_file: Path, targets: list, kind: str) -> None:
+    """A ``target_modules`` list names only modules the decoder can adapt."""
+    unknown = sorted(set(targets) - set(TARGET_MODULES))
+    if unknown:
+        raise AdapterError(f"{cfg_file}: field 'target_modules' names {unknown}, which this model "
+                           f"does not have as {kind} targets ({', '.join(TARGET_MODULES)})")
+
+
+def read_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``adapter_model.safetensors`` (on the CPU); refuses a missing, unreadable or empty file."""
+    weights_file = path / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise AdapterError(f"{weights_file}: missing (only safetensors adapters are supported)")
+    try:
+        tensors = load_file(str(weights_file), device="cpu")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise AdapterError(f"{weights_file}: cannot read safetensors file ({e})") from e
+    if not tensors:
+        raise AdapterError(f"{weights_file}: holds no tensors")
+    return tensors
+
+
+def layer_module(weights_file: Path, key: str, module_shapes: dict[str, tuple[int, int]],
+                 num_layers: int) -> tuple[int, str]:
+    """The ``(layer, module)`` a tensor name belongs to, checked against the model's layers and modules."""
+    m = _LAYER_KEY.search(key)
+    if m is None:
+        raise AdapterError(f"{weights_file}: tensor {key!r} does not belong to a decoder layer's "
+                           f"{', '.join(module_shapes)}")
+    layer, module = int(m.group(1)), m.group(2)
+    if module not in module_shapes:
+        raise AdapterError(f"{weights_file}: tensor {key!r} targets {module!r}, which the model lacks")
+    if layer >= num_layers:
+        raise AdapterError(f"{weights_file}: tensor {key!r} is for layer {layer}; the model has {num_layers} layers")
+    return layer, module
