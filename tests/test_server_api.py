@@ -12,7 +12,9 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from transformers import AutoTokenizer
 
+from peft_helpers import hf_greedy, peft_model
 from server_helpers import CHAT_EXAMPLES, chat_jsonl, start_server, wait_for_job
 
 ALICE, BOB = "key-alice", "key-bob"
@@ -286,3 +288,20 @@ def test_bad_job_requests(alice):
         with pytest.raises(openai.BadRequestError) as e:
             alice.fine_tuning.jobs.create(model=BASE, training_file=f.id, **kwargs)
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_an_ia3_job_is_servable(server, alice, model_factory):
+    """An IA3 job's model serves at once, as HF PEFT computes it from the job's saved adapter."""
+    f = upload(alice, chat_jsonl())
+    hyper = {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 100}
+    job = alice.fine_tuning.jobs.create(model=BASE, training_file=f.id, suffix="ia3", seed=3, hyperparameters=hyper,
+                                        extra_body={"coserve": {"peft": "ia3"}})
+    done = wait_for_job(alice, job.id)
+    assert done.status == "succeeded", done.error
+    prompt = [5, 17, 300, 42, 1000, 7]
+    kwargs = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    tuned = alice.completions.create(model=done.fine_tuned_model, prompt=prompt, **kwargs).choices[0].text
+    model = model_factory("llama")
+    oracle = peft_model(model, server.state_dir / "jobs" / job.id / "model")
+    assert tuned == AutoTokenizer.from_pretrained(str(model)).decode(hf_greedy(oracle, prompt, 8))
+    assert tuned != alice.completions.create(model=BASE, prompt=prompt, **kwargs).choices[0].text
