@@ -18,7 +18,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty = no authentication
-    adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT LoRA directory, served to every tenant
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter directory (LoRA or IA3), served to every tenant
     allow_lora_loading: bool = False  # POST /v1/load_lora_adapter (vLLM's runtime LoRA loading)
     max_body_bytes: int = 4 * 2**20  # JSON request bodies
     max_upload_bytes: int = 64 * 2**20  # POST /v1/files

@@ -1,4 +1,4 @@
-"""Which model a request's ``model`` names: the base, a LoRA adapter served to all, or a tenant's fine-tuned
+"""Which model a request's ``model`` names: the base, a PEFT adapter (LoRA or IA3) served to all, or a tenant's fine-tuned
 model or checkpoint (loaded into the engine on first use)."""
 
 from __future__ import annotations

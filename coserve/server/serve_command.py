@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default="", help="the base model's name in the API (default: the "
                    "directory's name)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                   help="a PEFT LoRA adapter every tenant may use (repeatable)")
+                   help="a PEFT adapter (LoRA or IA3) every tenant may use (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     keys = p.add_mutually_exclusive_group()
