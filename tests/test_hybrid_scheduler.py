@@ -252,3 +252,23 @@ def test_finetuning_jobs_are_served_in_counter_order():
     assert served[0] == "jb"  # a's counter rose with its prompt: b's job first
     s.remove_job("jb")
     assert not s.vtc.is_backlogged("b")  # b has nothing left: its counter waits, lifted on return
+
+
+def test_time_outside_the_model_work_comes_off_the_budget():
+    """The latency model predicts the model work; what each iteration costs beyond it (scheduling, detokenizing,
+    serving the tokens) is measured by the engine and kept out of the finetuning slice's budget."""
+    s = make()
+    s.add_request(req("r", 4))
+    s.observe_overhead(0.004)  # the first observation is taken as it is
+    assert abs(s.iteration_budget_s() - 0.014) < 1e-12
+    s.observe_overhead(0.0)  # then a running mean
+    assert 0 < s.overhead_s < 0.004
+    s.observe_overhead(5.0)  # a stall is clamped to the SLO, not taken whole
+    assert s.overhead_s <= 0.02
+
+
+def test_the_engine_measures_its_overhead(tiny_model):
+    from coserve import LLM, SamplingParams
+    llm = LLM(tiny_model, dtype="float32", device="cpu", policy="inference-only")
+    llm.generate(["a", "b"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert 0 < llm.engine.scheduler.overhead_s < 0.05

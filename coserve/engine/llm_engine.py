@@ -82,6 +82,7 @@ class LLMEngine:
         self._job_ids = itertools.count()
         self.job_states: dict[str, JobState] = {}  # every finetuning job this engine was given, by id
         self.last_plan: IterationPlan | None = None  # the latest iteration's plan (benchmarks read its token mix)
+        self._last_step: tuple[float, float] | None = None  # (start, model seconds) of the latest busy iteration
 
     # ---- finetuning jobs -----------------------------------------------------
     def add_finetune_job(self, job: FinetuneJob, job_id: str | None = None, tenant: str = "default") -> str:
@@ -217,6 +218,10 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of requests that got a token or finished."""
+        start = time.perf_counter()
+        if self._last_step is not None:  # back to back with a busy one: the gap beyond its model work is overhead
+            last_start, last_model_s = self._last_step
+            self.scheduler.observe_overhead(start - last_start - last_model_s)
         plan = self.scheduler.schedule()
         result = self.executor.execute(plan)
         self.last_plan = plan
@@ -236,6 +241,8 @@ class LLMEngine:
             request = self.scheduler.pop_request(request_id)
             if request is not None:
                 outputs.append(self.outputs.output(request, True))
+        # Only iterations that serve requests and follow each other measure the overhead (not an idle wait).
+        self._last_step = (start, result.elapsed_s) if self.scheduler.has_unfinished() else None
         return outputs
 
     def _latency_path(self) -> Path:

@@ -29,6 +29,9 @@ class TokenEvent:
     finish_reason: str | None
 
 
+OVERHEAD_ALPHA = 0.05  # weight of each new iteration in the running mean of the time outside the model work
+
+
 class Scheduler:
     """Decides each iteration's chunks; owns request state and KV blocks, never tensors.
 
@@ -74,6 +77,10 @@ class Scheduler:
         self.vtc = VirtualTokenCounter(config.fairness)
         self.job_tenants: dict[str, str] = {}  # job id -> tenant
         self._tenant_work: dict[str, int] = {}  # tenant -> its unfinished requests and active jobs
+        # Seconds each iteration costs beyond the model work the latency model predicts (scheduling, detokenizing,
+        # handing tokens out, the thread that serves them): a running mean the engine feeds (``observe_overhead``).
+        self.overhead_s = 0.0
+        self._overhead_seen = False
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -195,7 +202,15 @@ class Scheduler:
         for r in self.running:
             if r.first_token_time is not None:  # after the next token: (elapsed + t) / outputs-after-first
                 budget = min(budget, target * len(r.output_token_ids) - (now - r.first_token_time))
-        return budget
+        return budget - self.overhead_s  # what is left for the model work, which the latency model predicts
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Fold one iteration's time outside the model work into ``overhead_s`` (clamped to [0, the TPOT SLO])."""
+        seconds = min(max(seconds, 0.0), self.config.slo_tpot_s)
+        if not self._overhead_seen:
+            self.overhead_s, self._overhead_seen = seconds, True
+        else:
+            self.overhead_s += OVERHEAD_ALPHA * (seconds - self.overhead_s)
 
     def _plan_whole_sequence(self, plan: IterationPlan) -> None:
         """Temporal sharing's finetuning iteration: what is left of one job's current sequence, forward
