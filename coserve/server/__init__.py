@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: inference and fine-tuning jobs over one co-serving engine."""
