@@ -25,6 +25,7 @@ from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, L
 
 router = APIRouter()
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
 MIN_TEMPERATURE = 1e-2  # vLLM's floor: a smaller positive temperature overflows the logits to inf (NaN probabilities)
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
 UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
@@ -150,6 +151,20 @@ def new_logprobs(choice: Choice, out: RequestOutput) -> list[TokenLogprobs]:
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------------------
+async def off_loop_if_long(chars: int, fn, *args):
+    """``fn(*args)`` (tokenizing) in a worker thread for long texts (megabytes take seconds and would stall every
+    stream), inline for short ones (the thread hop costs more than they do, on every request's TTFT)."""
+    if chars > INLINE_TOKENIZE_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def prompt_chars(prompt) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, (str, list)))
+
+
 def completion_prompts(ctx: ServerContext, prompt) -> list[tuple[list[int], str]]:
     """Each prompt as (token ids, text): a string, strings, token ids, or lists of token ids."""
     if isinstance(prompt, str):
@@ -184,7 +199,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
         raise bad_request("echo: echo with logprobs is not supported", "echo", "unsupported_value")
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
-    prompts = await asyncio.to_thread(completion_prompts, ctx, body.prompt)  # megabytes take seconds: off the loop
+    prompts = await off_loop_if_long(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
     job = Job(f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
     requests = []
     for ids, text in prompts:
@@ -253,7 +268,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     tenant = tenant_of(request)
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
-    ids = await asyncio.to_thread(render_chat, ctx, body)  # megabytes take seconds: off the event loop
+    ids = await off_loop_if_long(sum(len(m.content or "") if isinstance(m.content, str) else
+                                     sum(len(part.text) for part in m.content) for m in body.messages),
+                                 render_chat, ctx, body)
     asked, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                     else (body.max_tokens, "max_tokens"))
     max_tokens = max_tokens_for(ctx, len(ids), asked, param, "messages")
