@@ -30,7 +30,8 @@ def server(model_factory, tmp_path_factory):
     keys.write_text(f"# key tenant\n{ALICE} alice\n{BOB} bob\n")
     srv = start_server(model, root / "state", "--api-keys", str(keys), "--served-model-name", BASE,
                        "--allow-lora-loading", "--checkpoint-steps", "2", "--max-upload-bytes", "200000",
-                       "--max-body-bytes", "100000", "--max-waiting-requests", "8", "--max-queued-jobs", "3")
+                       "--max-body-bytes", "100000", "--max-waiting-requests", "8", "--max-queued-jobs", "3",
+                       "--max-loaded-models", "2")
     yield srv
     srv.stop()
 
@@ -305,3 +306,25 @@ def test_an_ia3_job_is_servable(server, alice, model_factory):
     oracle = peft_model(model, server.state_dir / "jobs" / job.id / "model")
     assert tuned == AutoTokenizer.from_pretrained(str(model)).decode(hf_greedy(oracle, prompt, 8))
     assert tuned != alice.completions.create(model=BASE, prompt=prompt, **kwargs).choices[0].text
+
+
+def test_least_recently_used_fine_tuned_models_are_unloaded(server, alice):
+    f = upload(alice, chat_jsonl())
+    job = alice.fine_tuning.jobs.create(model=BASE, training_file=f.id, seed=1,
+                                        hyperparameters={"n_epochs": 1, "learning_rate_multiplier": 100})
+    done = wait_for_job(alice, job.id)
+    assert done.status == "succeeded", done.error
+    names = [done.fine_tuned_model] + [c.fine_tuned_model_checkpoint
+                                       for c in alice.fine_tuning.jobs.checkpoints.list(job.id).data][1:]
+    assert len(names) >= 3  # the model and checkpoints at steps 2 and 4 (--checkpoint-steps 2)
+
+    def chat(name):
+        return alice.chat.completions.create(model=name, messages=HELLO, max_tokens=6, temperature=0).choices[0]
+
+    first = chat(names[0]).message.content
+    for name in names[1:]:
+        chat(name)
+    loaded = [ln for ln in httpx.get(f"{server.url}/metrics").text.splitlines()
+              if ln.startswith("coserve_adapters_loaded ")]
+    assert float(loaded[0].split()[-1]) <= 2
+    assert chat(names[0]).message.content == first  # unloaded, loaded again: the same model

@@ -41,14 +41,15 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     base = config.served_model_name or Path(config.model).resolve().name
     store = Store(config.state_dir)
     loop = EngineLoop(engine)
-    models = ModelRegistry(base, loop, store, Path(config.state_dir))
+    models = ModelRegistry(base, loop, store, Path(config.state_dir), config.max_loaded_models)
     for name in config.adapters:
         models.add_shared(name)
 
     def engine_state() -> dict:
         s = engine.scheduler
         return {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
-                "kv_cache_usage": s.blocks.usage, "preemptions": s.num_preemptions}
+                "kv_cache_usage": s.blocks.usage, "preemptions": s.num_preemptions,
+                "adapters_loaded": len(engine.adapters)}
 
     def job_counts() -> dict:
         return {status: store.count_jobs(status) for status in

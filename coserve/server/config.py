@@ -25,11 +25,12 @@ class ServerConfig:
     max_waiting_requests: int = 512  # requests queued in the engine before new ones get 503
     max_queued_jobs: int = 16  # per tenant: queued or running fine-tuning jobs before new ones get 429
     max_running_jobs: int = 2  # fine-tuning jobs co-served at once (more wait, queued)
+    max_loaded_models: int = 32  # fine-tuned models and checkpoints kept loaded (least recently used unloaded)
     checkpoint_steps: int = 0  # save a servable checkpoint every N optimizer steps; 0 = at each epoch's end
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_upload_bytes", "max_waiting_requests", "max_queued_jobs",
-                     "max_running_jobs"):
+                     "max_running_jobs", "max_loaded_models"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer, got {value!r}")

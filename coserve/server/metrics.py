@@ -53,7 +53,8 @@ class _EngineCollector:
         state = self.engine_state()
         for name, doc in (("requests_running", "requests the engine is running"),
                           ("requests_waiting", "requests waiting for admission"),
-                          ("kv_cache_usage", "fraction of KV cache blocks in use")):
+                          ("kv_cache_usage", "fraction of KV cache blocks in use"),
+                          ("adapters_loaded", "adapters loaded in the engine (shared and fine-tuned)")):
             yield GaugeMetricFamily(f"coserve_{name}", doc, value=state[name])
         yield CounterMetricFamily("coserve_preemptions", "requests preempted for KV blocks",
                                   value=state["preemptions"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 from coserve.engine.engine_loop import EngineLoop
@@ -29,13 +30,15 @@ def checkpoint_name(fine_tuned: str, step: int) -> str:
 class ModelRegistry:
     """Names to engine adapters, per tenant."""
 
-    def __init__(self, base: str, loop: EngineLoop, store: Store, state_dir: Path) -> None:
+    def __init__(self, base: str, loop: EngineLoop, store: Store, state_dir: Path, max_loaded: int = 32) -> None:
         self.base = base
         self.loop = loop
         self.store = store
         self.state_dir = state_dir
         self.shared: dict[str, float] = {}  # adapter name -> created (served to every tenant)
         self.started = int(time.time())
+        self.max_loaded = max_loaded  # fine-tuned models and checkpoints kept loaded in the engine at most
+        self.loaded: OrderedDict[str, None] = OrderedDict()  # those loaded, least recently used first
 
     async def resolve(self, tenant: str, name: str, param: str = "model") -> str | None:
         """The engine adapter for ``name`` (None for the base model); 404 when the tenant may not use it."""
@@ -51,7 +54,26 @@ class ModelRegistry:
                 await on_engine_async(self.loop, lambda: self.loop.engine.load_adapter(name, path))
             except AdapterError as e:
                 raise APIError(400, f"The model '{name}' cannot be served: {e}", param, "model_not_servable") from e
+        self.loaded[name] = None
+        self.loaded.move_to_end(name)
+        if len(self.loaded) > self.max_loaded:
+            await on_engine_async(self.loop, lambda: self._evict(keep=name))
         return name
+
+    def _evict(self, keep: str) -> str | None:
+        """On the engine thread: unload the least recently used fine-tuned model no request is using."""
+        for old in list(self.loaded):
+            if old == keep:
+                continue
+            try:
+                self.loop.engine.unload_adapter(old)
+            except AdapterError:  # in use by a request (or already gone): try the next
+                if old not in self.loop.engine.adapters:
+                    del self.loaded[old]
+                continue
+            del self.loaded[old]
+            return old
+        return None
 
     def fine_tuned_path(self, tenant: str, name: str) -> Path | None:
         """Where the tenant's fine-tuned model or checkpoint ``name`` lies, or None if it is not theirs."""

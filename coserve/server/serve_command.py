@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=512)
     p.add_argument("--max-queued-jobs", type=int, default=16, help="per tenant")
     p.add_argument("--max-running-jobs", type=int, default=2)
+    p.add_argument("--max-loaded-models", type=int, default=32, help="fine-tuned models and checkpoints kept "
+                   "loaded in the engine (the least recently used is unloaded)")
     p.add_argument("--checkpoint-steps", type=int, default=0, help="0 = a checkpoint at each epoch's end")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -69,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
                           allow_lora_loading=args.allow_lora_loading, max_body_bytes=args.max_body_bytes,
                           max_upload_bytes=args.max_upload_bytes, max_waiting_requests=args.max_waiting_requests,
                           max_queued_jobs=args.max_queued_jobs, max_running_jobs=args.max_running_jobs,
+                          max_loaded_models=args.max_loaded_models,
                           checkpoint_steps=args.checkpoint_steps)
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
