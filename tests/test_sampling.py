@@ -106,3 +106,12 @@ def test_a_stop_string_completed_by_the_last_allowed_token_still_cuts_the_text(l
     assert out.token_ids == free.token_ids
     assert out.text == free.text[:-len(stop)]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_a_tiny_positive_temperature_is_floored_not_fatal(llm):
+    """5e-324 overflowed the logits to inf and the NaN probabilities stopped the engine thread."""
+    params = SamplingParams(max_tokens=4, temperature=5e-324, seed=1, ignore_eos=True)
+    assert params.temperature == 0.01
+    assert len(llm.generate("Hello", params)[0].token_ids) == 4
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("inf"))

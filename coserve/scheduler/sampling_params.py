@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (as vLLM does)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling settings for one request; validated on construction, errors name the field."""
@@ -24,8 +27,10 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # smaller ones overflow the logits (NaN probabilities)
+            self.temperature = MIN_TEMPERATURE
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or a non-negative integer, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:

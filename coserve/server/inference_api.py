@@ -26,7 +26,6 @@ from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, L
 router = APIRouter()
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
-MIN_TEMPERATURE = 1e-2  # vLLM's floor: a smaller positive temperature overflows the logits to inf (NaN probabilities)
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
 UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
                "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
@@ -69,9 +68,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
     if any(not s for s in stops):
         raise bad_request("stop: sequences must be non-empty", "stop")
     seed = None if body.seed is None else (body.seed + index + 2**63) % 2**64 - 2**63  # int64, wrapping
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if 0 < temperature < MIN_TEMPERATURE:
-        temperature = MIN_TEMPERATURE
+    temperature = 1.0 if body.temperature is None else body.temperature  # SamplingParams floors tiny ones
     return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                           top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
                           ignore_eos=body.ignore_eos, logprobs=logprobs)
