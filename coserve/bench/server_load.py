@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import io
 import json
-import multiprocessing
 import os
 import platform
 import random
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from coserve.bench.arrivals import poisson_arrivals
 from coserve.bench.metrics import RequestRecord, summarize
+from coserve.bench.spawned import run_spawned
 from coserve.bench.workload import DEFAULT_SHAREGPT, fit_length, load_sharegpt
 
 DEFAULT_ALPACA = Path(__file__).resolve().parents[3] / "shared" / "data" / "alpaca_en_demo.json"
@@ -123,6 +123,31 @@ def one_at_a_time(spec: LoadSpec):
     return contextlib.nullcontext()
 
 
+async def drive(spec: LoadSpec, send) -> tuple[list[RequestRecord], float]:
+    """Every request of ``spec`` at its arrival offset (one at a time for ``--rate 0``), and the seconds it took.
+    ``send(message, max_tokens, clock)`` streams one and returns (first-token time on ``clock``, prompt tokens,
+    output tokens); an exception counts as a failed request, with why."""
+    start = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - start
+
+    turn = one_at_a_time(spec)
+
+    async def one(offset: float, message: str, max_tokens: int) -> RequestRecord:
+        async with turn:
+            await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+            sent = clock()
+            try:
+                first, n_prompt, n_out = await send(message, max_tokens, clock)
+            except Exception as e:  # counted as failed, with why
+                return RequestRecord(sent, None, None, 0, 0, failed=True, error=f"{type(e).__name__}: {e}")
+            return RequestRecord(sent, first, clock(), n_prompt, n_out)
+
+    records = await asyncio.gather(*(one(*r) for r in spec.requests))
+    return list(records), clock()
+
+
 # ---- the HTTP phase ---------------------------------------------------------------------------------------------
 async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[list[RequestRecord], dict]:
     from openai import AsyncOpenAI
@@ -134,33 +159,20 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
         while (await client.fine_tuning.jobs.retrieve(job.id)).status == "queued":
             await asyncio.sleep(0.1)
     tokens0 = (await client.fine_tuning.jobs.retrieve(job.id)).trained_tokens or 0 if job else 0
-    start = time.monotonic()
-    turn = one_at_a_time(spec)
 
-    async def one(offset: float, message: str, max_tokens: int) -> RequestRecord:
-        async with turn:
-            return await send(offset, message, max_tokens)
+    async def send(message: str, max_tokens: int, clock) -> tuple[float | None, int, int]:
+        first, n_out, n_prompt = None, 0, 0
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": message}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and first is None:
+                first = clock()
+            if chunk.usage is not None:
+                n_out, n_prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+        return first, n_prompt, n_out
 
-    async def send(offset: float, message: str, max_tokens: int) -> RequestRecord:
-        await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
-        sent = time.monotonic() - start
-        first = None
-        n_out = n_prompt = 0
-        try:
-            stream = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": message}], max_tokens=max_tokens, temperature=0,
-                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content and first is None:
-                    first = time.monotonic() - start
-                if chunk.usage is not None:
-                    n_out, n_prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-            return RequestRecord(sent, first, time.monotonic() - start, n_prompt, n_out)
-        except Exception as e:  # counted as failed, with why
-            return RequestRecord(sent, None, None, 0, 0, failed=True, error=f"{type(e).__name__}: {e}")
-
-    records = await asyncio.gather(*(one(*r) for r in spec.requests))
-    elapsed = time.monotonic() - start
+    records, elapsed = await drive(spec, send)
     ft = {}
     if job is not None:
         done = await client.fine_tuning.jobs.retrieve(job.id)
@@ -168,7 +180,7 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
         if done.status == "running":
             await client.fine_tuning.jobs.cancel(job.id)
     await client.close()
-    return list(records), {"elapsed_s": elapsed, **ft}
+    return records, {"elapsed_s": elapsed, **ft}
 
 
 def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
@@ -234,33 +246,21 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
             while ctx.store.get_job(TENANT, job["id"])["status"] == "queued":
                 await asyncio.sleep(0.1)
         tokens0 = ctx.metrics.finetune.total
-        start = time.monotonic()
-        turn = one_at_a_time(spec)
 
-        async def one(offset: float, message: str, max_tokens: int) -> RequestRecord:
-            async with turn:
-                return await send(offset, message, max_tokens)
-
-        async def send(offset: float, message: str, max_tokens: int) -> RequestRecord:
-            await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
-            sent = time.monotonic() - start
+        async def send(message: str, max_tokens: int, clock) -> tuple[float | None, int, int]:
             body = ChatCompletionRequest.model_validate({
                 "model": ctx.models.base, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "ignore_eos": True})
-            try:
-                ids = render_chat(ctx, body)
-                limit = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "messages")
-                choice = start_choice(ctx, TENANT, ids, sampling_params(body, limit, None, 0), None, 0, "messages")
-                first, out = None, None
-                async for out in choice.stream:
-                    if first is None and choice.delta.next(out.outputs[0].text, out.finished):
-                        first = time.monotonic() - start
-                return RequestRecord(sent, first, time.monotonic() - start, len(ids), len(out.outputs[0].token_ids))
-            except Exception as e:  # counted as failed, with why
-                return RequestRecord(sent, None, None, 0, 0, failed=True, error=f"{type(e).__name__}: {e}")
+            ids = render_chat(ctx, body)
+            limit = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "messages")
+            choice = start_choice(ctx, TENANT, ids, sampling_params(body, limit, None, 0), None, 0, "messages")
+            first, out = None, None
+            async for out in choice.stream:
+                if first is None and choice.delta.next(out.outputs[0].text, out.finished):
+                    first = clock()
+            return first, len(ids), len(out.outputs[0].token_ids)
 
-        records = await asyncio.gather(*(one(*r) for r in spec.requests))
-        elapsed = time.monotonic() - start
+        records, elapsed = await drive(spec, send)
         ft = {}
         if job is not None:
             await asyncio.sleep(2 * POLL_S)  # let the job watcher count the last tokens
@@ -268,36 +268,17 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
                   "job_status": ctx.store.get_job(TENANT, job["id"])["status"]}
             if ft["job_status"] == "running":
                 await asyncio.to_thread(ctx.jobs.cancel, TENANT, job["id"])
-    return list(records), {"elapsed_s": elapsed, **ft}
+    return records, {"elapsed_s": elapsed, **ft}
 
 
-def _inprocess_child(conn, spec: LoadSpec) -> None:
-    try:
-        with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
-            records, extra = asyncio.run(_inprocess_requests(spec, f"{tmp}/state"))
-        conn.send(("ok", (records, extra)))
-    except BaseException as e:  # reported to the parent
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-    finally:
-        conn.close()
+def _inprocess_phase(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
+    with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
+        return asyncio.run(_inprocess_requests(spec, f"{tmp}/state"))
 
 
 def run_inprocess(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
     """The same load on the server's own objects in a fresh (spawned) process, without HTTP."""
-    mp = multiprocessing.get_context("spawn")
-    parent, child = mp.Pipe()
-    proc = mp.Process(target=_inprocess_child, args=(child, spec))
-    proc.start()
-    child.close()
-    try:
-        status, value = parent.recv()
-    except EOFError:
-        proc.join()
-        raise RuntimeError(f"the in-process phase died (exit code {proc.exitcode})")
-    proc.join()
-    if status != "ok":
-        raise RuntimeError(f"the in-process phase failed: {value}")
-    return value
+    return run_spawned(_inprocess_phase, spec, "the in-process phase")
 
 
 # ---- the command ------------------------------------------------------------------------------------------------

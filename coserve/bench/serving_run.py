@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from coserve.bench.metrics import RequestRecord, idle_fraction, summarize
 from coserve.bench.serving_workload import BenchRequest
+from coserve.bench.spawned import run_spawned
 from coserve.scheduler.finetune_work import BACKWARD, FORWARD
 
 ENGINE_POLICIES = ("coserve", "inference-only", "finetune-only", "temporal", "dts")
@@ -264,27 +265,6 @@ def _warm_up(engine) -> None:
         engine.step()
 
 
-def _child(conn, spec: RunSpec) -> None:
-    try:
-        conn.send(("ok", run_one(spec)))
-    except BaseException as e:  # reported to the parent, which names the run
-        import traceback
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
 def run_in_child(spec: RunSpec) -> dict:
     """``run_one(spec)`` in a fresh (spawned) process."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(child, spec))
-    proc.start()
-    child.close()
-    try:
-        status, value = parent.recv()
-    except EOFError:
-        proc.join()
-        raise RuntimeError(f"run {spec.label} @ {spec.rate} req/s: the process died (exit code {proc.exitcode})")
-    proc.join()
-    if status != "ok":
-        raise RuntimeError(f"run {spec.label} @ {spec.rate} req/s failed: {value}")
-    return value
+    return run_spawned(run_one, spec, f"run {spec.label} @ {spec.rate} req/s")
