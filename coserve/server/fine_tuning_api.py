@@ -74,18 +74,21 @@ async def list_files(request: Request, purpose: str | None = None, after: str | 
     return {"object": "list", "data": files[:limit], "has_more": len(files) > limit}
 
 
-@router.get("/v1/files/{file_id}")
-async def get_file(file_id: str, request: Request, ctx: ServerContext = Depends(context)):
+def _own_file(ctx: ServerContext, request: Request, file_id: str) -> dict:
     f = ctx.store.get_file(tenant_of(request), file_id)
     if f is None:
         raise not_found("file", file_id, "file_id")
     return f
 
 
+@router.get("/v1/files/{file_id}")
+async def get_file(file_id: str, request: Request, ctx: ServerContext = Depends(context)):
+    return _own_file(ctx, request, file_id)
+
+
 @router.get("/v1/files/{file_id}/content")
 async def get_file_content(file_id: str, request: Request, ctx: ServerContext = Depends(context)):
-    if ctx.store.get_file(tenant_of(request), file_id) is None:
-        raise not_found("file", file_id, "file_id")
+    _own_file(ctx, request, file_id)
     return FileResponse(ctx.store.file_path(file_id), media_type="application/jsonl")
 
 
