@@ -34,6 +34,15 @@ BRIEF_PROFILE_POINTS = 25  # iterations timed when a coserve engine has no laten
 BRIEF_PROFILE_CONTEXT = 512  # longest context they use
 
 
+class FinetuneMemoryError(ValueError):
+    """A job that does not fit in ``finetune_memory_gb`` beside the running jobs; ``fits_alone`` says whether it
+    would with none running (then it can wait for them)."""
+
+    def __init__(self, message: str, fits_alone: bool) -> None:
+        super().__init__(message)
+        self.fits_alone = fits_alone
+
+
 @dataclass(slots=True)
 class JobState:
     """A finetuning job and where it ended up."""
@@ -109,9 +118,10 @@ class LLMEngine:
         budget = int(self.config.finetune_memory_gb * 2**30)
         need, used = job_memory(job), self.finetune_memory_in_use()
         if used + need.total_bytes > budget:
-            raise ValueError(f"finetune_memory_gb: the job needs {need.total_bytes / 2**20:.1f} MiB (adapter and "
+            raise FinetuneMemoryError(f"finetune_memory_gb: the job needs {need.total_bytes / 2**20:.1f} MiB (adapter and "
                              f"optimizer {need.adapter_bytes / 2**20:.1f}, activations {need.activation_bytes / 2**20:.1f});"
-                             f" {used / 2**20:.1f} of {budget / 2**20:.1f} MiB are in use by running jobs")
+                             f" {used / 2**20:.1f} of {budget / 2**20:.1f} MiB are in use by running jobs",
+                             fits_alone=need.total_bytes <= budget)
 
     def cancel_finetune_job(self, job_id: str) -> None:
         """Stop a running job; its last saved checkpoint (if any) stays. Refused for a finished job."""

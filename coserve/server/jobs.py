@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coserve.engine.engine_loop import EngineLoop
+from coserve.engine.llm_engine import FinetuneMemoryError
 from coserve.finetune.build import make_bypass
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.dataset import load_dataset
 from coserve.finetune.job import FinetuneJob
-from coserve.finetune.memory_budget import job_memory
 from coserve.peft import AdapterError
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
@@ -296,10 +296,8 @@ class JobManager:
         ft.on_step = lambda j: self._checkpoint(r)
         try:
             on_engine(self.loop, lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
-        except ValueError as e:
-            budget = self.engine.config.finetune_memory_gb
-            if (self.running and str(e).startswith("finetune_memory_gb")
-                    and job_memory(ft).total_bytes <= budget * 2**30):
+        except FinetuneMemoryError as e:
+            if self.running and e.fits_alone:
                 raise WaitForMemory(str(e).removeprefix("finetune_memory_gb: ")) from e
             raise
         self._told_waiting.discard(job_id)
