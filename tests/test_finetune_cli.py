@@ -75,18 +75,18 @@ def test_finetune_bad_data_is_one_clear_error(model_factory, tmp_path, capsys):
     assert rc == 2
 
 
-def test_the_recompute_budget_trades_kept_bytes_for_flops(model_factory, tmp_path, capsys):
+def test_the_memory_target_trades_kept_bytes_for_flops(model_factory, tmp_path, capsys):
     model_dir = model_factory("llama")
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
     kept = {}
-    for budget in ("0", "0.1"):
+    for budget in ("1", "0.5"):
         report = tmp_path / f"mem{budget}.json"
         assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(tmp_path / budget),
-                     "--max-steps", "1", "--recompute-budget", budget, "--memory-report", str(report),
+                     "--max-steps", "1", "--memory-target", budget, "--memory-report", str(report),
                      "--no-progress"]) == 0
         kept[budget] = json.loads(report.read_text())["kept_bytes_per_token"]
-    assert kept["0"] > kept["0.1"]  # with no budget the projections are kept rather than recomputed
+    assert kept["1"] > kept["0.5"]  # with no target the projections are kept rather than recomputed
     assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(tmp_path / "x"),
-                 "--recompute-budget", "-1", "--no-progress"]) == 2
-    assert "recompute_budget" in capsys.readouterr().err
+                 "--memory-target", "0", "--no-progress"]) == 2
+    assert "memory_target" in capsys.readouterr().err

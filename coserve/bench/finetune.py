@@ -1,13 +1,16 @@
 """``coserve bench-finetune``: token-level finetuning against HF PEFT with a plain torch loop, same model.
 
 Each measurement runs in its own subprocess so that peak RSS (and, on CUDA, peak GPU memory) is that
-system's alone.
+system's alone. Each system runs ``--warmup`` steps, then ``--steps`` timed steps of one sequence;
+its rate is the tokens of one step over the median step time (the first steps after start-up run
+slow while the allocator grows, and this shared machine has stray slow steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,7 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--data", default=str(DEFAULT_ALPACA), help="Alpaca JSON (default: ../shared/data)")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=3, help="measured optimizer steps (one 1-sequence batch each)")
+    p.add_argument("--steps", type=int, default=5, help="measured optimizer steps (one 1-sequence batch each)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before them")
     p.add_argument("--targets", action="append", default=None,
                    help="comma-separated target modules; repeat (default: down_proj, and all linear modules)")
     p.add_argument("--lora-r", type=int, default=16)
@@ -68,7 +72,7 @@ def run(args) -> int:
     rows = []
     for t in targets:
         spec = {"model": args.model, "data": args.data, "seq_len": args.seq_len, "steps": args.steps,
-                "targets": t, "r": args.lora_r,
+                "warmup": args.warmup, "targets": t, "r": args.lora_r,
                 "dtype": args.dtype, "device": device}
         hf = _spawn({**spec, "system": "hf"})
         rows.append(hf)
@@ -80,7 +84,8 @@ def run(args) -> int:
             if "peak_gpu_bytes" in co and "peak_gpu_bytes" in hf:
                 co["ratio_peak_gpu"] = co["peak_gpu_bytes"] / hf["peak_gpu_bytes"]
             rows.append(co)
-    report = {"model": args.model, "seq_len": args.seq_len, "steps": args.steps, "threads": torch.get_num_threads(),
+    report = {"model": args.model, "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
+              "threads": torch.get_num_threads(),
               "device": device, "device_name": _device_name(device), "dtype": args.dtype,
               "torch": torch.__version__, "rows": rows}
     for r in rows:
@@ -124,15 +129,16 @@ def _worker(spec: dict) -> dict:
     from coserve.model.tokenizer import load_tokenizer
     torch.manual_seed(0)
     tokenizer = load_tokenizer(spec["model"])
-    seqs = packed_sequences(tokenizer, Path(spec["data"]), spec["seq_len"], spec["steps"] + 1)
+    warmup = spec.get("warmup", 1)
+    seqs = packed_sequences(tokenizer, Path(spec["data"]), spec["seq_len"], warmup + spec["steps"])
     fn = _run_hf if spec["system"] == "hf" else _run_coserve
     device = torch.device(spec.get("device", "cpu"))
     dtype = getattr(torch, spec.get("dtype", "float32"))
-    seconds, kept = fn(spec, seqs, device, dtype)
-    tokens = spec["seq_len"] * spec["steps"]
+    step_seconds, kept = fn(spec, seqs[:warmup], seqs[warmup:], device, dtype)
     row = {**{k: spec[k] for k in ("system", "targets") if k in spec},
            **{k: spec[k] for k in ("rematerialize", "window_tokens") if k in spec},
-           "tokens_per_s": tokens / seconds, "seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), **kept}
+           "tokens_per_s": spec["seq_len"] / statistics.median(step_seconds), "step_seconds": step_seconds,
+           "peak_rss_bytes": peak_rss_bytes(), **kept}
     if device.type == "cuda":
         row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     return row
@@ -144,7 +150,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_hf(spec: dict, seqs: list[list[int]], device: torch.device, dtype: torch.dtype) -> tuple[float, dict]:
+def _run_hf(spec: dict, warmup: list[list[int]], seqs: list[list[int]], device: torch.device,
+            dtype: torch.dtype) -> tuple[list[float], dict]:
     """HF PEFT: get_peft_model, plain loop of forward, loss.backward(), AdamW step."""
     from coserve.finetune.memory import saved_activation_bytes
     from peft import LoraConfig, get_peft_model
@@ -170,17 +177,27 @@ def _run_hf(spec: dict, seqs: list[list[int]], device: torch.device, dtype: torc
         opt.step()
         opt.zero_grad()
 
-    step(seqs[0])  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    for ids in seqs[1:]:
+    for ids in warmup:
         step(ids)
-    _sync(device)
+    times = _timed(device, [lambda ids=ids: step(ids) for ids in seqs])
     per_token = saved / len(seqs[0])
-    return time.perf_counter() - start, {"autograd_bytes_per_token": per_token, "kept_bytes_per_token": per_token}
+    return times, {"autograd_bytes_per_token": per_token, "kept_bytes_per_token": per_token}
 
 
-def _run_coserve(spec: dict, seqs: list[list[int]], device: torch.device, dtype: torch.dtype) -> tuple[float, dict]:
+def _timed(device: torch.device, steps: list) -> list[float]:
+    """Seconds each of ``steps`` (callables) takes, the device's queued work included."""
+    times = []
+    for run_step in steps:
+        _sync(device)
+        start = time.perf_counter()
+        run_step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _run_coserve(spec: dict, warmup: list[list[int]], seqs: list[list[int]], device: torch.device,
+                 dtype: torch.dtype) -> tuple[list[float], dict]:
     from coserve.finetune.config import FinetuneConfig
     from coserve.finetune.job import Example, FinetuneJob
     from coserve.model.loader import load_model
@@ -189,20 +206,19 @@ def _run_coserve(spec: dict, seqs: list[list[int]], device: torch.device, dtype:
     model = load_model(spec["model"], dtype, device)
     bypass = TrainableLora(LoraConfig(r=spec["r"], lora_alpha=spec["r"], target_modules=spec["targets"].split(",")),
                            model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(0))
-    examples = [Example(ids, ids[1:] + [-100]) for ids in seqs]
+    examples = [Example(ids, ids[1:] + [-100]) for ids in warmup + seqs]
     out = tempfile.mkdtemp(prefix="coserve-bench-ft-")
-    cfg = FinetuneConfig(output_dir=out, batch_size=1, lr=1e-4, max_steps=len(seqs), shuffle=False,
+    cfg = FinetuneConfig(output_dir=out, batch_size=1, lr=1e-4, max_steps=len(examples), shuffle=False,
                          max_grad_norm=0, lr_scheduler="constant", window_tokens=spec["window_tokens"],
                          rematerialize=spec["rematerialize"])
     job = FinetuneJob(model, bypass, examples, cfg)
-    while job.step < 1:  # warm-up step
-        kind = job.next_work()
-        (job.forward if kind == "forward" else job.backward)(cfg.window_tokens or job.pending_tokens())
-    _sync(device)
-    start = time.perf_counter()
-    while (kind := job.next_work()) is not None:
-        n = cfg.window_tokens or job.pending_tokens()
-        (job.forward if kind == "forward" else job.backward)(n)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    return seconds, {"kept_bytes_per_token": job.kept_bytes_per_token}
+
+    def step() -> None:
+        done = job.step
+        while job.step == done:
+            kind = job.next_work()
+            (job.forward if kind == "forward" else job.backward)(cfg.window_tokens or job.pending_tokens())
+
+    for _ in warmup:
+        step()
+    return _timed(device, [step] * len(seqs)), {"kept_bytes_per_token": job.kept_bytes_per_token}

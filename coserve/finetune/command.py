@@ -50,9 +50,9 @@ def add_arguments(p) -> None:
     windows.add_argument("--window-tokens", type=int, default=0, help="window size; 0 = whole sequences")
     windows.add_argument("--window-schedule", default="", help="random:SEED")
     p.add_argument("--rematerialize", default=d.rematerialize, choices=["cheap", "all"])
-    p.add_argument("--recompute-budget", type=float, default=d.recompute_budget,
-                   help="cheap: extra FLOPs (fraction of a layer's training FLOPs) spent recomputing projections "
-                        "instead of keeping them (0 = only the cheap tensors)")
+    p.add_argument("--memory-target", type=float, default=d.memory_target,
+                   help="cheap: keep at most this fraction of the pruned keep set's bytes, recomputing the "
+                        "projections or attention that cost the fewest FLOPs (1 = recompute only the cheap tensors)")
     p.add_argument("--memory-report", default=None, metavar="FILE.json")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
@@ -67,7 +67,7 @@ def run(args) -> int:
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         max_seq_len=args.max_seq_len, seed=args.seed, shuffle=not args.no_shuffle,
         window_tokens=args.window_tokens, window_schedule=args.window_schedule,
-        rematerialize=args.rematerialize, recompute_budget=args.recompute_budget,
+        rematerialize=args.rematerialize, memory_target=args.memory_target,
         train_on_prompt=args.train_on_prompt)
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coserve.finetune.graph_pruning import DEFAULT_RECOMPUTE_BUDGET
+from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -32,8 +32,8 @@ class FinetuneConfig:
     window_tokens: int = 0  # forward and backward window size; 0 = whole sequences
     window_schedule: str = ""  # "random:SEED": random window sizes (exactness checks)
     rematerialize: str = "cheap"  # cheap: keep what the graph-pruning plan keeps; all: layer inputs and K/V only
-    recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET  # cheap: FLOPs the plan may add to recompute projections instead of keeping
-    #   them, as a fraction of the layer's training FLOPs (0 = recompute only the cheap tensors)
+    memory_target: float = DEFAULT_MEMORY_TARGET  # cheap: the kept bytes' ceiling as a fraction of the pruned keep
+    #   set's; the plan recomputes the projections (or attention) costing the fewest FLOPs to get there (1 = none)
     max_nonfinite_steps: int = 3  # consecutive steps with a non-finite loss before the job stops
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
 
@@ -46,9 +46,11 @@ class FinetuneConfig:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
         if not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"lr: must be positive, got {self.lr!r}")
-        for name in ("weight_decay", "max_grad_norm", "recompute_budget"):
+        for name in ("weight_decay", "max_grad_norm"):
             if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+        if not isinstance(self.memory_target, (int, float)) or not 0 < self.memory_target <= 1:
+            raise ValueError(f"memory_target: must be in (0, 1], got {self.memory_target!r}")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         _choice("rematerialize", self.rematerialize, REMATERIALIZE)

@@ -62,6 +62,7 @@ class TensorSpec:
     elements: int  # per token for activations; 0 for weights and indices
     trainable: bool = False  # weights only
     producer: str | None = None  # the op that writes it; None for inputs, weights, indices
+    element_size: int = 0  # bytes per element when not the graph's (attention's log-sum-exp is float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ class LayerGraph:
     required_grads: tuple[str, ...]  # gradients that must be produced (see graph_pruning)
     element_size: int  # bytes per element
     title: str = ""
-    projections: tuple[str, ...] = ()  # base-layer matmul outputs a budgeted rematerialisation may recompute
+    projections: tuple[str, ...] = ()  # costly tensors (matmul, attention outputs) pass (b) may recompute
 
     def op(self, name: str) -> Op:
         return next(o for o in self.ops if o.name == name)
@@ -126,6 +127,12 @@ class GraphBuilder:
 
     def weight(self, name: str, trainable: bool = False) -> str:
         return self._add(TensorSpec(name, TensorKind.WEIGHT, 0, trainable=trainable))
+
+    def set_element_size(self, name: str, element_size: int) -> None:
+        """Store ``name`` at ``element_size`` bytes per element whatever the graph's (e.g. float32 statistics)."""
+        spec = self.tensors[name]
+        self.tensors[name] = TensorSpec(spec.name, spec.kind, spec.elements, spec.trainable, spec.producer,
+                                        element_size)
 
     def index(self, name: str) -> str:
         return self._add(TensorSpec(name, TensorKind.INDEX, 0))
@@ -176,7 +183,7 @@ class LayerShape:
     head_dim: int
     qkv_bias: bool = False
     element_size: int = 2  # bytes per element: 2 for bf16/fp16, 4 for fp32
-    context_tokens: int = 1024  # keys attended per token; only prices attention's recompute
+    context_tokens: int = 512  # keys attended per token on average (half a causal sequence); prices attention
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
@@ -197,7 +204,7 @@ class LayerShape:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_model_config(cls, cfg: Any, element_size: int, context_tokens: int = 1024) -> "LayerShape":
+    def from_model_config(cls, cfg: Any, element_size: int, context_tokens: int = 512) -> "LayerShape":
         """From a ``coserve.model.config.ModelConfig`` (or anything with its field names)."""
         return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    bool(cfg.qkv_bias), element_size, context_tokens)
@@ -233,9 +240,10 @@ def _check_peft(peft: Any) -> None:
 def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "flash") -> LayerGraph:
     """The graph of one decoder layer with ``peft``'s bypass networks.
 
-    ``attention_backward``: "flash" (the backward reads q, k, v, the output and the
-    log-sum-exp) or "recompute" (it recomputes attention from q, k, v, as coserve's pruned
-    executor does: then the output costs nothing extra to rematerialise and lse is not read).
+    ``attention_backward``: "flash" (the backward reads q, k, v, the output and the float32
+    log-sum-exp: what coserve's pruned executor does where ``window_attention`` has a kept-output
+    backward) or "recompute" (it recomputes attention from q, k, v, as the executor does
+    elsewhere: then the output costs nothing extra to rematerialise and lse is not read).
 
     ``peft`` is a ``coserve.peft.config.LoraConfig`` or ``IA3Config``, or any object with
     ``peft_type`` ("LORA" / "IA3"), ``target_modules``, and ``r`` (LoRA) or
@@ -285,6 +293,7 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     o = b.op("attention", OpKind.ATTENTION, (q, k, v),
              (("attn.o", shape.q_size), ("attn.lse", shape.num_heads)), attn_flops,
              fn=attention_backward)  # [Hq*D], [Hq]
+    b.set_element_size("attn.lse", 4)
     proj = linear("o_proj", o, "attn_proj")  # [H]
     resid = b.pointwise("attn_residual", OpKind.ADD, "add", (x, proj), "resid")  # [H]
     h2 = b.norm("mlp_norm", resid, "h_mlp", "rms_mlp")  # [H], [1]
@@ -297,6 +306,7 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     title = (f"{peft_summary(peft)}; hidden {shape.hidden_size}, intermediate {shape.intermediate_size}, "
              f"heads {shape.num_heads}/{shape.num_kv_heads} x {shape.head_dim}, {shape.element_size} B/element")
     # dL/dK and dL/dV are required: later tokens' backward windows produce them for earlier tokens.
-    # The projections the pruned executor can recompute in its backward (bypass tensors stay kept).
+    # What the pruned executor can recompute in its backward instead of storing (bypass tensors stay
+    # kept): the projections, and attention's output (with its lse) when the backward reads them.
     return b.build(x, out, always_kept=(x, k, v), required_grads=(x, k, v), title=title,
-                   projections=(q, resid, gate, up))
+                   projections=(q, o, resid, gate, up) if attention_backward == "flash" else (q, resid, gate, up))

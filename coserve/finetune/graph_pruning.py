@@ -18,11 +18,15 @@ Pure Python over ``coserve.finetune.graph``. Steps:
 4. Rematerialisation (policy ``cheap``), in two passes. (a) A kept tensor whose producer
    costs under ``cost_threshold`` FLOPs per output element and whose producer's activation
    inputs are all in the keep set (stored, or themselves rematerialised: they are recomputed
-   first) is recomputed in the backward pass instead of stored. (b) Then the base layer's
-   projection outputs (``LayerGraph.projections``: rotated q, the residual after attention,
-   gate, up) are recomputed, with whatever chain of ops leads to them from available tensors,
-   cheapest FLOPs per byte saved first, as long as the FLOPs added stay within
-   ``recompute_budget`` times the layer's training FLOPs per token (``training_flops``).
+   first) is recomputed in the backward pass instead of stored. (b) Then, if the layer still
+   keeps more than ``memory_target`` times the bytes of the pruned keep set (what step 3 stores,
+   i.e. what a pruned autograd would save), the costly tensors (``LayerGraph.projections``: rotated
+   q, attention's output with its log-sum-exp, the residual after attention, gate, up) are
+   recomputed instead, with whatever chain of ops leads to them from available tensors: of every
+   subset of them that meets the target, the one adding the fewest FLOPs (``_meet_target``; when
+   none does, the one keeping the fewest bytes). Attention's FLOPs grow with the context
+   (``LayerShape.context_tokens``), so long sequences recompute projections and keep attention's
+   output, short ones recompute attention.
    ``all`` stores only the input and K/V and recomputes the rest (what
    ``coserve.finetune.token_windows`` does); ``none`` stores the whole keep set.
 5. Bitmask compression: a stored tensor that every surviving reader needs only the sign of
@@ -33,15 +37,17 @@ Pure Python over ``coserve.finetune.graph``. Steps:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import combinations
 from typing import Any
 
 from coserve.finetune.graph import LayerGraph, LayerShape, Op, OpKind, TensorKind, build_layer_graph
 
 POLICIES = ("cheap", "all", "none")
 DEFAULT_COST_THRESHOLD = 8.0  # FLOPs per output element: elementwise, norms, RoPE, SiLU are under it
-# Extra FLOPs pass (b) may spend recomputing projections, as a fraction of the layer's training FLOPs:
-# on Llama shapes it buys back q and the post-attention residual (two hidden x hidden matmuls).
-DEFAULT_RECOMPUTE_BUDGET = 0.10
+# Pass (b) recomputes costly tensors until the layer keeps at most this fraction of the pruned keep
+# set's bytes (on Llama shapes at 1,024 tokens: the up projection for LoRA on down_proj; q and the
+# post-attention residual for LoRA on every linear module).
+DEFAULT_MEMORY_TARGET = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +151,7 @@ def keep_set(graph: LayerGraph, surviving: list[BackwardStep]) -> dict[str, bool
 
 
 def training_flops(graph: LayerGraph, surviving: list[BackwardStep]) -> float:
-    """FLOPs per token of one layer's forward and pruned backward (what the recompute budget is a share of).
+    """FLOPs per token of one layer's forward and pruned backward (what the plan reports its recompute FLOPs against).
 
     Each surviving backward step is priced at its op's forward FLOPs (a matmul's input or
     weight gradient costs what the forward matmul does).
@@ -155,16 +161,15 @@ def training_flops(graph: LayerGraph, surviving: list[BackwardStep]) -> float:
 
 
 def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_threshold: float,
-                  budget_flops: float = 0.0) -> tuple[dict[str, str], list[str]]:
+                  target_bytes: float | None = None) -> tuple[dict[str, str], list[str]]:
     """Algorithm 1, step 2: ``(stored name -> "full" | "bitmask", rematerialised names in forward order)``.
 
-    ``budget_flops``: per token, what pass (b) may add (``recompute_budget`` x the training FLOPs).
+    ``target_bytes``: per token, what pass (b) brings the stored bytes down to (None: no pass (b)).
     """
     order = [t for op in graph.ops for t in op.outputs if t in keep]  # forward order
     if policy == "all":
         return {t: "full" for t in graph.always_kept}, [t for t in order if t not in graph.always_kept]
-    stored = {t: "bitmask" if sign and t not in graph.always_kept else "full" for t, sign in keep.items()}
-    stored.update({t: "full" for t in graph.always_kept})
+    stored = _as_stored(graph, keep)
     remat: list[str] = []
     changed = policy == "cheap"
     while changed:  # each pass may unlock or price differently what an earlier one decided
@@ -185,38 +190,42 @@ def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_th
             del stored[t]
             remat.append(t)
             changed = True
-    if policy == "cheap" and budget_flops > 0:
-        remat += _spend_budget(graph, stored, remat, budget_flops)
+    if policy == "cheap" and target_bytes is not None:
+        remat += _meet_target(graph, stored, remat, target_bytes)
     return stored, [t for op in graph.ops for t in op.outputs if t in remat]
 
 
-def _spend_budget(graph: LayerGraph, stored: dict[str, str], remat: list[str], budget: float) -> list[str]:
-    """Pass (b): recompute projections cheapest per byte first while their chains fit in ``budget`` FLOPs.
+def _meet_target(graph: LayerGraph, stored: dict[str, str], remat: list[str], target: float) -> list[str]:
+    """Pass (b): recompute the subset of ``graph.projections`` with the fewest FLOPs that brings the
+    stored bytes to ``target`` (or, when no subset does, the one storing the fewest bytes).
 
-    Returns the tensors added to the rematerialised set (the projections and the intermediate
-    tensors of their chains), removing the projections from ``stored``.
+    Returns the tensors added to the rematerialised set (the chosen tensors, the intermediates of
+    their chains, and their producers' other stored outputs: recomputing attention's output
+    recomputes its log-sum-exp too), removing the stored ones from ``stored``.
     """
-    added: list[str] = []
-    spent = 0.0
-    while True:
-        available = {t for t, how in stored.items() if how == "full"} | set(remat) | set(added) | {graph.input}
-        best = None
-        for t in graph.projections:
-            if stored.get(t) != "full" or t in graph.always_kept:
-                continue
-            chain = _chain(graph, t, available - {t})
-            if chain is None:
-                continue
-            cost = sum(graph.producer(c).flops for c in chain)
-            key = (cost / _bytes(graph, t, "full"), cost)
-            if spent + cost <= budget and (best is None or key < best[0]):
-                best = (key, t, chain, cost)
-        if best is None:
-            return added
-        _, t, chain, cost = best
-        del stored[t]
-        added += [c for c in chain if c not in added]
-        spent += cost
+    candidates = [t for t in graph.projections if stored.get(t) == "full" and t not in graph.always_kept]
+    total = sum(_bytes(graph, t, how) for t, how in stored.items())
+    best: tuple[tuple, list[str], list[str]] | None = None
+    for size in range(len(candidates) + 1):
+        for subset in combinations(candidates, size):
+            dropped = [o for t in subset for o in graph.producer(t).outputs if stored.get(o) == "full"]
+            available = ({t for t, how in stored.items() if how == "full"} - set(dropped)) | set(remat) | {graph.input}
+            chains: list[str] = []
+            for t in subset:
+                chain = _chain(graph, t, available | set(chains))
+                if chain is None:
+                    break
+                chains += [c for c in chain if c not in chains]
+            else:
+                cost = sum(graph.producer(c).flops for c in chains)
+                left = total - sum(_bytes(graph, o, "full") for o in set(dropped))
+                key = (0, cost, left) if left <= target else (1, left, cost)
+                if best is None or key < best[0]:
+                    best = (key, dropped, chains)
+    _, dropped, chains = best
+    for o in set(dropped):
+        del stored[o]
+    return chains + [o for o in dict.fromkeys(dropped) if o not in chains]
 
 
 def _chain(graph: LayerGraph, tensor: str, available: set[str]) -> list[str] | None:
@@ -240,9 +249,16 @@ def _chain(graph: LayerGraph, tensor: str, available: set[str]) -> list[str] | N
     return out if visit(tensor) else None
 
 
+def _as_stored(graph: LayerGraph, keep: dict[str, bool]) -> dict[str, str]:
+    """The keep set as stored with nothing rematerialised: sign-only tensors as bitmasks, the rest in full."""
+    stored = {t: "bitmask" if sign and t not in graph.always_kept else "full" for t, sign in keep.items()}
+    stored.update({t: "full" for t in graph.always_kept})
+    return stored
+
+
 def _bytes(graph: LayerGraph, tensor: str, storage: str) -> float:
-    n = graph.tensors[tensor].elements
-    return n / 8 if storage == "bitmask" else n * graph.element_size
+    spec = graph.tensors[tensor]
+    return spec.elements / 8 if storage == "bitmask" else spec.elements * (spec.element_size or graph.element_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +291,7 @@ class PruningPlan:
     title: str
     policy: str
     cost_threshold: float  # FLOPs per output element
-    recompute_budget: float  # pass (b)'s extra FLOPs as a fraction of training_flops_per_token
+    memory_target: float  # pass (b): kept bytes as a fraction of keep_set_bytes_per_token, at most
     training_flops_per_token: float  # one layer's forward and pruned backward
     recompute_flops_per_token: float  # one layer: what the backward pass spends rematerialising
     element_size: int  # bytes
@@ -286,6 +302,7 @@ class PruningPlan:
     kept_bytes_per_token: float  # one layer: sum of kept[].bytes
     keep_all_bytes_per_token: float  # one layer, no pruning: its input and every activation it produces
     #   except its output (the next layer's input, counted there; the last one's is the head's)
+    keep_set_bytes_per_token: float  # one layer, pruned, nothing rematerialised (policy ``none``'s kept bytes)
     head_bytes_per_token: float  # the gradient at the last layer's output (the graph output's size)
     num_layers: int = 1
     graph: LayerGraph | None = field(default=None, repr=False, compare=False)
@@ -300,8 +317,9 @@ class PruningPlan:
 
     def describe(self) -> str:
         """A readable multi-line summary."""
-        how = {"cheap": f"rematerialise ops under {self.cost_threshold:g} FLOPs per output element, then "
-                        f"projections within {self.recompute_budget:.0%} of the training FLOPs",
+        how = {"cheap": f"rematerialise ops under {self.cost_threshold:g} FLOPs per output element, then the "
+                        f"costly tensors adding the fewest FLOPs that bring the kept bytes to "
+                        f"{self.memory_target:.0%} of the pruned keep set's",
                "all": "store the input and the K/V cache, recompute the rest",
                "none": "store the whole keep set"}[self.policy]
         lines = [f"Pruning plan: {self.title}", f"policy {self.policy!r}: {how}",
@@ -317,7 +335,9 @@ class PruningPlan:
         lines.append(f"backward steps: {len(self.surviving)} kept, {len(self.pruned)} pruned: "
                      f"{', '.join(s.name for s in self.pruned) or '-'}")
         ratio = self.kept_bytes_per_token / self.keep_all_bytes_per_token
-        lines.append(f"bytes/token, one layer: kept {_num(self.kept_bytes_per_token)}, keep-all "
+        lines.append(f"bytes/token, one layer: kept {_num(self.kept_bytes_per_token)}, pruned keep set "
+                     f"{_num(self.keep_set_bytes_per_token)} "
+                     f"({self.kept_bytes_per_token / self.keep_set_bytes_per_token:.1%}), keep-all "
                      f"{_num(self.keep_all_bytes_per_token)} ({ratio:.1%})")
         lines.append(f"bytes/token, {self.num_layers} layer(s) + head {_num(self.head_bytes_per_token)}: kept "
                      f"{_num(self.model_kept_bytes_per_token)}, keep-all {_num(self.model_keep_all_bytes_per_token)}")
@@ -330,18 +350,19 @@ def _num(x: float) -> str:
 
 def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
                cost_threshold: float = DEFAULT_COST_THRESHOLD, need_input_grad: bool = True,
-               num_layers: int = 1, recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET) -> PruningPlan:
+               num_layers: int = 1, memory_target: float = DEFAULT_MEMORY_TARGET) -> PruningPlan:
     """Differentiate, prune, pick the keep set, rematerialise and compress any ``LayerGraph``."""
     if rematerialize_policy not in POLICIES:
         raise ValueError(f"rematerialize: must be one of {', '.join(POLICIES)}, got {rematerialize_policy!r}")
     if not cost_threshold > 0:
         raise ValueError(f"cost_threshold: must be positive, got {cost_threshold!r}")
-    if not recompute_budget >= 0:
-        raise ValueError(f"recompute_budget: must be >= 0, got {recompute_budget!r}")
+    if not 0 < memory_target <= 1:
+        raise ValueError(f"memory_target: must be in (0, 1], got {memory_target!r}")
     surviving, pruned = prune(graph, differentiate(graph), need_input_grad)
     keep = keep_set(graph, surviving)
     train = training_flops(graph, surviving)
-    stored, remat = rematerialize(graph, keep, rematerialize_policy, cost_threshold, recompute_budget * train)
+    keep_set_bytes = sum(_bytes(graph, t, how) for t, how in _as_stored(graph, keep).items())
+    stored, remat = rematerialize(graph, keep, rematerialize_policy, cost_threshold, memory_target * keep_set_bytes)
     readers: dict[str, list[str]] = {}
     for s in surviving:
         for rd in s.reads:
@@ -356,15 +377,16 @@ def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
     rematerialized = [RematTensor(t, graph.tensors[t].elements, graph.producer(t).name, graph.producer(t).flops)
                       for t in remat]
     keep_all = sum(_bytes(graph, t, "full") for t in graph.activations() if t != graph.output)
-    return PruningPlan(graph.title, rematerialize_policy, cost_threshold, recompute_budget, train,
-                       sum(r.flops for r in rematerialized), graph.element_size, kept,
-                       rematerialized, surviving, pruned, sum(k.bytes for k in kept), keep_all,
+    rerun = {r.producer: r.flops for r in rematerialized}  # an op with several outputs runs once
+    return PruningPlan(graph.title, rematerialize_policy, cost_threshold, memory_target, train,
+                       sum(rerun.values()), graph.element_size, kept,
+                       rematerialized, surviving, pruned, sum(k.bytes for k in kept), keep_all, keep_set_bytes,
                        _bytes(graph, graph.output, "full"), num_layers, graph)
 
 
 def plan_layer(shape: LayerShape, peft_config: Any, rematerialize: str = "cheap",
                cost_threshold: float = DEFAULT_COST_THRESHOLD, need_input_grad: bool = True,
-               attention_backward: str = "flash", recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET
+               attention_backward: str = "flash", memory_target: float = DEFAULT_MEMORY_TARGET
                ) -> PruningPlan:
     """The plan of one decoder layer (``num_layers`` = 1) with ``peft_config``'s bypasses.
 
@@ -372,12 +394,12 @@ def plan_layer(shape: LayerShape, peft_config: Any, rematerialize: str = "cheap"
     (see ``build_layer_graph``). ``rematerialize``: "cheap" (default), "all" or "none".
     """
     return plan_graph(build_layer_graph(shape, peft_config, attention_backward), rematerialize, cost_threshold,
-                      need_input_grad, recompute_budget=recompute_budget)
+                      need_input_grad, memory_target=memory_target)
 
 
 def plan_model(shape: LayerShape, peft_config: Any, num_layers: int, rematerialize: str = "cheap",
                cost_threshold: float = DEFAULT_COST_THRESHOLD, attention_backward: str = "flash",
-               recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET) -> PruningPlan:
+               memory_target: float = DEFAULT_MEMORY_TARGET) -> PruningPlan:
     """The plan every one of ``num_layers`` layers runs; ``model_*_bytes_per_token`` give the totals.
 
     Every layer keeps its input gradient (the executor runs one plan for all layers); layer 0
@@ -386,6 +408,6 @@ def plan_model(shape: LayerShape, peft_config: Any, num_layers: int, remateriali
     if not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
     plan = plan_layer(shape, peft_config, rematerialize, cost_threshold, attention_backward=attention_backward,
-                      recompute_budget=recompute_budget)
+                      memory_target=memory_target)
     plan.num_layers = num_layers
     return plan

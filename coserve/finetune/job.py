@@ -84,7 +84,7 @@ class FinetuneJob:
         self._start = time.perf_counter()
         self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
-        self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.recompute_budget)  # what it keeps
+        self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, longest)  # what it keeps
         self.on_step: Callable[[FinetuneJob], None] | None = None  # called after every optimizer step (checkpoints)
 
     # ---- the work interface ------------------------------------------------

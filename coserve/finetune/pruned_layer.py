@@ -3,11 +3,13 @@ keeps the plan's tensors, and a hand-written backward that reads them instead of
 frozen matmuls.
 
 Kept per token and layer, besides the layer input and K/V: whichever of the rotated queries,
-the residual after attention and the gate and up outputs the graph-pruning plan stores (on
-Llama shapes the default plan recomputes q and the residual: two hidden x hidden matmuls), and
-what the bypasses' backward reads (LoRA's ``x A^T``; IA3's frozen outputs). Cheap tensors (the
-two norms, SiLU, the MLP product) are recomputed; attention is recomputed from q, K and V under
-autograd, and its output gives back the residual when that is not kept.
+attention's output and log-sum-exp, the residual after attention and the gate and up outputs
+the graph-pruning plan stores, and what the bypasses' backward reads (LoRA's ``x A^T``; IA3's
+frozen outputs). Cheap tensors (the two norms, SiLU, the MLP product) are recomputed. With
+attention's output kept, its backward runs from it (``window_attention_backward``); without,
+attention is recomputed from q, K and V under autograd. What else the plan does not store is
+recomputed from what it does: q from the input, the residual from attention's output, gate or
+up from the residual.
 """
 
 from __future__ import annotations
@@ -19,21 +21,26 @@ import torch
 import torch.nn.functional as F
 
 from coserve.finetune.graph import LayerShape
-from coserve.finetune.graph_pruning import DEFAULT_RECOMPUTE_BUDGET, PruningPlan, plan_model
-from coserve.finetune.window_attention import window_attention
+from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET, PruningPlan, plan_model
+from coserve.finetune.window_attention import (kept_attention_supported, window_attention, window_attention_backward,
+                                               window_attention_lse)
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
 from coserve.model.norm_grad import rms_norm_backward
 
-BASE_KEEPS = ("q", "resid", "gate", "up")  # the base layer's tensors a plan may store or recompute
+# The base layer's tensors a plan may store or recompute (attention's two outputs go together).
+BASE_KEEPS = ("q", "attn.o", "attn.lse", "resid", "gate", "up")
 
 
 def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
-                  recompute_budget: float = DEFAULT_RECOMPUTE_BUDGET) -> PruningPlan:
-    """The graph-pruning plan the executors run for ``model`` with ``peft_config``'s bypasses."""
-    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size())
-    # The pruned executor recomputes attention from q, K and V in its backward.
-    return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward="recompute",
-                      recompute_budget=recompute_budget)
+                  memory_target: float = DEFAULT_MEMORY_TARGET, max_tokens: int = 1024) -> PruningPlan:
+    """The graph-pruning plan the executors run for ``model`` with ``peft_config``'s bypasses, for
+    sequences of up to ``max_tokens`` tokens (attention's recompute cost grows with them)."""
+    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size(), context_tokens=max(1, max_tokens // 2))
+    # Where attention's kept-output backward exists, the plan may keep the output; else the
+    # executor recomputes attention from q, K and V in its backward.
+    how = "flash" if kept_attention_supported(model.device) else "recompute"
+    return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward=how,
+                      memory_target=memory_target)
 
 
 def planned_keeps(plan: PruningPlan) -> frozenset[str]:
@@ -46,7 +53,8 @@ class LayerKeep:
     """One layer's kept tensors for one sequence, ``[N, ...]``, filled by forward windows."""
 
     num_tokens: int
-    base: dict[str, torch.Tensor]  # stored BASE_KEEPS by name: q [N, Hq, D], resid [N, H], gate/up [N, I]
+    base: dict[str, torch.Tensor]  # stored BASE_KEEPS by name: q [N, Hq, D], attn.o [N, Hq*D],
+    #   attn.lse [N, Hq] float32, resid [N, H], gate/up [N, I]
     bypass: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> [N, r] or [N, out]
 
     def get(self, name: str, a: int, b: int) -> torch.Tensor | None:
@@ -61,12 +69,17 @@ class LayerKeep:
 def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[str, ...] = BASE_KEEPS) -> LayerKeep:
     """Room for one layer's ``names`` (a subset of BASE_KEEPS) over ``n`` tokens."""
     c = model.cfg
-    shapes = {"q": (n, c.num_heads, c.head_dim), "resid": (n, c.hidden_size), "gate": (n, c.intermediate_size),
-              "up": (n, c.intermediate_size)}
+    shapes = {"q": (n, c.num_heads, c.head_dim), "attn.o": (n, c.q_size), "attn.lse": (n, c.num_heads),
+              "resid": (n, c.hidden_size), "gate": (n, c.intermediate_size), "up": (n, c.intermediate_size)}
     unknown = set(names) - set(shapes)
     if unknown:
         raise ValueError(f"new_layer_keep: unknown tensors {sorted(unknown)}; choose from {', '.join(BASE_KEEPS)}")
-    return LayerKeep(n, {k: torch.empty(shapes[k], device=model.device, dtype=model.dtype)
+    if ("attn.o" in names) != ("attn.lse" in names):
+        raise ValueError("new_layer_keep: attention's output and log-sum-exp are kept together or not at all")
+    if "attn.o" in names and not kept_attention_supported(model.device):
+        raise ValueError(f"new_layer_keep: no kept-output attention backward on {model.device.type}")
+    return LayerKeep(n, {k: torch.empty(shapes[k], device=model.device,
+                                        dtype=torch.float32 if k == "attn.lse" else model.dtype)
                          for k in BASE_KEEPS if k in names})
 
 
@@ -79,6 +92,18 @@ def forward_layer(model: DecoderModel, layer: DecoderLayer, x: torch.Tensor, pos
                   bypass, keep: LayerKeep, a: int, b: int) -> torch.Tensor:
     """``layer_forward`` on rows ``a:b``, its tap storing the plan's tensors into ``keep``."""
     out, _, _ = model.layer_forward(layer, x, positions, attend, bypass, keep_tap(keep, a, b))
+    return out
+
+
+def window_attend(keep: LayerKeep | None, a: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """A forward window's attention (rows ``a:b`` of its sequence); stores its output and log-sum-exp
+    into ``keep`` when the plan keeps them."""
+    if keep is None or "attn.o" not in keep.base:
+        return window_attention(q, k, v, scale)
+    out, lse = window_attention_lse(q, k, v, scale)
+    keep.base["attn.o"][a:b] = out
+    keep.base["attn.lse"][a:b] = lse
     return out
 
 
@@ -105,8 +130,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
 
     ``dout`` ``[n, H]`` is dL/d(layer output); ``dk_acc``/``dv_acc`` ``[N, Hkv, D]`` hold what later
     windows contributed to this window's own K/V. Bypass parameter gradients accumulate.
-    What ``keep`` does not store is recomputed: q from the input, the residual from the
-    recomputed attention, gate and up from the residual.
+    What ``keep`` does not store is recomputed: q from the input, attention from q, K and V,
+    the residual from attention's output, gate and up from the residual.
     """
     cfg, i = model.cfg, layer.index
     n = x.shape[0]
@@ -119,28 +144,31 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         with torch.no_grad():
             q = bypass_output(bypass, None, i, "q_proj", h1, F.linear(h1, layer.qkv[:cfg.q_size], bias))
         q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
-    # attention, recomputed from q, K and V under autograd
-    q = q.detach().requires_grad_()
-    k_win, v_win = k_all[:b].detach().requires_grad_(), v_all[:b].detach().requires_grad_()
-    with torch.enable_grad():
-        attn = window_attention(q, k_win, v_win, model.scale)
+    o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
+    if o is None:  # attention, recomputed from q, K and V under autograd
+        q = q.detach().requires_grad_()
+        k_win, v_win = k_all[:b].detach().requires_grad_(), v_all[:b].detach().requires_grad_()
+        with torch.enable_grad():
+            attn = window_attention(q, k_win, v_win, model.scale)
+        o = attn.detach()
     resid = keep.get("resid", a, b)
     if resid is None:
         with torch.no_grad():
-            resid = x + bypassed_linear(bypass, None, i, "o_proj", attn.detach(), layer.o)
+            resid = x + bypassed_linear(bypass, None, i, "o_proj", o, layer.o)
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     h2 = None
     if gate is None or up is None or _touches(bypass, "gate_proj", "up_proj"):
         h2 = rms_norm(resid, layer.post_norm, cfg.rms_norm_eps)
-    if gate is None or up is None:
-        g, u = F.linear(h2, layer.gate_up).chunk(2, dim=-1)
-        with torch.no_grad():
-            gate = bypass_output(bypass, None, i, "gate_proj", h2, g) if gate is None else gate
-            up = bypass_output(bypass, None, i, "up_proj", h2, u) if up is None else up
+    inter = cfg.intermediate_size
+    with torch.no_grad():
+        if gate is None:
+            gate = bypass_output(bypass, None, i, "gate_proj", h2, F.linear(h2, layer.gate_up[:inter]))
+        if up is None:
+            up = bypass_output(bypass, None, i, "up_proj", h2, F.linear(h2, layer.gate_up[inter:]))
     # MLP: out = resid + down(silu(gate) * up)
     silu = F.silu(gate)
     dact = _module_backward(bypass, keep, i, "down_proj", silu * up, layer.down, dout, a, b)
-    dgu = torch.empty(n, 2 * cfg.intermediate_size, device=x.device, dtype=x.dtype)  # [dgate | dup]
+    dgu = torch.empty(n, 2 * inter, device=x.device, dtype=x.dtype)  # [dgate | dup]
     dgate, dup = dgu.chunk(2, dim=-1)
     torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgate)
     torch.mul(dact, silu, out=dup)
@@ -148,18 +176,22 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     ex_u = _out_backward_into(bypass, keep, i, "up_proj", h2, dup, a, b)
     dh2 = _plus(dgu @ layer.gate_up, ex_g, ex_u)
     dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm, cfg.rms_norm_eps)
-    dattn = _module_backward(bypass, keep, i, "o_proj", attn.detach(), layer.o, dresid, a, b)
-    attn.backward(dattn)
+    dattn = _module_backward(bypass, keep, i, "o_proj", o, layer.o, dresid, a, b)
+    if lse is None:
+        attn.backward(dattn)
+        q_grad, k_grad, v_grad = q.grad, k_win.grad, v_win.grad
+    else:
+        q_grad, k_grad, v_grad = window_attention_backward(dattn, q, k_all[:b], v_all[:b], o, lse, model.scale)
     if a:
-        dk_acc[:a] += k_win.grad[:a]
-        dv_acc[:a] += v_win.grad[:a]
-    k_own_grad, v_own_grad = k_win.grad[a:], v_win.grad[a:]
+        dk_acc[:a] += k_grad[:a]
+        dv_acc[:a] += v_grad[:a]
+    k_own_grad, v_own_grad = k_grad[a:], v_grad[a:]
     if b < dk_acc.shape[0]:  # later windows of this layer contributed to these positions' K/V
         k_own_grad += dk_acc[a:b]
         v_own_grad += dv_acc[a:b]
     dqkv = torch.empty(n, cfg.q_size + 2 * cfg.kv_size, device=x.device, dtype=x.dtype)  # [dq | dk | dv]
     dq, dk, dv = dqkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    _rope_backward_into(model, q.grad, positions, dq.unflatten(1, (cfg.num_heads, cfg.head_dim)))
+    _rope_backward_into(model, q_grad, positions, dq.unflatten(1, (cfg.num_heads, cfg.head_dim)))
     _rope_backward_into(model, k_own_grad, positions, dk.unflatten(1, (cfg.num_kv_heads, cfg.head_dim)))
     dv.copy_(v_own_grad.flatten(1))
     ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)

@@ -50,7 +50,8 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
 
             def attend(q, k, v, _i, i=i):
                 state.k[i][a:b], state.v[i][a:b] = k, v
-                return window_attention(q, state.k[i][:b], state.v[i][:b], model.scale)
+                keep = state.keeps[i] if state.keeps is not None else None
+                return pruned_layer.window_attend(keep, a, b, q, state.k[i][:b], state.v[i][:b], model.scale)
 
             if state.keeps is None:
                 x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)

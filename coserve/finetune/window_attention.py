@@ -1,4 +1,12 @@
-"""Causal attention of a window of tokens over its sequence's keys so far (autograd-friendly)."""
+"""Causal attention of a window of tokens over its sequence's keys so far, and its backward.
+
+``window_attention`` is autograd-friendly (the recompute path). ``window_attention_lse`` also
+returns the softmax's log-sum-exp, so that ``window_attention_backward`` can produce the
+gradients from the kept output alone, without recomputing the forward: on devices where
+PyTorch exposes a flash-attention kernel pair taking a mask and grouped K/V heads
+(``kept_attention_supported``: the CPU). Both give the same numbers as
+``F.scaled_dot_product_attention``.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +27,61 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Returns:
         ``[n, Hq * D]``.
     """
-    n = q.shape[0]
-    p = k.shape[0] - n
-    if p < 0:
-        raise ValueError(f"window_attention: {k.shape[0]} keys for {n} queries")
+    n, p = _sizes(q, k)
     mask = None
     if p:
         rows = torch.arange(n, device=q.device).unsqueeze(1) + p
         mask = torch.arange(p + n, device=q.device).unsqueeze(0) <= rows  # [n, p + n]
-    out = sdpa(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, is_causal=not p, scale=scale, enable_gqa=True)  # [1, Hq, n, D]
+    out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not p, scale=scale, enable_gqa=True)  # [1, Hq, n, D]
     return out[0].transpose(0, 1).reshape(n, -1)
+
+
+def kept_attention_supported(device: torch.device) -> bool:
+    """Whether ``window_attention_lse`` / ``window_attention_backward`` run on ``device``."""
+    return torch.device(device).type == "cpu"
+
+
+def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``window_attention`` and the log-sum-exp of each query's scaled scores: ``([n, Hq*D], [n, Hq] float32)``."""
+    n, p = _sizes(q, k)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *_heads_first(q, k, v), 0.0, not p, attn_mask=_additive_mask(n, p, q), scale=scale)
+    return out[0].transpose(0, 1).reshape(n, -1), lse[0].transpose(0, 1)
+
+
+def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, scale: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq [n, Hq, D], dk [p + n, Hkv, D], dv [p + n, Hkv, D])`` of ``window_attention`` given
+    dL/d(output) ``dout`` ``[n, Hq*D]``, the kept ``out`` and ``lse`` of ``window_attention_lse``."""
+    n, p = _sizes(q, k)
+    heads, d = q.shape[1], q.shape[2]
+    qh, kh, vh = _heads_first(q, k, v)
+    as_heads = lambda t: t.reshape(n, heads, d).transpose(0, 1).unsqueeze(0)  # noqa: E731
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        as_heads(dout), qh, kh, vh, as_heads(out), lse.transpose(0, 1).unsqueeze(0), 0.0, not p,
+        attn_mask=_additive_mask(n, p, q), scale=scale)
+    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+
+
+def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    n = q.shape[0]
+    p = k.shape[0] - n
+    if p < 0:
+        raise ValueError(f"window_attention: {k.shape[0]} keys for {n} queries")
+    return n, p
+
+
+def _heads_first(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """``[L, H, D]`` -> ``[1, H, L, D]`` views."""
+    return [t.transpose(0, 1).unsqueeze(0) for t in ts]
+
+
+def _additive_mask(n: int, p: int, like: torch.Tensor) -> torch.Tensor | None:
+    """``[n, p + n]``: 0 where query ``i`` (position ``p + i``) may attend, -inf elsewhere; None when ``p`` is 0."""
+    if not p:
+        return None
+    rows = torch.arange(n, device=like.device).unsqueeze(1) + p
+    blocked = torch.arange(p + n, device=like.device).unsqueeze(0) > rows
+    return torch.zeros(n, p + n, device=like.device, dtype=like.dtype).masked_fill_(blocked, float("-inf"))
