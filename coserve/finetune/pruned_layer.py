@@ -239,8 +239,7 @@ def _plus(t: torch.Tensor, *extras: torch.Tensor | None) -> torch.Tensor:
 
 def _rope_backward_into(model: DecoderModel, dy: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
     """The transpose of the rotation ``y = x cos + rotate_half(x) sin``, for ``[n, H, D]`` gradients, into ``out``."""
-    cos = model.rope.cos[positions].unsqueeze(1)
-    sin = model.rope.sin[positions].unsqueeze(1)
+    cos, sin = model.rope.tables(positions)
     ys = dy * sin
     half = dy.shape[-1] // 2
     torch.mul(dy, cos, out=out)

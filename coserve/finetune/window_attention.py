@@ -10,6 +10,8 @@ PyTorch exposes a flash-attention kernel pair taking a mask and grouped K/V head
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from coserve.model.attention import sdpa
@@ -28,10 +30,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         ``[n, Hq * D]``.
     """
     n, p = _sizes(q, k)
-    mask = None
-    if p:
-        rows = torch.arange(n, device=q.device).unsqueeze(1) + p
-        mask = torch.arange(p + n, device=q.device).unsqueeze(0) <= rows  # [n, p + n]
+    mask = _allowed(n, p, q.device) if p else None
     out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not p, scale=scale, enable_gqa=True)  # [1, Hq, n, D]
     return out[0].transpose(0, 1).reshape(n, -1)
 
@@ -46,7 +45,8 @@ def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     """``window_attention`` and the log-sum-exp of each query's scaled scores: ``([n, Hq*D], [n, Hq] float32)``."""
     n, p = _sizes(q, k)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        *_heads_first(q, k, v), 0.0, not p, attn_mask=_additive_mask(n, p, q), scale=scale)
+        *_heads_first(q, k, v), 0.0, not p, attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None,
+        scale=scale)
     return out[0].transpose(0, 1).reshape(n, -1), lse[0].transpose(0, 1)
 
 
@@ -61,7 +61,7 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     as_heads = lambda t: t.reshape(n, heads, d).transpose(0, 1).unsqueeze(0)  # noqa: E731
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         as_heads(dout), qh, kh, vh, as_heads(out), lse.transpose(0, 1).unsqueeze(0), 0.0, not p,
-        attn_mask=_additive_mask(n, p, q), scale=scale)
+        attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None, scale=scale)
     return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
 
 
@@ -78,10 +78,16 @@ def _heads_first(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.transpose(0, 1).unsqueeze(0) for t in ts]
 
 
-def _additive_mask(n: int, p: int, like: torch.Tensor) -> torch.Tensor | None:
-    """``[n, p + n]``: 0 where query ``i`` (position ``p + i``) may attend, -inf elsewhere; None when ``p`` is 0."""
-    if not p:
-        return None
-    rows = torch.arange(n, device=like.device).unsqueeze(1) + p
-    blocked = torch.arange(p + n, device=like.device).unsqueeze(0) > rows
-    return torch.zeros(n, p + n, device=like.device, dtype=like.dtype).masked_fill_(blocked, float("-inf"))
+# A forward window's layers (and a backward window's forward and backward) share one mask: the
+# last few are kept (each at most a window's rows by the sequence's length).
+@functools.lru_cache(maxsize=4)
+def _allowed(n: int, p: int, device: torch.device) -> torch.Tensor:
+    """``[n, p + n]`` bool: whether query ``i`` (position ``p + i``) may attend to key ``j``."""
+    rows = torch.arange(n, device=device).unsqueeze(1) + p
+    return torch.arange(p + n, device=device).unsqueeze(0) <= rows
+
+
+@functools.lru_cache(maxsize=4)
+def _additive_mask(n: int, p: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``_allowed`` as the flash kernels take it: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(n, p + n, device=device, dtype=dtype).masked_fill_(~_allowed(n, p, device), float("-inf"))

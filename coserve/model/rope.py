@@ -39,6 +39,7 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.max_positions = max_positions
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,9 +48,18 @@ class RotaryEmbedding:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate one of ``q`` or ``k`` (``[T, H, D]``) as ``__call__`` does."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.tables(positions)
         return x * cos + _rotate_half(x) * sin
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, D]`` of ``positions``; the last call's are reused while the same
+        ``positions`` tensor comes back (every layer of one forward passes the same one)."""
+        last = self._last
+        if last is not None and last[0] is positions:
+            return last[1], last[2]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        self._last = (positions, cos, sin)
+        return cos, sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
