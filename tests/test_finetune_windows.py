@@ -121,3 +121,29 @@ def test_dropout_masks_are_window_independent_and_change_gradients(model_factory
         whole_sequence_loss(model, bypass, ids, ids[1:] + [IGNORE_INDEX]).backward()
         grads.append(bypass.parameters()[0].grad.clone())
     assert not torch.allclose(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("kind", ["lora-attn", "lora-mlp"])
+def test_kept_attention_output_backward_matches_autograd_on_the_device(model_factory, device, kind):
+    """Attention's output and log-sum-exp kept (the device's kernel pair), everything else recomputed."""
+    model = load_model(model_factory("llama"), torch.float32, torch.device(device))
+    rng = random.Random(3)
+    bypass = _bypass(kind, model, 3)
+    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(29)]
+    targets = ids[1:] + [IGNORE_INDEX]
+    bypass.zero_grad()
+    ref_loss = whole_sequence_loss(model, bypass, ids, targets) / 28
+    ref_loss.backward()
+    ref = _grads(bypass)
+    bypass.zero_grad()
+    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
+                               model.cfg.head_dim, model.device, model.dtype)
+    state.keeps = new_keeps(model, len(ids), ("attn.o", "attn.lse"))
+    for size in _windows(rng, len(ids)):
+        forward_window(model, bypass, state, size, 1.0 / 28)
+    while not state.finished:
+        backward_window(model, bypass, state, rng.choice(_windows(rng, len(ids))))
+    for g, r in zip(_grads(bypass), ref):
+        assert float((g - r).norm() / r.norm()) <= 1e-5

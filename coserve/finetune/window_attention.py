@@ -2,10 +2,10 @@
 
 ``window_attention`` is autograd-friendly (the recompute path). ``window_attention_lse`` also
 returns the softmax's log-sum-exp, so that ``window_attention_backward`` can produce the
-gradients from the kept output alone, without recomputing the forward: on devices where
-PyTorch exposes a flash-attention kernel pair taking a mask and grouped K/V heads
-(``kept_attention_supported``: the CPU). Both give the same numbers as
-``F.scaled_dot_product_attention``.
+gradients from the kept output alone, without recomputing the forward, through the kernel
+pairs PyTorch's own SDPA backward uses (``kept_attention_supported``): the flash kernels on
+the CPU (they take a mask and grouped K/V heads), the memory-efficient ones on CUDA (K/V
+heads repeated per query head, the mask as an additive bias).
 """
 
 from __future__ import annotations
@@ -37,17 +37,22 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 def kept_attention_supported(device: torch.device) -> bool:
     """Whether ``window_attention_lse`` / ``window_attention_backward`` run on ``device``."""
-    return torch.device(device).type == "cpu"
+    return torch.device(device).type in ("cpu", "cuda")
 
 
 def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``window_attention`` and the log-sum-exp of each query's scaled scores: ``([n, Hq*D], [n, Hq] float32)``."""
     n, p = _sizes(q, k)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        *_heads_first(q, k, v), 0.0, not p, attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None,
-        scale=scale)
-    return out[0].transpose(0, 1).reshape(n, -1), lse[0].transpose(0, 1)
+    if q.is_cuda:
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            *_heads_first(q, *_repeat_kv(q, k, v)), _bias(n, p, q), True, 0.0, not p, scale=scale)
+        lse = lse[..., :n]  # padded to a multiple of 32 rows
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *_heads_first(q, k, v), 0.0, not p, attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None,
+            scale=scale)
+    return out[0].transpose(0, 1).reshape(n, -1), lse[0].transpose(0, 1).float()
 
 
 def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -57,12 +62,42 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     dL/d(output) ``dout`` ``[n, Hq*D]``, the kept ``out`` and ``lse`` of ``window_attention_lse``."""
     n, p = _sizes(q, k)
     heads, d = q.shape[1], q.shape[2]
-    qh, kh, vh = _heads_first(q, k, v)
     as_heads = lambda t: t.reshape(n, heads, d).transpose(0, 1).unsqueeze(0)  # noqa: E731
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        as_heads(dout), qh, kh, vh, as_heads(out), lse.transpose(0, 1).unsqueeze(0), 0.0, not p,
-        attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None, scale=scale)
+    lse_h = lse.transpose(0, 1).unsqueeze(0)  # [1, Hq, n]
+    if q.is_cuda:
+        qh, kh, vh = _heads_first(q, *_repeat_kv(q, k, v))
+        padded = torch.zeros(1, heads, -(-n // 32) * 32, device=q.device, dtype=torch.float32)
+        padded[..., :n] = lse_h
+        empty = torch.zeros((), dtype=torch.long, device=q.device)
+        bias = _bias(n, p, q)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            as_heads(dout).contiguous(), qh, kh, vh, bias, as_heads(out), padded, empty, empty, 0.0,
+            [True, True, True, False], not p, scale=scale)
+        group = heads // k.shape[1]
+        if group > 1:  # the repeated heads' gradients summed back onto their K/V head
+            dk = dk.unflatten(1, (k.shape[1], group)).sum(2)
+            dv = dv.unflatten(1, (k.shape[1], group)).sum(2)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            as_heads(dout), *_heads_first(q, k, v), as_heads(out), lse_h, 0.0, not p,
+            attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None, scale=scale)
     return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+
+
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V ``[L, Hkv, D]`` with each head repeated for its group of query heads: ``[L, Hq, D]``."""
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def _bias(n: int, p: int, q: torch.Tensor) -> torch.Tensor | None:
+    """The memory-efficient kernels' additive mask ``[1, Hq, n, p + n]`` (a broadcast view over rows
+    whose stride is a multiple of 16, as they require), or None when the window is the whole prefix."""
+    if not p:
+        return None
+    return _padded_mask(n, p, q.device, q.dtype)[:, :p + n].expand(1, q.shape[1], n, p + n)
 
 
 def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
@@ -91,3 +126,12 @@ def _allowed(n: int, p: int, device: torch.device) -> torch.Tensor:
 def _additive_mask(n: int, p: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``_allowed`` as the flash kernels take it: 0 where allowed, -inf elsewhere."""
     return torch.zeros(n, p + n, device=device, dtype=dtype).masked_fill_(~_allowed(n, p, device), float("-inf"))
+
+
+@functools.lru_cache(maxsize=4)
+def _padded_mask(n: int, p: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``_additive_mask`` in a buffer whose rows are padded to a multiple of 16 columns."""
+    cols = -(-(p + n) // 16) * 16
+    out = torch.full((n, cols), float("-inf"), device=device, dtype=dtype)
+    out[:, :p + n] = _additive_mask(n, p, device, dtype)
+    return out
