@@ -147,3 +147,47 @@ def test_kept_attention_output_backward_matches_autograd_on_the_device(model_fac
         backward_window(model, bypass, state, rng.choice(_windows(rng, len(ids))))
     for g, r in zip(_grads(bypass), ref):
         assert float((g - r).norm() / r.norm()) <= 1e-5
+
+
+@pytest.mark.parametrize("remat", ["cheap", "all"])
+@pytest.mark.parametrize("peft", [
+    LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]),
+    LoraConfig(r=4, lora_alpha=8, target_modules=["up_proj"]),
+    LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"]),
+    LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]),
+    IA3Config(target_modules=["down_proj"], feedforward_modules=["down_proj"]),
+], ids=["down", "up", "o", "q", "ia3-down-input"])
+def test_the_first_layer_stops_at_its_lowest_bypass(model_factory, peft, remat):
+    """Layer 0's input needs no gradient: its backward stops after the lowest bypassed module, and every
+    gradient still matches one whole-sequence autograd backward."""
+    model = load_model(model_factory("llama"), torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    if isinstance(peft, IA3Config):
+        bypass = TrainableIA3(peft, model.module_shapes(), model.cfg.num_layers, model.device)
+    else:
+        bypass = TrainableLora(peft, model.module_shapes(), model.cfg.num_layers, model.device, gen)
+    with torch.no_grad():
+        for p in bypass.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    rng = random.Random(5)
+    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(21)]
+    targets = ids[1:] + [IGNORE_INDEX]
+    bypass.zero_grad()
+    (whole_sequence_loss(model, bypass, ids, targets) / 20).backward()
+    ref = _grads(bypass)
+    bypass.zero_grad()
+    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
+                               model.cfg.head_dim, model.device, model.dtype)
+    if remat == "cheap":
+        state.keeps = new_keeps(model, len(ids), planned_keeps(executor_plan(model, bypass.config, "cheap")))
+    for size in _windows(rng, len(ids)):
+        forward_window(model, bypass, state, size, 1.0 / 20)
+    before = state.grad.clone()
+    while not state.finished:
+        if state.backward_layer == 0 and state.backward_end == len(ids):
+            before = state.grad.clone()
+        backward_window(model, bypass, state, rng.choice(_windows(rng, len(ids))))
+    assert torch.equal(state.grad, before)  # no input gradient was computed for layer 0
+    for g, r in zip(_grads(bypass), ref):
+        assert r.abs().max() > 0
+        assert float((g - r).norm() / r.norm()) <= 1e-5

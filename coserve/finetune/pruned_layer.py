@@ -123,18 +123,29 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
     return tap
 
 
+# The backward's stages, last module first; a layer whose input needs no gradient (layer 0:
+# its input is the frozen embedding) stops after the stage of its lowest bypassed module.
+_STAGES = (("down_proj",), ("gate_proj", "up_proj"), ("o_proj",), ("q_proj", "k_proj", "v_proj"))
+
+
 def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: LayerKeep, x: torch.Tensor,
                    dout: torch.Tensor, positions: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                   dk_acc: torch.Tensor, dv_acc: torch.Tensor, a: int, b: int) -> torch.Tensor:
+                   dk_acc: torch.Tensor, dv_acc: torch.Tensor, a: int, b: int, need_input_grad: bool = True
+                   ) -> torch.Tensor | None:
     """Gradient w.r.t. the layer input for rows ``a:b``; adds prefix dK/dV into ``dk_acc``/``dv_acc[:a]``.
 
     ``dout`` ``[n, H]`` is dL/d(layer output); ``dk_acc``/``dv_acc`` ``[N, Hkv, D]`` hold what later
     windows contributed to this window's own K/V. Bypass parameter gradients accumulate.
     What ``keep`` does not store is recomputed: q from the input, attention from q, K and V,
-    the residual from attention's output, gate and up from the residual.
+    the residual from attention's output, gate and up from the residual. With
+    ``need_input_grad`` False it returns None, having run only the stages down to the lowest
+    bypassed module (as autograd does when the layer input does not require grad).
     """
     cfg, i = model.cfg, layer.index
     n = x.shape[0]
+    last = len(_STAGES) if need_input_grad else _lowest_stage(bypass)
+    if last == 0:
+        return None
     q = keep.get("q", a, b)
     h1 = None
     if q is None or _touches(bypass, "q_proj", "k_proj", "v_proj"):
@@ -145,10 +156,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
             q = bypass_output(bypass, None, i, "q_proj", h1, F.linear(h1, layer.qkv[:cfg.q_size], bias))
         q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
-    if o is None:  # attention, recomputed from q, K and V under autograd
+    if o is None:  # attention, recomputed from q, K and V (under autograd when its backward runs)
         q = q.detach().requires_grad_()
         k_win, v_win = k_all[:b].detach().requires_grad_(), v_all[:b].detach().requires_grad_()
-        with torch.enable_grad():
+        with torch.set_grad_enabled(last > 3):
             attn = window_attention(q, k_win, v_win, model.scale)
         o = attn.detach()
     resid = keep.get("resid", a, b)
@@ -167,16 +178,22 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
             up = bypass_output(bypass, None, i, "up_proj", h2, F.linear(h2, layer.gate_up[inter:]))
     # MLP: out = resid + down(silu(gate) * up)
     silu = F.silu(gate)
-    dact = _module_backward(bypass, keep, i, "down_proj", silu * up, layer.down, dout, a, b)
+    dact = _module_backward(bypass, keep, i, "down_proj", silu * up, layer.down, dout, a, b, need_dx=last > 1)
+    if last == 1:
+        return None
     dgu = torch.empty(n, 2 * inter, device=x.device, dtype=x.dtype)  # [dgate | dup]
     dgate, dup = dgu.chunk(2, dim=-1)
     torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgate)
     torch.mul(dact, silu, out=dup)
     ex_g = _out_backward_into(bypass, keep, i, "gate_proj", h2, dgate, a, b)
     ex_u = _out_backward_into(bypass, keep, i, "up_proj", h2, dup, a, b)
+    if last == 2:
+        return None
     dh2 = _plus(dgu @ layer.gate_up, ex_g, ex_u)
     dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm, cfg.rms_norm_eps)
-    dattn = _module_backward(bypass, keep, i, "o_proj", o, layer.o, dresid, a, b)
+    dattn = _module_backward(bypass, keep, i, "o_proj", o, layer.o, dresid, a, b, need_dx=last > 3)
+    if last == 3:
+        return None
     if lse is None:
         attn.backward(dattn)
         q_grad, k_grad, v_grad = q.grad, k_win.grad, v_win.grad
@@ -197,8 +214,15 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)
     ex_k = _out_backward_into(bypass, keep, i, "k_proj", h1, dk, a, b)
     ex_v = _out_backward_into(bypass, keep, i, "v_proj", h1, dv, a, b)
+    if not need_input_grad:
+        return None
     dh1 = _plus(dqkv @ layer.qkv, ex_q, ex_k, ex_v)
     return dresid + rms_norm_backward(dh1, x, layer.input_norm, cfg.rms_norm_eps)
+
+
+def _lowest_stage(bypass) -> int:
+    """How many of ``_STAGES`` the backward must run to reach every bypassed module."""
+    return max((s + 1 for s, modules in enumerate(_STAGES) if _touches(bypass, *modules)), default=0)
 
 
 def _touches(bypass, *modules: str) -> bool:
@@ -221,13 +245,17 @@ def _out_backward_into(bypass, keep, i, module, x, dy, a, b):
     return extra
 
 
-def _module_backward(bypass, keep, i, module, x, weight, dy, a, b):
-    """dL/dx of ``bypass.output(bypass.input(x) @ W^T)`` given dL/dy (no frozen-weight gradient)."""
+def _module_backward(bypass, keep, i, module, x, weight, dy, a, b, need_dx=True):
+    """dL/dx of ``bypass.output(bypass.input(x) @ W^T)`` given dL/dy (no frozen-weight gradient);
+    with ``need_dx`` False only the bypass's parameter gradients (None returned)."""
     if bypass is None or module not in bypass.modules:
-        return dy @ weight
+        return dy @ weight if need_dx else None
     x_in = bypass.input(i, module, x)
     dy, extra = _out_backward(bypass, keep, i, module, x_in, dy, a, b)
-    return bypass.input_backward(i, module, x, _plus(dy @ weight, extra))
+    if not need_dx and not bypass.scales_input(module):
+        return None
+    dx = bypass.input_backward(i, module, x, _plus(dy @ weight, extra))
+    return dx if need_dx else None
 
 
 def _plus(t: torch.Tensor, *extras: torch.Tensor | None) -> torch.Tensor:

@@ -97,13 +97,16 @@ def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, n
     b = state.backward_end
     a = max(0, b - num_tokens)
     layer = model.layers[i]
+    need_input_grad = i > 0  # layer 0's input is the frozen embedding
     with training_rows(bypass, state.dropout_seed, state.positions[a:b]):
         if state.keeps is not None:
-            state.grad[a:b] = pruned_layer.backward_layer(
+            dx = pruned_layer.backward_layer(
                 model, layer, bypass, state.keeps[i], state.layer_inputs[i][a:b], state.grad[a:b],
-                state.positions[a:b], state.k[i], state.v[i], state.dk, state.dv, a, b)
+                state.positions[a:b], state.k[i], state.v[i], state.dk, state.dv, a, b, need_input_grad)
+            if dx is not None:
+                state.grad[a:b] = dx
         else:
-            _recompute_backward(model, bypass, state, i, a, b)
+            _recompute_backward(model, bypass, state, i, a, b, need_input_grad)
     state.window_log.append(("backward", i, a, b))
     state.backward_end = a
     if a == 0:  # this layer is done: move to the one below with a fresh accumulator
@@ -113,20 +116,29 @@ def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, n
         state.dv.zero_()
 
 
-def _recompute_backward(model: DecoderModel, bypass: Bypass, state: SequenceState, i: int, a: int, b: int) -> None:
-    """``--rematerialize all``: recompute the layer on rows a:b under autograd and back-propagate."""
+def _recompute_backward(model: DecoderModel, bypass: Bypass, state: SequenceState, i: int, a: int, b: int,
+                        need_input_grad: bool = True) -> None:
+    """``--rematerialize all``: recompute the layer on rows a:b under autograd and back-propagate.
+
+    Without ``need_input_grad`` the input is no leaf, and K/V carry gradients only where a bypass
+    produces them (autograd then runs only what the bypasses' parameters need).
+    """
     layer = model.layers[i]
-    x = state.layer_inputs[i][a:b].detach().requires_grad_()
-    k_prefix = state.k[i][:a].detach().requires_grad_()
-    v_prefix = state.v[i][:a].detach().requires_grad_()
+    kv_grads = need_input_grad or any(m in bypass.modules for m in ("q_proj", "k_proj", "v_proj"))
+    x = state.layer_inputs[i][a:b].detach().requires_grad_(need_input_grad)
+    k_prefix = state.k[i][:a].detach().requires_grad_(kv_grads)
+    v_prefix = state.v[i][:a].detach().requires_grad_(kv_grads)
 
     def attend(q, k, v, _i):
         return window_attention(q, torch.cat([k_prefix, k]), torch.cat([v_prefix, v]), model.scale)
 
     with torch.enable_grad():
         out, k_own, v_own = model.layer_forward(layer, x, state.positions[a:b], attend, bypass)
-        torch.autograd.backward([out, k_own, v_own], [state.grad[a:b], state.dk[a:b], state.dv[a:b]])
-    state.grad[a:b] = x.grad
-    if a:
+        pairs = [(t, g) for t, g in ((out, state.grad[a:b]), (k_own, state.dk[a:b]), (v_own, state.dv[a:b]))
+                 if t.requires_grad]
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    if need_input_grad:
+        state.grad[a:b] = x.grad
+    if a and kv_grads:
         state.dk[:a] += k_prefix.grad
         state.dv[:a] += v_prefix.grad

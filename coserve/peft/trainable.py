@@ -55,6 +55,10 @@ class TrainableBypass(ABC):
         for p in self.parameters():
             p.grad = None
 
+    def scales_input(self, module: str) -> bool:
+        """Whether the bypass acts on ``module``'s input (its gradient then needs dL/d(input))."""
+        return False
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors under their HF PEFT names."""
         return {name: p.detach().contiguous() for name, p in self.named_parameters()}
@@ -196,6 +200,9 @@ class TrainableIA3(TrainableBypass):
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return [(f"{_prefix(*key)}.ia3_l", self.vectors[key]) for key in sorted(self.vectors)]
+
+    def scales_input(self, module: str) -> bool:
+        return module in self.feedforward
 
     def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
         if module not in self.feedforward:
