@@ -26,6 +26,7 @@ from coserve.finetune.window_attention import (kept_attention_supported, window_
                                                window_attention_lse)
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
 from coserve.model.norm_grad import rms_norm_backward
+from coserve.peft.trainable import LowRank
 
 # The base layer's tensors a plan may store or recompute (attention's two outputs go together).
 BASE_KEEPS = ("q", "attn.o", "attn.lse", "resid", "gate", "up")
@@ -258,10 +259,14 @@ def _module_backward(bypass, keep, i, module, x, weight, dy, a, b, need_dx=True)
     return dx if need_dx else None
 
 
-def _plus(t: torch.Tensor, *extras: torch.Tensor | None) -> torch.Tensor:
+def _plus(t: torch.Tensor, *extras) -> torch.Tensor:
+    """``t`` (a fresh tensor of this backward's, added into in place) plus each extra gradient: a tensor,
+    a ``LowRank`` product (one ``addmm_``), or None."""
     for e in extras:
-        if e is not None:
-            t = t + e
+        if isinstance(e, LowRank):
+            t = e.add_to(t)
+        elif e is not None:
+            t = t.add_(e)
     return t
 
 

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -98,6 +99,19 @@ class TrainableBypass(ABC):
                 p.copy_(tensors[name])
 
 
+class LowRank(NamedTuple):
+    """A gradient ``left @ right`` left unmultiplied, for the caller to add with one ``addmm_``."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+
+    def add_to(self, t: torch.Tensor) -> torch.Tensor:
+        return t.addmm_(self.left, self.right)
+
+    def dense(self) -> torch.Tensor:
+        return self.left @ self.right
+
+
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` into ``param.grad`` (as autograd would)."""
     if param.grad is None:
@@ -157,6 +171,8 @@ class TrainableLora(TrainableBypass):
         x = x.to(a.dtype)
         mask = self._mask(layer, module, x.shape[1], x.dtype)
         xa = (x if mask is None else x * mask) @ a.T
+        if y.dtype == xa.dtype:  # one pass: y + s * (xA^T) B^T
+            return torch.addmm(y, xa, b.T, alpha=self.scaling), xa
         return y + (xa @ b.T * self.scaling).to(y.dtype), xa
 
     def output_backward(self, layer: int, module: str, x: torch.Tensor, xa: torch.Tensor, dy: torch.Tensor
@@ -169,6 +185,8 @@ class TrainableLora(TrainableBypass):
         _accumulate(b, dyf.T @ xa * self.scaling)  # [out, r]
         dxa = dyf @ b.detach() * self.scaling  # [T, r]
         _accumulate(a, dxa.T @ (x if mask is None else x * mask))  # [r, in]
+        if mask is None and out_dtype == dxa.dtype:
+            return dy, LowRank(dxa, a.detach())  # the caller adds dxa A into its input gradient in place
         dx = dxa @ a.detach()
         return dy, (dx if mask is None else dx * mask).to(out_dtype)
 
