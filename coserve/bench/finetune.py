@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default=str(DEFAULT_ALPACA), help="Alpaca JSON (default: ../shared/data)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5, help="measured optimizer steps (one 1-sequence batch each)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before them")
+    p.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps before them")
     p.add_argument("--targets", action="append", default=None,
                    help="comma-separated target modules; repeat (default: down_proj, and all linear modules)")
     p.add_argument("--lora-r", type=int, default=16)
