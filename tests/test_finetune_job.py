@@ -156,3 +156,38 @@ def test_bfloat16_models_train(model_factory, tmp_path, remat, peft):
     run_job(job, progress=False)
     assert all(math.isfinite(r.loss) and not r.skipped for r in job.log)
     assert all(p.dtype == torch.float32 for p in b.parameters())  # the adapter trains in float32
+
+
+def test_validation_loss_after_each_epoch_matches_a_plain_forward(setup, tmp_path):
+    from coserve.finetune.reference import whole_sequence_loss
+    model_dir, model, examples, _ = setup
+    validation = _examples(model.cfg.vocab_size, 3, seed=12)
+    total = sum(sum(t != IGNORE for t in e.targets) for e in validation)
+
+    def lora():
+        return TrainableLora(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["v_proj", "down_proj"]),
+                             model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(1))
+
+    def oracle(bypass):  # the validation set's mean loss per target token, no dropout
+        with torch.no_grad():
+            return sum(float(whole_sequence_loss(model, bypass, e.token_ids, e.targets, dropout_seed=None))
+                       for e in validation) / total
+
+    cfg = dict(max_steps=0, epochs=2, batch_size=4)  # 2 steps an epoch
+    plain = lora()
+    run_job(FinetuneJob(model, plain, examples, _cfg(tmp_path / "plain", **cfg)), progress=False)
+    bypass = lora()
+    job = FinetuneJob(model, bypass, examples, _cfg(tmp_path / "v", **cfg), validation=validation)
+    expected = {}
+    job.on_step = lambda j: expected.__setitem__(j.step, oracle(j.bypass))  # published after its validation
+    run_job(job, progress=False)
+
+    assert [r.step for r in job.log] == [1, 2, 3, 4]
+    assert [r.valid_loss is not None for r in job.log] == [False, True, False, True]
+    for r in job.log[1::2]:
+        assert r.valid_loss == pytest.approx(expected[r.step], rel=1e-5)
+    assert job.log[1].valid_loss != job.log[3].valid_loss
+    lines = [json.loads(line) for line in (tmp_path / "v" / checkpoint.LOG_FILE).read_text().splitlines()]
+    assert [("valid_loss" in line) for line in lines] == [False, True, False, True]
+    for name, tensor in plain.state_dict().items():  # validation runs change nothing of the training
+        assert torch.equal(bypass.state_dict()[name], tensor)

@@ -177,7 +177,7 @@ def test_bad_uploads_name_the_line(alice):
 def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_path):
     f = upload(alice, chat_jsonl())
     job = alice.fine_tuning.jobs.create(
-        model=BASE, training_file=f.id, suffix="facts", seed=3,
+        model=BASE, training_file=f.id, validation_file=f.id, suffix="facts", seed=3,
         hyperparameters={"n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": 100},
         extra_body={"coserve": {"target_modules": ["q_proj", "v_proj", "down_proj"], "r": 8}})
     assert job.status in ("queued", "running") and job.hyperparameters.n_epochs == 2
@@ -201,6 +201,12 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_p
     assert len(steps) == 2 * len(CHAT_EXAMPLES) and events[0].message == "The job has successfully completed"
     checkpoints = alice.fine_tuning.jobs.checkpoints.list(job.id).data
     assert [c.step_number for c in checkpoints][0] == 2 * len(CHAT_EXAMPLES) and len(checkpoints) >= 2
+    # the validation file's loss after each epoch, in that step's event and checkpoint
+    valid = {e.data["step"]: e.data.get("full_valid_loss") for e in steps}
+    epochs = {len(CHAT_EXAMPLES), 2 * len(CHAT_EXAMPLES)}
+    assert {s for s, v in valid.items() if v is not None} == epochs
+    assert all(0 < valid[s] < 100 for s in epochs)
+    assert checkpoints[0].metrics.full_valid_loss == valid[2 * len(CHAT_EXAMPLES)]
     # the model and its checkpoints are servable at once, and differ from the base
     base = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=0)
     tuned = alice.chat.completions.create(model=done.fine_tuned_model, messages=HELLO, max_tokens=8, temperature=0)

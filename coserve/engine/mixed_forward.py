@@ -85,7 +85,7 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
     t = batch.num_tokens
     positions = torch.cat([batch.positions, st.positions[a:b]])
     bypass = RowSplitBypass(adapters, ft.bypass, t, adapter_rows)
-    with torch.no_grad(), training_rows(ft.bypass, st.dropout_seed, st.positions[a:b]):
+    with torch.no_grad(), training_rows(ft.bypass, st, st.positions[a:b]):
         x = model.embed[torch.cat([batch.token_ids, st.token_ids[a:b]])]
         for layer in model.layers:
             i = layer.index

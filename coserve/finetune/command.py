@@ -23,6 +23,9 @@ def add_arguments(p) -> None:
     d = FinetuneConfig(output_dir="-")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records")
+    p.add_argument("--validation-data", default=None, metavar="FILE",
+                   help="same formats; its mean loss per target token is logged (valid_loss) after every epoch "
+                        "and the last step")
     p.add_argument("--output", required=True, help="adapter directory (HF PEFT format) and training_log.jsonl")
     p.add_argument("--init-adapter", default=None, help="start from (resume) this adapter and its optimizer state")
     p.add_argument("--peft", default="lora", choices=["lora", "ia3"])
@@ -73,13 +76,17 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model)
     examples, report = load_dataset(args.data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
     print(report.summary())
+    validation = None
+    if args.validation_data:
+        validation, vreport = load_dataset(args.validation_data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
+        print(f"validation: {vreport.summary()}")
     device = resolve_device(args.device)
     # RoPE positions for every training position, also past the checkpoint's nominal context.
     model = load_model(args.model, resolve_dtype(args.dtype, model_cfg), device,
                        max_positions=max(model_cfg.max_position_embeddings, cfg.max_seq_len))
     bypass = _bypass(args, model, device, cfg.seed)
     job = FinetuneJob(model, bypass, examples, cfg, base_model=str(Path(args.model).resolve()),
-                      resume_from=Path(args.init_adapter) if args.init_adapter else None)
+                      resume_from=Path(args.init_adapter) if args.init_adapter else None, validation=validation)
     run_job(job, progress=not args.no_progress)
     last = job.log[-1] if job.log else None
     print(f"trained {job.step} steps; last loss {last.loss:.4f}; adapter in {cfg.output_dir}" if last

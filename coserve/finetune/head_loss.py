@@ -15,18 +15,17 @@ from coserve.model.decoder import DecoderModel
 from coserve.model.norm_grad import rms_norm_backward
 
 
-def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tensor, loss_scale: float
-                       ) -> tuple[float, torch.Tensor]:
+def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tensor, loss_scale: float,
+                       need_grad: bool = True) -> tuple[float, torch.Tensor | None]:
     """``(loss, dL/dx)`` for last-layer outputs ``x`` ``[n, H]`` and ``targets`` ``[n]`` (IGNORE_INDEX: none).
 
     The loss is the sum of the rows' cross-entropies times ``loss_scale``; rows without a
-    target get a zero gradient.
+    target get a zero gradient. With ``need_grad`` False (validation) the gradient is None.
     """
-    grad = torch.zeros_like(x)
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     m = int(rows.numel())
     if m == 0:
-        return 0.0, grad
+        return 0.0, torch.zeros_like(x) if need_grad else None
     xs = x if m == x.shape[0] else x[rows]
     t = targets[rows]
     logits = model.logits(model.final_norm(xs))  # [m, V] float32
@@ -35,6 +34,8 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
     probs = logits.sub_(top).exp_()  # exp(logits - max), in the logits' buffer
     total = probs.sum(dim=-1, keepdim=True)
     loss = float((top + total.log() - picked).sum()) * loss_scale  # logsumexp - logit[target]
+    if not need_grad:
+        return loss, None
     probs.div_(total)  # softmax
     probs[torch.arange(m, device=probs.device), t] -= 1.0
     probs.mul_(loss_scale)
@@ -42,5 +43,6 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
     dx = rms_norm_backward(dh, xs, model.norm, model.cfg.rms_norm_eps)
     if m == x.shape[0]:
         return loss, dx
+    grad = torch.zeros_like(x)
     grad[rows] = dx
     return loss, grad

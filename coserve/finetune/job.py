@@ -45,6 +45,7 @@ class StepRecord:
     tokens: int  # tokens of the step's sequences
     elapsed_s: float  # since the job started
     skipped: bool = False  # the loss or gradient was not finite: no update
+    valid_loss: float | None = None  # mean loss per target token of the validation set after this step
 
 
 class FinetuneJob:
@@ -52,15 +53,19 @@ class FinetuneJob:
 
     ``next_work()`` says what comes next ("forward" or "backward" of the current sequence);
     ``forward(n)`` / ``backward(n)`` run one window of up to ``n`` tokens. After the last
-    backward window of a mini-batch's last sequence, the optimizer steps.
+    backward window of a mini-batch's last sequence, the optimizer steps. With ``validation``
+    examples, the step that ends an epoch (and the last step) is followed by forward windows
+    over every validation sequence (no dropout, no gradient); that step's record, with its
+    ``valid_loss``, is published (log, ``on_step``) once they are done.
     """
 
     def __init__(self, model: DecoderModel, bypass: TrainableBypass, examples: list, cfg: FinetuneConfig,
-                 base_model: str = "", resume_from: Path | None = None) -> None:
+                 base_model: str = "", resume_from: Path | None = None, validation: list | None = None) -> None:
         if not examples:
             raise ValueError("examples: the job has no training examples")
         self.model, self.bypass, self.cfg, self.base_model = model, bypass, cfg, base_model
-        longest = max(len(e.token_ids) for e in examples)
+        self.validation = [Example(list(e.token_ids), list(e.targets)) for e in validation or ()]
+        longest = max(len(e.token_ids) for e in [*examples, *self.validation])
         if longest > model.rope.max_positions:
             raise ValueError(f"examples: a sequence has {longest} tokens; the model was loaded with positions "
                              f"for {model.rope.max_positions} (lower max_seq_len or load it with more)")
@@ -81,6 +86,9 @@ class FinetuneJob:
         self._next_in_batch = 0
         self._loss_scale = 0.0
         self._batch_loss = 0.0
+        self._pending: StepRecord | None = None  # a step waiting for its validation loss
+        self._eval_queue: list[int] = []  # validation sequences still to run for it
+        self._eval_loss = 0.0
         self._start = time.perf_counter()
         self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
@@ -90,14 +98,22 @@ class FinetuneJob:
     # ---- the work interface ------------------------------------------------
     @property
     def done(self) -> bool:
-        return self.step >= self.total_steps
+        return self.step >= self.total_steps and self._pending is None
+
+    @property
+    def longest_tokens(self) -> int:
+        """The longest sequence the job runs (training or validation)."""
+        return max(len(e.token_ids) for e in [*self.examples, *self.validation])
 
     def next_work(self) -> str | None:
         """``"forward"``, ``"backward"`` or None when the job is done."""
         if self.done:
             return None
         if self._seq is None:
-            self._start_sequence()
+            if self._eval_queue:
+                self._start_eval_sequence()
+            else:
+                self._start_sequence()
         return "forward" if not self._seq.forward_finished else "backward"
 
     def pending_tokens(self) -> int:
@@ -112,7 +128,7 @@ class FinetuneJob:
         if self.next_work() != "forward":
             raise ValueError("forward: the current sequence is not in its forward phase")
         loss = forward_window(self.model, self.bypass, self._seq, num_tokens, self._loss_scale)
-        self._batch_loss += loss
+        self._account_forward(loss)
         return loss
 
     def forward_slice(self, num_tokens: int) -> FinetuneSlice:
@@ -126,7 +142,20 @@ class FinetuneJob:
 
     def forward_ran(self, loss: float) -> None:
         """Account the loss of a window run from ``forward_slice``."""
-        self._batch_loss += loss
+        self._account_forward(loss)
+
+    def _account_forward(self, loss: float) -> None:
+        seq = self._seq
+        if not seq.eval_only:
+            self._batch_loss += loss
+            return
+        self._eval_loss += loss
+        if seq.forward_finished:
+            self._seq = None
+            if not self._eval_queue:
+                record, self._pending = self._pending, None
+                record.valid_loss = self._eval_loss
+                self._publish(record)
 
     def position(self) -> tuple[str, int, int, int, int]:
         """``(phase, pending tokens, forward tokens done, backward layers left, sequence tokens)``; phase "done" at the end."""
@@ -183,6 +212,14 @@ class FinetuneJob:
         if self.cfg.rematerialize == "cheap":
             self._seq.keeps = new_keeps(self.model, len(ex.token_ids), planned_keeps(self.plan))
 
+    def _start_eval_sequence(self) -> None:
+        ex = self.validation[self._eval_queue.pop(0)]
+        c = self.model.cfg
+        self._seq = new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
+                                       c.head_dim, self.model.device, self.model.dtype)
+        self._seq.eval_only = True
+        targets = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in self.validation)
+        self._loss_scale = 1.0 / max(1, targets)
     def _optimizer_step(self) -> None:
         params = self.bypass.parameters()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -201,11 +238,23 @@ class FinetuneJob:
         tokens = sum(len(self.examples[i].token_ids) for i in self._batch)
         record = StepRecord(self.step, self._batch_loss, lr, tokens, time.perf_counter() - self._start,
                             skipped=not finite)
-        self.log.append(record)
-        self._append_log(record)
         if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            self.log.append(record)
+            self._append_log(record)
             raise FinetuneError(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
                                 f"gradient (last at step {self.step}); stopping, the last saved adapter is kept")
+        steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
+        if self.validation and (self.step % steps_per_epoch == 0 or self.step >= self.total_steps):
+            self._pending = record  # published with its validation loss
+            self._eval_queue = list(range(len(self.validation)))
+            self._eval_loss = 0.0
+        else:
+            self._publish(record)
+
+    def _publish(self, record: StepRecord) -> None:
+        """A finished step into the log and the training log file, then ``on_step`` (checkpoints)."""
+        self.log.append(record)
+        self._append_log(record)
         if self.on_step is not None:
             self.on_step(self)
 
@@ -215,6 +264,8 @@ class FinetuneJob:
                 "elapsed_s": round(record.elapsed_s, 6)}
         if record.skipped:
             line["skipped"] = "non-finite loss or gradient"
+        if record.valid_loss is not None:
+            line["valid_loss"] = record.valid_loss
         with open(self.output_dir / LOG_FILE, "a") as f:
             f.write(json.dumps(line) + "\n")
 

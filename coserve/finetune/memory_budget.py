@@ -29,5 +29,5 @@ def job_memory(job) -> JobMemory:
     params = job.bypass.parameters()
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     copies = 2 + OPTIMIZER_STATES[job.cfg.optimizer]  # weights, gradients, optimizer state
-    longest = max(len(e.token_ids) for e in job.examples)
+    longest = job.longest_tokens
     return JobMemory(weight_bytes * copies, int(job.plan.model_kept_bytes_per_token * longest))

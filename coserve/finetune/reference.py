@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -12,8 +14,9 @@ from coserve.model.decoder import Bypass, DecoderModel
 
 
 def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int], targets: list[int],
-                        dropout_seed: int = 0) -> torch.Tensor:
-    """Summed cross-entropy of one sequence, differentiable w.r.t. the bypass parameters."""
+                        dropout_seed: int | None = 0) -> torch.Tensor:
+    """Summed cross-entropy of one sequence, differentiable w.r.t. the bypass parameters
+    (``dropout_seed`` None: no dropout, as for validation)."""
     ids = torch.tensor(token_ids, device=model.device)
     tgt = torch.tensor(targets, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
@@ -21,7 +24,7 @@ def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int
         return window_attention(q, k, v, model.scale)
 
     x = model.embed[ids]
-    with training_rows(bypass, dropout_seed, positions):
+    with training_rows(bypass, dropout_seed, positions) if dropout_seed is not None else contextlib.nullcontext():
         for layer in model.layers:
             x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
     logits = model.logits(model.final_norm(x))

@@ -34,6 +34,7 @@ class SequenceState:
     window_log: list[tuple[str, int, int, int]] = field(default_factory=list)  # (kind, layer, start, end)
     keeps: list | None = None  # per layer LayerKeep under --rematerialize cheap (pruned_layer.py), else None
     dropout_seed: int = 0  # this sequence's LoRA dropout masks (one per job seed, step and sequence)
+    eval_only: bool = False  # a validation sequence: forward windows only, no dropout, no gradient
 
     @property
     def num_tokens(self) -> int:

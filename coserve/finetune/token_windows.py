@@ -42,7 +42,7 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
     if b <= a:
         raise ValueError("forward_window: the sequence's forward pass is already finished")
     positions = state.positions[a:b]
-    with torch.no_grad(), training_rows(bypass, state.dropout_seed, positions):
+    with torch.no_grad(), training_rows(bypass, state, positions):
         x = model.embed[state.token_ids[a:b]]
         for layer in model.layers:
             i = layer.index
@@ -62,27 +62,35 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
 
 def finish_forward_window(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,
                           loss_scale: float) -> float:
-    """After the last layer: the window's loss and gradient, and the sequence's progress."""
+    """After the last layer: the window's loss and gradient, and the sequence's progress (a validation
+    sequence is finished with its forward pass)."""
     loss = _head_loss_and_grad(model, state, x, a, b, loss_scale)
     state.forward_done = b
     state.loss_sum += loss
     state.window_log.append(("forward", -1, a, b))
-    if state.forward_finished:
+    if state.forward_finished and not state.eval_only:
         state.backward_layer = len(model.layers) - 1
         state.backward_end = state.num_tokens
     return loss
 
 
-def training_rows(bypass: Bypass, seed: int, positions: torch.Tensor):
-    """Tell a trainable bypass which rows a window holds (for its dropout masks)."""
+def training_rows(bypass: Bypass, state: SequenceState | int, positions: torch.Tensor):
+    """Tell a trainable bypass which rows a window holds (for its dropout masks); ``state`` is the
+    sequence (a validation sequence runs without dropout) or its dropout seed."""
+    if isinstance(state, SequenceState):
+        if state.eval_only:
+            return contextlib.nullcontext()
+        state = state.dropout_seed
     rows = getattr(bypass, "training_rows", None)
-    return rows(seed, positions) if rows is not None else contextlib.nullcontext()
+    return rows(state, positions) if rows is not None else contextlib.nullcontext()
 
 
 def _head_loss_and_grad(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,
                         loss_scale: float) -> float:
     """Cross-entropy of the window's targets; stores dL/dx at the last layer's output for rows a:b."""
-    loss, state.grad[a:b] = head_loss_and_grad(model, x, state.targets[a:b], loss_scale)
+    loss, grad = head_loss_and_grad(model, x, state.targets[a:b], loss_scale, need_grad=not state.eval_only)
+    if grad is not None:
+        state.grad[a:b] = grad
     return loss
 
 
@@ -98,7 +106,7 @@ def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, n
     a = max(0, b - num_tokens)
     layer = model.layers[i]
     need_input_grad = i > 0  # layer 0's input is the frozen embedding
-    with training_rows(bypass, state.dropout_seed, state.positions[a:b]):
+    with training_rows(bypass, state, state.positions[a:b]):
         if state.keeps is not None:
             dx = pruned_layer.backward_layer(
                 model, layer, bypass, state.keeps[i], state.layer_inputs[i][a:b], state.grad[a:b],

@@ -266,13 +266,8 @@ class JobManager:
     def _start(self, tenant: str, job: dict) -> None:
         job_id, opts, hyper = job["id"], job["coserve"], job["hyperparameters"]
         model = self.engine.model
-        examples, report = load_dataset(self.store.file_path(job["training_file"]), self.engine.tokenizer,
-                                        opts["max_seq_len"])
-        bad = report.malformed + [(n, "every assistant message is empty or has weight 0")
-                                  for n in report.empty_completion]
-        if bad:
-            named = "; ".join(f"line {n}: {why}" for n, why in sorted(bad)[:_SHOW])
-            raise ValueError(f"training_file {job['training_file']}: {len(bad)} example(s) cannot be trained: {named}")
+        examples, report = self._dataset(job, "training_file", opts["max_seq_len"])
+        validation = self._dataset(job, "validation_file", opts["max_seq_len"])[0] if job["validation_file"] else None
         out = self.jobs_dir / job_id
         cfg = FinetuneConfig(output_dir=str(out / "model"), epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
                              batch_size=hyper["batch_size"], grad_accum=opts["grad_accum"],
@@ -289,7 +284,8 @@ class JobManager:
             p = dict(opts["peft_config"])
             kind = p.pop("peft")
             bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
-        ft = FinetuneJob(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume)
+        ft = FinetuneJob(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume,
+                         validation=validation)
         per_epoch = math.ceil(len(examples) / (cfg.batch_size * cfg.grad_accum))
         name = fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id)
         r = Running(job_id, tenant, name, self.config.checkpoint_steps or per_epoch, ft)
@@ -306,6 +302,18 @@ class JobManager:
                               coserve={**opts, "step": ft.step, "total_steps": ft.total_steps})
         how = f"resumed at step {ft.step}" if resume else "started"
         self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps")
+
+    def _dataset(self, job: dict, param: str, max_seq_len: int):
+        """The job's ``param`` file as examples and its load report; a ValueError naming the file and the
+        lines when any example cannot be used."""
+        file_id = job[param]
+        examples, report = load_dataset(self.store.file_path(file_id), self.engine.tokenizer, max_seq_len)
+        bad = report.malformed + [(n, "every assistant message is empty or has weight 0")
+                                  for n in report.empty_completion]
+        if bad:
+            named = "; ".join(f"line {n}: {why}" for n, why in sorted(bad)[:_SHOW])
+            raise ValueError(f"{param} {file_id}: {len(bad)} example(s) cannot be used: {named}")
+        return examples, report
 
     def _follow(self) -> None:
         running = list(self.running.values())
@@ -324,10 +332,11 @@ class JobManager:
         r.tokens = tokens
         for rec in records:
             if not self.store.has_step_event(r.job_id, rec.step):
+                valid = {} if rec.valid_loss is None else {"full_valid_loss": rec.valid_loss}
                 self.store.add_event(r.job_id, f"Step {rec.step}/{r.job.total_steps}: training loss="
-                                     f"{rec.loss:.4f}", type="metrics",
-                                     data={"step": rec.step, "train_loss": rec.loss, "learning_rate": rec.lr,
-                                           "tokens": rec.tokens})
+                                     f"{rec.loss:.4f}" + (f", validation loss={rec.valid_loss:.4f}" if valid else ""),
+                                     type="metrics", data={"step": rec.step, "train_loss": rec.loss,
+                                                           "learning_rate": rec.lr, "tokens": rec.tokens, **valid})
         for checkpoint in saved:  # after the events of its steps: a resume from it repeats no step and loses none
             self._record_checkpoint(r, *checkpoint)
         job = self.store.get_job(None, r.job_id)
@@ -360,9 +369,11 @@ class JobManager:
         r.saved.append((j.step, path))
 
     def _record_checkpoint(self, r: Running, step: int, path: Path) -> None:
-        loss = next((rec.loss for rec in reversed(r.job.log) if rec.step == step), None)
-        ckpt = self.store.add_checkpoint(r.job_id, step, str(path), checkpoint_name(r.name, step),
-                                         {"step": step, "train_loss": loss})
+        rec = next((rec for rec in reversed(r.job.log) if rec.step == step), None)
+        metrics = {"step": step, "train_loss": rec.loss if rec else None}
+        if rec is not None and rec.valid_loss is not None:
+            metrics["full_valid_loss"] = rec.valid_loss
+        ckpt = self.store.add_checkpoint(r.job_id, step, str(path), checkpoint_name(r.name, step), metrics)
         self.store.add_event(r.job_id, f"Checkpoint created at step {step}: {ckpt['fine_tuned_model_checkpoint']}")
 
     def _succeed(self, r: Running) -> None:
