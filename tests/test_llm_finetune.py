@@ -24,8 +24,8 @@ def test_finetune_runs_beside_generate_and_the_adapter_serves(model_factory, tmp
     before = llm.generate([[5, 6, 7, 8]] * 3, params)
     job = llm.finetune(_data(tmp_path / "d.jsonl"), LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]),
                        FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=3, batch_size=2, lr=5e-2,
-                                      seed=1))
-    assert job.status()["status"] == "running"
+                                      seed=1), validation=_data(tmp_path / "v.jsonl", n=2))
+    assert job.status()["status"] in ("running", "succeeded")  # it trains in the background
     during = llm.generate([[5, 6, 7, 8]] * 3, params)  # served while the job trains
     assert [o.token_ids for o in during] == [o.token_ids for o in before]
     final = job.wait(timeout=120)
@@ -33,6 +33,7 @@ def test_finetune_runs_beside_generate_and_the_adapter_serves(model_factory, tmp
     assert (job.output_dir / "adapter_model.safetensors").is_file()
     lines = (job.output_dir / "training_log.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    assert ["valid_loss" in json.loads(line) for line in lines] == [False, False, True]  # 3 steps: the last
     llm.load_adapter("tuned", job.output_dir)  # servable right away
     tuned = llm.generate([[5, 6, 7, 8]], params, adapter="tuned")
     assert len(tuned[0].token_ids) == 8

@@ -39,13 +39,16 @@ class LLM:
         self._loop: EngineLoop | None = None  # the background engine thread, once a job has started
 
     def finetune(self, data: str | Path, peft: LoraConfig | IA3Config | None = None,
-                 config: FinetuneConfig | None = None, tenant: str = "default") -> FinetuneHandle:
+                 config: FinetuneConfig | None = None, tenant: str = "default",
+                 validation: str | Path | None = None) -> FinetuneHandle:
         """Start a finetuning job co-served with ``generate`` calls (the engine then runs in a background thread).
 
         ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``);
         ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config; ``config``: FinetuneConfig
         (``output_dir`` is required). The adapter is written to ``output_dir`` when the job ends.
         ``tenant``: whose job it is (the Virtual Token Counter shares the engine among tenants).
+        ``validation``: a file of the same formats whose mean loss per target token is logged
+        (``valid_loss``) after every epoch and the last step.
         """
         if config is None:
             raise ValueError("config: a FinetuneConfig with output_dir is required")
@@ -53,8 +56,11 @@ class LLM:
             raise ValueError("policy: this LLM was made with policy='inference-only', which never runs finetuning")
         model = self.engine.model
         examples, report = load_dataset(data, self.tokenizer, config.max_seq_len, config.train_on_prompt)
+        held_out = None if validation is None else load_dataset(validation, self.tokenizer, config.max_seq_len,
+                                                                 config.train_on_prompt)[0]
         bypass = make_bypass(peft or LoraConfig(), model, config.seed)
-        job = FinetuneJob(model, bypass, examples, config, base_model=str(self.model_dir.resolve()))
+        job = FinetuneJob(model, bypass, examples, config, base_model=str(self.model_dir.resolve()),
+                          validation=held_out)
         loop = self._background()
         job_id = loop.call(lambda: self.engine.add_finetune_job(job, tenant=tenant))
         return FinetuneHandle(self, job_id, Path(config.output_dir), report.summary())
