@@ -45,7 +45,7 @@ from coserve.finetune.graph import LayerGraph, LayerShape, Op, OpKind, TensorKin
 POLICIES = ("cheap", "all", "none")
 DEFAULT_COST_THRESHOLD = 8.0  # FLOPs per output element: elementwise, norms, RoPE, SiLU are under it
 # Pass (b) recomputes costly tensors until the layer keeps at most this fraction of the pruned keep
-# set's bytes (on Llama shapes at 1,024 tokens: the up projection for LoRA on down_proj; q and the
+# set's bytes (on Llama shapes at 1,024 tokens: the gate projection for LoRA on down_proj; q and the
 # post-attention residual for LoRA on every linear module).
 DEFAULT_MEMORY_TARGET = 0.5
 

@@ -89,6 +89,8 @@ class FinetuneJob:
         self._pending: StepRecord | None = None  # a step waiting for its validation loss
         self._eval_queue: list[int] = []  # validation sequences still to run for it
         self._eval_loss = 0.0
+        valid_targets = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in self.validation)
+        self._eval_scale = 1.0 / max(1, valid_targets)  # the validation loss is a mean over its target tokens
         self._start = time.perf_counter()
         self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
@@ -218,8 +220,7 @@ class FinetuneJob:
         self._seq = new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
                                        c.head_dim, self.model.device, self.model.dtype)
         self._seq.eval_only = True
-        targets = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in self.validation)
-        self._loss_scale = 1.0 / max(1, targets)
+        self._loss_scale = self._eval_scale
     def _optimizer_step(self) -> None:
         params = self.bypass.parameters()
         lr = self.optimizer.param_groups[0]["lr"]
