@@ -179,7 +179,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
             up = bypass_output(bypass, None, i, "up_proj", h2, F.linear(h2, layer.gate_up[inter:]))
     # MLP: out = resid + down(silu(gate) * up)
     silu = F.silu(gate)
-    dact = _module_backward(bypass, keep, i, "down_proj", silu * up, layer.down, dout, a, b, need_dx=last > 1)
+    mlp_in = silu * up if _touches(bypass, "down_proj") else None  # only the down_proj bypass reads it
+    dact = _module_backward(bypass, keep, i, "down_proj", mlp_in, layer.down, dout, a, b, need_dx=last > 1)
     if last == 1:
         return None
     dgu = torch.empty(n, 2 * inter, device=x.device, dtype=x.dtype)  # [dgate | dup]
