@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from coserve.finetune.pruned_layer import keep_tap, window_attend
-from coserve.finetune.token_windows import FinetuneSlice, finish_forward_window, training_rows
+from coserve.finetune.pruned_layer import keep_tap
+from coserve.finetune.token_windows import FinetuneSlice, finish_forward_window, sequence_attend, training_rows
 from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.decoder import Bypass, DecoderModel
 from coserve.model.forward_batch import ForwardBatch
@@ -92,9 +92,7 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
             st.layer_inputs[i][a:b] = x[t:]
 
             def attend(q, k, v, _i, i=i):
-                st.k[i][a:b], st.v[i][a:b] = k[t:], v[t:]
-                keep = st.keeps[i] if st.keeps is not None else None
-                tail = window_attend(keep, a, b, q[t:], st.k[i][:b], st.v[i][:b], model.scale)
+                tail = sequence_attend(st, i, a, b, q[t:], k[t:], v[t:], model.scale)
                 if not t:
                     return tail
                 return torch.cat([paged_attention(q[:t], k[:t], v[:t], i, cache, batch, model.scale), tail])

@@ -64,15 +64,15 @@ class FinetuneJob:
         if not examples:
             raise ValueError("examples: the job has no training examples")
         self.model, self.bypass, self.cfg, self.base_model = model, bypass, cfg, base_model
+        self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
         self.validation = [Example(list(e.token_ids), list(e.targets)) for e in validation or ()]
-        longest = max(len(e.token_ids) for e in [*examples, *self.validation])
+        longest = self.longest_tokens
         if longest > model.rope.max_positions:
             raise ValueError(f"examples: a sequence has {longest} tokens; the model was loaded with positions "
                              f"for {model.rope.max_positions} (lower max_seq_len or load it with more)")
-        self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
         self.per_step = cfg.batch_size * cfg.grad_accum
-        steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
-        self.total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+        self.steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
+        self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.epochs
         self.optimizer = make_optimizer(bypass.parameters(), cfg)
         self.scheduler = make_scheduler(self.optimizer, cfg, self.total_steps)
         self.step = 0
@@ -197,8 +197,7 @@ class FinetuneJob:
 
     def _start_sequence(self) -> None:
         if self._next_in_batch == len(self._batch):  # a new optimizer step: pick its sequences
-            steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
-            epoch, offset = divmod(self.step, steps_per_epoch)
+            epoch, offset = divmod(self.step, self.steps_per_epoch)
             order = self._order(epoch)
             self._batch = order[offset * self.per_step:(offset + 1) * self.per_step]
             self._next_in_batch = 0
@@ -244,8 +243,7 @@ class FinetuneJob:
             self._append_log(record)
             raise FinetuneError(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
                                 f"gradient (last at step {self.step}); stopping, the last saved adapter is kept")
-        steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
-        if self.validation and (self.step % steps_per_epoch == 0 or self.step >= self.total_steps):
+        if self.validation and (self.step % self.steps_per_epoch == 0 or self.step >= self.total_steps):
             self._pending = record  # published with its validation loss
             self._eval_queue = list(range(len(self.validation)))
             self._eval_loss = 0.0

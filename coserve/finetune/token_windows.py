@@ -49,15 +49,22 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
             state.layer_inputs[i][a:b] = x
 
             def attend(q, k, v, _i, i=i):
-                state.k[i][a:b], state.v[i][a:b] = k, v
-                keep = state.keeps[i] if state.keeps is not None else None
-                return pruned_layer.window_attend(keep, a, b, q, state.k[i][:b], state.v[i][:b], model.scale)
+                return sequence_attend(state, i, a, b, q, k, v, model.scale)
 
             if state.keeps is None:
                 x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
             else:
                 x = pruned_layer.forward_layer(model, layer, x, positions, attend, bypass, state.keeps[i], a, b)
     return finish_forward_window(model, state, x, a, b, loss_scale)
+
+
+def sequence_attend(state: SequenceState, i: int, a: int, b: int, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Layer ``i`` of a forward window over rows ``a:b``: store their K/V in the sequence's cache, attend over
+    the cache so far, and keep attention's output when the plan does."""
+    state.k[i][a:b], state.v[i][a:b] = k, v
+    keep = state.keeps[i] if state.keeps is not None else None
+    return pruned_layer.window_attend(keep, a, b, q, state.k[i][:b], state.v[i][:b], scale)
 
 
 def finish_forward_window(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,

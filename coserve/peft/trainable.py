@@ -108,9 +108,6 @@ class LowRank(NamedTuple):
     def add_to(self, t: torch.Tensor) -> torch.Tensor:
         return t.addmm_(self.left, self.right)
 
-    def dense(self) -> torch.Tensor:
-        return self.left @ self.right
-
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` into ``param.grad`` (as autograd would)."""

@@ -9,7 +9,6 @@ how each job ends. Every engine access goes through ``on_engine`` (between itera
 from __future__ import annotations
 
 import logging
-import math
 import random
 import re
 import threading
@@ -286,9 +285,8 @@ class JobManager:
             bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
         ft = FinetuneJob(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume,
                          validation=validation)
-        per_epoch = math.ceil(len(examples) / (cfg.batch_size * cfg.grad_accum))
         name = fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id)
-        r = Running(job_id, tenant, name, self.config.checkpoint_steps or per_epoch, ft)
+        r = Running(job_id, tenant, name, self.config.checkpoint_steps or ft.steps_per_epoch, ft)
         ft.on_step = lambda j: self._checkpoint(r)
         try:
             on_engine(self.loop, lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
