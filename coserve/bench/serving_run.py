@@ -229,6 +229,9 @@ def run_one(spec: RunSpec) -> dict:
                 rec.finish_s = end
                 rec.num_output_tokens = len(out.token_ids)
                 unfinished.discard(out.request_id)
+                if out.error is not None:  # the iteration running it failed
+                    rec.failed, rec.error = True, out.error
+                    failed.append(records.pop(out.request_id))
     bar.close()
     elapsed = clock()
     if thread is not None:

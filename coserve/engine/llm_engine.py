@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from coserve.engine.config import EngineConfig
 from coserve.engine.executor import ModelExecutor, job_progress
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
@@ -233,7 +235,10 @@ class LLMEngine:
             last_start, last_model_s = self._last_step
             self.scheduler.observe_overhead(start - last_start - last_model_s)
         plan = self.scheduler.schedule()
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except Exception as e:  # what the iteration carried fails; the engine keeps serving
+            return self._iteration_failed(plan, e)
         self.last_plan = plan
         events = self.scheduler.update(plan, result)
         for progress in result.finetune:
@@ -253,6 +258,36 @@ class LLMEngine:
                 outputs.append(self.outputs.output(request, True))
         # Only iterations that serve requests and follow each other measure the overhead (not an idle wait).
         self._last_step = (start, result.elapsed_s) if self.scheduler.has_unfinished() else None
+        return outputs
+
+    def _iteration_failed(self, plan: IterationPlan, error: Exception) -> list[RequestOutput]:
+        """An iteration raised (a device out of memory, a bad adapter, a bug): fail what it carried and go on.
+
+        Jobs are the suspects first: a plan with finetuning work fails its jobs (their state is half-advanced)
+        and leaves its requests as they were before it (the scheduler's ``update`` never ran), so the next
+        iteration runs their tokens again, rewriting the same KV slots. A plan of requests alone fails them with
+        ``finish_reason`` "error". Requests and jobs it did not carry are untouched."""
+        message = f"{type(error).__name__}: {error}"
+        log.error("iteration %d failed: %s", plan.step, message, exc_info=error)
+        if self.device.type == "cuda" and isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        self._last_step = None
+        self.last_plan = plan
+        outputs = []
+        jobs = {w.job_id for w in plan.finetune}
+        for job_id in sorted(jobs):
+            if self.job_states[job_id].status == "running":
+                self._finish_job(job_id, f"an iteration running this job failed ({message})")
+        if not jobs:
+            for chunk in plan.chunks:
+                request = self.scheduler.requests.get(chunk.request_id)
+                if request is not None and not request.is_finished:
+                    request.error = message
+                    self.scheduler.finish_request(request.request_id, "error")
+        for request_id in plan.finished + [c.request_id for c in plan.chunks]:
+            request = self.scheduler.pop_request(request_id)
+            if request is not None:
+                outputs.append(self.outputs.output(request, True))
         return outputs
 
     def _latency_path(self) -> Path:

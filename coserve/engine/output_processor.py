@@ -53,7 +53,7 @@ class OutputProcessor:
     def output(self, request: Request, finished: bool) -> RequestOutput:
         """The request's RequestOutput now; forgets it once finished."""
         state = self._texts[request.request_id]
-        if finished and (request.finish_reason == "abort" or state.finish_reason is None):
+        if finished and (request.finish_reason in ("abort", "error") or state.finish_reason is None):
             state.finish_reason = request.finish_reason  # ended by the scheduler or an abort
         completion = CompletionOutput(
             index=0, text=self._text(request, state), token_ids=list(request.output_token_ids),
@@ -63,7 +63,7 @@ class OutputProcessor:
         if finished:
             del self._texts[request.request_id]
         return RequestOutput(request.request_id, state.prompt, list(request.prompt_token_ids),
-                             [completion], finished, request.num_preemptions)
+                             [completion], finished, request.num_preemptions, request.error)
 
     def _text(self, request: Request, state: _RequestText) -> str:
         """The request's output text, decoded again only when new tokens arrived."""

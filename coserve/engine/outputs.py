@@ -14,7 +14,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     logprobs: list[TokenLogprobs] | None = None  # one per generated token when asked for
     stop_reason: str | int | None = None  # the stop string or token that ended it, if any
 
@@ -29,6 +29,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_preemptions: int = 0
+    error: str | None = None  # finish_reason "error": what made the iteration running it fail
 
     @property
     def text(self) -> str:

@@ -32,7 +32,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
+    error: str | None = None  # why, when the iteration that ran it failed ("error")
     num_preemptions: int = 0
     first_token_time: float | None = None  # when the first output token was sampled (the scheduler's clock)
     tenant: str = "default"  # who asked: the Virtual Token Counter shares the engine fairly among tenants

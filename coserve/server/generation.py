@@ -135,6 +135,8 @@ class RequestStream:
                 503, f"the engine could not run the request ({out})", code="engine_error")
         if out.finished:
             self._end()
+            if out.error is not None:  # the iteration running it failed; the engine serves on
+                raise APIError(500, f"The engine failed while generating ({out.error})", code="engine_error")
         return out
 
     def _end(self) -> None:

@@ -1,0 +1,114 @@
+"""An iteration that raises fails what it carried, and nothing else: the engine and the server keep serving,
+the requests beside a failed job come out as if it had never run, and a failed job writes no adapter."""
+
+from __future__ import annotations
+
+import random
+
+from fastapi.testclient import TestClient
+
+from coserve.engine.config import EngineConfig
+from coserve.engine.llm_engine import LLMEngine
+from coserve.scheduler import SamplingParams
+from coserve.server.app import build_app
+from coserve.server.config import ServerConfig
+from tests.test_coserving import _engine, _generate, _job
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 200) for _ in range(rng.randint(3, 20))] for _ in range(n)]
+
+
+def _fail_once(engine: LLMEngine, attr: str, when=lambda *a, **k: True) -> list[int]:
+    """Make ``engine.executor.<attr>`` raise the first time ``when(*args)`` holds; returns a call counter."""
+    calls = [0]
+    original = getattr(engine.executor, attr)
+
+    def faulty(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 0 and when(*args, **kwargs):
+            calls[0] = -10**9  # once
+            raise RuntimeError("injected fault")
+        return original(*args, **kwargs)
+    setattr(engine.executor, attr, faulty)
+    return calls
+
+
+def _run(engine: LLMEngine, ids: list[str]) -> dict:
+    done = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_a_failed_inference_iteration_fails_its_requests_only(model_factory):
+    model_dir = model_factory("llama")
+    prompts = _prompts(6)
+    plain = _engine(model_dir)
+    reference = _run(plain, [plain.add_request(p, PARAMS) for p in prompts])
+    engine = _engine(model_dir, max_num_seqs=2)  # two run, four wait outside the failing iteration
+    _fail_once(engine, "_inference")
+    ids = [engine.add_request(p, PARAMS) for p in prompts]
+    outs = _run(engine, ids)
+    failed = [rid for rid in ids if outs[rid].outputs[0].finish_reason == "error"]
+    assert failed == ids[:2]
+    for rid in failed:
+        assert "RuntimeError: injected fault" in outs[rid].error
+        assert engine.scheduler.blocks.block_table(rid) == []  # its KV blocks are back
+    expected = [o.token_ids for o in reference.values()]
+    for i, rid in enumerate(ids[2:], start=2):
+        assert outs[rid].error is None and outs[rid].token_ids == expected[i]
+    again = [engine.add_request(p, PARAMS) for p in prompts[:2]]  # the engine serves on, exactly
+    assert [o.token_ids for o in _run(engine, again).values()] == expected[:2]
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.blocks.usage == 0
+
+
+def test_a_job_whose_iteration_fails_stops_alone_and_the_requests_beside_it_are_exact(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    prompts = _prompts(8, seed=9)
+    reference = _generate(_engine(model_dir), prompts)
+    engine = _engine(model_dir)
+    job_id = engine.add_finetune_job(_job(engine, tmp_path / "job"))
+    steps = [0]
+
+    def third_mixed_iteration(plan, result, forward):
+        steps[0] += forward is not None
+        return steps[0] == 3
+    _fail_once(engine, "_inference", third_mixed_iteration)
+    together = _generate(engine, prompts)
+    assert steps[0] >= 3, "the job should have ridden in the inference iterations"
+    assert list(together.values()) == list(reference.values())
+    state = engine.job_states[job_id]
+    assert state.status == "failed" and "injected fault" in state.error
+    assert not (tmp_path / "job" / "adapter_model.safetensors").exists()
+    assert not engine.has_running_jobs() and job_id not in engine.scheduler.jobs
+    second = engine.add_finetune_job(_job(engine, tmp_path / "second"))  # later jobs still run
+    while engine.has_running_jobs():
+        engine.step()
+    assert engine.job_states[second].status == "succeeded"
+
+
+def test_the_server_answers_an_engine_fault_with_a_500_and_serves_on(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    app = build_app(ServerConfig(model=str(model_dir), state_dir=str(tmp_path / "state")),
+                    EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4))
+    engine = app.state.coserve.client.engine
+    _fail_once(engine, "_inference")
+    body = {"model": model_dir.name, "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 500
+        assert r.json()["error"]["code"] == "engine_error" and "injected fault" in r.json()["error"]["message"]
+        ok = http.post("/v1/completions", json=body)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        _fail_once(engine, "_inference")
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert s.status_code == 200 and "engine_error" in lines[-1] and "[DONE]" not in lines[-1]
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == ok.json()["choices"][0]["text"]
