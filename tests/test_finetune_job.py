@@ -159,19 +159,28 @@ def test_bfloat16_models_train(model_factory, tmp_path, remat, peft):
 
 
 def test_validation_loss_after_each_epoch_matches_a_plain_forward(setup, tmp_path):
-    from coserve.finetune.reference import whole_sequence_loss
+    from coserve.finetune.job import Example
+    from coserve.finetune.reference import whole_sequence_logits, whole_sequence_loss
     model_dir, model, examples, _ = setup
-    validation = _examples(model.cfg.vocab_size, 3, seed=12)
+    validation = []
+    for e in _examples(model.cfg.vocab_size, 3, seed=12):  # every other target: the base model's own prediction
+        with torch.no_grad():
+            predicted = whole_sequence_logits(model, None, e.token_ids, None).argmax(-1).tolist()
+        validation.append(Example(e.token_ids, [p if i % 2 and t != IGNORE else t
+                                                for i, (t, p) in enumerate(zip(e.targets, predicted))]))
     total = sum(sum(t != IGNORE for t in e.targets) for e in validation)
 
     def lora():
         return TrainableLora(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["v_proj", "down_proj"]),
                              model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(1))
 
-    def oracle(bypass):  # the validation set's mean loss per target token, no dropout
+    def oracle(bypass):  # the validation set's mean loss per target token and token accuracy, no dropout
         with torch.no_grad():
-            return sum(float(whole_sequence_loss(model, bypass, e.token_ids, e.targets, dropout_seed=None))
+            loss = sum(float(whole_sequence_loss(model, bypass, e.token_ids, e.targets, dropout_seed=None))
                        for e in validation) / total
+            correct = sum(int((whole_sequence_logits(model, bypass, e.token_ids, None).argmax(-1)
+                               == torch.tensor(e.targets)).sum()) for e in validation)
+        return loss, correct / total
 
     cfg = dict(max_steps=0, epochs=2, batch_size=4)  # 2 steps an epoch
     plain = lora()
@@ -185,9 +194,11 @@ def test_validation_loss_after_each_epoch_matches_a_plain_forward(setup, tmp_pat
     assert [r.step for r in job.log] == [1, 2, 3, 4]
     assert [r.valid_loss is not None for r in job.log] == [False, True, False, True]
     for r in job.log[1::2]:
-        assert r.valid_loss == pytest.approx(expected[r.step], rel=1e-5)
+        assert r.valid_loss == pytest.approx(expected[r.step][0], rel=1e-5)
+        assert r.valid_accuracy == expected[r.step][1] > 0.1
     assert job.log[1].valid_loss != job.log[3].valid_loss
     lines = [json.loads(line) for line in (tmp_path / "v" / checkpoint.LOG_FILE).read_text().splitlines()]
     assert [("valid_loss" in line) for line in lines] == [False, True, False, True]
+    assert [line.get("valid_mean_token_accuracy") for line in lines] == [r.valid_accuracy for r in job.log]
     for name, tensor in plain.state_dict().items():  # validation runs change nothing of the training
         assert torch.equal(bypass.state_dict()[name], tensor)

@@ -29,6 +29,24 @@ def _examples(vocab: int, n: int, seed: int) -> list[Example]:
     return out
 
 
+def _greedy_halves(model_dir, adapter_dir, examples: list[Example]) -> list[Example]:
+    """Every other example's completion replaced by the starting model's greedy continuation of its prompt, so
+    that token accuracy is far from zero (random weights predict random tokens otherwise)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+                                     str(adapter_dir))
+    out = []
+    for i, e in enumerate(examples):
+        if i % 2:
+            prompt = next(j for j, t in enumerate(e.targets) if t != IGNORE_INDEX) + 1
+            ids = base.generate(torch.tensor([e.token_ids[:prompt]]), do_sample=False, min_new_tokens=len(e.token_ids) - prompt,
+                                max_new_tokens=len(e.token_ids) - prompt, pad_token_id=0)[0].tolist()
+            e = Example(ids, [IGNORE_INDEX] * (prompt - 1) + ids[prompt:] + [IGNORE_INDEX])
+        out.append(e)
+    return out
+
+
 def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: int):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
@@ -40,23 +58,25 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
     else:
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = get_linear_schedule_with_warmup(opt, cfg.warmup_steps, steps)
-    losses = []
+    losses, accuracies = [], []
     for step in range(steps):
         batch = examples[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         total = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in batch)
-        loss = 0
+        loss, correct = 0, 0
         for e in batch:
             logits = model(input_ids=torch.tensor([e.token_ids])).logits[0]
-            loss = loss + F.cross_entropy(logits, torch.tensor(e.targets), ignore_index=IGNORE_INDEX,
-                                          reduction="sum") / total
+            targets = torch.tensor(e.targets)
+            loss = loss + F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / total
+            correct += int((logits.argmax(-1) == targets).sum())  # IGNORE_INDEX is never an argmax
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad()
         losses.append(float(loss))
+        accuracies.append(correct / total)
     state = {n.replace(".default", ""): p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    return losses, state
+    return losses, accuracies, state
 
 
 @pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-5), ("adamw", 1e-4)])
@@ -69,7 +89,7 @@ def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, ta
     else:
         start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, target_modules=targets)
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
-    examples = _examples(model.cfg.vocab_size, 6, seed=5)
+    examples = _greedy_halves(model_dir, start, _examples(model.cfg.vocab_size, 6, seed=5))
     steps = 3
     cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), batch_size=2, lr=0.05 if optimizer == "sgd" else 0.01,
                          optimizer=optimizer, warmup_steps=1, lr_scheduler="linear", max_grad_norm=1.0,
@@ -77,9 +97,10 @@ def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, ta
     bypass = load_trainable(start, model.module_shapes(), model.cfg.num_layers, model.device)
     job = FinetuneJob(model, bypass, examples, cfg, base_model=str(model_dir))
     run_job(job, progress=False)
-    ref_losses, ref_state = _peft_train(model_dir, start, examples, cfg, steps)
+    ref_losses, ref_accuracies, ref_state = _peft_train(model_dir, start, examples, cfg, steps)
 
     assert [r.loss for r in job.log] == pytest.approx(ref_losses, abs=1e-4)
+    assert [r.accuracy for r in job.log] == ref_accuracies and max(ref_accuracies) > 0
     ours = bypass.state_dict()
     assert set(ours) == set(ref_state)
     for name, ref in ref_state.items():
@@ -91,4 +112,5 @@ def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, ta
         assert torch.equal(tensor, ours[name])
     lines = [json.loads(x) for x in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
-    assert set(lines[0]) >= {"step", "loss", "lr", "tokens", "elapsed_s"}
+    assert set(lines[0]) >= {"step", "loss", "lr", "tokens", "elapsed_s", "mean_token_accuracy"}
+    assert [x["mean_token_accuracy"] for x in lines] == ref_accuracies

@@ -207,6 +207,9 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_p
     assert {s for s, v in valid.items() if v is not None} == epochs
     assert all(0 < valid[s] < 100 for s in epochs)
     assert checkpoints[0].metrics.full_valid_loss == valid[2 * len(CHAT_EXAMPLES)]
+    assert all(0 <= e.data["train_mean_token_accuracy"] <= 1 for e in steps)  # OpenAI's metric names
+    assert all(0 <= e.data["full_valid_mean_token_accuracy"] <= 1 for e in steps if e.data["step"] in epochs)
+    assert checkpoints[0].metrics.train_mean_token_accuracy == steps[0].data["train_mean_token_accuracy"]
     # the model and its checkpoints are servable at once, and differ from the base
     base = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=0)
     tuned = alice.chat.completions.create(model=done.fine_tuned_model, messages=HELLO, max_tokens=8, temperature=0)

@@ -478,6 +478,7 @@ def test_a_checkpoint_is_recorded_only_after_the_events_of_its_steps(tmp_path):
     from that checkpoint with the event lost for good (test_server_restart saw a step missing)."""
     from types import SimpleNamespace
 
+    from coserve.finetune.job import StepRecord
     from coserve.server.config import ServerConfig
     from coserve.server.jobs import JobManager, Running
     from coserve.server.metrics import ServerMetrics
@@ -497,7 +498,7 @@ def test_a_checkpoint_is_recorded_only_after_the_events_of_its_steps(tmp_path):
 
     def engine_step():  # what the engine thread does at an optimizer step (checkpoint_every = 1)
         ft.step += 1
-        ft.log.append(SimpleNamespace(step=ft.step, loss=1.0, lr=1e-4, tokens=8, valid_loss=None))
+        ft.log.append(StepRecord(ft.step, loss=1.0, lr=1e-4, tokens=8, elapsed_s=0.0))
         r.saved.append((ft.step, tmp_path / f"step-{ft.step}"))
 
     add_event = store.add_event

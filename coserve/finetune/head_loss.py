@@ -16,33 +16,35 @@ from coserve.model.norm_grad import rms_norm_backward
 
 
 def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tensor, loss_scale: float,
-                       need_grad: bool = True) -> tuple[float, torch.Tensor | None]:
-    """``(loss, dL/dx)`` for last-layer outputs ``x`` ``[n, H]`` and ``targets`` ``[n]`` (IGNORE_INDEX: none).
+                       need_grad: bool = True) -> tuple[float, torch.Tensor | None, int]:
+    """``(loss, dL/dx, correct)`` for last-layer outputs ``x`` ``[n, H]`` and ``targets`` ``[n]`` (IGNORE_INDEX: none).
 
     The loss is the sum of the rows' cross-entropies times ``loss_scale``; rows without a
     target get a zero gradient. With ``need_grad`` False (validation) the gradient is None.
+    ``correct``: the targets that are their row's most likely token (token accuracy's numerator).
     """
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     m = int(rows.numel())
     if m == 0:
-        return 0.0, torch.zeros_like(x) if need_grad else None
+        return 0.0, torch.zeros_like(x) if need_grad else None, 0
     xs = x if m == x.shape[0] else x[rows]
     t = targets[rows]
     logits = model.logits(model.final_norm(xs))  # [m, V] float32
     picked = logits.gather(1, t.unsqueeze(1))  # [m, 1]
-    top = logits.amax(dim=-1, keepdim=True)
+    top, predicted = logits.max(dim=-1, keepdim=True)
+    correct = int((predicted.squeeze(1) == t).sum())
     probs = logits.sub_(top).exp_()  # exp(logits - max), in the logits' buffer
     total = probs.sum(dim=-1, keepdim=True)
     loss = float((top + total.log() - picked).sum()) * loss_scale  # logsumexp - logit[target]
     if not need_grad:
-        return loss, None
+        return loss, None, correct
     probs.div_(total)  # softmax
     probs[torch.arange(m, device=probs.device), t] -= 1.0
     probs.mul_(loss_scale)
     dh = probs.to(x.dtype) @ model.lm_head  # [m, H]
     dx = rms_norm_backward(dh, xs, model.norm, model.cfg.rms_norm_eps)
     if m == x.shape[0]:
-        return loss, dx
+        return loss, dx, correct
     grad = torch.zeros_like(x)
     grad[rows] = dx
-    return loss, grad
+    return loss, grad, correct

@@ -46,6 +46,8 @@ class StepRecord:
     elapsed_s: float  # since the job started
     skipped: bool = False  # the loss or gradient was not finite: no update
     valid_loss: float | None = None  # mean loss per target token of the validation set after this step
+    accuracy: float = 0.0  # the step's target tokens that were the model's most likely token, as a fraction
+    valid_accuracy: float | None = None  # the same over the validation set after this step
 
 
 class FinetuneJob:
@@ -86,11 +88,14 @@ class FinetuneJob:
         self._next_in_batch = 0
         self._loss_scale = 0.0
         self._batch_loss = 0.0
+        self._batch_targets = 0  # target tokens of the step's sequences
+        self._batch_correct = 0  # of which predicted right (at the forward, before this step's update)
         self._pending: StepRecord | None = None  # a step waiting for its validation loss
         self._eval_queue: list[int] = []  # validation sequences still to run for it
         self._eval_loss = 0.0
-        valid_targets = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in self.validation)
-        self._eval_scale = 1.0 / max(1, valid_targets)  # the validation loss is a mean over its target tokens
+        self._eval_correct = 0
+        self._valid_targets = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in self.validation)
+        self._eval_scale = 1.0 / max(1, self._valid_targets)  # the validation loss is a mean over its target tokens
         self._start = time.perf_counter()
         self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
@@ -150,13 +155,17 @@ class FinetuneJob:
         seq = self._seq
         if not seq.eval_only:
             self._batch_loss += loss
+            if seq.forward_finished:
+                self._batch_correct += seq.correct
             return
         self._eval_loss += loss
         if seq.forward_finished:
+            self._eval_correct += seq.correct
             self._seq = None
             if not self._eval_queue:
                 record, self._pending = self._pending, None
                 record.valid_loss = self._eval_loss
+                record.valid_accuracy = self._eval_correct / max(1, self._valid_targets)
                 self._publish(record)
 
     def position(self) -> tuple[str, int, int, int, int]:
@@ -204,6 +213,7 @@ class FinetuneJob:
             targets = sum(sum(t != IGNORE_INDEX for t in self.examples[i].targets) for i in self._batch)
             self._loss_scale = 1.0 / max(1, targets)
             self._batch_loss = 0.0
+            self._batch_targets, self._batch_correct = targets, 0
         ex = self.examples[self._batch[self._next_in_batch]]
         self._next_in_batch += 1
         c = self.model.cfg
@@ -237,7 +247,7 @@ class FinetuneJob:
         self.step += 1
         tokens = sum(len(self.examples[i].token_ids) for i in self._batch)
         record = StepRecord(self.step, self._batch_loss, lr, tokens, time.perf_counter() - self._start,
-                            skipped=not finite)
+                            skipped=not finite, accuracy=self._batch_correct / max(1, self._batch_targets))
         if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
             self.log.append(record)
             self._append_log(record)
@@ -246,7 +256,7 @@ class FinetuneJob:
         if self.validation and (self.step % self.steps_per_epoch == 0 or self.step >= self.total_steps):
             self._pending = record  # published with its validation loss
             self._eval_queue = list(range(len(self.validation)))
-            self._eval_loss = 0.0
+            self._eval_loss, self._eval_correct = 0.0, 0
         else:
             self._publish(record)
 
@@ -260,11 +270,12 @@ class FinetuneJob:
     def _append_log(self, record: StepRecord) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         line = {"step": record.step, "loss": record.loss, "lr": record.lr, "tokens": record.tokens,
-                "elapsed_s": round(record.elapsed_s, 6)}
+                "elapsed_s": round(record.elapsed_s, 6), "mean_token_accuracy": record.accuracy}
         if record.skipped:
             line["skipped"] = "non-finite loss or gradient"
         if record.valid_loss is not None:
             line["valid_loss"] = record.valid_loss
+            line["valid_mean_token_accuracy"] = record.valid_accuracy
         with open(self.output_dir / LOG_FILE, "a") as f:
             f.write(json.dumps(line) + "\n")
 

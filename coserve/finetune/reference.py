@@ -17,8 +17,15 @@ def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int
                         dropout_seed: int | None = 0) -> torch.Tensor:
     """Summed cross-entropy of one sequence, differentiable w.r.t. the bypass parameters
     (``dropout_seed`` None: no dropout, as for validation)."""
-    ids = torch.tensor(token_ids, device=model.device)
+    logits = whole_sequence_logits(model, bypass, token_ids, dropout_seed)
     tgt = torch.tensor(targets, device=model.device)
+    return F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def whole_sequence_logits(model: DecoderModel, bypass: Bypass, token_ids: list[int],
+                          dropout_seed: int | None = 0) -> torch.Tensor:
+    """The sequence's logits ``[N, V]`` (float32) in one autograd forward."""
+    ids = torch.tensor(token_ids, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
     def attend(q, k, v, _i):
         return window_attention(q, k, v, model.scale)
@@ -27,5 +34,4 @@ def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int
     with training_rows(bypass, dropout_seed, positions) if dropout_seed is not None else contextlib.nullcontext():
         for layer in model.layers:
             x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
-    logits = model.logits(model.final_norm(x))
-    return F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum")
+    return model.logits(model.final_norm(x))

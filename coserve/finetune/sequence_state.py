@@ -31,6 +31,7 @@ class SequenceState:
     backward_layer: int = -1  # the layer being back-propagated (set when the forward finishes)
     backward_end: int = 0  # tokens [0, backward_end) of backward_layer still to back-propagate
     loss_sum: float = 0.0  # the sequence's (scaled) loss so far
+    correct: int = 0  # target tokens so far that were their row's most likely token
     window_log: list[tuple[str, int, int, int]] = field(default_factory=list)  # (kind, layer, start, end)
     keeps: list | None = None  # per layer LayerKeep under --rematerialize cheap (pruned_layer.py), else None
     dropout_seed: int = 0  # this sequence's LoRA dropout masks (one per job seed, step and sequence)

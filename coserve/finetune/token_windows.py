@@ -95,7 +95,9 @@ def training_rows(bypass: Bypass, state: SequenceState | int, positions: torch.T
 def _head_loss_and_grad(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,
                         loss_scale: float) -> float:
     """Cross-entropy of the window's targets; stores dL/dx at the last layer's output for rows a:b."""
-    loss, grad = head_loss_and_grad(model, x, state.targets[a:b], loss_scale, need_grad=not state.eval_only)
+    loss, grad, correct = head_loss_and_grad(model, x, state.targets[a:b], loss_scale,
+                                             need_grad=not state.eval_only)
+    state.correct += correct
     if grad is not None:
         state.grad[a:b] = grad
     return loss

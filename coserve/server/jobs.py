@@ -22,7 +22,7 @@ from coserve.engine.llm_engine import FinetuneMemoryError
 from coserve.finetune.build import make_bypass
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.dataset import load_dataset
-from coserve.finetune.job import FinetuneJob
+from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.peft import AdapterError
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
@@ -43,6 +43,15 @@ LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier
 ACTIVE = ("validating_files", "queued", "running")
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHOW = 5  # bad data lines named in a job's error
+
+
+def step_metrics(rec: StepRecord) -> dict:
+    """An optimizer step's metrics under OpenAI's names (the validation set runs whole: ``full_valid_*``)."""
+    metrics = {"step": rec.step, "train_loss": rec.loss, "train_mean_token_accuracy": rec.accuracy}
+    if rec.valid_loss is not None:
+        metrics["full_valid_loss"] = rec.valid_loss
+        metrics["full_valid_mean_token_accuracy"] = rec.valid_accuracy
+    return metrics
 
 
 class WaitForMemory(Exception):
@@ -330,11 +339,11 @@ class JobManager:
         r.tokens = tokens
         for rec in records:
             if not self.store.has_step_event(r.job_id, rec.step):
-                valid = {} if rec.valid_loss is None else {"full_valid_loss": rec.valid_loss}
                 self.store.add_event(r.job_id, f"Step {rec.step}/{r.job.total_steps}: training loss="
-                                     f"{rec.loss:.4f}" + (f", validation loss={rec.valid_loss:.4f}" if valid else ""),
-                                     type="metrics", data={"step": rec.step, "train_loss": rec.loss,
-                                                           "learning_rate": rec.lr, "tokens": rec.tokens, **valid})
+                                     f"{rec.loss:.4f}" + (f", validation loss={rec.valid_loss:.4f}"
+                                                          if rec.valid_loss is not None else ""),
+                                     type="metrics", data={**step_metrics(rec), "learning_rate": rec.lr,
+                                                           "tokens": rec.tokens})
         for checkpoint in saved:  # after the events of its steps: a resume from it repeats no step and loses none
             self._record_checkpoint(r, *checkpoint)
         job = self.store.get_job(None, r.job_id)
@@ -368,9 +377,7 @@ class JobManager:
 
     def _record_checkpoint(self, r: Running, step: int, path: Path) -> None:
         rec = next((rec for rec in reversed(r.job.log) if rec.step == step), None)
-        metrics = {"step": step, "train_loss": rec.loss if rec else None}
-        if rec is not None and rec.valid_loss is not None:
-            metrics["full_valid_loss"] = rec.valid_loss
+        metrics = step_metrics(rec) if rec is not None else {"step": step, "train_loss": None}
         ckpt = self.store.add_checkpoint(r.job_id, step, str(path), checkpoint_name(r.name, step), metrics)
         self.store.add_event(r.job_id, f"Checkpoint created at step {step}: {ckpt['fine_tuned_model_checkpoint']}")
 
