@@ -111,4 +111,5 @@ def test_the_server_answers_an_engine_fault_with_a_500_and_serves_on(model_facto
             lines = [line for line in s.iter_lines() if line.startswith("data: ")]
         assert s.status_code == 200 and "engine_error" in lines[-1] and "[DONE]" not in lines[-1]
         assert http.get("/health").status_code == 200
+        assert "coserve_failed_iterations_total 2.0" in http.get("/metrics").text
         assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == ok.json()["choices"][0]["text"]

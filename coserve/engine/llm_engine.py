@@ -94,6 +94,7 @@ class LLMEngine:
         self.job_states: dict[str, JobState] = {}  # every finetuning job this engine was given, by id
         self.last_plan: IterationPlan | None = None  # the latest iteration's plan (benchmarks read its token mix)
         self._last_step: tuple[float, float] | None = None  # (start, model seconds) of the latest busy iteration
+        self.num_failed_iterations = 0  # iterations whose execution raised (``_iteration_failed``)
 
     # ---- finetuning jobs -----------------------------------------------------
     def add_finetune_job(self, job: FinetuneJob, job_id: str | None = None, tenant: str = "default") -> str:
@@ -268,6 +269,7 @@ class LLMEngine:
         iteration runs their tokens again, rewriting the same KV slots. A plan of requests alone fails them with
         ``finish_reason`` "error". Requests and jobs it did not carry are untouched."""
         message = f"{type(error).__name__}: {error}"
+        self.num_failed_iterations += 1
         log.error("iteration %d failed: %s", plan.step, message, exc_info=error)
         if self.device.type == "cuda" and isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()

@@ -58,6 +58,8 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"coserve_{name}", doc, value=state[name])
         yield CounterMetricFamily("coserve_preemptions", "requests preempted for KV blocks",
                                   value=state["preemptions"])
+        yield CounterMetricFamily("coserve_failed_iterations", "engine iterations that raised (what they carried "
+                                  "failed; the engine served on)", value=state.get("failed_iterations", 0))
         yield CounterMetricFamily("coserve_finetune_tokens", "finetuning tokens through forward and backward",
                                   value=self.rate.total)
         yield GaugeMetricFamily("coserve_finetune_tokens_per_second",
