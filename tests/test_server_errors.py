@@ -513,3 +513,99 @@ def test_a_checkpoint_is_recorded_only_after_the_events_of_its_steps(tmp_path):
         jobs._follow()
         checkpoints = sorted(c["step_number"] for c in store.list_checkpoints(job_id, limit=100)[0])
         assert checkpoints == steps and all(store.has_step_event(job_id, step) for step in steps)
+
+
+def test_checkpoints_are_written_off_the_engine_thread_and_all_recorded_when_the_job_ends(model_factory, tmp_path,
+                                                                                          monkeypatch):
+    """A checkpoint save used to run on the engine thread between two iterations, holding every request up for as
+    long as the disk took. Now the engine thread only copies it; a writer thread writes it, and a job that ends
+    while one is being written still has it recorded."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from coserve.finetune import checkpoint
+    from coserve.finetune.config import FinetuneConfig
+    from coserve.finetune.job import Example, FinetuneJob
+    from coserve.finetune.runner import run_job
+    from coserve.model.loader import load_model
+    from coserve.peft.config import LoraConfig
+    from coserve.peft.trainable import TrainableLora, load_trainable
+    from coserve.server import jobs as jobs_module
+    from coserve.server.config import ServerConfig
+    from coserve.server.jobs import JobManager, Running
+    from coserve.server.metrics import ServerMetrics
+    from coserve.server.store import Store
+
+    model = load_model(model_factory("llama"), torch.float32, torch.device("cpu"))
+    bypass = TrainableLora(LoraConfig(r=4, target_modules=["down_proj"]), model.module_shapes(),
+                           model.cfg.num_layers, model.device, torch.Generator().manual_seed(0))
+    examples = [Example(list(range(5, 25)), list(range(6, 25)) + [-100])] * 2
+    ft = FinetuneJob(model, bypass, examples, FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=2,
+                                                             batch_size=1, optimizer="adamw", lr=0.1))
+    store = Store(tmp_path / "state")
+    job_id = "ftjob-" + "b" * 24
+    store.add_job("alice", {"id": job_id, "status": "running", "coserve": {"step": 0}})
+    state = SimpleNamespace(status="running", error=None, job=ft)
+    loop = SimpleNamespace(engine=SimpleNamespace(job_states={job_id: state}), post=lambda fn: fn(), error=None,
+                           thread=SimpleNamespace(is_alive=lambda: True))
+    jobs = JobManager(store, loop, ServerConfig(model="m", state_dir=str(tmp_path / "state")),
+                      ServerMetrics(lambda: {}, lambda: {}), "base")
+    r = Running(job_id, "alice", f"ft:base::{job_id}", 1, ft)
+    jobs.running[job_id] = r
+    release, writers = threading.Event(), []
+
+    def slow_write(path, snap):  # the disk is slow: the write waits until the test lets it go
+        writers.append(threading.current_thread().name)
+        release.wait(30)
+        checkpoint.write_checkpoint(path, snap)
+    monkeypatch.setattr(jobs_module, "write_checkpoint", slow_write)
+    at_step_1 = {}
+
+    def on_step(j):
+        if j.step == 1:  # the engine thread's part returns while the write is still held up
+            jobs._checkpoint(r)
+            at_step_1.update({k: v.clone() for k, v in j.bypass.state_dict().items()})
+    ft.on_step = on_step
+    run_job(ft, progress=False)  # step 2 trains while step 1's checkpoint is still being written
+    assert ft.step == 2 and len(r.writes) == 1 and not r.writes[0].done() and not r.saved
+    state.status = "cancelled"
+    threading.Timer(0.2, release.set).start()
+    assert jobs._record(r, "cancelled", None, [], [], ft.step, ft.tokens_done) == "cancelled"
+    assert writers == ["coserve-checkpoints_0"]
+    assert [c["step_number"] for c in store.list_checkpoints(job_id, limit=10)[0]] == [1]
+    saved = load_trainable(tmp_path / "state" / "jobs" / job_id / "checkpoints" / "step-1", model.module_shapes(),
+                           model.cfg.num_layers, model.device)
+    for name, tensor in saved.state_dict().items():  # the step-1 adapter, not what training made of it after
+        assert torch.equal(tensor, at_step_1[name]) and not torch.equal(tensor, bypass.state_dict()[name])
+    jobs.stop()
+
+
+def test_a_checkpoint_that_cannot_be_written_is_told_and_training_goes_on(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from coserve.server import jobs as jobs_module
+    from coserve.server.config import ServerConfig
+    from coserve.server.jobs import JobManager, Running
+    from coserve.server.metrics import ServerMetrics
+    from coserve.server.store import Store
+
+    def full_disk(path, snap):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(jobs_module, "write_checkpoint", full_disk)
+    store = Store(tmp_path / "state")
+    job_id = "ftjob-" + "c" * 24
+    store.add_job("alice", {"id": job_id, "status": "running", "coserve": {"step": 0}})
+    ft = SimpleNamespace(log=[], step=3, tokens_done=0, total_steps=10, snapshot=lambda: "snapshot")
+    jobs = JobManager(store, SimpleNamespace(engine=None), ServerConfig(model="m", state_dir=str(tmp_path / "state")),
+                      ServerMetrics(lambda: {}, lambda: {}), "base")
+    r = Running(job_id, "alice", f"ft:base::{job_id}", 1, ft)
+    jobs._checkpoint(r)
+    r.wait_for_writes()
+    assert jobs._record(r, "running", None, [], [], 3, 0) == "running"
+    events = store.list_events(job_id, limit=10)[0]
+    assert any("checkpoint at step 3 could not be written (No space left on device)" in e["message"]
+               and e["level"] == "warn" for e in events)
+    assert store.list_checkpoints(job_id, limit=10)[0] == []
+    jobs.stop()

@@ -7,9 +7,12 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from coserve.peft.adapter_dir import write_adapter_files
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "training_state.json"
@@ -45,21 +48,51 @@ def recover(out_dir: Path) -> None:
         os.replace(old, out_dir)
 
 
-def save_checkpoint(out_dir: Path, bypass, optimizer: torch.optim.Optimizer, scheduler, step: int,
-                    base_model: str, state: dict) -> None:
-    """Adapter files, optimizer and scheduler state, and a JSON summary, atomically; keeps the log."""
+@dataclass(frozen=True, slots=True)
+class CheckpointSnapshot:
+    """A checkpoint's contents copied out of the live job (CPU tensors that training no longer touches), so that
+    writing it can happen on another thread while training goes on."""
+
+    adapter: dict[str, torch.Tensor]  # HF PEFT tensor names -> CPU copies
+    adapter_config: dict  # adapter_config.json
+    trainer: dict  # optimizer and scheduler state and the step, as optimizer.pt holds them
+    state: dict  # training_state.json
+
+
+def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, step: int, base_model: str,
+                        state: dict) -> CheckpointSnapshot:
+    """Copy what a checkpoint holds; the only part of a save that must run where the job trains."""
+    return CheckpointSnapshot(
+        adapter={k: v.to("cpu", copy=True) for k, v in bypass.state_dict().items()},
+        adapter_config=bypass.peft_config(base_model),
+        trainer=_copied({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}),
+        state={"step": step, **state})
+
+
+def write_checkpoint(out_dir: Path, snap: CheckpointSnapshot) -> None:
+    """Adapter files, optimizer and scheduler state, and a JSON summary, atomically; keeps ``out_dir``'s log."""
     out_dir = Path(out_dir)
 
     def write(tmp: Path) -> None:
-        bypass.save_pretrained(tmp, base_model)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step},
-                   tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2))
+        write_adapter_files(tmp, snap.adapter, snap.adapter_config)
+        torch.save(snap.trainer, tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps(snap.state, indent=2))
         log = out_dir / LOG_FILE
         if log.is_file():
             shutil.copy2(log, tmp / LOG_FILE)
 
     write_dir_atomically(out_dir, write)
+
+
+def _copied(obj):
+    """``obj`` with every tensor in it copied to the CPU (optimizer state dicts hold the live tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copied(v) for v in obj)
+    return obj
 
 
 def load_optimizer_state(adapter_dir: Path) -> dict | None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from coserve.finetune.checkpoint import LOG_FILE, load_optimizer_state, save_checkpoint
+from coserve.finetune.checkpoint import (LOG_FILE, CheckpointSnapshot, load_optimizer_state, snapshot_checkpoint,
+                                        write_checkpoint)
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.optim import make_optimizer, make_scheduler
 from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
@@ -281,8 +282,13 @@ class FinetuneJob:
 
     def save(self, out_dir: Path | None = None) -> None:
         """Write the adapter and optimizer state to ``out_dir`` (default ``output_dir``) atomically."""
-        save_checkpoint(out_dir or self.output_dir, self.bypass, self.optimizer, self.scheduler, self.step,
-                        self.base_model, {"total_steps": self.total_steps, "config": _plain(self.cfg)})
+        write_checkpoint(out_dir or self.output_dir, self.snapshot())
+
+    def snapshot(self) -> CheckpointSnapshot:
+        """The checkpoint as of now, copied out: ``write_checkpoint`` may write it from another thread while
+        training goes on (the server does, so that inference does not wait for the disk)."""
+        return snapshot_checkpoint(self.bypass, self.optimizer, self.scheduler, self.step, self.base_model,
+                                   {"total_steps": self.total_steps, "config": _plain(self.cfg)})
 
     def _resume(self, adapter_dir: Path) -> None:
         saved = load_optimizer_state(adapter_dir)

@@ -5,12 +5,13 @@ Reading both files with errors that name the file, shared by the LoRA and IA3 lo
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from coserve.model.config import read_json_file
 from coserve.model.decoder import TARGET_MODULES
@@ -24,6 +25,14 @@ _LAYER_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.")
 
 class AdapterError(ValueError):
     """An adapter directory that does not load or does not fit the model."""
+
+
+def write_adapter_files(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """``adapter_model.safetensors`` (CPU tensors under their HF PEFT names) and ``adapter_config.json``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
 
 def read_adapter_config(path: Path) -> dict:

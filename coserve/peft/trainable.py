@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from coserve.model.decoder import TARGET_MODULES
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
 from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
-from coserve.peft.adapter_dir import AdapterError
+from coserve.peft.adapter_dir import AdapterError, write_adapter_files
 
 
 def _prefix(layer: int, module: str) -> str:
@@ -67,11 +67,7 @@ class TrainableBypass(ABC):
     def save_pretrained(self, out_dir: str | Path, base_model: str = "") -> None:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into ``out_dir`` (see
         ``coserve.finetune.checkpoint`` for the atomic checkpoint around it)."""
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(out_dir / ADAPTER_WEIGHTS),
-                  metadata={"format": "pt"})
-        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(self.peft_config(base_model), indent=2))
+        write_adapter_files(Path(out_dir), self.state_dict(), self.peft_config(base_model))
 
     @abstractmethod
     def peft_config(self, base_model: str) -> dict:

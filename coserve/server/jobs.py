@@ -14,12 +14,14 @@ import re
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import FinetuneMemoryError
 from coserve.finetune.build import make_bypass
+from coserve.finetune.checkpoint import CheckpointSnapshot, write_checkpoint
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.dataset import load_dataset
 from coserve.finetune.job import FinetuneJob, StepRecord
@@ -69,7 +71,16 @@ class Running:
     job: FinetuneJob
     logged: int = 0  # records of job.log already turned into events
     tokens: int = 0  # tokens_done already counted in the metrics
-    saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints written, not yet read (engine thread)
+    saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints written, not yet read
+    writes: list[Future] = field(default_factory=list)  # its checkpoints still being written
+    write_errors: list[str] = field(default_factory=list)  # checkpoints that could not be written, not yet told
+
+    def wait_for_writes(self) -> None:
+        """Once the job has ended: let the checkpoints it left being written land (their outcome is in ``saved``
+        or ``write_errors``)."""
+        for write in self.writes:
+            write.exception()
+        self.writes.clear()
 
 
 class JobManager:
@@ -87,6 +98,9 @@ class JobManager:
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="coserve-jobs", daemon=True)
+        # Checkpoints are copied on the engine thread and written on this one, in order: inference does not wait
+        # for the disk (a checkpoint of an 8B model's LoRA and AdamW state is hundreds of MB).
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-checkpoints")
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -103,6 +117,7 @@ class JobManager:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self._writer.shutdown(wait=True)  # a checkpoint being written lands whole (or, killed, not at all)
 
     def _run(self) -> None:
         while not self._stop:
@@ -337,6 +352,12 @@ class JobManager:
         then forgets it); returns its status."""
         self.metrics.finetune.add(tokens - r.tokens)
         r.tokens = tokens
+        if status != "running":  # no checkpoint comes after this: record those still being written too
+            r.wait_for_writes()
+            saved, r.saved = saved + r.saved, []
+        r.writes = [w for w in r.writes if not w.done()]
+        while r.write_errors:
+            self.store.add_event(r.job_id, r.write_errors.pop(0), level="warn")
         for rec in records:
             if not self.store.has_step_event(r.job_id, rec.step):
                 self.store.add_event(r.job_id, f"Step {rec.step}/{r.job.total_steps}: training loss="
@@ -372,8 +393,21 @@ class JobManager:
         if j.step % r.checkpoint_every or j.step >= j.total_steps:
             return
         path = self.jobs_dir / r.job_id / "checkpoints" / f"step-{j.step}"
-        j.save(path)
-        r.saved.append((j.step, path))
+        r.writes.append(self._writer.submit(self._write_checkpoint, r, j.step, path, j.snapshot()))
+
+    @staticmethod
+    def _write_checkpoint(r: Running, step: int, path: Path, snap: CheckpointSnapshot) -> None:
+        """On the writer thread: a checkpoint to disk, then into ``r.saved`` for the watcher to record (after the
+        events of its steps, which were logged before it was copied). One that fails is told, and training goes
+        on: the next checkpoint may land."""
+        try:
+            write_checkpoint(path, snap)
+        except OSError as e:
+            log.exception("writing checkpoint %s failed", path)
+            r.write_errors.append(f"The checkpoint at step {step} could not be written ({e.strerror}); "
+                                  "training goes on")
+            return
+        r.saved.append((step, path))
 
     def _record_checkpoint(self, r: Running, step: int, path: Path) -> None:
         rec = next((rec for rec in reversed(r.job.log) if rec.step == step), None)
