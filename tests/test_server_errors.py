@@ -609,3 +609,42 @@ def test_a_checkpoint_that_cannot_be_written_is_told_and_training_goes_on(tmp_pa
                and e["level"] == "warn" for e in events)
     assert store.list_checkpoints(job_id, limit=10)[0] == []
     jobs.stop()
+
+
+def test_a_fine_tuned_model_is_read_off_the_engine_thread_once_for_a_burst_of_first_requests(model_factory, tmp_path):
+    """Loading a fine-tuned model on first use used to read its files on the engine thread, holding every
+    iteration up; and each of a burst of first requests read it again."""
+    import threading
+
+    from peft_helpers import make_lora_adapter
+
+    from coserve.engine.config import EngineConfig
+    from coserve.engine.engine_loop import EngineLoop
+    from coserve.engine.llm_engine import LLMEngine
+    from coserve.server.models import ModelRegistry
+    from coserve.server.store import Store
+
+    model = model_factory("llama")
+    adapter_dir = make_lora_adapter(model, tmp_path / "ft")
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu"))
+    reads = []
+    read = engine.read_adapter
+
+    def counted(name, path):
+        reads.append(threading.current_thread().name)
+        return read(name, path)
+    engine.read_adapter = counted
+    loop = EngineLoop(engine)
+    registry = ModelRegistry("base", loop, Store(tmp_path / "state"), tmp_path / "state")
+    name = "ft:base:x:ftjob-" + "d" * 24
+    registry.fine_tuned_path = lambda tenant, n: adapter_dir if n == name else None
+
+    async def burst():
+        return await asyncio.gather(*(registry.resolve("alice", name) for _ in range(5)))
+    try:
+        assert asyncio.run(burst()) == [name] * 5
+        assert len(reads) == 1 and reads[0] not in ("coserve-engine", threading.main_thread().name)
+        assert name in engine.adapters and list(registry.loaded) == [name]
+        assert asyncio.run(registry.resolve("alice", name)) == name and len(reads) == 1  # loaded: not read again
+    finally:
+        loop.stop()

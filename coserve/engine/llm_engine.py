@@ -157,13 +157,21 @@ class LLMEngine:
 
         The kind is the ``peft_type`` of its ``adapter_config.json``; a batch may mix both kinds and the base.
         """
+        self.install_adapter(self.read_adapter(name, path))
+
+    def read_adapter(self, name: str, path: str | Path) -> ServedAdapter:
+        """Read and check an adapter directory (any thread: it touches nothing the iterations use)."""
         if not name or not isinstance(name, str):
             raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
         adapter = load_peft_adapter(name, path, self.model.module_shapes(), self.model_config.num_layers)
         if isinstance(adapter, LoraAdapter) and adapter.rank > self.config.max_lora_rank:
             raise AdapterError(f"{path}: r={adapter.rank} exceeds max_lora_rank={self.config.max_lora_rank}")
-        self.executor.slots.evict(name)  # replacing an adapter of the same name (of either kind)
-        self.adapters[name] = adapter
+        return adapter
+
+    def install_adapter(self, adapter: ServedAdapter) -> None:
+        """Serve an adapter from ``read_adapter`` under its name (between iterations), replacing one so named."""
+        self.executor.slots.evict(adapter.name)  # replacing an adapter of the same name (of either kind)
+        self.adapters[adapter.name] = adapter
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name``; refused while requests still use it."""

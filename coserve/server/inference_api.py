@@ -19,7 +19,7 @@ from coserve.server.choices import Choice, Job, events, finish_reason, gather_al
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.generation import TextDelta, on_engine_async
-from coserve.server.models import ADAPTER_NAME
+from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, Sampling,
                                      UnloadLoraRequest)
 
@@ -331,7 +331,7 @@ async def load_lora_adapter(body: LoadLoraRequest, ctx: ServerContext = Depends(
         raise APIError(403, "lora_path: adapters in the server's state directory belong to tenants; each is served "
                        "to its owner under its fine-tuned model name", "lora_path", "lora_path_forbidden")
     try:
-        await on_engine_async(ctx.client.loop, lambda: ctx.engine.load_adapter(name, path))
+        await load_adapter(ctx.client.loop, name, path)
     except AdapterError as e:
         raise bad_request(f"lora_path: {e}", "lora_path", "invalid_adapter") from e
     ctx.models.add_shared(name)

@@ -3,6 +3,7 @@ model or checkpoint (loaded into the engine on first use)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections import OrderedDict
@@ -27,6 +28,13 @@ def checkpoint_name(fine_tuned: str, step: int) -> str:
     return f"{fine_tuned}:ckpt-step-{step}"
 
 
+async def load_adapter(loop: EngineLoop, name: str, path: Path) -> None:
+    """Read and check the adapter on a worker thread, then install it between two iterations: the engine thread
+    does not wait for the disk."""
+    adapter = await asyncio.to_thread(loop.engine.read_adapter, name, path)
+    await on_engine_async(loop, lambda: loop.engine.install_adapter(adapter))
+
+
 class ModelRegistry:
     """Names to engine adapters, per tenant."""
 
@@ -39,6 +47,7 @@ class ModelRegistry:
         self.started = int(time.time())
         self.max_loaded = max_loaded  # fine-tuned models and checkpoints kept loaded in the engine at most
         self.loaded: OrderedDict[str, None] = OrderedDict()  # those loaded, least recently used first
+        self._loading: dict[str, asyncio.Future] = {}  # name -> its load in progress (requests share it)
 
     async def resolve(self, tenant: str, name: str, param: str = "model") -> str | None:
         """The engine adapter for ``name`` (None for the base model); 404 when the tenant may not use it."""
@@ -50,8 +59,12 @@ class ModelRegistry:
         if path is None:
             raise not_found("model", name, param)
         if name not in self.loop.engine.adapters:
+            loading = self._loading.get(name)
+            if loading is None:
+                loading = self._loading[name] = asyncio.ensure_future(load_adapter(self.loop, name, path))
+                loading.add_done_callback(lambda _: self._loading.pop(name, None))
             try:
-                await on_engine_async(self.loop, lambda: self.loop.engine.load_adapter(name, path))
+                await asyncio.shield(loading)  # a client that leaves does not cancel the others' load
             except AdapterError as e:
                 raise APIError(400, f"The model '{name}' cannot be served: {e}", param, "model_not_servable") from e
         self.loaded[name] = None
