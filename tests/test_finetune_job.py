@@ -43,17 +43,21 @@ def _cfg(out, **kw):
 def test_resume_continues_exactly(setup, tmp_path):
     model_dir, model, examples, bypass = setup
     whole = bypass()
-    run_job(FinetuneJob(model, whole, examples, _cfg(tmp_path / "whole")), progress=False)
+    uninterrupted = FinetuneJob(model, whole, examples, _cfg(tmp_path / "whole"))
+    run_job(uninterrupted, progress=False)
     first = bypass()
     half = FinetuneJob(model, first, examples, _cfg(tmp_path / "half"))
     while half.step < 2:
         kind = half.next_work()
         (half.forward if kind == "forward" else half.backward)(5)
+    at_step_2 = half.tokens_done
+    half.forward(5)  # into step 3: a checkpoint now is still step 2's
     half.save()
     resumed_bypass = load_trainable(tmp_path / "half", model.module_shapes(), model.cfg.num_layers, model.device)
     resumed = FinetuneJob(model, resumed_bypass, examples, _cfg(tmp_path / "rest"), resume_from=tmp_path / "half")
-    assert resumed.step == 2
+    assert resumed.step == 2 and resumed.tokens_done == at_step_2 > 0  # trained tokens carry over
     run_job(resumed, progress=False)
+    assert resumed.tokens_done == uninterrupted.tokens_done
     for name, tensor in whole.state_dict().items():
         torch.testing.assert_close(resumed_bypass.state_dict()[name], tensor, rtol=1e-6, atol=1e-7)
 

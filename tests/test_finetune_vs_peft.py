@@ -40,8 +40,9 @@ def _greedy_halves(model_dir, adapter_dir, examples: list[Example]) -> list[Exam
     for i, e in enumerate(examples):
         if i % 2:
             prompt = next(j for j, t in enumerate(e.targets) if t != IGNORE_INDEX) + 1
-            ids = base.generate(torch.tensor([e.token_ids[:prompt]]), do_sample=False, min_new_tokens=len(e.token_ids) - prompt,
-                                max_new_tokens=len(e.token_ids) - prompt, pad_token_id=0)[0].tolist()
+            n = len(e.token_ids) - prompt
+            ids = base.generate(torch.tensor([e.token_ids[:prompt]]), do_sample=False, min_new_tokens=n,
+                                max_new_tokens=n, pad_token_id=0)[0].tolist()
             e = Example(ids, [IGNORE_INDEX] * (prompt - 1) + ids[prompt:] + [IGNORE_INDEX])
         out.append(e)
     return out

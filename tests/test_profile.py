@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import torch
 
 from coserve.cli import main
 from coserve.engine.profiler import grid, latency_key
 from coserve.model.loader import resolve_device
-from coserve.scheduler.latency_model import load_model
+from coserve.scheduler.latency_model import IterationShape, load_model
 
 
 def test_grid_points_are_distinct_and_do_work():
@@ -27,8 +28,11 @@ def test_profile_writes_a_model_keyed_by_model_device_dtype_threads(model_factor
     model_dir = model_factory("llama")
     out = tmp_path / "latency.json"
     assert main(["profile", "--model", str(model_dir), "--out", str(out), "--points", "12", "--repeats", "1",
-                 "--max-context", "256"]) == 0
+                 "--max-context", "256", "--samples", str(tmp_path / "samples.json")]) == 0
     assert "held-out median absolute error" in capsys.readouterr().out
+    samples = json.loads((tmp_path / "samples.json").read_text())["samples"]
+    assert len(samples) == 12 and all(s["seconds"] > 0 and s["predicted_s"] >= 0 for s in samples)
+    assert {tuple(sorted(s["shape"])) for s in samples} == {tuple(sorted(f.name for f in fields(IterationShape)))}
     key = latency_key(model_dir, resolve_device(None), torch.float32)  # the device the command picks
     latency = load_model(out, key)
     assert latency is not None and latency.heldout_median_abs_pct_error is not None

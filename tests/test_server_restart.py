@@ -30,19 +30,25 @@ def adapter(srv, job_id: str) -> dict[str, torch.Tensor]:
     return load_file(srv.state_dir / "jobs" / job_id / "model" / "adapter_model.safetensors")
 
 
+def reference_then_twin(srv, c: OpenAI, hyper: dict):
+    """Upload the data, run a reference job to its end, then start its twin (same data, seed and settings):
+    ``(file, reference job, its adapter, twin job)``."""
+    f = c.files.create(file=("train.jsonl", io.BytesIO(chat_jsonl(DATA))), purpose="fine-tune")
+    reference = c.fine_tuning.jobs.create(model=BASE, training_file=f.id, seed=5, hyperparameters=hyper,
+                                          extra_body=OPTIONS)
+    assert wait_for_job(c, reference.id).status == "succeeded"
+    twin = c.fine_tuning.jobs.create(model=BASE, training_file=f.id, seed=5, hyperparameters=hyper,
+                                     extra_body=OPTIONS)
+    return f, reference, adapter(srv, reference.id), twin
+
+
 def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
     model = model_factory("llama")
     state = tmp_path / "state"
     srv = start_server(model, state, "--served-model-name", BASE, "--checkpoint-steps", "1")
     try:
         c = client(srv)
-        f = c.files.create(file=("train.jsonl", io.BytesIO(chat_jsonl(DATA))), purpose="fine-tune")
-        reference = c.fine_tuning.jobs.create(model=BASE, training_file=f.id, seed=5, hyperparameters=HYPER,
-                                              extra_body=OPTIONS)
-        assert wait_for_job(c, reference.id).status == "succeeded"
-        expected = adapter(srv, reference.id)
-        job = c.fine_tuning.jobs.create(model=BASE, training_file=f.id, seed=5, hyperparameters=HYPER,
-                                        extra_body=OPTIONS)
+        f, reference, expected, job = reference_then_twin(srv, c, HYPER)
         deadline = time.monotonic() + 120
         while not c.fine_tuning.jobs.checkpoints.list(job.id).data:
             assert time.monotonic() < deadline, "no checkpoint was written"
@@ -59,6 +65,7 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
         assert c.fine_tuning.jobs.retrieve(reference.id).status == "succeeded"
         done = wait_for_job(c, job.id)
         assert done.status == "succeeded", done.error
+        assert done.trained_tokens == c.fine_tuning.jobs.retrieve(reference.id).trained_tokens
         events = list(c.fine_tuning.jobs.list_events(job.id, limit=100))  # every page
         messages = [e.message for e in events]
         assert any(m.startswith("The server restarted") for m in messages)
@@ -77,3 +84,56 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
             assert out.choices[0].message.content is not None
     finally:
         again.stop()
+
+
+def test_pause_then_resume_trains_the_adapter_an_uninterrupted_job_does(model_factory, tmp_path):
+    """OpenAI's pause and resume: a paused job leaves the engine with a checkpoint of its last step (servable),
+    trains no more, keeps its files; resumed, it goes on from that step and ends with the same adapter."""
+    import httpx
+
+    model = model_factory("llama")
+    hyper = {**HYPER, "n_epochs": 3}
+    srv = start_server(model, tmp_path / "state", "--served-model-name", BASE, "--checkpoint-steps", "1000")
+    try:
+        c = client(srv)
+        f, reference, expected, job = reference_then_twin(srv, c, hyper)
+        deadline = time.monotonic() + 120
+        while len([e for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]) < 5:
+            assert time.monotonic() < deadline, "the job made no progress"
+            time.sleep(0.05)
+        paused = c.fine_tuning.jobs.pause(job.id)
+        assert paused.status == "paused"
+        steps = [e.data["step"] for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data
+                 if e.type == "metrics"]
+        checkpoints = c.fine_tuning.jobs.checkpoints.list(job.id).data
+        assert [ck.step_number for ck in checkpoints] == [max(steps)]  # the pause's own: no periodic one yet
+        assert any(e.message == f"Fine-tuning job paused at step {max(steps)}"
+                   for e in c.fine_tuning.jobs.list_events(job.id, limit=5).data)
+        trained = c.fine_tuning.jobs.retrieve(job.id).trained_tokens
+        time.sleep(0.5)
+        assert c.fine_tuning.jobs.retrieve(job.id).trained_tokens == trained  # paused: nothing trains
+        out = c.chat.completions.create(model=checkpoints[0].fine_tuned_model_checkpoint, max_tokens=3,
+                                        messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].message.content is not None  # the pause's checkpoint is servable
+        http = httpx.Client(base_url=srv.url, timeout=30)
+        assert http.delete(f"/v1/files/{f.id}").status_code == 409  # a paused job still needs its file
+        for path, code in ((f"/v1/fine_tuning/jobs/{job.id}/pause", "job_not_pausable"),
+                           (f"/v1/fine_tuning/jobs/{reference.id}/pause", "job_not_pausable"),
+                           (f"/v1/fine_tuning/jobs/{reference.id}/resume", "job_not_paused")):
+            r = http.post(path)
+            assert r.status_code == 409 and r.json()["error"]["code"] == code, (path, r.text)
+        assert http.post("/v1/fine_tuning/jobs/ftjob-000000000000000000000000/pause").status_code == 404
+        assert c.fine_tuning.jobs.resume(job.id).status == "queued"
+        done = wait_for_job(c, job.id)
+        assert done.status == "succeeded", done.error
+        assert done.trained_tokens == c.fine_tuning.jobs.retrieve(reference.id).trained_tokens
+        events = list(c.fine_tuning.jobs.list_events(job.id, limit=100))
+        assert sorted(e.data["step"] for e in events if e.type == "metrics") == list(
+            range(1, hyper["n_epochs"] * len(DATA) + 1))  # every step once
+        assert any(m.message.startswith(f"Fine-tuning job resumed at step {max(steps)}") for m in events)
+        got = adapter(srv, job.id)
+        for k in expected:
+            err = (got[k] - expected[k]).norm() / expected[k].norm().clamp_min(1e-12)
+            assert err <= 1e-4, (k, float(err))
+    finally:
+        srv.stop()

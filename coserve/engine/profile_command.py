@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -21,6 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
+    p.add_argument("--samples", default=None, metavar="FILE.json",
+                   help="also write every timed iteration (its shape and seconds), to study or refit the model")
 
 
 def run(args) -> int:
@@ -43,4 +47,9 @@ def run(args) -> int:
           f"{'n/a' if err is None else f'{err:.1f}%'}; saved to {out} under {key}")
     for name, coef in zip(FEATURE_NAMES, latency.coefficients):
         print(f"  {name:32s} {coef:.3e} s")
+    if args.samples:
+        rows = [{"shape": asdict(shape), "seconds": seconds, "predicted_s": latency.predict(shape)}
+                for shape, seconds in samples]
+        Path(args.samples).write_text(json.dumps({"key": key, "samples": rows}, indent=1))
+        print(f"samples written to {args.samples}")
     return 0

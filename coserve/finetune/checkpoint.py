@@ -59,13 +59,15 @@ class CheckpointSnapshot:
     state: dict  # training_state.json
 
 
-def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, step: int, base_model: str,
-                        state: dict) -> CheckpointSnapshot:
-    """Copy what a checkpoint holds; the only part of a save that must run where the job trains."""
+def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, step: int, tokens: int,
+                        base_model: str, state: dict) -> CheckpointSnapshot:
+    """Copy what a checkpoint holds (``tokens``: trained by its ``step`` steps); the only part of a save that
+    must run where the job trains."""
     return CheckpointSnapshot(
         adapter={k: v.to("cpu", copy=True) for k, v in bypass.state_dict().items()},
         adapter_config=bypass.peft_config(base_model),
-        trainer=_copied({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}),
+        trainer=_copied({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                         "tokens": tokens}),
         state={"step": step, **state})
 
 

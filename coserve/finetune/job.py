@@ -79,6 +79,8 @@ class FinetuneJob:
         self.optimizer = make_optimizer(bypass.parameters(), cfg)
         self.scheduler = make_scheduler(self.optimizer, cfg, self.total_steps)
         self.step = 0
+        self.tokens_done = 0  # tokens through forward and backward, for throughput
+        self.tokens_at_step = 0  # tokens_done when the last optimizer step was taken (what a checkpoint holds)
         if resume_from is not None:
             self._resume(resume_from)
         self.output_dir = Path(cfg.output_dir)
@@ -98,7 +100,6 @@ class FinetuneJob:
         self._valid_targets = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in self.validation)
         self._eval_scale = 1.0 / max(1, self._valid_targets)  # the validation loss is a mean over its target tokens
         self._start = time.perf_counter()
-        self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
         self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, longest)  # what it keeps
         self.on_step: Callable[[FinetuneJob], None] | None = None  # called after every optimizer step (checkpoints)
@@ -168,6 +169,17 @@ class FinetuneJob:
                 record.valid_loss = self._eval_loss
                 record.valid_accuracy = self._eval_correct / max(1, self._valid_targets)
                 self._publish(record)
+
+    def stop_validation(self) -> None:
+        """Publish a step whose validation pass is under way without its validation loss (the job is being
+        paused: the step is done, and a resume goes on after it)."""
+        if self._pending is None:
+            return
+        record, self._pending = self._pending, None
+        self._eval_queue = []
+        if self._seq is not None and self._seq.eval_only:
+            self._seq = None
+        self._publish(record)
 
     def position(self) -> tuple[str, int, int, int, int]:
         """``(phase, pending tokens, forward tokens done, backward layers left, sequence tokens)``; phase "done" at the end."""
@@ -246,6 +258,7 @@ class FinetuneJob:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.tokens_at_step = self.tokens_done
         tokens = sum(len(self.examples[i].token_ids) for i in self._batch)
         record = StepRecord(self.step, self._batch_loss, lr, tokens, time.perf_counter() - self._start,
                             skipped=not finite, accuracy=self._batch_correct / max(1, self._batch_targets))
@@ -287,8 +300,8 @@ class FinetuneJob:
     def snapshot(self) -> CheckpointSnapshot:
         """The checkpoint as of now, copied out: ``write_checkpoint`` may write it from another thread while
         training goes on (the server does, so that inference does not wait for the disk)."""
-        return snapshot_checkpoint(self.bypass, self.optimizer, self.scheduler, self.step, self.base_model,
-                                   {"total_steps": self.total_steps, "config": _plain(self.cfg)})
+        return snapshot_checkpoint(self.bypass, self.optimizer, self.scheduler, self.step, self.tokens_at_step,
+                                   self.base_model, {"total_steps": self.total_steps, "config": _plain(self.cfg)})
 
     def _resume(self, adapter_dir: Path) -> None:
         saved = load_optimizer_state(adapter_dir)
@@ -300,6 +313,7 @@ class FinetuneJob:
         except (KeyError, ValueError) as e:
             raise ValueError(f"{adapter_dir}: the saved optimizer state does not fit this job ({e})") from e
         self.step = int(saved.get("step", 0))
+        self.tokens_done = self.tokens_at_step = int(saved.get("tokens", 0))  # trained before the checkpoint
 
 
 def _plain(cfg: FinetuneConfig) -> dict:

@@ -20,7 +20,7 @@ from coserve.server.fine_tuning_api import router as fine_tuning_router
 from coserve.server.generation import EngineClient
 from coserve.server.inference_api import router as inference_router
 from coserve.server.jobs import JobManager
-from coserve.server.metrics import ServerMetrics
+from coserve.server.metrics import JOB_STATES, ServerMetrics
 from coserve.server.middleware import ServerMiddleware
 from coserve.server.models import ADAPTER_NAME, ModelRegistry
 from coserve.server.store import Store
@@ -53,8 +53,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
                 "adapters_loaded": len(engine.adapters)}
 
     def job_counts() -> dict:
-        return {status: store.count_jobs(status) for status in
-                ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")}
+        return {status: store.count_jobs(status) for status in JOB_STATES}
 
     metrics = ServerMetrics(engine_state, job_counts)
     jobs = JobManager(store, loop, config, metrics, base)

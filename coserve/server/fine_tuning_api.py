@@ -140,6 +140,16 @@ async def cancel_job(job_id: str, request: Request, ctx: ServerContext = Depends
     return await asyncio.to_thread(ctx.jobs.cancel, tenant_of(request), job_id)
 
 
+@router.post("/v1/fine_tuning/jobs/{job_id}/pause")
+async def pause_job(job_id: str, request: Request, ctx: ServerContext = Depends(context)):
+    return await asyncio.to_thread(ctx.jobs.pause, tenant_of(request), job_id)
+
+
+@router.post("/v1/fine_tuning/jobs/{job_id}/resume")
+async def resume_job(job_id: str, request: Request, ctx: ServerContext = Depends(context)):
+    return await asyncio.to_thread(ctx.jobs.resume, tenant_of(request), job_id)
+
+
 @router.get("/v1/fine_tuning/jobs/{job_id}/events")
 async def job_events(job_id: str, request: Request, after: str | None = None, limit: int = Query(20),
                      ctx: ServerContext = Depends(context)):

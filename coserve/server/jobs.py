@@ -43,6 +43,7 @@ BASE_LR = 1e-4  # learning_rate_multiplier scales this
 AUTO = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 1.0}  # what "auto" resolves to
 LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier": (1e-4, 100.0)}
 ACTIVE = ("validating_files", "queued", "running")
+HOLDS_FILES = (*ACTIVE, "paused")  # jobs whose files must stay (a paused job reads them again when resumed)
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHOW = 5  # bad data lines named in a job's error
 
@@ -141,7 +142,7 @@ class JobManager:
         with self._files_lock:
             if self.store.get_file(tenant, file_id) is None:
                 raise not_found("file", file_id, "file_id")
-            in_use = [j["id"] for owner, j in self.store.jobs_with_status(*ACTIVE)
+            in_use = [j["id"] for owner, j in self.store.jobs_with_status(*HOLDS_FILES)
                       if owner == tenant and file_id in (j["training_file"], j["validation_file"])]
             if in_use:
                 raise APIError(409, f"The file is in use by fine-tuning job {in_use[0]}", "file_id", "file_in_use")
@@ -194,30 +195,88 @@ class JobManager:
 
     def cancel(self, tenant: str, job_id: str) -> dict:
         with self._lock:
-            job = self.store.get_job(tenant, job_id)
-            if job is None:
-                raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
-            if job["status"] not in ACTIVE:
+            job = self._own(tenant, job_id)
+            if job["status"] not in HOLDS_FILES:
                 raise APIError(409, f"The job is already {job['status']} and cannot be cancelled",
                                code="job_not_cancellable")
             if job_id in self.running:
-                r = self.running[job_id]
-
-                def cancel_and_read():
-                    try:
-                        self.engine.cancel_finetune_job(job_id)
-                    except ValueError:
-                        pass  # it ended before the cancel reached it: recorded below as it ended, not lost
-                    return self._read(r)
-                status = self._record(r, *on_engine(self.loop, cancel_and_read))  # its last steps and checkpoints too
-                self._forget(job_id)
-                if status != "cancelled":
-                    raise APIError(409, f"The job is already {status} and cannot be cancelled",
-                                   code="job_not_cancellable")
-            self._memory_full = None  # the job that did not fit may be this one
-            self._told_waiting.discard(job_id)
+                self._take_off_engine(job_id, "cancelled", "job_not_cancellable")
+            self._left_queue(job_id)
             self.store.add_event(job_id, "Job cancelled")
             return self.store.update_job(job_id, status="cancelled", finished_at=int(time.time()))
+
+    def pause(self, tenant: str, job_id: str) -> dict:
+        """Stop a running or queued job where it is, keeping it resumable: a running job leaves the engine (its
+        memory is freed) with a checkpoint of its last optimizer step, from which ``resume`` goes on."""
+        with self._lock:
+            job = self._own(tenant, job_id)
+            if job["status"] not in ACTIVE:
+                raise APIError(409, f"The job is {job['status']} and cannot be paused", code="job_not_pausable")
+            where = "before its first step"
+            if job_id in self.running:
+                r, snap = self._take_off_engine(job_id, "paused", "job_not_pausable")
+                if snap.state["step"] > 0:
+                    where = f"at step {snap.state['step']}"
+                    self._checkpoint_at_pause(r, snap)
+            self._left_queue(job_id)
+            self.store.add_event(job_id, f"Fine-tuning job paused {where}")
+            return self.store.update_job(job_id, status="paused")
+
+    def resume(self, tenant: str, job_id: str) -> dict:
+        """Queue a paused job again; it goes on from the checkpoint its pause left (or the start)."""
+        with self._lock:
+            job = self._own(tenant, job_id)
+            if job["status"] != "paused":
+                raise APIError(409, f"The job is {job['status']}, not paused", code="job_not_paused")
+            if self.store.count_jobs(*ACTIVE, tenant=tenant) >= self.config.max_queued_jobs:
+                raise APIError(429, f"Too many active fine-tuning jobs (at most {self.config.max_queued_jobs} "
+                               "running or queued per tenant)", code="too_many_jobs")
+            self.store.add_event(job_id, "Fine-tuning job resumed; it is queued")
+            updated = self.store.update_job(job_id, status="queued")
+        self._wake.set()
+        return updated
+
+    def _own(self, tenant: str, job_id: str) -> dict:
+        job = self.store.get_job(tenant, job_id)
+        if job is None:
+            raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
+        return job
+
+    def _take_off_engine(self, job_id: str, becomes: str, code: str) -> tuple[Running, CheckpointSnapshot]:
+        """Stop co-serving a running job (cancel or pause): its last steps and checkpoints are recorded, and it
+        is snapshotted as of its last optimizer step (work on the step in progress is dropped). 409 with
+        ``code`` if it ended before the engine got to it."""
+        r = self.running[job_id]
+
+        def stop_and_read():
+            try:
+                self.engine.cancel_finetune_job(job_id)
+            except ValueError:
+                pass  # it ended before this reached it: recorded below as it ended, not lost
+            else:
+                r.job.stop_validation()  # its last step is recorded even if its validation pass was under way
+            return self._read(r), r.job.snapshot()
+        read, snap = on_engine(self.loop, stop_and_read)
+        status = self._record(r, *read)
+        self._forget(job_id)
+        if status != "cancelled":
+            raise APIError(409, f"The job is already {status} and cannot be {becomes}", code=code)
+        return r, snap
+
+    def _left_queue(self, job_id: str) -> None:
+        """A queued or running job stopped: the queue's head may now fit (it may even have been this job)."""
+        self._memory_full = None
+        self._told_waiting.discard(job_id)
+
+    def _checkpoint_at_pause(self, r: Running, snap: CheckpointSnapshot) -> None:
+        """The checkpoint a resume starts from: the paused step's, unless the job has one of that step already."""
+        step = snap.state["step"]
+        latest = self.store.latest_checkpoint(r.job_id)
+        if latest is not None and latest[0]["step_number"] >= step:
+            return
+        path = self.jobs_dir / r.job_id / "checkpoints" / f"step-{step}"
+        write_checkpoint(path, snap)
+        self._record_checkpoint(r, step, path)
 
     def _hyperparameters(self, body: FineTuningJobRequest) -> dict:
         given = body.hyperparameters
@@ -310,7 +369,8 @@ class JobManager:
         ft = FinetuneJob(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume,
                          validation=validation)
         name = fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id)
-        r = Running(job_id, tenant, name, self.config.checkpoint_steps or ft.steps_per_epoch, ft)
+        r = Running(job_id, tenant, name, self.config.checkpoint_steps or ft.steps_per_epoch, ft,
+                    tokens=ft.tokens_done)  # a resumed job's tokens so far are counted already
         ft.on_step = lambda j: self._checkpoint(r)
         try:
             on_engine(self.loop, lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
@@ -355,7 +415,6 @@ class JobManager:
         if status != "running":  # no checkpoint comes after this: record those still being written too
             r.wait_for_writes()
             saved, r.saved = saved + r.saved, []
-        r.writes = [w for w in r.writes if not w.done()]
         while r.write_errors:
             self.store.add_event(r.job_id, r.write_errors.pop(0), level="warn")
         for rec in records:
@@ -393,6 +452,7 @@ class JobManager:
         if j.step % r.checkpoint_every or j.step >= j.total_steps:
             return
         path = self.jobs_dir / r.job_id / "checkpoints" / f"step-{j.step}"
+        r.writes = [w for w in r.writes if not w.done()]  # only this thread changes the list while the job runs
         r.writes.append(self._writer.submit(self._write_checkpoint, r, j.step, path, j.snapshot()))
 
     @staticmethod
@@ -402,10 +462,10 @@ class JobManager:
         on: the next checkpoint may land."""
         try:
             write_checkpoint(path, snap)
-        except OSError as e:
+        except Exception as e:  # told as an event; an OSError's message would show the server's paths
             log.exception("writing checkpoint %s failed", path)
-            r.write_errors.append(f"The checkpoint at step {step} could not be written ({e.strerror}); "
-                                  "training goes on")
+            why = e.strerror if isinstance(e, OSError) else type(e).__name__
+            r.write_errors.append(f"The checkpoint at step {step} could not be written ({why}); training goes on")
             return
         r.saved.append((step, path))
 

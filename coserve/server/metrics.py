@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 RATE_WINDOW_S = 30.0  # finetuning tokens/s is measured over this much recent time
-JOB_STATES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
+JOB_STATES = ("validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled")
 
 
 class FinetuneRate:
