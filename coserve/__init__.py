@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# Batch-invariant CPU GEMMs (coserve/model/batch_invariance.py): MKL reads this at its first call, so it is set
+# before anything here can multiply; an explicit setting in the environment wins.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 # Public names load lazily, so that torch-free layers (scheduler, kvcache) import without torch.
 _EXPORTS = {

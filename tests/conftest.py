@@ -7,6 +7,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+import coserve  # noqa: F401  (first: it asks MKL for batch-invariant GEMMs before any test multiplies)
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

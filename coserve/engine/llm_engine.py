@@ -18,6 +18,7 @@ from coserve.engine.output_processor import OutputProcessor
 from coserve.engine.outputs import RequestOutput
 from coserve.kvcache import BlockManager
 from coserve.model.attention import PagedKVCache
+from coserve.model.batch_invariance import invariance_violations
 from coserve.model.config import ModelConfig
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import load_tokenizer
@@ -73,6 +74,13 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.model_config = model_cfg
+        invariance = invariance_violations(self.model)
+        self.batch_invariant = not invariance  # co-served inference rows round as they would alone
+        if invariance:
+            log.warning("matmuls here are not batch-invariant (%s): a concurrent finetuning job may change "
+                        "inference logprobs in their last bits, and a token where two candidates tie that "
+                        "closely; on CPU, set MKL_CBWR=AUTO,STRICT before torch's first matmul "
+                        "(coserve/model/batch_invariance.py)", "; ".join(invariance))
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
         self.cache = PagedKVCache(model_cfg.num_layers, num_blocks, config.block_size,
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)

@@ -45,8 +45,9 @@ class Bypass(Protocol):
 
 # CPU GEMMs round a row differently depending on the other rows when there are few of them (measured:
 # 1-5 rows differed from the same rows inside a larger call; from 8 rows on they matched bitwise in every
-# case tried). Inference batches run over at least this many rows, alone or beside a finetuning window,
-# so that a concurrent finetuning job cannot change an inference output.
+# case tried, given MKL's strict mode: see coserve/model/batch_invariance.py). Inference batches run over at
+# least this many rows, alone or beside a finetuning window, so that a concurrent finetuning job cannot
+# change an inference output.
 BATCH_INVARIANT_ROWS = 8
 
 

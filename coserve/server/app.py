@@ -49,7 +49,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         s = engine.scheduler
         return {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
                 "kv_cache_usage": s.blocks.usage, "preemptions": s.num_preemptions,
-                "failed_iterations": engine.num_failed_iterations,
+                "failed_iterations": engine.num_failed_iterations, "batch_invariant": engine.batch_invariant,
                 "adapters_loaded": len(engine.adapters)}
 
     def job_counts() -> dict:

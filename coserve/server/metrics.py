@@ -58,6 +58,9 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"coserve_{name}", doc, value=state[name])
         yield CounterMetricFamily("coserve_preemptions", "requests preempted for KV blocks",
                                   value=state["preemptions"])
+        yield GaugeMetricFamily("coserve_batch_invariant", "1 if an inference row's matmuls round as they would "
+                                "without the rows beside it (co-serving cannot change outputs), else 0",
+                                value=float(state.get("batch_invariant", True)))
         yield CounterMetricFamily("coserve_failed_iterations", "engine iterations that raised (what they carried "
                                   "failed; the engine served on)", value=state.get("failed_iterations", 0))
         yield CounterMetricFamily("coserve_finetune_tokens", "finetuning tokens through forward and backward",

@@ -1,0 +1,63 @@
+"""Co-serving must not change an inference output, bit for bit: a row's matmul result must not depend on the rows
+computed beside it (coserve/model/batch_invariance.py)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+import torch.nn.functional as F
+
+from coserve.model.batch_invariance import invariance_violations
+from coserve.model.decoder import BATCH_INVARIANT_ROWS, gemm_layout
+from coserve.model.loader import load_model
+from coserve.scheduler import SamplingParams
+from tests.test_coserving import _engine, _job
+
+
+def test_coserve_asks_mkl_for_strict_reproducibility():
+    assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
+
+
+def test_a_down_proj_of_the_small_preset_rounds_each_row_as_it_would_alone():
+    """The shape that broke it: a 1,408-input down_proj, whose rows MKL's default mode rounded differently in
+    calls of 17-176 and 177 or more rows on a 2-core Xeon (threads split the sum)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = gemm_layout(torch.randn(512, 1408, generator=gen))
+    x = torch.randn(400, 1408, generator=gen)
+    alone = F.linear(x[:BATCH_INVARIANT_ROWS], weight)
+    for m in (9, 16, 17, 56, 57, 176, 177, 256, 400):
+        assert torch.equal(F.linear(x[:m], weight)[:BATCH_INVARIANT_ROWS], alone), m
+
+
+def test_the_probe_finds_rows_that_depend_on_their_neighbours(model_factory):
+    model = load_model(model_factory("llama"), torch.float32, torch.device("cpu"))
+    assert invariance_violations(model) == []
+
+    def uneven(x, w):  # a GEMM that rounds differently past 100 rows, as MKL's default mode did
+        y = F.linear(x, w)
+        return y + 1e-6 * y.abs() if x.shape[0] > 100 else y
+    found = invariance_violations(model, linear=uneven)
+    assert len(found) == 5 and all("[177, 300]" in f for f in found)
+
+
+def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp_path):
+    """Greedy tokens were always equal; logprobs are outputs too, and must be equal to the last bit."""
+    model_dir = model_factory("llama")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(5, 200) for _ in range(rng.randint(3, 30))] for _ in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(engine):
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while len(done) < len(ids):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [[(lp.token_id, lp.logprob, lp.top) for lp in done[i].outputs[0].logprobs] for i in ids]
+
+    alone = run(_engine(model_dir))
+    engine = _engine(model_dir)
+    assert engine.batch_invariant
+    engine.add_finetune_job(_job(engine, tmp_path / "job"))
+    assert run(engine) == alone
