@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 # Batch-invariant CPU GEMMs (coserve/model/batch_invariance.py): MKL reads this at its first call, so it is set
 # before anything here can multiply; an explicit setting in the environment wins.
+MKL_CBWR_FROM_ENV = os.environ.get("MKL_CBWR")
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 # Public names load lazily, so that torch-free layers (scheduler, kvcache) import without torch.

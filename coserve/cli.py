@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_module_commands(sub)
     args = parser.parse_args(argv)
+    if args.command in NO_INFERENCE:
+        from coserve.model.batch_invariance import release_strict_cpu_gemms
+        release_strict_cpu_gemms()
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, no stack trace
@@ -96,6 +99,7 @@ def _generate(args) -> int:
 
 
 # Subcommands whose module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+NO_INFERENCE = {"finetune", "bench-finetune"}  # commands that never co-serve inference: no batch invariance needed
 MODULE_COMMANDS = {
     "finetune": ("coserve.finetune.command", "train a LoRA or IA3 adapter with token-level windows"),
     "bench-generation": ("coserve.bench.generation", "generation throughput against HF transformers generate"),

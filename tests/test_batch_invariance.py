@@ -61,3 +61,25 @@ def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp
     assert engine.batch_invariant
     engine.add_finetune_job(_job(engine, tmp_path / "job"))
     assert run(engine) == alone
+
+
+def test_standalone_finetuning_commands_give_mkl_back_its_own_mode(monkeypatch):
+    """``coserve finetune`` and ``bench-finetune`` serve no inference: strict mode would only slow them."""
+    import coserve
+    from coserve.cli import main
+    from coserve.model import batch_invariance
+
+    calls = []
+    monkeypatch.setattr(batch_invariance, "release_strict_cpu_gemms", lambda: calls.append(1))
+    assert main(["finetune", "--model", "/nonexistent", "--data", "x.jsonl", "--output", "out"]) == 2
+    assert main(["profile", "--model", "/nonexistent"]) == 2  # an engine-side command keeps strict mode
+    assert calls == [1]
+    monkeypatch.undo()
+
+    monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
+    monkeypatch.setattr(coserve, "MKL_CBWR_FROM_ENV", None)
+    batch_invariance.release_strict_cpu_gemms()
+    assert "MKL_CBWR" not in os.environ
+    monkeypatch.setattr(coserve, "MKL_CBWR_FROM_ENV", "COMPATIBLE")
+    batch_invariance.release_strict_cpu_gemms()
+    assert os.environ["MKL_CBWR"] == "COMPATIBLE"
