@@ -16,8 +16,17 @@ from coserve.scheduler import SamplingParams
 from tests.test_coserving import _engine, _job
 
 
-def test_coserve_asks_mkl_for_strict_reproducibility():
-    assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
+def test_importing_coserve_asks_mkl_for_strict_reproducibility_unless_the_environment_says_otherwise():
+    import subprocess
+    import sys
+
+    def mode(**env):
+        base = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+        out = subprocess.run([sys.executable, "-c", "import coserve, os; print(os.environ['MKL_CBWR'])"],
+                             env={**base, **env}, capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    assert mode() == "AUTO,STRICT"
+    assert mode(MKL_CBWR="COMPATIBLE") == "COMPATIBLE"
 
 
 def test_a_down_proj_of_the_small_preset_rounds_each_row_as_it_would_alone():
