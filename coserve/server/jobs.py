@@ -242,10 +242,11 @@ class JobManager:
             raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
         return job
 
-    def _take_off_engine(self, job_id: str, becomes: str, code: str) -> tuple[Running, CheckpointSnapshot]:
-        """Stop co-serving a running job (cancel or pause): its last steps and checkpoints are recorded, and it
-        is snapshotted as of its last optimizer step (work on the step in progress is dropped). 409 with
-        ``code`` if it ended before the engine got to it."""
+    def _take_off_engine(self, job_id: str, becomes: str, code: str
+                         ) -> tuple[Running, CheckpointSnapshot | None]:
+        """Stop co-serving a running job (cancel or pause): its last steps and checkpoints are recorded and, to
+        pause it, it is snapshotted as of its last optimizer step (work on the step in progress is dropped).
+        409 with ``code`` if it ended before the engine got to it."""
         r = self.running[job_id]
 
         def stop_and_read():
@@ -255,7 +256,7 @@ class JobManager:
                 pass  # it ended before this reached it: recorded below as it ended, not lost
             else:
                 r.job.stop_validation()  # its last step is recorded even if its validation pass was under way
-            return self._read(r), r.job.snapshot()
+            return self._read(r), r.job.snapshot() if becomes == "paused" else None
         read, snap = on_engine(self.loop, stop_and_read)
         status = self._record(r, *read)
         self._forget(job_id)
