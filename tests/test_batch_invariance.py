@@ -67,7 +67,7 @@ def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp
 
     alone = run(_engine(model_dir))
     engine = _engine(model_dir)
-    assert engine.batch_invariant
+    assert engine.batch_invariant and engine.executor.fuse_finetuning  # the window shares the matmul calls
     engine.add_finetune_job(_job(engine, tmp_path / "job"))
     assert run(engine) == alone
 
@@ -92,3 +92,46 @@ def test_standalone_finetuning_commands_give_mkl_back_its_own_mode(monkeypatch):
     monkeypatch.setattr(coserve, "MKL_CBWR_FROM_ENV", "COMPATIBLE")
     batch_invariance.release_strict_cpu_gemms()
     assert os.environ["MKL_CBWR"] == "COMPATIBLE"
+
+
+def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_own(model_factory, tmp_path,
+                                                                                  monkeypatch):
+    """``fuse_finetuning="auto"``: a device whose rows depend on their neighbours (the probe says so) gets the
+    finetuning forward window in matmul calls of its own, within the same iteration: outputs and adapter exact."""
+    import pytest
+
+    from coserve.engine import executor as executor_module
+    from coserve.engine import llm_engine
+    from coserve.finetune.runner import run_job
+
+    model_dir = model_factory("llama")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 200) for _ in range(rng.randint(3, 30))] for _ in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(engine):
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while len(done) < len(ids) or engine.has_running_jobs():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [[(lp.token_id, lp.logprob, lp.top) for lp in done[i].outputs[0].logprobs] for i in ids]
+
+    alone = run(_engine(model_dir))
+    solo_engine = _engine(model_dir)
+    solo = _job(solo_engine, tmp_path / "solo")
+    run_job(solo, progress=False)
+
+    monkeypatch.setattr(llm_engine, "invariance_violations", lambda model: ["down_proj (1408 -> 512) in calls of [17]"])
+    monkeypatch.setattr(executor_module, "mixed_forward", lambda *a, **k: pytest.fail("fused a window"))
+    engine = _engine(model_dir)
+    assert not engine.batch_invariant and not engine.executor.fuse_finetuning
+    job = _job(engine, tmp_path / "co")
+    engine.add_finetune_job(job)
+    assert run(engine) == alone
+    assert job.step == solo.step and job.tokens_done > 0
+    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
+        assert (a - b).norm() / b.norm() <= 1e-5
+
+    assert _engine(model_dir, fuse_finetuning="always").executor.fuse_finetuning  # the operator's choice
+    with pytest.raises(ValueError, match="fuse_finetuning"):
+        _engine(model_dir, fuse_finetuning="sometimes")

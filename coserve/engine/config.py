@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FUSE_CHOICES = ("auto", "always", "never")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -30,6 +32,8 @@ class EngineConfig:
     #   activations together (a job that would exceed it is refused); None = no limit
     auto_profile: bool = True  # policy coserve: profile briefly (and save to latency_model's path) when the first
     #   finetuning job arrives and no fit exists; False = size slices by the token budget instead
+    fuse_finetuning: str = "auto"  # run a finetuning forward window in the inference rows' matmul calls: "auto" =
+    #   when the device's matmuls are batch-invariant (so it cannot change an inference output), "always", "never"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",
@@ -44,5 +48,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.finetune_memory_gb is not None and not self.finetune_memory_gb > 0:
             raise ValueError(f"finetune_memory_gb must be positive or None, got {self.finetune_memory_gb!r}")
+        if self.fuse_finetuning not in FUSE_CHOICES:
+            raise ValueError(f"fuse_finetuning must be one of {FUSE_CHOICES}, got {self.fuse_finetuning!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")

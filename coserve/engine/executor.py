@@ -29,8 +29,9 @@ class ModelExecutor:
     in the same call), samples, then runs the plan's finetuning backward windows."""
 
     def __init__(self, model: DecoderModel, cache: PagedKVCache, slots: AdapterSlots,
-                 adapters: dict[str, ServedAdapter], seed: int) -> None:
+                 adapters: dict[str, ServedAdapter], seed: int, fuse_finetuning: bool = True) -> None:
         self.model = model
+        self.fuse_finetuning = fuse_finetuning  # a forward window shares the inference rows' matmul calls
         self.jobs: dict[str, FinetuneJob] = {}  # the engine's active finetuning jobs, by id (shared)
         self.cache = cache
         self.slots = slots  # device slots of the LoRA and IA3 adapters
@@ -80,7 +81,7 @@ class ModelExecutor:
         # batch-invariant; alone they run padded to that many, so their results are the same either way.
         rows = max(t, BATCH_INVARIANT_ROWS)
         adapters = self._adapter_batch(plan, rows) if plan.adapters else None
-        if forward is not None and t + forward.num_tokens >= BATCH_INVARIANT_ROWS:
+        if forward is not None and self.fuse_finetuning and t + forward.num_tokens >= BATCH_INVARIANT_ROWS:
             job = self.jobs[forward.job_id]
             hidden, loss = mixed_forward(self.model, batch, self.cache, adapters,
                                          job.forward_slice(forward.num_tokens), adapter_rows=rows)

@@ -76,11 +76,13 @@ class LLMEngine:
         self.model_config = model_cfg
         invariance = invariance_violations(self.model)
         self.batch_invariant = not invariance  # co-served inference rows round as they would alone
+        fuse = {"auto": self.batch_invariant, "always": True, "never": False}[config.fuse_finetuning]
         if invariance:
-            log.warning("matmuls here are not batch-invariant (%s): a concurrent finetuning job may change "
-                        "inference logprobs in their last bits, and a token where two candidates tie that "
-                        "closely; on CPU, set MKL_CBWR=AUTO,STRICT before torch's first matmul "
-                        "(coserve/model/batch_invariance.py)", "; ".join(invariance))
+            log.warning("matmuls here are not batch-invariant (%s): %s; on CPU, set MKL_CBWR=AUTO,STRICT before "
+                        "torch's first matmul (coserve/model/batch_invariance.py)", "; ".join(invariance),
+                        "finetuning forward windows run in calls of their own, so that they cannot change an "
+                        "inference output" if not fuse else "with fuse_finetuning='always', a concurrent "
+                        "finetuning job may change inference logprobs in their last bits")
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
         self.cache = PagedKVCache(model_cfg.num_layers, num_blocks, config.block_size,
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
@@ -94,7 +96,7 @@ class LLMEngine:
         slots = AdapterSlots(LoraBank(shapes, model_cfg.num_layers, config.max_loras, config.max_lora_rank,
                                       self.device, self.dtype),
                              IA3Bank(shapes, model_cfg.num_layers, config.max_loras, self.device))
-        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed)
+        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed, fuse)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
         self._ids = itertools.count()
