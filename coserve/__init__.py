@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 # Batch-invariant CPU GEMMs (coserve/model/batch_invariance.py): MKL reads this at its first call, so it is set
-# before anything here can multiply; an explicit setting in the environment wins.
-MKL_CBWR_FROM_ENV = os.environ.get("MKL_CBWR")
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# before anything here can multiply; an explicit setting in the environment wins. What the environment had is
+# kept for child processes too, for those that serve no inference and give MKL its own mode back.
+os.environ.setdefault("COSERVE_MKL_CBWR_ORIGINAL", os.environ.get("MKL_CBWR", ""))
+if os.environ.get("COSERVE_STRICT_GEMMS", "1") == "1":
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 # Public names load lazily, so that torch-free layers (scheduler, kvcache) import without torch.
 _EXPORTS = {

@@ -20,6 +20,18 @@ torch.backends.cudnn.allow_tf32 = False
 os.environ["COSERVE_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="coserve-test-"), "latency.json")
 
 ARCHS = ("llama", "qwen2", "mistral")
+_GEMM_ENV = {k: os.environ.get(k) for k in ("MKL_CBWR", "COSERVE_STRICT_GEMMS", "COSERVE_MKL_CBWR_ORIGINAL")}
+
+
+@pytest.fixture(autouse=True)
+def _gemm_environment(monkeypatch):
+    """In-process runs of ``coserve finetune`` give MKL its own mode back in the environment: undone after each
+    test, so that the servers later tests start are batch-invariant as a user's are."""
+    for key, value in _GEMM_ENV.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

@@ -21,7 +21,7 @@ def test_importing_coserve_asks_mkl_for_strict_reproducibility_unless_the_enviro
     import sys
 
     def mode(**env):
-        base = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_CBWR", "COSERVE_"))}
         out = subprocess.run([sys.executable, "-c", "import coserve, os; print(os.environ['MKL_CBWR'])"],
                              env={**base, **env}, capture_output=True, text=True, check=True)
         return out.stdout.strip()
@@ -74,7 +74,6 @@ def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp
 
 def test_standalone_finetuning_commands_give_mkl_back_its_own_mode(monkeypatch):
     """``coserve finetune`` and ``bench-finetune`` serve no inference: strict mode would only slow them."""
-    import coserve
     from coserve.cli import main
     from coserve.model import batch_invariance
 
@@ -86,12 +85,19 @@ def test_standalone_finetuning_commands_give_mkl_back_its_own_mode(monkeypatch):
     monkeypatch.undo()
 
     monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
-    monkeypatch.setattr(coserve, "MKL_CBWR_FROM_ENV", None)
+    monkeypatch.setenv("COSERVE_STRICT_GEMMS", "1")
+    monkeypatch.setenv("COSERVE_MKL_CBWR_ORIGINAL", "")
     batch_invariance.release_strict_cpu_gemms()
-    assert "MKL_CBWR" not in os.environ
-    monkeypatch.setattr(coserve, "MKL_CBWR_FROM_ENV", "COMPATIBLE")
+    assert "MKL_CBWR" not in os.environ and os.environ["COSERVE_STRICT_GEMMS"] == "0"
+    monkeypatch.setenv("COSERVE_MKL_CBWR_ORIGINAL", "COMPATIBLE")
     batch_invariance.release_strict_cpu_gemms()
     assert os.environ["MKL_CBWR"] == "COMPATIBLE"
+    # and a process it starts keeps MKL's own mode
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import coserve, os; print(os.environ.get('MKL_CBWR'))"],
+                         env=dict(os.environ), capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "COMPATIBLE"
 
 
 def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_own(model_factory, tmp_path,

@@ -106,6 +106,9 @@ def _separate_worker(conn, model: str, spec: FinetuneSpec, dtype: str, device: s
                      duration_s: float) -> None:
     """The finetuning side of ``separate``: its own process on its own cores (on a GPU machine, the
     engine's device, shared as two processes share it); reports tokens trained."""
+    from coserve.model.batch_invariance import release_strict_cpu_gemms
+    release_strict_cpu_gemms()  # a training process serves no inference (before its first matmul)
+
     import torch
 
     from coserve.model.config import ModelConfig

@@ -32,15 +32,17 @@ PROBE_ROWS = (16, 17, 57, 177, 300)  # call sizes compared with BATCH_INVARIANT_
 
 
 def release_strict_cpu_gemms() -> None:
-    """For a process that serves no inference (``coserve finetune``, ``coserve bench-finetune``): MKL's mode as
-    the environment had it. Strict mode buys such a process nothing and costs its whole-sequence finetuning
-    steps about 5% (measured here: LoRA on down_proj 1,430 -> 1,367 tokens/s, on every linear module 1,244
-    -> 1,157). Only effective before MKL's first call."""
-    from coserve import MKL_CBWR_FROM_ENV
-    if MKL_CBWR_FROM_ENV is None:
-        os.environ.pop("MKL_CBWR", None)
+    """For a process that serves no inference (``coserve finetune``, ``coserve bench-finetune``, the training
+    process of the ``separate`` baseline), and the processes it starts: MKL's mode as the environment had it
+    before coserve. Strict mode buys them nothing and costs a whole-sequence finetuning step about 5%
+    (measured here: LoRA on down_proj 1,430 -> 1,367 tokens/s, on every linear module 1,244 -> 1,157). Only
+    effective before the process's first MKL call."""
+    os.environ["COSERVE_STRICT_GEMMS"] = "0"
+    original = os.environ.get("COSERVE_MKL_CBWR_ORIGINAL", "")
+    if original:
+        os.environ["MKL_CBWR"] = original
     else:
-        os.environ["MKL_CBWR"] = MKL_CBWR_FROM_ENV
+        os.environ.pop("MKL_CBWR", None)
 
 
 def invariance_violations(model: DecoderModel, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
