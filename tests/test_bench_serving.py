@@ -109,10 +109,12 @@ def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
     code = main(["bench", "--model", str(model), "--policy", "coserve", "--policy", "inference-only",
                  "--rate", "6", "--duration", "1", "--drain", "20", "--max-model-len", "128",
                  "--finetune-data", str(_alpaca(tmp_path / "a.json")), "--finetune-seq-len", "64",
-                 "--slo-tpot-ms", "1000", "--out", str(out), "--plot", str(plots), "--no-progress"])
+                 "--slo-tpot-ms", "1000", "--out", str(out), "--plot", str(plots), "--no-progress",
+                 "--fuse-finetuning", "never"])
     assert code == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["policy"] for r in rows] == ["coserve", "inference-only"]
+    assert rows[0]["batch_invariant"] and rows[0]["fused_finetuning"] is False  # as asked
     assert rows[1]["finetune_tokens_per_s"] is None and rows[0]["finetune_tokens_per_s"] > 0
     assert rows[0]["num_requests"] == rows[1]["num_requests"]  # the same stream for both
     assert {p.name for p in plots.iterdir()} >= {"slo_attainment.png", "finetune_throughput.png",

@@ -61,6 +61,7 @@ class RunSpec:
     latency_model: str | None = None
     seed: int = 0
     progress: bool = True
+    fuse_finetuning: str = "auto"  # EngineConfig.fuse_finetuning
     extra: dict = field(default_factory=dict)  # copied into the result (workload sources, ...)
 
 
@@ -157,7 +158,7 @@ def run_one(spec: RunSpec) -> dict:
     engine = LLMEngine(EngineConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, latency_model=spec.latency_model,
-        temporal_interval=spec.temporal_interval, seed=spec.seed))
+        temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning))
     _warm_up(engine)
     job, stop, thread = None, threading.Event(), None
     tmp = tempfile.TemporaryDirectory()
@@ -259,6 +260,7 @@ def run_one(spec: RunSpec) -> dict:
         "num_iterations": len(iterations),
         "errors": sorted({r.error for r in failed})[:5],
         "threads": torch.get_num_threads(),
+        "batch_invariant": engine.batch_invariant, "fused_finetuning": engine.executor.fuse_finetuning,
         "iterations": iterations, **spec.extra,
     }
 
