@@ -11,11 +11,14 @@ for bit, and a token wherever two candidates are that close). Two measures keep 
   the work between threads with the number of rows: measured on a 2-core Intel Xeon, the ``small``
   preset's down_proj (1,408 inputs) rounded a row differently in calls of 2-16, 17-176 and 177 or more
   rows, and 24 of 24 co-served requests came out with other logprobs (same tokens) than alone. Under the
-  strict mode every call of 2 rows or more agrees bit for bit, at a cost within run-to-run noise here.
+  strict mode every call of 2 rows or more agrees bit for bit; decode and 64-token windows ran within noise,
+  whole-sequence finetuning steps about 5% slower, so processes that serve no inference give MKL its own mode
+  back (``release_strict_cpu_gemms``).
 
 MKL reads the setting at its first call, so a process that multiplied matrices before importing coserve
-keeps the default mode; ``invariance_violations`` probes the model's own weights, and the engine warns when
-it finds rows that depend on their neighbours (cuBLAS makes no such promise either).
+keeps the default mode; ``invariance_violations`` probes the model's own weights at engine start, and where
+rows depend on their neighbours (cuBLAS makes no promise either) the engine warns and, by default
+(``EngineConfig.fuse_finetuning="auto"``), runs finetuning windows in matmul calls of their own.
 """
 
 from __future__ import annotations
