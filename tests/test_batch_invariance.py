@@ -16,6 +16,21 @@ from coserve.scheduler import SamplingParams
 from tests.test_coserving import _engine, _job
 
 
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 200) for _ in range(rng.randint(3, 30))] for _ in range(8)]
+
+
+def _logprobs(engine, prompts: list[list[int]]) -> list[list[tuple]]:
+    """Greedy requests' logprobs (chosen and top 2 at every position), once they and any running jobs have ended."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while len(done) < len(ids) or engine.has_running_jobs():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [[(lp.token_id, lp.logprob, lp.top) for lp in done[i].outputs[0].logprobs] for i in ids]
+
+
 def test_importing_coserve_asks_mkl_for_strict_reproducibility_unless_the_environment_says_otherwise():
     import subprocess
     import sys
@@ -54,22 +69,12 @@ def test_the_probe_finds_rows_that_depend_on_their_neighbours(model_factory):
 def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp_path):
     """Greedy tokens were always equal; logprobs are outputs too, and must be equal to the last bit."""
     model_dir = model_factory("llama")
-    rng = random.Random(7)
-    prompts = [[rng.randrange(5, 200) for _ in range(rng.randint(3, 30))] for _ in range(8)]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
-
-    def run(engine):
-        ids = [engine.add_request(p, params) for p in prompts]
-        done = {}
-        while len(done) < len(ids):
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        return [[(lp.token_id, lp.logprob, lp.top) for lp in done[i].outputs[0].logprobs] for i in ids]
-
-    alone = run(_engine(model_dir))
+    prompts = _prompts(7)
+    alone = _logprobs(_engine(model_dir), prompts)
     engine = _engine(model_dir)
     assert engine.batch_invariant and engine.executor.fuse_finetuning  # the window shares the matmul calls
     engine.add_finetune_job(_job(engine, tmp_path / "job"))
-    assert run(engine) == alone
+    assert _logprobs(engine, prompts) == alone
 
 
 def test_standalone_finetuning_commands_give_mkl_back_its_own_mode(monkeypatch):
@@ -111,18 +116,8 @@ def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_o
     from coserve.finetune.runner import run_job
 
     model_dir = model_factory("llama")
-    rng = random.Random(3)
-    prompts = [[rng.randrange(5, 200) for _ in range(rng.randint(3, 30))] for _ in range(8)]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
-
-    def run(engine):
-        ids = [engine.add_request(p, params) for p in prompts]
-        done = {}
-        while len(done) < len(ids) or engine.has_running_jobs():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        return [[(lp.token_id, lp.logprob, lp.top) for lp in done[i].outputs[0].logprobs] for i in ids]
-
-    alone = run(_engine(model_dir))
+    prompts = _prompts(3)
+    alone = _logprobs(_engine(model_dir), prompts)
     solo_engine = _engine(model_dir)
     solo = _job(solo_engine, tmp_path / "solo")
     run_job(solo, progress=False)
@@ -133,7 +128,7 @@ def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_o
     assert not engine.batch_invariant and not engine.executor.fuse_finetuning
     job = _job(engine, tmp_path / "co")
     engine.add_finetune_job(job)
-    assert run(engine) == alone
+    assert _logprobs(engine, prompts) == alone
     assert job.step == solo.step and job.tokens_done > 0
     for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
         assert (a - b).norm() / b.norm() <= 1e-5
