@@ -42,3 +42,17 @@ def test_profile_writes_a_model_keyed_by_model_device_dtype_threads(model_factor
                  "--max-context", "256", "--dtype", "bfloat16"]) == 0
     assert len(json.loads(out.read_text())["models"]) == 2
     assert load_model(out, key) is not None
+
+
+def test_an_unfused_rig_times_forward_windows_in_calls_of_their_own(model_factory, monkeypatch):
+    """Where the engine does not fuse (``fuse_finetuning``), the profile must time what it runs."""
+    import pytest
+
+    from coserve.engine import profiler
+    from coserve.model.loader import load_model as load_decoder
+
+    model = load_decoder(model_factory("llama"), torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(profiler, "mixed_forward", lambda *a, **k: pytest.fail("the window was fused"))
+    rig = profiler.IterationRig(model, 64, fuse=False)
+    shape, seconds = rig.time(profiler.ProfilePoint(4, 32, 0, 16, 0, 32), repeats=1)
+    assert shape.finetune_forward_tokens == 16 and shape.decode_tokens == 4 and seconds > 0

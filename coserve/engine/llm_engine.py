@@ -328,7 +328,8 @@ class LLMEngine:
         key = latency_key(self.config.model, self.device, self.dtype)
         start = time.perf_counter()
         latency, _ = profile(self.model, key, num_points=BRIEF_PROFILE_POINTS, repeats=1,
-                             max_ctx=min(BRIEF_PROFILE_CONTEXT, self.max_model_len))
+                             max_ctx=min(BRIEF_PROFILE_CONTEXT, self.max_model_len),
+                             fuse=self.executor.fuse_finetuning)
         path = self._latency_path()
         try:
             save_latency_model(path, latency)

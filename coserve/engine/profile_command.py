@@ -8,7 +8,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
+from coserve.model.batch_invariance import invariance_violations
 from coserve.model.config import ModelConfig
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.scheduler.latency_model import FEATURE_NAMES
@@ -23,6 +25,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
+    p.add_argument("--fuse-finetuning", default="auto", choices=FUSE_CHOICES,
+                   help="time forward windows in the inference rows' calls as an engine with this setting runs them")
     p.add_argument("--samples", default=None, metavar="FILE.json",
                    help="also write every timed iteration (its shape and seconds), to study or refit the model")
 
@@ -35,9 +39,10 @@ def run(args) -> int:
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
     model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
     key = latency_key(args.model, device, dtype)
+    fuse = {"auto": not invariance_violations(model), "always": True, "never": False}[args.fuse_finetuning]
     bar = tqdm(total=args.points, desc="profile", unit="point")
     latency, samples = profile(model, key, args.points, args.repeats, args.seed, args.max_context,
-                               progress=lambda done, total: bar.update(1))
+                               progress=lambda done, total: bar.update(1), fuse=fuse)
     bar.close()
     out = Path(args.out) if args.out else default_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)

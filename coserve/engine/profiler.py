@@ -67,9 +67,10 @@ def grid(num_points: int, max_ctx: int, seed: int = 0, model_layers: int = 3) ->
 class IterationRig:
     """A model, a KV cache of scratch blocks and a finetuning adapter, to time synthetic iterations."""
 
-    def __init__(self, model: DecoderModel, max_ctx: int, max_decode: int = 64) -> None:
+    def __init__(self, model: DecoderModel, max_ctx: int, max_decode: int = 64, fuse: bool = True) -> None:
         c = model.cfg
         self.model = model
+        self.fuse = fuse  # the forward window in the inference rows' calls, as the engine runs it (fuse_finetuning)
         self.bypass = TrainableLora(LoraConfig(r=16, lora_alpha=16), model.module_shapes(), c.num_layers,
                                     model.device, torch.Generator().manual_seed(0))
         self.shared = -(-max_ctx // BLOCK)  # blocks 0 .. shared-1: the common prefix
@@ -130,11 +131,14 @@ class IterationRig:
         sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()
-        if fwd_state is not None:
+        if fwd_state is not None and self.fuse:
             hidden, _ = mixed_forward(model, batch, self.cache, None,
                                       FinetuneSlice(self.bypass, fwd_state, p.ft_forward, 1.0 / p.ft_forward))
-        elif batch.num_tokens:
-            hidden = model.forward(batch, self.cache)
+        else:
+            if batch.num_tokens:
+                hidden = model.forward(batch, self.cache)
+            if fwd_state is not None:  # in calls of its own
+                forward_window(model, self.bypass, fwd_state, p.ft_forward, 1.0 / p.ft_forward)
         if batch.num_tokens:
             model.logits(hidden[batch.logits_rows]).argmax(-1)
         left = p.ft_backward
@@ -149,10 +153,12 @@ class IterationRig:
 
 
 def profile(model: DecoderModel, key: dict[str, str], num_points: int = 60, repeats: int = 3, seed: int = 0,
-            max_ctx: int = 1024, progress=None) -> tuple[LatencyModel, list[tuple[IterationShape, float]]]:
-    """Time ``num_points`` grid iterations and fit; the model reports its held-out median error."""
+            max_ctx: int = 1024, progress=None, fuse: bool = True
+            ) -> tuple[LatencyModel, list[tuple[IterationShape, float]]]:
+    """Time ``num_points`` grid iterations (forward windows fused into the inference rows' calls or not, as the
+    engine will run them) and fit; the model reports its held-out median error."""
     max_ctx = min(max_ctx, model.rope.max_positions)
-    rig = IterationRig(model, max_ctx)
+    rig = IterationRig(model, max_ctx, fuse=fuse)
     samples = []
     for i, point in enumerate(grid(num_points, max_ctx, seed, model.cfg.num_layers)):
         samples.append(rig.time(point, repeats))
