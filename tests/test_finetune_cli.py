@@ -27,7 +27,8 @@ def test_finetune_writes_an_adapter_peft_loads_identically(model_factory, tmp_pa
     out = tmp_path / "adapter"
     args = ["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(out), "--peft", peft_kind,
             "--max-steps", "2", "--batch-size", "2", "--lr", "0.05", "--window-schedule", "random:3",
-            "--memory-report", str(tmp_path / "mem.json"), "--no-progress", "--validation-data", str(data)]
+            "--memory-report", str(tmp_path / "mem.json"), "--no-progress", "--validation-data", str(data),
+            "--eval-steps", "1"]
     if peft_kind == "lora":
         args += ["--lora-r", "4", "--target-modules", "q_proj,down_proj"]
     assert main(args) == 0
@@ -35,7 +36,8 @@ def test_finetune_writes_an_adapter_peft_loads_identically(model_factory, tmp_pa
     assert "4 examples" in printed and "1 malformed (line 5)" in printed
     log = [json.loads(x) for x in (out / "training_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == [1, 2]
-    assert "valid_loss" not in log[0] and log[1]["valid_loss"] > 0  # the last step (mid-epoch)
+    assert "valid_loss" not in log[0] and log[1]["valid_loss"] > 0  # the last step (mid-epoch): the whole set
+    assert log[0]["valid_batch_loss"] > 0 and "valid_batch_loss" not in log[1]  # --eval-steps 1: a batch
     assert "validation: 4 examples" in printed
     mem = json.loads((tmp_path / "mem.json").read_text())
     assert set(mem) >= {"kept_bytes_per_token", "keep_all_bytes_per_token", "autograd_bytes_per_token",

@@ -206,3 +206,44 @@ def test_validation_loss_after_each_epoch_matches_a_plain_forward(setup, tmp_pat
     assert [line.get("valid_mean_token_accuracy") for line in lines] == [r.valid_accuracy for r in job.log]
     for name, tensor in plain.state_dict().items():  # validation runs change nothing of the training
         assert torch.equal(bypass.state_dict()[name], tensor)
+
+
+def test_eval_steps_run_a_validation_batch_in_turn_between_the_epochs(setup, tmp_path):
+    """OpenAI's per-step ``valid_loss``: every ``eval_steps`` steps, the next ``batch_size`` validation examples
+    (in turn) run forward-only; an epoch's end still runs the whole set. Training is unchanged."""
+    from coserve.finetune.reference import whole_sequence_logits, whole_sequence_loss
+    model_dir, model, examples, bypass = setup
+    validation = _examples(model.cfg.vocab_size, 3, seed=13)
+
+    def oracle(b, indices):
+        with torch.no_grad():
+            chosen = [validation[i] for i in indices]
+            total = sum(sum(t != IGNORE for t in e.targets) for e in chosen)
+            loss = sum(float(whole_sequence_loss(model, b, e.token_ids, e.targets, dropout_seed=None))
+                       for e in chosen) / total
+            correct = sum(int((whole_sequence_logits(model, b, e.token_ids, None).argmax(-1)
+                               == torch.tensor(e.targets)).sum()) for e in chosen)
+        return loss, correct / total
+
+    cfg = dict(max_steps=0, epochs=2, batch_size=2, eval_steps=1)  # 4 steps an epoch
+    plain = bypass()
+    run_job(FinetuneJob(model, plain, examples, _cfg(tmp_path / "plain", **{**cfg, "eval_steps": 0})),
+            progress=False)
+    b = bypass()
+    job = FinetuneJob(model, b, examples, _cfg(tmp_path / "v", **cfg), validation=validation)
+    batches = iter([[0, 1], [2, 0], [1, 2], [0, 1], [2, 0], [1, 2]])  # steps 1-3 and 5-7, in turn
+    expected = {}
+    job.on_step = lambda j: expected.__setitem__(j.step, oracle(j.bypass, next(batches)) if j.step % 4
+                                                 else oracle(j.bypass, [0, 1, 2]))
+    run_job(job, progress=False)
+    assert [r.step for r in job.log] == list(range(1, 9))
+    for r in job.log:
+        full = r.step % 4 == 0
+        got = (r.valid_loss, r.valid_accuracy) if full else (r.valid_batch_loss, r.valid_batch_accuracy)
+        assert got[0] == pytest.approx(expected[r.step][0], rel=1e-5) and got[1] == expected[r.step][1]
+        assert (r.valid_batch_loss is None) == full and (r.valid_loss is None) != full
+    lines = [json.loads(line) for line in (tmp_path / "v" / checkpoint.LOG_FILE).read_text().splitlines()]
+    assert [("valid_batch_loss" in x, "valid_loss" in x) for x in lines] == [(r.step % 4 != 0, r.step % 4 == 0)
+                                                                            for r in job.log]
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(b.state_dict()[name], tensor)

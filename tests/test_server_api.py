@@ -179,7 +179,7 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_p
     job = alice.fine_tuning.jobs.create(
         model=BASE, training_file=f.id, validation_file=f.id, suffix="facts", seed=3,
         hyperparameters={"n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": 100},
-        extra_body={"coserve": {"target_modules": ["q_proj", "v_proj", "down_proj"], "r": 8}})
+        extra_body={"coserve": {"target_modules": ["q_proj", "v_proj", "down_proj"], "r": 8, "eval_steps": 2}})
     assert job.status in ("queued", "running") and job.hyperparameters.n_epochs == 2
     served, errors = [], []
 
@@ -210,6 +210,9 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_p
     assert all(0 <= e.data["train_mean_token_accuracy"] <= 1 for e in steps)  # OpenAI's metric names
     assert all(0 <= e.data["full_valid_mean_token_accuracy"] <= 1 for e in steps if e.data["step"] in epochs)
     assert checkpoints[0].metrics.train_mean_token_accuracy == steps[0].data["train_mean_token_accuracy"]
+    batches = {e.data["step"]: e.data for e in steps if "valid_loss" in e.data}  # eval_steps 2: a validation batch
+    assert set(batches) == {2, 4, 8, 10} and all(0 < d["valid_loss"] < 100 and 0 <= d["valid_mean_token_accuracy"]
+                                                 <= 1 for d in batches.values())
     # the model and its checkpoints are servable at once, and differ from the base
     base = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=0)
     tuned = alice.chat.completions.create(model=done.fine_tuned_model, messages=HELLO, max_tokens=8, temperature=0)

@@ -23,6 +23,8 @@ def add_arguments(p) -> None:
     d = FinetuneConfig(output_dir="-")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records")
+    p.add_argument("--eval-steps", type=int, default=0, help="with --validation-data: a validation batch "
+                   "(the next batch-size examples) every this many steps; 0 = only the whole set after each epoch")
     p.add_argument("--validation-data", default=None, metavar="FILE",
                    help="same formats; its mean loss per target token is logged (valid_loss) after every epoch "
                         "and the last step")
@@ -71,7 +73,7 @@ def run(args) -> int:
         max_seq_len=args.max_seq_len, seed=args.seed, shuffle=not args.no_shuffle,
         window_tokens=args.window_tokens, window_schedule=args.window_schedule,
         rematerialize=args.rematerialize, memory_target=args.memory_target,
-        train_on_prompt=args.train_on_prompt)
+        train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps)
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     examples, report = load_dataset(args.data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)

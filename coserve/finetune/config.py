@@ -35,12 +35,14 @@ class FinetuneConfig:
     memory_target: float = DEFAULT_MEMORY_TARGET  # cheap: the kept bytes' ceiling as a fraction of the pruned keep
     #   set's; the plan recomputes the projections (or attention) costing the fewest FLOPs to get there (1 = none)
     max_nonfinite_steps: int = 3  # consecutive steps with a non-finite loss before the job stops
+    eval_steps: int = 0  # with validation data: every this many steps (0 = never), the next batch_size validation
+    #   examples (in turn) run forward-only for the step's valid_batch_loss (the whole set runs at each epoch's end)
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "max_nonfinite_steps"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_steps", "warmup_steps", "window_tokens", "seed"):
+        for name in ("max_steps", "warmup_steps", "window_tokens", "seed", "eval_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")

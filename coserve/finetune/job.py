@@ -49,6 +49,8 @@ class StepRecord:
     valid_loss: float | None = None  # mean loss per target token of the validation set after this step
     accuracy: float = 0.0  # the step's target tokens that were the model's most likely token, as a fraction
     valid_accuracy: float | None = None  # the same over the validation set after this step
+    valid_batch_loss: float | None = None  # mean loss per target token of a validation batch (eval_steps)
+    valid_batch_accuracy: float | None = None  # its token accuracy
 
 
 class FinetuneJob:
@@ -95,10 +97,11 @@ class FinetuneJob:
         self._batch_correct = 0  # of which predicted right (at the forward, before this step's update)
         self._pending: StepRecord | None = None  # a step waiting for its validation loss
         self._eval_queue: list[int] = []  # validation sequences still to run for it
+        self._eval_whole = True  # the queue is the whole validation set (else a batch of it: eval_steps)
         self._eval_loss = 0.0
         self._eval_correct = 0
-        self._valid_targets = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in self.validation)
-        self._eval_scale = 1.0 / max(1, self._valid_targets)  # the validation loss is a mean over its target tokens
+        self._eval_targets = 0  # target tokens of the queued validation sequences
+        self._next_valid = 0  # where the next validation batch starts
         self._start = time.perf_counter()
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
         self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, longest)  # what it keeps
@@ -166,8 +169,11 @@ class FinetuneJob:
             self._seq = None
             if not self._eval_queue:
                 record, self._pending = self._pending, None
-                record.valid_loss = self._eval_loss
-                record.valid_accuracy = self._eval_correct / max(1, self._valid_targets)
+                accuracy = self._eval_correct / max(1, self._eval_targets)
+                if self._eval_whole:
+                    record.valid_loss, record.valid_accuracy = self._eval_loss, accuracy
+                else:
+                    record.valid_batch_loss, record.valid_batch_accuracy = self._eval_loss, accuracy
                 self._publish(record)
 
     def stop_validation(self) -> None:
@@ -242,7 +248,7 @@ class FinetuneJob:
         self._seq = new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
                                        c.head_dim, self.model.device, self.model.dtype)
         self._seq.eval_only = True
-        self._loss_scale = self._eval_scale
+        self._loss_scale = 1.0 / max(1, self._eval_targets)  # the validation loss is a mean over its targets
     def _optimizer_step(self) -> None:
         params = self.bypass.parameters()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -267,12 +273,28 @@ class FinetuneJob:
             self._append_log(record)
             raise FinetuneError(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
                                 f"gradient (last at step {self.step}); stopping, the last saved adapter is kept")
-        if self.validation and (self.step % self.steps_per_epoch == 0 or self.step >= self.total_steps):
+        queue = self._validation_after_step()
+        if queue:
             self._pending = record  # published with its validation loss
-            self._eval_queue = list(range(len(self.validation)))
+            self._eval_queue = queue
             self._eval_loss, self._eval_correct = 0.0, 0
+            self._eval_targets = sum(sum(t != IGNORE_INDEX for t in self.validation[i].targets) for i in queue)
         else:
             self._publish(record)
+
+    def _validation_after_step(self) -> list[int]:
+        """The validation sequences to run after this step: all of them after an epoch's (and the last) step,
+        the next batch every ``eval_steps`` steps, else none."""
+        n = len(self.validation)
+        if not n:
+            return []
+        self._eval_whole = self.step % self.steps_per_epoch == 0 or self.step >= self.total_steps
+        if self._eval_whole:
+            return list(range(n))
+        if self.cfg.eval_steps and self.step % self.cfg.eval_steps == 0:
+            start, self._next_valid = self._next_valid, (self._next_valid + self.per_step) % n
+            return [(start + i) % n for i in range(min(self.per_step, n))]
+        return []
 
     def _publish(self, record: StepRecord) -> None:
         """A finished step into the log and the training log file, then ``on_step`` (checkpoints)."""
@@ -290,6 +312,9 @@ class FinetuneJob:
         if record.valid_loss is not None:
             line["valid_loss"] = record.valid_loss
             line["valid_mean_token_accuracy"] = record.valid_accuracy
+        if record.valid_batch_loss is not None:
+            line["valid_batch_loss"] = record.valid_batch_loss
+            line["valid_batch_mean_token_accuracy"] = record.valid_batch_accuracy
         with open(self.output_dir / LOG_FILE, "a") as f:
             f.write(json.dumps(line) + "\n")
 

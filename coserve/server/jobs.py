@@ -51,6 +51,9 @@ _SHOW = 5  # bad data lines named in a job's error
 def step_metrics(rec: StepRecord) -> dict:
     """An optimizer step's metrics under OpenAI's names (the validation set runs whole: ``full_valid_*``)."""
     metrics = {"step": rec.step, "train_loss": rec.loss, "train_mean_token_accuracy": rec.accuracy}
+    if rec.valid_batch_loss is not None:  # a validation batch (eval_steps)
+        metrics["valid_loss"] = rec.valid_batch_loss
+        metrics["valid_mean_token_accuracy"] = rec.valid_batch_accuracy
     if rec.valid_loss is not None:
         metrics["full_valid_loss"] = rec.valid_loss
         metrics["full_valid_mean_token_accuracy"] = rec.valid_accuracy
@@ -357,7 +360,8 @@ class JobManager:
                              lr=BASE_LR * hyper["learning_rate_multiplier"], optimizer=opts["optimizer"],
                              lr_scheduler=opts["lr_scheduler"], warmup_steps=opts["warmup_steps"],
                              weight_decay=opts["weight_decay"], max_grad_norm=opts["max_grad_norm"],
-                             max_seq_len=opts["max_seq_len"], seed=job["seed"])
+                             max_seq_len=opts["max_seq_len"], seed=job["seed"],
+                             eval_steps=opts.get("eval_steps", 0))  # jobs stored before the option: none
         found = self.store.latest_checkpoint(job_id)
         if found is not None:
             resume = Path(found[1])
@@ -420,9 +424,10 @@ class JobManager:
             self.store.add_event(r.job_id, r.write_errors.pop(0), level="warn")
         for rec in records:
             if not self.store.has_step_event(r.job_id, rec.step):
+                valid = rec.valid_loss if rec.valid_loss is not None else rec.valid_batch_loss
                 self.store.add_event(r.job_id, f"Step {rec.step}/{r.job.total_steps}: training loss="
-                                     f"{rec.loss:.4f}" + (f", validation loss={rec.valid_loss:.4f}"
-                                                          if rec.valid_loss is not None else ""),
+                                     f"{rec.loss:.4f}" + (f", validation loss={valid:.4f}" if valid is not None
+                                                          else ""),
                                      type="metrics", data={**step_metrics(rec), "learning_rate": rec.lr,
                                                            "tokens": rec.tokens})
         for checkpoint in saved:  # after the events of its steps: a resume from it repeats no step and loses none

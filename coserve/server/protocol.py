@@ -115,6 +115,7 @@ class CoserveOptions(Body):
     max_grad_norm: float = Field(1.0, ge=0)
     grad_accum: int = Field(1, ge=1)
     max_steps: int = Field(0, ge=0)
+    eval_steps: int = Field(10, ge=0)  # with a validation_file: a validation batch every this many steps (0 = off)
 
 
 class FineTuningJobRequest(Body):
