@@ -122,6 +122,24 @@ def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
     assert main(["bench", "--model", str(model), "--policy", "nope", "--no-progress"]) == 2
 
 
+def test_the_headline_takes_the_zero_load_run_from_an_earlier_file(model_factory, tmp_path, capsys):
+    from coserve.cli import main
+    model = model_factory("llama")
+    idle = tmp_path / "idle.json"
+    idle.write_text(json.dumps({"results": [_row("finetune-only", 0, 1.0, 500.0, idle=1.0)]}))
+    code = main(["bench", "--model", str(model), "--policy", "coserve", "--policy", "inference-only",
+                 "--rate", "6", "--duration", "1", "--drain", "20", "--max-model-len", "128",
+                 "--finetune-data", str(_alpaca(tmp_path / "a.json")), "--finetune-seq-len", "64",
+                 "--slo-tpot-ms", "1000", "--no-progress", "--with-results", str(idle)])
+    assert code == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| 6 |"))
+    assert not line.endswith("| - |")  # the harvest ratio, from the earlier file's finetune-only rate
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["bench", "--model", str(model), "--with-results", str(bad), "--no-progress"]) == 2
+    assert "bad.json is not a coserve bench --out file" in capsys.readouterr().err
+
+
 def _row(policy, rate, slo, ft, idle=0.5):
     return {"policy": policy, "rate": rate, "slo_attainment": slo, "finetune_tokens_per_s": ft,
             "idle_fraction": idle}

@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write every run's row as JSON here")
+    p.add_argument("--with-results", action="append", default=[], metavar="FILE.json",
+                   help="rows of an earlier run (its --out file) for the headline only: e.g. the zero-load "
+                        "finetune-only run that the harvest ratio needs")
     p.add_argument("--plot", default=None, metavar="DIR", help="write the figures (PNG) here")
     p.add_argument("--no-progress", action="store_true")
 
@@ -76,6 +79,18 @@ def parse_split(text: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The result rows of a ``coserve bench --out`` file; errors name the file."""
+    try:
+        rows = json.loads(path.read_text())["results"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--with-results: {path} is not a coserve bench --out file ({e})") from e
+    needed = {"policy", "rate", "slo_attainment", "finetune_tokens_per_s", "idle_fraction"}
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and needed <= set(r) for r in rows):
+        raise ValueError(f"--with-results: {path}: every result row needs {sorted(needed)}")
+    return rows
+
+
 def run(args) -> int:
     from coserve.model.config import ModelConfig
     from coserve.model.tokenizer import load_tokenizer
@@ -92,6 +107,7 @@ def run(args) -> int:
         value = getattr(args, name)
         if value is not None and not Path(value).is_file():
             raise ValueError(f"--{name.replace('_', '-')}: {value} is not a file")
+    earlier = [row for path in args.with_results for row in read_rows(Path(path))]
     cfg = ModelConfig.from_dir(args.model)
     max_len = args.max_model_len or cfg.max_position_embeddings
     tokenizer = load_tokenizer(Path(args.model))
@@ -120,7 +136,7 @@ def run(args) -> int:
                 write_report(Path(args.out), args, rows)
     if any(r["policy"] == "coserve" for r in rows):
         from coserve.bench.headline import headline, markdown
-        print(markdown(headline(rows)))
+        print(markdown(headline(earlier + rows)))
     if args.plot:
         from coserve.bench.plots import plot_sweep, plot_token_mix
         paths = plot_sweep(rows, Path(args.plot))
