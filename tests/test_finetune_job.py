@@ -231,7 +231,7 @@ def test_eval_steps_run_a_validation_batch_in_turn_between_the_epochs(setup, tmp
             progress=False)
     b = bypass()
     job = FinetuneJob(model, b, examples, _cfg(tmp_path / "v", **cfg), validation=validation)
-    batches = iter([[0, 1], [2, 0], [1, 2], [0, 1], [2, 0], [1, 2]])  # steps 1-3 and 5-7, in turn
+    batches = iter([[0, 1], [2, 0], [1, 2], [2, 0], [1, 2], [0, 1]])  # steps 1-3 and 5-7: batch k - 1 of 2
     expected = {}
     job.on_step = lambda j: expected.__setitem__(j.step, oracle(j.bypass, next(batches)) if j.step % 4
                                                  else oracle(j.bypass, [0, 1, 2]))

@@ -101,7 +101,6 @@ class FinetuneJob:
         self._eval_loss = 0.0
         self._eval_correct = 0
         self._eval_targets = 0  # target tokens of the queued validation sequences
-        self._next_valid = 0  # where the next validation batch starts
         self._start = time.perf_counter()
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
         self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, longest)  # what it keeps
@@ -291,8 +290,8 @@ class FinetuneJob:
         self._eval_whole = self.step % self.steps_per_epoch == 0 or self.step >= self.total_steps
         if self._eval_whole:
             return list(range(n))
-        if self.cfg.eval_steps and self.step % self.cfg.eval_steps == 0:
-            start, self._next_valid = self._next_valid, (self._next_valid + self.per_step) % n
+        if self.cfg.eval_steps and self.step % self.cfg.eval_steps == 0:  # the step fixes the batch (a resume too)
+            start = (self.step // self.cfg.eval_steps - 1) * self.per_step
             return [(start + i) % n for i in range(min(self.per_step, n))]
         return []
 
