@@ -23,8 +23,9 @@ def add_arguments(p) -> None:
     d = FinetuneConfig(output_dir="-")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records")
-    p.add_argument("--eval-steps", type=int, default=0, help="with --validation-data: a validation batch "
-                   "(batch-size examples, chosen by the step, so a resume picks the same) every this many steps; 0 = only the whole set after each epoch")
+    p.add_argument("--eval-steps", type=int, default=0,
+                   help="with --validation-data: a validation batch (batch-size examples, chosen by the step, so "
+                        "a resume picks the same) every this many steps; 0 = only the whole set after each epoch")
     p.add_argument("--validation-data", default=None, metavar="FILE",
                    help="same formats; its mean loss per target token is logged (valid_loss) after every epoch "
                         "and the last step")
