@@ -91,7 +91,6 @@ class FinetuneJob:
         self._batch: list[int] = []  # example indices of the current optimizer step
         self._seq: SequenceState | None = None
         self._next_in_batch = 0
-        self._loss_scale = 0.0
         self._batch_loss = 0.0
         self._batch_targets = 0  # target tokens of the step's sequences
         self._batch_correct = 0  # of which predicted right (at the forward, before this step's update)
@@ -138,7 +137,7 @@ class FinetuneJob:
         """One forward window of up to ``num_tokens`` tokens through every layer; returns its scaled loss."""
         if self.next_work() != "forward":
             raise ValueError("forward: the current sequence is not in its forward phase")
-        loss = forward_window(self.model, self.bypass, self._seq, num_tokens, self._loss_scale)
+        loss = forward_window(self.model, self.bypass, self._seq, num_tokens, self._loss_scale())
         self._account_forward(loss)
         return loss
 
@@ -149,7 +148,7 @@ class FinetuneJob:
         """
         if self.next_work() != "forward":
             raise ValueError("forward_slice: the current sequence is not in its forward phase")
-        return FinetuneSlice(self.bypass, self._seq, num_tokens, self._loss_scale)
+        return FinetuneSlice(self.bypass, self._seq, num_tokens, self._loss_scale())
 
     def forward_ran(self, loss: float) -> None:
         """Account the loss of a window run from ``forward_slice``."""
@@ -228,26 +227,29 @@ class FinetuneJob:
             order = self._order(epoch)
             self._batch = order[offset * self.per_step:(offset + 1) * self.per_step]
             self._next_in_batch = 0
-            targets = sum(sum(t != IGNORE_INDEX for t in self.examples[i].targets) for i in self._batch)
-            self._loss_scale = 1.0 / max(1, targets)
             self._batch_loss = 0.0
-            self._batch_targets, self._batch_correct = targets, 0
+            self._batch_targets = _targets(self.examples[i] for i in self._batch)
+            self._batch_correct = 0
         ex = self.examples[self._batch[self._next_in_batch]]
         self._next_in_batch += 1
-        c = self.model.cfg
-        self._seq = new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
-                                       c.head_dim, self.model.device, self.model.dtype)
+        self._seq = self._sequence(ex)
         self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, self._next_in_batch)
         if self.cfg.rematerialize == "cheap":
             self._seq.keeps = new_keeps(self.model, len(ex.token_ids), planned_keeps(self.plan))
 
     def _start_eval_sequence(self) -> None:
-        ex = self.validation[self._eval_queue.pop(0)]
-        c = self.model.cfg
-        self._seq = new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
-                                       c.head_dim, self.model.device, self.model.dtype)
+        self._seq = self._sequence(self.validation[self._eval_queue.pop(0)])
         self._seq.eval_only = True
-        self._loss_scale = 1.0 / max(1, self._eval_targets)  # the validation loss is a mean over its targets
+
+    def _sequence(self, ex: Example) -> SequenceState:
+        c = self.model.cfg
+        return new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
+                                  c.head_dim, self.model.device, self.model.dtype)
+
+    def _loss_scale(self) -> float:
+        """Losses are means per target token: of the step's sequences, or of the queued validation sequences."""
+        return 1.0 / max(1, self._eval_targets if self._seq.eval_only else self._batch_targets)
+
     def _optimizer_step(self) -> None:
         params = self.bypass.parameters()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -277,7 +279,7 @@ class FinetuneJob:
             self._pending = record  # published with its validation loss
             self._eval_queue = queue
             self._eval_loss, self._eval_correct = 0.0, 0
-            self._eval_targets = sum(sum(t != IGNORE_INDEX for t in self.validation[i].targets) for i in queue)
+            self._eval_targets = _targets(self.validation[i] for i in queue)
         else:
             self._publish(record)
 
@@ -338,6 +340,11 @@ class FinetuneJob:
             raise ValueError(f"{adapter_dir}: the saved optimizer state does not fit this job ({e})") from e
         self.step = int(saved.get("step", 0))
         self.tokens_done = self.tokens_at_step = int(saved.get("tokens", 0))  # trained before the checkpoint
+
+
+def _targets(examples) -> int:
+    """Target tokens of ``examples`` (positions with a loss)."""
+    return sum(sum(t != IGNORE_INDEX for t in e.targets) for e in examples)
 
 
 def _plain(cfg: FinetuneConfig) -> dict:
