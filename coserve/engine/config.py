@@ -7,6 +7,11 @@ from dataclasses import dataclass
 FUSE_CHOICES = ("auto", "always", "never")
 
 
+def fuses(setting: str, batch_invariant: bool) -> bool:
+    """Whether forward windows share the inference rows' matmul calls under ``fuse_finetuning=setting``."""
+    return {"auto": batch_invariant, "always": True, "never": False}[setting]
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything needed to start an engine; errors name the field."""

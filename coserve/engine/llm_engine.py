@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from coserve.engine.config import EngineConfig
+from coserve.engine.config import EngineConfig, fuses
 from coserve.engine.executor import ModelExecutor, job_progress
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
 from coserve.engine.output_processor import OutputProcessor
@@ -76,7 +76,7 @@ class LLMEngine:
         self.model_config = model_cfg
         invariance = invariance_violations(self.model)
         self.batch_invariant = not invariance  # co-served inference rows round as they would alone
-        fuse = {"auto": self.batch_invariant, "always": True, "never": False}[config.fuse_finetuning]
+        fuse = fuses(config.fuse_finetuning, self.batch_invariant)
         if invariance:
             log.warning("matmuls here are not batch-invariant (%s): %s; on CPU, set MKL_CBWR=AUTO,STRICT before "
                         "torch's first matmul (coserve/model/batch_invariance.py)", "; ".join(invariance),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from coserve.engine.config import FUSE_CHOICES
+from coserve.engine.config import FUSE_CHOICES, fuses
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
 from coserve.model.batch_invariance import invariance_violations
 from coserve.model.config import ModelConfig
@@ -39,7 +39,7 @@ def run(args) -> int:
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
     model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
     key = latency_key(args.model, device, dtype)
-    fuse = {"auto": not invariance_violations(model), "always": True, "never": False}[args.fuse_finetuning]
+    fuse = fuses(args.fuse_finetuning, batch_invariant=not invariance_violations(model))
     bar = tqdm(total=args.points, desc="profile", unit="point")
     latency, samples = profile(model, key, args.points, args.repeats, args.seed, args.max_context,
                                progress=lambda done, total: bar.update(1), fuse=fuse)

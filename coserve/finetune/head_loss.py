@@ -32,10 +32,12 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
     logits = model.logits(model.final_norm(xs))  # [m, V] float32
     picked = logits.gather(1, t.unsqueeze(1))  # [m, 1]
     top, predicted = logits.max(dim=-1, keepdim=True)
-    correct = int((predicted.squeeze(1) == t).sum())
     probs = logits.sub_(top).exp_()  # exp(logits - max), in the logits' buffer
     total = probs.sum(dim=-1, keepdim=True)
-    loss = float((top + total.log() - picked).sum()) * loss_scale  # logsumexp - logit[target]
+    # logsumexp - logit[target], and the count of right predictions, read back together (one device sync)
+    loss_sum, hits = torch.stack([(top + total.log() - picked).sum(),
+                                  (predicted.squeeze(1) == t).sum().to(top.dtype)]).tolist()
+    loss, correct = loss_sum * loss_scale, int(hits)
     if not need_grad:
         return loss, None, correct
     probs.div_(total)  # softmax

@@ -278,7 +278,7 @@ class JobManager:
         latest = self.store.latest_checkpoint(r.job_id)
         if latest is not None and latest[0]["step_number"] >= step:
             return
-        path = self.jobs_dir / r.job_id / "checkpoints" / f"step-{step}"
+        path = self._checkpoint_dir(r, step)
         write_checkpoint(path, snap)
         self._record_checkpoint(r, step, path)
 
@@ -457,9 +457,12 @@ class JobManager:
         j = r.job
         if j.step % r.checkpoint_every or j.step >= j.total_steps:
             return
-        path = self.jobs_dir / r.job_id / "checkpoints" / f"step-{j.step}"
+        path = self._checkpoint_dir(r, j.step)
         r.writes = [w for w in r.writes if not w.done()]  # only this thread changes the list while the job runs
         r.writes.append(self._writer.submit(self._write_checkpoint, r, j.step, path, j.snapshot()))
+
+    def _checkpoint_dir(self, r: Running, step: int) -> Path:
+        return self.jobs_dir / r.job_id / "checkpoints" / f"step-{step}"
 
     @staticmethod
     def _write_checkpoint(r: Running, step: int, path: Path, snap: CheckpointSnapshot) -> None:
