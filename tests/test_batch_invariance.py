@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -73,6 +74,18 @@ def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp
     alone = _logprobs(_engine(model_dir), prompts)
     engine = _engine(model_dir)
     assert engine.batch_invariant and engine.executor.fuse_finetuning  # the window shares the matmul calls
+    engine.add_finetune_job(_job(engine, tmp_path / "job"))
+    assert _logprobs(engine, prompts) == alone
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_co_served_requests_get_the_same_logprobs_bit_for_bit_on_cuda(model_factory, tmp_path):
+    """On the GPU, with the engine's default (``fuse_finetuning="auto"``: the window shares the matmul calls only
+    where the probe found cuBLAS batch-invariant)."""
+    model_dir = model_factory("llama")
+    prompts = _prompts(7)
+    alone = _logprobs(_engine(model_dir, device="cuda"), prompts)
+    engine = _engine(model_dir, device="cuda")
     engine.add_finetune_job(_job(engine, tmp_path / "job"))
     assert _logprobs(engine, prompts) == alone
 

@@ -38,8 +38,8 @@ def _job(engine: LLMEngine, out_dir, seed: int = 0) -> FinetuneJob:
     return FinetuneJob(model, bypass, _examples(model.cfg.vocab_size, seed), cfg)
 
 
-def _engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
+def _engine(model_dir, device: str = "cpu", **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device=device, num_kv_blocks=64,
                                   block_size=4, max_num_batched_tokens=48, **kw))
 
 
@@ -136,7 +136,7 @@ def test_the_engine_loads_a_profiled_latency_model_that_fits(model_factory, tmp_
     from coserve.engine.profiler import latency_key
     from coserve.scheduler.latency_model import FEATURE_NAMES, LatencyModel, save_models
     model_dir = model_factory("llama")
-    key = latency_key(model_dir, torch.device("cpu"), torch.float32)
+    key = latency_key(model_dir, torch.device("cpu"), torch.float32, fused=True)
     fitted = LatencyModel(key, [1e-3] + [1e-5] * (len(FEATURE_NAMES) - 1))
     other = LatencyModel({**key, "dtype": "bfloat16"}, [2e-3] + [1e-5] * (len(FEATURE_NAMES) - 1))
     path = tmp_path / "latency.json"

@@ -24,19 +24,20 @@ def test_grid_points_are_distinct_and_do_work():
     assert all(p.ft_context <= 128 and p.prefill <= 128 for p in grid(20, 128))
 
 
-def test_profile_writes_a_model_keyed_by_model_device_dtype_threads(model_factory, tmp_path, capsys):
+def test_profile_writes_a_model_keyed_by_model_device_dtype_threads_and_fusion(model_factory, tmp_path, capsys):
     model_dir = model_factory("llama")
     out = tmp_path / "latency.json"
     assert main(["profile", "--model", str(model_dir), "--out", str(out), "--points", "12", "--repeats", "1",
-                 "--max-context", "256", "--samples", str(tmp_path / "samples.json")]) == 0
+                 "--max-context", "256", "--samples", str(tmp_path / "samples.json"), "--fuse-finetuning", "always"]) == 0
     assert "held-out median absolute error" in capsys.readouterr().out
     samples = json.loads((tmp_path / "samples.json").read_text())["samples"]
     assert len(samples) == 12 and all(s["seconds"] > 0 and s["predicted_s"] >= 0 for s in samples)
     assert {tuple(sorted(s["shape"])) for s in samples} == {tuple(sorted(f.name for f in fields(IterationShape)))}
-    key = latency_key(model_dir, resolve_device(None), torch.float32)  # the device the command picks
+    key = latency_key(model_dir, resolve_device(None), torch.float32, fused=True)  # the device the command picks
     latency = load_model(out, key)
     assert latency is not None and latency.heldout_median_abs_pct_error is not None
     assert load_model(out, {**key, "threads": "999"}) is None
+    assert load_model(out, {**key, "fused": "false"}) is None  # an unfused engine times its windows otherwise
     # profiling another dtype adds a model beside the first one
     assert main(["profile", "--model", str(model_dir), "--out", str(out), "--points", "12", "--repeats", "1",
                  "--max-context", "256", "--dtype", "bfloat16"]) == 0

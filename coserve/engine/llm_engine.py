@@ -77,6 +77,7 @@ class LLMEngine:
         invariance = invariance_violations(self.model)
         self.batch_invariant = not invariance  # co-served inference rows round as they would alone
         fuse = fuses(config.fuse_finetuning, self.batch_invariant)
+        self.latency_key = latency_key(config.model, self.device, self.dtype, fuse)  # what a latency fit must match
         if invariance:
             log.warning("matmuls here are not batch-invariant (%s): %s; on CPU, set MKL_CBWR=AUTO,STRICT before "
                         "torch's first matmul (coserve/model/batch_invariance.py)", "; ".join(invariance),
@@ -314,10 +315,10 @@ class LLMEngine:
         return Path(self.config.latency_model) if self.config.latency_model else default_profile_path()
 
     def _latency_model(self) -> LatencyModel | None:
-        """The profiled latency model that fits this engine (model, device, dtype, threads), if any."""
+        """The profiled latency model that fits this engine (``latency_key``), if any."""
         path = self._latency_path()
         try:
-            return load_latency(path, latency_key(self.config.model, self.device, self.dtype))
+            return load_latency(path, self.latency_key)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"latency_model: {path} cannot be read ({e})") from e
 
@@ -325,7 +326,7 @@ class LLMEngine:
         """Under the coserve policy, profile briefly when no latency model fits (FlexLLM sizes slices by one)."""
         if self.scheduler.latency is not None or self.config.policy != "coserve" or not self.config.auto_profile:
             return
-        key = latency_key(self.config.model, self.device, self.dtype)
+        key = self.latency_key
         start = time.perf_counter()
         latency, _ = profile(self.model, key, num_points=BRIEF_PROFILE_POINTS, repeats=1,
                              max_ctx=min(BRIEF_PROFILE_CONTEXT, self.max_model_len),

@@ -38,8 +38,8 @@ def run(args) -> int:
     cfg = ModelConfig.from_dir(args.model)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
     model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
-    key = latency_key(args.model, device, dtype)
     fuse = fuses(args.fuse_finetuning, batch_invariant=not invariance_violations(model))
+    key = latency_key(args.model, device, dtype, fuse)
     bar = tqdm(total=args.points, desc="profile", unit="point")
     latency, samples = profile(model, key, args.points, args.repeats, args.seed, args.max_context,
                                progress=lambda done, total: bar.update(1), fuse=fuse)

@@ -177,8 +177,10 @@ def save_latency_model(path: Path, latency: LatencyModel) -> None:
     save_models(path, others + [latency])
 
 
-def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """What a fit is valid for: the model directory, device, dtype and thread count.
+def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype, fused: bool) -> dict[str, str]:
+    """What a fit is valid for: the model directory, device, dtype, thread count, and whether finetuning forward
+    windows share the inference rows' matmul calls (``fuse_finetuning``: on a GPU an unfused window costs its own
+    kernel launches, so the two fits differ).
 
     A CUDA device is named with its index (``cuda`` and ``cuda:0`` are one key when 0 is current).
     """
@@ -186,7 +188,8 @@ def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return {"model": str(Path(model_dir).resolve()), "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "threads": str(torch.get_num_threads())}
+            "dtype": str(dtype).removeprefix("torch."), "threads": str(torch.get_num_threads()),
+            "fused": str(fused).lower()}
 
 
 def default_profile_path() -> Path:

@@ -32,7 +32,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "finetune_forward_active",         # 1 if any finetuning forward token: loss/LoRA-activation setup
     "finetune_backward_windows",       # backward windows (one per layer touched): per-window launches, recompute
 )
-KEY_FIELDS = ("model", "device", "dtype", "threads")
+KEY_FIELDS = ("model", "device", "dtype", "threads", "fused")
 CORRECTION_ALPHA = 0.1          # weight of each new observation in the online correction
 CORRECTION_RANGE = (0.5, 2.0)   # the correction is clamped to this range
 _CONTEXT_OF = {"decode_tokens": "decode_context", "prefill_tokens": "prefill_context",
