@@ -125,8 +125,8 @@ def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_o
     import pytest
 
     from coserve.engine import executor as executor_module
-    from coserve.engine import llm_engine
     from coserve.finetune.runner import run_job
+    from coserve.model import batch_invariance
 
     model_dir = model_factory("llama")
     prompts = _prompts(3)
@@ -135,7 +135,8 @@ def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_o
     solo = _job(solo_engine, tmp_path / "solo")
     run_job(solo, progress=False)
 
-    monkeypatch.setattr(llm_engine, "invariance_violations", lambda model: ["down_proj (1408 -> 512) in calls of [17]"])
+    monkeypatch.setattr(batch_invariance, "invariance_violations",
+                        lambda model, linear=None: ["down_proj (1408 -> 512) in calls of [17]"])
     monkeypatch.setattr(executor_module, "mixed_forward", lambda *a, **k: pytest.fail("fused a window"))
     engine = _engine(model_dir)
     assert not engine.batch_invariant and not engine.executor.fuse_finetuning
@@ -149,3 +150,68 @@ def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_o
     assert _engine(model_dir, fuse_finetuning="always").executor.fuse_finetuning  # the operator's choice
     with pytest.raises(ValueError, match="fuse_finetuning"):
         _engine(model_dir, fuse_finetuning="sometimes")
+
+
+def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_factory, tmp_path, monkeypatch):
+    """Where plain GEMMs round a row by the call's size (cuBLAS picks its kernel by size: measured on an H100), the
+    engine runs them in tiles of a fixed row count and still fuses windows: logprobs equal to the last bit, the
+    adapter as trained alone. Without the tiles the same fused GEMM changes the logprobs (the test can fail)."""
+    from types import SimpleNamespace
+
+    from coserve.finetune.runner import run_job
+    from coserve.model import batch_invariance, tiled_gemm
+
+    def uneven(x, w, b=None):  # rounds differently in calls of more than 20 rows
+        y = F.linear(x, w, b)
+        return y + 1e-6 * y.abs() if x.shape[0] > 20 else y
+
+    model_dir = model_factory("llama")
+    prompts = _prompts(5)
+    alone = _logprobs(_engine(model_dir), prompts)
+    solo_engine = _engine(model_dir)
+    solo = _job(solo_engine, tmp_path / "solo")
+    run_job(solo, progress=False)
+
+    monkeypatch.setattr(tiled_gemm, "F", SimpleNamespace(linear=uneven))
+    monkeypatch.setattr(batch_invariance, "GEMM_TILE_ROWS", {})
+    untiled = _engine(model_dir, fuse_finetuning="always")
+    assert not untiled.batch_invariant and untiled.model.gemm_tile_rows == 0
+    untiled.add_finetune_job(_job(untiled, tmp_path / "untiled"))
+    assert _logprobs(untiled, prompts) != alone
+
+    monkeypatch.setattr(batch_invariance, "GEMM_TILE_ROWS", {"cpu": 16})
+    engine = _engine(model_dir)
+    assert engine.batch_invariant and engine.executor.fuse_finetuning and engine.model.gemm_tile_rows == 16
+    assert engine.model.padded_rows(1) == 16 and engine.model.padded_rows(17) == 32
+    tiled_alone = _logprobs(engine, prompts)
+    job = _job(engine, tmp_path / "co")
+    engine.add_finetune_job(job)
+    assert _logprobs(engine, prompts) == tiled_alone
+    assert job.step == solo.step and job.tokens_done > 0
+    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
+        assert (a - b).norm() / b.norm() <= 1e-5
+    assert not _engine(model_dir, fuse_finetuning="never").model.gemm_tile_rows  # no fusion, no tiles
+
+
+def test_tiled_linear_runs_whole_tiles_in_calls_of_their_own(monkeypatch):
+    from types import SimpleNamespace
+
+    from coserve.model import tiled_gemm
+
+    assert [tiled_gemm.padded_rows(n, 8, 0) for n in (1, 8, 9)] == [8, 8, 9]
+    assert [tiled_gemm.padded_rows(n, 8, 16) for n in (1, 16, 17, 33)] == [16, 16, 32, 48]
+    x, w, b = torch.randn(48, 12), torch.randn(5, 12), torch.randn(5)
+    calls = []
+
+    def spy(x, w, b=None):
+        calls.append(x.shape[0])
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(tiled_gemm, "F", SimpleNamespace(linear=spy))
+    y = tiled_gemm.tiled_linear(x, w, b, 16)
+    assert calls == [16, 16, 16]
+    assert torch.equal(y, torch.cat([F.linear(x[i:i + 16], w, b) for i in (0, 16, 32)]))
+    calls.clear()
+    tiled_gemm.tiled_linear(x[:40], w, None, 16)  # not whole tiles (a window run alone): one call
+    tiled_gemm.tiled_linear(x, w, None, 0)
+    assert calls == [40, 48]

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FUSE_CHOICES = ("auto", "always", "never")
-
-
-def fuses(setting: str, batch_invariant: bool) -> bool:
-    """Whether forward windows share the inference rows' matmul calls under ``fuse_finetuning=setting``."""
-    return {"auto": batch_invariant, "always": True, "never": False}[setting]
+from coserve.model.batch_invariance import FUSE_CHOICES
 
 
 @dataclass(slots=True)

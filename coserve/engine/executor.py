@@ -78,8 +78,9 @@ class ModelExecutor:
         batch = self._forward_batch(plan)
         t = batch.num_tokens
         # Inference rows share the finetuning window's matmuls when the call has enough rows to be
-        # batch-invariant; alone they run padded to that many, so their results are the same either way.
-        rows = max(t, BATCH_INVARIANT_ROWS)
+        # batch-invariant; alone they run padded to that many (and to whole GEMM tiles where tiles are on:
+        # coserve/model/tiled_gemm.py), so their results are the same either way.
+        rows = self.model.padded_rows(t)
         adapters = self._adapter_batch(plan, rows) if plan.adapters else None
         if forward is not None and self.fuse_finetuning and t + forward.num_tokens >= BATCH_INVARIANT_ROWS:
             job = self.jobs[forward.job_id]

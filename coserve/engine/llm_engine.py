@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from coserve.engine.config import EngineConfig, fuses
+from coserve.engine.config import EngineConfig
 from coserve.engine.executor import ModelExecutor, job_progress
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
 from coserve.engine.output_processor import OutputProcessor
 from coserve.engine.outputs import RequestOutput
 from coserve.kvcache import BlockManager
 from coserve.model.attention import PagedKVCache
-from coserve.model.batch_invariance import invariance_violations
+from coserve.model.batch_invariance import plan_fusion
 from coserve.model.config import ModelConfig
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import load_tokenizer
@@ -74,16 +74,20 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.model_config = model_cfg
-        invariance = invariance_violations(self.model)
-        self.batch_invariant = not invariance  # co-served inference rows round as they would alone
-        fuse = fuses(config.fuse_finetuning, self.batch_invariant)
+        # only the coserve policy runs finetuning windows beside inference rows (the others, whole iterations)
+        fusion = plan_fusion(self.model, config.fuse_finetuning if config.policy == "coserve" else "never")
+        self.batch_invariant = fusion.batch_invariant  # co-served inference rows round as they would alone
+        fuse = fusion.fuse
         self.latency_key = latency_key(config.model, self.device, self.dtype, fuse)  # what a latency fit must match
-        if invariance:
-            log.warning("matmuls here are not batch-invariant (%s): %s; on CPU, set MKL_CBWR=AUTO,STRICT before "
-                        "torch's first matmul (coserve/model/batch_invariance.py)", "; ".join(invariance),
+        if fusion.violations:
+            log.warning("matmuls here are not batch-invariant (%s): %s", "; ".join(fusion.violations),
+                        f"they run in GEMM tiles of {fusion.tile_rows} rows, so that a finetuning window can share "
+                        "them (coserve/model/tiled_gemm.py)" if fusion.tile_rows else
                         "finetuning forward windows run in calls of their own, so that they cannot change an "
-                        "inference output" if not fuse else "with fuse_finetuning='always', a concurrent "
-                        "finetuning job may change inference logprobs in their last bits")
+                        "inference output (on CPU, set MKL_CBWR=AUTO,STRICT before torch's first matmul: "
+                        "coserve/model/batch_invariance.py)" if not fuse else
+                        "with fuse_finetuning='always', a concurrent finetuning job may change inference logprobs "
+                        "in their last bits")
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
         self.cache = PagedKVCache(model_cfg.num_layers, num_blocks, config.block_size,
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)

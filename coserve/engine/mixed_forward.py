@@ -18,15 +18,17 @@ from coserve.model.forward_batch import ForwardBatch
 
 
 class RowSplitBypass:
-    """Rows ``[:split]`` through the inference adapters, rows ``[split:]`` through the trainable bypass.
+    """Rows ``[:split]`` through the inference adapters, rows ``[split:end]`` through the trainable bypass; rows
+    past ``end`` (padding to the GEMM tile) through neither.
 
     The inference adapters run over ``inference_rows`` rows (the inference rows, then zero rows), as
     the inference batch alone would (``DecoderModel.forward``'s ``min_rows``), so that their matmuls
     round the same with or without the finetuning rows.
     """
 
-    def __init__(self, inference: Bypass | None, finetune: Bypass, split: int, inference_rows: int = 0) -> None:
-        self.inference, self.finetune, self.split = inference, finetune, split
+    def __init__(self, inference: Bypass | None, finetune: Bypass, split: int, inference_rows: int = 0,
+                 end: int | None = None) -> None:
+        self.inference, self.finetune, self.split, self.end = inference, finetune, split, end
         self.pad = max(0, inference_rows - split)
         self.modules = finetune.modules | (inference.modules if inference is not None else frozenset())
 
@@ -44,10 +46,10 @@ class RowSplitBypass:
 
     def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
         inf, ft = self._parts(module)
-        s = self.split
+        s, e = self.split, self.end
         top = inf.input(layer, module, x[:s]) if inf is not None else x[:s]
-        bottom = ft.input(layer, module, x[s:]) if ft is not None else x[s:]
-        return torch.cat([top, bottom])
+        bottom = ft.input(layer, module, x[s:e]) if ft is not None else x[s:e]
+        return torch.cat([top, bottom, x[e:]]) if e is not None else torch.cat([top, bottom])
 
     def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.output_keep(layer, module, x, y, keep=False)[0]
@@ -55,18 +57,18 @@ class RowSplitBypass:
     def output_keep(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor, keep: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inf, ft = self._parts(module)
-        s = self.split
+        s, e = self.split, self.end
         top = self._inference_output(inf, layer, module, x, y) if inf is not None else y[:s]
         kept = None
         if ft is None:
-            bottom = y[s:]
+            bottom = y[s:e]
         elif keep:
-            bottom, kept = ft.output_keep(layer, module, x[s:], y[s:])
+            bottom, kept = ft.output_keep(layer, module, x[s:e], y[s:e])
         else:
-            bottom = ft.output(layer, module, x[s:], y[s:])
-        if kept is not None:  # the tap slices rows [split:]; pad the inference rows' part
+            bottom = ft.output(layer, module, x[s:e], y[s:e])
+        if kept is not None:  # the tap slices rows [split:end]; pad the inference rows' part
             kept = torch.cat([kept.new_zeros(s, *kept.shape[1:]), kept])
-        return torch.cat([top, bottom]), kept
+        return (torch.cat([top, bottom, y[e:]]) if e is not None else torch.cat([top, bottom])), kept
 
 
 @torch.inference_mode(False)  # the finetuning rows' kept tensors must stay usable by autograd later
@@ -83,21 +85,27 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
     if b <= a:
         raise ValueError("mixed_forward: the sequence's forward pass is already finished")
     t = batch.num_tokens
-    positions = torch.cat([batch.positions, st.positions[a:b]])
-    bypass = RowSplitBypass(adapters, ft.bypass, t, adapter_rows)
+    e = t + b - a  # rows past e: zeros, so that the matmuls run over whole GEMM tiles (model.padded_rows)
+    pad = model.padded_rows(e) - e
+    positions = torch.cat([batch.positions, st.positions[a:b], batch.positions.new_zeros(pad)])
+    bypass = RowSplitBypass(adapters, ft.bypass, t, adapter_rows, end=e if pad else None)
     with torch.no_grad(), training_rows(ft.bypass, st, st.positions[a:b]):
         x = model.embed[torch.cat([batch.token_ids, st.token_ids[a:b]])]
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         for layer in model.layers:
             i = layer.index
-            st.layer_inputs[i][a:b] = x[t:]
+            st.layer_inputs[i][a:b] = x[t:e]
 
             def attend(q, k, v, _i, i=i):
-                tail = sequence_attend(st, i, a, b, q[t:], k[t:], v[t:], model.scale)
-                if not t:
-                    return tail
-                return torch.cat([paged_attention(q[:t], k[:t], v[:t], i, cache, batch, model.scale), tail])
+                parts = [sequence_attend(st, i, a, b, q[t:e], k[t:e], v[t:e], model.scale)]
+                if t:
+                    parts.insert(0, paged_attention(q[:t], k[:t], v[:t], i, cache, batch, model.scale))
+                if pad:
+                    parts.append(q.new_zeros(pad, parts[0].shape[1]))
+                return torch.cat(parts) if len(parts) > 1 else parts[0]
 
             tap = keep_tap(st.keeps[i], a, b, first_row=t) if st.keeps is not None else None
             x, _, _ = model.layer_forward(layer, x, positions, attend, bypass, tap)
-    loss = finish_forward_window(model, st, x[t:], a, b, ft.loss_scale)
+    loss = finish_forward_window(model, st, x[t:e], a, b, ft.loss_scale)
     return model.final_norm(x[:t]), loss

@@ -8,9 +8,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from coserve.engine.config import FUSE_CHOICES, fuses
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
-from coserve.model.batch_invariance import invariance_violations
+from coserve.model.batch_invariance import FUSE_CHOICES, plan_fusion
 from coserve.model.config import ModelConfig
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.scheduler.latency_model import FEATURE_NAMES
@@ -38,7 +37,7 @@ def run(args) -> int:
     cfg = ModelConfig.from_dir(args.model)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
     model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
-    fuse = fuses(args.fuse_finetuning, batch_invariant=not invariance_violations(model))
+    fuse = plan_fusion(model, args.fuse_finetuning).fuse  # GEMM tiles on where the engine's would be
     key = latency_key(args.model, device, dtype, fuse)
     bar = tqdm(total=args.points, desc="profile", unit="point")
     latency, samples = profile(model, key, args.points, args.repeats, args.seed, args.max_context,

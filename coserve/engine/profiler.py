@@ -136,7 +136,7 @@ class IterationRig:
                                       FinetuneSlice(self.bypass, fwd_state, p.ft_forward, 1.0 / p.ft_forward))
         else:
             if batch.num_tokens:
-                hidden = model.forward(batch, self.cache)
+                hidden = model.forward(batch, self.cache, min_rows=model.padded_rows(batch.num_tokens))
             if fwd_state is not None:  # in calls of its own
                 forward_window(model, self.bypass, fwd_state, p.ft_forward, 1.0 / p.ft_forward)
         if batch.num_tokens:

@@ -109,17 +109,19 @@ def window_attend(keep: LayerKeep | None, a: int, b: int, q: torch.Tensor, k: to
 
 
 def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
-    """A ``layer_forward`` tap storing rows ``first_row:`` of what it sees into ``keep``'s rows ``a:b``."""
+    """A ``layer_forward`` tap storing rows ``first_row:first_row + b - a`` of what it sees (rows past them are
+    padding) into ``keep``'s rows ``a:b``."""
+    last_row = first_row + b - a
 
     def tap(name: str, value: torch.Tensor) -> None:
         if name in BASE_KEEPS:
             if name in keep.base:
-                keep.base[name][a:b] = value[first_row:]
+                keep.base[name][a:b] = value[first_row:last_row]
             return
         if name not in keep.bypass:  # a bypass's own kept tensor, allocated on first sight
             keep.bypass[name] = torch.empty(keep.num_tokens, value.shape[1], device=value.device,
                                             dtype=value.dtype)
-        keep.bypass[name][a:b] = value[first_row:]
+        keep.bypass[name][a:b] = value[first_row:last_row]
 
     return tap
 

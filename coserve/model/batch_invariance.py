@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from coserve.model.decoder import BATCH_INVARIANT_ROWS, DecoderModel
+
+FUSE_CHOICES = ("auto", "always", "never")  # EngineConfig.fuse_finetuning
 
 PROBE_ROWS = (16, 17, 57, 177, 300)  # call sizes compared with BATCH_INVARIANT_ROWS rows alone (regime edges seen)
 
@@ -48,10 +50,22 @@ def release_strict_cpu_gemms() -> None:
         os.environ.pop("MKL_CBWR", None)
 
 
+def forward_linear(model: DecoderModel) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A frozen weight's matmul as a batch-invariant forward runs it: rows padded (``model.padded_rows``), in
+    GEMM tiles where the model has them on."""
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        pad = model.padded_rows(m) - m
+        return model.linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x, weight)[:m]
+    return linear
+
+
 def invariance_violations(model: DecoderModel, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                          = F.linear, rows: tuple[int, ...] = PROBE_ROWS) -> list[str]:
+                          | None = None, rows: tuple[int, ...] = PROBE_ROWS) -> list[str]:
     """The model's weights (one layer's and the LM head) whose first ``BATCH_INVARIANT_ROWS`` output rows differ,
-    bit for bit, between a call of those rows alone and calls of ``rows`` rows: empty when invariant."""
+    bit for bit, between a call of those rows alone and calls of ``rows`` rows: empty when invariant. ``linear``
+    defaults to the model's own (``forward_linear``)."""
+    linear = linear or forward_linear(model)
     layer = model.layers[0]
     weights = {"qkv": layer.qkv, "o_proj": layer.o, "gate_up": layer.gate_up, "down_proj": layer.down,
                "lm_head": model.lm_head}
@@ -66,3 +80,37 @@ def invariance_violations(model: DecoderModel, linear: Callable[[torch.Tensor, t
             if beside:
                 found.append(f"{name} ({weight.shape[1]} -> {weight.shape[0]}) in calls of {beside} rows")
     return found
+
+
+# GEMM tile sizes by device type (coserve/model/tiled_gemm.py), used where plain GEMMs are not batch-invariant.
+# 128 rows on CUDA: measured on an H100, padding a decode batch to 128 rows cost nothing in bfloat16 and up to
+# 1.5x per matmul in float32 (``medium``, 32 rows), while a window and a decode batch up to 128 rows share
+# one call. No tiles on CPU: MKL's strict mode is invariant, and padding costs CPU time row for row.
+GEMM_TILE_ROWS = {"cuda": 128}
+
+
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    """How an engine runs finetuning forward windows beside inference (``plan_fusion``)."""
+
+    fuse: bool  # windows share the inference rows' matmul calls
+    batch_invariant: bool  # an inference row rounds as it would alone (plain GEMMs, or in GEMM tiles)
+    violations: tuple[str, ...]  # what plain GEMMs got wrong (``invariance_violations``)
+    tile_rows: int  # > 0: GEMM tiles are on
+
+
+def plan_fusion(model: DecoderModel, setting: str) -> Fusion:
+    """Probe ``model``'s GEMMs and decide under ``fuse_finetuning=setting`` (auto | always | never); turns the
+    model's GEMM tiles on where plain GEMMs are not batch-invariant, fusion is wanted and tiles are."""
+    if setting not in FUSE_CHOICES:
+        raise ValueError(f"fuse_finetuning must be one of {FUSE_CHOICES}, got {setting!r}")
+    model.gemm_tile_rows = 0
+    violations = tuple(invariance_violations(model))
+    tile = GEMM_TILE_ROWS.get(model.device.type, 0)
+    if violations and setting != "never" and tile:
+        model.gemm_tile_rows = tile
+        if not invariance_violations(model):
+            return Fusion(True, True, violations, tile)
+        model.gemm_tile_rows = 0
+    invariant = not violations
+    return Fusion({"auto": invariant, "always": True, "never": False}[setting], invariant, violations, 0)

@@ -12,6 +12,7 @@ from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
 from coserve.model.rope import RotaryEmbedding
+from coserve.model.tiled_gemm import padded_rows, tiled_linear
 
 # Linear modules a bypass network may attach to, with the fused weight each lives in.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -102,6 +103,15 @@ class DecoderModel:
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
         self.scale = cfg.head_dim ** -0.5
+        self.gemm_tile_rows = 0  # > 0: batch-invariant forwards run their matmuls in calls of this many rows
+
+    def padded_rows(self, rows: int) -> int:
+        """The rows a batch-invariant forward of ``rows`` rows runs over (coserve/model/tiled_gemm.py)."""
+        return padded_rows(rows, BATCH_INVARIANT_ROWS, self.gemm_tile_rows)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A frozen weight's matmul: in tile-sized calls over a padded forward's rows, when tiles are on."""
+        return tiled_linear(x, weight, bias, self.gemm_tile_rows)
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` of every adapter-targetable linear module."""
@@ -119,7 +129,7 @@ class DecoderModel:
 
         With ``min_rows`` the matmuls run over at least that many rows (zero rows past the batch,
         which attention skips and the result drops; a ``bypass`` must then cover them too): from
-        ``BATCH_INVARIANT_ROWS`` rows on, a row's result does not depend on the others.
+        ``padded_rows(1)`` rows on, a row's result does not depend on the others.
         """
         t = batch.num_tokens
         pad = max(0, min_rows - t)
@@ -157,7 +167,7 @@ class DecoderModel:
         cfg, i = self.cfg, layer.index
         t = x.shape[0]
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k, v = self.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = bypass_output(bypass, tap, i, "q_proj", h, q)
         k = bypass_output(bypass, tap, i, "k_proj", h, k)
         v = bypass_output(bypass, tap, i, "v_proj", h, v)
@@ -166,17 +176,17 @@ class DecoderModel:
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if tap is not None:
             tap("q", q)
-        x = x + bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o)
+        x = x + bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, self.linear)
         if tap is not None:
             tap("resid", x)
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+        gate, up = self.linear(h, layer.gate_up).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate)
         up = bypass_output(bypass, tap, i, "up_proj", h, up)
         if tap is not None:
             tap("gate", gate)
             tap("up", up)
-        x = x + bypassed_linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down)
+        x = x + bypassed_linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down, self.linear)
         return x, k, v
 
 
@@ -198,11 +208,11 @@ def bypass_output(bypass: Bypass | None, tap: Tap | None, layer: int, module: st
 
 
 def bypassed_linear(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,
-            weight: torch.Tensor) -> torch.Tensor:
+                    weight: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     if bypass is None or module not in bypass.modules:
-        return F.linear(x, weight)
+        return linear(x, weight)
     x = bypass.input(layer, module, x)
-    return bypass_output(bypass, tap, layer, module, x, F.linear(x, weight))
+    return bypass_output(bypass, tap, layer, module, x, linear(x, weight))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
