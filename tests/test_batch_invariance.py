@@ -183,6 +183,7 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
     engine = _engine(model_dir)
     assert engine.batch_invariant and engine.executor.fuse_finetuning and engine.model.gemm_tile_rows == 16
     assert engine.model.padded_rows(1) == 16 and engine.model.padded_rows(17) == 32
+
     tiled_alone = _logprobs(engine, prompts)
     job = _job(engine, tmp_path / "co")
     engine.add_finetune_job(job)
@@ -193,14 +194,14 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
     assert not _engine(model_dir, fuse_finetuning="never").model.gemm_tile_rows  # no fusion, no tiles
 
 
-def test_tiled_linear_runs_whole_tiles_in_calls_of_their_own(monkeypatch):
+def test_a_fused_forward_runs_the_padded_inference_rows_in_a_call_of_their_own(monkeypatch):
     from types import SimpleNamespace
 
     from coserve.model import tiled_gemm
 
     assert [tiled_gemm.padded_rows(n, 8, 0) for n in (1, 8, 9)] == [8, 8, 9]
     assert [tiled_gemm.padded_rows(n, 8, 16) for n in (1, 16, 17, 33)] == [16, 16, 32, 48]
-    x, w, b = torch.randn(48, 12), torch.randn(5, 12), torch.randn(5)
+    x, w, b = torch.randn(40, 12), torch.randn(5, 12), torch.randn(5)
     calls = []
 
     def spy(x, w, b=None):
@@ -208,10 +209,10 @@ def test_tiled_linear_runs_whole_tiles_in_calls_of_their_own(monkeypatch):
         return F.linear(x, w, b)
 
     monkeypatch.setattr(tiled_gemm, "F", SimpleNamespace(linear=spy))
-    y = tiled_gemm.tiled_linear(x, w, b, 16)
-    assert calls == [16, 16, 16]
-    assert torch.equal(y, torch.cat([F.linear(x[i:i + 16], w, b) for i in (0, 16, 32)]))
+    y = tiled_gemm.split_linear(x, w, b, 16)
+    assert calls == [16, 24]
+    assert torch.equal(y, torch.cat([F.linear(x[:16], w, b), F.linear(x[16:], w, b)]))
     calls.clear()
-    tiled_gemm.tiled_linear(x[:40], w, None, 16)  # not whole tiles (a window run alone): one call
-    tiled_gemm.tiled_linear(x, w, None, 0)
-    assert calls == [40, 48]
+    for split in (0, 40, 48):  # no window rows past the split, or no split: one call
+        tiled_gemm.split_linear(x, w, None, split)
+    assert calls == [40, 40, 40]

@@ -85,8 +85,9 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
     if b <= a:
         raise ValueError("mixed_forward: the sequence's forward pass is already finished")
     t = batch.num_tokens
-    e = t + b - a  # rows past e: zeros, so that the matmuls run over whole GEMM tiles (model.padded_rows)
-    pad = model.padded_rows(e) - e
+    e = t + b - a
+    split = model.padded_rows(t) if t else 0  # the inference rows' matmul calls, as alone (tiled_gemm.py)
+    pad = max(0, split - e)  # zero rows, where the window does not fill the inference rows' padding
     positions = torch.cat([batch.positions, st.positions[a:b], batch.positions.new_zeros(pad)])
     bypass = RowSplitBypass(adapters, ft.bypass, t, adapter_rows, end=e if pad else None)
     with torch.no_grad(), training_rows(ft.bypass, st, st.positions[a:b]):
@@ -106,6 +107,6 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
                 return torch.cat(parts) if len(parts) > 1 else parts[0]
 
             tap = keep_tap(st.keeps[i], a, b, first_row=t) if st.keeps is not None else None
-            x, _, _ = model.layer_forward(layer, x, positions, attend, bypass, tap)
+            x, _, _ = model.layer_forward(layer, x, positions, attend, bypass, tap, split)
     loss = finish_forward_window(model, st, x[t:e], a, b, ft.loss_scale)
     return model.final_norm(x[:t]), loss

@@ -51,12 +51,15 @@ def release_strict_cpu_gemms() -> None:
 
 
 def forward_linear(model: DecoderModel) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A frozen weight's matmul as a batch-invariant forward runs it: rows padded (``model.padded_rows``), in
-    GEMM tiles where the model has them on."""
+    """A frozen weight's matmul as the engine runs it when the first ``BATCH_INVARIANT_ROWS`` rows are inference
+    rows and the rest (if any) a finetuning window: the inference rows padded (``model.padded_rows``) and, with
+    GEMM tiles on, in a call of their own."""
+    split = model.padded_rows(BATCH_INVARIANT_ROWS)
+
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        pad = model.padded_rows(m) - m
-        return model.linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x, weight)[:m]
+        pad = max(0, split - m)
+        return model.linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x, weight, split=split)[:m]
     return linear
 
 
@@ -83,9 +86,9 @@ def invariance_violations(model: DecoderModel, linear: Callable[[torch.Tensor, t
 
 
 # GEMM tile sizes by device type (coserve/model/tiled_gemm.py), used where plain GEMMs are not batch-invariant.
-# 128 rows on CUDA: measured on an H100, padding a decode batch to 128 rows cost nothing in bfloat16 and up to
-# 1.5x per matmul in float32 (``medium``, 32 rows), while a window and a decode batch up to 128 rows share
-# one call. No tiles on CPU: MKL's strict mode is invariant, and padding costs CPU time row for row.
+# 128 rows on CUDA: measured on an H100, a call of 128 rows cost as much as one of 32 in bfloat16 and up to 1.5x
+# in float32 (``medium``), while a decode batch and a window's first rows share one call. No tiles on CPU: MKL's
+# strict mode is invariant, and padding costs CPU time row for row.
 GEMM_TILE_ROWS = {"cuda": 128}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -12,7 +13,7 @@ from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
 from coserve.model.rope import RotaryEmbedding
-from coserve.model.tiled_gemm import padded_rows, tiled_linear
+from coserve.model.tiled_gemm import padded_rows, split_linear
 
 # Linear modules a bypass network may attach to, with the fused weight each lives in.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -103,15 +104,17 @@ class DecoderModel:
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
         self.scale = cfg.head_dim ** -0.5
-        self.gemm_tile_rows = 0  # > 0: batch-invariant forwards run their matmuls in calls of this many rows
+        self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
 
     def padded_rows(self, rows: int) -> int:
-        """The rows a batch-invariant forward of ``rows`` rows runs over (coserve/model/tiled_gemm.py)."""
+        """The rows of the matmul calls that ``rows`` inference rows run in, alone or beside a finetuning window."""
         return padded_rows(rows, BATCH_INVARIANT_ROWS, self.gemm_tile_rows)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """A frozen weight's matmul: in tile-sized calls over a padded forward's rows, when tiles are on."""
-        return tiled_linear(x, weight, bias, self.gemm_tile_rows)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               split: int = 0) -> torch.Tensor:
+        """A frozen weight's matmul; with tiles on, a fused forward's rows ``[:split]`` (the inference rows and
+        their padding) in a call of their own."""
+        return split_linear(x, weight, bias, split if self.gemm_tile_rows else 0)
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` of every adapter-targetable linear module."""
@@ -155,19 +158,21 @@ class DecoderModel:
         return F.linear(hidden, self.lm_head).float()
 
     def layer_forward(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                      bypass: Bypass | None, tap: Tap | None = None
+                      bypass: Bypass | None, tap: Tap | None = None, split: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoder block over rows ``x`` ``[T, H]``; returns its output and the rows' rotated K and V.
 
         Inference passes paged attention as ``attend``; finetuning passes attention over a
         window's cached prefix, and a ``tap`` that stores what its backward will read
         (``q`` rotated, ``resid`` after attention, ``gate``, ``up``, and each bypassed
-        module's own kept tensor under the module's name). One definition serves both.
+        module's own kept tensor under the module's name). One definition serves both. ``split``: a fused
+        forward's inference rows with their padding (``linear``).
         """
         cfg, i = self.cfg, layer.index
+        linear = functools.partial(self.linear, split=split)
         t = x.shape[0]
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        q, k, v = self.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k, v = linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = bypass_output(bypass, tap, i, "q_proj", h, q)
         k = bypass_output(bypass, tap, i, "k_proj", h, k)
         v = bypass_output(bypass, tap, i, "v_proj", h, v)
@@ -176,17 +181,17 @@ class DecoderModel:
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if tap is not None:
             tap("q", q)
-        x = x + bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, self.linear)
+        x = x + bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, linear)
         if tap is not None:
             tap("resid", x)
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-        gate, up = self.linear(h, layer.gate_up).chunk(2, dim=-1)
+        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate)
         up = bypass_output(bypass, tap, i, "up_proj", h, up)
         if tap is not None:
             tap("gate", gate)
             tap("up", up)
-        x = x + bypassed_linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down, self.linear)
+        x = x + bypassed_linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down, linear)
         return x, k, v
 
 
