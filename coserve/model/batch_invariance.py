@@ -16,8 +16,9 @@ for bit, and a token wherever two candidates are that close). Two measures keep 
   back (``release_strict_cpu_gemms``).
 
 MKL reads the setting at its first call, so a process that multiplied matrices before importing coserve
-keeps the default mode; ``invariance_violations`` probes the model's own weights at engine start, and where
-rows depend on their neighbours (cuBLAS makes no promise either) the engine warns and, by default
+keeps the default mode. ``invariance_violations`` probes the model's own weights at engine start; where rows
+depend on their neighbours (cuBLAS on an H100, in float32: ``coserve/model/tiled_gemm.py``) ``plan_fusion``
+turns on GEMM tiles if they make the forward invariant, and otherwise the engine warns and, by default
 (``EngineConfig.fuse_finetuning="auto"``), runs finetuning windows in matmul calls of their own.
 """
 
