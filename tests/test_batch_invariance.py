@@ -32,6 +32,28 @@ def _logprobs(engine, prompts: list[list[int]]) -> list[list[tuple]]:
     return [[(lp.token_id, lp.logprob, lp.top) for lp in done[i].outputs[0].logprobs] for i in ids]
 
 
+def _solo_job(model_dir, out_dir):
+    """The test job trained alone, on an engine of its own."""
+    from coserve.finetune.runner import run_job
+    job = _job(_engine(model_dir), out_dir)
+    run_job(job, progress=False)
+    return job
+
+
+def _co_served(engine, prompts: list[list[int]], out_dir) -> tuple[list, list, object]:
+    """The prompts' logprobs on ``engine`` alone, then beside the test job (run to its end), and the job."""
+    alone = _logprobs(engine, prompts)
+    job = _job(engine, out_dir)
+    engine.add_finetune_job(job)
+    return alone, _logprobs(engine, prompts), job
+
+
+def _assert_trained_as_alone(job, solo) -> None:
+    assert job.step == solo.step and job.tokens_done > 0
+    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
+        assert (a - b).norm() / b.norm() <= 1e-5
+
+
 def test_importing_coserve_asks_mkl_for_strict_reproducibility_unless_the_environment_says_otherwise():
     import subprocess
     import sys
@@ -125,27 +147,19 @@ def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_o
     import pytest
 
     from coserve.engine import executor as executor_module
-    from coserve.finetune.runner import run_job
     from coserve.model import batch_invariance
 
     model_dir = model_factory("llama")
     prompts = _prompts(3)
-    alone = _logprobs(_engine(model_dir), prompts)
-    solo_engine = _engine(model_dir)
-    solo = _job(solo_engine, tmp_path / "solo")
-    run_job(solo, progress=False)
-
+    solo = _solo_job(model_dir, tmp_path / "solo")
     monkeypatch.setattr(batch_invariance, "invariance_violations",
                         lambda model, linear=None: ["down_proj (1408 -> 512) in calls of [17]"])
     monkeypatch.setattr(executor_module, "mixed_forward", lambda *a, **k: pytest.fail("fused a window"))
     engine = _engine(model_dir)
     assert not engine.batch_invariant and not engine.executor.fuse_finetuning
-    job = _job(engine, tmp_path / "co")
-    engine.add_finetune_job(job)
-    assert _logprobs(engine, prompts) == alone
-    assert job.step == solo.step and job.tokens_done > 0
-    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
-        assert (a - b).norm() / b.norm() <= 1e-5
+    alone, beside, job = _co_served(engine, prompts, tmp_path / "co")
+    assert beside == alone
+    _assert_trained_as_alone(job, solo)
 
     assert _engine(model_dir, fuse_finetuning="always").executor.fuse_finetuning  # the operator's choice
     with pytest.raises(ValueError, match="fuse_finetuning"):
@@ -158,7 +172,6 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
     adapter as trained alone. Without the tiles the same fused GEMM changes the logprobs (the test can fail)."""
     from types import SimpleNamespace
 
-    from coserve.finetune.runner import run_job
     from coserve.model import batch_invariance, tiled_gemm
 
     def uneven(x, w, b=None):  # rounds differently in calls of more than 20 rows
@@ -167,30 +180,21 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
 
     model_dir = model_factory("llama")
     prompts = _prompts(5)
-    alone = _logprobs(_engine(model_dir), prompts)
-    solo_engine = _engine(model_dir)
-    solo = _job(solo_engine, tmp_path / "solo")
-    run_job(solo, progress=False)
-
+    solo = _solo_job(model_dir, tmp_path / "solo")
     monkeypatch.setattr(tiled_gemm, "F", SimpleNamespace(linear=uneven))
     monkeypatch.setattr(batch_invariance, "GEMM_TILE_ROWS", {})
     untiled = _engine(model_dir, fuse_finetuning="always")
     assert not untiled.batch_invariant and untiled.model.gemm_tile_rows == 0
-    untiled.add_finetune_job(_job(untiled, tmp_path / "untiled"))
-    assert _logprobs(untiled, prompts) != alone
+    alone, beside, _ = _co_served(untiled, prompts, tmp_path / "untiled")
+    assert beside != alone
 
     monkeypatch.setattr(batch_invariance, "GEMM_TILE_ROWS", {"cpu": 16})
     engine = _engine(model_dir)
     assert engine.batch_invariant and engine.executor.fuse_finetuning and engine.model.gemm_tile_rows == 16
     assert engine.model.padded_rows(1) == 16 and engine.model.padded_rows(17) == 32
-
-    tiled_alone = _logprobs(engine, prompts)
-    job = _job(engine, tmp_path / "co")
-    engine.add_finetune_job(job)
-    assert _logprobs(engine, prompts) == tiled_alone
-    assert job.step == solo.step and job.tokens_done > 0
-    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
-        assert (a - b).norm() / b.norm() <= 1e-5
+    alone, beside, job = _co_served(engine, prompts, tmp_path / "co")
+    assert beside == alone
+    _assert_trained_as_alone(job, solo)
     assert not _engine(model_dir, fuse_finetuning="never").model.gemm_tile_rows  # no fusion, no tiles
 
 
