@@ -43,6 +43,8 @@ class EngineLoop:
                     if self._stop:
                         return
                     self._run_posted()
+                    if self.engine.collect_saves():  # a finished job's adapter is on disk: its waiters wake
+                        self.cond.notify_all()
                     if not self.engine.scheduler.has_work():
                         continue
                     for out in self.engine.step():
@@ -63,7 +65,8 @@ class EngineLoop:
                 self.cond.notify_all()
 
     def _ready(self) -> bool:
-        return self._stop or bool(self._posted) or self.engine.scheduler.has_work()
+        return (self._stop or bool(self._posted) or self.engine.scheduler.has_work()
+                or self.engine.saves_ended())
 
     def _run_posted(self) -> None:
         while self._posted:

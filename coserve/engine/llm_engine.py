@@ -13,6 +13,7 @@ import torch
 
 from coserve.engine.config import EngineConfig
 from coserve.engine.executor import ModelExecutor, job_progress
+from coserve.engine.job_saver import JobSaver
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
 from coserve.engine.output_processor import OutputProcessor
 from coserve.engine.outputs import RequestOutput
@@ -51,7 +52,7 @@ class JobState:
     """A finetuning job and where it ended up."""
 
     job: FinetuneJob
-    status: str = "running"  # running, succeeded, failed or cancelled
+    status: str = "running"  # running (its final adapter write included), succeeded, failed or cancelled
     error: str | None = None  # why it failed
 
 
@@ -110,6 +111,7 @@ class LLMEngine:
         self.last_plan: IterationPlan | None = None  # the latest iteration's plan (benchmarks read its token mix)
         self._last_step: tuple[float, float] | None = None  # (start, model seconds) of the latest busy iteration
         self.num_failed_iterations = 0  # iterations whose execution raised (``_iteration_failed``)
+        self.saver = JobSaver()  # finished jobs' adapters, written off the engine thread
 
     # ---- finetuning jobs -----------------------------------------------------
     def add_finetune_job(self, job: FinetuneJob, job_id: str | None = None, tenant: str = "default") -> str:
@@ -156,15 +158,28 @@ class LLMEngine:
         return any(s.status == "running" for s in self.job_states.values())
 
     def _finish_job(self, job_id: str, error: str | None) -> None:
+        """A job's last step ran (or it failed): off the scheduler; one that trained has its adapter written off
+        this thread (``JobSaver``) and stays ``running`` until ``collect_saves`` sees the write end."""
         state = self.job_states[job_id]
         self.scheduler.remove_job(job_id)
         self.executor.jobs.pop(job_id, None)
         if error is None:
-            try:
-                state.job.save()
-            except OSError as e:
-                error = f"saving the adapter failed: {e}"
-        state.status, state.error = ("failed", error) if error else ("succeeded", None)
+            self.saver.submit(job_id, state.job)
+        else:
+            state.status, state.error = "failed", error
+
+    def saves_ended(self) -> bool:
+        """Whether a finished job's adapter write has ended and awaits ``collect_saves`` (any thread)."""
+        return self.saver.any_done()
+
+    def collect_saves(self) -> bool:
+        """Jobs whose adapter write ended succeed (or fail, naming why); True if any did. ``step`` calls it."""
+        ended = self.saver.collect()
+        for job_id, error in ended.items():
+            state = self.job_states.get(job_id)
+            if state is not None and state.status == "running":  # not cancelled meanwhile
+                state.status, state.error = ("failed", error) if error else ("succeeded", None)
+        return bool(ended)
 
     # ---- adapters ------------------------------------------------------------
     def load_adapter(self, name: str, path: str | Path) -> None:
@@ -255,6 +270,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of requests that got a token or finished."""
         start = time.perf_counter()
+        self.collect_saves()
         if self._last_step is not None:  # back to back with a busy one: the gap beyond its model work is overhead
             last_start, last_model_s = self._last_step
             self.scheduler.observe_overhead(start - last_start - last_model_s)
