@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coserve.engine.detokenizer import IncrementalText
 from coserve.engine.outputs import CompletionOutput, RequestOutput
 from coserve.scheduler import Request, TokenEvent, TokenLogprobs
 
@@ -12,8 +13,9 @@ from coserve.scheduler import Request, TokenEvent, TokenLogprobs
 class _RequestText:
     prompt: str | None
     logprobs: list[TokenLogprobs] | None
-    text: str = ""
-    decoded: int = 0  # output tokens that `text` covers; -1 once a stop string cut it
+    detokenizer: IncrementalText
+    text: str = ""  # once a stop string cut it: the text, frozen
+    cut: bool = False
     stop_reason: str | int | None = None
     finish_reason: str | None = None
 
@@ -27,7 +29,7 @@ class OutputProcessor:
 
     def add(self, request: Request, prompt: str | None) -> None:
         self._texts[request.request_id] = _RequestText(
-            prompt, [] if request.params.logprobs is not None else None)
+            prompt, [] if request.params.logprobs is not None else None, IncrementalText(self.tokenizer))
 
     def process(self, request: Request, event: TokenEvent) -> bool:
         """Record one new token; returns True when a stop string has just ended the request."""
@@ -40,11 +42,11 @@ class OutputProcessor:
                 state.stop_reason = event.new_token_id
         if not request.params.stop:
             return False
-        text = self._text(request, state)
+        text = self._text(request, state, exact=True)
         for stop in request.params.stop:
             at = text.find(stop)
             if at >= 0:
-                state.text, state.decoded = text[:at], -1  # frozen: later decodes keep the cut
+                state.text, state.cut = text[:at], True  # frozen: later decodes keep the cut
                 state.stop_reason = stop
                 state.finish_reason = "stop"
                 return not event.finished  # True: the scheduler must still end it
@@ -56,7 +58,7 @@ class OutputProcessor:
         if finished and (request.finish_reason in ("abort", "error") or state.finish_reason is None):
             state.finish_reason = request.finish_reason  # ended by the scheduler or an abort
         completion = CompletionOutput(
-            index=0, text=self._text(request, state), token_ids=list(request.output_token_ids),
+            index=0, text=self._text(request, state, exact=finished), token_ids=list(request.output_token_ids),
             finish_reason=state.finish_reason if finished else None,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             stop_reason=state.stop_reason)
@@ -65,9 +67,8 @@ class OutputProcessor:
         return RequestOutput(request.request_id, state.prompt, list(request.prompt_token_ids),
                              [completion], finished, request.num_preemptions, request.error)
 
-    def _text(self, request: Request, state: _RequestText) -> str:
-        """The request's output text, decoded again only when new tokens arrived."""
-        if state.decoded != -1 and state.decoded != len(request.output_token_ids):
-            state.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            state.decoded = len(request.output_token_ids)
-        return state.text
+    @staticmethod
+    def _text(request: Request, state: _RequestText, exact: bool) -> str:
+        """The request's output text; until ``exact`` is asked for (the final output, stop strings), less an
+        unfinished UTF-8 character at its end (``IncrementalText``)."""
+        return state.text if state.cut else state.detokenizer.text(request.output_token_ids, exact)
