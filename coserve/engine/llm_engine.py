@@ -80,15 +80,19 @@ class LLMEngine:
         self.batch_invariant = fusion.batch_invariant  # co-served inference rows round as they would alone
         fuse = fusion.fuse
         self.latency_key = latency_key(config.model, self.device, self.dtype, fuse)  # what a latency fit must match
-        if fusion.violations:
-            log.warning("matmuls here are not batch-invariant (%s): %s", "; ".join(fusion.violations),
-                        f"they run in GEMM tiles of {fusion.tile_rows} rows, so that a finetuning window can share "
-                        "them (coserve/model/tiled_gemm.py)" if fusion.tile_rows else
-                        "finetuning forward windows run in calls of their own, so that they cannot change an "
-                        "inference output (on CPU, set MKL_CBWR=AUTO,STRICT before torch's first matmul: "
-                        "coserve/model/batch_invariance.py)" if not fuse else
-                        "with fuse_finetuning='always', a concurrent finetuning job may change inference logprobs "
-                        "in their last bits")
+        if fusion.violations:  # a warning unless GEMM tiles fixed it
+            if fusion.tile_rows:
+                how = (f"they run in GEMM tiles of {fusion.tile_rows} rows, so that a finetuning window can share "
+                       "them (coserve/model/tiled_gemm.py)")
+            elif not fuse:
+                how = ("finetuning forward windows run in calls of their own, so that they cannot change an "
+                       "inference output (on CPU, set MKL_CBWR=AUTO,STRICT before torch's first matmul: "
+                       "coserve/model/batch_invariance.py)")
+            else:
+                how = ("with fuse_finetuning='always', a concurrent finetuning job may change inference logprobs "
+                       "in their last bits")
+            log.log(logging.INFO if fusion.tile_rows else logging.WARNING,
+                    "matmuls here are not batch-invariant (%s): %s", "; ".join(fusion.violations), how)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
         self.cache = PagedKVCache(model_cfg.num_layers, num_blocks, config.block_size,
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
