@@ -57,3 +57,34 @@ def test_an_unfused_rig_times_forward_windows_in_calls_of_their_own(model_factor
     rig = profiler.IterationRig(model, 64, fuse=False)
     shape, seconds = rig.time(profiler.ProfilePoint(4, 32, 0, 16, 0, 32), repeats=1)
     assert shape.finetune_forward_tokens == 16 and shape.decode_tokens == 4 and seconds > 0
+
+
+def test_the_grid_is_timed_in_shuffled_passes_so_a_drifting_device_does_not_bias_one_kind_of_point(
+        model_factory, monkeypatch):
+    """A device that gets slower while it is profiled (seen on an H100): run in the grid's sorted order, the slow
+    stretch lands on one kind of point; in shuffled passes every point sees the whole run, and each counts the
+    median of its timed passes (the first pass is a warm-up)."""
+    from coserve.engine import profiler
+    from coserve.model.loader import load_model as load_decoder
+
+    model = load_decoder(model_factory("llama"), torch.float32, torch.device("cpu"))
+    runs: list[profiler.ProfilePoint] = []
+
+    def once(self, point):  # a fixed cost, plus a slowdown during runs 14-28 of the whole run
+        runs.append(point)
+        return 0.015 if 14 <= len(runs) - 1 < 29 else 0.010
+
+    monkeypatch.setattr(profiler.IterationRig, "once", once)
+    calls = []
+    key = {"model": "m", "device": "cpu", "dtype": "float32", "threads": "1", "fused": "true"}
+    _, samples = profiler.profile(model, key, num_points=12, repeats=3, max_ctx=64,
+                                  progress=lambda done, total: calls.append((done, total)))
+    points = profiler.grid(12, 64, 0, model.cfg.num_layers)
+    assert len(runs) == 48 and calls[-1] == (48, 48)
+    passes = [runs[i * 12:(i + 1) * 12] for i in range(4)]
+    assert all(sorted(p, key=points.index) == points for p in passes)  # every point once per pass
+    assert len({tuple(map(points.index, p)) for p in passes}) == 4 and passes[0] != points  # shuffled, each anew
+    for i, (shape, seconds) in enumerate(samples):  # a point is slow only if two of its three timed runs were
+        timed = [0.015 if 14 <= k < 29 else 0.010 for k, p in enumerate(runs) if k >= 12 and p == points[i]]
+        assert seconds == sorted(timed)[1] and shape == profiler.IterationRig.shape(points[i])
+    assert {s for _, s in samples} == {0.010, 0.015}

@@ -39,7 +39,7 @@ def run(args) -> int:
     model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
     fuse = plan_fusion(model, args.fuse_finetuning).fuse  # GEMM tiles on where the engine's would be
     key = latency_key(args.model, device, dtype, fuse)
-    bar = tqdm(total=args.points, desc="profile", unit="point")
+    bar = tqdm(total=args.points * (args.repeats + 1), desc="profile", unit="iteration")
     latency, samples = profile(model, key, args.points, args.repeats, args.seed, args.max_context,
                                progress=lambda done, total: bar.update(1), fuse=fuse)
     bar.close()

@@ -105,22 +105,26 @@ class IterationRig:
 
     def time(self, p: ProfilePoint, repeats: int) -> tuple[IterationShape, float]:
         """The point's IterationShape and the median wall time of ``repeats`` runs (after one warm-up)."""
-        times = [self._once(p) for _ in range(repeats + 1)][1:]
+        return self.shape(p), statistics.median([self.once(p) for _ in range(repeats + 1)][1:])
+
+    @staticmethod
+    def shape(p: ProfilePoint) -> IterationShape:
+        """What the scheduler's latency model sees of the point's iteration."""
         n_bwd, ctx = p.ft_backward, p.ft_context
         first = min(n_bwd, ctx)  # the top layer's window, then whole layers, then a partial one
         rest_full, rest_part = divmod(n_bwd - first, ctx)
         windows = layer_windows(n_bwd, ctx, ctx)
         backward_context = (sum(range(ctx - first + 1, ctx + 1)) + rest_full * ctx * (ctx + 1) // 2
                             + sum(range(ctx - rest_part + 1, ctx + 1)))
-        shape = IterationShape(
+        return IterationShape(
             decode_tokens=p.decode_seqs, decode_context=p.decode_seqs * p.decode_ctx,
             prefill_tokens=p.prefill, prefill_context=p.prefill * (p.prefill + 1) // 2,
             finetune_forward_tokens=p.ft_forward, finetune_forward_context=p.ft_forward * (p.ft_forward + 1) // 2,
             finetune_backward_token_layers=n_bwd, finetune_backward_context=backward_context,
             finetune_backward_windows=windows)
-        return shape, statistics.median(times)
 
-    def _once(self, p: ProfilePoint) -> float:
+    def once(self, p: ProfilePoint) -> float:
+        """One timed run of the point's iteration (seconds)."""
         model = self.model
         batch = self._batch(p)
         fwd_state = self._state(p.ft_forward) if p.ft_forward else None
@@ -156,14 +160,30 @@ def profile(model: DecoderModel, key: dict[str, str], num_points: int = 60, repe
             max_ctx: int = 1024, progress=None, fuse: bool = True
             ) -> tuple[LatencyModel, list[tuple[IterationShape, float]]]:
     """Time ``num_points`` grid iterations (forward windows fused into the inference rows' calls or not, as the
-    engine will run them) and fit; the model reports its held-out median error."""
+    engine will run them) and fit; the model reports its held-out median error.
+
+    The grid is run in ``repeats + 1`` passes (the first a warm-up), each in its own shuffled order, and a point's
+    time is its median over the timed passes: a device whose speed drifts while it is profiled (measured on an
+    H100: points run in a sorted order showed a block of 40% slower timings) then spreads the drift over all
+    kinds of points instead of pinning it on the ones run at the time. ``progress(done, total)`` is called after
+    every run."""
     max_ctx = min(max_ctx, model.rope.max_positions)
     rig = IterationRig(model, max_ctx, fuse=fuse)
-    samples = []
-    for i, point in enumerate(grid(num_points, max_ctx, seed, model.cfg.num_layers)):
-        samples.append(rig.time(point, repeats))
-        if progress is not None:
-            progress(i + 1, num_points)
+    points = grid(num_points, max_ctx, seed, model.cfg.num_layers)
+    rng = random.Random(seed)
+    times: list[list[float]] = [[] for _ in points]
+    total, done = len(points) * (repeats + 1), 0
+    for timed_pass in range(repeats + 1):
+        order = list(range(len(points)))
+        rng.shuffle(order)
+        for i in order:
+            seconds = rig.once(points[i])
+            if timed_pass:
+                times[i].append(seconds)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+    samples = [(rig.shape(p), statistics.median(t)) for p, t in zip(points, times)]
     return fit(samples, key), samples
 
 
