@@ -115,6 +115,7 @@ def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["policy"] for r in rows] == ["coserve", "inference-only"]
     assert rows[0]["batch_invariant"] and rows[0]["fused_finetuning"] is False  # as asked
+    assert rows[0]["gemm_tile_rows"] == 0  # no tiles on CPU
     assert rows[1]["finetune_tokens_per_s"] is None and rows[0]["finetune_tokens_per_s"] > 0
     assert rows[0]["num_requests"] == rows[1]["num_requests"]  # the same stream for both
     assert {p.name for p in plots.iterdir()} >= {"slo_attainment.png", "finetune_throughput.png",

@@ -261,6 +261,7 @@ def run_one(spec: RunSpec) -> dict:
         "errors": sorted({r.error for r in failed})[:5],
         "threads": torch.get_num_threads(),
         "batch_invariant": engine.batch_invariant, "fused_finetuning": engine.executor.fuse_finetuning,
+        "gemm_tile_rows": engine.model.gemm_tile_rows,
         "iterations": iterations, **spec.extra,
     }
 
