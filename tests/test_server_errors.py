@@ -131,7 +131,7 @@ def test_values_that_used_to_stop_the_engine(server, alice):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    (COMPLETIONS, "logit_bias", {"5": 100}), (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "best_of", 3),
+    (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "best_of", 3),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (CHAT, "tool_choice", "required"),
     (CHAT, "response_format", {"type": "json_object"}), (CHAT, "stream_options", {"include_usage": True}),
 ])
@@ -139,9 +139,33 @@ def test_parameters_the_server_cannot_honour_are_400(alice, path, field, value):
     body = {"model": BASE, "max_tokens": 2, field: value,
             **({"messages": HELLO} if path == CHAT else {"prompt": "hi"})}
     assert error_of(alice.post(path, json=body), 400)["param"] == field
-    neutral = {"logit_bias": {}, "suffix": None, "best_of": 1, "tools": [], "tool_choice": "none",
+    neutral = {"suffix": None, "best_of": 1, "tools": [], "tool_choice": "none",
                "response_format": {"type": "text"}, "stream_options": None}[field]
     assert alice.post(path, json={**body, field: neutral}).status_code == 200
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_penalties_and_logit_bias_are_honoured_and_bad_biases_are_400(alice, model_factory, path):
+    from coserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_factory("llama"))
+    body = {"model": BASE, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            **({"messages": HELLO} if path == CHAT else {"prompt": [5, 6, 7]})}
+
+    def text(**extra) -> str:
+        r = alice.post(path, json={**body, **extra})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if path == CHAT else choice["text"]
+
+    plain = text()
+    for field, value in (("presence_penalty", -2.0), ("frequency_penalty", 1.5), ("repetition_penalty", 1.2)):
+        assert alice.post(path, json={**body, field: value}).status_code == 200
+    forced = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" forced"))[-1]
+    assert text(logit_bias={str(forced): 100}) == tokenizer.decode([forced] * 4) != plain
+    for bad in ({"abc": 1}, {"-3": 1}, {"99999999": 1}, {"5": 101}):
+        assert error_of(alice.post(path, json={**body, "logit_bias": bad}), 400)["param"] == "logit_bias"
+    assert error_of(alice.post(path, json={**body, "presence_penalty": 3}), 400)["param"] == "presence_penalty"
 
 
 def test_tokenizing_a_huge_prompt_does_not_stall_other_requests(server, alice):

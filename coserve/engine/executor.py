@@ -11,10 +11,11 @@ from coserve.finetune.job import FinetuneJob
 from coserve.model.attention import PagedKVCache
 from coserve.model.decoder import BATCH_INVARIANT_ROWS, DecoderModel
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
+from coserve.model.logit_adjust import LogitAdjustments
 from coserve.model.sampling import SamplingRow, sample, top_logprobs
 from coserve.peft import AdapterSlots, ServedAdapter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
-from coserve.scheduler.plan import ExecutionResult, IterationPlan, TokenLogprobs
+from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
 
 
 def job_progress(job_id: str, job: FinetuneJob) -> FinetuneProgress:
@@ -96,7 +97,7 @@ class ModelExecutor:
         if sampling:
             logits = self.model.logits(hidden[batch.logits_rows])  # [N, V] float32
             rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
-                                self._generator(c.request_id, c.params.seed)) for c in sampling]
+                                self._generator(c.request_id, c.params.seed), _adjustments(c)) for c in sampling]
             tokens = sample(logits, rows, self.default_generator)
             result.sampled = {c.request_id: t for c, t in zip(sampling, tokens)}
             wants = [i for i, c in enumerate(sampling) if c.params.logprobs is not None]
@@ -132,3 +133,13 @@ class ModelExecutor:
             gen = torch.Generator(device=self.model.device).manual_seed(seed)
             self.generators[request_id] = gen
         return gen
+
+
+def _adjustments(chunk: InferenceChunk) -> LogitAdjustments | None:
+    """The chunk's request's penalties and biases, if it has any."""
+    if chunk.history is None:
+        return None
+    p = chunk.params
+    prompt_ids, output_ids = chunk.history
+    return LogitAdjustments(output_ids, prompt_ids, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                            p.logit_bias)

@@ -226,11 +226,14 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: {adapter!r} is not loaded (loaded: {sorted(self.adapters)})")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")

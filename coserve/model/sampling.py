@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from coserve.model.logit_adjust import LogitAdjustments, adjust_logits
+
 
 @dataclass(slots=True)
 class SamplingRow:
@@ -15,11 +17,18 @@ class SamplingRow:
     top_k: int  # -1 or 0 = off
     top_p: float  # 1.0 = off
     generator: torch.Generator | None  # the request's own RNG when it has a seed
+    adjust: LogitAdjustments | None = None  # penalties and biases, if the request has any
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None) -> list[int]:
-    """One token per row of ``logits`` ``[N, V]``; greedy rows in one argmax, the rest row by row."""
+    """One token per row of ``logits`` ``[N, V]``; greedy rows in one argmax, the rest row by row. ``logits`` is
+    left as it was (penalised rows are copies)."""
+    if any(row.adjust is not None for row in rows):
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            if row.adjust is not None:
+                logits[i] = adjust_logits(logits[i], row.adjust)
     tokens = logits.argmax(dim=-1).tolist()
     for i, row in enumerate(rows):
         if row.temperature == 0 or row.top_k == 1:

@@ -21,6 +21,8 @@ class InferenceChunk:
     sample: bool  # whether this chunk reaches the request's last known token: sample the next one
     params: SamplingParams  # how to sample (read only when sample is true)
     num_output_tokens: int  # outputs the request already has (for per-request seeded sampling)
+    # (prompt ids, output ids so far) when sampling with penalties (``params.adjusts_logits``), else None
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def end(self) -> int:

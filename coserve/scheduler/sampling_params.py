@@ -21,6 +21,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (kept in token_ids)
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
     logprobs: int | None = None  # None = no logprobs; N = the sampled token's and the top-N's
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once it has been generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the token has been generated
+    repetition_penalty: float = 1.0  # HF's/vLLM's: logits of tokens in the prompt or output divided (> 0) or
+    #   multiplied (< 0) by it; 1 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's: token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +49,26 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if (not isinstance(self.repetition_penalty, (int, float)) or isinstance(self.repetition_penalty, bool)
+                or not 0 < self.repetition_penalty < float("inf")):
+            raise ValueError(f"repetition_penalty must be a positive number, got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias: {token!r} is not a token id")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {bias!r}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits are penalised or biased before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -313,11 +313,13 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> InferenceChunk:
         start = request.num_computed_tokens
+        sample = start + n == request.num_tokens
+        history = ((request.prompt_token_ids, list(request.output_token_ids))
+                   if sample and request.params.adjusts_logits else None)
         return InferenceChunk(
             request_id=request.request_id, start=start, token_ids=request.token_ids(start, start + n),
             block_table=self.blocks.block_table(request.request_id), adapter=request.adapter,
-            sample=start + n == request.num_tokens, params=request.params,
-            num_output_tokens=len(request.output_token_ids))
+            sample=sample, params=request.params, num_output_tokens=len(request.output_token_ids), history=history)
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.request_id)

@@ -27,7 +27,7 @@ router = APIRouter()
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
-UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
                "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
                "response_format": (None, {"type": "text"})}
 
@@ -58,10 +58,22 @@ def reject_unsupported(body: Sampling) -> None:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
 
 
-def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
-    if body.presence_penalty or body.frequency_penalty:
-        param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
-        raise bad_request(f"{param}: only 0 is supported", param, "unsupported_value")
+def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as strings) as token ids; 400 naming the field when a key or value is bad."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise bad_request(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                              "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias: the bias of token {key} must lie in [-100, 100], got {value}",
+                              "logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
+def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int,
+                    bias: dict[int, float] | None = None) -> SamplingParams:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS:
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
@@ -71,7 +83,9 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
     temperature = 1.0 if body.temperature is None else body.temperature  # SamplingParams floors tiny ones
     return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                           top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
-                          ignore_eos=body.ignore_eos, logprobs=logprobs)
+                          ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                          logit_bias=bias or {})
 
 
 def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param: str, prompt_param: str) -> int:
@@ -194,6 +208,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     adapter = await ctx.models.resolve(tenant, body.model)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo: echo with logprobs is not supported", "echo", "unsupported_value")
+    bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
     prompts = await off_loop_if_long(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
@@ -202,7 +217,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
         for j in range(body.n):
-            params = sampling_params(body, max_tokens, body.logprobs, j)
+            params = sampling_params(body, max_tokens, body.logprobs, j, bias)
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt"), text if body.echo else ""))
     submit(ctx, job, requests)
 
@@ -274,9 +289,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+    bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
-    submit(ctx, job, [(make_request(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j), adapter,
+    submit(ctx, job, [(make_request(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j, bias), adapter,
                                     "messages"), "") for j in range(body.n)])
 
     if body.stream:

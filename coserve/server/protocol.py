@@ -34,11 +34,10 @@ class Sampling(Body):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     top_k: int = Field(-1, ge=-1)  # vLLM's extension
+    repetition_penalty: float = Field(1.0, gt=0)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
-    # OpenAI's fields this server does not implement: accepted when they ask for nothing, else a 400 (ignoring
-    # them would silently answer another question); see inference_api.reject_unsupported
-    logit_bias: Any = None
 
 
 class CompletionRequest(Sampling):

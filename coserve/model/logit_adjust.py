@@ -1,0 +1,43 @@
+"""Penalties and biases applied to a row of logits before sampling (OpenAI's and vLLM's request options).
+
+In this order: ``logit_bias`` added; ``repetition_penalty`` (HF's and vLLM's: the logit of every token in the
+prompt or the output so far divided by it where positive, multiplied where negative); then OpenAI's
+``frequency_penalty`` times how often a token has been generated and ``presence_penalty`` once if it has,
+subtracted. Temperature, top-k and top-p come after. Reported logprobs stay those of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class LogitAdjustments:
+    """One request's adjustments (plain numbers and token ids)."""
+
+    output_ids: list[int]  # tokens generated so far
+    prompt_ids: list[int]  # the prompt (the repetition penalty reads it too)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+def adjust_logits(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tensor:
+    """A copy of one row of logits ``[V]`` with ``adj`` applied."""
+    out = logits.clone()
+    device = out.device
+    if adj.logit_bias:
+        ids = torch.tensor(list(adj.logit_bias), dtype=torch.long, device=device)
+        out.index_add_(0, ids, torch.tensor(list(adj.logit_bias.values()), dtype=out.dtype, device=device))
+    if adj.repetition_penalty != 1.0:
+        seen = torch.tensor(adj.prompt_ids + adj.output_ids, dtype=torch.long, device=device).unique()
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / adj.repetition_penalty, values * adj.repetition_penalty)
+    if (adj.presence_penalty or adj.frequency_penalty) and adj.output_ids:
+        counts = torch.bincount(torch.tensor(adj.output_ids, dtype=torch.long, device=device),
+                                minlength=out.shape[0]).to(out.dtype)
+        out -= adj.frequency_penalty * counts + adj.presence_penalty * (counts > 0).to(out.dtype)
+    return out
