@@ -97,6 +97,27 @@ def test_stop_n_seed_and_logprobs(alice):
     assert all(abs(t.logprob - max(x.logprob for x in t.top_logprobs)) < 1e-5 for t in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(alice, model_factory, hf_model_cache):
+    """The legacy completions API's prompt scoring (what evaluation harnesses send): echo with logprobs and the
+    official client; the prompt's logprobs are HF's log-softmax, the first token's is null."""
+    import torch
+
+    prompt = [5, 17, 99, 240, 31, 8, 77]
+    out = alice.completions.create(model=BASE, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == sorted(lp.text_offset)
+    with torch.inference_mode():
+        ref = hf_model_cache(model_factory("llama"))(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for i in range(1, len(prompt)):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+        assert len(lp.top_logprobs[i]) <= 2 and max(lp.top_logprobs[i].values()) == pytest.approx(
+            ref[i - 1].max().item(), abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as e:  # not with a stream
+        alice.completions.create(model=BASE, prompt=prompt, max_tokens=2, echo=True, logprobs=1, stream=True)
+    assert e.value.body["param"] == "echo"
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"max_tokens": -1}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"),

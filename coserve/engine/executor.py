@@ -93,6 +93,7 @@ class ModelExecutor:
             hidden = self.model.forward(batch, self.cache, adapters, min_rows=rows)
             if forward is not None:
                 self._forward_alone(forward, result)
+        self._score_prompts(plan, batch, hidden, result)
         sampling = [c for c in plan.chunks if c.sample]
         if sampling:
             logits = self.model.logits(hidden[batch.logits_rows])  # [N, V] float32
@@ -106,6 +107,17 @@ class ModelExecutor:
                                   [sampling[i].params.logprobs for i in wants])
                 for i, (chosen, top) in zip(wants, lp):
                     result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
+
+    def _score_prompts(self, plan: IterationPlan, batch, hidden: torch.Tensor, result: ExecutionResult) -> None:
+        """Log-probabilities of the prompt tokens that chunks predict, for requests that asked (prompt_logprobs)."""
+        for chunk, seq in zip(plan.chunks, batch.chunks):
+            if chunk.prompt_targets is None:
+                continue
+            n = len(chunk.prompt_targets)
+            logits = self.model.logits(hidden[seq.start:seq.start + n])
+            scored = top_logprobs(logits, chunk.prompt_targets, [chunk.params.prompt_logprobs] * n)
+            result.prompt_logprobs[chunk.request_id] = [TokenLogprobs(t, lp, top) for t, (lp, top)
+                                                        in zip(chunk.prompt_targets, scored)]
 
     def _forward_batch(self, plan: IterationPlan):
         chunks, tokens, logits_rows = [], [], []

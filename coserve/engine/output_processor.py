@@ -64,8 +64,10 @@ class OutputProcessor:
             stop_reason=state.stop_reason)
         if finished:
             del self._texts[request.request_id]
+        prompt_logprobs = ([None, *request.prompt_logprobs] if request.params.prompt_logprobs is not None
+                           else None)
         return RequestOutput(request.request_id, state.prompt, list(request.prompt_token_ids),
-                             [completion], finished, request.num_preemptions, request.error)
+                             [completion], finished, request.num_preemptions, request.error, prompt_logprobs)
 
     @staticmethod
     def _text(request: Request, state: _RequestText, exact: bool) -> str:

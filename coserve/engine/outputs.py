@@ -30,6 +30,8 @@ class RequestOutput:
     finished: bool = False
     num_preemptions: int = 0
     error: str | None = None  # finish_reason "error": what made the iteration running it fail
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then each one's, as far as computed
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

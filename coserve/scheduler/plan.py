@@ -23,6 +23,8 @@ class InferenceChunk:
     num_output_tokens: int  # outputs the request already has (for per-request seeded sampling)
     # (prompt ids, output ids so far) when sampling with penalties (``params.adjusts_logits``), else None
     history: tuple[list[int], list[int]] | None = None
+    # prompt tokens that this chunk's first rows predict (params.prompt_logprobs): row i scores prompt_targets[i]
+    prompt_targets: list[int] | None = None
 
     @property
     def end(self) -> int:
@@ -63,6 +65,7 @@ class ExecutionResult:
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # chunk's prompt_targets scored
     elapsed_s: float = 0.0  # wall time of the iteration's model work
     finetune: list[FinetuneProgress] = field(default_factory=list)  # jobs the iteration advanced, after it
     finetune_losses: dict[str, float] = field(default_factory=dict)  # job id -> loss of its forward window

@@ -37,6 +37,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None  # when the first output token was sampled (the scheduler's clock)
     tenant: str = "default"  # who asked: the Virtual Token Counter shares the engine fairly among tenants
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. (params.prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:

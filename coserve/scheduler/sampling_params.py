@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (kept in token_ids)
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
     logprobs: int | None = None  # None = no logprobs; N = the sampled token's and the top-N's
+    prompt_logprobs: int | None = None  # None = none; N = each prompt token's (after the first) and the top-N's
     presence_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once it has been generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the token has been generated
     repetition_penalty: float = 1.0  # HF's/vLLM's: logits of tokens in the prompt or output divided (> 0) or
@@ -49,6 +50,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or a non-negative integer, got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:

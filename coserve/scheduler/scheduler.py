@@ -263,6 +263,8 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the iteration ran
             request.num_computed_tokens = chunk.end
+            if chunk.prompt_targets is not None and len(request.prompt_logprobs) == chunk.start:
+                request.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if not chunk.sample:
                 continue
             token = result.sampled[chunk.request_id]
@@ -316,10 +318,14 @@ class Scheduler:
         sample = start + n == request.num_tokens
         history = ((request.prompt_token_ids, list(request.output_token_ids))
                    if sample and request.params.adjusts_logits else None)
+        targets = None
+        if request.params.prompt_logprobs is not None and len(request.prompt_logprobs) == start:  # not yet scored
+            targets = request.prompt_token_ids[start + 1:min(start + n, request.num_prompt_tokens - 1) + 1] or None
         return InferenceChunk(
             request_id=request.request_id, start=start, token_ids=request.token_ids(start, start + n),
             block_table=self.blocks.block_table(request.request_id), adapter=request.adapter,
-            sample=sample, params=request.params, num_output_tokens=len(request.output_token_ids), history=history)
+            sample=sample, params=request.params, num_output_tokens=len(request.output_token_ids), history=history,
+            prompt_targets=targets)
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.request_id)

@@ -73,7 +73,7 @@ def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
 
 
 def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int,
-                    bias: dict[int, float] | None = None) -> SamplingParams:
+                    bias: dict[int, float] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS:
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
@@ -85,7 +85,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
                           top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
                           ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias or {})
+                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs)
 
 
 def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param: str, prompt_param: str) -> int:
@@ -154,6 +154,19 @@ def completion_logprobs(ctx: ServerContext, items: list[TokenLogprobs], offset: 
             "text_offset": offsets}
 
 
+def prompt_and_completion_logprobs(ctx: ServerContext, prompt_ids: list[int],
+                                   prompt_logprobs: list[TokenLogprobs | None], completion: dict) -> dict:
+    """The completions API's logprobs of an echoed prompt followed by those of its completion."""
+    tokens = [token_text(ctx, t) for t in prompt_ids]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens + completion["tokens"],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_logprobs]
+            + completion["token_logprobs"],
+            "top_logprobs": [None if lp is None else {token_text(ctx, i): v for i, v in lp.top.items()}
+                             for lp in prompt_logprobs] + completion["top_logprobs"],
+            "text_offset": offsets + completion["text_offset"]}
+
+
 def new_logprobs(choice: Choice, out: RequestOutput) -> list[TokenLogprobs]:
     items = out.outputs[0].logprobs or []
     fresh = items[choice.logprobs_sent:]
@@ -206,8 +219,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     tenant = tenant_of(request)
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo: echo with logprobs is not supported", "echo", "unsupported_value")
+    if body.echo and body.logprobs is not None and body.stream:
+        raise bad_request("echo: echo with logprobs is not supported when streaming", "echo", "unsupported_value")
+    scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's tokens are scored too
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
@@ -217,7 +231,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
         for j in range(body.n):
-            params = sampling_params(body, max_tokens, body.logprobs, j, bias)
+            params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored)
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt"), text if body.echo else ""))
     submit(ctx, job, requests)
 
@@ -253,7 +267,12 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     choices = []
     for c in job.choices:
         out = c.out
-        choices.append(choice_json(c, out, c.prefix + out.outputs[0].text, out.outputs[0].logprobs or [], 0, True))
+        choice = choice_json(c, out, c.prefix + out.outputs[0].text, out.outputs[0].logprobs or [], len(c.prefix),
+                             True)
+        if scored is not None:  # the prompt's tokens first, the first of them unscored
+            choice["logprobs"] = prompt_and_completion_logprobs(ctx, c.prompt_ids, out.prompt_logprobs,
+                                                                choice["logprobs"])
+        choices.append(choice)
     return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
             "choices": choices, "usage": usage(job)}
 
