@@ -4,6 +4,7 @@ server-sent events or not), and vLLM's runtime LoRA loading."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import time
 from pathlib import Path
@@ -158,7 +159,7 @@ def prompt_and_completion_logprobs(ctx: ServerContext, prompt_ids: list[int],
                                    prompt_logprobs: list[TokenLogprobs | None], completion: dict) -> dict:
     """The completions API's logprobs of an echoed prompt followed by those of its completion."""
     tokens = [token_text(ctx, t) for t in prompt_ids]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
     return {"tokens": tokens + completion["tokens"],
             "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_logprobs]
             + completion["token_logprobs"],
