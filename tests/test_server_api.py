@@ -277,6 +277,23 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_p
     assert r.status_code == 200
     with pytest.raises(openai.NotFoundError):
         bob.chat.completions.create(model="facts", messages=HELLO)
+    # OpenAI's model deletion: only the owner's fine-tuned model; its checkpoints stay servable
+    for name in (done.fine_tuned_model, BASE, checkpoints[0].fine_tuned_model_checkpoint):
+        with pytest.raises(openai.NotFoundError if name != BASE else openai.PermissionDeniedError):
+            bob.models.delete(name)
+    with pytest.raises(openai.PermissionDeniedError):
+        alice.models.delete(checkpoints[0].fine_tuned_model_checkpoint)
+    deleted = alice.models.delete(done.fine_tuned_model)
+    assert deleted.deleted and deleted.id == done.fine_tuned_model
+    assert done.fine_tuned_model not in [m.id for m in alice.models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        alice.chat.completions.create(model=done.fine_tuned_model, messages=HELLO, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        alice.models.delete(done.fine_tuned_model)
+    last = alice.chat.completions.create(model=checkpoints[0].fine_tuned_model_checkpoint, messages=HELLO,
+                                         max_tokens=8, temperature=0)
+    assert last.choices[0].message.content == tuned.choices[0].message.content  # the same adapter
+    assert alice.fine_tuning.jobs.retrieve(job.id).fine_tuned_model == done.fine_tuned_model
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'coserve_fine_tuning_jobs{state="succeeded"}' in metrics
     count = [ln for ln in metrics.splitlines() if ln.startswith("coserve_time_to_first_token_seconds_count")]

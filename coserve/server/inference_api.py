@@ -46,6 +46,11 @@ async def get_model(model: str, request: Request, ctx: ServerContext = Depends(c
     return entry
 
 
+@router.delete("/v1/models/{model:path}")
+async def delete_model(model: str, request: Request, ctx: ServerContext = Depends(context)):
+    return await ctx.models.delete(tenant_of(request), model)
+
+
 # ---- generation --------------------------------------------------------------------------------------------
 def reject_unsupported(body: Sampling) -> None:
     """400 for a field that asks for what this server does not do (silently ignoring it would be worse)."""

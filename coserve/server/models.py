@@ -100,9 +100,40 @@ class ModelRegistry:
         if not _JOB_ID.fullmatch(job_id):
             return None
         job = self.store.get_job(tenant, job_id)
-        if job is None or job.get("status") != "succeeded" or job.get("fine_tuned_model") != name:
+        if (job is None or job.get("status") != "succeeded" or job.get("fine_tuned_model") != name
+                or job.get("coserve", {}).get("model_deleted")):
             return None
         return self.state_dir / "jobs" / job_id / "model"
+
+    async def delete(self, tenant: str, name: str) -> dict:
+        """``DELETE /v1/models/{name}``: the tenant's fine-tuned model is no longer served (requests already
+        running on it finish) or listed; its job and checkpoints stay, files included (the last checkpoint is the
+        same adapter). 404 unless it is the tenant's; 403 for the base, shared adapters and checkpoints."""
+        if name == self.base or name in self.shared:
+            raise APIError(403, f"The model '{name}' cannot be deleted", "model", "model_not_deletable")
+        path = self.fine_tuned_path(tenant, name)
+        if path is None:
+            raise not_found("model", name, "model")
+        if self.store.checkpoint_by_model(name) is not None:
+            raise APIError(403, f"The model '{name}' is a checkpoint: it stays with its job", "model",
+                           "model_not_deletable")
+        job_id = name.rsplit(":", 1)[-1]
+        job = self.store.get_job(tenant, job_id)
+        self.store.update_job(job_id, coserve={**job.get("coserve", {}), "model_deleted": True})
+        await on_engine_async(self.loop, lambda: self._unload(name))
+        return {"id": name, "object": "model", "deleted": True}
+
+    def _unload(self, name: str) -> None:
+        """On the engine thread: unload ``name`` now, or, while requests still use it, first at the next eviction."""
+        if name not in self.loop.engine.adapters:
+            self.loaded.pop(name, None)
+            return
+        try:
+            self.loop.engine.unload_adapter(name)
+            self.loaded.pop(name, None)
+        except AdapterError:
+            self.loaded[name] = None
+            self.loaded.move_to_end(name, last=False)
 
     def describe(self, tenant: str, name: str) -> dict | None:
         """``GET /v1/models/{name}``: the model object if the tenant may use ``name`` (checkpoints included)."""
@@ -127,7 +158,7 @@ class ModelRegistry:
             data.append({"id": name, "object": "model", "created": created, "owned_by": "coserve",
                          "root": name, "parent": self.base})
         for owner, job in self.store.jobs_with_status("succeeded"):
-            if owner == tenant and job.get("fine_tuned_model"):
+            if owner == tenant and job.get("fine_tuned_model") and not job.get("coserve", {}).get("model_deleted"):
                 data.append({"id": job["fine_tuned_model"], "object": "model", "created": job.get("finished_at"),
                              "owned_by": tenant, "root": job["fine_tuned_model"], "parent": self.base})
         return data
