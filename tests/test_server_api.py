@@ -99,7 +99,7 @@ def test_stop_n_seed_and_logprobs(alice):
 
 def test_echo_with_logprobs_scores_the_prompt_as_hf_does(alice, model_factory, hf_model_cache):
     """The legacy completions API's prompt scoring (what evaluation harnesses send): echo with logprobs and the
-    official client; the prompt's logprobs are HF's log-softmax, the first token's is null."""
+    official client, whole and streamed; the prompt's logprobs are HF's log-softmax, the first token's is null."""
     import torch
 
     prompt = [5, 17, 99, 240, 31, 8, 77]
@@ -113,9 +113,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does(alice, model_factory, h
         assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
         assert len(lp.top_logprobs[i]) <= 2 and max(lp.top_logprobs[i].values()) == pytest.approx(
             ref[i - 1].max().item(), abs=1e-4)
-    with pytest.raises(openai.BadRequestError) as e:  # not with a stream
-        alice.completions.create(model=BASE, prompt=prompt, max_tokens=2, echo=True, logprobs=1, stream=True)
-    assert e.value.body["param"] == "echo"
+    stream = alice.completions.create(model=BASE, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=2,
+                                      stream=True)
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for part in streamed for t in part.token_logprobs] == lp.token_logprobs
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -384,6 +384,16 @@ def test_streams_match_whole_answers_with_stops_n_and_echo(alice):
     whole = alice.post(COMPLETIONS, json=echo).json()
     got, _ = streamed(alice, COMPLETIONS, echo)
     assert got == {c["index"]: c["text"] for c in whole["choices"]} and len(got) == 4
+    scored = {**echo, "logprobs": 2}  # echo with logprobs: the prompt's come with the first token, null first
+    whole = alice.post(COMPLETIONS, json=scored).json()
+    got, chunks = streamed(alice, COMPLETIONS, scored)
+    assert got == {c["index"]: c["text"] for c in whole["choices"]}
+    for c in whole["choices"]:
+        parts = [ch["choices"][0]["logprobs"] for ch in chunks if ch["choices"][0]["index"] == c["index"]
+                 and ch["choices"][0]["logprobs"]]
+        joined = {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                 "text_offset")}
+        assert joined == c["logprobs"] and joined["token_logprobs"][0] is None
 
 
 def test_an_event_stream_whose_generator_never_starts_still_aborts(monkeypatch):

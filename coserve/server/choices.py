@@ -27,6 +27,7 @@ class Choice:
     stream: RequestStream
     delta: TextDelta
     prefix: str = ""  # echo: the prompt's text
+    prefix_sent: bool = False  # a stream has sent it
     out: RequestOutput | None = None
     logprobs_sent: int = 0
     first_token_at: float | None = None

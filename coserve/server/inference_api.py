@@ -225,8 +225,6 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     tenant = tenant_of(request)
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
-    if body.echo and body.logprobs is not None and body.stream:
-        raise bad_request("echo: echo with logprobs is not supported when streaming", "echo", "unsupported_value")
     scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's tokens are scored too
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
@@ -250,17 +248,25 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
 
     if body.stream:
         def chunk(c: Choice, out: RequestOutput | None):
-            if out is None:
-                return ({"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
-                         "choices": [{"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None}]}
-                        if c.prefix else None)
-            offset = c.delta.sent
+            if out is None:  # the echoed prompt comes first; with logprobs, once they exist (with the first token)
+                if not c.prefix or scored is not None:
+                    return None
+                c.prefix_sent = True
+                return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
+                        "choices": [{"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None}]}
+            prefix = "" if c.prefix_sent else c.prefix
+            c.prefix_sent = True
+            offset = c.delta.sent + len(c.prefix)
             text = c.delta.next(out.outputs[0].text, out.finished)
             logprobs = new_logprobs(c, out)
-            if not text and not logprobs:
+            if not text and not logprobs and not prefix:
                 return None
+            choice = choice_json(c, out, prefix + text, logprobs, offset, False)
+            if prefix and scored is not None:
+                choice["logprobs"] = prompt_and_completion_logprobs(ctx, c.prompt_ids, out.prompt_logprobs,
+                                                                    choice["logprobs"])
             return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
-                    "choices": [choice_json(c, out, text, logprobs, offset, False)]}
+                    "choices": [choice]}
 
         def last(c: Choice, out: RequestOutput) -> dict:
             return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
