@@ -168,6 +168,24 @@ def test_penalties_and_logit_bias_are_honoured_and_bad_biases_are_400(alice, mod
     assert error_of(alice.post(path, json={**body, "presence_penalty": 3}), 400)["param"] == "presence_penalty"
 
 
+def test_tokenize_and_detokenize_as_vllm(alice, model_factory):
+    from coserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_factory("llama"))
+    r = alice.post("/tokenize", json={"model": BASE, "prompt": "Hello world"})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tokenizer("Hello world")["input_ids"] and r.json()["count"] == len(r.json()["tokens"])
+    chat = alice.post("/tokenize", json={"model": BASE, "messages": HELLO}).json()
+    rendered = tokenizer.apply_chat_template(HELLO, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    back = alice.post("/detokenize", json={"model": BASE, "tokens": r.json()["tokens"]})
+    assert back.json()["prompt"] == tokenizer.decode(r.json()["tokens"])
+    assert error_of(alice.post("/detokenize", json={"model": BASE, "tokens": [10**9]}), 400)["param"] == "tokens"
+    assert error_of(alice.post("/tokenize", json={"model": BASE}), 400)["param"] == "prompt"
+    assert error_of(alice.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)["param"] == "model"
+    assert httpx.post(f"{alice.base_url}/tokenize", json={"model": BASE, "prompt": "x"}).status_code == 401
+
+
 def test_tokenizing_a_huge_prompt_does_not_stall_other_requests(server, alice):
     """A prompt of megabytes takes the tokenizer a second or more; on the event loop's thread it stalled every
     other request (and stream) meanwhile."""

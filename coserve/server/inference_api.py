@@ -21,8 +21,8 @@ from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.generation import TextDelta, on_engine_async
 from coserve.server.models import ADAPTER_NAME, load_adapter
-from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, Sampling,
-                                     UnloadLoraRequest)
+from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
+                                     Sampling, TokenizeRequest, UnloadLoraRequest)
 
 router = APIRouter()
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
@@ -49,6 +49,33 @@ async def get_model(model: str, request: Request, ctx: ServerContext = Depends(c
 @router.delete("/v1/models/{model:path}")
 async def delete_model(model: str, request: Request, ctx: ServerContext = Depends(context)):
     return await ctx.models.delete(tenant_of(request), model)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request, ctx: ServerContext = Depends(context)):
+    """vLLM's: the token ids a prompt (or chat messages, as the chat API renders them) becomes."""
+    await ctx.models.resolve(tenant_of(request), body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("prompt: give either prompt or messages", "prompt")
+    if body.messages is not None:
+        ids = await off_loop_if_long(sum(len(m.content or "") if isinstance(m.content, str) else
+                                         sum(len(part.text) for part in m.content) for m in body.messages),
+                                     render_chat, ctx, body)
+    else:
+        ids = await off_loop_if_long(len(body.prompt), lambda: ctx.engine.tokenizer(
+            body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+    return {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request, ctx: ServerContext = Depends(context)):
+    """vLLM's: the text of token ids."""
+    await ctx.models.resolve(tenant_of(request), body.model)
+    vocab = ctx.engine.model_config.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})", "tokens")
+    return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
 
 
 # ---- generation --------------------------------------------------------------------------------------------

@@ -73,6 +73,20 @@ class ChatCompletionRequest(Sampling):
     response_format: Any = None
 
 
+class TokenizeRequest(Body):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered with the model's chat template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: as the completions API tokenizes it
+
+
+class DetokenizeRequest(Body):
+    model: str
+    tokens: list[int]
+
+
 class LoadLoraRequest(Body):
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1)
