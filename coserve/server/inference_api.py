@@ -58,9 +58,7 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: ServerContext =
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("prompt: give either prompt or messages", "prompt")
     if body.messages is not None:
-        ids = await off_loop_if_long(sum(len(m.content or "") if isinstance(m.content, str) else
-                                         sum(len(part.text) for part in m.content) for m in body.messages),
-                                     render_chat, ctx, body)
+        ids = await off_loop_if_long(messages_chars(body.messages), render_chat, ctx, body)
     else:
         ids = await off_loop_if_long(len(body.prompt), lambda: ctx.engine.tokenizer(
             body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
@@ -216,6 +214,12 @@ async def off_loop_if_long(chars: int, fn, *args):
     return fn(*args)
 
 
+def messages_chars(messages) -> int:
+    """Characters of chat messages' contents (plain or in text parts)."""
+    return sum(len(m.content or "") if isinstance(m.content, str) else sum(len(part.text) for part in m.content)
+               for m in messages)
+
+
 def prompt_chars(prompt) -> int:
     if isinstance(prompt, str):
         return len(prompt)
@@ -338,9 +342,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     tenant = tenant_of(request)
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
-    ids = await off_loop_if_long(sum(len(m.content or "") if isinstance(m.content, str) else
-                                     sum(len(part.text) for part in m.content) for m in body.messages),
-                                 render_chat, ctx, body)
+    ids = await off_loop_if_long(messages_chars(body.messages), render_chat, ctx, body)
     asked, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                     else (body.max_tokens, "max_tokens"))
     max_tokens = max_tokens_for(ctx, len(ids), asked, param, "messages")
