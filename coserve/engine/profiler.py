@@ -189,11 +189,12 @@ def profile(model: DecoderModel, key: dict[str, str], num_points: int = 60, repe
 
 def save_latency_model(path: Path, latency: LatencyModel) -> None:
     """Add (or replace) ``latency`` in the JSON file at ``path``, keeping models with other keys."""
-    from coserve.scheduler.latency_model import save_models
+    from coserve.scheduler.latency_model import STALE_VERSIONS, save_models
     others = []
     if path.is_file():
         raw = json.loads(path.read_text())
-        others = [LatencyModel.from_json(m) for m in raw.get("models", []) if m.get("key") != latency.key]
+        if raw.get("version") not in STALE_VERSIONS:  # an older coserve's file is replaced whole
+            others = [LatencyModel.from_json(m) for m in raw.get("models", []) if m.get("key") != latency.key]
     save_models(path, others + [latency])
 
 

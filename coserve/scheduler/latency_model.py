@@ -38,7 +38,8 @@ CORRECTION_RANGE = (0.5, 2.0)   # the correction is clamped to this range
 _CONTEXT_OF = {"decode_tokens": "decode_context", "prefill_tokens": "prefill_context",
                "finetune_forward_tokens": "finetune_forward_context",
                "finetune_backward_token_layers": "finetune_backward_context"}
-_FORMAT_VERSION = 2  # 2: per-window backward cost (version 1 files are stale: re-profile)
+_FORMAT_VERSION = 3  # 2: per-window backward cost; 3: keys say whether windows are fused
+STALE_VERSIONS = (1, 2)  # files of these versions hold no usable fit: as if none existed (re-profile)
 
 
 @dataclass(slots=True, frozen=True)
@@ -288,7 +289,7 @@ def load_model(path: str | os.PathLike, key: dict[str, str]) -> LatencyModel | N
         payload = json.loads(Path(path).read_text())
     except FileNotFoundError:
         return None
-    if payload.get("version") == 1:  # fitted without per-window backward costs: as if none fitted
+    if payload.get("version") in STALE_VERSIONS:  # an older coserve's fits: as if none fitted
         return None
     if payload.get("version") != _FORMAT_VERSION:
         raise ValueError(f"version must be {_FORMAT_VERSION}, got {payload.get('version')!r} in {path}")
