@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import openai
 import pytest
 import torch
 from openai import OpenAI
@@ -49,6 +50,8 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
     try:
         c = client(srv)
         f, reference, expected, job = reference_then_twin(srv, c, HYPER)
+        gone = c.fine_tuning.jobs.retrieve(reference.id).fine_tuned_model
+        assert c.models.delete(gone).deleted  # a deleted model stays deleted across the crash
         deadline = time.monotonic() + 120
         while not c.fine_tuning.jobs.checkpoints.list(job.id).data:
             assert time.monotonic() < deadline, "no checkpoint was written"
@@ -78,10 +81,13 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
         for k in expected:
             err = (got[k] - expected[k]).norm() / expected[k].norm().clamp_min(1e-12)
             assert err <= 1e-4, (k, float(err))
-        # both models are servable after the restart
-        for name in (done.fine_tuned_model, c.fine_tuning.jobs.retrieve(reference.id).fine_tuned_model):
-            out = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-            assert out.choices[0].message.content is not None
+        # the resumed job's model is servable after the restart; the one deleted before the crash is not
+        out = c.chat.completions.create(model=done.fine_tuned_model, messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=3)
+        assert out.choices[0].message.content is not None
+        assert gone not in [m.id for m in c.models.list().data]
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model=gone, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     finally:
         again.stop()
 
