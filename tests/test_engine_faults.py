@@ -113,3 +113,39 @@ def test_the_server_answers_an_engine_fault_with_a_500_and_serves_on(model_facto
         assert http.get("/health").status_code == 200
         assert "coserve_failed_iterations_total 2.0" in http.get("/metrics").text
         assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == ok.json()["choices"][0]["text"]
+
+
+def test_a_fault_in_the_engines_bookkeeping_fails_what_it_held_and_the_server_serves_on(model_factory, tmp_path,
+                                                                                      monkeypatch):
+    """``step()`` raising outside the model work (the scheduler itself): every request and job then in the engine
+    fails naming the error, the engine starts over with free KV blocks, and new requests are served exactly as
+    before; faults that keep coming (3 within a minute) stop the loop, and /health says so."""
+    from coserve.engine import engine_loop
+
+    model_dir = model_factory("llama")
+    app = build_app(ServerConfig(model=str(model_dir), state_dir=str(tmp_path / "state")),
+                    EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4))
+    engine = app.state.coserve.client.engine
+    body = {"model": model_dir.name, "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+    with TestClient(app) as http:
+        before = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        job = engine.add_finetune_job(_job(engine, tmp_path / "job"))
+        schedule = type(engine.scheduler).schedule
+        faults = [1]
+
+        def faulty(self):
+            if faults[0] > 0:
+                faults[0] -= 1
+                raise KeyError("injected bookkeeping fault")
+            return schedule(self)
+        monkeypatch.setattr(type(engine.scheduler), "schedule", faulty)
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "injected bookkeeping fault" in r.json()["error"]["message"]
+        assert engine.job_states[job].status == "failed" and "injected bookkeeping fault" in engine.job_states[job].error
+        assert engine.scheduler.blocks.num_free_blocks == 64 and not engine.scheduler.requests
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
+        faults[0] = engine_loop.MAX_FAULTS  # faults that keep coming (the first counts too) stop the loop
+        codes = [http.post("/v1/completions", json=body).status_code for _ in range(engine_loop.MAX_FAULTS - 1)]
+        assert codes == [500] * (engine_loop.MAX_FAULTS - 2) + [503]
+        assert http.get("/health").status_code == 503

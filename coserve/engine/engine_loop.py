@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
@@ -14,6 +15,7 @@ from coserve.engine.outputs import RequestOutput
 T = TypeVar("T")
 log = logging.getLogger("coserve.engine")
 IDLE_POLL_S = 0.005  # an idle loop also looks for posted work this often (a post that lost the race to notify)
+MAX_FAULTS, FAULT_WINDOW_S = 3, 60.0  # this many engine faults within this many seconds stop the loop
 
 
 class EngineLoop:
@@ -31,6 +33,7 @@ class EngineLoop:
         self._posted: deque[Callable[[], None]] = deque()
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self._stop = False
+        self._faults: list[float] = []  # when engine.step() last raised (reset_after_fault)
         self.thread = threading.Thread(target=self._run, name="coserve-engine", daemon=True)
         self.thread.start()
 
@@ -47,7 +50,7 @@ class EngineLoop:
                         self.cond.notify_all()
                     if not self.engine.scheduler.has_work():
                         continue
-                    for out in self.engine.step():
+                    for out in self._step():
                         listener = self.listeners.get(out.request_id)
                         if listener is not None:
                             if out.finished:
@@ -63,6 +66,19 @@ class EngineLoop:
                 for listener in listeners.values():
                     listener(e)
                 self.cond.notify_all()
+
+    def _step(self) -> list[RequestOutput]:
+        """``engine.step()``; where it raises (a failed model iteration is handled inside it: this is its own
+        bookkeeping), every request and job fails and the engine starts over, unless that keeps happening
+        (``MAX_FAULTS`` within ``FAULT_WINDOW_S``): then the loop stops and ``/health`` says so."""
+        try:
+            return self.engine.step()
+        except Exception as e:
+            now = time.monotonic()
+            self._faults = [t for t in self._faults if now - t < FAULT_WINDOW_S] + [now]
+            if len(self._faults) >= MAX_FAULTS:
+                raise
+            return self.engine.reset_after_fault(e)
 
     def _ready(self) -> bool:
         return (self._stop or bool(self._posted) or self.engine.scheduler.has_work()

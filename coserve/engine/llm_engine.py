@@ -96,11 +96,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
         self.cache = PagedKVCache(model_cfg.num_layers, num_blocks, config.block_size,
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
-                            config.max_loras, config.policy, config.slo_tpot_ms / 1000,
-                            temporal_interval=config.temporal_interval),
-            BlockManager(num_blocks, config.block_size), latency=self._latency_model())
+        self.scheduler = self._new_scheduler(num_blocks, self._latency_model())
         self.adapters: dict[str, ServedAdapter] = {}  # servable LoRA and IA3 adapters, by name
         shapes = self.model.module_shapes()
         slots = AdapterSlots(LoraBank(shapes, model_cfg.num_layers, config.max_loras, config.max_lora_rank,
@@ -266,6 +262,35 @@ class LLMEngine:
         """Queue a request built by ``make_request``."""
         self.scheduler.add_request(request)
         self.outputs.add(request, text)
+
+    def _new_scheduler(self, num_blocks: int, latency: LatencyModel | None) -> Scheduler:
+        c = self.config
+        return Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.max_loras,
+                                         c.policy, c.slo_tpot_ms / 1000, temporal_interval=c.temporal_interval),
+                         BlockManager(num_blocks, c.block_size), latency=latency)
+
+    def reset_after_fault(self, error: BaseException) -> list[RequestOutput]:
+        """After ``step`` raised outside the model work (the scheduler's own bookkeeping: its state can no longer
+        be trusted): every request and job in the engine fails, naming the error, and the engine starts over
+        with an empty scheduler (KV blocks all free); adapters, model and cache stay. Returns the requests' final
+        outputs (``finish_reason`` "error")."""
+        message = f"{type(error).__name__}: {error}"
+        log.error("the engine's bookkeeping failed; failing every request and job and starting over: %s", message,
+                  exc_info=error)
+        outputs = []
+        for request in list(self.scheduler.requests.values()):
+            request.error, request.finish_reason = message, "error"
+            outputs.append(self.outputs.output(request, True))
+        for job_id, state in self.job_states.items():
+            if state.status == "running":
+                self.executor.jobs.pop(job_id, None)
+                state.status, state.error = "failed", f"the engine failed ({message})"
+        self.scheduler = self._new_scheduler(self.scheduler.blocks.num_blocks, self.scheduler.latency)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.executor.generators.clear()
+        self._last_step = None
+        self.num_failed_iterations += 1
+        return outputs
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, "abort")
