@@ -129,16 +129,17 @@ def test_a_fault_in_the_engines_bookkeeping_fails_what_it_held_and_the_server_se
     body = {"model": model_dir.name, "prompt": "hello there", "max_tokens": 4, "temperature": 0}
     with TestClient(app) as http:
         before = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        job = engine.add_finetune_job(_job(engine, tmp_path / "job"))
+        loop = app.state.coserve.client.loop
+        job = loop.call(lambda: engine.add_finetune_job(_job(engine, tmp_path / "job", max_steps=10**6)))
         schedule = type(engine.scheduler).schedule
         faults = [1]
 
-        def faulty(self):
-            if faults[0] > 0:
+        def faulty(self):  # once a request is in the engine (the job alone may be stepping before it arrives)
+            if faults[0] > 0 and self.requests:
                 faults[0] -= 1
                 raise KeyError("injected bookkeeping fault")
             return schedule(self)
-        monkeypatch.setattr(type(engine.scheduler), "schedule", faulty)
+        loop.call(lambda: monkeypatch.setattr(type(engine.scheduler), "schedule", faulty))
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 500 and "injected bookkeeping fault" in r.json()["error"]["message"]
         assert engine.job_states[job].status == "failed" and "injected bookkeeping fault" in engine.job_states[job].error
