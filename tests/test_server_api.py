@@ -107,6 +107,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does(alice, model_factory, h
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(prompt) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset == sorted(lp.text_offset)
+    texted = alice.completions.create(model=BASE, prompt="Hello there", max_tokens=2, temperature=0, echo=True,
+                                      logprobs=1).choices[0].logprobs  # a text prompt: BOS first, offsets still grow
+    assert texted.token_logprobs[0] is None and texted.text_offset == sorted(texted.text_offset)
+    assert texted.text_offset[1:] == [sum(len(t) for t in texted.tokens[:i]) for i in range(1, len(texted.tokens))]
     with torch.inference_mode():
         ref = hf_model_cache(model_factory("llama"))(torch.tensor([prompt])).logits[0].log_softmax(-1)
     for i in range(1, len(prompt)):

@@ -28,6 +28,7 @@ class Choice:
     delta: TextDelta
     prefix: str = ""  # echo: the prompt's text
     prefix_sent: bool = False  # a stream has sent it
+    text_offset_base: int | None = None  # where the completion's logprobs text offsets start (echo: after the prompt)
     out: RequestOutput | None = None
     logprobs_sent: int = 0
     first_token_at: float | None = None

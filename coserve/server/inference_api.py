@@ -270,6 +270,14 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt"), text if body.echo else ""))
     submit(ctx, job, requests)
 
+    def offset_base(c: Choice) -> int:
+        """The completion's first text offset: after the echoed prompt, counted as its tokens' texts (as the
+        prompt's own offsets are; a special token's text, e.g. BOS, counts though the echoed text lacks it)."""
+        if c.text_offset_base is None:
+            c.text_offset_base = (sum(len(token_text(ctx, t)) for t in c.prompt_ids) if scored is not None
+                                  else len(c.prefix))
+        return c.text_offset_base
+
     def choice_json(c: Choice, out: RequestOutput, text: str, logprobs: list[TokenLogprobs], offset: int,
                     finished: bool) -> dict:
         return {"index": c.index, "text": text,
@@ -287,7 +295,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
                         "choices": [{"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None}]}
             prefix = "" if c.prefix_sent else c.prefix
             c.prefix_sent = True
-            offset = c.delta.sent + len(c.prefix)
+            offset = c.delta.sent + offset_base(c)
             text = c.delta.next(out.outputs[0].text, out.finished)
             logprobs = new_logprobs(c, out)
             if not text and not logprobs and not prefix:
@@ -310,7 +318,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     choices = []
     for c in job.choices:
         out = c.out
-        choice = choice_json(c, out, c.prefix + out.outputs[0].text, out.outputs[0].logprobs or [], len(c.prefix),
+        choice = choice_json(c, out, c.prefix + out.outputs[0].text, out.outputs[0].logprobs or [], offset_base(c),
                              True)
         if scored is not None:  # the prompt's tokens first, the first of them unscored
             choice["logprobs"] = prompt_and_completion_logprobs(ctx, c.prompt_ids, out.prompt_logprobs,
