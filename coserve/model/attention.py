@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from coserve.model.forward_batch import ForwardBatch, SingleTokenGroup
+from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup
 
 #: The attention kernels coserve lets ``scaled_dot_product_attention`` choose from. cuDNN's
 #: (which torch picks first for bfloat16/float16 on an H100) builds a graph for every new shape,
@@ -76,25 +76,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     out = torch.empty_like(q)
     for group in batch.single_groups:
         out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale)
-    for chunk in batch.multi_chunks:
-        qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        prefix = chunk.context_len - chunk.num_new
-        if prefix == 0:
-            kc = k[chunk.start:chunk.end]
-            vc = v[chunk.start:chunk.end]
-            mask, causal = None, True
-        else:
-            nb = (chunk.context_len + cache.block_size - 1) // cache.block_size
-            table = torch.tensor(chunk.block_table[:nb], dtype=torch.long, device=q.device)
-            kc, vc = cache.gather(layer, table)
-            kc, vc = kc[:chunk.context_len], vc[:chunk.context_len]
-            rows = torch.arange(chunk.num_new, device=q.device).unsqueeze(1) + prefix
-            mask, causal = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows, False
-        o = sdpa(
-            qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-        out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+    for chunk in batch.multi_chunks:  # a whole prompt (or its first chunk): causal over its own rows
+        _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, None, scale, out)
+    for pc in batch.prefixed_chunks:  # a later prefill chunk: over the cached prefix and itself
+        kc, vc = cache.gather(layer, pc.block_table)
+        _chunk_attention(q, kc[:pc.chunk.context_len], vc[:pc.chunk.context_len], pc.chunk, pc.mask, scale, out)
     return out.reshape(q.shape[0], -1)
+
+
+def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk: SequenceChunk,
+                     mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
+    """One chunk's queries over keys/values ``[L, Hkv, D]``: causal without ``mask``, else as it says."""
+    qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    o = sdpa(qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
+             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
 
 def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,

@@ -30,6 +30,16 @@ class SingleTokenGroup:
     context_lens: torch.Tensor  # [D] long
 
 
+@dataclass(slots=True)
+class PrefixedChunk:
+    """A chunk of 2+ tokens after a cached prefix, with what its attention reads in every layer, built once per
+    batch (on a GPU each tensor built from a list is a host-to-device copy)."""
+
+    chunk: SequenceChunk
+    block_table: torch.Tensor  # [blocks covering context_len] long
+    mask: torch.Tensor  # [num_new, context_len] bool: row i sees positions <= prefix + i
+
+
 # A group of one-token chunks takes sequences down to this fraction of its longest context, so
 # that padding at most doubles the attention work while the number of calls stays small.
 GROUP_LENGTH_RATIO = 0.5
@@ -50,7 +60,8 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [N] long, rows whose next-token logits are wanted
     # Derived once per batch for attention (see attention.py).
     single_groups: list[SingleTokenGroup] = field(default_factory=list)  # 1-token chunks, by length
-    multi_chunks: list[SequenceChunk] = field(default_factory=list)  # chunks of 2+ tokens
+    multi_chunks: list[SequenceChunk] = field(default_factory=list)  # chunks of 2+ tokens without a prefix
+    prefixed_chunks: list[PrefixedChunk] = field(default_factory=list)  # chunks of 2+ tokens after a prefix
 
     @property
     def num_tokens(self) -> int:
@@ -77,8 +88,17 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
         chunks=chunks,
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
         single_groups=[_group(g, block_size, device) for g in _split_by_length(singles)],
-        multi_chunks=[c for c in chunks if c.num_new > 1],
+        multi_chunks=[c for c in chunks if c.num_new > 1 and c.context_len == c.num_new],
+        prefixed_chunks=[_prefixed(c, block_size, device) for c in chunks
+                         if c.num_new > 1 and c.context_len > c.num_new],
     )
+
+
+def _prefixed(chunk: SequenceChunk, block_size: int, device: torch.device) -> PrefixedChunk:
+    nb = -(-chunk.context_len // block_size)
+    rows = torch.arange(chunk.num_new, device=device).unsqueeze(1) + (chunk.context_len - chunk.num_new)
+    return PrefixedChunk(chunk, torch.tensor(chunk.block_table[:nb], dtype=torch.long, device=device),
+                         torch.arange(chunk.context_len, device=device).unsqueeze(0) <= rows)
 
 
 def _split_by_length(singles: list[SequenceChunk]) -> list[list[SequenceChunk]]:
