@@ -97,9 +97,7 @@ def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, gr
                             scale: float) -> torch.Tensor:
     """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes."""
     kc, vc = cache.gather(layer, group.block_tables)  # [D, L, Hkv, Dh]
-    length = kc.shape[1]
-    valid = torch.arange(length, device=q.device).unsqueeze(0) < group.context_lens.unsqueeze(1)
     o = sdpa(
         q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
-        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)  # [D, Hq, 1, Dh]
+        attn_mask=group.valid, scale=scale, enable_gqa=True)  # [D, Hq, 1, Dh]
     return o.squeeze(2)

@@ -28,6 +28,7 @@ class SingleTokenGroup:
     rows: torch.Tensor  # [D] rows of these chunks in the flat batch
     block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0
     context_lens: torch.Tensor  # [D] long
+    valid: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool: the gathered positions each chunk attends to
 
 
 @dataclass(slots=True)
@@ -116,7 +117,9 @@ def _group(chunks: list[SequenceChunk], block_size: int, device: torch.device) -
     max_blocks = -(-chunks[0].context_len // block_size)  # the first is the longest
     tables = [c.block_table[:max_blocks] + [0] * (max_blocks - min(max_blocks, len(c.block_table)))
               for c in chunks]
+    context_lens = torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=device)
+    positions = torch.arange(max_blocks * block_size, device=device)
     return SingleTokenGroup(
         rows=torch.tensor([c.start for c in chunks], dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=device))
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device), context_lens=context_lens,
+        valid=(positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :])
