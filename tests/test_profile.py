@@ -55,7 +55,8 @@ def test_an_unfused_rig_times_forward_windows_in_calls_of_their_own(model_factor
     model = load_decoder(model_factory("llama"), torch.float32, torch.device("cpu"))
     monkeypatch.setattr(profiler, "mixed_forward", lambda *a, **k: pytest.fail("the window was fused"))
     rig = profiler.IterationRig(model, 64, fuse=False)
-    shape, seconds = rig.time(profiler.ProfilePoint(4, 32, 0, 16, 0, 32), repeats=1)
+    point = profiler.ProfilePoint(4, 32, 0, 16, 0, 32)
+    shape, seconds = rig.shape(point), rig.once(point)
     assert shape.finetune_forward_tokens == 16 and shape.decode_tokens == 4 and seconds > 0
 
 

@@ -26,8 +26,8 @@ class RowSplitBypass:
     round the same with or without the finetuning rows.
     """
 
-    def __init__(self, inference: Bypass | None, finetune: Bypass, split: int, inference_rows: int = 0,
-                 end: int | None = None) -> None:
+    def __init__(self, inference: Bypass | None, finetune: Bypass, split: int, end: int,
+                 inference_rows: int = 0) -> None:
         self.inference, self.finetune, self.split, self.end = inference, finetune, split, end
         self.pad = max(0, inference_rows - split)
         self.modules = finetune.modules | (inference.modules if inference is not None else frozenset())
@@ -49,7 +49,7 @@ class RowSplitBypass:
         s, e = self.split, self.end
         top = inf.input(layer, module, x[:s]) if inf is not None else x[:s]
         bottom = ft.input(layer, module, x[s:e]) if ft is not None else x[s:e]
-        return torch.cat([top, bottom, x[e:]]) if e is not None else torch.cat([top, bottom])
+        return torch.cat([top, bottom, x[e:]])
 
     def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.output_keep(layer, module, x, y, keep=False)[0]
@@ -68,7 +68,7 @@ class RowSplitBypass:
             bottom = ft.output(layer, module, x[s:e], y[s:e])
         if kept is not None:  # the tap slices rows [split:end]; pad the inference rows' part
             kept = torch.cat([kept.new_zeros(s, *kept.shape[1:]), kept])
-        return (torch.cat([top, bottom, y[e:]]) if e is not None else torch.cat([top, bottom])), kept
+        return torch.cat([top, bottom, y[e:]]), kept
 
 
 @torch.inference_mode(False)  # the finetuning rows' kept tensors must stay usable by autograd later
@@ -89,7 +89,7 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
     split = model.padded_rows(t) if t else 0  # the inference rows' matmul calls, as alone (tiled_gemm.py)
     pad = max(0, split - e)  # zero rows, where the window does not fill the inference rows' padding
     positions = torch.cat([batch.positions, st.positions[a:b], batch.positions.new_zeros(pad)])
-    bypass = RowSplitBypass(adapters, ft.bypass, t, adapter_rows, end=e if pad else None)
+    bypass = RowSplitBypass(adapters, ft.bypass, t, e, adapter_rows)
     with torch.no_grad(), training_rows(ft.bypass, st, st.positions[a:b]):
         x = model.embed[torch.cat([batch.token_ids, st.token_ids[a:b]])]
         if pad:

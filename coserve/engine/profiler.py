@@ -103,10 +103,6 @@ class IterationRig:
         logits = [c.end - 1 for c in chunks]
         return build_forward_batch(tokens, chunks, BLOCK, logits, self.model.device)
 
-    def time(self, p: ProfilePoint, repeats: int) -> tuple[IterationShape, float]:
-        """The point's IterationShape and the median wall time of ``repeats`` runs (after one warm-up)."""
-        return self.shape(p), statistics.median([self.once(p) for _ in range(repeats + 1)][1:])
-
     @staticmethod
     def shape(p: ProfilePoint) -> IterationShape:
         """What the scheduler's latency model sees of the point's iteration."""
