@@ -172,7 +172,7 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
     adapter as trained alone. Without the tiles the same fused GEMM changes the logprobs (the test can fail)."""
     from types import SimpleNamespace
 
-    from coserve.model import batch_invariance, tiled_gemm
+    from coserve.model import batch_invariance, decoder, tiled_gemm
 
     def uneven(x, w, b=None):  # rounds differently in calls of more than 20 rows
         y = F.linear(x, w, b)
@@ -182,6 +182,7 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
     prompts = _prompts(5)
     solo = _solo_job(model_dir, tmp_path / "solo")
     monkeypatch.setattr(tiled_gemm, "F", SimpleNamespace(linear=uneven))
+    monkeypatch.setattr(decoder, "packing_available", lambda device, dtype: False)  # every GEMM is the uneven one
     monkeypatch.setattr(batch_invariance, "GEMM_TILE_ROWS", {})
     untiled = _engine(model_dir, fuse_finetuning="always")
     assert not untiled.batch_invariant and untiled.model.gemm_tile_rows == 0

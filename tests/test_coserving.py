@@ -155,22 +155,22 @@ def test_the_engine_loads_a_profiled_latency_model_that_fits(model_factory, tmp_
 
 
 def test_an_older_coserves_profile_file_is_profiled_over_not_fatal(model_factory, tmp_path):
-    """A version-2 file (keys without "fused", written before this coserve) is as if no fit existed: the engine
+    """A version-3 file (keys without "gemms", written before this coserve) is as if no fit existed: the engine
     profiles briefly and replaces the file with its own version."""
     import json
 
     from coserve.scheduler.latency_model import FEATURE_NAMES
     model_dir = model_factory("llama")
     path = tmp_path / "latency.json"
-    old_key = {"model": str(model_dir), "device": "cpu", "dtype": "float32", "threads": "2"}
-    path.write_text(json.dumps({"version": 2, "models": [
+    old_key = {"model": str(model_dir), "device": "cpu", "dtype": "float32", "threads": "2", "fused": "true"}
+    path.write_text(json.dumps({"version": 3, "models": [
         {"key": old_key, "feature_names": list(FEATURE_NAMES), "coefficients": [1e-3] * len(FEATURE_NAMES)}]}))
     engine = _engine(model_dir, latency_model=str(path))
     assert engine.scheduler.latency is None
     engine.add_finetune_job(_job(engine, tmp_path / "job"))
     engine.step()  # the first job's iteration profiles briefly and saves
     saved = json.loads(path.read_text())
-    assert saved["version"] == 3 and [m["key"] for m in saved["models"]] == [engine.latency_key]
+    assert saved["version"] == 4 and [m["key"] for m in saved["models"]] == [engine.latency_key]
 
 
 def test_jobs_are_admitted_within_the_finetuning_memory_budget(model_factory, tmp_path):

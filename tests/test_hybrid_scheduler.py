@@ -14,7 +14,8 @@ COEF = {"overhead": 1e-3, "decode_tokens": 1e-4, "prefill_tokens": 1e-4, "finetu
 
 
 def latency() -> LatencyModel:
-    return LatencyModel({"model": "m", "device": "cpu", "dtype": "float32", "threads": "2", "fused": "true"},
+    return LatencyModel({"model": "m", "device": "cpu", "dtype": "float32", "threads": "2", "fused": "true",
+                         "gemms": "plain"},
                         [COEF.get(name, 0.0) for name in FEATURE_NAMES])
 
 

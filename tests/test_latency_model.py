@@ -17,7 +17,7 @@ from coserve.scheduler.latency_model import (
     load_model, save_models,
 )
 
-KEY = {"model": "llama-tiny", "device": "cpu", "dtype": "float32", "threads": "2", "fused": "true"}
+KEY = {"model": "llama-tiny", "device": "cpu", "dtype": "float32", "threads": "2", "fused": "true", "gemms": "plain"}
 # Seconds per unit of each feature, in FEATURE_NAMES order.
 TRUE = [2e-3, 4e-5, 2e-8, 1e-4, 1.5e-8, 1.2e-4, 3e-8, 8e-6, 1e-8, 2e-3, 3e-3]
 TOKEN_FIELDS = ["decode_tokens", "prefill_tokens", "finetune_forward_tokens",

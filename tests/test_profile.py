@@ -77,7 +77,7 @@ def test_the_grid_is_timed_in_shuffled_passes_so_a_drifting_device_does_not_bias
 
     monkeypatch.setattr(profiler.IterationRig, "once", once)
     calls = []
-    key = {"model": "m", "device": "cpu", "dtype": "float32", "threads": "1", "fused": "true"}
+    key = {"model": "m", "device": "cpu", "dtype": "float32", "threads": "1", "fused": "true", "gemms": "plain"}
     _, samples = profiler.profile(model, key, num_points=12, repeats=3, max_ctx=64,
                                   progress=lambda done, total: calls.append((done, total)))
     points = profiler.grid(12, 64, 0, model.cfg.num_layers)

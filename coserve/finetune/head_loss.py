@@ -43,7 +43,7 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
     probs.div_(total)  # softmax
     probs[torch.arange(m, device=probs.device), t] -= 1.0
     probs.mul_(loss_scale)
-    dh = probs.to(x.dtype) @ model.lm_head  # [m, H]
+    dh = model.input_grad(probs.to(x.dtype), model.lm_head)  # [m, H]
     dx = rms_norm_backward(dh, xs, model.norm, model.cfg.rms_norm_eps)
     if m == x.shape[0]:
         return loss, dx, correct

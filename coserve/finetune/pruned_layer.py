@@ -156,7 +156,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
         bias = layer.qkv_bias[:cfg.q_size] if layer.qkv_bias is not None else None
         with torch.no_grad():
-            q = bypass_output(bypass, None, i, "q_proj", h1, F.linear(h1, layer.qkv[:cfg.q_size], bias))
+            q = bypass_output(bypass, None, i, "q_proj", h1, model.linear(h1, layer.q_weight, bias))
         q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
     if o is None:  # attention, recomputed from q, K and V (under autograd when its backward runs)
@@ -168,7 +168,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     resid = keep.get("resid", a, b)
     if resid is None:
         with torch.no_grad():
-            resid = x + bypassed_linear(bypass, None, i, "o_proj", o, layer.o)
+            resid = x + bypassed_linear(bypass, None, i, "o_proj", o, layer.o, model.linear)
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     h2 = None
     if gate is None or up is None or _touches(bypass, "gate_proj", "up_proj"):
@@ -176,13 +176,13 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     inter = cfg.intermediate_size
     with torch.no_grad():
         if gate is None:
-            gate = bypass_output(bypass, None, i, "gate_proj", h2, F.linear(h2, layer.gate_up[:inter]))
+            gate = bypass_output(bypass, None, i, "gate_proj", h2, model.linear(h2, layer.gate_weight))
         if up is None:
-            up = bypass_output(bypass, None, i, "up_proj", h2, F.linear(h2, layer.gate_up[inter:]))
+            up = bypass_output(bypass, None, i, "up_proj", h2, model.linear(h2, layer.up_weight))
     # MLP: out = resid + down(silu(gate) * up)
     silu = F.silu(gate)
     mlp_in = silu * up if _touches(bypass, "down_proj") else None  # only the down_proj bypass reads it
-    dact = _module_backward(bypass, keep, i, "down_proj", mlp_in, layer.down, dout, a, b, need_dx=last > 1)
+    dact = _module_backward(model, bypass, keep, i, "down_proj", mlp_in, layer.down, dout, a, b, need_dx=last > 1)
     if last == 1:
         return None
     dgu = torch.empty(n, 2 * inter, device=x.device, dtype=x.dtype)  # [dgate | dup]
@@ -193,9 +193,9 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     ex_u = _out_backward_into(bypass, keep, i, "up_proj", h2, dup, a, b)
     if last == 2:
         return None
-    dh2 = _plus(dgu @ layer.gate_up, ex_g, ex_u)
+    dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u)
     dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm, cfg.rms_norm_eps)
-    dattn = _module_backward(bypass, keep, i, "o_proj", o, layer.o, dresid, a, b, need_dx=last > 3)
+    dattn = _module_backward(model, bypass, keep, i, "o_proj", o, layer.o, dresid, a, b, need_dx=last > 3)
     if last == 3:
         return None
     if lse is None:
@@ -220,7 +220,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     ex_v = _out_backward_into(bypass, keep, i, "v_proj", h1, dv, a, b)
     if not need_input_grad:
         return None
-    dh1 = _plus(dqkv @ layer.qkv, ex_q, ex_k, ex_v)
+    dh1 = _plus(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v)
     return dresid + rms_norm_backward(dh1, x, layer.input_norm, cfg.rms_norm_eps)
 
 
@@ -249,16 +249,16 @@ def _out_backward_into(bypass, keep, i, module, x, dy, a, b):
     return extra
 
 
-def _module_backward(bypass, keep, i, module, x, weight, dy, a, b, need_dx=True):
+def _module_backward(model, bypass, keep, i, module, x, weight, dy, a, b, need_dx=True):
     """dL/dx of ``bypass.output(bypass.input(x) @ W^T)`` given dL/dy (no frozen-weight gradient);
     with ``need_dx`` False only the bypass's parameter gradients (None returned)."""
     if bypass is None or module not in bypass.modules:
-        return dy @ weight if need_dx else None
+        return model.input_grad(dy, weight) if need_dx else None
     x_in = bypass.input(i, module, x)
     dy, extra = _out_backward(bypass, keep, i, module, x_in, dy, a, b)
     if not need_dx and not bypass.scales_input(module):
         return None
-    dx = bypass.input_backward(i, module, x, _plus(dy @ weight, extra))
+    dx = bypass.input_backward(i, module, x, _plus(model.input_grad(dy, weight), extra))
     return dx if need_dx else None
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
+from coserve.model.packed_gemm import PackedWeights, packing_available
 from coserve.model.rope import RotaryEmbedding
 from coserve.model.tiled_gemm import padded_rows, split_linear
 
@@ -73,6 +74,14 @@ class DecoderLayer:
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
         self.gate_up = gemm_layout(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))  # [2I, H]
         self.down = gemm_layout(w("mlp.down_proj.weight"))
+        # Views of the fused weights that a finetuning backward recomputes alone (one object each, so that a
+        # packed copy can be found for them: coserve/model/packed_gemm.py).
+        self.q_weight = self.qkv[:cfg.q_size]
+        self.gate_weight, self.up_weight = self.gate_up.chunk(2)
+
+    def frozen_weights(self) -> tuple[torch.Tensor, ...]:
+        """The matmul weights, and the views of them a backward recomputes alone."""
+        return self.qkv, self.o, self.gate_up, self.down, self.q_weight, self.gate_weight, self.up_weight
 
 
 def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -93,7 +102,7 @@ class DecoderModel:
     """
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, max_positions: int) -> None:
+                 dtype: torch.dtype, max_positions: int, pack_gemms: bool = True) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -105,6 +114,10 @@ class DecoderModel:
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
         self.scale = cfg.head_dim ** -0.5
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
+        # MKL-packed frozen weights (CPU, float32; coserve/model/packed_gemm.py), None where not used
+        self.packed = PackedWeights() if pack_gemms and packing_available(device, dtype) else None
+        if self.packed is not None:
+            self.packed.allow(self.lm_head, *(w for layer in self.layers for w in layer.frozen_weights()))
 
     def padded_rows(self, rows: int) -> int:
         """The rows of the matmul calls that ``rows`` inference rows run in, alone or beside a finetuning window."""
@@ -113,8 +126,15 @@ class DecoderModel:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                split: int = 0) -> torch.Tensor:
         """A frozen weight's matmul; with tiles on, a fused forward's rows ``[:split]`` (the inference rows and
-        their padding) in a call of their own."""
+        their padding) in a call of their own. By MKL's pack of the weight where there is one (never with tiles:
+        those are for CUDA)."""
+        if self.packed is not None and not self.gemm_tile_rows:
+            return self.packed.linear(x, weight, bias)
         return split_linear(x, weight, bias, split if self.gemm_tile_rows else 0)
+
+    def input_grad(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``dy @ weight``: the gradient at a frozen weight's input given the gradient ``dy`` at its output."""
+        return self.packed.input_grad(dy, weight) if self.packed is not None else dy @ weight
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` of every adapter-targetable linear module."""
@@ -155,7 +175,7 @@ class DecoderModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[N, V]`` in float32 for hidden states ``[N, H]``."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()
 
     def layer_forward(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
                       bypass: Bypass | None, tap: Tap | None = None, split: int = 0

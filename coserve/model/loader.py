@@ -36,10 +36,11 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int | None = None) -> DecoderModel:
-    """Read config and weights from ``model_dir``; errors name the file and tensor at fault."""
+               max_positions: int | None = None, pack_gemms: bool = True) -> DecoderModel:
+    """Read config and weights from ``model_dir``; errors name the file and tensor at fault. ``pack_gemms``: MKL
+    packs of the frozen weights where they apply (CPU, float32: ``coserve/model/packed_gemm.py``)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     state = load_state_dict(model_dir)
     check_state_dict(state, cfg, model_dir)
-    return DecoderModel(cfg, state, device, dtype, max_positions or cfg.max_position_embeddings)
+    return DecoderModel(cfg, state, device, dtype, max_positions or cfg.max_position_embeddings, pack_gemms)

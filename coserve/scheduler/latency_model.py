@@ -32,14 +32,14 @@ FEATURE_NAMES: tuple[str, ...] = (
     "finetune_forward_active",         # 1 if any finetuning forward token: loss/LoRA-activation setup
     "finetune_backward_windows",       # backward windows (one per layer touched): per-window launches, recompute
 )
-KEY_FIELDS = ("model", "device", "dtype", "threads", "fused")
+KEY_FIELDS = ("model", "device", "dtype", "threads", "fused", "gemms")
 CORRECTION_ALPHA = 0.1          # weight of each new observation in the online correction
 CORRECTION_RANGE = (0.5, 2.0)   # the correction is clamped to this range
 _CONTEXT_OF = {"decode_tokens": "decode_context", "prefill_tokens": "prefill_context",
                "finetune_forward_tokens": "finetune_forward_context",
                "finetune_backward_token_layers": "finetune_backward_context"}
-_FORMAT_VERSION = 3  # 2: per-window backward cost; 3: keys say whether windows are fused
-STALE_VERSIONS = (1, 2)  # files of these versions hold no usable fit: as if none existed (re-profile)
+_FORMAT_VERSION = 4  # 2: per-window backward cost; 3: keys say whether windows are fused; 4: and packed GEMMs
+STALE_VERSIONS = (1, 2, 3)  # files of these versions hold no usable fit: as if none existed (re-profile)
 
 
 @dataclass(slots=True, frozen=True)
