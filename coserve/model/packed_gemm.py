@@ -21,6 +21,12 @@ import torch
 import torch.nn.functional as F
 
 
+# Input gradients of more rows than this run plain (only finetuning computes them, so no inference row's result
+# depends on the choice): from about 512 rows a packed product was no faster here, and whole-sequence
+# backward steps ran 2-3% slower with packs.
+INPUT_GRAD_PACKED_ROWS = 256
+
+
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether frozen weights on ``device`` in ``dtype`` can be packed (a CPU torch built with MKL, float32)."""
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
@@ -61,7 +67,8 @@ class PackedWeights:
         """``dy @ weight`` (dL/dx of ``x @ weight^T``) for ``dy`` ``[m, out]``, by a pack of ``weight^T`` where
         ``weight`` is allowed."""
         key = id(weight)
-        if key not in self._allowed or dy.dim() != 2 or dy.dtype != torch.float32 or _wants_grad(dy, None):
+        if (key not in self._allowed or dy.dim() != 2 or dy.dtype != torch.float32 or _wants_grad(dy, None)
+                or dy.shape[0] > INPUT_GRAD_PACKED_ROWS):
             return dy @ weight
         entry = self._transposed.get(key)
         if entry is None:

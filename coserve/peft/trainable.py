@@ -113,6 +113,14 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad.detach().to(param.dtype))
 
 
+def _accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float = 1.0) -> None:
+    """Add ``alpha * left @ right`` into ``param.grad`` in one matmul (a window's share of a LoRA gradient)."""
+    if param.grad is None or left.dtype != param.dtype:
+        _accumulate(param, torch.mm(left, right).mul_(alpha) if alpha != 1.0 else left @ right)
+    else:
+        param.grad.addmm_(left.detach(), right.detach(), alpha=alpha)
+
+
 class TrainableLora(TrainableBypass):
     """LoRA matrices ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per targeted module and layer."""
 
@@ -175,9 +183,9 @@ class TrainableLora(TrainableBypass):
         dyf = dy.to(a.dtype)
         x = x.to(a.dtype)
         mask = self._mask(layer, module, x.shape[1], x.dtype)
-        _accumulate(b, dyf.T @ xa * self.scaling)  # [out, r]
-        dxa = dyf @ b.detach() * self.scaling  # [T, r]
-        _accumulate(a, dxa.T @ (x if mask is None else x * mask))  # [r, in]
+        _accumulate_product(b, dyf.T, xa, self.scaling)  # [out, r]
+        dxa = (dyf @ b.detach()).mul_(self.scaling)  # [T, r]
+        _accumulate_product(a, dxa.T, x if mask is None else x * mask)  # [r, in]
         if mask is None and out_dtype == dxa.dtype:
             return dy, LowRank(dxa, a.detach())  # the caller adds dxa A into its input gradient in place
         dx = dxa @ a.detach()
