@@ -29,6 +29,7 @@ class SingleTokenGroup:
     block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0
     context_lens: torch.Tensor  # [D] long
     valid: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool: the gathered positions each chunk attends to
+    bias: torch.Tensor | None = None  # ``valid`` as an additive mask, made by the first layer that needs one (CUDA)
 
 
 @dataclass(slots=True)
