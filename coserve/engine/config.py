@@ -34,6 +34,7 @@ class EngineConfig:
     #   finetuning job arrives and no fit exists; False = size slices by the token budget instead
     fuse_finetuning: str = "auto"  # run a finetuning forward window in the inference rows' matmul calls: "auto" =
     #   when the device's matmuls are batch-invariant (so it cannot change an inference output), "always", "never"
+    cuda_graphs: bool = True  # on CUDA, decode-only iterations replay recorded CUDA graphs (model/decode_graphs.py)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",

@@ -9,6 +9,7 @@ import torch
 from coserve.engine.mixed_forward import mixed_forward
 from coserve.finetune.job import FinetuneJob
 from coserve.model.attention import PagedKVCache
+from coserve.model.decode_graphs import DecodeGraphs
 from coserve.model.decoder import BATCH_INVARIANT_ROWS, DecoderModel
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.model.logit_adjust import LogitAdjustments
@@ -30,8 +31,10 @@ class ModelExecutor:
     in the same call), samples, then runs the plan's finetuning backward windows."""
 
     def __init__(self, model: DecoderModel, cache: PagedKVCache, slots: AdapterSlots,
-                 adapters: dict[str, ServedAdapter], seed: int, fuse_finetuning: bool = True) -> None:
+                 adapters: dict[str, ServedAdapter], seed: int, fuse_finetuning: bool = True,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs  # recorded decode forwards (CUDA), or None
         self.fuse_finetuning = fuse_finetuning  # a forward window shares the inference rows' matmul calls
         self.jobs: dict[str, FinetuneJob] = {}  # the engine's active finetuning jobs, by id (shared)
         self.cache = cache
@@ -76,27 +79,37 @@ class ModelExecutor:
 
     def _inference(self, plan: IterationPlan, result: ExecutionResult, forward) -> None:
         """The inference chunks' forward (with the finetuning window in the same call), then sampling."""
-        batch = self._forward_batch(plan)
-        t = batch.num_tokens
+        t = sum(len(c.token_ids) for c in plan.chunks)
         # Inference rows share the finetuning window's matmuls when the call has enough rows to be
         # batch-invariant; alone they run padded to that many (and to whole GEMM tiles where tiles are on:
         # coserve/model/tiled_gemm.py), so their results are the same either way.
         rows = self.model.padded_rows(t)
-        adapters = self._adapter_batch(plan, rows) if plan.adapters else None
-        if forward is not None and self.fuse_finetuning and t + forward.num_tokens >= BATCH_INVARIANT_ROWS:
-            job = self.jobs[forward.job_id]
-            hidden, loss = mixed_forward(self.model, batch, self.cache, adapters,
-                                         job.forward_slice(forward.num_tokens), adapter_rows=rows)
-            job.forward_ran(loss)
-            result.finetune_losses[forward.job_id] = loss
-        else:
-            hidden = self.model.forward(batch, self.cache, adapters, min_rows=rows)
+        fused = forward is not None and self.fuse_finetuning and t + forward.num_tokens >= BATCH_INVARIANT_ROWS
+        sampling = [c for c in plan.chunks if c.sample]
+        hidden = self._graphed(plan, rows) if not fused else None
+        if hidden is not None:  # a decode-only forward replayed from a recorded CUDA graph (decode_graphs.py)
             if forward is not None:
                 self._forward_alone(forward, result)
-        self._score_prompts(plan, batch, hidden, result)
-        sampling = [c for c in plan.chunks if c.sample]
+            if len(sampling) < len(plan.chunks):
+                hidden = hidden[torch.tensor([i for i, c in enumerate(plan.chunks) if c.sample],
+                                             device=hidden.device)]
+        else:
+            batch = self._forward_batch(plan)
+            adapters = self._adapter_batch(plan, rows) if plan.adapters else None
+            if fused:
+                job = self.jobs[forward.job_id]
+                hidden, loss = mixed_forward(self.model, batch, self.cache, adapters,
+                                             job.forward_slice(forward.num_tokens), adapter_rows=rows)
+                job.forward_ran(loss)
+                result.finetune_losses[forward.job_id] = loss
+            else:
+                hidden = self.model.forward(batch, self.cache, adapters, min_rows=rows)
+                if forward is not None:
+                    self._forward_alone(forward, result)
+            self._score_prompts(plan, batch, hidden, result)
+            hidden = hidden[batch.logits_rows]
         if sampling:
-            logits = self.model.logits(hidden[batch.logits_rows])  # [N, V] float32
+            logits = self.model.logits(hidden)  # [N, V] float32
             rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
                                 self._generator(c.request_id, c.params.seed), _adjustments(c)) for c in sampling]
             tokens = sample(logits, rows, self.default_generator)
@@ -107,6 +120,15 @@ class ModelExecutor:
                                   [sampling[i].params.logprobs for i in wants])
                 for i, (chosen, top) in zip(wants, lp):
                     result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
+
+    def _graphed(self, plan: IterationPlan, rows: int) -> torch.Tensor | None:
+        """The hidden states of a decode-only plan without adapters or prompt scoring, by a CUDA graph; None where
+        the plan is not one or no graph fits it."""
+        if (self.graphs is None or plan.adapters or not self.graphs.covers_lengths(plan.chunks)
+                or any(c.prompt_targets is not None for c in plan.chunks)):
+            return None
+        chunks = [SequenceChunk(i, i + 1, c.end, c.block_table) for i, c in enumerate(plan.chunks)]
+        return self.graphs.forward([c.token_ids[0] for c in plan.chunks], chunks, rows)
 
     def _score_prompts(self, plan: IterationPlan, batch, hidden: torch.Tensor, result: ExecutionResult) -> None:
         """Log-probabilities of the prompt tokens that chunks predict, for requests that asked (prompt_logprobs)."""

@@ -21,6 +21,7 @@ from coserve.kvcache import BlockManager
 from coserve.model.attention import PagedKVCache
 from coserve.model.batch_invariance import plan_fusion
 from coserve.model.config import ModelConfig
+from coserve.model.decode_graphs import DecodeGraphs
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import load_tokenizer
 from coserve.peft import (AdapterError, AdapterSlots, IA3Bank, LoraAdapter, LoraBank, ServedAdapter,
@@ -94,15 +95,22 @@ class LLMEngine:
             log.log(logging.INFO if fusion.tile_rows else logging.WARNING,
                     "matmuls here are not batch-invariant (%s): %s", "; ".join(fusion.violations), how)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
-        self.cache = PagedKVCache(model_cfg.num_layers, num_blocks, config.block_size,
+        graphed = config.cuda_graphs and self.device.type == "cuda"
+        # with CUDA graphs, one more block than the scheduler hands out: the graphs' dummy rows write there
+        self.cache = PagedKVCache(model_cfg.num_layers, num_blocks + graphed, config.block_size,
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
+        graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs,
+                               -(-self.max_model_len // config.block_size)) if graphed else None)
         self.scheduler = self._new_scheduler(num_blocks, self._latency_model())
         self.adapters: dict[str, ServedAdapter] = {}  # servable LoRA and IA3 adapters, by name
         shapes = self.model.module_shapes()
         slots = AdapterSlots(LoraBank(shapes, model_cfg.num_layers, config.max_loras, config.max_lora_rank,
                                       self.device, self.dtype),
                              IA3Bank(shapes, model_cfg.num_layers, config.max_loras, self.device))
-        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed, fuse)
+        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed, fuse, graphs)
+        if graphs is not None:
+            seconds = graphs.record_all()
+            log.info("recorded %d CUDA graphs of the decode forward in %.1f s", len(graphs.graphs), seconds)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
         self._ids = itertools.count()

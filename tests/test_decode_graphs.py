@@ -1,0 +1,43 @@
+"""CUDA graphs of the decode forward (coserve/model/decode_graphs.py): replays give the eager forward's outputs bit
+for bit. The graph tests need a CUDA device; the bucketing is plain arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coserve.model.decode_graphs import MIN_GRAPH_BLOCKS, block_bucket, row_bucket
+from tests.test_batch_invariance import _logprobs, _prompts
+from tests.test_coserving import _engine, _job
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def test_graphs_gather_blocks_in_steps_of_at_most_one_and_a_half_within_the_longest_sequence():
+    assert [block_bucket(n, 128) for n in (1, 4, 5, 7, 9, 40, 100, 128)] == [MIN_GRAPH_BLOCKS, 4, 6, 8, 12, 48, 128, 128]
+    assert block_bucket(30, 20) == 24  # a model whose longest sequence takes 20 blocks: the bucket that covers it
+    assert [row_bucket(n, 1) for n in (8, 9, 100)] == [8, 16, 128]
+    assert [row_bucket(n, 128) for n in (128, 256, 384)] == [128, 256, 512]  # GEMM tiles: powers of two of them
+
+
+@needs_cuda
+def test_replayed_decode_steps_give_the_eager_logprobs_bit_for_bit(model_factory):
+    model_dir = model_factory("llama")
+    prompts = _prompts(11)
+    eager = _logprobs(_engine(model_dir, device="cuda", cuda_graphs=False), prompts)
+    engine = _engine(model_dir, device="cuda")
+    graphed = _logprobs(engine, prompts)
+    assert engine.executor.graphs.replays > 0
+    assert graphed == eager
+
+
+@needs_cuda
+def test_a_co_served_job_does_not_change_graphed_requests_outputs(model_factory, tmp_path):
+    """Decode iterations with a fused finetuning window run eagerly, those without replay a graph: the requests'
+    logprobs are those of the requests alone."""
+    model_dir = model_factory("llama")
+    prompts = _prompts(12)
+    alone = _logprobs(_engine(model_dir, device="cuda"), prompts)
+    engine = _engine(model_dir, device="cuda")
+    engine.add_finetune_job(_job(engine, tmp_path / "job"))
+    assert _logprobs(engine, prompts) == alone
