@@ -41,6 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--split", default="50:50", help="separate: percent of the cores for inference:finetuning")
     p.add_argument("--fuse-finetuning", default="auto", choices=FUSE_CHOICES,
                    help="coserve: forward windows in the inference rows' matmul calls (auto: where batch-invariant)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode iterations")
     p.add_argument("--latency-model", default=None, help="coserve profile JSON (default: the profile path)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="float32")
@@ -127,7 +128,7 @@ def run(args) -> int:
                            temporal_interval=pol["temporal_interval"], split=pol["split"], dtype=args.dtype,
                            device=args.device, max_model_len=args.max_model_len,
                            latency_model=args.latency_model, seed=args.seed, progress=not args.no_progress,
-                           fuse_finetuning=args.fuse_finetuning,
+                           fuse_finetuning=args.fuse_finetuning, cuda_graphs=not args.enforce_eager,
                            extra={"arrivals": workload.arrivals, "lengths": workload.lengths})
             row = run_in_child(spec)
             rows.append(row)

@@ -62,6 +62,7 @@ class RunSpec:
     seed: int = 0
     progress: bool = True
     fuse_finetuning: str = "auto"  # EngineConfig.fuse_finetuning
+    cuda_graphs: bool = True  # EngineConfig.cuda_graphs
     extra: dict = field(default_factory=dict)  # copied into the result (workload sources, ...)
 
 
@@ -158,7 +159,8 @@ def run_one(spec: RunSpec) -> dict:
     engine = LLMEngine(EngineConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, latency_model=spec.latency_model,
-        temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning))
+        temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,
+        cuda_graphs=spec.cuda_graphs))
     _warm_up(engine)
     job, stop, thread = None, threading.Event(), None
     tmp = tempfile.TemporaryDirectory()
@@ -261,7 +263,7 @@ def run_one(spec: RunSpec) -> dict:
         "errors": sorted({r.error for r in failed})[:5],
         "threads": torch.get_num_threads(),
         "batch_invariant": engine.batch_invariant, "fused_finetuning": engine.executor.fuse_finetuning,
-        "gemm_tile_rows": engine.model.gemm_tile_rows,
+        "gemm_tile_rows": engine.model.gemm_tile_rows, "cuda_graphs": engine.executor.graphs is not None,
         "iterations": iterations, **spec.extra,
     }
 

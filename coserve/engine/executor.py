@@ -86,28 +86,13 @@ class ModelExecutor:
         rows = self.model.padded_rows(t)
         fused = forward is not None and self.fuse_finetuning and t + forward.num_tokens >= BATCH_INVARIANT_ROWS
         sampling = [c for c in plan.chunks if c.sample]
-        hidden = self._graphed(plan, rows) if not fused else None
-        if hidden is not None:  # a decode-only forward replayed from a recorded CUDA graph (decode_graphs.py)
-            if forward is not None:
-                self._forward_alone(forward, result)
-            if len(sampling) < len(plan.chunks):
-                hidden = hidden[torch.tensor([i for i, c in enumerate(plan.chunks) if c.sample],
-                                             device=hidden.device)]
-        else:
-            batch = self._forward_batch(plan)
-            adapters = self._adapter_batch(plan, rows) if plan.adapters else None
-            if fused:
-                job = self.jobs[forward.job_id]
-                hidden, loss = mixed_forward(self.model, batch, self.cache, adapters,
-                                             job.forward_slice(forward.num_tokens), adapter_rows=rows)
-                job.forward_ran(loss)
-                result.finetune_losses[forward.job_id] = loss
-            else:
-                hidden = self.model.forward(batch, self.cache, adapters, min_rows=rows)
-                if forward is not None:
-                    self._forward_alone(forward, result)
-            self._score_prompts(plan, batch, hidden, result)
-            hidden = hidden[batch.logits_rows]
+        hidden = None if fused else self._graphed(plan, rows)  # a decode-only forward: a CUDA graph's replay
+        if hidden is None:
+            hidden = self._eager_forward(plan, result, forward if fused else None, rows)
+        elif len(sampling) < len(plan.chunks):
+            hidden = hidden[torch.tensor([i for i, c in enumerate(plan.chunks) if c.sample], device=hidden.device)]
+        if forward is not None and not fused:
+            self._forward_alone(forward, result)
         if sampling:
             logits = self.model.logits(hidden)  # [N, V] float32
             rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
@@ -120,6 +105,22 @@ class ModelExecutor:
                                   [sampling[i].params.logprobs for i in wants])
                 for i, (chosen, top) in zip(wants, lp):
                     result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
+
+    def _eager_forward(self, plan: IterationPlan, result: ExecutionResult, fused_window, rows: int) -> torch.Tensor:
+        """The plan's forward, kernel by kernel (with ``fused_window``, a finetuning forward window, in its matmul
+        calls); returns the hidden states of the rows that sample, having scored prompts where asked."""
+        batch = self._forward_batch(plan)
+        adapters = self._adapter_batch(plan, rows) if plan.adapters else None
+        if fused_window is not None:
+            job = self.jobs[fused_window.job_id]
+            hidden, loss = mixed_forward(self.model, batch, self.cache, adapters,
+                                         job.forward_slice(fused_window.num_tokens), adapter_rows=rows)
+            job.forward_ran(loss)
+            result.finetune_losses[fused_window.job_id] = loss
+        else:
+            hidden = self.model.forward(batch, self.cache, adapters, min_rows=rows)
+        self._score_prompts(plan, batch, hidden, result)
+        return hidden[batch.logits_rows]
 
     def _graphed(self, plan: IterationPlan, rows: int) -> torch.Tensor | None:
         """The hidden states of a decode-only plan without adapters or prompt scoring, by a CUDA graph; None where
