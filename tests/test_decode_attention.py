@@ -1,8 +1,9 @@
-"""Decode attention's CUDA form (K/V heads repeated by the gather, an additive mask made once per batch) against the
-form CPU runs (grouped heads, a boolean mask): the same outputs, on whatever device is here."""
+"""Attention's CUDA forms against the forms CPU runs: decode (K/V heads repeated by the gather, an additive mask made
+once per batch; checked on whatever device is here) and prefill chunks in one variable-length call (CUDA)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from coserve.model import attention
@@ -41,3 +42,22 @@ def test_the_cuda_decode_form_equals_the_cpu_form():
         enable_gqa=True).squeeze(2)
     torch.testing.assert_close(cuda_form, reference, rtol=1e-5, atol=1e-5)
     assert group.bias is not None and group.bias.stride(-2) % 16 == 0  # made once, aligned for the kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the variable-length kernel is CUDA's")
+def test_prefill_chunks_in_one_variable_length_call_equal_one_call_each(monkeypatch):
+    """On CUDA every chunk of 2+ tokens (whole prompts, and chunks after a cached prefix) attends in one call."""
+    device = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(3)
+    chunks = [SequenceChunk(0, 5, 5, [0, 1]), SequenceChunk(5, 6, 7, [2, 3]),  # a prompt, a decode token
+              SequenceChunk(6, 9, 10, [4, 5, 6]), SequenceChunk(9, 11, 2, [7])]  # after a prefix of 7, a prompt
+    q = torch.randn(11, 6, 8, generator=g).to(device)
+    k, v = torch.randn(11, 2, 8, generator=g).to(device), torch.randn(11, 2, 8, generator=g).to(device)
+    outs = []
+    for varlen in (True, False):
+        monkeypatch.setattr(attention, "VARLEN_PREFILL", varlen)
+        cache = _cache(device)
+        batch = build_forward_batch([[1] * (c.end - c.start) for c in chunks], chunks, cache.block_size, [4], device)
+        outs.append(attention.paged_attention(q, k, v, 0, cache, batch, 0.35))
+        assert (batch.prefill is not None) == varlen
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup
+from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, prefill_rows
 
 #: The attention kernels coserve lets ``scaled_dot_product_attention`` choose from. cuDNN's
 #: (which torch picks first for bfloat16/float16 on an H100) builds a graph for every new shape,
@@ -14,6 +14,10 @@ from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleToken
 #: length, every context length): with it, bf16 prefill of the generation benchmark ran at
 #: 1,520 tokens/s on an H100, without it at 29,900.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+# On CUDA, prefill chunks attend in one variable-length call (``_prefill_attention_cuda``); False: one call each.
+VARLEN_PREFILL = True
+EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT = 2  # the memory-efficient kernel's ``custom_mask_type`` for chunks after a prefix
 
 
 def sdpa(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -88,12 +92,38 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     out = torch.empty_like(q)
     for group in batch.single_groups:
         out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale)
+    if q.is_cuda and VARLEN_PREFILL and (batch.multi_chunks or batch.prefixed_chunks):
+        _prefill_attention_cuda(q, layer, cache, batch, scale, out)
+        return out.reshape(q.shape[0], -1)
     for chunk in batch.multi_chunks:  # a whole prompt (or its first chunk): causal over its own rows
         _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, None, scale, out)
     for pc in batch.prefixed_chunks:  # a later prefill chunk: over the cached prefix and itself
         kc, vc = cache.gather(layer, pc.block_table)
         _chunk_attention(q, kc[:pc.chunk.context_len], vc[:pc.chunk.context_len], pc.chunk, pc.mask, scale, out)
     return out.reshape(q.shape[0], -1)
+
+
+def _prefill_attention_cuda(q: torch.Tensor, layer: int, cache: PagedKVCache, batch: ForwardBatch, scale: float,
+                            out: torch.Tensor) -> None:
+    """Every chunk of 2+ tokens in one variable-length call of the memory-efficient kernel, causal from the
+    bottom right (query ``i`` of a chunk after a prefix of ``p`` sees keys ``<= p + i``), its keys and values
+    gathered from the cache (where this layer's new ones were just written) with their heads repeated. One
+    call instead of one per chunk, each of which fell to PyTorch's unfused math path (grouped K/V heads)."""
+    if batch.prefill is None:
+        batch.prefill = prefill_rows(batch.multi_chunks + [pc.chunk for pc in batch.prefixed_chunks],
+                                     cache.block_size, q.device)
+    pr = batch.prefill
+    heads = q.shape[1]
+    kv = []
+    for pool in (cache.k[layer], cache.v[layer]):
+        flat = pool.view(-1, pool.shape[2], pool.shape[3])  # [slots, Hkv, D]
+        group = heads // flat.shape[1]
+        kv.append(flat.unsqueeze(2).expand(-1, flat.shape[1], group, flat.shape[2])[pr.slots]
+                  .reshape(1, -1, heads, flat.shape[2]))
+    o = torch.ops.aten._efficient_attention_forward(
+        q[pr.rows].unsqueeze(0), kv[0], kv[1], None, pr.cu_q, pr.cu_k, pr.max_q, pr.max_k, 0.0,
+        EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=scale)[0]  # [1, Q, Hq, D]
+    out[pr.rows] = o[0]
 
 
 def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk: SequenceChunk,

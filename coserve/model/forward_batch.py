@@ -42,6 +42,37 @@ class PrefixedChunk:
     mask: torch.Tensor  # [num_new, context_len] bool: row i sees positions <= prefix + i
 
 
+@dataclass(slots=True)
+class PrefillRows:
+    """Every chunk of 2+ tokens of a batch, for one variable-length attention call (CUDA): its queries' rows, the
+    cache slots of the keys each chunk attends to (its prefix and itself, in position order), and the cumulative
+    lengths of both."""
+
+    rows: torch.Tensor  # [Q] long: the chunks' rows in the flat batch, chunk after chunk
+    slots: torch.Tensor  # [K] long: flat cache slots of each chunk's positions 0 .. context_len - 1
+    cu_q: torch.Tensor  # [C + 1] int32: where each chunk's queries start in ``rows``
+    cu_k: torch.Tensor  # [C + 1] int32: where each chunk's keys start in ``slots``
+    max_q: int  # the longest chunk
+    max_k: int  # the longest context
+
+
+def prefill_rows(chunks: list[SequenceChunk], block_size: int, device: torch.device) -> PrefillRows:
+    """``PrefillRows`` of ``chunks`` (each of 2+ tokens, with or without a cached prefix)."""
+    rows: list[int] = []
+    slots: list[int] = []
+    cu_q, cu_k = [0], [0]
+    for c in chunks:
+        rows.extend(range(c.start, c.end))
+        slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in range(c.context_len))
+        cu_q.append(cu_q[-1] + c.num_new)
+        cu_k.append(cu_k[-1] + c.context_len)
+    return PrefillRows(torch.tensor(rows, dtype=torch.long, device=device),
+                       torch.tensor(slots, dtype=torch.long, device=device),
+                       torch.tensor(cu_q, dtype=torch.int32, device=device),
+                       torch.tensor(cu_k, dtype=torch.int32, device=device),
+                       max(c.num_new for c in chunks), max(c.context_len for c in chunks))
+
+
 # A group of one-token chunks takes sequences down to this fraction of its longest context, so
 # that padding at most doubles the attention work while the number of calls stays small.
 GROUP_LENGTH_RATIO = 0.5
@@ -64,6 +95,7 @@ class ForwardBatch:
     single_groups: list[SingleTokenGroup] = field(default_factory=list)  # 1-token chunks, by length
     multi_chunks: list[SequenceChunk] = field(default_factory=list)  # chunks of 2+ tokens without a prefix
     prefixed_chunks: list[PrefixedChunk] = field(default_factory=list)  # chunks of 2+ tokens after a prefix
+    prefill: PrefillRows | None = None  # all chunks of 2+ tokens in one, made by the first layer that needs it (CUDA)
 
     @property
     def num_tokens(self) -> int:
