@@ -103,10 +103,13 @@ def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_co_served_requests_get_the_same_logprobs_bit_for_bit_on_cuda(model_factory, tmp_path):
     """On the GPU, with the engine's default (``fuse_finetuning="auto"``: the window shares the matmul calls only
-    where the probe found cuBLAS batch-invariant)."""
+    where the probe found cuBLAS batch-invariant; decode-only iterations replay CUDA graphs, those with a fused
+    window run eagerly)."""
     model_dir = model_factory("llama")
     prompts = _prompts(7)
-    alone = _logprobs(_engine(model_dir, device="cuda"), prompts)
+    solo = _engine(model_dir, device="cuda")
+    alone = _logprobs(solo, prompts)
+    assert solo.executor.graphs.replays > 0  # alone, decode iterations replay CUDA graphs; beside the job, fused
     engine = _engine(model_dir, device="cuda")
     engine.add_finetune_job(_job(engine, tmp_path / "job"))
     assert _logprobs(engine, prompts) == alone

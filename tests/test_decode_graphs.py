@@ -1,5 +1,6 @@
 """CUDA graphs of the decode forward (coserve/model/decode_graphs.py): replays give the eager forward's outputs bit
-for bit. The graph tests need a CUDA device; the bucketing is plain arithmetic."""
+for bit (and a co-served job leaves them unchanged: test_batch_invariance.py). The graph tests need a CUDA device;
+the bucketing is plain arithmetic."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from coserve.model.decode_graphs import MIN_GRAPH_BLOCKS, block_bucket, row_bucket
 from tests.test_batch_invariance import _logprobs, _prompts
-from tests.test_coserving import _engine, _job
+from tests.test_coserving import _engine
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
@@ -30,14 +31,3 @@ def test_replayed_decode_steps_give_the_eager_logprobs_bit_for_bit(model_factory
     assert engine.executor.graphs.replays > 0
     assert graphed == eager
 
-
-@needs_cuda
-def test_a_co_served_job_does_not_change_graphed_requests_outputs(model_factory, tmp_path):
-    """Decode iterations with a fused finetuning window run eagerly, those without replay a graph: the requests'
-    logprobs are those of the requests alone."""
-    model_dir = model_factory("llama")
-    prompts = _prompts(12)
-    alone = _logprobs(_engine(model_dir, device="cuda"), prompts)
-    engine = _engine(model_dir, device="cuda")
-    engine.add_finetune_job(_job(engine, tmp_path / "job"))
-    assert _logprobs(engine, prompts) == alone
