@@ -15,7 +15,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 
 
 def test_graphs_gather_blocks_in_steps_of_at_most_one_and_a_half_within_the_longest_sequence():
-    assert [block_bucket(n, 128) for n in (1, 4, 5, 7, 9, 40, 100, 128)] == [MIN_GRAPH_BLOCKS, 4, 6, 8, 12, 48, 128, 128]
+    sizes = (1, 4, 5, 7, 9, 40, 100, 128)
+    assert [block_bucket(n, 128) for n in sizes] == [MIN_GRAPH_BLOCKS, 4, 6, 8, 12, 48, 128, 128]
     assert block_bucket(30, 20) == 24  # a model whose longest sequence takes 20 blocks: the bucket that covers it
     assert [row_bucket(n, 1) for n in (8, 9, 100)] == [8, 16, 128]
     assert [row_bucket(n, 128) for n in (128, 256, 384)] == [128, 256, 512]  # GEMM tiles: powers of two of them

@@ -10,12 +10,11 @@ A graph is recorded per (rows, seqs, blocks): ``rows``, the row count of its mat
 (``DecoderModel.padded_rows``: whole GEMM tiles where tiles are on) rounded up to a power of two (of tiles);
 ``seqs``, the rows that run attention, is the batch's size rounded up to a power of two (the other rows are zero
 there, as in the eager forward); ``blocks``, the KV blocks each of them gathers, is the longest sequence's count
-rounded up to the next of 4, 6, 8, 12, 16, 24, ... A row's result
-does not depend on the rows beside it where the engine's matmuls are batch-invariant (the probe at start:
-``batch_invariance.py``), so a replay gives the eager forward's outputs bit for bit (tested on CUDA). Rows past the
-batch (up to ``seqs``) are dummies: token 0 at position 0, writing its K/V to a scratch block that the block manager never hands
-out, attending to that slot alone. ``record_all`` records every bucket at engine start (as vLLM captures its
-graphs), into one memory pool.
+rounded up to the next of 4, 6, 8, 12, 16, 24, ... A row's result does not depend on the rows beside it where the
+engine's matmuls are batch-invariant (the probe at start: ``batch_invariance.py``), so a replay gives the eager
+forward's outputs bit for bit (tested on CUDA). Rows past the batch (up to ``seqs``) are dummies: token 0 at
+position 0, writing its K/V to a scratch block that the block manager never hands out, attending to that slot
+alone. ``record_all`` records every bucket at engine start (as vLLM captures its graphs), into one memory pool.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ class DecodeGraphs:
         self.max_num_seqs = max_num_seqs  # the most requests an iteration runs
         self.max_seqs = row_bucket(max_num_seqs, 1)  # the most rows a graph attends for
         self.max_blocks = max_blocks_per_seq
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}  # by (rows, seqs, blocks)
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0  # forwards served by a graph (tests and benchmarks read it)
 
@@ -170,8 +169,9 @@ class DecodeGraphs:
         tokens, positions, slots, lengths, tables = g.inputs.split([seqs, seqs, seqs, seqs, seqs * blocks])
         tables = tables.view(seqs, blocks)
         span = torch.arange(blocks * self.cache.block_size, device=g.inputs.device)
+        valid = (span.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
         group = SingleTokenGroup(rows=torch.arange(seqs, device=g.inputs.device), block_tables=tables,
-                                 context_lens=lengths, valid=(span.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :])
+                                 context_lens=lengths, valid=valid)
         batch = ForwardBatch(token_ids=tokens, positions=positions, slot_mapping=slots, chunks=[],
                              logits_rows=tokens[:0], single_groups=[group])
         return self.model.forward(batch, self.cache, None, min_rows=g.rows)
