@@ -1,6 +1,6 @@
 """CUDA graphs of the decode forward (coserve/model/decode_graphs.py): replays give the eager forward's outputs bit
 for bit (and a co-served job leaves them unchanged: test_batch_invariance.py). The graph tests need a CUDA device;
-the bucketing is plain arithmetic."""
+the bucketing is plain arithmetic, and which plans the executor hands to the graphs is checked anywhere."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from coserve.model.decode_graphs import MIN_GRAPH_BLOCKS, block_bucket, row_bucket
+from coserve.model.forward_batch import build_forward_batch
 from tests.test_batch_invariance import _logprobs, _prompts
 from tests.test_coserving import _engine
 
@@ -32,3 +33,33 @@ def test_replayed_decode_steps_give_the_eager_logprobs_bit_for_bit(model_factory
     assert engine.executor.graphs.replays > 0
     assert graphed == eager
 
+
+
+class _EagerStandIn:
+    """Stands in for ``DecodeGraphs`` where there is no GPU: the executor's graph branch, the eager forward behind."""
+
+    def __init__(self, engine) -> None:
+        self.model, self.cache, self.calls = engine.model, engine.cache, []
+
+    def covers_lengths(self, chunks) -> bool:
+        return bool(chunks) and all(len(c.token_ids) == 1 for c in chunks)
+
+    def forward(self, token_ids, chunks, min_rows):
+        self.calls.append(len(chunks))
+        batch = build_forward_batch([[t] for t in token_ids], chunks, self.cache.block_size,
+                                    list(range(len(chunks))), self.model.device)
+        return self.model.forward(batch, self.cache, None, min_rows=min_rows)
+
+
+def test_the_executor_hands_decode_only_plans_to_the_graphs_and_samples_from_what_they_return(model_factory):
+    model_dir = model_factory("llama")
+    prompts = _prompts(13)
+    eager = _logprobs(_engine(model_dir), prompts)
+    engine = _engine(model_dir)
+    stand_in = engine.executor.graphs = _EagerStandIn(engine)
+    plans = []
+    execute = engine.executor.execute
+    engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
+    assert _logprobs(engine, prompts) == eager
+    decode_only = [p for p in plans if p.chunks and all(len(c.token_ids) == 1 for c in p.chunks)]
+    assert stand_in.calls == [len(p.chunks) for p in decode_only] and decode_only  # and no plan with a prompt chunk
