@@ -63,3 +63,18 @@ def test_the_executor_hands_decode_only_plans_to_the_graphs_and_samples_from_wha
     assert _logprobs(engine, prompts) == eager
     decode_only = [p for p in plans if p.chunks and all(len(c.token_ids) == 1 for c in p.chunks)]
     assert stand_in.calls == [len(p.chunks) for p in decode_only] and decode_only  # and no plan with a prompt chunk
+
+
+@needs_cuda
+def test_an_engine_whose_graphs_cannot_be_recorded_serves_eagerly(model_factory, monkeypatch):
+    from coserve.model.decode_graphs import DecodeGraphs
+
+    def fail(self):
+        raise RuntimeError("capture not supported here")
+
+    monkeypatch.setattr(DecodeGraphs, "record_all", fail)
+    model_dir = model_factory("llama")
+    engine = _engine(model_dir, device="cuda")
+    assert engine.executor.graphs is None
+    prompts = _prompts(14)
+    assert _logprobs(engine, prompts) == _logprobs(_engine(model_dir, device="cuda", cuda_graphs=False), prompts)

@@ -109,8 +109,13 @@ class LLMEngine:
                              IA3Bank(shapes, model_cfg.num_layers, config.max_loras, self.device))
         self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed, fuse, graphs)
         if graphs is not None:
-            seconds = graphs.record_all()
-            log.info("recorded %d CUDA graphs of the decode forward in %.1f s", len(graphs.graphs), seconds)
+            try:
+                seconds = graphs.record_all()
+                log.info("recorded %d CUDA graphs of the decode forward in %.1f s", len(graphs.graphs), seconds)
+            except Exception as e:  # a torch or driver that cannot capture: serve eagerly rather than not at all
+                log.warning("CUDA graphs could not be recorded (%s: %s); decode iterations run eagerly",
+                            type(e).__name__, e)
+                self.executor.graphs = None
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
         self._ids = itertools.count()
