@@ -58,7 +58,7 @@ class PagedKVCache:
 
     def gather_repeated(self, layer: int, block_tables: torch.Tensor, num_heads: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the blocks ``block_tables`` ``[D, nb]`` as ``[D, nb * block_size, num_heads, D]``, each K/V head
+        """K/V of the blocks ``block_tables`` ``[S, nb]`` as ``[S, nb * block_size, num_heads, Dh]``, each K/V head
         repeated for the ``num_heads // Hkv`` query heads it serves (as HF's ``repeat_kv``), in one gather each."""
         out = []
         for pool in (self.k[layer], self.v[layer]):
