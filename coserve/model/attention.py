@@ -60,13 +60,15 @@ class PagedKVCache:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the blocks ``block_tables`` ``[S, nb]`` as ``[S, nb * block_size, num_heads, Dh]``, each K/V head
         repeated for the ``num_heads // Hkv`` query heads it serves (as HF's ``repeat_kv``), in one gather each."""
-        out = []
-        for pool in (self.k[layer], self.v[layer]):
-            n, bs, kv_heads, dim = pool.shape
-            group = num_heads // kv_heads
-            repeated = pool.unsqueeze(3).expand(n, bs, kv_heads, group, dim)[block_tables]  # [D, nb, bs, Hkv, G, Dh]
-            out.append(repeated.reshape(block_tables.shape[0], -1, num_heads, dim))
-        return out[0], out[1]
+        k, v = (_gather_heads_repeated(pool, block_tables, num_heads) for pool in (self.k[layer], self.v[layer]))
+        return k.flatten(1, 2), v.flatten(1, 2)
+
+    def gather_slots_repeated(self, layer: int, slots: torch.Tensor, num_heads: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at flat ``slots`` ``[K]`` as ``[K, num_heads, Dh]``, heads repeated as in ``gather_repeated``."""
+        k, v = (_gather_heads_repeated(pool.flatten(0, 1), slots, num_heads)
+                for pool in (self.k[layer], self.v[layer]))
+        return k, v
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the blocks ``block_table`` ``[..., nb]`` as ``[..., nb * block_size, Hkv, D]``."""
@@ -75,6 +77,14 @@ class PagedKVCache:
         lead = block_table.shape[:-1]
         return (k.reshape(*lead, -1, k.shape[-2], k.shape[-1]),
                 v.reshape(*lead, -1, v.shape[-2], v.shape[-1]))
+
+
+def _gather_heads_repeated(pool: torch.Tensor, index: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``pool[index]`` for a pool ``[N, ..., Hkv, Dh]``, each of its K/V heads repeated for the query heads it serves
+    (``[*index.shape, ..., num_heads, Dh]``), in one gather: the repeat is a stride-0 view until indexed."""
+    kv_heads, dim = pool.shape[-2:]
+    repeated = pool.unsqueeze(-2).expand(*pool.shape[:-1], num_heads // kv_heads, dim)[index]
+    return repeated.flatten(-3, -2)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -113,15 +123,9 @@ def _prefill_attention_cuda(q: torch.Tensor, layer: int, cache: PagedKVCache, ba
         batch.prefill = prefill_rows(batch.multi_chunks + [pc.chunk for pc in batch.prefixed_chunks],
                                      cache.block_size, q.device)
     pr = batch.prefill
-    heads = q.shape[1]
-    kv = []
-    for pool in (cache.k[layer], cache.v[layer]):
-        flat = pool.view(-1, pool.shape[2], pool.shape[3])  # [slots, Hkv, D]
-        group = heads // flat.shape[1]
-        kv.append(flat.unsqueeze(2).expand(-1, flat.shape[1], group, flat.shape[2])[pr.slots]
-                  .reshape(1, -1, heads, flat.shape[2]))
+    k, v = cache.gather_slots_repeated(layer, pr.slots, q.shape[1])  # [K, Hq, Dh]
     o = torch.ops.aten._efficient_attention_forward(
-        q[pr.rows].unsqueeze(0), kv[0], kv[1], None, pr.cu_q, pr.cu_k, pr.max_q, pr.max_k, 0.0,
+        q[pr.rows].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, pr.cu_q, pr.cu_k, pr.max_q, pr.max_k, 0.0,
         EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=scale)[0]  # [1, Q, Hq, D]
     out[pr.rows] = o[0]
 
