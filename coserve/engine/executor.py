@@ -8,6 +8,7 @@ import torch
 
 from coserve.engine.mixed_forward import mixed_forward
 from coserve.finetune.job import FinetuneJob
+from coserve.guided.guide import GuidedDecoding
 from coserve.model.attention import PagedKVCache
 from coserve.model.decode_graphs import DecodeGraphs
 from coserve.model.decoder import BATCH_INVARIANT_ROWS, DecoderModel
@@ -32,8 +33,9 @@ class ModelExecutor:
 
     def __init__(self, model: DecoderModel, cache: PagedKVCache, slots: AdapterSlots,
                  adapters: dict[str, ServedAdapter], seed: int, fuse_finetuning: bool = True,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, guided: GuidedDecoding | None = None) -> None:
         self.model = model
+        self.guided = guided  # token masks of requests whose output must match a JSON schema
         self.graphs = graphs  # recorded decode forwards (CUDA), or None
         self.fuse_finetuning = fuse_finetuning  # a forward window shares the inference rows' matmul calls
         self.jobs: dict[str, FinetuneJob] = {}  # the engine's active finetuning jobs, by id (shared)
@@ -47,6 +49,8 @@ class ModelExecutor:
         """Run one iteration's chunks in one forward call and sample where the plan asks."""
         for request_id in plan.finished:
             self.generators.pop(request_id, None)
+            if self.guided is not None:
+                self.guided.release(request_id)
         if plan.is_empty:
             return ExecutionResult()
         start_time = time.perf_counter()
@@ -96,7 +100,8 @@ class ModelExecutor:
         if sampling:
             logits = self.model.logits(hidden)  # [N, V] float32
             rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
-                                self._generator(c.request_id, c.params.seed), _adjustments(c)) for c in sampling]
+                                self._generator(c.request_id, c.params.seed), _adjustments(c), self._allowed(c))
+                    for c in sampling]
             tokens = sample(logits, rows, self.default_generator)
             result.sampled = {c.request_id: t for c, t in zip(sampling, tokens)}
             wants = [i for i, c in enumerate(sampling) if c.params.logprobs is not None]
@@ -160,6 +165,14 @@ class ModelExecutor:
         runs.append((None, num_rows - sum(n for _, n in runs)))
         return self.slots.batch([self.adapters[name] for name in plan.adapters], runs)
 
+    def _allowed(self, chunk: InferenceChunk) -> torch.Tensor | None:
+        """The tokens a guided request may sample next (its outputs so far match its schema's prefix)."""
+        if chunk.params.guided_json is None:
+            return None
+        if self.guided is None:
+            raise RuntimeError("guided_json: this executor has no vocabulary to guide decoding with")
+        return self.guided.mask(chunk.request_id, chunk.params.guided_json, chunk.history[1])
+
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
@@ -172,7 +185,7 @@ class ModelExecutor:
 
 def _adjustments(chunk: InferenceChunk) -> LogitAdjustments | None:
     """The chunk's request's penalties and biases, if it has any."""
-    if chunk.history is None:
+    if chunk.history is None or not chunk.params.adjusts_logits:
         return None
     p = chunk.params
     prompt_ids, output_ids = chunk.history

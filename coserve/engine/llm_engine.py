@@ -28,6 +28,8 @@ from coserve.peft import (AdapterError, AdapterSlots, IA3Bank, LoraAdapter, Lora
                           load_peft_adapter)
 from coserve.finetune.job import FinetuneJob
 from coserve.finetune.memory_budget import job_memory
+from coserve.guided.guide import GuidedDecoding
+from coserve.guided.vocab import token_bytes
 from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from coserve.scheduler.finetune_work import DONE
 from coserve.scheduler.plan import IterationPlan
@@ -107,7 +109,10 @@ class LLMEngine:
         slots = AdapterSlots(LoraBank(shapes, model_cfg.num_layers, config.max_loras, config.max_lora_rank,
                                       self.device, self.dtype),
                              IA3Bank(shapes, model_cfg.num_layers, config.max_loras, self.device))
-        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed, fuse, graphs)
+        self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
+        guided = GuidedDecoding(lambda: token_bytes(self.tokenizer, model_cfg.vocab_size), self.eos_token_ids,
+                                self.device)
+        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed, fuse, graphs, guided)
         if graphs is not None:
             try:
                 seconds = graphs.record_all()
@@ -117,7 +122,6 @@ class LLMEngine:
                             type(e).__name__, e)
                 self.executor.graphs = None
         self.outputs = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
         self._ids = itertools.count()
         self._job_ids = itertools.count()
         self.job_states: dict[str, JobState] = {}  # every finetuning job this engine was given, by id

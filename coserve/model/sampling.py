@@ -18,17 +18,20 @@ class SamplingRow:
     top_p: float  # 1.0 = off
     generator: torch.Generator | None  # the request's own RNG when it has a seed
     adjust: LogitAdjustments | None = None  # penalties and biases, if the request has any
+    allowed: torch.Tensor | None = None  # bool [V]: the only tokens it may sample (guided decoding), or None
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None) -> list[int]:
     """One token per row of ``logits`` ``[N, V]``; greedy rows in one argmax, the rest row by row. ``logits`` is
-    left as it was (penalised rows are copies)."""
-    if any(row.adjust is not None for row in rows):
+    left as it was (penalised and guided rows are copies)."""
+    if any(row.adjust is not None or row.allowed is not None for row in rows):
         logits = logits.clone()
         for i, row in enumerate(rows):
             if row.adjust is not None:
                 logits[i] = adjust_logits(logits[i], row.adjust)
+            if row.allowed is not None:
+                logits[i].masked_fill_(~row.allowed, float("-inf"))
     tokens = logits.argmax(dim=-1).tolist()
     for i, row in enumerate(rows):
         if row.temperature == 0 or row.top_k == 1:

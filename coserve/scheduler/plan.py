@@ -21,7 +21,7 @@ class InferenceChunk:
     sample: bool  # whether this chunk reaches the request's last known token: sample the next one
     params: SamplingParams  # how to sample (read only when sample is true)
     num_output_tokens: int  # outputs the request already has (for per-request seeded sampling)
-    # (prompt ids, output ids so far) when sampling with penalties (``params.adjusts_logits``), else None
+    # (prompt ids, output ids so far) when sampling reads them (``params.reads_history``), else None
     history: tuple[list[int], list[int]] | None = None
     # prompt tokens that this chunk's first rows predict (params.prompt_logprobs): row i scores prompt_targets[i]
     prompt_targets: list[int] | None = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coserve.guided.schema import SchemaError, compile_schema
+
 
 MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (as vLLM does)
 
@@ -27,6 +29,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF's/vLLM's: logits of tokens in the prompt or output divided (> 0) or
     #   multiplied (< 0) by it; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's: token id -> added to its logit
+    guided_json: dict | bool | None = None  # a JSON schema the output must match (vLLM's guided_json; OpenAI's
+    #   response_format): the text is compact JSON (coserve/guided); None = free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +64,11 @@ class SamplingParams:
         if (not isinstance(self.repetition_penalty, (int, float)) or isinstance(self.repetition_penalty, bool)
                 or not 0 < self.repetition_penalty < float("inf")):
             raise ValueError(f"repetition_penalty must be a positive number, got {self.repetition_penalty!r}")
+        if self.guided_json is not None:
+            try:
+                compile_schema(self.guided_json)
+            except SchemaError as e:
+                raise ValueError(f"guided_json: {e}") from None
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
@@ -73,6 +82,11 @@ class SamplingParams:
         """Whether logits are penalised or biased before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's tokens so far (penalties, or a guide's position)."""
+        return self.adjusts_logits or self.guided_json is not None
 
     @property
     def greedy(self) -> bool:

@@ -317,7 +317,7 @@ class Scheduler:
         start = request.num_computed_tokens
         sample = start + n == request.num_tokens
         history = ((request.prompt_token_ids, list(request.output_token_ids))
-                   if sample and request.params.adjusts_logits else None)
+                   if sample and request.params.reads_history else None)
         targets = None
         if request.params.prompt_logprobs is not None and len(request.prompt_logprobs) == start:  # not yet scored
             targets = request.prompt_token_ids[start + 1:min(start + n, request.num_prompt_tokens - 1) + 1] or None

@@ -1,0 +1,151 @@
+"""Guided decoding: which tokens may come next so that the output stays a prefix of JSON matching a
+schema, and an engine-wide registry of guides and per-request cursors.
+
+A ``Guide`` is one compiled schema over one vocabulary. Its allowed-token mask for a machine state is
+a walk of the vocabulary trie that stops at the first byte the machine refuses; states recur (inside
+a string, after every comma of an array), so byte steps and masks are cached. End-of-sequence is
+allowed exactly where the text is a whole value, and then alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from coserve.guided.machine import JsonMachine, State, initial_state
+from coserve.guided.schema import compile_schema
+from coserve.guided.vocab import TrieNode, build_trie
+
+MASK_CACHE_BYTES = 64 << 20  # per guide: masks kept for recurring states
+STEP_CACHE_ENTRIES = 200_000  # per guide: (state, byte) -> state
+
+
+class Vocabulary:
+    """The token bytes of one model's vocabulary, its trie and end-of-sequence ids, on one device."""
+
+    def __init__(self, vocab: list[bytes | None], eos_ids: frozenset[int], device: torch.device) -> None:
+        self.vocab = vocab
+        self.size = len(vocab)
+        self.eos_ids = sorted(i for i in eos_ids if 0 <= i < self.size)
+        self.trie = build_trie(vocab)
+        self.device = device
+
+
+class Guide:
+    """One schema's token masks over one vocabulary."""
+
+    def __init__(self, schema: Any, vocab: Vocabulary) -> None:
+        compiled = compile_schema(schema)
+        self.machine = JsonMachine(compiled.nodes)
+        self.start = initial_state(compiled.root)
+        self.vocab = vocab
+        self._steps: dict[tuple[State, int], State] = {}
+        self._masks: OrderedDict[State, torch.Tensor] = OrderedDict()
+        self._max_masks = max(16, MASK_CACHE_BYTES // max(1, vocab.size))
+
+    def step(self, state: State, b: int) -> State:
+        key = (state, b)
+        nxt = self._steps.get(key)
+        if nxt is None:
+            if len(self._steps) >= STEP_CACHE_ENTRIES:
+                self._steps.clear()
+            nxt = self._steps[key] = self.machine.step(state, b)
+        return nxt
+
+    def advance(self, state: State, token_id: int) -> State:
+        """The state after ``token_id`` (end-of-sequence leaves it as it is; a token with no text, or one
+        the state does not allow, empties it)."""
+        if token_id in self.vocab.eos_ids:
+            return state
+        data = self.vocab.vocab[token_id] if 0 <= token_id < self.vocab.size else None
+        if data is None:
+            return frozenset()
+        for b in data:
+            state = self.step(state, b)
+            if not state:
+                break
+        return state
+
+    def allowed(self, state: State) -> torch.Tensor:
+        """Bool ``[V]`` on the vocabulary's device: the tokens that may follow ``state``."""
+        mask = self._masks.get(state)
+        if mask is not None:
+            self._masks.move_to_end(state)
+            return mask
+        ids = self.allowed_ids(state)
+        # No token at all (a vocabulary without end-of-sequence, in a state no token fits): unguided.
+        mask = torch.zeros(self.vocab.size, dtype=torch.bool) if ids else torch.ones(self.vocab.size, dtype=torch.bool)
+        if ids:
+            mask[torch.tensor(ids, dtype=torch.long)] = True
+        mask = mask.to(self.vocab.device)
+        self._masks[state] = mask
+        if len(self._masks) > self._max_masks:
+            self._masks.popitem(last=False)
+        return mask
+
+    def allowed_ids(self, state: State) -> list[int]:
+        """The token ids that may follow ``state``: text tokens the machine takes whole, and end-of-sequence
+        where the text is complete (or, should no token fit, so that the request can end)."""
+        ids: list[int] = []
+        pending: list[tuple[TrieNode, State]] = [(self.vocab.trie, state)] if state else []
+        while pending:
+            node, st = pending.pop()
+            for b, child in node.children.items():
+                nxt = self.step(st, b)
+                if nxt:
+                    ids.extend(child.ids)
+                    if child.children:
+                        pending.append((child, nxt))
+        if not ids or self.machine.accepting(state):
+            ids.extend(self.vocab.eos_ids)
+        return ids
+
+
+@dataclass(slots=True)
+class Cursor:
+    guide: Guide
+    state: State
+    consumed: int  # output tokens fed so far
+
+
+class GuidedDecoding:
+    """The engine's guides (one per distinct schema) and each guided request's position in its guide."""
+
+    def __init__(self, vocab_factory, eos_ids: frozenset[int], device: torch.device, max_guides: int = 64) -> None:
+        self._vocab_factory = vocab_factory  # () -> list[bytes | None], called once, on first use
+        self._eos_ids = eos_ids
+        self._device = device
+        self._vocab: Vocabulary | None = None
+        self._guides: OrderedDict[str, Guide] = OrderedDict()
+        self._max_guides = max_guides
+        self._cursors: dict[str, Cursor] = {}
+
+    def guide(self, schema: Any) -> Guide:
+        key = json.dumps(schema, sort_keys=True)
+        guide = self._guides.get(key)
+        if guide is None:
+            if self._vocab is None:
+                self._vocab = Vocabulary(self._vocab_factory(), self._eos_ids, self._device)
+            guide = self._guides[key] = Guide(schema, self._vocab)
+            if len(self._guides) > self._max_guides:
+                self._guides.popitem(last=False)
+        self._guides.move_to_end(key)
+        return guide
+
+    def mask(self, request_id: str, schema: Any, output_ids: list[int]) -> torch.Tensor:
+        """The tokens request ``request_id`` may sample next, its outputs so far being ``output_ids``."""
+        cursor = self._cursors.get(request_id)
+        if cursor is None or cursor.consumed > len(output_ids):
+            guide = self.guide(schema)
+            cursor = self._cursors[request_id] = Cursor(guide, guide.start, 0)
+        for token in output_ids[cursor.consumed:]:
+            cursor.state = cursor.guide.advance(cursor.state, token)
+        cursor.consumed = len(output_ids)
+        return cursor.guide.allowed(cursor.state)
+
+    def release(self, request_id: str) -> None:
+        self._cursors.pop(request_id, None)
