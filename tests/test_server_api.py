@@ -137,6 +137,43 @@ def test_bad_chat_requests_are_400_naming_the_field(alice, kwargs, param):
     assert e.value.status_code == 400 and e.value.body["param"] == param
 
 
+SMALL_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+                "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 12, "x"]}}}
+
+
+def test_structured_outputs_match_the_schema_streamed_or_not(alice):
+    """response_format json_schema (OpenAI's), guided_json (vLLM's), streamed and whole: the same JSON text."""
+    import jsonschema
+
+    rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": SMALL_SCHEMA, "strict": True}}
+    whole = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=40, temperature=0, response_format=rf)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), SMALL_SCHEMA)
+    stream = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=40, temperature=0,
+                                           response_format=rf, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    vllm = alice.completions.create(model=BASE, prompt="JSON:", max_tokens=40, temperature=0.7, seed=5,
+                                    extra_body={"guided_json": json.dumps(SMALL_SCHEMA)})
+    jsonschema.validate(json.loads(vllm.choices[0].text), SMALL_SCHEMA)
+    obj = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=0,
+                                        response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("response_format, message", [
+    ({"type": "xml"}, "response_format.type: must be one of text, json_object, json_schema"),
+    ({"type": "json_schema"}, "response_format.json_schema: must be an object"),
+    ({"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}, "json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "string", "pattern": "^a"}}},
+     "response_format.json_schema.schema: keyword 'pattern' is not supported"),
+])
+def test_bad_response_formats_are_400_naming_the_field(alice, response_format, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=4, response_format=response_format)
+    assert e.value.body["param"] == "response_format" and message in e.value.body["message"]
+
+
 def test_prompt_over_the_context_is_400(alice):
     with pytest.raises(openai.BadRequestError) as e:
         alice.completions.create(model=BASE, prompt=[5] * 600, max_tokens=4)

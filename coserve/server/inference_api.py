@@ -23,14 +23,14 @@ from coserve.server.generation import TextDelta, on_engine_async
 from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
+from coserve.server.response_format import guided_schema
 
 router = APIRouter()
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-               "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-               "response_format": (None, {"type": "text"})}
+               "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto")}
 
 
 @router.get("/v1/models")
@@ -104,7 +104,8 @@ def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
 
 
 def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int,
-                    bias: dict[int, float] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    bias: dict[int, float] | None = None, prompt_logprobs: int | None = None,
+                    guided: dict | bool | None = None) -> SamplingParams:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS:
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
@@ -116,7 +117,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
                           top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
                           ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs)
+                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, guided_json=guided)
 
 
 def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param: str, prompt_param: str) -> int:
@@ -258,6 +259,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     adapter = await ctx.models.resolve(tenant, body.model)
     scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's tokens are scored too
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
+    guided = guided_schema(body.response_format, body.guided_json)
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
     prompts = await off_loop_if_long(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
@@ -266,7 +268,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
         for j in range(body.n):
-            params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored)
+            params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored, guided=guided)
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt"), text if body.echo else ""))
     submit(ctx, job, requests)
 
@@ -358,9 +360,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
+    guided = guided_schema(body.response_format, body.guided_json)
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
-    submit(ctx, job, [(make_request(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j, bias), adapter,
+    submit(ctx, job, [(make_request(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j, bias, guided=guided), adapter,
                                     "messages"), "") for j in range(body.n)])
 
     if body.stream:

@@ -38,6 +38,8 @@ class Sampling(Body):
     top_k: int = Field(-1, ge=-1)  # vLLM's extension
     repetition_penalty: float = Field(1.0, gt=0)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
+    response_format: Any = None  # OpenAI's: text, json_object or json_schema (coserve/server/response_format.py)
+    guided_json: Any = None  # vLLM's extension: a JSON schema (an object or its text) the output must match
 
 
 class CompletionRequest(Sampling):
@@ -70,7 +72,6 @@ class ChatCompletionRequest(Sampling):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
 
 
 class TokenizeRequest(Body):

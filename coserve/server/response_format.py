@@ -1,0 +1,70 @@
+"""OpenAI's ``response_format`` (and vLLM's ``guided_json``) as the JSON schema a request's output must match.
+
+``{"type": "text"}`` or nothing: free text. ``{"type": "json_object"}``: any JSON object.
+``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``: the schema (a
+missing one: any JSON value). vLLM's ``guided_json``: a schema, as an object or as its JSON text. Every
+schema is compiled here, so an unsupported keyword is a 400 naming it before anything is queued.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from coserve.guided.schema import SchemaError, compile_schema
+from coserve.server.errors import bad_request
+
+TYPES = ("text", "json_object", "json_schema")
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
+
+
+def guided_schema(response_format: Any, guided_json: Any = None) -> dict | bool | None:
+    """The schema the output must match, or None for free text; 400 naming the field when either is bad."""
+    schema = _from_response_format(response_format)
+    if guided_json is not None:
+        if schema is not None:
+            raise bad_request("guided_json: give either guided_json or a JSON response_format, not both",
+                              "guided_json")
+        if isinstance(guided_json, str):
+            try:
+                guided_json = json.loads(guided_json)
+            except json.JSONDecodeError as e:
+                raise bad_request(f"guided_json: not valid JSON ({e})", "guided_json") from None
+        schema = _checked(guided_json, "guided_json", "guided_json")
+    return schema
+
+
+def _from_response_format(rf: Any) -> dict | bool | None:
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise bad_request("response_format: must be an object with a 'type'", "response_format")
+    kind = rf.get("type")
+    if kind not in TYPES:
+        raise bad_request(f"response_format.type: must be one of {', '.join(TYPES)}, got {kind!r}",
+                          "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema: must be an object with a 'name' and a 'schema'",
+                          "response_format")
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise bad_request("response_format.json_schema.name: must be 1 to 64 letters, digits, '_' or '-'",
+                          "response_format")
+    if "strict" in spec and not isinstance(spec["strict"], bool) and spec["strict"] is not None:
+        raise bad_request("response_format.json_schema.strict: must be a boolean", "response_format")
+    return _checked(spec.get("schema", True), "response_format.json_schema.schema", "response_format")
+
+
+def _checked(schema: Any, field: str, param: str) -> dict | bool:
+    try:
+        compile_schema(schema)
+    except SchemaError as e:
+        where = str(e).removeprefix("schema")  # the compiler names paths from "schema"
+        raise bad_request(f"{field}{where}", param) from None
+    return schema

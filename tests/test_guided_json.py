@@ -1,0 +1,198 @@
+"""Guided decoding: the JSON machine against ``json``/``jsonschema`` as oracles, its token masks against a
+brute-force walk of the vocabulary, and the engine's guided requests (valid, schema-conforming output; other
+requests in the same batch untouched)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coserve import LLM, SamplingParams
+from coserve.guided.guide import Guide, Vocabulary
+from coserve.guided.machine import JsonMachine, initial_state
+from coserve.guided.schema import SchemaError, compile_schema
+from coserve.guided.vocab import token_bytes
+from coserve.model.tokenizer import load_tokenizer
+
+RECORD = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tags"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 12, "x", None]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+                         "score": {"type": "number"}, "count": {"type": "integer"},
+                         "kind": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/leaf"}]}},
+          "$defs": {"leaf": {"type": "object", "properties": {"id": {"const": "a\"b"}}, "required": ["id"],
+                             "additionalProperties": False}}}
+
+
+def accepts(schema, text: str) -> bool | None:
+    """True: a whole value; False: a live prefix; None: rejected at some byte."""
+    compiled = compile_schema(schema)
+    machine, state = JsonMachine(compiled.nodes), initial_state(compiled.root)
+    for b in text.encode():
+        state = machine.step(state, b)
+        if not state:
+            return None
+    return machine.accepting(state)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=st.dictionaries(st.text(max_size=5), json_values, max_size=4), ascii_only=st.booleans())
+def test_any_object_as_json_dumps_writes_it_is_accepted_and_no_prefix_is_whole(value, ascii_only):
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    assert accepts({"type": "object"}, text) is True
+    assert accepts({"type": "object"}, text[:-1]) is False
+
+
+@pytest.mark.parametrize("text", ['{"a" : 1}', '[1]', '{"a": 01}', '{"a": 1,}', '{"a":  1}', '{"a": tru}',
+                                  '{"a": "\x01"}', '{"a": "\\x"}', '{"a": 1.}', '{"a": -}', '{"a": 1e}', ' {}'])
+def test_not_json_or_not_an_object_is_rejected(text):
+    assert accepts({"type": "object"}, text) is None
+
+
+@pytest.mark.parametrize("text, whole", [
+    ('{"ok": true, "n": 1, "tags": []}', True),
+    ('{"tags": ["abcd", "é"], "n": 12, "ok": false, "score": -0.5e3, "count": 7}', True),
+    ('{"ok": true, "n": null, "tags": [], "kind": {"id": "a\\"b"}}', True),
+    ('{"ok": true, "n": "x", "tags": [], "kind": null}', True),
+    ('{"ok": true, "n": 1', False),
+])
+def test_documents_matching_the_schema_are_accepted(text, whole):
+    assert accepts(RECORD, text) is whole
+    if whole:
+        jsonschema.validate(json.loads(text), RECORD)
+
+
+@pytest.mark.parametrize("text", [
+    '{"ok": true, "n": 2, "tags": []}',  # not in the enum
+    '{"ok": true, "tags": []}',  # n is required
+    '{"ok": true, "n": 1, "tags": ["abcde"]}',  # over maxLength
+    '{"ok": true, "n": 1, "tags": ["a", "b", "c"]}',  # over maxItems
+    '{"ok": true, "n": 1, "tags": [], "extra": 1}',  # additionalProperties is false
+    '{"ok": true, "n": 1, "tags": [], "count": 1.5}',  # not an integer
+    '{"ok": true, "n": 1, "tags": [], "kind": {"id": "ab"}}',  # not the const
+])
+def test_documents_breaking_the_schema_are_rejected(text):
+    assert accepts(RECORD, text) in (None, False)
+    with pytest.raises((jsonschema.ValidationError, json.JSONDecodeError)):
+        jsonschema.validate(json.loads(text), RECORD)
+
+
+def test_a_key_twice_is_rejected_though_json_loads_would_keep_the_last():
+    assert accepts(RECORD, '{"ok": true, "n": 1, "tags": [], "ok": false}') is None
+    assert accepts({"type": "object", "properties": {"a": {}}}, '{"a": 1, "a": 2}') is None
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "string", "pattern": "a+"}, "keyword 'pattern' is not supported"),
+    ({"type": "object", "properties": {"a": {"minimum": 3}}}, "schema.properties.a: keyword 'minimum'"),
+    ({"type": "thing"}, "schema.type: must be one of"),
+    ({"$ref": "#/$defs/missing"}, "does not resolve"),
+    ({"type": "object", "properties": {}, "required": ["a"]}, "'a' is not among the properties"),
+    (False, "false matches nothing"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "maxItems: 1 is below minItems 3"),
+])
+def test_unsupported_or_invalid_schemas_name_the_keyword(schema, message):
+    with pytest.raises(SchemaError, match=message.replace("(", r"\(")):
+        compile_schema(schema)
+    with pytest.raises(ValueError, match="guided_json: "):
+        SamplingParams(guided_json=schema)
+
+
+@pytest.fixture(scope="module")
+def vocab(model_factory):
+    tokenizer = load_tokenizer(model_factory("llama"))
+    return tokenizer, Vocabulary(token_bytes(tokenizer, len(tokenizer)), frozenset({tokenizer.eos_token_id}),
+                                 torch.device("cpu"))
+
+
+def test_token_bytes_are_what_the_tokenizer_decodes(vocab):
+    tokenizer, v = vocab
+    text = 'Ünïcode {"key": [1, 2.5, "naïve ✓"]}\n'
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert b"".join(v.vocab[i] for i in ids).decode() == text
+    assert all(v.vocab[i] is None for i in tokenizer.all_special_ids)
+
+
+def test_masks_are_exactly_the_tokens_the_machine_takes(vocab):
+    """At random points of random guided walks, the allowed ids equal a brute-force check of every token."""
+    _, v = vocab
+    guide = Guide(RECORD, v)
+    rng = random.Random(0)
+    for _ in range(6):
+        state = guide.start
+        for _ in range(25):
+            allowed = guide.allowed_ids(state)
+            brute = [i for i, data in enumerate(v.vocab) if data is not None and _takes(guide, state, data)]
+            whole = guide.machine.accepting(state)
+            assert sorted(allowed) == sorted(brute + (v.eos_ids if whole or not brute else []))
+            assert guide.allowed(state).nonzero().flatten().tolist() == sorted(allowed)
+            token = rng.choice(allowed)
+            if token in v.eos_ids:
+                break
+            state = guide.advance(state, token)
+
+
+def _takes(guide: Guide, state, data: bytes) -> bool:
+    for b in data:
+        state = guide.machine.step(state, b)
+        if not state:
+            return False
+    return True
+
+
+def test_random_guided_walks_that_end_are_valid_documents(vocab):
+    """Soundness: sampling uniformly among the allowed tokens, every walk that reaches end-of-sequence spells a
+    document ``jsonschema`` accepts."""
+    _, v = vocab
+    schema = {k: val for k, val in RECORD.items() if k != "required"} | {"required": ["ok"]}
+    guide, rng, ended = Guide(schema, v), random.Random(1), 0
+    for _ in range(40):
+        state, data = guide.start, b""
+        for _ in range(200):
+            allowed = guide.allowed_ids(state)
+            eos = [i for i in allowed if i in v.eos_ids]
+            token = eos[0] if eos and rng.random() < 0.5 else rng.choice(allowed)
+            if token in v.eos_ids:
+                jsonschema.validate(json.loads(data.decode()), schema)
+                ended += 1
+                break
+            state, data = guide.advance(state, token), data + v.vocab[token]
+    assert ended >= 10
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    return LLM(model_factory("llama"), dtype="float32", device="cpu")
+
+
+def test_guided_requests_match_their_schema_and_leave_others_alone(llm):
+    small = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+             "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 12, "x"]}}}
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate(["Hello there", "Once upon"], free)
+    prompts = ["Hello there", "Give me JSON", "Once upon", "More JSON"]
+    params = [free, SamplingParams(max_tokens=40, temperature=0, guided_json=small), free,
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3, guided_json=small)]
+    outs = llm.generate(prompts, params)
+    for out in (outs[1], outs[3]):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), small)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_a_json_object_request_is_a_prefix_of_an_object_while_it_runs(llm):
+    out = llm.generate(["Give me JSON"], SamplingParams(max_tokens=24, temperature=0,
+                                                        guided_json={"type": "object"}))[0].outputs[0]
+    assert accepts({"type": "object"}, out.text) is (out.finish_reason == "stop")
