@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from coserve.guided.schema import ANY_ARRAY, ANY_OBJECT, ANY_STRING, Node
 
-MAX_INT_DIGITS, MAX_FRAC_DIGITS, MAX_EXP_DIGITS = 15, 15, 3
+MAX_INT_DIGITS, MAX_FRAC_DIGITS, MAX_EXP_DIGITS = 20, 24, 3  # room for any float's repr
 QUOTE, BACKSLASH, COMMA, COLON, SPACE, MINUS, DOT = b'"\\,: -.'
 LBRACE, RBRACE, LBRACK, RBRACK = b"{}[]"
 HEX = frozenset(b"0123456789abcdefABCDEF")
