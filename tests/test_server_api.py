@@ -174,6 +174,91 @@ def test_bad_response_formats_are_400_naming_the_field(alice, response_format, m
     assert e.value.body["param"] == "response_format" and message in e.value.body["message"]
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+
+
+def streamed_calls(stream) -> tuple[dict[int, dict], str]:
+    """A streamed reply's tool calls (by index; arguments joined) and its finish reason."""
+    calls: dict[int, dict] = {}
+    reason = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.id or call["id"]
+                if d.function is not None:
+                    call["name"] = d.function.name or call["name"]
+                    call["arguments"] += d.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return calls, reason
+
+
+def test_tool_calls_named_and_required_streamed_or_not(alice):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=40, temperature=0,
+                                          tools=[WEATHER, TIME], tool_choice=named)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}
+    calls, reason = streamed_calls(alice.chat.completions.create(
+        model=BASE, messages=HELLO, max_tokens=40, temperature=0, tools=[WEATHER, TIME], tool_choice=named,
+        stream=True))
+    assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("get_weather", call.function.arguments)]
+
+    required = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=60, temperature=0.9, seed=4,
+                                             tools=[WEATHER, TIME], tool_choice="required",
+                                             parallel_tool_calls=False)
+    assert required.choices[0].finish_reason == "tool_calls"
+    (made,) = required.choices[0].message.tool_calls  # parallel_tool_calls false: exactly one
+    args = json.loads(made.function.arguments)
+    assert (made.function.name, sorted(args)) in [("get_weather", ["city", "unit"]), ("get_time", [])]
+    calls, reason = streamed_calls(alice.chat.completions.create(
+        model=BASE, messages=HELLO, max_tokens=60, temperature=0.9, seed=4, tools=[WEATHER, TIME],
+        tool_choice="required", parallel_tool_calls=False, stream=True))
+    assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (made.function.name, made.function.arguments)]
+
+
+def test_a_conversation_with_past_tool_calls_renders_and_none_answers_in_text(alice, server):
+    history = HELLO + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 and snowing"}]
+    reply = alice.chat.completions.create(model=BASE, messages=history, max_tokens=4, temperature=0,
+                                          tools=[WEATHER], tool_choice="none")
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content is not None
+    ids = httpx.post(f"{server.url}/tokenize", headers={"Authorization": f"Bearer {ALICE}"},
+                     json={"model": BASE, "messages": history}).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", headers={"Authorization": f"Bearer {ALICE}"},
+                      json={"model": BASE, "tokens": ids}).json()["prompt"]
+    # this template never mentions tool_calls: the call is inlined as the JSON tool_choice 'required' writes
+    assert '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}]' in text and "-3 and snowing" in text
+
+
+@pytest.mark.parametrize("kwargs, param, message", [
+    ({"tools": [WEATHER]}, "tool_choice", "'auto' (the default when tools are given)"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "needs a parser"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "no function named 'nope'"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "distinct"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "x"}}}],
+      "tool_choice": "required"}, "tools", "tools[0].function.parameters: keyword 'pattern'"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", "answers a call"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(alice, kwargs, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.chat.completions.create(**{"model": BASE, "messages": HELLO, "max_tokens": 4, **kwargs})
+    assert e.value.body["param"] == param and message in e.value.body["message"]
+
+
 def test_prompt_over_the_context_is_400(alice):
     with pytest.raises(openai.BadRequestError) as e:
         alice.completions.create(model=BASE, prompt=[5] * 600, max_tokens=4)

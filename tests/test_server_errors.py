@@ -132,14 +132,14 @@ def test_values_that_used_to_stop_the_engine(server, alice):
 
 @pytest.mark.parametrize("path, field, value", [
     (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "best_of", 3),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (CHAT, "tool_choice", "required"),
+    (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}),
     (CHAT, "stream_options", {"include_usage": True}),
 ])
 def test_parameters_the_server_cannot_honour_are_400(alice, path, field, value):
     body = {"model": BASE, "max_tokens": 2, field: value,
             **({"messages": HELLO} if path == CHAT else {"prompt": "hi"})}
     assert error_of(alice.post(path, json=body), 400)["param"] == field
-    neutral = {"suffix": None, "best_of": 1, "tools": [], "tool_choice": "none", "stream_options": None}[field]
+    neutral = {"suffix": None, "best_of": 1, "functions": [], "function_call": "none", "stream_options": None}[field]
     assert alice.post(path, json={**body, field: neutral}).status_code == 200
 
 

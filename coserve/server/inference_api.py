@@ -24,13 +24,14 @@ from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
 from coserve.server.response_format import guided_schema
+from coserve.server.tools import template_messages, template_tools, tool_call, tool_plan
 
 router = APIRouter()
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
-UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-               "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto")}
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []),
+               "function_call": (None, "none", "auto")}
 
 
 @router.get("/v1/models")
@@ -216,9 +217,9 @@ async def off_loop_if_long(chars: int, fn, *args):
 
 
 def messages_chars(messages) -> int:
-    """Characters of chat messages' contents (plain or in text parts)."""
-    return sum(len(m.content or "") if isinstance(m.content, str) else sum(len(part.text) for part in m.content)
-               for m in messages)
+    """Characters of chat messages' contents (plain or in text parts) and past tool calls' arguments."""
+    return sum((len(m.content) if isinstance(m.content, str) else sum(len(part.text) for part in m.content or []))
+               + sum(len(c.function.arguments) for c in getattr(m, "tool_calls", None) or []) for m in messages)
 
 
 def prompt_chars(prompt) -> int:
@@ -332,16 +333,11 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------------------
 def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
-    messages = []
-    for i, m in enumerate(body.messages):
-        if isinstance(m.content, list):
-            content = "".join(part.text for part in m.content)
-        else:
-            content = m.content or ""
-        role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": content})
+    tokenizer = ctx.engine.tokenizer
+    messages = template_messages(body.messages, tokenizer.chat_template or "")
     try:
-        text = ctx.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=template_tools(getattr(body, "tools", None)),
+                                             add_generation_prompt=True, tokenize=False)
     except Exception as e:  # jinja raises its own kinds for a template that rejects the conversation
         raise bad_request(f"messages: the model's chat template cannot render them ({e})", "messages") from e
     return ctx.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -360,7 +356,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
-    guided = guided_schema(body.response_format, body.guided_json)
+    tools = tool_plan(body)
+    guided = tools.schema if tools is not None else guided_schema(body.response_format, body.guided_json)
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
     submit(ctx, job, [(make_request(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j, bias, guided=guided), adapter,
@@ -370,30 +367,55 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         def head(c: Choice) -> dict:
             return {"id": job.ident, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
 
+        calls: dict[int, dict] = {}  # a named function's call, by choice: its arguments stream as they come
+
         def chunk(c: Choice, out: RequestOutput | None):
             if out is None:
-                return {**head(c), "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]}
+                delta = {"role": "assistant", "content": ""}
+                if tools is not None and tools.function is not None:
+                    calls[c.index] = tool_call(tools.function, "")
+                    delta = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **calls[c.index]}]}
+                return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                                "finish_reason": None}]}
+            if tools is not None and tools.function is None:
+                return None  # a list of calls is sent whole, once it is whole
             text = c.delta.next(out.outputs[0].text, out.finished)
             logprobs = new_logprobs(c, out)
             if not text and not logprobs:
                 return None
+            delta = ({"content": text} if tools is None
+                     else {"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return {**head(c), "choices": [{
-                "index": c.index, "delta": {"content": text},
+                "index": c.index, "delta": delta,
                 "logprobs": {"content": chat_logprobs(ctx, logprobs)} if body.logprobs else None,
                 "finish_reason": None}]}
 
         def last(c: Choice, out: RequestOutput) -> dict:
-            return {**head(c), "choices": [{"index": c.index, "delta": {}, "logprobs": None,
-                                            "finish_reason": finish_reason(out)}]}
+            delta, reason = {}, finish_reason(out)
+            made = tools.calls(out.outputs[0].text) if tools is not None and reason == "stop" else None
+            if made is not None:
+                reason = "tool_calls"
+                if tools.function is None:
+                    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(made)]}
+            elif tools is not None and tools.function is None and out.outputs[0].text:
+                delta = {"content": out.outputs[0].text}  # cut short: the text as it is
+            return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                            "finish_reason": reason}]}
         include = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(events(job, ctx, chunk, last, include), job, ctx)
 
     await gather_all(job, ctx, request)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.out.outputs[0].text},
-                "logprobs": {"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [])} if body.logprobs else None,
-                "finish_reason": finish_reason(c.out), "stop_reason": c.out.outputs[0].stop_reason}
-               for c in job.choices]
+    choices = []
+    for c in job.choices:
+        text, reason = c.out.outputs[0].text, finish_reason(c.out)
+        message = {"role": "assistant", "content": text}
+        made = tools.calls(text) if tools is not None and reason == "stop" else None
+        if made is not None:
+            message, reason = {"role": "assistant", "content": None, "tool_calls": made}, "tool_calls"
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [])}
+                                     if body.logprobs else None),
+                        "finish_reason": reason, "stop_reason": c.out.outputs[0].stop_reason})
     return {"id": job.ident, "object": "chat.completion", "created": job.created, "model": job.model,
             "choices": choices, "usage": usage(job)}
 

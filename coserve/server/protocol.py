@@ -56,10 +56,47 @@ class TextPart(Body):
     text: str
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+
+
+class FunctionDef(Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = no parameters
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Body):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(Sampling):
@@ -68,8 +105,9 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None  # coserve/server/tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: Any = None
     function_call: Any = None
 

@@ -31,7 +31,7 @@ def guided_schema(response_format: Any, guided_json: Any = None) -> dict | bool 
                 guided_json = json.loads(guided_json)
             except json.JSONDecodeError as e:
                 raise bad_request(f"guided_json: not valid JSON ({e})", "guided_json") from None
-        schema = _checked(guided_json, "guided_json", "guided_json")
+        schema = checked_schema(guided_json, "guided_json", "guided_json")
     return schema
 
 
@@ -58,10 +58,11 @@ def _from_response_format(rf: Any) -> dict | bool | None:
                           "response_format")
     if "strict" in spec and not isinstance(spec["strict"], bool) and spec["strict"] is not None:
         raise bad_request("response_format.json_schema.strict: must be a boolean", "response_format")
-    return _checked(spec.get("schema", True), "response_format.json_schema.schema", "response_format")
+    return checked_schema(spec.get("schema", True), "response_format.json_schema.schema", "response_format")
 
 
-def _checked(schema: Any, field: str, param: str) -> dict | bool:
+def checked_schema(schema: Any, field: str, param: str) -> dict | bool:
+    """``schema`` if it compiles; else a 400 naming ``field`` and the keyword."""
     try:
         compile_schema(schema)
     except SchemaError as e:

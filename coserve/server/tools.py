@@ -1,0 +1,147 @@
+"""Tool calling on the chat API, as vLLM does it without a model-specific parser: by guided decoding.
+
+``tool_choice`` a named function: the output is that function's arguments, guided by its ``parameters``
+schema. ``"required"``: the output is a JSON array of one or more ``{"name", "parameters"}`` calls (one
+at most with ``parallel_tool_calls`` false), each guided by its function's schema. Either way the reply
+carries ``tool_calls`` (``finish_reason`` "tool_calls") instead of content. ``"none"``: the tools are
+given to the chat template and the reply is text. ``"auto"`` (OpenAI's default when tools are given)
+would need a parser of tool calls written freely in the text, which depends on the model's training:
+it is a 400 naming the way out, not tools silently ignored.
+
+Past calls in the conversation (assistant messages with ``tool_calls``, ``tool`` messages with results)
+reach the chat template as HF templates expect them; a template that never mentions ``tool_calls``
+sees the calls inlined as the JSON the ``required`` mode writes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from coserve.server.errors import bad_request
+from coserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from coserve.server.response_format import checked_schema
+
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How a request's output becomes tool calls: ``function`` named, or ``None`` for a ``required`` list."""
+
+    function: str | None
+    schema: dict  # what guides the output
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The ``tool_calls`` of a finished output, or None if it is not a whole document (cut by max_tokens)."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if self.function is not None:
+            return [tool_call(self.function, text)]
+        return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    """None for a reply in text; else the plan; 400 naming the field for a choice that cannot be honoured."""
+    choice, tools = body.tool_choice, body.tools or []
+    if choice is not None and choice != "none" and not tools:
+        raise bad_request("tool_choice: needs tools", "tool_choice")
+    if not tools or choice == "none":
+        return None
+    if choice in (None, "auto"):
+        raise bad_request("tool_choice: 'auto' (the default when tools are given) needs a parser of the tool calls "
+                          "a model writes freely, which this server does not have; set tool_choice to 'required', "
+                          "to a named function, or to 'none'", "tool_choice")
+    if body.response_format is not None or body.guided_json is not None:
+        raise bad_request("tool_choice: tool calls are JSON already; drop response_format / guided_json",
+                          "tool_choice")
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        raise bad_request("tools: function names must be distinct", "tools")
+    params = [_parameters(t, i) for i, t in enumerate(tools)]
+    if choice == "required":
+        return ToolPlan(None, _calls_schema(names, params, body.parallel_tool_calls))
+    name = choice.function.name
+    if name not in names:
+        raise bad_request(f"tool_choice: no function named {name!r} among the tools", "tool_choice")
+    return ToolPlan(name, params[names.index(name)])
+
+
+def _parameters(tool: Tool, i: int) -> dict:
+    schema = tool.function.parameters
+    if schema is None:
+        return NO_PARAMETERS
+    return checked_schema(schema, f"tools[{i}].function.parameters", "tools")
+
+
+def _calls_schema(names: list[str], params: list[dict], parallel: bool) -> dict:
+    """An array of ``{"name", "parameters"}`` objects, each function's parameters under its own schema; the
+    functions' ``$defs`` are gathered at the top (where their ``#/$defs/...`` references resolve)."""
+    defs: dict[str, Any] = {}
+    branches = []
+    for i, (name, p) in enumerate(zip(names, params)):
+        for key in ("$defs", "definitions"):
+            for def_name, def_schema in (p.get(key) or {}).items():
+                if defs.setdefault(key, {}).setdefault(def_name, def_schema) != def_schema:
+                    raise bad_request(f"tools[{i}].function.parameters.{key}.{def_name}: another function defines "
+                                      "it differently; with tool_choice 'required' the functions share one "
+                                      "namespace of definitions", "tools")
+        own = {k: v for k, v in p.items() if k not in ("$defs", "definitions")}
+        branches.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                         "properties": {"name": {"const": name}, "parameters": own}})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}, **defs}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def template_messages(messages: list[ChatMessage], template: str) -> list[dict]:
+    """The conversation as the chat template reads it (system for developer; text parts joined)."""
+    inline = "tool_calls" not in template
+    out = []
+    for i, m in enumerate(messages):
+        content = "".join(p.text for p in m.content) if isinstance(m.content, list) else m.content or ""
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"messages[{i}].tool_call_id: a tool message answers a call, named by its id",
+                                  f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls: only assistant messages make tool calls",
+                                  f"messages[{i}].tool_calls")
+            calls = [(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls]
+            if inline:
+                msg["content"] = content + json.dumps([{"name": n, "parameters": a} for n, a in calls],
+                                                      ensure_ascii=False)
+            else:
+                msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": n, "arguments": a}}
+                                     for c, (n, a) in zip(m.tool_calls, calls)]
+        out.append(msg)
+    return out
+
+
+def _arguments(text: str, i: int) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"messages[{i}].tool_calls: arguments must be JSON text ({e})",
+                          f"messages[{i}].tool_calls") from None
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as HF chat templates take them (``apply_chat_template(..., tools=...)``)."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
