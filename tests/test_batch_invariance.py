@@ -41,7 +41,10 @@ def _solo_job(model_dir, out_dir):
 
 
 def _co_served(engine, prompts: list[list[int]], out_dir) -> tuple[list, list, object]:
-    """The prompts' logprobs on ``engine`` alone, then beside the test job (run to its end), and the job."""
+    """The prompts' logprobs on ``engine`` alone, then beside the test job (run to its end), and the job. The engine
+    must not cache prefixes: the second pass would compute only the prompts' uncached tails (other prefill splits,
+    which may round differently, whatever the job does)."""
+    assert not engine.scheduler.blocks.enable_caching
     alone = _logprobs(engine, prompts)
     job = _job(engine, out_dir)
     engine.add_finetune_job(job)
@@ -158,7 +161,7 @@ def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_o
     monkeypatch.setattr(batch_invariance, "invariance_violations",
                         lambda model, linear=None: ["down_proj (1408 -> 512) in calls of [17]"])
     monkeypatch.setattr(executor_module, "mixed_forward", lambda *a, **k: pytest.fail("fused a window"))
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, enable_prefix_caching=False)
     assert not engine.batch_invariant and not engine.executor.fuse_finetuning
     alone, beside, job = _co_served(engine, prompts, tmp_path / "co")
     assert beside == alone
@@ -187,13 +190,13 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
     monkeypatch.setattr(tiled_gemm, "F", SimpleNamespace(linear=uneven))
     monkeypatch.setattr(decoder, "packing_available", lambda device, dtype: False)  # every GEMM is the uneven one
     monkeypatch.setattr(batch_invariance, "GEMM_TILE_ROWS", {})
-    untiled = _engine(model_dir, fuse_finetuning="always")
+    untiled = _engine(model_dir, fuse_finetuning="always", enable_prefix_caching=False)
     assert not untiled.batch_invariant and untiled.model.gemm_tile_rows == 0
     alone, beside, _ = _co_served(untiled, prompts, tmp_path / "untiled")
     assert beside != alone
 
     monkeypatch.setattr(batch_invariance, "GEMM_TILE_ROWS", {"cpu": 16})
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, enable_prefix_caching=False)
     assert engine.batch_invariant and engine.executor.fuse_finetuning and engine.model.gemm_tile_rows == 16
     assert engine.model.padded_rows(1) == 16 and engine.model.padded_rows(17) == 32
     alone, beside, job = _co_served(engine, prompts, tmp_path / "co")

@@ -8,6 +8,8 @@ Figures 10-12.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import platform
@@ -42,6 +44,8 @@ def add_arguments(p) -> None:
     p.add_argument("--fuse-finetuning", default="auto", choices=FUSE_CHOICES,
                    help="coserve: forward windows in the inference rows' matmul calls (auto: where batch-invariant)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode iterations")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share full KV blocks among requests with the same prefix (EngineConfig)")
     p.add_argument("--latency-model", default=None, help="coserve profile JSON (default: the profile path)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="float32")
@@ -129,6 +133,7 @@ def run(args) -> int:
                            device=args.device, max_model_len=args.max_model_len,
                            latency_model=args.latency_model, seed=args.seed, progress=not args.no_progress,
                            fuse_finetuning=args.fuse_finetuning, cuda_graphs=not args.enforce_eager,
+                           prefix_caching=args.enable_prefix_caching,
                            extra={"arrivals": workload.arrivals, "lengths": workload.lengths})
             row = run_in_child(spec)
             rows.append(row)

@@ -63,6 +63,7 @@ class RunSpec:
     progress: bool = True
     fuse_finetuning: str = "auto"  # EngineConfig.fuse_finetuning
     cuda_graphs: bool = True  # EngineConfig.cuda_graphs
+    prefix_caching: bool = True  # EngineConfig.enable_prefix_caching
     extra: dict = field(default_factory=dict)  # copied into the result (workload sources, ...)
 
 
@@ -160,7 +161,7 @@ def run_one(spec: RunSpec) -> dict:
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, latency_model=spec.latency_model,
         temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,
-        cuda_graphs=spec.cuda_graphs))
+        cuda_graphs=spec.cuda_graphs, enable_prefix_caching=spec.prefix_caching))
     _warm_up(engine)
     job, stop, thread = None, threading.Event(), None
     tmp = tempfile.TemporaryDirectory()

@@ -35,6 +35,8 @@ class EngineConfig:
     fuse_finetuning: str = "auto"  # run a finetuning forward window in the inference rows' matmul calls: "auto" =
     #   when the device's matmuls are batch-invariant (so it cannot change an inference output), "always", "never"
     cuda_graphs: bool = True  # on CUDA, decode-only iterations replay recorded CUDA graphs (model/decode_graphs.py)
+    enable_prefix_caching: bool = True  # full KV blocks are shared by requests whose tokens (and tenant and
+    #   adapter) agree up to them (kvcache/block_manager.py); a prompt's cached blocks are not computed again
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",

@@ -105,6 +105,8 @@ class LLMEngine:
                                -(-self.max_model_len // config.block_size)) if graphed else None)
         self.scheduler = self._new_scheduler(num_blocks, self._latency_model())
         self.adapters: dict[str, ServedAdapter] = {}  # servable LoRA and IA3 adapters, by name
+        self._installs = itertools.count()
+        self._adapter_installs: dict[str, int] = {}  # adapter name -> its latest install (prefix caching's salt)
         shapes = self.model.module_shapes()
         slots = AdapterSlots(LoraBank(shapes, model_cfg.num_layers, config.max_loras, config.max_lora_rank,
                                       self.device, self.dtype),
@@ -219,6 +221,7 @@ class LLMEngine:
         """Serve an adapter from ``read_adapter`` under its name (between iterations), replacing one so named."""
         self.executor.slots.evict(adapter.name)  # replacing an adapter of the same name (of either kind)
         self.adapters[adapter.name] = adapter
+        self._adapter_installs[adapter.name] = next(self._installs)  # K/V cached under the old one no longer match
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name``; refused while requests still use it."""
@@ -265,7 +268,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
-        request = Request(rid, list(token_ids), params, adapter, self.eos_token_ids, time.monotonic(), tenant=tenant)
+        request = Request(rid, list(token_ids), params, adapter, self.eos_token_ids, time.monotonic(), tenant=tenant,
+                          cache_salt=f"{tenant}\x00{adapter}\x00{self._adapter_installs.get(adapter, '')}")
         return request, text
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
@@ -284,7 +288,7 @@ class LLMEngine:
         c = self.config
         return Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.max_loras,
                                          c.policy, c.slo_tpot_ms / 1000, temporal_interval=c.temporal_interval),
-                         BlockManager(num_blocks, c.block_size), latency=latency)
+                         BlockManager(num_blocks, c.block_size, c.enable_prefix_caching), latency=latency)
 
     def reset_after_fault(self, error: BaseException) -> list[RequestOutput]:
         """After ``step`` raised outside the model work (the scheduler's own bookkeeping: its state can no longer

@@ -1,5 +1,5 @@
 """Paged KV-cache bookkeeping: integer block ids only, no tensors."""
 
-from coserve.kvcache.block_manager import BlockManager, OutOfBlocks
+from coserve.kvcache.block_manager import BlockManager, OutOfBlocks, block_key
 
-__all__ = ["BlockManager", "OutOfBlocks"]
+__all__ = ["BlockManager", "OutOfBlocks", "block_key"]

@@ -1,38 +1,64 @@
-"""Fixed-size KV blocks and per-sequence block tables (plain integers; no torch here)."""
+"""Fixed-size KV blocks and per-sequence block tables (plain integers; no torch here), with automatic prefix
+caching: full blocks are remembered by the content that led to them and shared by later sequences.
+
+A full block's *key* names everything its K/V depend on: the key of the block before it, the tokens in it,
+and a salt (the caller's: tenant and adapter). A sequence whose first blocks' keys are cached starts with
+those blocks in its table (their reference counts raised) and computes only the rest. A block nobody holds
+any longer stays cached, evictable, until a new allocation needs it (least recently freed first). Cached
+blocks are full, and no sequence writes a position it has not reached, so a shared block is never written.
+"""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 
 class OutOfBlocks(RuntimeError):
     """Raised when an allocation needs more free blocks than there are."""
 
 
+def block_key(parent: int | None, tokens: tuple[int, ...], salt: str) -> int:
+    """The key of a full block holding ``tokens`` after the block keyed ``parent`` (None: the first block)."""
+    return hash((parent, salt, tokens))
+
+
 class BlockManager:
     """Hands out KV-cache blocks to sequences.
 
-    A sequence holding ``n`` tokens owns ``ceil(n / block_size)`` blocks, listed in
-    position order in its block table. Blocks are never shared between sequences.
+    A sequence holding ``n`` tokens owns ``ceil(n / block_size)`` blocks, listed in position order in its
+    block table. With ``enable_caching``, full blocks registered under a key (``register``) are shared with
+    sequences allocated with that prefix (``match``, then ``allocate(..., prefix=...)``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         # Free blocks are a stack: the most recently freed block is reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
+        self._refs = [0] * num_blocks  # sequences holding each block
+        self._cached: dict[int, int] = {}  # key -> block
+        self._key_of: dict[int, int] = {}  # block -> key, for cached blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: never used, or cached but held by nobody."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks held by sequences."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -45,25 +71,79 @@ class BlockManager:
         """Extra blocks ``seq_id`` needs to hold ``num_tokens`` tokens in all."""
         return max(0, self.blocks_for(num_tokens) - self.num_blocks_of(seq_id))
 
-    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
+    def can_allocate(self, seq_id: str, num_tokens: int, prefix: list[int] = ()) -> bool:
+        """Whether ``allocate(seq_id, num_tokens, prefix)`` would succeed."""
+        return self._cost(seq_id, num_tokens, prefix) <= self.num_free_blocks
 
-    def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
-        """Grow ``seq_id``'s table to hold ``num_tokens`` tokens; returns the new block ids.
+    def _cost(self, seq_id: str, num_tokens: int, prefix) -> int:
+        """Free blocks an allocation takes: new ones, and cached prefix blocks it revives from the evictable."""
+        if not prefix:
+            return self.blocks_needed(seq_id, num_tokens)
+        return max(0, self.blocks_for(num_tokens) - len(prefix)) + sum(1 for b in prefix if self._refs[b] == 0)
+
+    def match(self, keys: list[int]) -> list[int]:
+        """The cached blocks of the longest run of ``keys`` from the first (empty without caching)."""
+        out = []
+        for key in keys:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def allocate(self, seq_id: str, num_tokens: int, prefix: list[int] = ()) -> list[int]:
+        """Grow ``seq_id``'s table to hold ``num_tokens`` tokens; returns the new block ids. ``prefix`` (from
+        ``match``, for a sequence that holds no blocks yet) becomes the start of its table, shared.
 
         Allocates nothing and raises OutOfBlocks when there are too few free blocks.
         """
-        need = self.blocks_needed(seq_id, num_tokens)
-        if need > len(self._free):
-            raise OutOfBlocks(f"{seq_id}: needs {need} blocks, {len(self._free)} free")
-        new = [self._free.pop() for _ in range(need)]
-        self._tables.setdefault(seq_id, []).extend(new)
+        cost = self._cost(seq_id, num_tokens, prefix)
+        if cost > self.num_free_blocks:
+            raise OutOfBlocks(f"{seq_id}: needs {cost} blocks, {self.num_free_blocks} free")
+        table = self._tables.setdefault(seq_id, [])
+        if prefix:
+            if table:
+                raise ValueError(f"{seq_id}: a cached prefix can only start an empty block table")
+            for b in prefix:
+                if self._refs[b] == 0:
+                    del self._evictable[b]
+                self._refs[b] += 1
+            table.extend(prefix)
+        new = [self._take() for _ in range(self.blocks_needed(seq_id, num_tokens))]
+        for b in new:
+            self._refs[b] = 1
+        table.extend(new)
         return new
 
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._key_of.pop(block)]
+        return block
+
+    def register(self, seq_id: str, index: int, key: int) -> None:
+        """Remember ``seq_id``'s full block ``index`` under ``key`` (nothing without caching, or when another
+        block already holds that content)."""
+        if not self.enable_caching or key in self._cached:
+            return
+        block = self._tables[seq_id][index]
+        if block in self._key_of:
+            return
+        self._cached[key] = block
+        self._key_of[block] = key
+
     def free(self, seq_id: str) -> int:
-        """Return all of ``seq_id``'s blocks to the pool; returns how many. Unknown ids free nothing."""
+        """Release all of ``seq_id``'s blocks; returns how many. Unknown ids free nothing. Cached blocks stay
+        cached until reused, its last blocks first in line."""
         table = self._tables.pop(seq_id, [])
-        self._free.extend(reversed(table))
+        for b in reversed(table):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._key_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
         return len(table)
 
     def block_table(self, seq_id: str) -> list[int]:
@@ -74,8 +154,21 @@ class BlockManager:
         return seq_id in self._tables
 
     def check_invariants(self) -> None:
-        """Assert no block is lost, duplicated, or owned twice (used by tests)."""
-        owned = [b for table in self._tables.values() for b in table]
-        every = owned + self._free
-        assert len(every) == self.num_blocks, f"{len(every)} blocks accounted for, {self.num_blocks} exist"
-        assert sorted(every) == list(range(self.num_blocks)), "a block is duplicated or out of range"
+        """Assert no block is lost, duplicated, or counted wrongly (used by tests)."""
+        refs = [0] * self.num_blocks
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+            for b in table:
+                refs[b] += 1
+        assert refs == self._refs, "reference counts disagree with the tables"
+        held = {b for b in range(self.num_blocks) if refs[b]}
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a free block is listed twice"
+        assert not (held & free) and not (held & evictable) and not (free & evictable), "a block is in two pools"
+        assert len(held) + len(free) + len(evictable) == self.num_blocks, "a block is lost"
+        assert evictable <= set(self._key_of), "an evictable block is not cached"
+        assert all(self._cached[k] == b for b, k in self._key_of.items()) and len(self._cached) == len(self._key_of)
+        assert not (free & set(self._key_of)), "a free block is still cached"
+        for table in self._tables.values():
+            if not self.enable_caching:
+                assert all(refs[b] == 1 for b in table), "a block is shared without caching"

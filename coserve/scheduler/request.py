@@ -38,6 +38,9 @@ class Request:
     first_token_time: float | None = None  # when the first output token was sampled (the scheduler's clock)
     tenant: str = "default"  # who asked: the Virtual Token Counter shares the engine fairly among tenants
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. (params.prompt_logprobs)
+    cache_salt: str = ""  # what its K/V depend on besides its tokens (tenant, adapter): prefix caching's salt
+    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its first full blocks (tokens known)
+    num_registered_blocks: int = 0  # its first blocks already registered in the prefix cache
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coserve.kvcache import BlockManager
+from coserve.kvcache import BlockManager, block_key
 from coserve.scheduler.config import SchedulerConfig
 from coserve.scheduler.dts import DynamicTemporalSharing, TemporalSharing
 from coserve.scheduler.fairness import VirtualTokenCounter
@@ -81,6 +81,8 @@ class Scheduler:
         # handing tokens out, the thread that serves them): a running mean the engine feeds (``observe_overhead``).
         self.overhead_s = 0.0
         self._overhead_seen = False
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at admission
+        self.prefix_cache_hits = 0  # of them, found cached (not computed again)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -263,6 +265,8 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the iteration ran
             request.num_computed_tokens = chunk.end
+            if self.blocks.enable_caching:
+                self._register_blocks(request)
             if chunk.prompt_targets is not None and len(request.prompt_logprobs) == chunk.start:
                 request.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if not chunk.sample:
@@ -299,11 +303,18 @@ class Scheduler:
             if (request.adapter is not None and request.adapter not in adapters
                     and len(adapters) >= self.config.max_loras):
                 break  # first come, first served: wait until an adapter's requests finish
-            if not self.blocks.can_allocate(request.request_id, request.num_tokens):
+            prefix = self._cached_prefix(request)
+            if not self.blocks.can_allocate(request.request_id, request.num_tokens, prefix):
                 break  # admitted only when the whole prompt fits
             self.waiting.remove(request)
             self.vtc.charge_input(request.tenant, request.num_tokens)
-            self.blocks.allocate(request.request_id, request.num_tokens)
+            self.blocks.allocate(request.request_id, request.num_tokens, prefix)
+            if prefix:  # those blocks' K/V are in the cache already: computing starts after them
+                request.num_registered_blocks = len(prefix)
+                request.num_computed_tokens = len(prefix) * self.blocks.block_size
+            if self.blocks.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.adapter is not None:
@@ -312,6 +323,31 @@ class Scheduler:
             plan.chunks.append(self._chunk(request, n))
             budget -= n
         return budget
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks that can start ``request``'s table: its full blocks before its last known token (which
+        must be computed for the next token's logits); none when it scores its prompt."""
+        if not self.blocks.enable_caching or request.params.prompt_logprobs is not None:
+            return []
+        return self.blocks.match(self._block_keys(request, (request.num_tokens - 1) // self.blocks.block_size))
+
+    def _block_keys(self, request: Request, num_blocks: int) -> list[int]:
+        """The prefix-cache keys of ``request``'s first ``num_blocks`` blocks (their tokens must be known)."""
+        keys, size = request.block_keys, self.blocks.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else None, tuple(request.token_ids(i * size, (i + 1) * size)),
+                                  request.cache_salt))
+        return keys[:num_blocks]
+
+    def _register_blocks(self, request: Request) -> None:
+        """Register ``request``'s blocks that its computed tokens have filled since the last time."""
+        full = request.num_computed_tokens // self.blocks.block_size
+        if full > request.num_registered_blocks:
+            for i, key in enumerate(self._block_keys(request, full)[request.num_registered_blocks:],
+                                    request.num_registered_blocks):
+                self.blocks.register(request.request_id, i, key)
+            request.num_registered_blocks = full
 
     def _chunk(self, request: Request, n: int) -> InferenceChunk:
         start = request.num_computed_tokens
@@ -329,7 +365,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.request_id)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_registered_blocks = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

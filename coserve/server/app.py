@@ -50,7 +50,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         return {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
                 "kv_cache_usage": s.blocks.usage, "preemptions": s.num_preemptions,
                 "failed_iterations": engine.num_failed_iterations, "batch_invariant": engine.batch_invariant,
-                "adapters_loaded": len(engine.adapters)}
+                "adapters_loaded": len(engine.adapters), "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits}
 
     def job_counts() -> dict:
         return {status: store.count_jobs(status) for status in JOB_STATES}

@@ -58,6 +58,10 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"coserve_{name}", doc, value=state[name])
         yield CounterMetricFamily("coserve_preemptions", "requests preempted for KV blocks",
                                   value=state["preemptions"])
+        yield CounterMetricFamily("coserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  value=state.get("prefix_cache_queries", 0))
+        yield CounterMetricFamily("coserve_prefix_cache_hits", "prompt tokens found in the prefix cache (not "
+                                  "computed again)", value=state.get("prefix_cache_hits", 0))
         yield GaugeMetricFamily("coserve_batch_invariant", "1 if an inference row's matmuls round as they would "
                                 "without the rows beside it (co-serving cannot change outputs), else 0",
                                 value=float(state.get("batch_invariant", True)))
