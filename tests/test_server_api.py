@@ -259,6 +259,73 @@ def test_bad_tool_requests_are_400_naming_the_field(alice, kwargs, param, messag
     assert e.value.body["param"] == param and message in e.value.body["message"]
 
 
+def test_responses_api_text_streamed_or_whole_with_usage_and_cached_tokens(alice):
+    """OpenAI's Responses API through the official client: the same text whole and streamed (with the typed events
+    in order), 'incomplete' when max_output_tokens cuts it, and the prefix cache's tokens in the usage."""
+    ask = {"model": BASE, "input": "Hello there, " * 8, "instructions": "Be brief.", "max_output_tokens": 6,
+           "temperature": 0}
+    whole = alice.responses.create(**ask)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 6 and whole.output[0].role == "assistant"
+    again = alice.responses.create(**ask)
+    assert again.output_text == whole.output_text and again.usage.input_tokens_details.cached_tokens > 0
+    kinds, text, final = [], "", None
+    for event in alice.responses.create(**ask, stream=True):
+        kinds.append(event.type)
+        text += event.delta if event.type == "response.output_text.delta" else ""
+        final = event.response if event.type in ("response.completed", "response.incomplete") else final
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert text == final.output_text == whole.output_text
+    chat = alice.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hello there, " * 8}],
+                                         max_tokens=2)
+    again = alice.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hello there, " * 8}],
+                                          max_tokens=2)
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0 < again.usage.prompt_tokens_details.cached_tokens
+
+
+def test_responses_api_function_calls_and_structured_text(alice):
+    import jsonschema
+
+    tool = {"type": "function", **WEATHER["function"]}
+    named = alice.responses.create(model=BASE, input="Weather?", tools=[tool], max_output_tokens=40, temperature=0,
+                                   tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = named.output
+    assert named.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    assert set(json.loads(call.arguments)) == {"city", "unit"}
+    events = list(alice.responses.create(model=BASE, input="Weather?", tools=[tool], max_output_tokens=40,
+                                         temperature=0, tool_choice={"type": "function", "name": "get_weather"},
+                                         stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == call.arguments and events[-1].type == "response.completed"
+    follow_up = alice.responses.create(model=BASE, max_output_tokens=4, temperature=0, tools=[tool], tool_choice="none",
+                                       input=[{"role": "user", "content": "Weather?"},
+                                              {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                               "arguments": call.arguments},
+                                              {"type": "function_call_output", "call_id": call.call_id,
+                                               "output": "sunny"}])
+    assert follow_up.output[0].type == "message"
+    structured = alice.responses.create(model=BASE, input="JSON please", max_output_tokens=40, temperature=0,
+                                        text={"format": {"type": "json_schema", "name": "r", "schema": SMALL_SCHEMA}})
+    jsonschema.validate(json.loads(structured.output_text), SMALL_SCHEMA)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "string", "pattern": "a"}}}},
+     "text.format"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),
+    ({"input": []}, "input"),
+])
+def test_bad_responses_requests_are_400_naming_the_field(alice, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.create(**{"model": BASE, "input": "hi", "max_output_tokens": 4, **kwargs})
+    assert e.value.body["param"] == param
+
+
 def test_prompt_over_the_context_is_400(alice):
     with pytest.raises(openai.BadRequestError) as e:
         alice.completions.create(model=BASE, prompt=[5] * 600, max_tokens=4)

@@ -67,7 +67,8 @@ class OutputProcessor:
         prompt_logprobs = ([None, *request.prompt_logprobs] if request.params.prompt_logprobs is not None
                            else None)
         return RequestOutput(request.request_id, state.prompt, list(request.prompt_token_ids),
-                             [completion], finished, request.num_preemptions, request.error, prompt_logprobs)
+                             [completion], finished, request.num_preemptions, request.error, prompt_logprobs,
+                             request.num_cached_tokens)
 
     @staticmethod
     def _text(request: Request, state: _RequestText, exact: bool) -> str:

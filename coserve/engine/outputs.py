@@ -32,6 +32,7 @@ class RequestOutput:
     error: str | None = None  # finish_reason "error": what made the iteration running it fail
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then each one's, as far as computed
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (when first admitted)
 
     @property
     def text(self) -> str:

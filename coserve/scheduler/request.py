@@ -41,6 +41,7 @@ class Request:
     cache_salt: str = ""  # what its K/V depend on besides its tokens (tenant, adapter): prefix caching's salt
     block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its first full blocks (tokens known)
     num_registered_blocks: int = 0  # its first blocks already registered in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted
 
     @property
     def num_tokens(self) -> int:

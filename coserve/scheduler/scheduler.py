@@ -312,6 +312,8 @@ class Scheduler:
             if prefix:  # those blocks' K/V are in the cache already: computing starts after them
                 request.num_registered_blocks = len(prefix)
                 request.num_computed_tokens = len(prefix) * self.blocks.block_size
+                if not request.num_preemptions:
+                    request.num_cached_tokens = request.num_computed_tokens
             if self.blocks.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += request.num_computed_tokens

@@ -19,6 +19,7 @@ from coserve.server.context import ServerContext
 from coserve.server.fine_tuning_api import router as fine_tuning_router
 from coserve.server.generation import EngineClient
 from coserve.server.inference_api import router as inference_router
+from coserve.server.responses_api import router as responses_router
 from coserve.server.jobs import JobManager
 from coserve.server.metrics import JOB_STATES, ServerMetrics
 from coserve.server.middleware import ServerMiddleware
@@ -75,6 +76,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.state.coserve = ctx
     errors.install(app)
     app.include_router(inference_router)
+    app.include_router(responses_router)
     app.include_router(fine_tuning_router)
 
     @app.get("/health")

@@ -71,7 +71,9 @@ async def run_to_end(choice: Choice, job: Job, ctx: ServerContext) -> None:
 def usage(job: Job) -> dict:
     prompt = sum(len(c.prompt_ids) for c in job.choices if c.index % job.n == 0)  # each prompt once
     completion = sum(len(c.out.outputs[0].token_ids) for c in job.choices if c.out is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.out.num_cached_tokens for c in job.choices if c.index % job.n == 0 and c.out is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -181,3 +181,81 @@ class FineTuningJobRequest(Body):
     metadata: dict[Annotated[str, StringConstraints(max_length=64)],
                    Annotated[str, StringConstraints(max_length=512)]] | None = Field(None, max_length=16)  # OpenAI's
     coserve: CoserveOptions | None = None
+
+
+# ---- OpenAI's Responses API (coserve/server/responses_api.py) ----------------------------------------------
+class ContentText(Body):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(Body):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentText]
+
+
+class FunctionCallInput(Body):
+    """A call the model made earlier in the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputInput(Body):
+    """A call's result, sent back to the model."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class TextFormat(Body):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextOptions(Body):
+    format: TextFormat | None = None
+
+
+class FunctionTool(Body):
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(Body):
+    model: str
+    input: str | list[InputMessage | FunctionCallInput | FunctionCallOutputInput]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    text: TextOptions | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])  # vLLM's extension

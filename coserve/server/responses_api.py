@@ -1,0 +1,230 @@
+"""OpenAI's Responses API (``POST /v1/responses``), served by the chat machinery.
+
+A request becomes a chat request: ``instructions`` a system message, ``input`` (a string, or items: messages,
+earlier ``function_call`` items and their ``function_call_output`` results) the conversation, ``text.format``
+the response format, function ``tools`` and ``tool_choice`` as on the chat API (``coserve/server/tools.py``).
+The reply is a ``response`` object whose ``output`` holds one assistant ``message`` (``output_text``), or
+``function_call`` items; streamed, the typed events OpenAI's clients read (``response.created`` ...
+``response.output_text.delta`` ... ``response.completed``). Responses are not stored: ``previous_response_id``
+is a 400 asking for the whole conversation in ``input``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import ValidationError
+
+from coserve.engine.outputs import RequestOutput
+from coserve.server.choices import Job, advance, close_all, count_outcomes, finish_reason, gather_all, streaming
+from coserve.server.context import ServerContext, context, tenant_of
+from coserve.server.errors import APIError, bad_request
+from coserve.server.inference_api import (make_request, max_tokens_for, messages_chars, off_loop_if_long, render_chat,
+                                          sampling_params, submit)
+from coserve.server.protocol import (ChatCompletionRequest, FunctionCallInput, FunctionChoice, InputMessage,
+                                     ResponsesRequest)
+from coserve.server.response_format import guided_schema
+from coserve.server.tools import ToolPlan, tool_plan
+
+router = APIRouter()
+# chat fields whose errors name the Responses API's own
+PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request a Responses API request stands for."""
+    messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    if not items:
+        raise bad_request("input: is empty", "input")
+    for item in items:
+        if isinstance(item, InputMessage):
+            content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            messages.append({"role": item.role, "content": content})
+        elif isinstance(item, FunctionCallInput):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else {}
+            if last.get("role") == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # calls made together
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    fmt = body.text.format if body.text is not None else None
+    response_format = None
+    if fmt is not None:
+        response_format = {"type": fmt.type}
+        if fmt.type == "json_schema":
+            spec = {"name": fmt.name, "strict": fmt.strict}
+            if fmt.json_schema is not None:
+                spec["schema"] = fmt.json_schema
+            response_format["json_schema"] = spec
+    tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+             for t in body.tools or []]
+    choice = body.tool_choice
+    if isinstance(choice, FunctionChoice):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    try:
+        return ChatCompletionRequest.model_validate({
+            "model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
+            "seed": body.seed, "response_format": response_format, "tools": tools or None, "tool_choice": choice,
+            "parallel_tool_calls": body.parallel_tool_calls})
+    except ValidationError as e:  # what the Responses API accepts and chat does not
+        raise bad_request(f"input: {e.errors()[0]['msg']}", "input") from None
+
+
+def _renamed(e: APIError) -> APIError:
+    """A chat error, naming the Responses API's field."""
+    param = e.param
+    for chat, ours in PARAMS.items():
+        if param is not None and param.startswith(chat):
+            param = ours + param[len(chat):]
+            break
+    message = e.message.replace("response_format", "text.format") if e.param == "response_format" else e.message
+    return APIError(e.status, message, param, e.code, e.type)
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext = Depends(context)):
+    tenant = tenant_of(request)
+    if body.previous_response_id is not None:
+        raise bad_request("previous_response_id: this server stores no responses; send the whole conversation "
+                          "in input", "previous_response_id")
+    try:
+        chat = chat_request(body)
+        adapter = await ctx.models.resolve(tenant, body.model)
+        ids = await off_loop_if_long(messages_chars(chat.messages), render_chat, ctx, chat)
+        max_tokens = max_tokens_for(ctx, len(ids), body.max_output_tokens, "max_output_tokens", "input")
+        tools = tool_plan(chat)
+        guided = tools.schema if tools is not None else guided_schema(chat.response_format)
+        params = sampling_params(chat, max_tokens, None, 0, guided=guided)
+        ctx.client.check_capacity(1)
+        job = Job(f"resp_{secrets.token_hex(12)}", int(time.time()), body.model, 1)
+        submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")])
+    except APIError as e:
+        raise _renamed(e) from None
+    shape = ResponseShape(job, body, tools)
+    if body.stream:
+        return streaming(shape.events(ctx), job, ctx)
+    await gather_all(job, ctx, request)
+    return shape.response(job.choices[0].out)
+
+
+class ResponseShape:
+    """A response's JSON, its output items' ids fixed up front (so that streamed events and the final object agree)."""
+
+    def __init__(self, job: Job, body: ResponsesRequest, tools: ToolPlan | None) -> None:
+        self.job, self.body, self.tools = job, body, tools
+        self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.call_id = f"call_{secrets.token_hex(12)}"  # a named function's call
+        self.item_id = f"fc_{secrets.token_hex(12)}"
+
+    def items(self, out: RequestOutput) -> list[dict]:
+        text, reason = out.outputs[0].text, finish_reason(out)
+        status = "incomplete" if reason == "length" else "completed"
+        calls = self.tools.calls(text) if self.tools is not None and reason == "stop" else None
+        if calls is not None:
+            named = self.tools.function is not None
+            return [{"type": "function_call", "id": self.item_id if named else f"fc_{secrets.token_hex(12)}",
+                     "call_id": self.call_id if named else c["id"], "name": c["function"]["name"],
+                     "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+        if self.tools is not None and self.tools.function is not None:
+            return [self.call_item(text, status)]
+        return [self.message(text, status)]
+
+    def message(self, text: str, status: str) -> dict:
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                "content": [] if status == "in_progress" else [_text_part(text)]}
+
+    def call_item(self, arguments: str, status: str) -> dict:
+        return {"type": "function_call", "id": self.item_id, "call_id": self.call_id, "name": self.tools.function,
+                "arguments": arguments, "status": status}
+
+    def response(self, out: RequestOutput | None, status: str | None = None) -> dict:
+        """The response object: in progress without ``out``, else finished with its output and usage."""
+        b = self.body
+        if out is not None:
+            status = "incomplete" if finish_reason(out) == "length" else "completed"
+        choice = b.tool_choice.model_dump() if isinstance(b.tool_choice, FunctionChoice) else b.tool_choice or "auto"
+        obj = {"id": self.job.ident, "object": "response", "created_at": self.job.created, "status": status,
+               "model": b.model, "output": [] if out is None else self.items(out), "error": None,
+               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+               "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+               "temperature": b.temperature, "top_p": b.top_p, "parallel_tool_calls": b.parallel_tool_calls,
+               "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+               "text": b.text.model_dump(by_alias=True, exclude_none=True) if b.text else {"format": {"type": "text"}},
+               "previous_response_id": None, "store": False, "metadata": b.metadata or {}, "usage": None}
+        if out is not None:
+            n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+            obj["usage"] = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                            "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": n_in + n_out}
+        return obj
+
+    async def events(self, ctx: ServerContext) -> AsyncIterator[str]:
+        """The streamed response: typed server-sent events, as OpenAI's Responses API sends them."""
+        seq = itertools.count()
+
+        def event(kind: str, **fields) -> str:
+            data = json.dumps({"type": kind, "sequence_number": next(seq), **fields}, separators=(",", ":"))
+            return f"event: {kind}\ndata: {data}\n\n"
+
+        job, choice = self.job, self.job.choices[0]
+        named = self.tools is not None and self.tools.function is not None
+        listed = self.tools is not None and self.tools.function is None  # a list of calls, sent once whole
+        failed = False
+        try:
+            yield event("response.created", response=self.response(None, "in_progress"))
+            yield event("response.in_progress", response=self.response(None, "in_progress"))
+            if named:
+                yield event("response.output_item.added", output_index=0, item=self.call_item("", "in_progress"))
+            elif not listed:
+                yield event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
+                yield event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
+                            part=_text_part(""))
+            while choice.out is None or not choice.out.finished:
+                out = await advance(choice, job, ctx)
+                delta = "" if listed else choice.delta.next(out.outputs[0].text, out.finished)
+                if delta and named:
+                    yield event("response.function_call_arguments.delta", item_id=self.item_id, output_index=0,
+                                delta=delta)
+                elif delta:
+                    yield event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                content_index=0, delta=delta, logprobs=[])
+            final = self.response(choice.out)
+            if named:
+                item = final["output"][0]
+                yield event("response.function_call_arguments.done", item_id=self.item_id, output_index=0,
+                            arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=0, item=item)
+            elif listed:
+                for i, item in enumerate(final["output"]):
+                    yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress"})
+                    yield event("response.output_item.done", output_index=i, item=item)
+            else:
+                item = final["output"][0]
+                text = item["content"][0]["text"]
+                yield event("response.output_text.done", item_id=self.message_id, output_index=0, content_index=0,
+                            text=text, logprobs=[])
+                yield event("response.content_part.done", item_id=self.message_id, output_index=0, content_index=0,
+                            part=_text_part(text))
+                yield event("response.output_item.done", output_index=0, item=item)
+            yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                        response=final)
+        except Exception as e:
+            failed = True
+            error = e if isinstance(e, APIError) else APIError(500, f"generation failed ({e})")
+            yield event("error", code=error.code, message=error.message, param=error.param)
+        finally:
+            await close_all(job)
+            count_outcomes(job, ctx, "error" if failed else "cancelled")
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
