@@ -125,10 +125,16 @@ def test_token_bytes_are_what_the_tokenizer_decodes(vocab):
     assert all(v.vocab[i] is None for i in tokenizer.all_special_ids)
 
 
-def test_masks_are_exactly_the_tokens_the_machine_takes(vocab):
-    """At random points of random guided walks, the allowed ids equal a brute-force check of every token."""
+MIXED = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
+         "additionalProperties": {"type": "string", "minLength": 1}}  # keys collected; strings counted
+
+
+@pytest.mark.parametrize("schema", [RECORD, {"type": "object"}, MIXED], ids=["record", "json_object", "mixed"])
+def test_masks_are_exactly_the_tokens_the_machine_takes(vocab, schema):
+    """At random points of random guided walks, the allowed ids equal a brute-force check of every token (inside
+    strings too, where plain tokens are allowed without a walk)."""
     _, v = vocab
-    guide = Guide(RECORD, v)
+    guide = Guide(schema, v)
     rng = random.Random(0)
     for _ in range(6):
         state = guide.start

@@ -9,6 +9,7 @@ allowed exactly where the text is a whole value, and then alone.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,7 +26,13 @@ STEP_CACHE_ENTRIES = 200_000  # per guide: (state, byte) -> state
 
 
 class Vocabulary:
-    """The token bytes of one model's vocabulary, its trie and end-of-sequence ids, on one device."""
+    """The token bytes of one model's vocabulary, its trie and end-of-sequence ids, on one device.
+
+    Tokens are also split for the inside of a JSON string: *plain* ones (whole UTF-8 characters, none of them a
+    quote, a backslash or a control character) keep a string going whatever it holds, so a string state allows
+    all of them up to its length limit without a walk (``plain_ids``, by character count); the rest (``trie``
+    of them: ``other_trie``) are walked byte by byte.
+    """
 
     def __init__(self, vocab: list[bytes | None], eos_ids: frozenset[int], device: torch.device) -> None:
         self.vocab = vocab
@@ -33,6 +40,23 @@ class Vocabulary:
         self.eos_ids = sorted(i for i in eos_ids if 0 <= i < self.size)
         self.trie = build_trie(vocab)
         self.device = device
+        plain = sorted((chars, i) for i, data in enumerate(vocab)
+                       if data is not None and (chars := _plain_chars(data)) is not None)
+        self.plain_ids = [i for _, i in plain]
+        self.plain_chars = [c for c, _ in plain]
+        plain_set = set(self.plain_ids)
+        self.other_trie = build_trie([None if i in plain_set else data for i, data in enumerate(vocab)])
+
+
+def _plain_chars(data: bytes) -> int | None:
+    """How many characters ``data`` holds if it is plain JSON string content (see ``Vocabulary``), else None."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if any(c in '"\\' or c < " " for c in text):
+        return None
+    return len(text)
 
 
 class Guide:
@@ -91,7 +115,13 @@ class Guide:
         """The token ids that may follow ``state``: text tokens the machine takes whole, and end-of-sequence
         where the text is complete (or, should no token fit, so that the request can end)."""
         ids: list[int] = []
-        pending: list[tuple[TrieNode, State]] = [(self.vocab.trie, state)] if state else []
+        trie = self.vocab.trie
+        room = self.machine.string_room(state)
+        if room is not None:  # inside strings: every plain token that fits, then a walk of the others only
+            count = len(self.vocab.plain_ids) if room < 0 else bisect.bisect_right(self.vocab.plain_chars, room)
+            ids.extend(self.vocab.plain_ids[:count])
+            trie = self.vocab.other_trie
+        pending: list[tuple[TrieNode, State]] = [(trie, state)] if state else []
         while pending:
             node, st = pending.pop()
             for b, child in node.children.items():

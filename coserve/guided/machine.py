@@ -55,6 +55,19 @@ class JsonMachine:
     def accepting(self, state: State) -> bool:
         return any(self._accepts(s) for s in state)
 
+    def string_room(self, state: State) -> int | None:
+        """Where every stack is inside a string, between characters: how many more characters the roomiest may
+        take (-1: no limit); else None."""
+        room = None
+        for stack in state:
+            top = stack[-1]
+            if top[0] != S or top[2] or top[3]:  # not a string, or in an escape or a UTF-8 character
+                return None
+            node = self.nodes[top[1]]
+            left = -1 if node.max_length is None else node.max_length - top[4]
+            room = left if room is None or left < 0 or (room >= 0 and left > room) else room
+        return room
+
     # ---- one stack, one byte -------------------------------------------------------------------------------
     def feed(self, stack: Stack, b: int) -> tuple[Stack, ...]:
         top, rest = stack[-1], stack[:-1]
