@@ -326,6 +326,25 @@ def test_bad_responses_requests_are_400_naming_the_field(alice, kwargs, param):
     assert e.value.body["param"] == param
 
 
+def test_vllm_sampling_extras_through_the_client(alice, model_factory):
+    tokenizer = AutoTokenizer.from_pretrained(str(model_factory("llama")))
+    body = dict(model=BASE, prompt="Hello", max_tokens=12, temperature=1.0, seed=3)
+    out = alice.completions.create(**body, logprobs=0, extra_body={
+        "allowed_token_ids": [11, 12, 13], "min_tokens": 12, "min_p": 0.01, "ignore_eos": True})
+    assert set(out.choices[0].logprobs.tokens) <= {tokenizer.decode([i]) for i in (11, 12, 13)}
+    assert out.usage.completion_tokens == 12
+    free = alice.completions.create(model=BASE, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    stop = free.choices[0].text[2:5]
+    kept = alice.completions.create(model=BASE, prompt="Hello", max_tokens=8, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith(stop) and free.choices[0].text.startswith(kept.choices[0].text)
+    for extra, param in (({"allowed_token_ids": [10**6]}, "allowed_token_ids"), ({"min_tokens": 50}, "min_tokens"),
+                         ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"min_p": 2}, "min_p")):
+        with pytest.raises(openai.BadRequestError) as e:
+            alice.completions.create(model=BASE, prompt="Hello", max_tokens=8, extra_body=extra)
+        assert e.value.body["param"] == param
+
+
 def test_prompt_over_the_context_is_400(alice):
     with pytest.raises(openai.BadRequestError) as e:
         alice.completions.create(model=BASE, prompt=[5] * 600, max_tokens=4)

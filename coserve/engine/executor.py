@@ -33,8 +33,10 @@ class ModelExecutor:
 
     def __init__(self, model: DecoderModel, cache: PagedKVCache, slots: AdapterSlots,
                  adapters: dict[str, ServedAdapter], seed: int, fuse_finetuning: bool = True,
-                 graphs: DecodeGraphs | None = None, guided: GuidedDecoding | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, guided: GuidedDecoding | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # what min_tokens bans until enough tokens are out
         self.guided = guided  # token masks of requests whose output must match a JSON schema
         self.graphs = graphs  # recorded decode forwards (CUDA), or None
         self.fuse_finetuning = fuse_finetuning  # a forward window shares the inference rows' matmul calls
@@ -100,7 +102,8 @@ class ModelExecutor:
         if sampling:
             logits = self.model.logits(hidden)  # [N, V] float32
             rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
-                                self._generator(c.request_id, c.params.seed), _adjustments(c), self._allowed(c))
+                                self._generator(c.request_id, c.params.seed), _adjustments(c, self.eos_token_ids),
+                                self._allowed(c), c.params.min_p)
                     for c in sampling]
             tokens = sample(logits, rows, self.default_generator)
             result.sampled = {c.request_id: t for c, t in zip(sampling, tokens)}
@@ -183,11 +186,15 @@ class ModelExecutor:
         return gen
 
 
-def _adjustments(chunk: InferenceChunk) -> LogitAdjustments | None:
-    """The chunk's request's penalties and biases, if it has any."""
+def _adjustments(chunk: InferenceChunk, eos_ids: frozenset[int]) -> LogitAdjustments | None:
+    """The chunk's request's penalties, biases and masks, if it has any. Until ``min_tokens`` are out, its stop tokens
+    (and end-of-sequence, unless ignored or a guide decides when the text may end) are banned."""
     if chunk.history is None or not chunk.params.adjusts_logits:
         return None
     p = chunk.params
     prompt_ids, output_ids = chunk.history
+    banned = []
+    if len(output_ids) < p.min_tokens:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos or p.guided_json is not None else sorted(eos_ids))
     return LogitAdjustments(output_ids, prompt_ids, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-                            p.logit_bias)
+                            p.logit_bias, banned, p.allowed_token_ids)

@@ -114,7 +114,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
         guided = GuidedDecoding(lambda: token_bytes(self.tokenizer, model_cfg.vocab_size), self.eos_token_ids,
                                 self.device)
-        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed, fuse, graphs, guided)
+        self.executor = ModelExecutor(self.model, self.cache, slots, self.adapters, config.seed, fuse, graphs, guided,
+                                      self.eos_token_ids)
         if graphs is not None:
             try:
                 seconds = graphs.record_all()
@@ -243,9 +244,11 @@ class LLMEngine:
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: {adapter!r} is not loaded (loaded: {sorted(self.adapters)})")
         vocab = self.model_config.vocab_size
-        outside = [t for t in params.logit_bias if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, (list, tuple)):

@@ -18,6 +18,7 @@ class _RequestText:
     cut: bool = False
     stop_reason: str | int | None = None
     finish_reason: str | None = None
+    before_min_tokens: int = 0  # characters out before min_tokens were: a stop string must end after them
 
 
 class OutputProcessor:
@@ -40,13 +41,18 @@ class OutputProcessor:
             state.finish_reason = event.finish_reason
             if event.new_token_id in request.params.stop_token_ids:
                 state.stop_reason = event.new_token_id
-        if not request.params.stop:
+        params = request.params
+        if not params.stop:
             return False
         text = self._text(request, state, exact=True)
-        for stop in request.params.stop:
-            at = text.find(stop)
+        if len(request.output_token_ids) < params.min_tokens:
+            state.before_min_tokens = len(text)
+            return False
+        for stop in params.stop:
+            at = text.find(stop, max(0, state.before_min_tokens - len(stop) + 1))
             if at >= 0:
-                state.text, state.cut = text[:at], True  # frozen: later decodes keep the cut
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                state.text, state.cut = text[:end], True  # frozen: later decodes keep the cut
                 state.stop_reason = stop
                 state.finish_reason = "stop"
                 return not event.finished  # True: the scheduler must still end it

@@ -3,7 +3,9 @@
 In this order: ``logit_bias`` added; ``repetition_penalty`` (HF's and vLLM's: the logit of every token in the
 prompt or the output so far divided by it where positive, multiplied where negative); then OpenAI's
 ``frequency_penalty`` times how often a token has been generated and ``presence_penalty`` once if it has,
-subtracted. Temperature, top-k and top-p come after. Reported logprobs stay those of the raw logits.
+subtracted; then vLLM's masks: tokens outside ``allowed_token_ids``, and until ``min_tokens`` are out the
+end-of-sequence and stop tokens, set to -inf. Temperature, min-p, top-k and top-p come after. Reported
+logprobs stay those of the raw logits.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class LogitAdjustments:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    banned: list[int] = field(default_factory=list)  # tokens it may not sample now (min_tokens: end-of-sequence)
+    allowed: list[int] | None = None  # the only tokens it may sample (allowed_token_ids), or None
 
 
 def adjust_logits(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tensor:
@@ -40,4 +44,10 @@ def adjust_logits(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tensor:
         counts = torch.bincount(torch.tensor(adj.output_ids, dtype=torch.long, device=device),
                                 minlength=out.shape[0]).to(out.dtype)
         out -= adj.frequency_penalty * counts + adj.presence_penalty * (counts > 0).to(out.dtype)
+    if adj.allowed is not None:
+        keep = torch.zeros_like(out, dtype=torch.bool)
+        keep[torch.tensor(adj.allowed, dtype=torch.long, device=device)] = True
+        out.masked_fill_(~keep, float("-inf"))
+    if adj.banned:
+        out[torch.tensor(adj.banned, dtype=torch.long, device=device)] = float("-inf")
     return out

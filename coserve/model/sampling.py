@@ -19,6 +19,7 @@ class SamplingRow:
     generator: torch.Generator | None  # the request's own RNG when it has a seed
     adjust: LogitAdjustments | None = None  # penalties and biases, if the request has any
     allowed: torch.Tensor | None = None  # bool [V]: the only tokens it may sample (guided decoding), or None
+    min_p: float = 0.0  # 0 = off
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
@@ -43,8 +44,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
 
 
 def _filtered_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """Probabilities ``[V]`` after temperature, top-k and top-p."""
+    """Probabilities ``[V]`` after temperature, min-p (vLLM's order), top-k and top-p."""
     scaled = logits / row.temperature
+    if row.min_p > 0:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < row.min_p * probs.max(), float("-inf"))
     if row.top_k > 0 and row.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, row.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

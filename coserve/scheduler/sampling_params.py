@@ -29,6 +29,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF's/vLLM's: logits of tokens in the prompt or output divided (> 0) or
     #   multiplied (< 0) by it; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's: token id -> added to its logit
+    min_p: float = 0.0  # vLLM's: after temperature, drop tokens less likely than min_p times the likeliest; 0 = off
+    min_tokens: int = 0  # vLLM's: end-of-sequence and stop_token_ids are masked, and stop strings not sought, until
+    #   this many tokens are out (a guided request's end-of-sequence is not masked: the guide decides)
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample; None = all
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string that ends the text is kept in it
     guided_json: dict | bool | None = None  # a JSON schema the output must match (vLLM's guided_json; OpenAI's
     #   response_format): the text is compact JSON (coserve/guided); None = free text
 
@@ -64,6 +69,16 @@ class SamplingParams:
         if (not isinstance(self.repetition_penalty, (int, float)) or isinstance(self.repetition_penalty, bool)
                 or not 0 < self.repetition_penalty < float("inf")):
             raise ValueError(f"repetition_penalty must be a positive number, got {self.repetition_penalty!r}")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
         if self.guided_json is not None:
             try:
                 compile_schema(self.guided_json)
@@ -81,7 +96,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether logits are penalised or biased before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
 
     @property
     def reads_history(self) -> bool:

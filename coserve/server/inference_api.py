@@ -90,8 +90,17 @@ def reject_unsupported(body: Sampling) -> None:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
 
 
+def check_token_ids(body: Sampling, vocab_size: int) -> None:
+    """400 naming the field when one of vLLM's token-id lists holds an id outside the vocabulary."""
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad = next((t for t in getattr(body, name) or () if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{name}: {bad} is not a token id of this model (0 to {vocab_size - 1})", name)
+
+
 def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token ids as strings) as token ids; 400 naming the field when a key or value is bad."""
+    check_token_ids(body, vocab_size)  # the other per-token options, checked where the bias is
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         if not key.isdigit() or int(key) >= vocab_size:
@@ -114,11 +123,17 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
         raise bad_request("stop: sequences must be non-empty", "stop")
     seed = None if body.seed is None else (body.seed + index + 2**63) % 2**64 - 2**63  # int64, wrapping
     temperature = 1.0 if body.temperature is None else body.temperature  # SamplingParams floors tiny ones
+    if body.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens: {body.min_tokens} is more than the {max_tokens} tokens it may generate",
+                          "min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                           top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
                           ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, guided_json=guided)
+                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, guided_json=guided,
+                          min_p=body.min_p, min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
+                          include_stop_str_in_output=body.include_stop_str_in_output,
+                          allowed_token_ids=body.allowed_token_ids)
 
 
 def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param: str, prompt_param: str) -> int:

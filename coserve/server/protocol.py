@@ -38,6 +38,11 @@ class Sampling(Body):
     top_k: int = Field(-1, ge=-1)  # vLLM's extension
     repetition_penalty: float = Field(1.0, gt=0)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
+    min_p: float = Field(0.0, ge=0, le=1)  # vLLM's extension
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's extension
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's extension
     response_format: Any = None  # OpenAI's: text, json_object or json_schema (coserve/server/response_format.py)
     guided_json: Any = None  # vLLM's extension: a JSON schema (an object or its text) the output must match
 

@@ -1,0 +1,71 @@
+"""vLLM's sampling extras: min_p (against HF's MinPLogitsWarper), min_tokens, allowed_token_ids, stop_token_ids and
+include_stop_str_in_output, in Python and through the server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MinPLogitsWarper
+
+from coserve import LLM, SamplingParams
+from coserve.model.sampling import SamplingRow, _filtered_probs
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    return LLM(model_factory("llama"), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("min_p, temperature", [(0.05, 1.0), (0.3, 0.7), (0.9, 1.5), (1.0, 1.0)])
+def test_min_p_keeps_what_hf_keeps(min_p, temperature):
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(1)) * 3
+    for row in logits:
+        ours = _filtered_probs(row, SamplingRow(temperature, -1, 1.0, None, min_p=min_p))
+        hf = MinPLogitsWarper(min_p)(None, (row / temperature).unsqueeze(0))[0].softmax(-1)
+        assert torch.equal(ours > 0, hf > 0)
+        torch.testing.assert_close(ours, hf, rtol=1e-6, atol=1e-7)
+
+
+def _eos(llm) -> int:
+    return llm.engine.tokenizer.eos_token_id
+
+
+def test_min_tokens_holds_back_end_of_sequence_and_stop_tokens(llm):
+    eos = _eos(llm)
+    eager = SamplingParams(max_tokens=20, temperature=0, logit_bias={eos: 100.0})
+    assert llm.generate(["Hello"], eager)[0].outputs[0].token_ids == [eos]
+    held = SamplingParams(max_tokens=20, temperature=0, logit_bias={eos: 100.0}, min_tokens=5)
+    out = llm.generate(["Hello"], held)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
+    stop_token = llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0))[0].outputs[0].token_ids[0]
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0, min_tokens=3, ignore_eos=True,
+                                                 logit_bias={stop_token: 100.0}, stop_token_ids=[stop_token]))[0]
+    assert out.outputs[0].token_ids[:3].count(stop_token) == 0 and out.outputs[0].token_ids[3] == stop_token
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_token
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled(llm):
+    allowed = [11, 12, 13, 500, 501]
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=30, temperature=1.0, seed=2, ignore_eos=True,
+                                                 allowed_token_ids=allowed))[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed) and len(set(out.token_ids)) > 1
+    with pytest.raises(ValueError, match="allowed_token_ids: token id 99999"):
+        llm.generate(["Hello"], SamplingParams(allowed_token_ids=[99999]))
+
+
+def test_stop_strings_keep_or_cut_and_wait_for_min_tokens(llm):
+    free = llm.generate(["Once upon"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
+    early = llm.engine.tokenizer.decode(free.token_ids[:2])[-3:]  # text the first two tokens end with
+    params = dict(max_tokens=16, temperature=0, ignore_eos=True, stop=[early])
+    cut = llm.generate(["Once upon"], SamplingParams(**params))[0].outputs[0]
+    kept = llm.generate(["Once upon"], SamplingParams(**params, include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == cut.text + early and free.text.startswith(kept.text)
+    waited = llm.generate(["Once upon"], SamplingParams(**params, min_tokens=4))[0].outputs[0]
+    assert len(waited.token_ids) >= 4 and len(waited.text) > len(cut.text)  # the early occurrence did not stop it
+
+
+@pytest.mark.parametrize("bad, message", [(dict(min_p=1.5), "min_p"), (dict(min_tokens=30, max_tokens=10), "min_tokens"),
+                                          (dict(allowed_token_ids=[]), "allowed_token_ids")])
+def test_bad_extras_name_the_field(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**bad)
