@@ -64,7 +64,8 @@ def test_stop_strings_keep_or_cut_and_wait_for_min_tokens(llm):
     assert len(waited.token_ids) >= 4 and len(waited.text) > len(cut.text)  # the early occurrence did not stop it
 
 
-@pytest.mark.parametrize("bad, message", [(dict(min_p=1.5), "min_p"), (dict(min_tokens=30, max_tokens=10), "min_tokens"),
+@pytest.mark.parametrize("bad, message", [(dict(min_p=1.5), "min_p"),
+                                          (dict(min_tokens=30, max_tokens=10), "min_tokens"),
                                           (dict(allowed_token_ids=[]), "allowed_token_ids")])
 def test_bad_extras_name_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -333,7 +333,8 @@ def test_vllm_sampling_extras_through_the_client(alice, model_factory):
         "allowed_token_ids": [11, 12, 13], "min_tokens": 12, "min_p": 0.01, "ignore_eos": True})
     assert set(out.choices[0].logprobs.tokens) <= {tokenizer.decode([i]) for i in (11, 12, 13)}
     assert out.usage.completion_tokens == 12
-    free = alice.completions.create(model=BASE, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    free = alice.completions.create(model=BASE, prompt="Hello", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
     stop = free.choices[0].text[2:5]
     kept = alice.completions.create(model=BASE, prompt="Hello", max_tokens=8, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})

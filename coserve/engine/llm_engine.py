@@ -312,6 +312,7 @@ class LLMEngine:
         self.scheduler = self._new_scheduler(self.scheduler.blocks.num_blocks, self.scheduler.latency)
         self.outputs = OutputProcessor(self.tokenizer)
         self.executor.generators.clear()
+        self.executor.guided.release_all()
         self._last_step = None
         self.num_failed_iterations += 1
         return outputs

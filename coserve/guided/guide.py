@@ -179,3 +179,7 @@ class GuidedDecoding:
 
     def release(self, request_id: str) -> None:
         self._cursors.pop(request_id, None)
+
+    def release_all(self) -> None:
+        """Forget every request's position (the engine starting over)."""
+        self._cursors.clear()

@@ -375,21 +375,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     guided = tools.schema if tools is not None else guided_schema(body.response_format, body.guided_json)
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
-    submit(ctx, job, [(make_request(ctx, tenant, ids, sampling_params(body, max_tokens, num_top, j, bias, guided=guided), adapter,
-                                    "messages"), "") for j in range(body.n)])
+    params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided) for j in range(body.n)]
+    submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages"), "") for p in params])
 
     if body.stream:
         def head(c: Choice) -> dict:
             return {"id": job.ident, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
 
-        calls: dict[int, dict] = {}  # a named function's call, by choice: its arguments stream as they come
-
         def chunk(c: Choice, out: RequestOutput | None):
             if out is None:
                 delta = {"role": "assistant", "content": ""}
-                if tools is not None and tools.function is not None:
-                    calls[c.index] = tool_call(tools.function, "")
-                    delta = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **calls[c.index]}]}
+                if tools is not None and tools.function is not None:  # the call first; its arguments as they come
+                    delta = {"role": "assistant", "content": None,
+                             "tool_calls": [{"index": 0, **tool_call(tools.function, "")}]}
                 return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                 "finish_reason": None}]}
             if tools is not None and tools.function is None:
