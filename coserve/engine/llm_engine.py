@@ -213,7 +213,8 @@ class LLMEngine:
         """Read and check an adapter directory (any thread: it touches nothing the iterations use)."""
         if not name or not isinstance(name, str):
             raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
-        adapter = load_peft_adapter(name, path, self.model.module_shapes(), self.model_config.num_layers)
+        adapter = load_peft_adapter(name, path, self.model.module_shapes(), self.model_config.num_layers,
+                                    self.model.module_weight)
         if isinstance(adapter, LoraAdapter) and adapter.rank > self.config.max_lora_rank:
             raise AdapterError(f"{path}: r={adapter.rank} exceeds max_lora_rank={self.config.max_lora_rank}")
         return adapter

@@ -145,6 +145,17 @@ class DecoderModel:
                 "up_proj": (c.hidden_size, c.intermediate_size),
                 "down_proj": (c.intermediate_size, c.hidden_size)}
 
+    def module_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frozen ``[out, in]`` weight and the bias (or None) of one targetable module (views of the fused ones)."""
+        c, lay = self.cfg, self.layers[layer]
+        bounds = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.q_size + c.kv_size),
+                  "v_proj": (c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)}
+        if module in bounds:
+            lo, hi = bounds[module]
+            return lay.qkv[lo:hi], None if lay.qkv_bias is None else lay.qkv_bias[lo:hi]
+        weights = {"o_proj": lay.o, "gate_proj": lay.gate_weight, "up_proj": lay.up_weight, "down_proj": lay.down}
+        return weights[module], None
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, bypass: Bypass | None = None,
                 min_rows: int = 0) -> torch.Tensor:

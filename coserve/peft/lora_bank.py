@@ -29,6 +29,11 @@ class LoraBank(SlotBank):
         self.b: dict[str, torch.Tensor] = {}  # module -> [layers, out, slots*R]
         self.scaling = [0.0] * max_loras
         self.slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
+        # DoRA: per module [layers, slots + 1, out] output scales and bias terms; row ``max_loras`` (base-model
+        # tokens) and every plain-LoRA slot hold scale 1 and term 0, so their rows come out exactly as without
+        self.dora_scale: dict[str, torch.Tensor] = {}
+        self.dora_offset: dict[str, torch.Tensor] = {}
+        self.slot_dora: list[frozenset[str]] = [frozenset()] * max_loras  # modules a slot's DoRA scales
 
     def activate(self, adapters: list[LoraAdapter]) -> dict[str, int]:
         """Make every adapter resident in a slot (evicting the least recently used others)."""
@@ -52,16 +57,33 @@ class LoraBank(SlotBank):
             bank_a, bank_b = self._module_tensors(module)
             bank_a[layer, lo:lo + adapter.rank] = a.to(self.device, self.dtype)
             bank_b[layer, :, lo:lo + adapter.rank] = adapter.b[(layer, module)].to(self.device, self.dtype)
+        for (layer, module), scale in adapter.dora_scale.items():
+            bank_scale, bank_offset = self._dora_tensors(module)
+            bank_scale[layer, slot] = scale.to(self.device, self.dtype)
+            bank_offset[layer, slot] = adapter.dora_offset[(layer, module)].to(self.device, self.dtype)
         self.scaling[slot] = adapter.scaling
         self.slot_modules[slot] = adapter.target_modules
+        self.slot_dora[slot] = frozenset(m for _, m in adapter.dora_scale)
+
+    def _dora_tensors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if module not in self.dora_scale:
+            fan_out = self.module_shapes[module][1]
+            shape = (self.num_layers, self.max_loras + 1, fan_out)
+            self.dora_scale[module] = torch.ones(shape, device=self.device, dtype=self.dtype)
+            self.dora_offset[module] = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        return self.dora_scale[module], self.dora_offset[module]
 
     def _clear(self, slot: int) -> None:
         lo, hi = slot * self.max_rank, (slot + 1) * self.max_rank
         for module in self.a:
             self.a[module][:, lo:hi] = 0
             self.b[module][:, :, lo:hi] = 0
+        for module in self.dora_scale:
+            self.dora_scale[module][:, slot] = 1
+            self.dora_offset[module][:, slot] = 0
         self.scaling[slot] = 0.0
         self.slot_modules[slot] = frozenset()
+        self.slot_dora[slot] = frozenset()
 
     def batch(self, token_slots: torch.Tensor) -> "LoraBatch | None":
         """The adapters of one batch, given each token's slot ``[T]`` (-1 = base model)."""
@@ -73,18 +95,24 @@ class LoraBank(SlotBank):
         onehot = token_slots.unsqueeze(1) == torch.arange(num_slots, device=self.device).unsqueeze(0)
         token_scale = onehot.to(self.dtype) * scale_of_slot  # [T, num_slots]
         modules = frozenset().union(*(self.slot_modules[s] for s in used))
-        return LoraBatch(self, token_scale, num_slots, modules)
+        dora = frozenset().union(*(self.slot_dora[s] for s in used))
+        rows = torch.where(token_slots < 0, self.max_loras, token_slots) if dora else None
+        return LoraBatch(self, token_scale, num_slots, modules, dora, rows)
 
 
 class LoraBatch:
-    """Applies the bank's adapters to a batch (a ``Bypass``): ``y + ((x @ A^T) * scale[token, slot]) @ B^T``."""
+    """Applies the bank's adapters to a batch (a ``Bypass``): ``y + ((x @ A^T) * scale[token, slot]) @ B^T``, then
+    for DoRA modules times each token's slot's output scale plus its bias term (1 and 0 for every other token)."""
 
     def __init__(self, bank: LoraBank, token_scale: torch.Tensor, num_slots: int,
-                 modules: frozenset[str]) -> None:
+                 modules: frozenset[str], dora: frozenset[str] = frozenset(),
+                 token_rows: torch.Tensor | None = None) -> None:
         self.bank = bank
         self.token_scale = token_scale  # [T, num_slots]: the slot's scaling where the token uses it, else 0
         self.num_slots = num_slots
         self.modules = modules
+        self.dora = dora  # modules where some token's adapter is DoRA
+        self.token_rows = token_rows  # [T]: each token's row of the DoRA tables (its slot, or the base row)
 
     def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
         return x  # LoRA leaves the frozen module's input alone
@@ -98,4 +126,8 @@ class LoraBatch:
         b = self.bank.b[module][layer, :, :width]  # [out, S*R]
         xa = (x @ a.T).view(x.shape[0], self.num_slots, self.bank.max_rank)
         xa = xa * self.token_scale.unsqueeze(-1)
-        return y + xa.view(x.shape[0], width) @ b.T
+        y = y + xa.view(x.shape[0], width) @ b.T
+        if module not in self.dora:
+            return y
+        rows = self.token_rows
+        return y * self.bank.dora_scale[module][layer, rows] + self.bank.dora_offset[module][layer, rows]

@@ -9,20 +9,21 @@ import torch
 from coserve.peft.adapter_dir import CONFIG_FILE, AdapterError, peft_type, read_adapter_config
 from coserve.peft.ia3_adapter import IA3Adapter, load_ia3_adapter
 from coserve.peft.ia3_bank import IA3Bank, IA3Batch
-from coserve.peft.lora_adapter import LoraAdapter, load_lora_adapter
+from coserve.peft.lora_adapter import BaseWeight, LoraAdapter, load_lora_adapter
 from coserve.peft.lora_bank import LoraBank, LoraBatch
 
 ServedAdapter = LoraAdapter | IA3Adapter
 
 
 def load_peft_adapter(name: str, path: str | Path, module_shapes: dict[str, tuple[int, int]],
-                      num_layers: int) -> ServedAdapter:
-    """A LoRA or IA3 adapter directory (told apart by ``peft_type``), checked against the model's shapes."""
+                      num_layers: int, base_weight: BaseWeight | None = None) -> ServedAdapter:
+    """A LoRA (DoRA too, given ``base_weight``) or IA3 adapter directory (told apart by ``peft_type``), checked
+    against the model's shapes."""
     path = Path(path)
     config = read_adapter_config(path)
     kind = peft_type(config)
     if kind == "LORA":
-        return load_lora_adapter(name, path, module_shapes, num_layers)
+        return load_lora_adapter(name, path, module_shapes, num_layers, base_weight)
     if kind == "IA3":
         return load_ia3_adapter(name, path, module_shapes, num_layers)
     raise AdapterError(f"{path / CONFIG_FILE}: field 'peft_type' = {config.get('peft_type')!r}; "
