@@ -202,3 +202,16 @@ def test_a_json_object_request_is_a_prefix_of_an_object_while_it_runs(llm):
     out = llm.generate(["Give me JSON"], SamplingParams(max_tokens=24, temperature=0,
                                                         guided_json={"type": "object"}))[0].outputs[0]
     assert accepts({"type": "object"}, out.text) is (out.finish_reason == "stop")
+
+
+def test_guided_choice_outputs_exactly_one_of_the_choices(llm):
+    choices = ["positive", "negative", "neutral", "neg"]  # "neg" is a prefix of another: both stay possible
+    outs = llm.generate(["Sentiment of: great!", "Sentiment of: awful", "x", "y"],
+                        [SamplingParams(max_tokens=10, temperature=t, seed=s, guided_choice=choices)
+                         for t, s in ((0, None), (1.0, 1), (1.0, 2), (1.0, 3))])
+    for out in outs:
+        assert out.outputs[0].text in choices and out.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="guided_choice: "):
+        SamplingParams(guided_choice=[])
+    with pytest.raises(ValueError, match="either guided_json or guided_choice"):
+        SamplingParams(guided_choice=["a"], guided_json={"type": "object"})

@@ -159,6 +159,19 @@ def test_structured_outputs_match_the_schema_streamed_or_not(alice):
     obj = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=8, temperature=0,
                                         response_format={"type": "json_object"})
     assert obj.choices[0].message.content.startswith("{")
+    for extra in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
+        picked = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=5, temperature=1.0, seed=2,
+                                               extra_body=extra)
+        assert picked.choices[0].message.content in ("yes", "no")
+    newer = alice.completions.create(model=BASE, prompt="JSON:", max_tokens=40, temperature=0,
+                                     extra_body={"structured_outputs": {"json": SMALL_SCHEMA}})
+    jsonschema.validate(json.loads(newer.choices[0].text), SMALL_SCHEMA)
+    for extra, param in (({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"regex": "a+"}},
+                                                                     "structured_outputs"),
+                         ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == param
 
 
 @pytest.mark.parametrize("response_format, message", [

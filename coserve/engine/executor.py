@@ -170,11 +170,12 @@ class ModelExecutor:
 
     def _allowed(self, chunk: InferenceChunk) -> torch.Tensor | None:
         """The tokens a guided request may sample next (its outputs so far match its schema's prefix)."""
-        if chunk.params.guided_json is None:
+        p = chunk.params
+        if not p.guided:
             return None
         if self.guided is None:
-            raise RuntimeError("guided_json: this executor has no vocabulary to guide decoding with")
-        return self.guided.mask(chunk.request_id, chunk.params.guided_json, chunk.history[1])
+            raise RuntimeError("guided decoding: this executor has no vocabulary to guide decoding with")
+        return self.guided.mask(chunk.request_id, p.guided_json, chunk.history[1], p.guided_choice)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -195,6 +196,6 @@ def _adjustments(chunk: InferenceChunk, eos_ids: frozenset[int]) -> LogitAdjustm
     prompt_ids, output_ids = chunk.history
     banned = []
     if len(output_ids) < p.min_tokens:
-        banned = list(p.stop_token_ids) + ([] if p.ignore_eos or p.guided_json is not None else sorted(eos_ids))
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos or p.guided else sorted(eos_ids))
     return LogitAdjustments(output_ids, prompt_ids, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
                             p.logit_bias, banned, p.allowed_token_ids)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from coserve.guided.machine import JsonMachine, State, initial_state
-from coserve.guided.schema import compile_schema
+from coserve.guided.schema import compile_choices, compile_schema
 from coserve.guided.vocab import TrieNode, build_trie
 
 MASK_CACHE_BYTES = 64 << 20  # per guide: masks kept for recurring states
@@ -62,8 +62,9 @@ def _plain_chars(data: bytes) -> int | None:
 class Guide:
     """One schema's token masks over one vocabulary."""
 
-    def __init__(self, schema: Any, vocab: Vocabulary) -> None:
-        compiled = compile_schema(schema)
+    def __init__(self, schema: Any, vocab: Vocabulary, choices: list[str] | None = None) -> None:
+        """``schema``: a JSON schema; or, with ``choices`` (vLLM's guided_choice), the output is one of them."""
+        compiled = compile_choices(choices) if choices is not None else compile_schema(schema)
         self.machine = JsonMachine(compiled.nodes)
         self.start = initial_state(compiled.root)
         self.vocab = vocab
@@ -154,23 +155,24 @@ class GuidedDecoding:
         self._max_guides = max_guides
         self._cursors: dict[str, Cursor] = {}
 
-    def guide(self, schema: Any) -> Guide:
-        key = json.dumps(schema, sort_keys=True)
+    def guide(self, schema: Any, choices: list[str] | None = None) -> Guide:
+        key = json.dumps([schema, choices], sort_keys=True)
         guide = self._guides.get(key)
         if guide is None:
             if self._vocab is None:
                 self._vocab = Vocabulary(self._vocab_factory(), self._eos_ids, self._device)
-            guide = self._guides[key] = Guide(schema, self._vocab)
+            guide = self._guides[key] = Guide(schema, self._vocab, choices)
             if len(self._guides) > self._max_guides:
                 self._guides.popitem(last=False)
         self._guides.move_to_end(key)
         return guide
 
-    def mask(self, request_id: str, schema: Any, output_ids: list[int]) -> torch.Tensor:
+    def mask(self, request_id: str, schema: Any, output_ids: list[int], choices: list[str] | None = None
+             ) -> torch.Tensor:
         """The tokens request ``request_id`` may sample next, its outputs so far being ``output_ids``."""
         cursor = self._cursors.get(request_id)
         if cursor is None or cursor.consumed > len(output_ids):
-            guide = self.guide(schema)
+            guide = self.guide(schema, choices)
             cursor = self._cursors[request_id] = Cursor(guide, guide.start, 0)
         for token in output_ids[cursor.consumed:]:
             cursor.state = cursor.guide.advance(cursor.state, token)

@@ -64,6 +64,20 @@ def compile_schema(schema: Any) -> CompiledSchema:
     return _Compiler(schema).run()
 
 
+MAX_CHOICES = 4096
+
+
+def compile_choices(choices: Any) -> CompiledSchema:
+    """A table whose root matches exactly one of ``choices`` as raw text (vLLM's ``guided_choice``: no quotes)."""
+    if (not isinstance(choices, (list, tuple)) or not choices or len(choices) > MAX_CHOICES
+            or any(not isinstance(c, str) or not c for c in choices)):
+        raise SchemaError(f"choices: must be 1 to {MAX_CHOICES} non-empty strings, got {choices!r}"[:300])
+    table = _Compiler(True).table
+    table.nodes.append(Node("literal", texts=tuple(dict.fromkeys(c.encode() for c in choices))))
+    table.root = len(table.nodes) - 1
+    return table
+
+
 def json_text(value: Any) -> bytes:
     """The compact JSON text of a value, as the machine matches it (``json.dumps`` with ``", "`` and
     ``": "`` separators and non-ASCII kept)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coserve.guided.schema import SchemaError, compile_schema
+from coserve.guided.schema import SchemaError, compile_choices, compile_schema
 
 
 MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (as vLLM does)
@@ -36,6 +36,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: a stop string that ends the text is kept in it
     guided_json: dict | bool | None = None  # a JSON schema the output must match (vLLM's guided_json; OpenAI's
     #   response_format): the text is compact JSON (coserve/guided); None = free text
+    guided_choice: list[str] | None = None  # vLLM's: the output is exactly one of these strings; None = free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,11 +80,18 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if self.guided_json is not None and self.guided_choice is not None:
+            raise ValueError("guided_choice: give either guided_json or guided_choice, not both")
         if self.guided_json is not None:
             try:
                 compile_schema(self.guided_json)
             except SchemaError as e:
                 raise ValueError(f"guided_json: {e}") from None
+        if self.guided_choice is not None:
+            try:
+                compile_choices(self.guided_choice)
+            except SchemaError as e:
+                raise ValueError(f"guided_choice: {e}") from None
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
@@ -101,7 +109,12 @@ class SamplingParams:
     @property
     def reads_history(self) -> bool:
         """Whether sampling reads the request's tokens so far (penalties, or a guide's position)."""
-        return self.adjusts_logits or self.guided_json is not None
+        return self.adjusts_logits or self.guided
+
+    @property
+    def guided(self) -> bool:
+        """Whether a guide decides which tokens may come (guided_json or guided_choice)."""
+        return self.guided_json is not None or self.guided_choice is not None
 
     @property
     def greedy(self) -> bool:

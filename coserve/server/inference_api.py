@@ -23,7 +23,7 @@ from coserve.server.generation import TextDelta, on_engine_async
 from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
-from coserve.server.response_format import guided_schema
+from coserve.server.response_format import guided_output
 from coserve.server.tools import template_messages, template_tools, tool_call, tool_plan
 
 router = APIRouter()
@@ -115,7 +115,7 @@ def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
 
 def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int,
                     bias: dict[int, float] | None = None, prompt_logprobs: int | None = None,
-                    guided: dict | bool | None = None) -> SamplingParams:
+                    guided: dict | bool | None = None, choices: list[str] | None = None) -> SamplingParams:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS:
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
@@ -130,7 +130,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
                           top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
                           ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, guided_json=guided,
+                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, guided_json=guided, guided_choice=choices,
                           min_p=body.min_p, min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
                           include_stop_str_in_output=body.include_stop_str_in_output,
                           allowed_token_ids=body.allowed_token_ids)
@@ -275,7 +275,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     adapter = await ctx.models.resolve(tenant, body.model)
     scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's tokens are scored too
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
-    guided = guided_schema(body.response_format, body.guided_json)
+    guided, choices = guided_output(body)
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
     prompts = await off_loop_if_long(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
@@ -284,7 +284,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
         for j in range(body.n):
-            params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored, guided=guided)
+            params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored, guided=guided,
+                                     choices=choices)
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt"), text if body.echo else ""))
     submit(ctx, job, requests)
 
@@ -372,10 +373,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     tools = tool_plan(body)
-    guided = tools.schema if tools is not None else guided_schema(body.response_format, body.guided_json)
+    guided, choices = (tools.schema, None) if tools is not None else guided_output(body)
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
-    params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided) for j in range(body.n)]
+    params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided, choices=choices)
+              for j in range(body.n)]
     submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages"), "") for p in params])
 
     if body.stream:

@@ -45,6 +45,8 @@ class Sampling(Body):
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's extension
     response_format: Any = None  # OpenAI's: text, json_object or json_schema (coserve/server/response_format.py)
     guided_json: Any = None  # vLLM's extension: a JSON schema (an object or its text) the output must match
+    guided_choice: Any = None  # vLLM's extension: the output is exactly one of these strings
+    structured_outputs: Any = None  # vLLM's newer form of both: {"json": schema} or {"choice": [...]}
 
 
 class CompletionRequest(Sampling):

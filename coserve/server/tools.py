@@ -61,9 +61,10 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         raise bad_request("tool_choice: 'auto' (the default when tools are given) needs a parser of the tool calls "
                           "a model writes freely, which this server does not have; set tool_choice to 'required', "
                           "to a named function, or to 'none'", "tool_choice")
-    if body.response_format is not None or body.guided_json is not None:
-        raise bad_request("tool_choice: tool calls are JSON already; drop response_format / guided_json",
-                          "tool_choice")
+    if any(getattr(body, f) is not None for f in ("response_format", "guided_json", "guided_choice",
+                                                   "structured_outputs")):
+        raise bad_request("tool_choice: tool calls are JSON already; drop response_format and vLLM's guided_* / "
+                          "structured_outputs", "tool_choice")
     names = [t.function.name for t in tools]
     if len(set(names)) < len(names):
         raise bad_request("tools: function names must be distinct", "tools")
