@@ -47,6 +47,8 @@ class Sampling(Body):
     guided_json: Any = None  # vLLM's extension: a JSON schema (an object or its text) the output must match
     guided_choice: Any = None  # vLLM's extension: the output is exactly one of these strings
     structured_outputs: Any = None  # vLLM's newer form of both: {"json": schema} or {"choice": [...]}
+    guided_regex: Any = None  # vLLM's: not built (a 400 rather than ignored)
+    guided_grammar: Any = None  # vLLM's: not built (a 400 rather than ignored)
 
 
 class CompletionRequest(Sampling):
