@@ -22,6 +22,23 @@ def make_lora_adapter(model_dir: Path, out_dir: Path, seed: int = 0, **lora_kwar
     return out_dir
 
 
+def make_dora_adapter(model_dir: Path, out_dir: Path, seed: int = 0, **lora_kwargs) -> Path:
+    """Save a PEFT DoRA adapter with random B and magnitudes moved away from the base weights' norms."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(use_dora=True, **lora_kwargs))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+            elif "lora_magnitude_vector" in name:
+                param.mul_(1 + 0.3 * torch.randn_like(param))
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
 def peft_model(model_dir: Path, adapter_dir: Path):
     """The HF PEFT oracle: a fresh base model with the adapter applied."""
     from peft import PeftModel

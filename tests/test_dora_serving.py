@@ -11,26 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from coserve import LLM, SamplingParams
 from coserve.peft import AdapterError
-from peft_helpers import hf_greedy, make_lora_adapter, peft_model
+from peft_helpers import hf_greedy, make_dora_adapter, make_lora_adapter, peft_model
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Scheduling decides which tokens run", "Once upon"]
-
-
-def make_dora_adapter(model_dir, out_dir, seed: int, **lora_kwargs):
-    """A PEFT DoRA adapter with random B and magnitudes moved away from the base weights' norms."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(use_dora=True, **lora_kwargs))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)
-            elif "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.3 * torch.randn_like(param))
-    model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases (DoRA scales all but the bias)
@@ -82,3 +65,24 @@ def test_bad_dora_files_name_the_field(model_factory, tmp_path):
             llm.load_adapter("bad", path)
     llm.load_adapter("good", good)  # and the engine serves on
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2), adapter="good")[0].outputs[0].token_ids
+
+
+def test_a_dora_adapter_trained_by_coserve_is_served_as_peft_serves_it(model_factory, hf_model_cache, tmp_path):
+    """``coserve finetune --use-dora`` writes what PEFT loads (use_dora, magnitudes), and the engine serves it with
+    PEFT's greedy tokens."""
+    from coserve.cli import main
+    model_dir = model_factory("qwen2")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"example {i} " * 6}) + "\n" for i in range(6)))
+    out = tmp_path / "out"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(out), "--use-dora",
+                 "--target-modules", "q_proj,v_proj,down_proj", "--lora-r", "4", "--lr", "0.05", "--max-steps", "3",
+                 "--batch-size", "2"]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    assert any(k.endswith("lora_magnitude_vector") for k in load_file(out / "adapter_model.safetensors"))
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    llm.load_adapter("mine", out)
+    ids = llm.tokenizer("The scheduler decides")["input_ids"]
+    ours = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), adapter="mine")[0]
+    assert ours.outputs[0].token_ids == hf_greedy(peft_model(model_dir, out), ids, 12)

@@ -114,13 +114,18 @@ def test_the_trained_adapter_is_served_by_the_engine(setup, tmp_path):
 
 
 @pytest.mark.parametrize("remat", ["cheap", "all"])
-@pytest.mark.parametrize("peft", ["lora", "ia3"])
+@pytest.mark.parametrize("peft", ["lora", "ia3", "dora"])
 def test_the_executor_keeps_exactly_the_plans_bytes(setup, tmp_path, peft, remat):
     from coserve.peft.config import IA3Config
     from coserve.peft.trainable import TrainableIA3
     model_dir, model, examples, bypass = setup
-    b = bypass() if peft == "lora" else TrainableIA3(IA3Config(), model.module_shapes(), model.cfg.num_layers,
-                                                     model.device)
+    if peft == "dora":  # DoRA keeps each module's unscaled output beside x A^T
+        b = TrainableLora(LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["v_proj", "down_proj"]),
+                          model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(0),
+                          base_weight=model.module_weight)
+    else:
+        b = bypass() if peft == "lora" else TrainableIA3(IA3Config(), model.module_shapes(), model.cfg.num_layers,
+                                                         model.device)
     job = FinetuneJob(model, b, examples, _cfg(tmp_path / "o", max_steps=1, rematerialize=remat))
     run_job(job, progress=False)
     plan = job.plan

@@ -15,7 +15,7 @@ from coserve.finetune.runner import run_job
 from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.model.loader import load_model
 from coserve.peft.trainable import load_trainable
-from peft_helpers import make_ia3_adapter, make_lora_adapter
+from peft_helpers import make_dora_adapter, make_ia3_adapter, make_lora_adapter
 
 
 def _examples(vocab: int, n: int, seed: int) -> list[Example]:
@@ -76,17 +76,21 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
         opt.zero_grad()
         losses.append(float(loss))
         accuracies.append(correct / total)
-    state = {n.replace(".default", ""): p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    state = {n.replace(".default", "").replace("magnitude_vector.weight", "magnitude_vector"): p.detach()
+             for n, p in model.named_parameters() if p.requires_grad}  # names as PEFT saves them
     return losses, accuracies, state
 
 
 @pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-5), ("adamw", 1e-4)])
 @pytest.mark.parametrize("arch,targets", [("llama", ["down_proj"]), ("llama", ["q_proj", "v_proj", "o_proj", "gate_proj"]),
-                                          ("qwen2", "ia3")])
+                                          ("qwen2", "ia3"), ("qwen2", "dora")])
 def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, targets):
     model_dir = model_factory(arch)
     if targets == "ia3":  # PEFT's default IA3 placement: k_proj and v_proj outputs, down_proj input
         start = make_ia3_adapter(model_dir, tmp_path / "start", seed=3)
+    elif targets == "dora":  # q/v with Qwen2's biases, which DoRA leaves unscaled
+        start = make_dora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8,
+                                  target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
     else:
         start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, target_modules=targets)
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
@@ -95,7 +99,7 @@ def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, ta
     cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), batch_size=2, lr=0.05 if optimizer == "sgd" else 0.01,
                          optimizer=optimizer, warmup_steps=1, lr_scheduler="linear", max_grad_norm=1.0,
                          weight_decay=0.01, shuffle=False, window_schedule="random:7")
-    bypass = load_trainable(start, model.module_shapes(), model.cfg.num_layers, model.device)
+    bypass = load_trainable(start, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
     job = FinetuneJob(model, bypass, examples, cfg, base_model=str(model_dir))
     run_job(job, progress=False)
     ref_losses, ref_accuracies, ref_state = _peft_train(model_dir, start, examples, cfg, steps)
@@ -108,7 +112,8 @@ def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, ta
         rel = (ours[name] - ref).norm() / ref.norm()
         assert rel <= tol, (name, float(rel))
     # the saved adapter is what PEFT loads, with the same outputs
-    saved = load_trainable(cfg.output_dir, model.module_shapes(), model.cfg.num_layers, model.device)
+    saved = load_trainable(cfg.output_dir, model.module_shapes(), model.cfg.num_layers, model.device,
+                           model.module_weight)
     for name, tensor in saved.state_dict().items():
         assert torch.equal(tensor, ours[name])
     lines = [json.loads(x) for x in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]

@@ -20,6 +20,8 @@ BYPASSES = {
     "lora-attn": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "lora-mlp": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]),
     "ia3": IA3Config(),
+    "dora": LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, use_dora=True,
+                       target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]),
 }
 
 
@@ -32,10 +34,13 @@ def _bypass(name, model, seed):
             for p in bypass.parameters():
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
         return bypass
-    bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, gen)
-    with torch.no_grad():  # non-zero B so that A gets gradient too
+    bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, gen,
+                           base_weight=model.module_weight if cfg.use_dora else None)
+    with torch.no_grad():  # non-zero B so that A gets gradient too; DoRA magnitudes away from the norms
         for p in bypass.parameters():
-            if p.shape[1] == cfg.r:
+            if p.dim() == 1:
+                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif p.shape[1] == cfg.r:
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     return bypass
 

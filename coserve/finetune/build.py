@@ -15,5 +15,6 @@ def make_bypass(peft: LoraConfig | IA3Config, model: DecoderModel, seed: int) ->
     if isinstance(peft, IA3Config):
         return TrainableIA3(peft, shapes, layers, model.device)
     if isinstance(peft, LoraConfig):
-        return TrainableLora(peft, shapes, layers, model.device, torch.Generator().manual_seed(seed))
+        return TrainableLora(peft, shapes, layers, model.device, torch.Generator().manual_seed(seed),
+                             base_weight=model.module_weight if peft.use_dora else None)
     raise ValueError(f"peft: expected a LoraConfig or IA3Config, got {type(peft).__name__}")

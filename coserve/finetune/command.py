@@ -36,6 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--lora-alpha", type=float, default=16)
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--use-rslora", action="store_true")
+    p.add_argument("--use-dora", action="store_true", help="DoRA (PEFT's use_dora): a trainable magnitude per output")
     p.add_argument("--target-modules", default=None, help="comma-separated (lora default: down_proj; "
                    "ia3 default: k_proj,v_proj,down_proj)")
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
@@ -102,14 +103,15 @@ def run(args) -> int:
 def _bypass(args, model, device: torch.device, seed: int) -> TrainableBypass:
     shapes, layers = model.module_shapes(), model.cfg.num_layers
     if args.init_adapter:
-        return load_trainable(args.init_adapter, shapes, layers, device)
+        return load_trainable(args.init_adapter, shapes, layers, device, model.module_weight)
     targets = args.target_modules.split(",") if args.target_modules else None
     if args.peft == "ia3":
         cfg = IA3Config(**({"target_modules": targets,
                             "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets else {}))
     else:
         cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                         use_rslora=args.use_rslora, **({"target_modules": targets} if targets else {}))
+                         use_rslora=args.use_rslora, use_dora=args.use_dora,
+                         **({"target_modules": targets} if targets else {}))
     return make_bypass(cfg, model, seed)
 
 

@@ -220,7 +220,7 @@ def peft_summary(peft: Any) -> str:
     """A one-line name of a PEFT config, e.g. ``LoRA r=16 on down_proj``."""
     mods = ", ".join(m for m in TARGET_MODULES if m in peft.target_modules)
     if peft.peft_type == "LORA":
-        return f"LoRA r={peft.r} on {mods}"
+        return f"{'DoRA' if getattr(peft, 'use_dora', False) else 'LoRA'} r={peft.r} on {mods}"
     ff = [m for m in TARGET_MODULES if m in peft.feedforward_modules]
     return f"IA3 on {mods}" + (f" (input-scaled: {', '.join(ff)})" if ff else "")
 
@@ -274,7 +274,12 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
         xa = b.matmul(f"{module}.lora_A", x, fan_in, r, f"{module}.lora_a", trainable=True)  # [r]
         xab = b.matmul(f"{module}.lora_B", xa, r, fan_out, f"{module}.lora_b", trainable=True)  # [out]
         scaled = b.pointwise(f"{module}.lora_scale", OpKind.ELEMENTWISE, "scale", (xab,), f"{module}.lora_s")
-        return b.pointwise(f"{module}.lora_add", OpKind.ADD, "add", (y, scaled), out)
+        if not getattr(peft, "use_dora", False):
+            return b.pointwise(f"{module}.lora_add", OpKind.ADD, "add", (y, scaled), out)
+        # DoRA: the sum times m / ||W + scaling B A|| (the norm detached: a constant of the step), so dm reads it
+        total = b.pointwise(f"{module}.lora_add", OpKind.ADD, "add", (y, scaled), f"{module}.lora_sum")
+        magnitude = b.weight(f"{module}.lora_magnitude", trainable=True)
+        return b.op(f"{module}.dora", OpKind.ELEMENTWISE, (total, magnitude), ((out, fan_out),), fan_out, "mul")
 
     x = b.input("x", shape.hidden_size)  # [H]
     pos = b.index("positions")

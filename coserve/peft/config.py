@@ -24,12 +24,15 @@ class LoraConfig:
     lora_dropout: float = 0.0  # dropout on the bypass input
     target_modules: list[str] = field(default_factory=lambda: ["down_proj"])  # the papers' setting
     use_rslora: bool = False  # scaling = alpha / sqrt(r) instead of alpha / r
+    use_dora: bool = False  # DoRA (PEFT's): a trainable magnitude per output times the direction W + scaling B A
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
             raise ValueError(f"r: must be a positive integer, got {self.r!r}")
         if not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
             raise ValueError(f"lora_alpha: must be positive, got {self.lora_alpha!r}")
+        if not isinstance(self.use_dora, bool):
+            raise ValueError(f"use_dora: must be true or false, got {self.use_dora!r}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout!r}")
         self.target_modules = list(self.target_modules)

@@ -19,6 +19,7 @@ from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
 from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from coserve.peft.adapter_dir import AdapterError, write_adapter_files
+from coserve.peft.lora_adapter import BaseWeight
 
 
 def _prefix(layer: int, module: str) -> str:
@@ -122,15 +123,27 @@ def _accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Te
 
 
 class TrainableLora(TrainableBypass):
-    """LoRA matrices ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per targeted module and layer."""
+    """LoRA matrices ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per targeted module and layer.
+
+    With ``use_dora`` (PEFT's DoRA) also a magnitude ``m`` ``[out]`` (the frozen weight's row norms at init):
+    ``y' = s (y - bias + scaling (x A^T) B^T) + bias`` with ``s = m / ||W + scaling B A||`` by row, the norm
+    detached from the graph as PEFT does (DoRA paper §4.3); ``base_weight`` gives each module's ``W`` and bias.
+    The norms are computed once per parameter update (keyed by A's and B's in-place version counters).
+    """
 
     def __init__(self, config: LoraConfig, module_shapes: dict[str, tuple[int, int]], num_layers: int,
-                 device: torch.device, generator: torch.Generator | None = None) -> None:
+                 device: torch.device, generator: torch.Generator | None = None,
+                 base_weight: BaseWeight | None = None) -> None:
         super().__init__(config, num_layers)
         self.dropout = config.lora_dropout
         self.scaling = config.scaling
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self.m: dict[tuple[int, str], torch.Tensor] = {}  # DoRA magnitudes
+        self.base: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}  # DoRA: W and bias
+        self._norms: dict[tuple[int, str], tuple[tuple[int, int], torch.Tensor]] = {}  # DoRA: versions -> norm
+        if config.use_dora and base_weight is None:
+            raise ValueError("use_dora: DoRA needs the base model's weights (base_weight)")
         for layer in range(num_layers):
             for module in config.target_modules:
                 fan_in, fan_out = module_shapes[module]
@@ -140,13 +153,47 @@ class TrainableLora(TrainableBypass):
                 a.uniform_(-bound, bound, generator=generator)
                 self.a[(layer, module)] = a.to(device).requires_grad_()
                 self.b[(layer, module)] = torch.zeros(fan_out, config.r, device=device, requires_grad=True)
+                if config.use_dora:
+                    weight, bias = base_weight(layer, module)
+                    self.base[(layer, module)] = (weight, bias)
+                    norm = torch.linalg.norm(weight.float(), dim=1)
+                    self.m[(layer, module)] = norm.to(device).requires_grad_()
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         out = []
         for key in sorted(self.a):
             out.append((f"{_prefix(*key)}.lora_A.weight", self.a[key]))
             out.append((f"{_prefix(*key)}.lora_B.weight", self.b[key]))
+            if key in self.m:
+                out.append((f"{_prefix(*key)}.lora_magnitude_vector", self.m[key]))
         return out
+
+    def _dora_norm(self, key: tuple[int, str]) -> torch.Tensor:
+        """``||W + scaling B A||`` by row (detached; recomputed after A or B changed)."""
+        a, b = self.a[key], self.b[key]
+        versions = (a._version, b._version)
+        cached = self._norms.get(key)
+        if cached is None or cached[0] != versions:
+            weight = self.base[key][0]
+            with torch.no_grad():
+                norm = torch.linalg.norm(weight.float() + self.scaling * (b @ a), dim=1)
+            cached = self._norms[key] = (versions, norm)
+        return cached[1]
+
+    def _dora_scale(self, key: tuple[int, str]) -> torch.Tensor:
+        """``m / ||W + scaling B A||`` (differentiable in ``m`` only)."""
+        return self.m[key] / self._dora_norm(key)
+
+    def _dora_out(self, key: tuple[int, str], y: torch.Tensor, pre: torch.Tensor, scale: torch.Tensor
+                  ) -> torch.Tensor:
+        """``scale * pre + bias``, ``pre`` being the output less its bias plus the LoRA term."""
+        bias = self.base[key][1]
+        out = pre * scale
+        return (out if bias is None else out + bias.float()).to(y.dtype)
+
+    def _pre(self, key: tuple[int, str], y: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
+        bias = self.base[key][1]
+        return (y.float() if bias is None else y.float() - bias.float()) + lora
 
     def input(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -159,26 +206,44 @@ class TrainableLora(TrainableBypass):
         return keep_mask(mix_seed(seed, layer, TARGET_MODULES.index(module)), positions, width, self.dropout, dtype)
 
     def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        a, b = self.a[(layer, module)], self.b[(layer, module)]
+        key = (layer, module)
+        a, b = self.a[key], self.b[key]
         x = x.to(a.dtype)
         mask = self._mask(layer, module, x.shape[1], x.dtype)
         x = x if mask is None else x * mask
-        return y + (x @ a.T @ b.T * self.scaling).to(y.dtype)
+        lora = x @ a.T @ b.T * self.scaling
+        if key in self.m:
+            return self._dora_out(key, y, self._pre(key, y, lora), self._dora_scale(key))
+        return y + lora.to(y.dtype)
 
     def output_keep(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``y + (dropout(x) A^T) B^T * s``, keeping ``dropout(x) A^T`` ``[T, r]`` for dB."""
-        a, b = self.a[(layer, module)].detach(), self.b[(layer, module)].detach()
+        """``y + (dropout(x) A^T) B^T * s``, keeping ``dropout(x) A^T`` ``[T, r]`` for dB (DoRA: the output then
+        scaled, also keeping the unscaled output less its bias ``[T, out]`` beside it, for dm)."""
+        key = (layer, module)
+        a, b = self.a[key].detach(), self.b[key].detach()
         x = x.to(a.dtype)
         mask = self._mask(layer, module, x.shape[1], x.dtype)
         xa = (x if mask is None else x * mask) @ a.T
+        if key in self.m:
+            with torch.no_grad():
+                pre = self._pre(key, y, xa @ b.T * self.scaling)
+                return self._dora_out(key, y, pre, self._dora_scale(key)), torch.cat([xa, pre], dim=1)
         if y.dtype == xa.dtype:  # one pass: y + s * (xA^T) B^T
             return torch.addmm(y, xa, b.T, alpha=self.scaling), xa
         return y + (xa @ b.T * self.scaling).to(y.dtype), xa
 
     def output_backward(self, layer: int, module: str, x: torch.Tensor, xa: torch.Tensor, dy: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = self.a[(layer, module)], self.b[(layer, module)]
+        key = (layer, module)
+        a, b = self.a[key], self.b[key]
+        if key in self.m:  # DoRA: dm from the kept unscaled output; the rest is LoRA's under dy * scale
+            xa, pre = xa[:, :a.shape[0]], xa[:, a.shape[0]:]
+            m = self.m[key]
+            with torch.no_grad():
+                scale = self._dora_scale(key)
+                _accumulate(m, (dy.float() * pre).sum(0) / self._dora_norm(key))  # d(m / norm)/dm = 1 / norm
+                dy = (dy.float() * scale).to(dy.dtype)
         out_dtype = x.dtype  # the model's; the adapter computes in its own dtype
         dyf = dy.to(a.dtype)
         x = x.to(a.dtype)
@@ -199,7 +264,7 @@ class TrainableLora(TrainableBypass):
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
                 "r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
                 "target_modules": sorted(c.target_modules), "use_rslora": c.use_rslora, "bias": "none",
-                "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True,
+                "fan_in_fan_out": False, "use_dora": c.use_dora, "init_lora_weights": True,
                 "inference_mode": True, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
 
 
@@ -265,8 +330,9 @@ class TrainableIA3(TrainableBypass):
 
 
 def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], num_layers: int,
-                   device: torch.device) -> TrainableBypass:
-    """A saved LoRA or IA3 adapter (HF PEFT format) as a trainable bypass, e.g. to resume training."""
+                   device: torch.device, base_weight: BaseWeight | None = None) -> TrainableBypass:
+    """A saved LoRA (DoRA too: give ``base_weight``) or IA3 adapter (HF PEFT format) as a trainable bypass, e.g.
+    to resume training."""
     path = Path(path)
     cfg_file = path / ADAPTER_CONFIG
     try:
@@ -276,8 +342,11 @@ def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], 
     kind = str(raw.get("peft_type", "")).upper()
     if kind == "LORA":
         config = LoraConfig(r=raw["r"], lora_alpha=raw["lora_alpha"], lora_dropout=raw.get("lora_dropout", 0.0),
-                            target_modules=list(raw["target_modules"]), use_rslora=bool(raw.get("use_rslora")))
-        bypass: TrainableBypass = TrainableLora(config, module_shapes, num_layers, device)
+                            target_modules=list(raw["target_modules"]), use_rslora=bool(raw.get("use_rslora")),
+                            use_dora=bool(raw.get("use_dora")))
+        if config.use_dora and base_weight is None:
+            raise AdapterError(f"{cfg_file}: a DoRA adapter (use_dora) needs the base model's weights to be loaded")
+        bypass: TrainableBypass = TrainableLora(config, module_shapes, num_layers, device, base_weight=base_weight)
     elif kind == "IA3":
         config = IA3Config(target_modules=list(raw["target_modules"]),
                            feedforward_modules=list(raw.get("feedforward_modules") or []))

@@ -309,7 +309,7 @@ class JobManager:
                 return {"peft": "ia3", "target_modules": cfg.target_modules,
                         "feedforward_modules": cfg.feedforward_modules}
             cfg = LoraConfig(r=options.r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
-                             use_rslora=options.use_rslora,
+                             use_rslora=options.use_rslora, use_dora=options.use_dora,
                              **({"target_modules": options.target_modules} if options.target_modules else {}))
         except ValueError as e:
             field = str(e).split(":", 1)[0]
@@ -318,7 +318,7 @@ class JobManager:
             raise bad_request(f"coserve.r: {cfg.r} exceeds the server's max_lora_rank "
                               f"({self.engine.config.max_lora_rank}), so the model could not be served", "coserve.r")
         return {"peft": "lora", "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
-                "use_rslora": cfg.use_rslora, "target_modules": cfg.target_modules}
+                "use_rslora": cfg.use_rslora, "use_dora": cfg.use_dora, "target_modules": cfg.target_modules}
 
     # ---- the watcher's side --------------------------------------------------------------------------------
     def _start_queued(self) -> None:
@@ -365,7 +365,8 @@ class JobManager:
         found = self.store.latest_checkpoint(job_id)
         if found is not None:
             resume = Path(found[1])
-            bypass = load_trainable(resume, model.module_shapes(), model.cfg.num_layers, model.device)
+            bypass = load_trainable(resume, model.module_shapes(), model.cfg.num_layers, model.device,
+                                    model.module_weight)
         else:
             resume = None
             p = dict(opts["peft_config"])

@@ -167,6 +167,7 @@ class CoserveOptions(Body):
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     use_rslora: bool = False
+    use_dora: bool = False
     target_modules: list[str] | None = None
     max_seq_len: int | None = Field(None, ge=2)  # None = min(1024, the server's context)
     optimizer: Literal["adamw", "sgd"] = "adamw"
