@@ -28,7 +28,8 @@ def test_dora_beside_lora_and_base_matches_peft(model_factory, hf_model_cache, t
     llm.load_adapter("lora", lora)
     which = ["dora", "lora", None, "dora"]
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), adapter=which)
-    oracles = {None: hf_model_cache(model_dir), "dora": peft_model(model_dir, dora), "lora": peft_model(model_dir, lora)}
+    oracles = {None: hf_model_cache(model_dir), "dora": peft_model(model_dir, dora),
+               "lora": peft_model(model_dir, lora)}
     for out, name in zip(outs, which):
         assert out.token_ids == hf_greedy(oracles[name], out.prompt_token_ids, 16), (name, out.prompt)
     assert outs[0].token_ids != hf_greedy(oracles[None], outs[0].prompt_token_ids, 16), "DoRA should change outputs"

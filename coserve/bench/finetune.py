@@ -34,6 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--targets", action="append", default=None,
                    help="comma-separated target modules; repeat (default: down_proj, and all linear modules)")
     p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--use-dora", action="store_true", help="DoRA on both sides (PEFT's use_dora)")
     p.add_argument("--config", action="append", default=None, metavar="REMAT:WINDOW",
                    help="coserve settings to measure, e.g. cheap:0 (0 = whole-sequence windows); "
                         "default: cheap:0, all:0, cheap:64")
@@ -72,7 +73,7 @@ def run(args) -> int:
     rows = []
     for t in targets:
         spec = {"model": args.model, "data": args.data, "seq_len": args.seq_len, "steps": args.steps,
-                "warmup": args.warmup, "targets": t, "r": args.lora_r,
+                "warmup": args.warmup, "targets": t, "r": args.lora_r, "use_dora": args.use_dora,
                 "dtype": args.dtype, "device": device}
         hf = _spawn({**spec, "system": "hf"})
         rows.append(hf)
@@ -85,6 +86,7 @@ def run(args) -> int:
                 co["ratio_peak_gpu"] = co["peak_gpu_bytes"] / hf["peak_gpu_bytes"]
             rows.append(co)
     report = {"model": args.model, "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
+              "use_dora": args.use_dora,
               "threads": torch.get_num_threads(),
               "device": device, "device_name": _device_name(device), "dtype": args.dtype,
               "torch": torch.__version__, "rows": rows}
@@ -157,7 +159,7 @@ def _run_hf(spec: dict, warmup: list[list[int]], seqs: list[list[int]], device: 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).to(device)
-    model = get_peft_model(base, LoraConfig(r=spec["r"], lora_alpha=spec["r"],
+    model = get_peft_model(base, LoraConfig(r=spec["r"], lora_alpha=spec["r"], use_dora=spec.get("use_dora", False),
                                             target_modules=spec["targets"].split(",")))
     for p in model.parameters():  # the adapter trains in float32, as coserve's does
         if p.requires_grad:
@@ -204,8 +206,11 @@ def _run_coserve(spec: dict, warmup: list[list[int]], seqs: list[list[int]], dev
     from coserve.peft.config import LoraConfig
     from coserve.peft.trainable import TrainableLora
     model = load_model(spec["model"], dtype, device)
-    bypass = TrainableLora(LoraConfig(r=spec["r"], lora_alpha=spec["r"], target_modules=spec["targets"].split(",")),
-                           model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(0))
+    dora = spec.get("use_dora", False)
+    bypass = TrainableLora(LoraConfig(r=spec["r"], lora_alpha=spec["r"], target_modules=spec["targets"].split(","),
+                                      use_dora=dora),
+                           model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(0),
+                           base_weight=model.module_weight if dora else None)
     examples = [Example(ids, ids[1:] + [-100]) for ids in warmup + seqs]
     out = tempfile.mkdtemp(prefix="coserve-bench-ft-")
     cfg = FinetuneConfig(output_dir=out, batch_size=1, lr=1e-4, max_steps=len(examples), shuffle=False,
