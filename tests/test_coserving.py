@@ -28,13 +28,13 @@ def _examples(vocab: int, seed: int, n: int = 4) -> list[Example]:
     return out
 
 
-def _job(engine: LLMEngine, out_dir, seed: int = 0, max_steps: int = 2) -> FinetuneJob:
+def _job(engine: LLMEngine, out_dir, seed: int = 0, max_steps: int = 2, use_dora: bool = False) -> FinetuneJob:
     model = engine.model
     cfg = FinetuneConfig(output_dir=str(out_dir), batch_size=2, max_steps=max_steps, epochs=max_steps, lr=1e-2,
                          optimizer="sgd", lr_scheduler="constant", seed=seed, shuffle=False)
-    bypass = TrainableLora(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]),
+    bypass = TrainableLora(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=use_dora),
                            model.module_shapes(), model.cfg.num_layers, model.device,
-                           torch.Generator().manual_seed(seed))
+                           torch.Generator().manual_seed(seed), base_weight=model.module_weight if use_dora else None)
     return FinetuneJob(model, bypass, _examples(model.cfg.vocab_size, seed), cfg)
 
 
@@ -74,12 +74,13 @@ def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, 
     assert (tmp_path / "job" / "adapter_model.safetensors").is_file()
 
 
-def test_coserved_job_trains_the_same_adapter_as_alone(model_factory, tmp_path):
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_coserved_job_trains_the_same_adapter_as_alone(model_factory, tmp_path, use_dora):
     model_dir = model_factory("llama")
     engine = _engine(model_dir)
-    solo = _job(engine, tmp_path / "solo")
+    solo = _job(engine, tmp_path / "solo", use_dora=use_dora)
     run_job(solo, progress=False)
-    job = _job(engine, tmp_path / "co")
+    job = _job(engine, tmp_path / "co", use_dora=use_dora)
     job_id = engine.add_finetune_job(job)
     rng = random.Random(5)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
