@@ -325,8 +325,31 @@ def test_responses_api_function_calls_and_structured_text(alice):
     jsonschema.validate(json.loads(structured.output_text), SMALL_SCHEMA)
 
 
+def test_responses_are_stored_chained_and_private_to_their_tenant(alice, bob):
+    first = alice.responses.create(model=BASE, input="Remember the word apple.", instructions="Be brief.",
+                                   max_output_tokens=4, temperature=0)
+    assert alice.responses.retrieve(first.id).output_text == first.output_text
+    follow = alice.responses.create(model=BASE, input="Which word?", previous_response_id=first.id,
+                                    max_output_tokens=4, temperature=0)
+    assert follow.previous_response_id == first.id
+    # the same conversation sent whole (first input, first reply, new input) gets the same reply and prompt
+    whole = alice.responses.create(model=BASE, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Remember the word apple."},
+        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Which word?"}])
+    assert whole.output_text == follow.output_text and whole.usage.input_tokens == follow.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.create(model=BASE, input="hi", previous_response_id=first.id, max_output_tokens=2)
+    unsaved = alice.responses.create(model=BASE, input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(unsaved.id)
+    alice.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(first.id)
+
+
 @pytest.mark.parametrize("kwargs, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "string", "pattern": "a"}}}},
      "text.format"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice"),

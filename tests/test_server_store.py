@@ -32,10 +32,34 @@ def test_creates_layout_and_schema(tmp_path):
     try:
         assert (tmp_path / "a" / "b" / "state.db").is_file()
         assert (tmp_path / "a" / "b" / "files").is_dir()
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 2
         assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    finally:
+        s.close()
+
+
+def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tmp_path):
+    import sqlite3
+
+    from coserve.server import store as store_module
+    conn = sqlite3.connect(tmp_path / "state.db")  # what the first server made
+    conn.executescript(f"BEGIN; {store_module._SCHEMA} PRAGMA user_version = 1; COMMIT;")
+    conn.execute("INSERT INTO tenants VALUES ('alice', 1)")
+    conn.execute("INSERT INTO jobs (id, tenant, status, created_at, obj) VALUES ('ftjob-1', 'alice', 'queued', 1, "
+                 "'{\"id\": \"ftjob-1\", \"status\": \"queued\"}')")
+    conn.commit()
+    conn.close()
+    s = Store(tmp_path)
+    try:
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert s.get_job("alice", "ftjob-1")["status"] == "queued"
+        s.add_response("alice", {"id": "resp_1", "created_at": 5}, [{"role": "user", "content": "hi"}])
+        assert s.get_response("alice", "resp_1") == ({"id": "resp_1", "created_at": 5},
+                                                     [{"role": "user", "content": "hi"}])
+        assert s.get_response("bob", "resp_1") is None and not s.delete_response("bob", "resp_1")
+        assert s.delete_response("alice", "resp_1") and s.get_response("alice", "resp_1") is None
     finally:
         s.close()
 

@@ -5,8 +5,10 @@ earlier ``function_call`` items and their ``function_call_output`` results) the 
 the response format, function ``tools`` and ``tool_choice`` as on the chat API (``coserve/server/tools.py``).
 The reply is a ``response`` object whose ``output`` holds one assistant ``message`` (``output_text``), or
 ``function_call`` items; streamed, the typed events OpenAI's clients read (``response.created`` ...
-``response.output_text.delta`` ... ``response.completed``). Responses are not stored: ``previous_response_id``
-is a 400 asking for the whole conversation in ``input``.
+``response.output_text.delta`` ... ``response.completed``). Finished responses are stored (unless ``store`` is
+false) in the server's SQLite state with their conversation, for the tenant alone: ``previous_response_id``
+continues one (its instructions are not carried over, as OpenAI's are not), ``GET`` and ``DELETE
+/v1/responses/{id}`` read and forget one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pydantic import ValidationError
 from coserve.engine.outputs import RequestOutput
 from coserve.server.choices import Job, advance, close_all, count_outcomes, finish_reason, gather_all, streaming
 from coserve.server.context import ServerContext, context, tenant_of
-from coserve.server.errors import APIError, bad_request
+from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.inference_api import (make_request, max_tokens_for, messages_chars, off_loop_if_long, render_chat,
                                           sampling_params, submit)
 from coserve.server.protocol import (ChatCompletionRequest, FunctionCallInput, FunctionChoice, InputMessage,
@@ -36,9 +38,9 @@ router = APIRouter()
 PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses API request stands for."""
-    messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+def input_messages(body: ResponsesRequest) -> list[dict]:
+    """``input`` as chat messages (earlier calls as assistant ``tool_calls``, their outputs as ``tool`` messages)."""
+    messages: list[dict] = []
     items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     if not items:
         raise bad_request("input: is empty", "input")
@@ -56,6 +58,13 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return messages
+
+
+def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+    """The chat request a Responses API request stands for: its instructions, then ``conversation`` (the stored
+    one it continues, and its own input)."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     fmt = body.text.format if body.text is not None else None
     response_format = None
     if fmt is not None:
@@ -93,11 +102,15 @@ def _renamed(e: APIError) -> APIError:
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext = Depends(context)):
     tenant = tenant_of(request)
-    if body.previous_response_id is not None:
-        raise bad_request("previous_response_id: this server stores no responses; send the whole conversation "
-                          "in input", "previous_response_id")
+    history: list[dict] = []
+    if body.previous_response_id is not None:  # its conversation goes on (its instructions do not, as OpenAI's)
+        stored = ctx.store.get_response(tenant, body.previous_response_id)
+        if stored is None:
+            raise not_found("response", body.previous_response_id, "previous_response_id")
+        history = stored[1]
     try:
-        chat = chat_request(body)
+        conversation = history + input_messages(body)
+        chat = chat_request(body, conversation)
         adapter = await ctx.models.resolve(tenant, body.model)
         ids = await off_loop_if_long(messages_chars(chat.messages), render_chat, ctx, chat)
         max_tokens = max_tokens_for(ctx, len(ids), body.max_output_tokens, "max_output_tokens", "input")
@@ -109,18 +122,37 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
         submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")])
     except APIError as e:
         raise _renamed(e) from None
-    shape = ResponseShape(job, body, tools)
+    shape = ResponseShape(job, body, tools, tenant, conversation)
     if body.stream:
         return streaming(shape.events(ctx), job, ctx)
     await gather_all(job, ctx, request)
-    return shape.response(job.choices[0].out)
+    final = shape.response(job.choices[0].out)
+    shape.keep(ctx, final)
+    return final
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, ctx: ServerContext = Depends(context)):
+    stored = ctx.store.get_response(tenant_of(request), response_id)
+    if stored is None:
+        raise not_found("response", response_id)
+    return stored[0]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, ctx: ServerContext = Depends(context)):
+    if not ctx.store.delete_response(tenant_of(request), response_id):
+        raise not_found("response", response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 class ResponseShape:
     """A response's JSON, its output items' ids fixed up front (so that streamed events and the final object agree)."""
 
-    def __init__(self, job: Job, body: ResponsesRequest, tools: ToolPlan | None) -> None:
+    def __init__(self, job: Job, body: ResponsesRequest, tools: ToolPlan | None, tenant: str,
+                 conversation: list[dict]) -> None:
         self.job, self.body, self.tools = job, body, tools
+        self.tenant, self.conversation = tenant, conversation
         self.message_id = f"msg_{secrets.token_hex(12)}"
         self.call_id = f"call_{secrets.token_hex(12)}"  # a named function's call
         self.item_id = f"fc_{secrets.token_hex(12)}"
@@ -137,6 +169,21 @@ class ResponseShape:
         if self.tools is not None and self.tools.function is not None:
             return [self.call_item(text, status)]
         return [self.message(text, status)]
+
+    def keep(self, ctx: ServerContext, final: dict) -> None:
+        """Store the finished response with its conversation (its output appended), unless ``store`` is false."""
+        if self.body.store is False:
+            return
+        said: list[dict] = []
+        calls = [o for o in final["output"] if o["type"] == "function_call"]
+        if calls:
+            said.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls]})
+        for o in final["output"]:
+            if o["type"] == "message":
+                said.append({"role": "assistant", "content": "".join(p["text"] for p in o["content"])})
+        ctx.store.add_response(self.tenant, final, self.conversation + said)
 
     def message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
@@ -159,7 +206,8 @@ class ResponseShape:
                "temperature": b.temperature, "top_p": b.top_p, "parallel_tool_calls": b.parallel_tool_calls,
                "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
                "text": b.text.model_dump(by_alias=True, exclude_none=True) if b.text else {"format": {"type": "text"}},
-               "previous_response_id": None, "store": False, "metadata": b.metadata or {}, "usage": None}
+               "previous_response_id": b.previous_response_id, "store": b.store is not False,
+               "metadata": b.metadata or {}, "usage": None}
         if out is not None:
             n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
             obj["usage"] = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
@@ -215,6 +263,7 @@ class ResponseShape:
                 yield event("response.content_part.done", item_id=self.message_id, output_index=0, content_index=0,
                             part=_text_part(text))
                 yield event("response.output_item.done", output_index=0, item=item)
+            self.keep(ctx, final)
             yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
                         response=final)
         except Exception as e:

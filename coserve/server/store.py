@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: stored responses (the Responses API's previous_response_id)
 _FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 
 _SCHEMA = """
@@ -47,6 +47,13 @@ CREATE TABLE checkpoints (
     UNIQUE (job_id, step));
 CREATE INDEX checkpoints_model ON checkpoints(model);
 """
+# What each version adds to the one before (a state directory of an older server is brought up to date).
+_MIGRATIONS = {2: """
+CREATE TABLE responses (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), created_at INTEGER NOT NULL,
+    obj TEXT NOT NULL, conversation TEXT NOT NULL);
+"""}
 
 
 def _now() -> int:
@@ -78,12 +85,14 @@ class Store:
         (version,) = self._conn.execute("PRAGMA user_version").fetchone()
         if version == SCHEMA_VERSION:
             return
-        if version != 0:
+        if version > SCHEMA_VERSION:
             raise ValueError(f"state_dir: state.db has schema version {version}, "
                              f"this server knows {SCHEMA_VERSION}")
-        # executescript commits first; BEGIN..COMMIT makes schema + version one step.
-        self._conn.executescript(
-            f"BEGIN; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+        # executescript commits first; BEGIN..COMMIT makes each step and its version one transaction.
+        if version == 0:
+            self._conn.executescript(f"BEGIN; {_SCHEMA} PRAGMA user_version = 1; COMMIT;")
+        for step in range(max(version, 1) + 1, SCHEMA_VERSION + 1):
+            self._conn.executescript(f"BEGIN; {_MIGRATIONS[step]} PRAGMA user_version = {step}; COMMIT;")
 
     def close(self) -> None:
         """Close the database connection."""
@@ -186,6 +195,28 @@ class Store:
             return False
         self.file_path(file_id).unlink(missing_ok=True)
         return True
+
+    # ---- stored responses (the Responses API)
+
+    def add_response(self, tenant: str, obj: dict, conversation: list[dict]) -> None:
+        """Keep a finished response and the conversation up to and with its output."""
+        with self._lock, self._conn:
+            self._insert_tenant(tenant)
+            self._conn.execute("INSERT INTO responses (id, tenant, created_at, obj, conversation)"
+                               " VALUES (?, ?, ?, ?, ?)",
+                               (obj["id"], tenant, obj.get("created_at", _now()), json.dumps(obj),
+                                json.dumps(conversation)))
+
+    def get_response(self, tenant: str, response_id: str) -> tuple[dict, list[dict]] | None:
+        """The tenant's stored response and its conversation, or None."""
+        row = self._one("SELECT obj, conversation FROM responses WHERE id = ? AND tenant = ?",
+                        (response_id, tenant))
+        return None if row is None else (json.loads(row[0]), json.loads(row[1]))
+
+    def delete_response(self, tenant: str, response_id: str) -> bool:
+        with self._lock, self._conn:
+            cur = self._conn.execute("DELETE FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant))
+        return cur.rowcount > 0
 
     # ---- fine-tuning jobs
 
