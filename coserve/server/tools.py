@@ -42,7 +42,10 @@ class ToolPlan:
             return None
         if self.function is not None:
             return [tool_call(self.function, text)]
-        return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+        try:  # the guide makes this shape; a stop string of the request's could still cut it to another
+            return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+        except (TypeError, KeyError):
+            return None
 
 
 def tool_call(name: str, arguments: str) -> dict:
