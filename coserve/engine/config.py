@@ -35,12 +35,17 @@ class EngineConfig:
     fuse_finetuning: str = "auto"  # run a finetuning forward window in the inference rows' matmul calls: "auto" =
     #   when the device's matmuls are batch-invariant (so it cannot change an inference output), "always", "never"
     cuda_graphs: bool = True  # on CUDA, decode-only iterations replay recorded CUDA graphs (model/decode_graphs.py)
+    speculative_tokens: int = 0  # speculative decoding (n-gram lookup, vLLM's "ngram" method): drafts verified per
+    #   decode step of a greedy request without per-token options (scheduler/ngram_drafts.py); 0 = off
     enable_prefix_caching: bool = True  # full KV blocks are shared by requests whose tokens (and tenant and
     #   adapter) agree up to them (kvcache/block_manager.py); a prompt's cached blocks are not computed again
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",
                     "temporal_interval")
+        if (not isinstance(self.speculative_tokens, int) or isinstance(self.speculative_tokens, bool)
+                or self.speculative_tokens < 0):
+            raise ValueError(f"speculative_tokens must be a non-negative integer, got {self.speculative_tokens!r}")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -99,6 +99,8 @@ class ModelExecutor:
             hidden = hidden[torch.tensor([i for i, c in enumerate(plan.chunks) if c.sample], device=hidden.device)]
         if forward is not None and not fused:
             self._forward_alone(forward, result)
+        if any(c.num_drafts for c in sampling):  # speculative chunks score every row: verify them apart
+            hidden, sampling = self._verify_drafts(hidden, sampling, result)
         if sampling:
             logits = self.model.logits(hidden)  # [N, V] float32
             rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
@@ -106,13 +108,34 @@ class ModelExecutor:
                                 self._allowed(c), c.params.min_p)
                     for c in sampling]
             tokens = sample(logits, rows, self.default_generator)
-            result.sampled = {c.request_id: t for c, t in zip(sampling, tokens)}
+            result.sampled.update({c.request_id: t for c, t in zip(sampling, tokens)})
             wants = [i for i, c in enumerate(sampling) if c.params.logprobs is not None]
             if wants:
                 lp = top_logprobs(logits[wants], [tokens[i] for i in wants],
                                   [sampling[i].params.logprobs for i in wants])
                 for i, (chosen, top) in zip(wants, lp):
                     result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
+
+    def _verify_drafts(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult
+                       ) -> tuple[torch.Tensor, list[InferenceChunk]]:
+        """Greedy verification of speculative chunks (their rows come first-to-last in ``hidden``): the model's
+        token at every row; the drafts it agrees with, in order, and its token after the last of them, are the
+        request's new tokens. Returns the other chunks' rows and chunks, to be sampled as usual."""
+        keep_rows, rest, row = [], [], 0
+        for c in sampling:
+            n = 1 + c.num_drafts
+            if not c.num_drafts:
+                keep_rows.append(row)
+                rest.append(c)
+            else:
+                chosen = self.model.logits(hidden[row:row + n]).argmax(dim=-1).tolist()
+                accepted = 0
+                while accepted < c.num_drafts and chosen[accepted] == c.token_ids[1 + accepted]:
+                    accepted += 1
+                result.sampled[c.request_id] = chosen[0]
+                result.more_sampled[c.request_id] = chosen[1:accepted + 1]
+            row += n
+        return hidden[torch.tensor(keep_rows, dtype=torch.long, device=hidden.device)], rest
 
     def _eager_forward(self, plan: IterationPlan, result: ExecutionResult, fused_window, rows: int) -> torch.Tensor:
         """The plan's forward, kernel by kernel (with ``fused_window``, a finetuning forward window, in its matmul
@@ -157,8 +180,8 @@ class ModelExecutor:
             n = len(c.token_ids)
             chunks.append(SequenceChunk(row, row + n, c.end, c.block_table))
             tokens.append(c.token_ids)
-            if c.sample:
-                logits_rows.append(row + n - 1)
+            if c.sample:  # a speculative chunk's every row: the fed token's and each draft's next token
+                logits_rows.extend(range(row + n - 1 - c.num_drafts, row + n))
             row += n
         return build_forward_batch(tokens, chunks, self.cache.block_size, logits_rows, self.model.device)
 

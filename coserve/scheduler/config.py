@@ -30,6 +30,7 @@ class SchedulerConfig:
     idle_iteration_s: float = 0.2  # with no request in the engine, how long a finetuning-only iteration may be
     #   (the most a newly arrived request waits for the running iteration before its prefill)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
+    speculative_tokens: int = 0  # n-gram draft tokens verified per decode step of a greedy request; 0 = off
     fairness: FairnessWeights = field(default_factory=FairnessWeights)  # VTC cost of input, output, finetuning tokens
 
     def __post_init__(self) -> None:
@@ -38,6 +39,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be a non-negative integer, got {self.speculative_tokens!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
         if not (isinstance(self.slo_tpot_s, (int, float)) and self.slo_tpot_s > 0):

@@ -25,6 +25,9 @@ class InferenceChunk:
     history: tuple[list[int], list[int]] | None = None
     # prompt tokens that this chunk's first rows predict (params.prompt_logprobs): row i scores prompt_targets[i]
     prompt_targets: list[int] | None = None
+    # speculative decoding: the chunk's tokens after the first are drafts; every row is scored (greedy) and the
+    # drafts the model agrees with are kept, with one more token after them
+    num_drafts: int = 0
 
     @property
     def end(self) -> int:
@@ -64,6 +67,7 @@ class ExecutionResult:
     """The executor's answer to an IterationPlan."""
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    more_sampled: dict[str, list[int]] = field(default_factory=dict)  # speculative chunks: tokens after the first
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # chunk's prompt_targets scored
     elapsed_s: float = 0.0  # wall time of the iteration's model work

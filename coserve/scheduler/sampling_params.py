@@ -117,5 +117,12 @@ class SamplingParams:
         return self.guided_json is not None or self.guided_choice is not None
 
     @property
+    def speculable(self) -> bool:
+        """Whether speculative decoding may run it: greedy, reading nothing per token (no logprobs, penalties,
+        masks or guide) and with no stop strings (those are sought token by token in the text)."""
+        return (self.greedy and self.logprobs is None and not self.reads_history and not self.stop
+                and self.prompt_logprobs is None)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1

@@ -13,6 +13,7 @@ from coserve.scheduler.dts import DynamicTemporalSharing, TemporalSharing
 from coserve.scheduler.fairness import VirtualTokenCounter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress, FinetuneWork
 from coserve.scheduler.latency_model import LatencyModel
+from coserve.scheduler.ngram_drafts import propose_drafts
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
 from coserve.scheduler.request import Request, RequestStatus
 from coserve.scheduler.slice_policy import inference_shape, plan_slices
@@ -82,6 +83,8 @@ class Scheduler:
         self.overhead_s = 0.0
         self._overhead_seen = False
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at admission
+        self.num_draft_tokens = 0  # speculative decoding: n-gram drafts proposed
+        self.num_accepted_drafts = 0  # of them, the ones the model agreed with
         self.prefix_cache_hits = 0  # of them, found cached (not computed again)
 
     # ---- requests in and out -------------------------------------------------
@@ -237,10 +240,11 @@ class Scheduler:
                 self.running.pop(scheduled)  # can never fit, even alone: stop it rather than spin
                 self._finish(request, "length")
                 continue
-            if not self._reserve(request, request.num_computed_tokens + n, plan):
+            drafts = self._drafts(request, budget) if n == 1 else []
+            if not self._reserve(request, request.num_computed_tokens + n + len(drafts), plan):
                 break  # the request itself was preempted; everything after it too
-            plan.chunks.append(self._chunk(request, n))
-            budget -= n
+            plan.chunks.append(self._chunk(request, n, drafts))
+            budget -= n + len(drafts)
             scheduled += 1
         if not plan.preempted:
             budget = self._admit(plan, budget)
@@ -264,6 +268,9 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the iteration ran
+            if chunk.num_drafts:
+                events.append(self._speculated(request, chunk, result))
+                continue
             request.num_computed_tokens = chunk.end
             if self.blocks.enable_caching:
                 self._register_blocks(request)
@@ -283,6 +290,28 @@ class Scheduler:
             events.append(TokenEvent(request.request_id, token, result.logprobs.get(request.request_id),
                                      request.is_finished, request.finish_reason))
         return events
+
+    def _speculated(self, request: Request, chunk: InferenceChunk, result: ExecutionResult) -> TokenEvent:
+        """A speculative chunk's outcome: the drafts the model agreed with and the token after them, appended one by
+        one as decode steps would (stopping where one would stop); the K/V of rejected drafts are left to be
+        overwritten. One event, for the last token appended."""
+        more = result.more_sampled.get(chunk.request_id, [])
+        self.num_accepted_drafts += len(more)
+        request.num_computed_tokens = chunk.start + 1 + len(more)  # the fed token and the accepted drafts
+        if self.blocks.enable_caching:
+            self._register_blocks(request)
+        token = None
+        for token in [result.sampled[chunk.request_id], *more]:
+            if not request.output_token_ids:
+                request.first_token_time = self.clock()
+            request.output_token_ids.append(token)
+            self.vtc.charge_output(request.tenant, 1)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+                break
+        return TokenEvent(request.request_id, token, None, request.is_finished, request.finish_reason)
 
     # ---- internals -----------------------------------------------------------
     def _reserve(self, request: Request, num_tokens: int, plan: IterationPlan) -> bool:
@@ -351,7 +380,21 @@ class Scheduler:
                 self.blocks.register(request.request_id, i, key)
             request.num_registered_blocks = full
 
-    def _chunk(self, request: Request, n: int) -> InferenceChunk:
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Speculative decoding: n-gram drafts for a decoding request that may take them, as many as the budget,
+        its max_tokens, the context and the free KV blocks (no preemption for a guess) allow."""
+        p = request.params
+        limit = min(self.config.speculative_tokens, budget - 1, p.max_tokens - len(request.output_token_ids) - 1,
+                    self.config.max_model_len - request.num_tokens - 1)
+        if limit <= 0 or not p.speculable:
+            return []
+        drafts = propose_drafts(request.token_ids(0, request.num_tokens), limit)
+        if drafts and not self.blocks.can_allocate(request.request_id, request.num_tokens + len(drafts)):
+            return []
+        self.num_draft_tokens += len(drafts)
+        return drafts
+
+    def _chunk(self, request: Request, n: int, drafts: list[int] = ()) -> InferenceChunk:
         start = request.num_computed_tokens
         sample = start + n == request.num_tokens
         history = ((request.prompt_token_ids, list(request.output_token_ids))
@@ -360,10 +403,10 @@ class Scheduler:
         if request.params.prompt_logprobs is not None and len(request.prompt_logprobs) == start:  # not yet scored
             targets = request.prompt_token_ids[start + 1:min(start + n, request.num_prompt_tokens - 1) + 1] or None
         return InferenceChunk(
-            request_id=request.request_id, start=start, token_ids=request.token_ids(start, start + n),
+            request_id=request.request_id, start=start, token_ids=request.token_ids(start, start + n) + list(drafts),
             block_table=self.blocks.block_table(request.request_id), adapter=request.adapter,
             sample=sample, params=request.params, num_output_tokens=len(request.output_token_ids), history=history,
-            prompt_targets=targets)
+            prompt_targets=targets, num_drafts=len(drafts))
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.request_id)

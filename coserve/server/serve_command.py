@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share full KV blocks among requests with the same prefix (tenant and adapter too); "
                         "--no-enable-prefix-caching computes every prompt whole (as vLLM's flag)")
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help="speculative decoding by n-gram lookup: up to K draft tokens verified per decode step of a "
+                        "greedy request (vLLM's ngram method); 0 = off")
     p.add_argument("--allow-lora-loading", action="store_true", help="enable POST /v1/load_lora_adapter")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20)
@@ -88,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,
                                  slo_tpot_ms=args.slo_tpot_ms, latency_model=args.latency_model,
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
-                                 cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching)
+                                 cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                                 speculative_tokens=args.speculative_ngram)
     app = build_app(config, engine_config)
     name = app.state.coserve.models.base
     base = f"http://{args.host}:{args.port}/v1"
