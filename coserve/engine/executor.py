@@ -121,20 +121,27 @@ class ModelExecutor:
         """Greedy verification of speculative chunks (their rows come first-to-last in ``hidden``): the model's
         token at every row; the drafts it agrees with, in order, and its token after the last of them, are the
         request's new tokens. Returns the other chunks' rows and chunks, to be sampled as usual."""
-        keep_rows, rest, row = [], [], 0
+        keep_rows, rest, spans, row = [], [], [], 0
         for c in sampling:
             n = 1 + c.num_drafts
-            if not c.num_drafts:
+            if c.num_drafts:
+                spans.append((c, row, n))
+            else:
                 keep_rows.append(row)
                 rest.append(c)
-            else:
-                chosen = self.model.logits(hidden[row:row + n]).argmax(dim=-1).tolist()
-                accepted = 0
-                while accepted < c.num_drafts and chosen[accepted] == c.token_ids[1 + accepted]:
-                    accepted += 1
-                result.sampled[c.request_id] = chosen[0]
-                result.more_sampled[c.request_id] = chosen[1:accepted + 1]
             row += n
+        rows = [r for _, start, n in spans for r in range(start, start + n)]
+        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        chosen_all = self.model.logits(hidden[index]).argmax(dim=-1).tolist()  # one LM-head call for every draft
+        at = 0
+        for c, _, n in spans:
+            chosen = chosen_all[at:at + n]
+            at += n
+            accepted = 0
+            while accepted < c.num_drafts and chosen[accepted] == c.token_ids[1 + accepted]:
+                accepted += 1
+            result.sampled[c.request_id] = chosen[0]
+            result.more_sampled[c.request_id] = chosen[1:accepted + 1]
         return hidden[torch.tensor(keep_rows, dtype=torch.long, device=hidden.device)], rest
 
     def _eager_forward(self, plan: IterationPlan, result: ExecutionResult, fused_window, rows: int) -> torch.Tensor:
