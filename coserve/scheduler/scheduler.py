@@ -279,17 +279,21 @@ class Scheduler:
             if not chunk.sample:
                 continue
             token = result.sampled[chunk.request_id]
-            if not request.output_token_ids:
-                request.first_token_time = self.clock()
-            request.output_token_ids.append(token)
-            self.vtc.charge_output(request.tenant, 1)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self.running.remove(request)
-                self._finish(request, reason)
+            self._append(request, token)
             events.append(TokenEvent(request.request_id, token, result.logprobs.get(request.request_id),
                                      request.is_finished, request.finish_reason))
         return events
+
+    def _append(self, request: Request, token: int) -> None:
+        """One new output token: timed if first, charged to the tenant, and the request finished if it stops it."""
+        if not request.output_token_ids:
+            request.first_token_time = self.clock()
+        request.output_token_ids.append(token)
+        self.vtc.charge_output(request.tenant, 1)
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            self.running.remove(request)
+            self._finish(request, reason)
 
     def _speculated(self, request: Request, chunk: InferenceChunk, result: ExecutionResult) -> TokenEvent:
         """A speculative chunk's outcome: the drafts the model agreed with and the token after them, appended one by
@@ -302,14 +306,8 @@ class Scheduler:
             self._register_blocks(request)
         token = None
         for token in [result.sampled[chunk.request_id], *more]:
-            if not request.output_token_ids:
-                request.first_token_time = self.clock()
-            request.output_token_ids.append(token)
-            self.vtc.charge_output(request.tenant, 1)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self.running.remove(request)
-                self._finish(request, reason)
+            self._append(request, token)
+            if request.is_finished:
                 break
         return TokenEvent(request.request_id, token, None, request.is_finished, request.finish_reason)
 
