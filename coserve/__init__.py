@@ -23,6 +23,7 @@ _EXPORTS = {
     "RequestOutput": "coserve.engine.outputs",
     "CompletionOutput": "coserve.engine.outputs",
     "SamplingParams": "coserve.scheduler.sampling_params",
+    "BeamSearchParams": "coserve.engine.beam_search",
     "FinetuneConfig": "coserve.finetune.config",
     "LoraConfig": "coserve.peft.config",
     "IA3Config": "coserve.peft.config",
@@ -30,6 +31,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from coserve.engine.beam_search import BeamSearchParams
     from coserve.engine.config import EngineConfig
     from coserve.engine.llm import LLM
     from coserve.engine.llm_engine import LLMEngine

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from coserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.finetune_handle import FinetuneHandle
@@ -121,6 +122,16 @@ class LLM:
                     bar.update(1)
         bar.close()
         return results  # type: ignore[return-value]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    adapter: str | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the ``params.beam_width`` best continuations of each prompt, best first
+        (``coserve/engine/beam_search.py``)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        ids = [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+        return beam_search(self, ids, params, adapter)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
