@@ -382,6 +382,21 @@ def test_vllm_sampling_extras_through_the_client(alice, model_factory):
         assert e.value.body["param"] == param
 
 
+def test_beam_search_completions_are_the_engines_beams(alice, model_factory):
+    """vLLM's use_beam_search: n beams, the n best completions, as LLM.beam_search finds them."""
+    from coserve import LLM, BeamSearchParams
+    out = alice.completions.create(model=BASE, prompt=[5, 6, 7, 8], max_tokens=6, n=3,
+                                   extra_body={"use_beam_search": True, "ignore_eos": True})
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    ref = llm.beam_search([[5, 6, 7, 8]], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    assert [c.text for c in out.choices] == [s.text for s in ref.sequences]
+    assert out.usage.completion_tokens == 18
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.completions.create(model=BASE, prompt="hi", max_tokens=4, stream=True,
+                                 extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "stream"
+
+
 def test_prompt_over_the_context_is_400(alice):
     with pytest.raises(openai.BadRequestError) as e:
         alice.completions.create(model=BASE, prompt=[5] * 600, max_tokens=4)

@@ -55,37 +55,65 @@ def score(beam: BeamSequence, length_penalty: float) -> float:
     return beam.cum_logprob / (len(beam.tokens) ** length_penalty)
 
 
-def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, adapter: str | None = None
-                ) -> list[BeamSearchOutput]:
-    """Beam search from each prompt (token ids); ``llm`` is an ``LLM``."""
-    eos = set(llm.engine.eos_token_ids)
-    width = params.beam_width
-    step_params = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * width, ignore_eos=True)
-    beams = [[BeamSequence(list(p))] for p in prompts]
-    finished: list[list[BeamSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        live = [(i, b) for i, group in enumerate(beams) for b in group]
-        if not live:
-            break
-        outs = llm.generate([b.tokens for _, b in live], step_params, adapter=adapter, use_tqdm=False)
-        candidates: list[list[BeamSequence]] = [[] for _ in prompts]
-        for (i, beam), out in zip(live, outs):
-            for token, logprob in out.outputs[0].logprobs[0].top.items():
+class BeamState:
+    """The search over some prompts, one round at a time: ``pending()`` are the token lists to extend by one token
+    (each with its top ``2 * beam_width`` log-probabilities), ``advance(tops)`` takes those, in order; a caller
+    drives it (``beam_search`` with ``LLM.generate``; the server with its engine client)."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_ids: frozenset[int]) -> None:
+        self.prompts, self.params, self.eos = prompts, params, eos_ids
+        self.beams = [[BeamSequence(list(p))] for p in prompts]
+        self.finished: list[list[BeamSequence]] = [[] for _ in prompts]
+        self.rounds = 0
+        self._live: list[tuple[int, BeamSequence]] = []
+
+    @property
+    def step_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=1, temperature=0, logprobs=2 * self.params.beam_width, ignore_eos=True)
+
+    def pending(self) -> list[list[int]]:
+        """The beams to extend this round (empty when the search is over)."""
+        if self.rounds >= self.params.max_tokens:
+            return []
+        self._live = [(i, b) for i, group in enumerate(self.beams) for b in group]
+        return [b.tokens for _, b in self._live]
+
+    def advance(self, tops: list[dict[int, float]]) -> None:
+        """One round: every live beam's top next tokens (token -> log-probability), in ``pending()`` order."""
+        width, lp = self.params.beam_width, self.params.length_penalty
+        candidates: list[list[BeamSequence]] = [[] for _ in self.prompts]
+        for (i, beam), top in zip(self._live, tops):
+            for token, logprob in top.items():
                 candidates[i].append(BeamSequence(beam.tokens + [token], beam.cum_logprob + logprob,
-                                                  not params.ignore_eos and token in eos))
+                                                  not self.params.ignore_eos and token in self.eos))
         for i, group in enumerate(candidates):
-            group.sort(key=lambda b: score(b, params.length_penalty), reverse=True)
+            group.sort(key=lambda b: score(b, lp), reverse=True)
             kept = []
             for b in group:
                 if b.finished:
-                    finished[i].append(b)
+                    self.finished[i].append(b)
                 elif len(kept) < width:
                     kept.append(b)
-            beams[i] = kept
-    results = []
-    for i, prompt in enumerate(prompts):
-        best = sorted(finished[i] + beams[i], key=lambda b: score(b, params.length_penalty), reverse=True)[:width]
-        for b in best:
-            b.text = llm.tokenizer.decode(b.tokens[len(prompt):], skip_special_tokens=True)
-        results.append(BeamSearchOutput(best))
-    return results
+            self.beams[i] = kept
+        self.rounds += 1
+
+    def results(self, decode) -> list[BeamSearchOutput]:
+        """The best ``beam_width`` finished or surviving sequences of each prompt; ``decode(ids) -> text``."""
+        out = []
+        for i, prompt in enumerate(self.prompts):
+            best = sorted(self.finished[i] + self.beams[i], key=lambda b: score(b, self.params.length_penalty),
+                          reverse=True)[:self.params.beam_width]
+            for b in best:
+                b.text = decode(b.tokens[len(prompt):])
+            out.append(BeamSearchOutput(best))
+        return out
+
+
+def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, adapter: str | None = None
+                ) -> list[BeamSearchOutput]:
+    """Beam search from each prompt (token ids); ``llm`` is an ``LLM``."""
+    state = BeamState(prompts, params, frozenset(llm.engine.eos_token_ids))
+    while batch := state.pending():
+        outs = llm.generate(batch, state.step_params, adapter=adapter, use_tqdm=False)
+        state.advance([out.outputs[0].logprobs[0].top for out in outs])
+    return state.results(lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True))

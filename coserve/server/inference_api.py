@@ -16,6 +16,7 @@ from coserve.peft import AdapterError
 from coserve.scheduler import Request as EngineRequest
 from coserve.scheduler import SamplingParams
 from coserve.scheduler.plan import TokenLogprobs
+from coserve.server.beam_api import completions_by_beam_search
 from coserve.server.choices import Choice, Job, events, finish_reason, gather_all, streaming, usage
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
@@ -279,6 +280,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
     prompts = await off_loop_if_long(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
+    if body.use_beam_search:
+        limit = min(max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt") for ids, _ in prompts)
+        return await completions_by_beam_search(ctx, tenant, body, adapter, prompts, limit, make_request)
     job = Job(f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
     requests = []
     for ids, text in prompts:

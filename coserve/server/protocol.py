@@ -58,6 +58,8 @@ class CompletionRequest(Sampling):
     echo: bool = False
     best_of: Any = None
     suffix: Any = None
+    use_beam_search: bool = False  # vLLM's extension: n beams, the n best completions
+    length_penalty: float = 1.0  # vLLM's extension (beam search): scores are logprob sums over length ** this
 
 
 class TextPart(Body):
