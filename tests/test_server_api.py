@@ -272,7 +272,7 @@ def test_bad_tool_requests_are_400_naming_the_field(alice, kwargs, param, messag
     assert e.value.body["param"] == param and message in e.value.body["message"]
 
 
-def test_responses_api_text_streamed_or_whole_with_usage_and_cached_tokens(alice):
+def test_responses_api_text_streamed_or_whole_with_usage_and_cached_tokens(alice, server):
     """OpenAI's Responses API through the official client: the same text whole and streamed (with the typed events
     in order), 'incomplete' when max_output_tokens cuts it, and the prefix cache's tokens in the usage."""
     ask = {"model": BASE, "input": "Hello there, " * 8, "instructions": "Be brief.", "max_output_tokens": 6,
@@ -297,6 +297,11 @@ def test_responses_api_text_streamed_or_whole_with_usage_and_cached_tokens(alice
     again = alice.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hello there, " * 8}],
                                           max_tokens=2)
     assert chat.usage.prompt_tokens_details.cached_tokens == 0 < again.usage.prompt_tokens_details.cached_tokens
+    metrics = {ln.split()[0]: float(ln.split()[1]) for ln in httpx.get(f"{server.url}/metrics").text.splitlines()
+               if ln.startswith("coserve_") and " " in ln}
+    assert metrics["coserve_prefix_cache_hits_total"] > 0
+    assert metrics["coserve_prefix_cache_queries_total"] >= metrics["coserve_prefix_cache_hits_total"]
+    assert metrics["coserve_spec_decode_draft_tokens_total"] == 0  # speculative decoding is off by default
 
 
 def test_responses_api_function_calls_and_structured_text(alice):

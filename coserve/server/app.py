@@ -52,7 +52,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
                 "kv_cache_usage": s.blocks.usage, "preemptions": s.num_preemptions,
                 "failed_iterations": engine.num_failed_iterations, "batch_invariant": engine.batch_invariant,
                 "adapters_loaded": len(engine.adapters), "prefix_cache_queries": s.prefix_cache_queries,
-                "prefix_cache_hits": s.prefix_cache_hits}
+                "prefix_cache_hits": s.prefix_cache_hits, "spec_draft_tokens": s.num_draft_tokens,
+                "spec_accepted_tokens": s.num_accepted_drafts}
 
     def job_counts() -> dict:
         return {status: store.count_jobs(status) for status in JOB_STATES}

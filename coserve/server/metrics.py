@@ -62,6 +62,10 @@ class _EngineCollector:
                                   value=state.get("prefix_cache_queries", 0))
         yield CounterMetricFamily("coserve_prefix_cache_hits", "prompt tokens found in the prefix cache (not "
                                   "computed again)", value=state.get("prefix_cache_hits", 0))
+        yield CounterMetricFamily("coserve_spec_decode_draft_tokens", "n-gram draft tokens proposed (speculative "
+                                  "decoding)", value=state.get("spec_draft_tokens", 0))
+        yield CounterMetricFamily("coserve_spec_decode_accepted_tokens", "draft tokens the model agreed with",
+                                  value=state.get("spec_accepted_tokens", 0))
         yield GaugeMetricFamily("coserve_batch_invariant", "1 if an inference row's matmuls round as they would "
                                 "without the rows beside it (co-serving cannot change outputs), else 0",
                                 value=float(state.get("batch_invariant", True)))
