@@ -85,12 +85,15 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
     return adapter
 
 
+def dora_row_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``||W + scaling B A||`` of each output row (PEFT's ``DoraLinearLayer.get_weight_norm``), float32."""
+    return torch.linalg.norm(weight.float() + scaling * (b.float() @ a.float()), dim=1)
+
+
 def _dora_terms(adapter: LoraAdapter, key: tuple[int, str], magnitude: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """DoRA's output scale ``magnitude / ||W + scaling B A||`` (rows) and the bias term ``(1 - scale) * bias``."""
-    lora_weight = adapter.b[key] @ adapter.a[key]  # [out, in]
-    norm = torch.linalg.norm(weight.float() + adapter.scaling * lora_weight, dim=1)
-    scale = magnitude / norm
+    scale = magnitude / dora_row_norm(weight, adapter.a[key], adapter.b[key], adapter.scaling)
     return scale, torch.zeros_like(scale) if bias is None else (1 - scale) * bias.float()
 
 

@@ -19,7 +19,7 @@ from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
 from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from coserve.peft.adapter_dir import AdapterError, write_adapter_files
-from coserve.peft.lora_adapter import BaseWeight
+from coserve.peft.lora_adapter import BaseWeight, dora_row_norm
 
 
 def _prefix(layer: int, module: str) -> str:
@@ -174,9 +174,8 @@ class TrainableLora(TrainableBypass):
         versions = (a._version, b._version)
         cached = self._norms.get(key)
         if cached is None or cached[0] != versions:
-            weight = self.base[key][0]
             with torch.no_grad():
-                norm = torch.linalg.norm(weight.float() + self.scaling * (b @ a), dim=1)
+                norm = dora_row_norm(self.base[key][0], a, b, self.scaling)
             cached = self._norms[key] = (versions, norm)
         return cached[1]
 

@@ -381,6 +381,8 @@ class Scheduler:
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Speculative decoding: n-gram drafts for a decoding request that may take them, as many as the budget,
         its max_tokens, the context and the free KV blocks (no preemption for a guess) allow."""
+        if not self.config.speculative_tokens:
+            return []
         p = request.params
         limit = min(self.config.speculative_tokens, budget - 1, p.max_tokens - len(request.output_token_ids) - 1,
                     self.config.max_model_len - request.num_tokens - 1)

@@ -101,7 +101,6 @@ def check_token_ids(body: Sampling, vocab_size: int) -> None:
 
 def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token ids as strings) as token ids; 400 naming the field when a key or value is bad."""
-    check_token_ids(body, vocab_size)  # the other per-token options, checked where the bias is
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         if not key.isdigit() or int(key) >= vocab_size:
@@ -235,7 +234,7 @@ async def off_loop_if_long(chars: int, fn, *args):
 def messages_chars(messages) -> int:
     """Characters of chat messages' contents (plain or in text parts) and past tool calls' arguments."""
     return sum((len(m.content) if isinstance(m.content, str) else sum(len(part.text) for part in m.content or []))
-               + sum(len(c.function.arguments) for c in getattr(m, "tool_calls", None) or []) for m in messages)
+               + sum(len(c.function.arguments) for c in m.tool_calls or []) for m in messages)
 
 
 def prompt_chars(prompt) -> int:
@@ -275,6 +274,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
     scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's tokens are scored too
+    check_token_ids(body, ctx.engine.model_config.vocab_size)
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     guided, choices = guided_output(body)
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
@@ -375,6 +375,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+    check_token_ids(body, ctx.engine.model_config.vocab_size)
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     tools = tool_plan(body)
     guided, choices = (tools.schema, None) if tools is not None else guided_output(body)
