@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import threading
 
@@ -166,8 +167,14 @@ def test_structured_outputs_match_the_schema_streamed_or_not(alice):
     newer = alice.completions.create(model=BASE, prompt="JSON:", max_tokens=40, temperature=0,
                                      extra_body={"structured_outputs": {"json": SMALL_SCHEMA}})
     jsonschema.validate(json.loads(newer.choices[0].text), SMALL_SCHEMA)
-    for extra, param in (({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"regex": "a+"}},
+    for extra in ({"guided_regex": r"\d{2}-(yes|no)"}, {"structured_outputs": {"regex": r"\d{2}-(yes|no)"}}):
+        matched = alice.completions.create(model=BASE, prompt="Code:", max_tokens=8, temperature=1.0, seed=3,
+                                           extra_body=extra)
+        assert re.fullmatch(r"\d{2}-(yes|no)", matched.choices[0].text)
+    for extra, param in (({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"grammar": "x"}},
                                                                      "structured_outputs"),
+                         ({"guided_regex": "(a"}, "guided_regex"),
+                         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
                          ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice")):
         with pytest.raises(openai.BadRequestError) as e:
             alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=4, extra_body=extra)
@@ -400,6 +407,10 @@ def test_beam_search_completions_are_the_engines_beams(alice, model_factory):
         alice.completions.create(model=BASE, prompt="hi", max_tokens=4, stream=True,
                                  extra_body={"use_beam_search": True})
     assert e.value.body["param"] == "stream"
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.completions.create(model=BASE, prompt="hi", max_tokens=4,
+                                 extra_body={"use_beam_search": True, "guided_regex": "a+"})
+    assert e.value.body["param"] == "guided_regex"
 
 
 def test_prompt_over_the_context_is_400(alice):

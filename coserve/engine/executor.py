@@ -199,13 +199,13 @@ class ModelExecutor:
         return self.slots.batch([self.adapters[name] for name in plan.adapters], runs)
 
     def _allowed(self, chunk: InferenceChunk) -> torch.Tensor | None:
-        """The tokens a guided request may sample next (its outputs so far match its schema's prefix)."""
+        """The tokens a guided request may sample next (its outputs so far match its schema's or pattern's prefix)."""
         p = chunk.params
         if not p.guided:
             return None
         if self.guided is None:
             raise RuntimeError("guided decoding: this executor has no vocabulary to guide decoding with")
-        return self.guided.mask(chunk.request_id, p.guided_json, chunk.history[1], p.guided_choice)
+        return self.guided.mask(chunk.request_id, p.guided_json, chunk.history[1], p.guided_choice, p.guided_regex)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -1,7 +1,8 @@
 """Guided decoding: which tokens may come next so that the output stays a prefix of JSON matching a
-schema, and an engine-wide registry of guides and per-request cursors.
+schema (or of a text matching a regular expression), and an engine-wide registry of guides and
+per-request cursors.
 
-A ``Guide`` is one compiled schema over one vocabulary. Its allowed-token mask for a machine state is
+A ``Guide`` is one compiled schema (or pattern) over one vocabulary. Its allowed-token mask for a machine state is
 a walk of the vocabulary trie that stops at the first byte the machine refuses; states recur (inside
 a string, after every comma of an array), so byte steps and masks are cached. End-of-sequence is
 allowed exactly where the text is a whole value, and then alone.
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from coserve.guided.machine import JsonMachine, State, initial_state
+from coserve.guided.regex import compile_regex
 from coserve.guided.schema import compile_choices, compile_schema
 from coserve.guided.vocab import TrieNode, build_trie
 
@@ -60,13 +62,19 @@ def _plain_chars(data: bytes) -> int | None:
 
 
 class Guide:
-    """One schema's token masks over one vocabulary."""
+    """One schema's (or pattern's) token masks over one vocabulary."""
 
-    def __init__(self, schema: Any, vocab: Vocabulary, choices: list[str] | None = None) -> None:
-        """``schema``: a JSON schema; or, with ``choices`` (vLLM's guided_choice), the output is one of them."""
-        compiled = compile_choices(choices) if choices is not None else compile_schema(schema)
-        self.machine = JsonMachine(compiled.nodes)
-        self.start = initial_state(compiled.root)
+    def __init__(self, schema: Any, vocab: Vocabulary, choices: list[str] | None = None,
+                 regex: str | None = None) -> None:
+        """``schema``: a JSON schema; or, with ``choices`` (vLLM's guided_choice), the output is one of them; or,
+        with ``regex`` (vLLM's guided_regex), the whole output matches it."""
+        if regex is not None:
+            self.machine = compile_regex(regex)
+            self.start = self.machine.start
+        else:
+            compiled = compile_choices(choices) if choices is not None else compile_schema(schema)
+            self.machine = JsonMachine(compiled.nodes)
+            self.start = initial_state(compiled.root)
         self.vocab = vocab
         self._steps: dict[tuple[State, int], State] = {}
         self._masks: OrderedDict[State, torch.Tensor] = OrderedDict()
@@ -88,7 +96,7 @@ class Guide:
             return state
         data = self.vocab.vocab[token_id] if 0 <= token_id < self.vocab.size else None
         if data is None:
-            return frozenset()
+            return ()  # a dead state (every machine's dead state is empty)
         for b in data:
             state = self.step(state, b)
             if not state:
@@ -155,24 +163,24 @@ class GuidedDecoding:
         self._max_guides = max_guides
         self._cursors: dict[str, Cursor] = {}
 
-    def guide(self, schema: Any, choices: list[str] | None = None) -> Guide:
-        key = json.dumps([schema, choices], sort_keys=True)
+    def guide(self, schema: Any, choices: list[str] | None = None, regex: str | None = None) -> Guide:
+        key = json.dumps([schema, choices, regex], sort_keys=True)
         guide = self._guides.get(key)
         if guide is None:
             if self._vocab is None:
                 self._vocab = Vocabulary(self._vocab_factory(), self._eos_ids, self._device)
-            guide = self._guides[key] = Guide(schema, self._vocab, choices)
+            guide = self._guides[key] = Guide(schema, self._vocab, choices, regex)
             if len(self._guides) > self._max_guides:
                 self._guides.popitem(last=False)
         self._guides.move_to_end(key)
         return guide
 
-    def mask(self, request_id: str, schema: Any, output_ids: list[int], choices: list[str] | None = None
-             ) -> torch.Tensor:
+    def mask(self, request_id: str, schema: Any, output_ids: list[int], choices: list[str] | None = None,
+             regex: str | None = None) -> torch.Tensor:
         """The tokens request ``request_id`` may sample next, its outputs so far being ``output_ids``."""
         cursor = self._cursors.get(request_id)
         if cursor is None or cursor.consumed > len(output_ids):
-            guide = self.guide(schema, choices)
+            guide = self.guide(schema, choices, regex)
             cursor = self._cursors[request_id] = Cursor(guide, guide.start, 0)
         for token in output_ids[cursor.consumed:]:
             cursor.state = cursor.guide.advance(cursor.state, token)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coserve.guided.regex import RegexError, compile_regex
 from coserve.guided.schema import SchemaError, compile_choices, compile_schema
 
 
@@ -37,6 +38,7 @@ class SamplingParams:
     guided_json: dict | bool | None = None  # a JSON schema the output must match (vLLM's guided_json; OpenAI's
     #   response_format): the text is compact JSON (coserve/guided); None = free text
     guided_choice: list[str] | None = None  # vLLM's: the output is exactly one of these strings; None = free text
+    guided_regex: str | None = None  # vLLM's: the whole output matches this regular expression; None = free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,8 +82,14 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
-        if self.guided_json is not None and self.guided_choice is not None:
-            raise ValueError("guided_choice: give either guided_json or guided_choice, not both")
+        given = [f for f in ("guided_json", "guided_choice", "guided_regex") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[-1]}: give one of guided_json, guided_choice and guided_regex, not {len(given)}")
+        if self.guided_regex is not None:
+            try:
+                compile_regex(self.guided_regex)
+            except RegexError as e:
+                raise ValueError(f"guided_regex: {e}") from None
         if self.guided_json is not None:
             try:
                 compile_schema(self.guided_json)
@@ -113,8 +121,8 @@ class SamplingParams:
 
     @property
     def guided(self) -> bool:
-        """Whether a guide decides which tokens may come (guided_json or guided_choice)."""
-        return self.guided_json is not None or self.guided_choice is not None
+        """Whether a guide decides which tokens may come (guided_json, guided_choice or guided_regex)."""
+        return self.guided_json is not None or self.guided_choice is not None or self.guided_regex is not None
 
     @property
     def speculable(self) -> bool:

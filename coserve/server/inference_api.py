@@ -8,6 +8,7 @@ import itertools
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
@@ -32,7 +33,7 @@ MAX_STOPS = 4  # OpenAI's limit on stop sequences
 INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []),
-               "function_call": (None, "none", "auto"), "guided_regex": (None,), "guided_grammar": (None,)}
+               "function_call": (None, "none", "auto"), "guided_grammar": (None,)}
 
 
 @router.get("/v1/models")
@@ -115,7 +116,8 @@ def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
 
 def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int,
                     bias: dict[int, float] | None = None, prompt_logprobs: int | None = None,
-                    guided: dict | bool | None = None, choices: list[str] | None = None) -> SamplingParams:
+                    guided: dict[str, Any] | None = None) -> SamplingParams:
+    """``body``'s sampling fields as ``SamplingParams``; ``guided``: the guided_* fields (``guided_output``)."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS:
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
@@ -130,7 +132,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
                           top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=seed, stop=stops,
                           ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, guided_json=guided, guided_choice=choices,
+                          logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, **(guided or {}),
                           min_p=body.min_p, min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
                           include_stop_str_in_output=body.include_stop_str_in_output,
                           allowed_token_ids=body.allowed_token_ids)
@@ -276,11 +278,14 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's tokens are scored too
     check_token_ids(body, ctx.engine.model_config.vocab_size)
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
-    guided, choices = guided_output(body)
+    guided = guided_output(body)
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
     prompts = await off_loop_if_long(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
     if body.use_beam_search:
+        if guided:
+            field = "structured_outputs" if body.structured_outputs is not None else next(iter(guided))
+            raise bad_request(f"{field}: not available with use_beam_search", field)
         limit = min(max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt") for ids, _ in prompts)
         return await completions_by_beam_search(ctx, tenant, body, adapter, prompts, limit, make_request)
     job = Job(f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
@@ -288,8 +293,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
         for j in range(body.n):
-            params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored, guided=guided,
-                                     choices=choices)
+            params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored, guided=guided)
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt"), text if body.echo else ""))
     submit(ctx, job, requests)
 
@@ -378,10 +382,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     check_token_ids(body, ctx.engine.model_config.vocab_size)
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     tools = tool_plan(body)
-    guided, choices = (tools.schema, None) if tools is not None else guided_output(body)
+    guided = {"guided_json": tools.schema} if tools is not None else guided_output(body)
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
-    params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided, choices=choices)
+    params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided)
               for j in range(body.n)]
     submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages"), "") for p in params])
 

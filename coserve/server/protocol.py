@@ -46,8 +46,8 @@ class Sampling(Body):
     response_format: Any = None  # OpenAI's: text, json_object or json_schema (coserve/server/response_format.py)
     guided_json: Any = None  # vLLM's extension: a JSON schema (an object or its text) the output must match
     guided_choice: Any = None  # vLLM's extension: the output is exactly one of these strings
-    structured_outputs: Any = None  # vLLM's newer form of both: {"json": schema} or {"choice": [...]}
-    guided_regex: Any = None  # vLLM's: not built (a 400 rather than ignored)
+    structured_outputs: Any = None  # vLLM's newer form: {"json": schema}, {"choice": [...]} or {"regex": pattern}
+    guided_regex: Any = None  # vLLM's extension: the whole output matches this regular expression
     guided_grammar: Any = None  # vLLM's: not built (a 400 rather than ignored)
 
 

@@ -1,5 +1,6 @@
-"""OpenAI's ``response_format`` (and vLLM's ``guided_json``, ``guided_choice``, ``structured_outputs``) as what a
-request's output must match: a JSON schema, or one of a list of strings.
+"""OpenAI's ``response_format`` (and vLLM's ``guided_json``, ``guided_choice``, ``guided_regex``,
+``structured_outputs``) as what a request's output must match: a JSON schema, one of a list of strings, or
+a regular expression.
 
 ``{"type": "text"}`` or nothing: free text. ``{"type": "json_object"}``: any JSON object.
 ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``: the schema (a
@@ -13,6 +14,7 @@ import json
 import re
 from typing import Any
 
+from coserve.guided.regex import RegexError, compile_regex
 from coserve.guided.schema import SchemaError, compile_choices, compile_schema
 from coserve.server.errors import bad_request
 
@@ -20,20 +22,31 @@ TYPES = ("text", "json_object", "json_schema")
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
-def guided_output(body: Any) -> tuple[dict | bool | None, list[str] | None]:
-    """``(schema, choices)`` a request's output must match: from ``response_format``, vLLM's ``guided_json`` /
-    ``guided_choice``, or vLLM's newer ``structured_outputs`` (``{"json": ...}`` or ``{"choice": [...]}``); at
-    most one of them; 400 naming the field when one is bad."""
+def guided_output(body: Any) -> dict[str, Any]:
+    """The ``SamplingParams`` fields (``guided_json``, ``guided_choice`` or ``guided_regex``; none: free text) a
+    request's output must match: from ``response_format``, vLLM's ``guided_json`` / ``guided_choice`` /
+    ``guided_regex``, or vLLM's newer ``structured_outputs`` (``{"json": ...}``, ``{"choice": [...]}`` or
+    ``{"regex": ...}``); at most one of them; 400 naming the field when one is bad."""
     guided_json, choices = getattr(body, "guided_json", None), getattr(body, "guided_choice", None)
+    regex = getattr(body, "guided_regex", None)
     structured = getattr(body, "structured_outputs", None)
     if structured is not None:
-        if not isinstance(structured, dict) or len(structured) != 1 or not set(structured) <= {"json", "choice"}:
-            raise bad_request("structured_outputs: must be an object with one of 'json' or 'choice'",
+        if not isinstance(structured, dict) or len(structured) != 1 or not set(structured) <= {"json", "choice",
+                                                                                                  "regex"}:
+            raise bad_request("structured_outputs: must be an object with one of 'json', 'choice' or 'regex'",
                               "structured_outputs")
-        if guided_json is not None or choices is not None:
-            raise bad_request("structured_outputs: give either structured_outputs or guided_json/guided_choice",
-                              "structured_outputs")
-        guided_json, choices = structured.get("json"), structured.get("choice")
+        if guided_json is not None or choices is not None or regex is not None:
+            raise bad_request("structured_outputs: give either structured_outputs or guided_json/guided_choice/"
+                              "guided_regex", "structured_outputs")
+        guided_json, choices, regex = structured.get("json"), structured.get("choice"), structured.get("regex")
+    if regex is not None:
+        if guided_json is not None or choices is not None or getattr(body, "response_format", None) is not None:
+            raise bad_request("guided_regex: give one way of guiding the output", "guided_regex")
+        try:
+            compile_regex(regex)
+        except RegexError as e:
+            raise bad_request(f"guided_regex: {e}", "guided_regex") from None
+        return {"guided_regex": regex}
     if choices is not None:
         if guided_json is not None or getattr(body, "response_format", None) is not None:
             raise bad_request("guided_choice: give one way of guiding the output", "guided_choice")
@@ -41,8 +54,9 @@ def guided_output(body: Any) -> tuple[dict | bool | None, list[str] | None]:
             compile_choices(choices)
         except SchemaError as e:
             raise bad_request(f"guided_choice: {str(e).removeprefix('choices: ')}", "guided_choice") from None
-        return None, list(choices)
-    return guided_schema(getattr(body, "response_format", None), guided_json), None
+        return {"guided_choice": list(choices)}
+    schema = guided_schema(getattr(body, "response_format", None), guided_json)
+    return {} if schema is None else {"guided_json": schema}
 
 
 def guided_schema(response_format: Any, guided_json: Any = None) -> dict | bool | None:

@@ -65,7 +65,7 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
                           "a model writes freely, which this server does not have; set tool_choice to 'required', "
                           "to a named function, or to 'none'", "tool_choice")
     if any(getattr(body, f) is not None for f in ("response_format", "guided_json", "guided_choice",
-                                                   "structured_outputs")):
+                                                   "guided_regex", "structured_outputs")):
         raise bad_request("tool_choice: tool calls are JSON already; drop response_format and vLLM's guided_* / "
                           "structured_outputs", "tool_choice")
     names = [t.function.name for t in tools]
