@@ -89,13 +89,43 @@ def test_documents_breaking_the_schema_are_rejected(text):
         jsonschema.validate(json.loads(text), RECORD)
 
 
+PATTERNED = {"type": "object", "additionalProperties": False, "required": ["code", "name"],
+             "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{2,3}$"},
+                            "name": {"type": "string", "pattern": "é|a\\\\b", "maxLength": 6}}}
+
+
+@settings(max_examples=300, deadline=None)
+@given(code=st.sampled_from(["AB-12", "ZZ-999", "AB-1", "ab-12", "AB-1234", "xAB-12"]),
+       name=st.text(alphabet=st.sampled_from(list('abé"\\\nxy\u00ff')), max_size=8), ascii_only=st.booleans())
+def test_pattern_is_searched_in_the_decoded_string_as_jsonschema_does(code, name, ascii_only):
+    """JSON Schema's pattern (``re.search`` on the decoded content, via ``jsonschema``) is the oracle; escapes
+    such as \\u00e9 and \\\\ are decoded before the pattern sees them."""
+    text = json.dumps({"code": code, "name": name}, ensure_ascii=ascii_only)
+    try:
+        jsonschema.validate(json.loads(text), PATTERNED)
+        valid = True
+    except jsonschema.ValidationError:
+        valid = False
+    assert (accepts(PATTERNED, text) is True) == valid
+
+
+def test_a_pattern_string_refuses_a_surrogate_escape_and_closes_only_when_matched():
+    schema = {"type": "string", "pattern": "^x+$"}
+    assert accepts(schema, '"xx"') is True
+    assert accepts(schema, '"x') is False
+    assert accepts(schema, '""') is None
+    assert accepts(schema, '"\\ud83d\\ude00"') is None
+    assert accepts({"type": "string"}, '"\\ud83d\\ude00"') is True
+
+
 def test_a_key_twice_is_rejected_though_json_loads_would_keep_the_last():
     assert accepts(RECORD, '{"ok": true, "n": 1, "tags": [], "ok": false}') is None
     assert accepts({"type": "object", "properties": {"a": {}}}, '{"a": 1, "a": 2}') is None
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "string", "pattern": "a+"}, "keyword 'pattern' is not supported"),
+    ({"type": "string", "pattern": "(a"}, "schema.pattern: missing"),
+    ({"type": "string", "pattern": "a{3,1}"}, "schema.pattern: quantifier"),
     ({"type": "object", "properties": {"a": {"minimum": 3}}}, "schema.properties.a: keyword 'minimum'"),
     ({"type": "thing"}, "schema.type: must be one of"),
     ({"$ref": "#/$defs/missing"}, "does not resolve"),
@@ -196,6 +226,14 @@ def test_guided_requests_match_their_schema_and_leave_others_alone(llm):
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), small)
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_guided_requests_with_patterns_validate(llm):
+    outs = llm.generate(["Code:", "Another:"], [SamplingParams(max_tokens=40, temperature=t, seed=7,
+                                                                guided_json=PATTERNED) for t in (0, 1.0)])
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), PATTERNED)
 
 
 def test_a_json_object_request_is_a_prefix_of_an_object_while_it_runs(llm):

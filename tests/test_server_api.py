@@ -185,8 +185,10 @@ def test_structured_outputs_match_the_schema_streamed_or_not(alice):
     ({"type": "xml"}, "response_format.type: must be one of text, json_object, json_schema"),
     ({"type": "json_schema"}, "response_format.json_schema: must be an object"),
     ({"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}, "json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "string", "pattern": "^a"}}},
-     "response_format.json_schema.schema: keyword 'pattern' is not supported"),
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "number", "minimum": 0}}},
+     "response_format.json_schema.schema: keyword 'minimum' is not supported"),
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "string", "pattern": "(?=a)"}}},
+     "response_format.json_schema.schema.pattern: lookaround"),
 ])
 def test_bad_response_formats_are_400_naming_the_field(alice, response_format, message):
     with pytest.raises(openai.BadRequestError) as e:
@@ -269,8 +271,8 @@ def test_a_conversation_with_past_tool_calls_renders_and_none_answers_in_text(al
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "no function named 'nope'"),
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "distinct"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "x"}}}],
-      "tool_choice": "required"}, "tools", "tools[0].function.parameters: keyword 'pattern'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "number", "minimum": 1}}}],
+      "tool_choice": "required"}, "tools", "tools[0].function.parameters: keyword 'minimum'"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", "answers a call"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(alice, kwargs, param, message):
@@ -362,7 +364,7 @@ def test_responses_are_stored_chained_and_private_to_their_tenant(alice, bob):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "string", "pattern": "a"}}}},
+    ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "number", "minimum": 0}}}},
      "text.format"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),

@@ -14,6 +14,7 @@ strings of valid UTF-8 with JSON's escapes.
 
 from __future__ import annotations
 
+from coserve.guided.regex import RegexMachine, compile_regex
 from coserve.guided.schema import ANY_ARRAY, ANY_OBJECT, ANY_STRING, Node
 
 MAX_INT_DIGITS, MAX_FRAC_DIGITS, MAX_EXP_DIGITS = 20, 24, 3  # room for any float's repr
@@ -21,10 +22,12 @@ QUOTE, BACKSLASH, COMMA, COLON, SPACE, MINUS, DOT = b'"\\,: -.'
 LBRACE, RBRACE, LBRACK, RBRACK = b"{}[]"
 HEX = frozenset(b"0123456789abcdefABCDEF")
 SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
+ESCAPED = {ord(k): ord(v) for k, v in zip('"\\/bfnrt', '"\\/\b\f\n\r\t')}  # what a simple escape stands for
 ANY_LITERALS = (b"true", b"false", b"null")
 
 # Frames. R: (R, node, done). V: (V, node, space_ok), a value not yet begun. O: (O, node, phase, seen keys, key).
-# A: (A, node, phase, count). S: (S, node, escape, utf8 bytes owed, length, collected key bytes or None).
+# A: (A, node, phase, count). S: (S, node, escape, utf8 bytes owed, length, collected key bytes or None, pattern
+# state or None, the \\u escape's value so far).
 # N: (N, integer only, phase, digits in this part). L: (L, candidate texts, bytes matched).
 R, V, O, A, S, N, L = "RVOASNL"
 O_OPEN, O_COMMA, O_KEY, O_INKEY, O_COLON, O_VALUE, O_AFTER = range(7)
@@ -45,6 +48,8 @@ class JsonMachine:
 
     def __init__(self, nodes: list[Node]) -> None:
         self.nodes = nodes
+        self.patterns: dict[int, RegexMachine] = {i: compile_regex(n.pattern) for i, n in enumerate(nodes)
+                                                  if n.pattern is not None}
 
     def step(self, state: State, b: int) -> State:
         out: set[Stack] = set()
@@ -61,8 +66,8 @@ class JsonMachine:
         room = None
         for stack in state:
             top = stack[-1]
-            if top[0] != S or top[2] or top[3]:  # not a string, or in an escape or a UTF-8 character
-                return None
+            if top[0] != S or top[2] or top[3] or top[6] is not None:  # not a string, in an escape or a
+                return None  # UTF-8 character, or a string whose content a pattern constrains
             node = self.nodes[top[1]]
             left = -1 if node.max_length is None else node.max_length - top[4]
             room = left if room is None or left < 0 or (room >= 0 and left > room) else room
@@ -110,7 +115,7 @@ class JsonMachine:
         if kind == "array":
             return (rest + ((A, nid, A_OPEN, 0),),) if b == LBRACK else ()
         if kind == "string":
-            return (rest + ((S, nid, 0, 0, 0, None),),) if b == QUOTE else ()
+            return (rest + (self._open_string(nid, None),),) if b == QUOTE else ()
         if kind in ("number", "integer"):
             if b == MINUS:
                 return (rest + ((N, kind == "integer", N_MINUS, 0),),)
@@ -167,7 +172,7 @@ class JsonMachine:
         if node.additional is None:
             remaining = tuple(k for k, _ in node.properties if k not in seen)
             return (rest + (inkey, (L, remaining, 1)),) if remaining else ()
-        return (rest + (inkey, (S, ANY_STRING, 0, 0, 0, b"" if node.properties else None)),)
+        return (rest + (inkey, self._open_string(ANY_STRING, b"" if node.properties else None)),)
 
     def _array(self, top: tuple, rest: Stack, b: int) -> tuple[Stack, ...]:
         _, nid, phase, count = top
@@ -184,28 +189,60 @@ class JsonMachine:
             return self._complete(rest, None)
         return ()
 
+    def _open_string(self, nid: int, collected: bytes | None) -> tuple:
+        machine = self.patterns.get(nid)
+        return (S, nid, 0, 0, 0, collected, None if machine is None else machine.start, 0)
+
     def _string(self, top: tuple, rest: Stack, b: int) -> tuple[Stack, ...]:
-        _, nid, esc, owed, length, collected = top
+        _, nid, esc, owed, length, collected, rx, code = top
         node = self.nodes[nid]
         counted = node.max_length is not None or node.min_length > 0
 
-        def then(esc2: int, owed2: int, new_char: bool) -> tuple[Stack, ...]:
+        def then(esc2: int, owed2: int, new_char: bool, fed: bytes = b"", code2: int = 0) -> tuple[Stack, ...]:
             n = length + 1 if counted and new_char else length
             if node.max_length is not None and n > node.max_length:
                 return ()
+            rx2 = rx
+            if rx is not None:  # the content's characters (escapes decoded), as UTF-8, through the pattern
+                machine = self.patterns[nid]
+                for c in fed:
+                    rx2 = machine.step(rx2, c)
+                if not rx2:
+                    return ()
+                # the fewest characters after this one (or after the one being read) to a match: there must be
+                # some, and with a length limit they must fit in it
+                if esc2 == 1:  # after a backslash: any character of the Basic Multilingual Plane may come
+                    needed = machine.chars_after(rx2, 0, 0xFFFF)
+                elif esc2:  # inside \\u: the digits so far narrow the code point
+                    free_bits = 4 * (6 - esc2)
+                    needed = machine.chars_after(rx2, code2 << free_bits, (code2 << free_bits) | ((1 << free_bits) - 1))
+                else:
+                    needed = machine.chars_needed(rx2)
+                if needed is None or (node.max_length is not None and n + needed > node.max_length):
+                    return ()
             key = None if collected is None else collected + bytes((b,))
-            return (rest + ((S, nid, esc2, owed2, n, key),),)
+            return (rest + ((S, nid, esc2, owed2, n, key, rx2, code2),),)
 
+        raw = bytes((b,))
         if owed:
-            return then(0, owed - 1, False) if 0x80 <= b <= 0xBF else ()
+            return then(0, owed - 1, False, raw) if 0x80 <= b <= 0xBF else ()
         if esc == 1:
             if b in SIMPLE_ESCAPES:
-                return then(0, 0, False)
+                return then(0, 0, False, bytes((ESCAPED[b],)))
             return then(2, 0, False) if b == 0x75 else ()  # \u
         if esc:
-            return then(esc + 1 if esc < 5 else 0, 0, False) if b in HEX else ()
+            if b not in HEX:
+                return ()
+            if rx is None:
+                return then(esc + 1 if esc < 5 else 0, 0, False)
+            value = code * 16 + int(chr(b), 16)
+            if esc < 5:
+                return then(esc + 1, 0, False, code2=value)
+            if 0xD800 <= value <= 0xDFFF:  # a surrogate pair's half: not decoded under a pattern
+                return ()
+            return then(0, 0, False, chr(value).encode())
         if b == QUOTE:
-            if length < node.min_length:
+            if length < node.min_length or (rx is not None and not self.patterns[nid].accepting(rx)):
                 return ()
             return self._complete(rest, None if collected is None else b'"' + collected + b'"')
         if b == BACKSLASH:
@@ -213,13 +250,13 @@ class JsonMachine:
         if b < 0x20:
             return ()
         if b < 0x80:
-            return then(0, 0, True)
+            return then(0, 0, True, raw)
         if 0xC2 <= b <= 0xDF:
-            return then(0, 1, True)
+            return then(0, 1, True, raw)
         if 0xE0 <= b <= 0xEF:
-            return then(0, 2, True)
+            return then(0, 2, True, raw)
         if 0xF0 <= b <= 0xF4:
-            return then(0, 3, True)
+            return then(0, 3, True, raw)
         return ()
 
     def _number(self, top: tuple, rest: Stack, b: int) -> tuple[Stack, ...]:

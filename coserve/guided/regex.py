@@ -17,6 +17,7 @@ JSON.
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass, field
 
 MAX_CODE_POINT = 0x10FFFF
@@ -348,8 +349,46 @@ class RegexMachine:
         builder = _Builder()
         start, self.accept = builder.build(_Parser(pattern).parse())
         self.states = builder.states
+        self.distance = self._distances()  # NFA state -> fewest characters to an accepting state (absent: none)
         self._closures: dict[int, frozenset[int]] = {}
         self.start: State = (self._closure([start]), b"")
+
+    def _distances(self) -> dict[int, int]:
+        """A 0-1 breadth-first search back from the accepting state (epsilon moves cost nothing)."""
+        back: list[list[tuple[int, int]]] = [[] for _ in self.states]
+        for s, st in enumerate(self.states):
+            for e in st.eps:
+                back[e].append((s, 0))
+            for _, t in st.moves:
+                back[t].append((s, 1))
+        dist = {self.accept: 0}
+        queue = deque([self.accept])
+        while queue:
+            t = queue.popleft()
+            for s, cost in back[t]:
+                d = dist[t] + cost
+                if d < dist.get(s, d + 1):
+                    dist[s] = d
+                    (queue.appendleft if cost == 0 else queue.append)(s)
+        return dist
+
+    def chars_needed(self, state: State) -> int | None:
+        """The fewest characters still to come before the text can match (a character being read counts as
+        come); None when it never can."""
+        if not state:
+            return None
+        nfa, partial = state
+        if partial:
+            return self.chars_after(state, *_completions(partial, _utf8_length(partial[0])))
+        return min((self.distance[s] for s in nfa if s in self.distance), default=None)
+
+    def chars_after(self, state: State, lo: int, hi: int) -> int | None:
+        """The fewest characters to come after one (not yet taken) whose code point is in ``lo..hi``; None when
+        no such character leads to a match."""
+        if lo >= SURROGATES[0] and hi <= SURROGATES[1]:
+            return None
+        return min((self.distance[t] for s in state[0] for ranges, t in self.states[s].moves
+                    if t in self.distance and intersects(ranges, lo, hi)), default=None)
 
     def _closure(self, seeds) -> frozenset[int]:
         seen: set[int] = set()
@@ -376,7 +415,7 @@ class RegexMachine:
             if not 0x80 <= b <= 0xBF:
                 return ()
             partial += bytes([b])
-        need = 2 if partial[0] < 0xE0 else 3 if partial[0] < 0xF0 else 4
+        need = _utf8_length(partial[0])
         if len(partial) == need:
             try:
                 cp = ord(partial.decode("utf-8"))
@@ -387,12 +426,14 @@ class RegexMachine:
         if bounds is None:
             return ()
         lo, hi = bounds
-        if not any(intersects(ranges, lo, hi) for s in nfa for ranges, _ in self.states[s].moves):
+        if not any(intersects(ranges, lo, hi) for s in nfa for ranges, t in self.states[s].moves
+                   if t in self.distance):
             return ()
         return (nfa, partial)
 
     def _advance(self, nfa: frozenset[int], cp: int) -> State:
-        targets = [t for s in nfa for ranges, t in self.states[s].moves if contains(ranges, cp)]
+        # only moves from which the accepting state can still be reached: a live state always has a way out
+        targets = [t for s in nfa for ranges, t in self.states[s].moves if t in self.distance and contains(ranges, cp)]
         if not targets:
             return ()
         return (self._closure(targets), b"")
@@ -411,6 +452,10 @@ class RegexMachine:
             if not state:
                 return False
         return self.accepting(state)
+
+
+def _utf8_length(lead: int) -> int:
+    return 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
 
 
 def _completions(partial: bytes, need: int) -> tuple[int, int] | None:
@@ -438,3 +483,19 @@ def _completions(partial: bytes, need: int) -> tuple[int, int] | None:
 def compile_regex(pattern: str) -> RegexMachine:
     """The machine of ``pattern``; ``RegexError`` names what is wrong and where."""
     return RegexMachine(pattern)
+
+
+def search_pattern(pattern: str) -> str:
+    """A pattern whose whole matches are the texts in which ``pattern`` is found (``re.search``, JSON Schema's
+    ``pattern``): unanchored ends may hold anything. ``^a|b$`` (anchors on separate alternatives) is refused
+    rather than read as ``^(a|b)$``."""
+    if not isinstance(pattern, str):
+        raise RegexError(f"pattern must be a string, got {type(pattern).__name__}")
+    start = pattern.startswith("^")
+    trailing_backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
+    end = pattern.endswith("$") and len(pattern) > start and trailing_backslashes % 2 == 0
+    body = pattern[int(start):len(pattern) - int(end)]
+    if (start or end) and _Parser(body).parse()[0] == "alt":
+        raise RegexError("anchors with an alternation at the top level: group the alternatives, as in ^(a|b)$")
+    anything = r"[\s\S]*"
+    return f"{'' if start else anything}(?:{body}){'' if end else anything}"

@@ -3,7 +3,8 @@
 Supported (what OpenAI's structured outputs and vLLM's guided JSON are used with): ``type`` (one or a
 list), ``properties``, ``required``, ``additionalProperties`` (a bool or a schema), ``items``,
 ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (any branch), ``minLength`` /
-``maxLength``, local ``$ref`` into ``$defs`` / ``definitions`` (recursion allowed), and ``{}`` / ``true``
+``maxLength``, ``pattern`` (found anywhere in the string unless anchored, as JSON Schema says; the syntax of
+``regex.py``), local ``$ref`` into ``$defs`` / ``definitions`` (recursion allowed), and ``{}`` / ``true``
 for any value. Annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``,
 ``$id``, ``format``, ``strict``) are ignored. Any other keyword is a constraint this module cannot
 enforce: ``SchemaError`` names it (and where it is) rather than letting output slip past it.
@@ -15,10 +16,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from coserve.guided.regex import RegexError, compile_regex, search_pattern
+
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "format",
                          "strict", "$defs", "definitions", "deprecated", "readOnly", "writeOnly"})
 HANDLED = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                     "enum", "const", "anyOf", "oneOf", "minLength", "maxLength", "$ref"})
+                     "enum", "const", "anyOf", "oneOf", "minLength", "maxLength", "pattern", "$ref"})
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 MAX_NODES = 10_000  # a schema compiling to more is refused (a request cannot make the server build without end)
 
@@ -43,6 +46,7 @@ class Node:
     max_items: int | None = None
     min_length: int = 0  # string: in characters
     max_length: int | None = None
+    pattern: str | None = None  # string: a pattern (``regex.py`` syntax) the whole decoded content matches
 
     def property_node(self, key: bytes) -> int | None:
         return next((nid for k, nid in self.properties if k == key), None)
@@ -135,7 +139,8 @@ class _Compiler:
         if types is None:
             types = [t for t, keys in (("object", ("properties", "required", "additionalProperties")),
                                        ("array", ("items", "minItems", "maxItems")),
-                                       ("string", ("minLength", "maxLength"))) if any(k in s for k in keys)]
+                                       ("string", ("minLength", "maxLength", "pattern")))
+                     if any(k in s for k in keys)]
             if not types:
                 return ANY
         if isinstance(types, str):
@@ -186,7 +191,16 @@ class _Compiler:
                                  min_items=lo, max_items=hi))
         if t == "string":
             lo, hi = self.bounds(s, "minLength", "maxLength", path)
-            return ANY_STRING if (lo, hi) == (0, None) else self.add(Node("string", min_length=lo, max_length=hi))
+            pattern = None
+            if "pattern" in s:
+                try:
+                    pattern = search_pattern(s["pattern"])
+                    compile_regex(pattern)
+                except RegexError as e:
+                    raise SchemaError(f"{path}.pattern: {e}") from None
+            if (lo, hi, pattern) == (0, None, None):
+                return ANY_STRING
+            return self.add(Node("string", min_length=lo, max_length=hi, pattern=pattern))
         if t == "boolean":
             return self.add(Node("literal", texts=(b"true", b"false")))
         if t == "null":
