@@ -1,4 +1,5 @@
-"""What guided decoding costs: the same batch of requests generated free and under JSON guides, in one process.
+"""What guided decoding costs: the same batch of requests generated free and under JSON and regex guides, in one
+process.
 
     python benchmarks/guided_decoding.py --model DIR [--device cpu] [--requests 16] [--max-tokens 64] [--out FILE]
 
@@ -6,13 +7,15 @@ Each mode runs twice on one engine: the first run pays for building masks of sta
 vocabulary's bytes and trie are built on the engine's first guided request, also in the first run), the
 second finds most of them cached, as a server does after its first requests with a schema. Reported: output
 tokens per second and the ratio to free text, and how many of the guided outputs parse as JSON matching
-their schema by ``jsonschema`` (those that end before ``--max-tokens``; the rest are cut by it, as free text would be).
+their schema by ``jsonschema`` (or, for a regex, match it by ``re.fullmatch``; those that end before
+``--max-tokens``; the rest are cut by it, as free text would be).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 from coserve import LLM, SamplingParams
@@ -23,7 +26,11 @@ SCHEMAS = {
                "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"},
                               "n": {"type": "integer"},
                               "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}},
+    "patterned": {"type": "object", "additionalProperties": False, "required": ["sku", "email"],
+                  "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-\\d{4}$"},
+                                 "email": {"type": "string", "pattern": "^[a-z0-9.]{1,12}@[a-z]{1,8}\\.(com|org)$"}}},
 }
+REGEXES = {"regex": r"(\d{3}-){2}\d{4}|[A-Z][a-z]{1,10}( [A-Z][a-z]{1,10}){0,3}\."}
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list]:
@@ -43,15 +50,15 @@ def main() -> None:
     llm = LLM(args.model, dtype="float32", device=args.device)
     prompts = [f"Request {i}: describe item {i} as JSON." for i in range(args.requests)]
     rows = []
-    for mode in ("free", *SCHEMAS):
-        schema = SCHEMAS.get(mode)
+    for mode in ("free", *SCHEMAS, *REGEXES):
+        schema, regex = SCHEMAS.get(mode), REGEXES.get(mode)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=0, guided_json=schema,
-                                ignore_eos=schema is None)
+                                guided_regex=regex, ignore_eos=schema is None and regex is None)
         for attempt in ("first", "again"):
             seconds, outs = run(llm, prompts, params)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             ended = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
-            valid = sum(_matches(t, schema) for t in ended)
+            valid = sum(bool(re.fullmatch(regex, t, re.ASCII)) if regex else _matches(t, schema) for t in ended)
             rows.append({"mode": mode, "run": attempt, "seconds": seconds, "output_tokens": tokens,
                          "tokens_per_s": tokens / seconds, "ended": len(ended), "valid_json": valid})
     free = next(r["tokens_per_s"] for r in rows if r["mode"] == "free" and r["run"] == "again")
