@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
@@ -481,7 +482,15 @@ def _completions(partial: bytes, need: int) -> tuple[int, int] | None:
 
 
 def compile_regex(pattern: str) -> RegexMachine:
-    """The machine of ``pattern``; ``RegexError`` names what is wrong and where."""
+    """The machine of ``pattern``; ``RegexError`` names what is wrong and where. Machines are shared (a
+    request's pattern is checked at the server, in ``SamplingParams`` and by the engine's guide)."""
+    if not isinstance(pattern, str):
+        raise RegexError(f"pattern must be a string, got {type(pattern).__name__}")
+    return _compiled(pattern)
+
+
+@lru_cache(maxsize=256)
+def _compiled(pattern: str) -> RegexMachine:
     return RegexMachine(pattern)
 
 

@@ -13,6 +13,8 @@ enforce: ``SchemaError`` names it (and where it is) rather than letting output s
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +66,27 @@ ANY, ANY_OBJECT, ANY_ARRAY, ANY_STRING = 0, 1, 2, 3  # the first nodes of every 
 
 
 def compile_schema(schema: Any) -> CompiledSchema:
-    """Compile ``schema`` (a dict or a bool); raises ``SchemaError`` naming what is unsupported or invalid."""
-    return _Compiler(schema).run()
+    """Compile ``schema`` (a dict or a bool); raises ``SchemaError`` naming what is unsupported or invalid.
+
+    Tables are shared by the schema's ``repr`` (a request's schema is compiled at the server, in
+    ``SamplingParams`` and by the engine's guide); nothing mutates a compiled table."""
+    key = repr(schema)
+    with _LOCK:  # the server's loop and the engine thread both compile
+        table = _COMPILED.get(key)
+        if table is not None:
+            _COMPILED.move_to_end(key)
+            return table
+    table = _Compiler(schema).run()
+    with _LOCK:
+        _COMPILED[key] = table
+        if len(_COMPILED) > MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+    return table
+
+
+MAX_COMPILED = 128
+_COMPILED: OrderedDict[str, CompiledSchema] = OrderedDict()
+_LOCK = threading.Lock()
 
 
 MAX_CHOICES = 4096
