@@ -32,7 +32,7 @@ def server(model_factory, tmp_path_factory):
     srv = start_server(model, root / "state", "--api-keys", str(keys), "--served-model-name", BASE,
                        "--allow-lora-loading", "--checkpoint-steps", "2", "--max-upload-bytes", "200000",
                        "--max-body-bytes", "100000", "--max-waiting-requests", "8", "--max-queued-jobs", "3",
-                       "--max-loaded-models", "2")
+                       "--max-loaded-models", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield srv
     srv.stop()
 
@@ -264,9 +264,37 @@ def test_a_conversation_with_past_tool_calls_renders_and_none_answers_in_text(al
     assert '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}]' in text and "-3 and snowing" in text
 
 
+def test_auto_tool_choice_reads_hermes_calls_from_the_text(alice):
+    """tool_choice 'auto' (the default with tools) on a server started with --tool-call-parser hermes: a call the
+    model writes as <tool_call>{json}</tool_call> becomes tool_calls, the text before it the content, whole and
+    streamed. This random-weight model is made to write one by guided_regex; left free, it answers in text."""
+    forced = {"guided_regex": r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", '
+                              r'"unit": "C"\}\}</tool_call>'}
+    whole = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=200, temperature=0,
+                                          tools=[WEATHER, TIME], extra_body=forced)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] == "C"
+    stream = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=200, temperature=0,
+                                           tools=[WEATHER, TIME], tool_choice="auto", extra_body=forced, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking."
+    calls, reason = streamed_calls(chunks)
+    assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("get_weather", call.function.arguments)]
+
+    free = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=12, temperature=0, tools=[WEATHER])
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
+    text = "".join(c.choices[0].delta.content or "" for c in alice.chat.completions.create(
+        model=BASE, messages=HELLO, max_tokens=12, temperature=0, tools=[WEATHER], stream=True) if c.choices)
+    assert text == free.choices[0].message.content
+    reply = alice.responses.create(model=BASE, input="Hello", max_output_tokens=8, temperature=0,
+                                   tools=[{"type": "function", "name": "get_time"}])
+    assert reply.output[0].type == "message"
+
+
 @pytest.mark.parametrize("kwargs, param, message", [
-    ({"tools": [WEATHER]}, "tool_choice", "'auto' (the default when tools are given)"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "needs a parser"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "no function named 'nope'"),
@@ -366,7 +394,7 @@ def test_responses_are_stored_chained_and_private_to_their_tenant(alice, bob):
 @pytest.mark.parametrize("kwargs, param", [
     ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "number", "minimum": 0}}}},
      "text.format"),
-    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),
     ({"input": []}, "input"),
 ])

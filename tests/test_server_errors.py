@@ -130,6 +130,14 @@ def test_values_that_used_to_stop_the_engine(server, alice):
     assert_alive(server)
 
 
+def test_auto_tool_choice_without_a_parser_is_400_naming_the_flags(alice):
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    for extra in ({}, {"tool_choice": "auto"}):
+        error = error_of(alice.post(CHAT, json={"model": BASE, "messages": HELLO, "max_tokens": 2,
+                                                "tools": [weather], **extra}), 400)
+        assert error["param"] == "tool_choice" and "--tool-call-parser hermes" in error["message"]
+
+
 @pytest.mark.parametrize("path, field, value", [
     (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "best_of", 3),
     (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from coserve.server.tool_parser import PARSERS
+
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -27,6 +29,7 @@ class ServerConfig:
     max_running_jobs: int = 2  # fine-tuning jobs co-served at once (more wait, queued)
     max_loaded_models: int = 32  # fine-tuned models and checkpoints kept loaded (least recently used unloaded)
     checkpoint_steps: int = 0  # save a servable checkpoint every N optimizer steps; 0 = at each epoch's end
+    tool_call_parser: str | None = None  # tool_choice "auto": how calls written in the text are read (tool_parser.py)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_upload_bytes", "max_waiting_requests", "max_queued_jobs",
@@ -38,6 +41,8 @@ class ServerConfig:
             raise ValueError(f"--checkpoint-steps: must be a non-negative integer, got {self.checkpoint_steps!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port: {self.port} is not a TCP port")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser: must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         for name in self.adapters:
             if name.startswith("ft:") or not name:
                 raise ValueError(f"--adapter: the name {name!r} is empty or starts with 'ft:' (kept for fine-tuned models)")

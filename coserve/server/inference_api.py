@@ -26,6 +26,7 @@ from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
 from coserve.server.response_format import guided_output
+from coserve.server.tool_parser import visible_text
 from coserve.server.tools import template_messages, template_tools, tool_call, tool_plan
 
 router = APIRouter()
@@ -381,8 +382,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
     check_token_ids(body, ctx.engine.model_config.vocab_size)
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
-    tools = tool_plan(body)
-    guided = {"guided_json": tools.schema} if tools is not None else guided_output(body)
+    tools = tool_plan(body, ctx.config.tool_call_parser)
+    guided = {"guided_json": tools.schema} if tools is not None and tools.schema is not None else guided_output(body)
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
     params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided)
@@ -401,13 +402,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                              "tool_calls": [{"index": 0, **tool_call(tools.function, "")}]}
                 return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                 "finish_reason": None}]}
-            if tools is not None and tools.function is None:
+            if tools is not None and tools.auto:  # text until a call may begin; calls go out whole at the end
+                shown = visible_text(out.outputs[0].text)
+                text, sent[c.index] = shown[sent[c.index]:], len(shown)
+            elif tools is not None and tools.whole_calls:
                 return None  # a list of calls is sent whole, once it is whole
-            text = c.delta.next(out.outputs[0].text, out.finished)
+            else:
+                text = c.delta.next(out.outputs[0].text, out.finished)
             logprobs = new_logprobs(c, out)
             if not text and not logprobs:
                 return None
-            delta = ({"content": text} if tools is None
+            delta = ({"content": text} if tools is None or tools.auto
                      else {"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return {**head(c), "choices": [{
                 "index": c.index, "delta": delta,
@@ -415,16 +420,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 "finish_reason": None}]}
 
         def last(c: Choice, out: RequestOutput) -> dict:
-            delta, reason = {}, finish_reason(out)
-            made = tools.calls(out.outputs[0].text) if tools is not None and reason == "stop" else None
-            if made is not None:
+            delta, reason, text = {}, finish_reason(out), out.outputs[0].text
+            content, made = tools.reply(text) if tools is not None and reason == "stop" else (text, [])
+            if made:
                 reason = "tool_calls"
-                if tools.function is None:
+                if tools.whole_calls:
                     delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(made)]}
-            elif tools is not None and tools.function is None and out.outputs[0].text:
-                delta = {"content": out.outputs[0].text}  # cut short: the text as it is
+                if tools.auto and content and len(content) > sent[c.index]:
+                    delta["content"] = content[sent[c.index]:]  # text before the calls, held back so far
+            elif tools is not None and tools.auto and len(text) > sent[c.index]:
+                delta = {"content": text[sent[c.index]:]}  # no calls after all: the text held back
+            elif tools is not None and tools.whole_calls and not tools.auto and text:
+                delta = {"content": text}  # cut short: the text as it is
             return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                             "finish_reason": reason}]}
+        sent = [0] * body.n  # auto tool choice: characters of each choice's text streamed so far
         include = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(events(job, ctx, chunk, last, include), job, ctx)
 
@@ -433,9 +443,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     for c in job.choices:
         text, reason = c.out.outputs[0].text, finish_reason(c.out)
         message = {"role": "assistant", "content": text}
-        made = tools.calls(text) if tools is not None and reason == "stop" else None
-        if made is not None:
-            message, reason = {"role": "assistant", "content": None, "tool_calls": made}, "tool_calls"
+        content, made = tools.reply(text) if tools is not None and reason == "stop" else (text, [])
+        if made:
+            message, reason = {"role": "assistant", "content": content, "tool_calls": made}, "tool_calls"
         choices.append({"index": c.index, "message": message,
                         "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [])}
                                      if body.logprobs else None),

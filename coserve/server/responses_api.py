@@ -114,8 +114,8 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
         adapter = await ctx.models.resolve(tenant, body.model)
         ids = await off_loop_if_long(messages_chars(chat.messages), render_chat, ctx, chat)
         max_tokens = max_tokens_for(ctx, len(ids), body.max_output_tokens, "max_output_tokens", "input")
-        tools = tool_plan(chat)
-        schema = tools.schema if tools is not None else guided_schema(chat.response_format)
+        tools = tool_plan(chat, ctx.config.tool_call_parser)
+        schema = tools.schema if tools is not None and not tools.auto else guided_schema(chat.response_format)
         params = sampling_params(chat, max_tokens, None, 0, guided=None if schema is None else {"guided_json": schema})
         ctx.client.check_capacity(1)
         job = Job(f"resp_{secrets.token_hex(12)}", int(time.time()), body.model, 1)
@@ -160,12 +160,13 @@ class ResponseShape:
     def items(self, out: RequestOutput) -> list[dict]:
         text, reason = out.outputs[0].text, finish_reason(out)
         status = "incomplete" if reason == "length" else "completed"
-        calls = self.tools.calls(text) if self.tools is not None and reason == "stop" else None
-        if calls is not None:
+        content, calls = self.tools.reply(text) if self.tools is not None and reason == "stop" else (text, [])
+        if calls:
             named = self.tools.function is not None
-            return [{"type": "function_call", "id": self.item_id if named else f"fc_{secrets.token_hex(12)}",
-                     "call_id": self.call_id if named else c["id"], "name": c["function"]["name"],
-                     "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+            said = [self.message(content, status)] if content else []  # auto: text the model wrote before calling
+            return said + [{"type": "function_call", "id": self.item_id if named else f"fc_{secrets.token_hex(12)}",
+                            "call_id": self.call_id if named else c["id"], "name": c["function"]["name"],
+                            "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
         if self.tools is not None and self.tools.function is not None:
             return [self.call_item(text, status)]
         return [self.message(text, status)]
@@ -225,7 +226,7 @@ class ResponseShape:
 
         job, choice = self.job, self.job.choices[0]
         named = self.tools is not None and self.tools.function is not None
-        listed = self.tools is not None and self.tools.function is None  # a list of calls, sent once whole
+        listed = self.tools is not None and self.tools.whole_calls  # a list of calls (or auto's), sent once whole
         failed = False
         try:
             yield event("response.created", response=self.response(None, "in_progress"))

@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding by n-gram lookup: up to K draft tokens verified per decode step of a "
                         "greedy request (vLLM's ngram method); 0 = off")
     p.add_argument("--allow-lora-loading", action="store_true", help="enable POST /v1/load_lora_adapter")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (the default with tools): read the calls a model writes in its "
+                        "text with --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="the format of tool calls in the text (hermes: <tool_call>{json}</tool_call>)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20)
     p.add_argument("--max-waiting-requests", type=int, default=512)
@@ -79,13 +84,15 @@ def run(args: argparse.Namespace) -> int:
         if not sep or not name or not path:
             raise ValueError(f"--adapter: expected NAME=PATH, got {spec!r}")
         adapters[name] = path
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice: give it together with --tool-call-parser (as vLLM's flags)")
     config = ServerConfig(model=args.model, state_dir=args.state_dir, served_model_name=args.served_model_name,
                           host=args.host, port=args.port, api_keys=keys, adapters=adapters,
                           allow_lora_loading=args.allow_lora_loading, max_body_bytes=args.max_body_bytes,
                           max_upload_bytes=args.max_upload_bytes, max_waiting_requests=args.max_waiting_requests,
                           max_queued_jobs=args.max_queued_jobs, max_running_jobs=args.max_running_jobs,
                           max_loaded_models=args.max_loaded_models,
-                          checkpoint_steps=args.checkpoint_steps)
+                          checkpoint_steps=args.checkpoint_steps, tool_call_parser=args.tool_call_parser)
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,

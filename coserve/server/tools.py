@@ -4,9 +4,10 @@
 schema. ``"required"``: the output is a JSON array of one or more ``{"name", "parameters"}`` calls (one
 at most with ``parallel_tool_calls`` false), each guided by its function's schema. Either way the reply
 carries ``tool_calls`` (``finish_reason`` "tool_calls") instead of content. ``"none"``: the tools are
-given to the chat template and the reply is text. ``"auto"`` (OpenAI's default when tools are given)
-would need a parser of tool calls written freely in the text, which depends on the model's training:
-it is a 400 naming the way out, not tools silently ignored.
+given to the chat template and the reply is text. ``"auto"`` (OpenAI's default when tools are given):
+the model writes freely and calls in its text are read by the server's ``--tool-call-parser``
+(``tool_parser.py``; the format depends on the model's training); a server started without one answers
+400 naming the way out, rather than ignoring the tools.
 
 Past calls in the conversation (assistant messages with ``tool_calls``, ``tool`` messages with results)
 reach the chat template as HF templates expect them; a template that never mentions ``tool_calls``
@@ -23,19 +24,36 @@ from typing import Any
 from coserve.server.errors import bad_request
 from coserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from coserve.server.response_format import checked_schema
+from coserve.server.tool_parser import parse_tool_calls
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """How a request's output becomes tool calls: ``function`` named, or ``None`` for a ``required`` list."""
+    """How a request's output becomes tool calls: ``function`` named, ``None`` for a ``required`` list, or
+    ``auto`` (no guide: calls read from the text by the server's parser)."""
 
     function: str | None
-    schema: dict  # what guides the output
+    schema: dict | None  # what guides the output (None: auto)
+    auto: bool = False
+
+    @property
+    def whole_calls(self) -> bool:
+        """Whether streamed calls go out whole at the end (a list, or calls read from free text)."""
+        return self.function is None
+
+    def reply(self, text: str) -> tuple[str | None, list[dict]]:
+        """``(content, tool_calls)`` of an output that ended by itself; no calls: ``(text, [])``."""
+        if self.auto:
+            content, parsed = parse_tool_calls(text)
+            return content, [tool_call(c.name, c.arguments) for c in parsed]
+        made = self.calls(text)
+        return (text, []) if made is None else (None, made)
 
     def calls(self, text: str) -> list[dict] | None:
-        """The ``tool_calls`` of a finished output, or None if it is not a whole document (cut by max_tokens)."""
+        """The ``tool_calls`` of a finished guided output, or None if it is not a whole document (cut by
+        max_tokens)."""
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -53,17 +71,21 @@ def tool_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
-    """None for a reply in text; else the plan; 400 naming the field for a choice that cannot be honoured."""
+def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPlan | None:
+    """None for a reply in text; else the plan; 400 naming the field for a choice that cannot be honoured.
+    ``parser``: the server's ``--tool-call-parser`` (None: ``auto`` cannot be served)."""
     choice, tools = body.tool_choice, body.tools or []
     if choice is not None and choice != "none" and not tools:
         raise bad_request("tool_choice: needs tools", "tool_choice")
     if not tools or choice == "none":
         return None
     if choice in (None, "auto"):
-        raise bad_request("tool_choice: 'auto' (the default when tools are given) needs a parser of the tool calls "
-                          "a model writes freely, which this server does not have; set tool_choice to 'required', "
-                          "to a named function, or to 'none'", "tool_choice")
+        if parser is None:
+            raise bad_request("tool_choice: 'auto' (the default when tools are given) needs a parser of the tool "
+                              "calls a model writes freely; this server was started without one (coserve serve "
+                              "--enable-auto-tool-choice --tool-call-parser hermes); set tool_choice to 'required', "
+                              "to a named function, or to 'none'", "tool_choice")
+        return ToolPlan(None, None, auto=True)  # parameters are the model's to follow: nothing guides them
     if any(getattr(body, f) is not None for f in ("response_format", "guided_json", "guided_choice",
                                                    "guided_regex", "structured_outputs")):
         raise bad_request("tool_choice: tool calls are JSON already; drop response_format and vLLM's guided_* / "
