@@ -28,11 +28,12 @@ def _job(status: str = "queued", **extra) -> dict:
 # ---- layout and tenants
 
 def test_creates_layout_and_schema(tmp_path):
+    from coserve.server import store as store_module
     s = Store(tmp_path / "a" / "b")
     try:
         assert (tmp_path / "a" / "b" / "state.db").is_file()
         assert (tmp_path / "a" / "b" / "files").is_dir()
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 3
         assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -53,13 +54,18 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
     conn.close()
     s = Store(tmp_path)
     try:
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 3
         assert s.get_job("alice", "ftjob-1")["status"] == "queued"
         s.add_response("alice", {"id": "resp_1", "created_at": 5}, [{"role": "user", "content": "hi"}])
         assert s.get_response("alice", "resp_1") == ({"id": "resp_1", "created_at": 5},
                                                      [{"role": "user", "content": "hi"}])
         assert s.get_response("bob", "resp_1") is None and not s.delete_response("bob", "resp_1")
         assert s.delete_response("alice", "resp_1") and s.get_response("alice", "resp_1") is None
+        s.add_batch("alice", {"id": "batch_1", "status": "validating", "created_at": 7})
+        assert s.update_batch("batch_1", status="in_progress")["status"] == "in_progress"
+        assert s.get_batch("bob", "batch_1") is None
+        assert [b["id"] for _, b in s.batches_with_status("in_progress")] == ["batch_1"]
+        assert s.list_batches("alice") == ([s.get_batch("alice", "batch_1")], False)
     finally:
         s.close()
 

@@ -14,6 +14,8 @@ from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
 from coserve.server import errors
 from coserve.server.auth import Authenticator
+from coserve.server.batches import BatchRunner
+from coserve.server.batches_api import router as batches_router
 from coserve.server.config import ServerConfig
 from coserve.server.context import ServerContext
 from coserve.server.fine_tuning_api import router as fine_tuning_router
@@ -61,14 +63,18 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     metrics = ServerMetrics(engine_state, job_counts)
     jobs = JobManager(store, loop, config, metrics, base)
     auth = Authenticator(config.api_keys)
-    ctx = ServerContext(config, EngineClient(loop, config.max_waiting_requests), store, models, jobs, metrics, auth)
+    batches = BatchRunner(store, config.state_dir)
+    ctx = ServerContext(config, EngineClient(loop, config.max_waiting_requests), store, models, jobs, metrics, auth,
+                        batches)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         jobs.start()
+        batches.start()
         try:
             yield
         finally:
+            await batches.stop()
             jobs.stop()
             loop.stop()
             store.close()
@@ -79,6 +85,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.include_router(inference_router)
     app.include_router(responses_router)
     app.include_router(fine_tuning_router)
+    app.include_router(batches_router)
 
     @app.get("/health")
     async def health():
@@ -92,4 +99,5 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
 
     app.add_middleware(ServerMiddleware, auth=auth, metrics=metrics, max_body=config.max_body_bytes,
                        max_upload=config.max_upload_bytes, engine_error=lambda: loop.error)
+    batches.app = app  # batch requests go through the same middleware and routes as any other
     return app

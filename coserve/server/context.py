@@ -1,4 +1,5 @@
-"""What every route shares: the engine client, the store, the model registry, the job manager, metrics."""
+"""What every route shares: the engine client, the store, the model registry, the job manager, metrics,
+the batch runner."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from coserve.server.models import ModelRegistry
 from coserve.server.store import Store
 
 if TYPE_CHECKING:
+    from coserve.server.batches import BatchRunner
     from coserve.server.jobs import JobManager
 
 
@@ -27,6 +29,7 @@ class ServerContext:
     jobs: "JobManager"
     metrics: ServerMetrics
     auth: Authenticator
+    batches: "BatchRunner | None" = None
 
     @property
     def engine(self):

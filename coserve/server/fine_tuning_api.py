@@ -11,11 +11,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.protocol import FineTuningJobRequest
+from coserve.server.batch_files import parse_batch_jsonl
+from coserve.server.batches import ACTIVE
 from coserve.server.training_files import PURPOSES, validate_training_jsonl
 
 router = APIRouter()
 MAX_PAGE = 100
 MAX_FILES_PAGE = 10_000  # OpenAI's limit for GET /v1/files
+UPLOAD_PURPOSES = (*PURPOSES, "batch")  # batch_output files are the server's own
 
 
 async def _multipart(request: Request):
@@ -36,18 +39,18 @@ async def upload_file(request: Request, ctx: ServerContext = Depends(context)):
     purpose = form.get("purpose")
     upload = form.get("file")
     if not isinstance(purpose, str):
-        raise bad_request("purpose: is required ('fine-tune')", "purpose")
-    if purpose not in PURPOSES:
-        raise bad_request(f"purpose: '{purpose}' is not supported; use 'fine-tune'", "purpose")
+        raise bad_request("purpose: is required ('fine-tune' or 'batch')", "purpose")
+    if purpose not in UPLOAD_PURPOSES:
+        raise bad_request(f"purpose: '{purpose}' is not supported; use 'fine-tune' or 'batch'", "purpose")
     if upload is None or isinstance(upload, str):
-        raise bad_request("file: is required (a JSONL file in the chat format)", "file")
+        raise bad_request("file: is required (a JSONL file: the chat format, or batch requests)", "file")
     data = await upload.read()
     await upload.close()
     if len(data) > ctx.config.max_upload_bytes:
         raise APIError(413, f"file: {len(data)} bytes exceeds the limit of {ctx.config.max_upload_bytes}", "file",
                        "file_too_large")
     try:
-        await asyncio.to_thread(validate_training_jsonl, data)
+        await asyncio.to_thread(validate_training_jsonl if purpose in PURPOSES else parse_batch_jsonl, data)
     except ValueError as e:
         raise bad_request(f"file: {e}", "file", "invalid_file") from e
     filename = (upload.filename or "upload.jsonl").replace("/", "_").replace("\\", "_")[:255]
@@ -94,7 +97,11 @@ async def get_file_content(file_id: str, request: Request, ctx: ServerContext = 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request, ctx: ServerContext = Depends(context)):
-    await asyncio.to_thread(ctx.jobs.delete_file, tenant_of(request), file_id)
+    tenant = tenant_of(request)
+    using = [b["id"] for t, b in ctx.store.batches_with_status(*ACTIVE) if t == tenant and b["input_file_id"] == file_id]
+    if using:
+        raise APIError(409, f"The file is in use by batch {using[0]}", "file_id", "file_in_use")
+    await asyncio.to_thread(ctx.jobs.delete_file, tenant, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

@@ -18,6 +18,8 @@ from coserve.server.metrics import ServerMetrics
 log = logging.getLogger("coserve.server")
 access_log = logging.getLogger("coserve.access")
 OPEN_PATHS = ("/health", "/metrics")  # no key needed
+INTERNAL_TENANT = "coserve.tenant"  # a scope key of the server's own in-process calls (batches): their tenant.
+# A request from the network cannot set it: its scope is built by the HTTP server from the wire.
 UPLOAD_PATHS = ("/v1/files",)
 UNROUTED = "(unrouted)"  # the metrics label of a request that matched no route (or was refused before routing)
 
@@ -67,7 +69,10 @@ class ServerMiddleware:
             await send(message)
 
         try:
-            if path not in OPEN_PATHS:
+            if INTERNAL_TENANT in scope:
+                tenant = scope[INTERNAL_TENANT]
+                scope.setdefault("state", {})["tenant"] = tenant
+            elif path not in OPEN_PATHS:
                 tenant = self.auth.tenant(headers.get("authorization"))
                 scope.setdefault("state", {})["tenant"] = tenant
             limit = self.max_upload if path in UPLOAD_PATHS else self.max_body

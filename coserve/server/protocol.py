@@ -195,6 +195,16 @@ class FineTuningJobRequest(Body):
     coserve: CoserveOptions | None = None
 
 
+class BatchRequest(Body):
+    """OpenAI's ``POST /v1/batches`` (coserve/server/batches_api.py)."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=512)]] | None = Field(None, max_length=16)
+
+
 # ---- OpenAI's Responses API (coserve/server/responses_api.py) ----------------------------------------------
 class ContentText(Body):
     type: Literal["input_text", "output_text"]

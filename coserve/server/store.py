@@ -1,4 +1,4 @@
-"""The server's durable state: tenants, files, fine-tuning jobs, events, checkpoints.
+"""The server's durable state: tenants, files, fine-tuning jobs, events, checkpoints, stored responses, batches.
 
 Everything lives under one state directory: ``state.db`` (SQLite, WAL journal,
 ``synchronous=FULL``, so every committed write survives the process being
@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 2  # 2: stored responses (the Responses API's previous_response_id)
+SCHEMA_VERSION = 3  # 2: stored responses (the Responses API's previous_response_id); 3: batches
 _FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 
 _SCHEMA = """
@@ -53,6 +53,12 @@ CREATE TABLE responses (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
     tenant TEXT NOT NULL REFERENCES tenants(name), created_at INTEGER NOT NULL,
     obj TEXT NOT NULL, conversation TEXT NOT NULL);
+""", 3: """
+CREATE TABLE batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), status TEXT NOT NULL,
+    created_at INTEGER NOT NULL, obj TEXT NOT NULL);
+CREATE INDEX batches_tenant ON batches(tenant, seq);
 """}
 
 
@@ -217,6 +223,43 @@ class Store:
         with self._lock, self._conn:
             cur = self._conn.execute("DELETE FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant))
         return cur.rowcount > 0
+
+    # ---- batches (OpenAI's Batch API)
+
+    def add_batch(self, tenant: str, batch: dict) -> dict:
+        """Store a new batch object built by the caller; returns a copy of it."""
+        obj = json.loads(json.dumps(batch))
+        with self._lock, self._conn:
+            self._insert_tenant(tenant)
+            self._conn.execute("INSERT INTO batches (id, tenant, status, created_at, obj) VALUES (?, ?, ?, ?, ?)",
+                               (obj["id"], tenant, obj["status"], obj["created_at"], json.dumps(obj)))
+        return obj
+
+    def update_batch(self, batch_id: str, **fields) -> dict:
+        """Merge ``fields`` into the stored batch; returns the new object; KeyError if absent."""
+        with self._lock, self._conn:
+            row = self._conn.execute("SELECT obj FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"batch_id: no batch {batch_id!r}")
+            obj = {**json.loads(row[0]), **fields}
+            self._conn.execute("UPDATE batches SET status = ?, obj = ? WHERE id = ?",
+                               (obj["status"], json.dumps(obj), batch_id))
+        return obj
+
+    def get_batch(self, tenant: str, batch_id: str) -> dict | None:
+        """The tenant's batch object, or None (absent, or another tenant's)."""
+        row = self._one("SELECT obj FROM batches WHERE id = ? AND tenant = ?", (batch_id, tenant))
+        return None if row is None else json.loads(row[0])
+
+    def list_batches(self, tenant: str, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
+        """The tenant's batches, newest first, after the batch ``after``; (page, has_more)."""
+        return self._page("batches", "seq", "tenant = ?", [tenant], after, limit, "a batch of this tenant")
+
+    def batches_with_status(self, *statuses: str) -> list[tuple[str, dict]]:
+        """``(tenant, batch)`` of every batch in one of ``statuses``, oldest first."""
+        where, params = _in(statuses)
+        return [(tenant, json.loads(obj)) for tenant, obj in
+                self._all(f"SELECT tenant, obj FROM batches WHERE {where} ORDER BY seq", params)]
 
     # ---- fine-tuning jobs
 
