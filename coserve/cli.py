@@ -108,6 +108,7 @@ MODULE_COMMANDS = {
     "profile": ("coserve.engine.profile_command", "time co-serving iterations and fit the latency model"),
     "bench-server": ("coserve.bench.server_load", "a load run through the HTTP server against the in-process engine"),
     "serve": ("coserve.server.serve_command", "the OpenAI-compatible server: inference and fine-tuning jobs"),
+    "run-batch": ("coserve.server.run_batch_command", "run an OpenAI batch file offline (as vLLM's run-batch)"),
 }
 
 

@@ -53,3 +53,31 @@ def test_bench_generation_runs_on_tiny_settings(model_factory, tmp_path):
     assert report["num_requests"] == 4 and report["output_tokens"] == 16
     assert report["coserve"]["output_tokens_per_s"] > 0 and report["hf"]["output_tokens_per_s"] > 0
     assert report["identical_outputs"] == 4
+
+
+def test_run_batch_answers_each_request_in_order_as_the_server_would(model_factory, tmp_path, capsys):
+    """vLLM's run-batch: an OpenAI batch file in, one result line per request out (errors included, in order);
+    the replies are the engine's own (greedy completions equal LLM.generate's)."""
+    from coserve import LLM, SamplingParams
+    model = model_factory("llama")
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": model.name, "prompt": f"Item {i}", "max_tokens": 5, "temperature": 0}}
+             for i in range(3)]
+    lines.insert(1, {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                     "body": {"model": model.name, "messages": [], "max_tokens": 5}})
+    source, out = tmp_path / "in.jsonl", tmp_path / "out" / "results.jsonl"
+    source.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["run-batch", "--model", str(model), "-i", str(source), "-o", str(out), "--dtype", "float32",
+                 "--device", "cpu"]) == 0
+    assert "4 requests, 3 answered, 1 errors" in capsys.readouterr().out
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["c0", "bad", "c1", "c2"]
+    assert results[1]["response"]["status_code"] == 400
+    llm = LLM(str(model), dtype="float32", device="cpu")
+    expected = llm.generate([f"Item {i}" for i in range(3)], SamplingParams(max_tokens=5, temperature=0))
+    assert [r["response"]["body"]["choices"][0]["text"] for r in results if r["custom_id"] != "bad"] == [
+        o.outputs[0].text for o in expected]
+    source.write_text('{"custom_id": "x", "method": "GET"}\n')
+    proc = subprocess.run([sys.executable, "-m", "coserve.cli", "run-batch", "--model", str(model), "-i", str(source),
+                           "-o", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "line 1: method: must be 'POST'" in proc.stderr and "Traceback" not in proc.stderr

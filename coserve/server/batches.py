@@ -64,6 +64,20 @@ async def call_route(app, tenant: str, url: str, body: dict) -> tuple[int, dict]
                                   "param": None, "code": None}}
 
 
+async def run_request(app, tenant: str, line: BatchLine, slots: asyncio.Semaphore) -> dict:
+    """One batch request through the app (holding one of ``slots`` while it runs; retried while the server is
+    full), as the line of an output or error file."""
+    while True:
+        async with slots:
+            status, body = await call_route(app, tenant, line.url, line.body)
+        if status not in RETRY_STATUSES:
+            break
+        await asyncio.sleep(RETRY_SECONDS)
+    request_id = body.get("id") if isinstance(body.get("id"), str) else f"req_{secrets.token_hex(12)}"
+    return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line.custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+
+
 class BatchRunner:
     """Runs the server's batches; ``start`` and everything after it on the server's event loop."""
 
@@ -138,15 +152,7 @@ class BatchRunner:
         return self.store.get_batch(tenant, batch_id)["status"] == "cancelling"
 
     async def _request(self, tenant: str, line: BatchLine) -> dict:
-        while True:
-            async with self._slots:
-                status, body = await call_route(self.app, tenant, line.url, line.body)
-            if status not in RETRY_STATUSES:
-                break
-            await asyncio.sleep(RETRY_SECONDS)
-        request_id = body.get("id") if isinstance(body.get("id"), str) else f"req_{secrets.token_hex(12)}"
-        return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line.custom_id,
-                "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+        return await run_request(self.app, tenant, line, self._slots)
 
     async def _finish(self, tenant: str, batch_id: str, lines: list[BatchLine], done: dict[str, dict]) -> None:
         cancelled = self._cancelling(tenant, batch_id)

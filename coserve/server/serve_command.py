@@ -65,19 +65,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from coserve.engine.config import EngineConfig
     from coserve.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config, engine_config = configs(args)
+    app = build_app(config, engine_config)
+    name = app.state.coserve.models.base
+    base = f"http://{args.host}:{args.port}/v1"
+    key = "YOUR_KEY" if config.api_keys else "none"
+    header = ' -H "Authorization: Bearer YOUR_KEY"' if config.api_keys else ""
+    client = (f"from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='{key}'); "
+              f"print(c.chat.completions.create(model='{name}', max_tokens=32, "
+              f"messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)")
+    print(f"coserve: serving {name} at {base} (state in {args.state_dir})\n"
+          f"  curl {base}/models{header}\n  python -c \"{client}\"", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def configs(args: argparse.Namespace, warn_without_keys: bool = True):
+    """``(ServerConfig, EngineConfig)`` from the flags; ValueError naming a bad one."""
+    from coserve.engine.config import EngineConfig
     from coserve.server.auth import DEFAULT_TENANT, load_keys_file
     from coserve.server.config import ServerConfig, is_loopback
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("coserve.server")
     keys = load_keys_file(args.api_keys) if args.api_keys else {args.api_key: DEFAULT_TENANT} if args.api_key else {}
     if not keys:
         if not is_loopback(args.host) and not args.no_auth:
             raise ValueError(f"--host: {args.host} is reachable from other machines; give --api-key or --api-keys "
                              "(or --no-auth to serve without keys)")
-        log.warning("serving without API keys: anyone who can reach %s:%d may use it", args.host, args.port)
+        if warn_without_keys:
+            log.warning("serving without API keys: anyone who can reach %s:%d may use it", args.host, args.port)
     adapters = {}
     for spec in args.adapter:
         name, sep, path = spec.partition("=")
@@ -100,18 +119,7 @@ def run(args: argparse.Namespace) -> int:
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
                                  cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                                  speculative_tokens=args.speculative_ngram)
-    app = build_app(config, engine_config)
-    name = app.state.coserve.models.base
-    base = f"http://{args.host}:{args.port}/v1"
-    key = "YOUR_KEY" if keys else "none"
-    header = ' -H "Authorization: Bearer YOUR_KEY"' if keys else ""
-    client = (f"from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='{key}'); "
-              f"print(c.chat.completions.create(model='{name}', max_tokens=32, "
-              f"messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)")
-    print(f"coserve: serving {name} at {base} (state in {args.state_dir})\n"
-          f"  curl {base}/models{header}\n  python -c \"{client}\"", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    return 0
+    return config, engine_config
 
 
 if __name__ == "__main__":
