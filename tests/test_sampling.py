@@ -115,3 +115,21 @@ def test_a_tiny_positive_temperature_is_floored_not_fatal(llm):
     assert len(llm.generate("Hello", params)[0].token_ids) == 4
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=float("inf"))
+
+
+def test_priority_scheduling_changes_the_order_not_the_outputs(llm, model_factory):
+    """vLLM's priority policy: a tight engine (one request at a time) serves the most urgent first; greedy outputs
+    are those of first-come-first-served; under fcfs a priority is an error, not silently dropped."""
+    prompts = ["one two", "three four", "five six"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    fcfs = llm.generate(prompts, params)
+    tight = LLM(model_factory("llama"), dtype="float32", device="cpu", scheduling_policy="priority", max_num_seqs=1)
+    ids = [tight.engine.add_request(p, params, priority=pr) for p, pr in zip(prompts, (5, 0, 2))]
+    finished = []
+    while tight.engine.has_unfinished_requests():
+        finished += [o.request_id for o in tight.engine.step() if o.finished]
+    assert finished == [ids[1], ids[2], ids[0]]
+    outs = tight.generate(prompts, params, priority=[5, 0, 2])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fcfs]
+    with pytest.raises(ValueError, match="priority: 3 needs the priority scheduling policy"):
+        llm.generate("x", params, priority=3)

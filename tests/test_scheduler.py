@@ -124,3 +124,44 @@ def test_a_request_that_outgrows_the_whole_cache_ends_with_length():
     assert s.requests["a"].finish_reason == "length"
     assert len(s.requests["a"].output_token_ids) == 5  # 8 tokens fill both blocks
     assert not s.has_unfinished()
+
+
+def test_priority_policy_admits_the_most_urgent_waiting_request_first():
+    for policy, first in (("fcfs", "early-lax"), ("priority", "late-urgent")):
+        s = make(max_seqs=1)
+        s.config.scheduling_policy = policy
+        s.add_request(req("early-lax", 3))
+        s.requests["early-lax"].priority = 5
+        s.add_request(req("late-urgent", 3))
+        plan, _ = run_step(s)
+        assert [c.request_id for c in plan.chunks] == [first]
+
+
+def test_priority_policy_preempts_the_least_urgent_request_not_the_newest():
+    s = make(num_blocks=4, block_size=4, budget=64, max_len=64)
+    s.config.scheduling_policy = "priority"
+    s.add_request(req("old-lax", 4, max_tokens=12))
+    s.requests["old-lax"].priority = 3
+    s.add_request(req("new-urgent", 8, max_tokens=8))
+    run_step(s)
+    for _ in range(8):
+        plan, _ = run_step(s)
+        if plan.preempted:
+            break
+    assert plan.preempted == ["old-lax"]  # fcfs would take "new-urgent", the tail (test above)
+    assert [c.request_id for c in plan.chunks] == ["new-urgent"]
+    s.blocks.check_invariants()
+
+
+def test_priority_policy_gives_the_token_budget_to_the_most_urgent_running_request():
+    for policy, third in (("fcfs", [("lax", 1), ("urgent", 5)]), ("priority", [("urgent", 6)])):
+        s = make(budget=6)
+        s.config.scheduling_policy = policy
+        s.add_request(req("lax", 10))
+        s.requests["lax"].priority = 2
+        run_step(s)  # lax alone: 6 of its 10 prompt tokens
+        s.add_request(req("urgent", 10))
+        plan, _ = run_step(s)  # running requests first, then the new one
+        assert [(c.request_id, len(c.token_ids)) for c in plan.chunks] == [("lax", 4), ("urgent", 2)]
+        plan, _ = run_step(s)  # lax decodes, urgent still prefills: who gets the budget first
+        assert [(c.request_id, len(c.token_ids)) for c in plan.chunks] == third

@@ -1,7 +1,8 @@
 """OpenAI's Batch API against a live server, through the official ``openai`` client: a batch of chat requests runs
 to an output file (the same replies as the requests sent one by one) and an error file; bad batches are 4xx naming
 the field or line; a batch is the tenant's alone; cancelling keeps what finished; a server killed (SIGKILL) in the
-middle of a batch goes on with it after a restart, no request lost or run twice."""
+middle of a batch goes on with it after a restart, no request lost or run twice. The first server schedules by
+priority (batch requests get priority 1 unless they name one), the restarted one first come, first served."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def server(model_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("batches")
     keys = root / "keys.txt"
     keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
-    srv = start_server(model_factory("llama"), root / "state", "--api-keys", str(keys), "--served-model-name", BASE)
+    srv = start_server(model_factory("llama"), root / "state", "--api-keys", str(keys), "--served-model-name", BASE,
+                       "--scheduling-policy", "priority")  # batch requests then wait behind interactive ones
     yield srv
     srv.stop()
 
@@ -73,7 +75,7 @@ def test_a_batch_runs_to_output_and_error_files_with_the_replies_of_single_reque
     assert [r["custom_id"] for r in out] == ["req-0", "req-1", "req-2"]  # the input's order
     for r, line in zip(out, lines):
         assert r["id"].startswith("batch_req_") and r["response"]["status_code"] == 200 and r["error"] is None
-        single = c.chat.completions.create(**line["body"])
+        single = c.chat.completions.create(**line["body"], extra_body={"priority": -1})
         assert r["response"]["body"]["choices"][0]["message"]["content"] == single.choices[0].message.content
     (err,) = records(c, done.error_file_id)
     assert err["custom_id"] == "bad" and err["response"]["status_code"] == 400

@@ -130,6 +130,12 @@ def test_values_that_used_to_stop_the_engine(server, alice):
     assert_alive(server)
 
 
+def test_a_priority_on_a_first_come_first_served_server_is_400(alice):
+    error = error_of(alice.post(COMPLETIONS, json={"model": BASE, "prompt": "hi", "max_tokens": 2, "priority": 1}), 400)
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+    assert alice.post(COMPLETIONS, json={"model": BASE, "prompt": "hi", "max_tokens": 2, "priority": 0}).status_code == 200
+
+
 def test_auto_tool_choice_without_a_parser_is_400_naming_the_flags(alice):
     weather = {"type": "function", "function": {"name": "get_weather"}}
     for extra in ({}, {"tool_choice": "auto"}):

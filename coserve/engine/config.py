@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coserve.model.batch_invariance import FUSE_CHOICES
+from coserve.scheduler.config import SCHEDULING_POLICIES
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class EngineConfig:
     #   decode step of a greedy request without per-token options (scheduler/ngram_drafts.py); 0 = off
     enable_prefix_caching: bool = True  # full KV blocks are shared by requests whose tokens (and tenant and
     #   adapter) agree up to them (kvcache/block_manager.py); a prompt's cached blocks are not computed again
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priority: lower first; vLLM's flag)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",
@@ -56,6 +58,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.finetune_memory_gb is not None and not self.finetune_memory_gb > 0:
             raise ValueError(f"finetune_memory_gb must be positive or None, got {self.finetune_memory_gb!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.fuse_finetuning not in FUSE_CHOICES:
             raise ValueError(f"fuse_finetuning must be one of {FUSE_CHOICES}, got {self.fuse_finetuning!r}")
         if not self.kv_cache_memory_gb > 0:

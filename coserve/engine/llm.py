@@ -86,12 +86,14 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapter: str | None | Sequence[str | None] = None,
-                 use_tqdm: bool = False, tenant: str = "default") -> list[RequestOutput]:
+                 use_tqdm: bool = False, tenant: str = "default",
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         ``prompts`` are strings (tokenized like ``tokenizer(prompt)`` in transformers) or
-        token-id lists; ``sampling_params`` and ``adapter`` are one for all or one per
-        prompt. Every prompt is validated before any work starts. ``tenant``: whose requests they are.
+        token-id lists; ``sampling_params``, ``adapter`` and ``priority`` (lower first, under
+        ``scheduling_policy="priority"``) are one for all or one per prompt. Every prompt is validated
+        before any work starts. ``tenant``: whose requests they are.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
@@ -100,10 +102,11 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params",
                              SamplingParams)
         adapters = _per_prompt(adapter, len(prompts), "adapter", (str, type(None)))
+        priorities = _per_prompt(priority, len(prompts), "priority", int)
         built = []
-        for i, (p, sp, a) in enumerate(zip(prompts, params, adapters)):
+        for i, (p, sp, a, pr) in enumerate(zip(prompts, params, adapters, priorities)):
             try:
-                built.append(self.engine.make_request(p, sp, a, tenant=tenant))
+                built.append(self.engine.make_request(p, sp, a, tenant=tenant, priority=pr))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
         if self._loop is not None:  # the engine runs in its thread: hand the requests over and wait

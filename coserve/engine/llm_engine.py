@@ -238,10 +238,18 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
-                     request_id: str | None = None, tenant: str = "default") -> tuple[Request, str | None]:
-        """Validate and tokenize one request without queueing it; raises ValueError naming the field."""
+                     request_id: str | None = None, tenant: str = "default",
+                     priority: int = 0) -> tuple[Request, str | None]:
+        """Validate and tokenize one request without queueing it; raises ValueError naming the field.
+        ``priority``: lower is served first under the priority scheduling policy (any value but 0 is an
+        error under fcfs, as in vLLM, rather than silently ignored)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority: {priority} needs the priority scheduling policy (this engine schedules "
+                             f"{self.config.scheduling_policy})")
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: {adapter!r} is not loaded (loaded: {sorted(self.adapters)})")
         vocab = self.model_config.vocab_size
@@ -273,13 +281,14 @@ class LLMEngine:
         if rid in self.scheduler.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
         request = Request(rid, list(token_ids), params, adapter, self.eos_token_ids, time.monotonic(), tenant=tenant,
-                          cache_salt=f"{tenant}\x00{adapter}\x00{self._adapter_installs.get(adapter, '')}")
+                          cache_salt=f"{tenant}\x00{adapter}\x00{self._adapter_installs.get(adapter, '')}",
+                          priority=priority)
         return request, text
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None, tenant: str = "default") -> str:
+                    request_id: str | None = None, tenant: str = "default", priority: int = 0) -> str:
         """Validate, tokenize and queue a request; returns its id. Other requests are unaffected by errors."""
-        request, text = self.make_request(prompt, params, adapter, request_id, tenant)
+        request, text = self.make_request(prompt, params, adapter, request_id, tenant, priority)
         self.enqueue(request, text)
         return request.request_id
 
@@ -292,7 +301,8 @@ class LLMEngine:
         c = self.config
         return Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.max_loras,
                                          c.policy, c.slo_tpot_ms / 1000, temporal_interval=c.temporal_interval,
-                                         speculative_tokens=c.speculative_tokens),
+                                         speculative_tokens=c.speculative_tokens,
+                                         scheduling_policy=c.scheduling_policy),
                          BlockManager(num_blocks, c.block_size, c.enable_prefix_caching), latency=latency)
 
     def reset_after_fault(self, error: BaseException) -> list[RequestOutput]:

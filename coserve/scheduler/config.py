@@ -13,6 +13,10 @@ from coserve.scheduler.fairness import FairnessWeights
 # `temporal_interval` inference iterations; dts: the same with the interval set by dynamic temporal
 # sharing (FlexLLM Appendix A). Both baselines run finetuning whenever no request is in the engine.
 POLICIES = ("coserve", "inference-only", "finetune-only", "temporal", "dts")
+# Which waiting request goes first and which running one is preempted (vLLM's --scheduling-policy): fcfs, by
+# arrival (the tail of the running list is preempted); priority, by each request's priority (lower first, then
+# arrival; the lowest-priority request not yet scheduled in the iteration is preempted).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
@@ -31,6 +35,7 @@ class SchedulerConfig:
     #   (the most a newly arrived request waits for the running iteration before its prefill)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
     speculative_tokens: int = 0  # n-gram draft tokens verified per decode step of a greedy request; 0 = off
+    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
     fairness: FairnessWeights = field(default_factory=FairnessWeights)  # VTC cost of input, output, finetuning tokens
 
     def __post_init__(self) -> None:
@@ -41,6 +46,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be a non-negative integer, got {self.speculative_tokens!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: {self.scheduling_policy!r} is not one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
         if not (isinstance(self.slo_tpot_s, (int, float)) and self.slo_tpot_s > 0):

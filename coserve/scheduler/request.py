@@ -42,6 +42,7 @@ class Request:
     block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its first full blocks (tokens known)
     num_registered_blocks: int = 0  # its first blocks already registered in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted
+    priority: int = 0  # under the priority scheduling policy: lower goes first (vLLM's); ignored by fcfs
 
     @property
     def num_tokens(self) -> int:

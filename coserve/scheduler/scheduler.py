@@ -142,11 +142,15 @@ class Scheduler:
             self.vtc.set_backlogged(tenant, False)
 
     def _next_waiting(self) -> Request:
-        """Algorithm 4, lines 17-18: the earliest waiting request of the tenant with the smallest counter."""
+        """Algorithm 4, lines 17-18: the earliest waiting request of the tenant with the smallest counter (under
+        the priority policy, its request of the lowest priority value, the earliest of those)."""
+        by_priority = self.config.scheduling_policy == "priority"
         if len(self._tenant_work) == 1:  # one tenant (the common case): no set of tenants to build
-            return self.waiting[0]
+            return min(self.waiting, key=_priority) if by_priority else self.waiting[0]
         tenants = {r.tenant for r in self.waiting}
         tenant = self.vtc.pick(tenants)
+        if by_priority:
+            return min((r for r in self.waiting if r.tenant == tenant), key=_priority)
         return next(r for r in self.waiting if r.tenant == tenant)
 
     def pop_request(self, request_id: str) -> Request | None:
@@ -233,6 +237,8 @@ class Scheduler:
         """Running requests first, then admissions; returns what is left of the token budget."""
         budget = self.config.max_num_batched_tokens
         scheduled = 0
+        if self.config.scheduling_policy == "priority":  # the budget goes to the most urgent first (stable)
+            self.running.sort(key=_priority)
         while scheduled < len(self.running) and budget > 0:
             request = self.running[scheduled]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -241,7 +247,7 @@ class Scheduler:
                 self._finish(request, "length")
                 continue
             drafts = self._drafts(request, budget) if n == 1 else []
-            if not self._reserve(request, request.num_computed_tokens + n + len(drafts), plan):
+            if not self._reserve(request, request.num_computed_tokens + n + len(drafts), plan, scheduled):
                 break  # the request itself was preempted; everything after it too
             plan.chunks.append(self._chunk(request, n, drafts))
             budget -= n + len(drafts)
@@ -312,10 +318,16 @@ class Scheduler:
         return TokenEvent(request.request_id, token, None, request.is_finished, request.finish_reason)
 
     # ---- internals -----------------------------------------------------------
-    def _reserve(self, request: Request, num_tokens: int, plan: IterationPlan) -> bool:
-        """Make room for ``num_tokens`` of ``request``, preempting from the tail; False if it was the victim."""
+    def _reserve(self, request: Request, num_tokens: int, plan: IterationPlan, position: int) -> bool:
+        """Make room for ``num_tokens`` of ``request`` (at ``position`` in the running list; those before it are
+        in the plan already), preempting from the tail, or under the priority policy the lowest-priority request
+        from ``position`` on (the latest of those); False if it was the victim."""
         while not self.blocks.can_allocate(request.request_id, num_tokens):
-            victim = self.running.pop()
+            if self.config.scheduling_policy == "priority":
+                at = max(range(position, len(self.running)), key=lambda i: (self.running[i].priority, i))
+                victim = self.running.pop(at)
+            else:
+                victim = self.running.pop()
             self._preempt(victim)
             plan.preempted.append(victim.request_id)
             if victim is request:
@@ -435,3 +447,7 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return "length"
         return None
+
+
+def _priority(request: Request) -> int:
+    return request.priority

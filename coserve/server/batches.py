@@ -27,6 +27,7 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINISHED = ("completed", "failed", "expired", "cancelled")
 RETRY_STATUSES = (429, 503)  # the server is full: the request is tried again, not counted as failed
 RETRY_SECONDS = 0.5
+BATCH_PRIORITY = 1  # under the priority scheduling policy: batch requests wait behind interactive ones (0)
 COUNTS_EVERY_S = 1.0  # how often request_counts are written while a batch runs
 
 
@@ -66,16 +67,20 @@ async def call_route(app, tenant: str, url: str, body: dict) -> tuple[int, dict]
 
 async def run_request(app, tenant: str, line: BatchLine, slots: asyncio.Semaphore) -> dict:
     """One batch request through the app (holding one of ``slots`` while it runs; retried while the server is
-    full), as the line of an output or error file."""
+    full), as the line of an output or error file. Under the priority scheduling policy a request that names
+    no ``priority`` gets ``BATCH_PRIORITY``: behind interactive requests (0) when both wait."""
+    body = line.body
+    if app.state.coserve.engine.config.scheduling_policy == "priority" and line.url != "/v1/responses":
+        body = {"priority": BATCH_PRIORITY, **body}
     while True:
         async with slots:
-            status, body = await call_route(app, tenant, line.url, line.body)
+            status, body_out = await call_route(app, tenant, line.url, body)
         if status not in RETRY_STATUSES:
             break
         await asyncio.sleep(RETRY_SECONDS)
-    request_id = body.get("id") if isinstance(body.get("id"), str) else f"req_{secrets.token_hex(12)}"
+    request_id = body_out.get("id") if isinstance(body_out.get("id"), str) else f"req_{secrets.token_hex(12)}"
     return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line.custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+            "response": {"status_code": status, "request_id": request_id, "body": body_out}, "error": None}
 
 
 class BatchRunner:

@@ -154,11 +154,14 @@ def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param
 
 
 def make_request(ctx: ServerContext, tenant: str, ids: list[int], params: SamplingParams, adapter: str | None,
-                 prompt_param: str) -> EngineRequest:
+                 prompt_param: str, priority: int = 0) -> EngineRequest:
     """A validated engine request (400 naming the field when it is not)."""
     rid = f"{tenant}-{secrets.token_hex(8)}"
+    if priority and ctx.engine.config.scheduling_policy != "priority":
+        raise bad_request(f"priority: {priority} needs a server started with --scheduling-policy priority",
+                          "priority")
     try:
-        request, _ = ctx.engine.make_request(ids, params, adapter, request_id=rid, tenant=tenant)
+        request, _ = ctx.engine.make_request(ids, params, adapter, request_id=rid, tenant=tenant, priority=priority)
     except ValueError as e:
         raise APIError(400, str(e), prompt_param, "invalid_prompt") from e
     return request
@@ -295,7 +298,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
         for j in range(body.n):
             params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored, guided=guided)
-            requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt"), text if body.echo else ""))
+            requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt", body.priority),
+                             text if body.echo else ""))
     submit(ctx, job, requests)
 
     def offset_base(c: Choice) -> int:
@@ -388,7 +392,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
     params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided)
               for j in range(body.n)]
-    submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages"), "") for p in params])
+    submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages", body.priority), "") for p in params])
 
     if body.stream:
         def head(c: Choice) -> dict:

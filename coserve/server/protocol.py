@@ -40,6 +40,7 @@ class Sampling(Body):
     ignore_eos: bool = False  # vLLM's extension
     min_p: float = Field(0.0, ge=0, le=1)  # vLLM's extension
     min_tokens: int = Field(0, ge=0)  # vLLM's extension
+    priority: int = Field(0, ge=INT64[0], le=INT64[1])  # vLLM's: lower first under --scheduling-policy priority
     stop_token_ids: list[int] | None = None  # vLLM's extension
     include_stop_str_in_output: bool = False  # vLLM's extension
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's extension

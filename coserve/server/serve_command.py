@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
                    help="speculative decoding by n-gram lookup: up to K draft tokens verified per decode step of a "
                         "greedy request (vLLM's ngram method); 0 = off")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="which waiting request goes first: fcfs, or priority (requests' 'priority', lower first; "
+                        "batch requests default to 1, behind interactive ones at 0) (as vLLM's flag)")
     p.add_argument("--allow-lora-loading", action="store_true", help="enable POST /v1/load_lora_adapter")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (the default with tools): read the calls a model writes in its "
@@ -118,7 +121,8 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                                  slo_tpot_ms=args.slo_tpot_ms, latency_model=args.latency_model,
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
                                  cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-                                 speculative_tokens=args.speculative_ngram)
+                                 speculative_tokens=args.speculative_ngram,
+                                 scheduling_policy=args.scheduling_policy)
     return config, engine_config
 
 
