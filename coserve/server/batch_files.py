@@ -3,12 +3,12 @@ bad line named in the errors."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from coserve.server.jsonl_file import parse_jsonl
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_REQUESTS = 50_000  # OpenAI's limit per batch
-MAX_ERRORS_SHOWN = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,26 +20,8 @@ class BatchLine:
 
 def parse_batch_jsonl(data: bytes) -> list[BatchLine]:
     """The requests of a batch input file; ValueError listing the first bad lines (``line 3: custom_id: ...``)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ValueError(f"line {line}: not UTF-8 text") from e
-    errors: list[str] = []
-    lines: list[BatchLine] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            lines.append(_line(json.loads(raw), number, seen))
-        except json.JSONDecodeError as e:
-            errors.append(f"line {number}: not valid JSON ({e.msg} at column {e.colno})")
-        except ValueError as e:
-            errors.append(f"line {number}: {e}")
-    if errors:
-        more = f" (and {len(errors) - MAX_ERRORS_SHOWN} more)" if len(errors) > MAX_ERRORS_SHOWN else ""
-        raise ValueError("; ".join(errors[:MAX_ERRORS_SHOWN]) + more)
+    lines = parse_jsonl(data, lambda record, number: _line(record, number, seen))
     if not lines:
         raise ValueError("the file holds no request")
     if len(lines) > MAX_REQUESTS:
@@ -47,9 +29,7 @@ def parse_batch_jsonl(data: bytes) -> list[BatchLine]:
     return lines
 
 
-def _line(record, number: int, seen: dict[str, int]) -> BatchLine:
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+def _line(record: dict, number: int, seen: dict[str, int]) -> BatchLine:
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
         raise ValueError("custom_id: must be a non-empty string of at most 512 characters")

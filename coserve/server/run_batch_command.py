@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from coserve.server.app import build_app
     from coserve.server.batch_files import parse_batch_jsonl
+    from coserve.server.store import write_atomically
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = Path(args.input_file)
@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
         config, engine_config = serve_command.configs(args, warn_without_keys=False)
         app = build_app(config, engine_config)
         records = asyncio.run(_run_all(app, lines, args.max_concurrency))
-    _write_atomically(Path(args.output_file), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    out = Path(args.output_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
     ok = sum(r["response"]["status_code"] < 300 for r in records)
     print(f"coserve run-batch: {len(records)} requests, {ok} answered, {len(records) - ok} errors -> "
           f"{args.output_file}", flush=True)
@@ -61,20 +63,6 @@ async def _run_all(app, lines, concurrency: int) -> list[dict]:
     slots = asyncio.Semaphore(concurrency)
     async with app.router.lifespan_context(app):
         return list(await asyncio.gather(*(run_request(app, DEFAULT_TENANT, line, slots) for line in lines)))
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 if __name__ == "__main__":

@@ -62,6 +62,25 @@ CREATE INDEX batches_tenant ON batches(tenant, seq);
 """}
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` whole or not at all (a temporary file beside it, synced, renamed, the rename synced)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def _now() -> int:
     return int(time.time())
 
@@ -142,30 +161,13 @@ class Store:
             raise ValueError(f"file_id: {file_id!r} is not a file id (file-<24 hex>)")
         return self.files_dir / f"{file_id}.jsonl"
 
-    def _write_atomically(self, path: Path, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.files_dir, prefix=".upload-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(self.files_dir, os.O_RDONLY)  # make the rename itself durable
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
     def add_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> dict:
         """Store an uploaded file (bytes first, then the row); returns the file object."""
         if not isinstance(data, (bytes, bytearray)):
             raise ValueError(f"data: must be bytes, got {type(data).__name__}")
         file_id = self.new_id("file")
         path = self.file_path(file_id)
-        self._write_atomically(path, bytes(data))
+        write_atomically(path, bytes(data))
         row = (file_id, tenant, str(filename), str(purpose), len(data), _now())
         try:
             with self._lock, self._conn:
