@@ -36,6 +36,7 @@ CASES = {
     r"[]a]+": ["]", "a]a"],
     r"[\]\\]": ["]", "\\"],
     r"\{a\}|a{": ["{a}", "a{"],
+    r"a*{}": ["a{}", "{}"],
     r"😀+|[😀-😂]z": ["😀😀", "😁z"],
     r"\S+\W": ["ab!", "é "],
     r"[-a]z-": ["-z-", "az-"],
@@ -78,6 +79,7 @@ def test_a_partial_utf8_character_lives_only_while_some_completion_can_match():
 
 @pytest.mark.parametrize("pattern, message", [
     (r"a**", "multiple repeat at position 2"),
+    (r"a++a", "possessive quantifiers are not supported at position 2"),
     (r"(a", "missing '\\)', unterminated subpattern at position 0"),
     (r"a)", "unbalanced parenthesis"),
     (r"(a)\1", "backreferences are not supported at position 3"),

@@ -4,9 +4,9 @@ The whole output must match the pattern (Python's ``re.fullmatch``). The syntax 
 a finite automaton cannot decide: literals and escapes, ``.`` (anything but a newline), classes
 ``[a-z_]`` / ``[^...]``, ``\\d \\w \\s`` and their negations (ASCII meanings, as in JSON Schema and
 ``re.ASCII``), groups ``(...)``, ``(?:...)``, ``(?P<name>...)``, alternation ``|``, quantifiers ``* + ?
-{m} {m,} {m,n} {,n}`` (lazy and possessive forms match the same texts), and ``^`` / ``$`` at the ends.
-Backreferences, lookaround, word boundaries, inline flags and ``\\p{...}`` are a ``RegexError`` naming
-the position, not silently ignored.
+{m} {m,} {m,n} {,n}`` (lazy forms match the same whole texts), and ``^`` / ``$`` at the ends.
+Backreferences, lookaround, possessive quantifiers, word boundaries, inline flags and ``\\p{...}`` are a
+``RegexError`` naming the position, not silently ignored.
 
 The pattern becomes a Thompson NFA over Unicode code points; a machine state is the set of NFA states
 with the bytes of a UTF-8 character still being read (a partial character stays alive only while some
@@ -143,9 +143,12 @@ class _Parser:
                     raise self.error(f"quantifier {{{lo},{hi}}}: the maximum is below the minimum", start)
             else:
                 return atom
-            if self.peek() in ("?", "+"):  # lazy / possessive: the same texts match
+            if self.peek() == "?":  # lazy: the same whole texts match
                 self.i += 1
-            if self.peek() in ("*", "+", "?") or (self.peek() == "{" and QUANTIFIER.match(self.p, self.i)):
+            elif self.peek() == "+":  # possessive: gives nothing back, so a++a matches no text
+                raise self.error("possessive quantifiers are not supported")
+            if self.peek() in ("*", "+", "?") or (self.peek() == "{" and (m := QUANTIFIER.match(self.p, self.i))
+                                                  and (m.group(1) or m.group(3))):
                 raise self.error("multiple repeat")
             atom = ("rep", atom, lo, hi)
 
