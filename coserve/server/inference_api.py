@@ -407,7 +407,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                 "finish_reason": None}]}
             if tools is not None and tools.auto:  # text until a call may begin; calls go out whole at the end
-                shown = visible_text(out.outputs[0].text)
+                safe[c.index] += c.delta.next(out.outputs[0].text, out.finished)  # stop strings held back too
+                shown = visible_text(safe[c.index])
                 text, sent[c.index] = shown[sent[c.index]:], len(shown)
             elif tools is not None and tools.whole_calls:
                 return None  # a list of calls is sent whole, once it is whole
@@ -439,6 +440,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
             return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                             "finish_reason": reason}]}
         sent = [0] * body.n  # auto tool choice: characters of each choice's text streamed so far
+        safe = [""] * body.n  # and its text that no stop string can still cut
         include = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(events(job, ctx, chunk, last, include), job, ctx)
 
