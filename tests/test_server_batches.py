@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -89,6 +90,8 @@ def test_a_batch_runs_to_output_and_error_files_with_the_replies_of_single_reque
         client(server, BOB).files.content(done.output_file_id)
     with pytest.raises(openai.ConflictError):
         c.batches.cancel(batch.id)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'coserve_batches{state="completed"}' in metrics and 'coserve_batches{state="completed"} 0.0' not in metrics
 
 
 def test_bad_batches_are_4xx_naming_the_field_or_line(server):

@@ -60,7 +60,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     def job_counts() -> dict:
         return {status: store.count_jobs(status) for status in JOB_STATES}
 
-    metrics = ServerMetrics(engine_state, job_counts)
+    metrics = ServerMetrics(engine_state, job_counts, store.count_batches)
     jobs = JobManager(store, loop, config, metrics, base)
     auth = Authenticator(config.api_keys)
     batches = BatchRunner(store, config.state_dir)

@@ -15,6 +15,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 RATE_WINDOW_S = 30.0  # finetuning tokens/s is measured over this much recent time
 JOB_STATES = ("validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled")
+BATCH_STATES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
 
 
 class FinetuneRate:
@@ -46,8 +47,10 @@ class FinetuneRate:
 class _EngineCollector:
     """Gauges read from the engine and the store at scrape time."""
 
-    def __init__(self, engine_state: Callable[[], dict], job_counts: Callable[[], dict], rate: FinetuneRate) -> None:
+    def __init__(self, engine_state: Callable[[], dict], job_counts: Callable[[], dict], rate: FinetuneRate,
+                 batch_counts: Callable[[], dict] | None = None) -> None:
         self.engine_state, self.job_counts, self.rate = engine_state, job_counts, rate
+        self.batch_counts = batch_counts
 
     def collect(self):
         state = self.engine_state()
@@ -80,12 +83,19 @@ class _EngineCollector:
         for s in JOB_STATES:
             jobs.add_metric([s], counts.get(s, 0))
         yield jobs
+        if self.batch_counts is not None:
+            batches = GaugeMetricFamily("coserve_batches", "batches (the Batch API) by state", labels=["state"])
+            counts = self.batch_counts()
+            for s in BATCH_STATES:
+                batches.add_metric([s], counts.get(s, 0))
+            yield batches
 
 
 class ServerMetrics:
     """One registry per server (tests run several in one process)."""
 
-    def __init__(self, engine_state: Callable[[], dict], job_counts: Callable[[], dict]) -> None:
+    def __init__(self, engine_state: Callable[[], dict], job_counts: Callable[[], dict],
+                 batch_counts: Callable[[], dict] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.http = Counter("coserve_http_requests", "HTTP requests by route and status",
                             ["method", "route", "status"], registry=self.registry)
@@ -96,7 +106,7 @@ class ServerMetrics:
         self.tpot = Histogram("coserve_time_per_output_token_seconds", "mean time per output token after the first",
                               buckets=TPOT_BUCKETS, registry=self.registry)
         self.finetune = FinetuneRate()
-        self.registry.register(_EngineCollector(engine_state, job_counts, self.finetune))
+        self.registry.register(_EngineCollector(engine_state, job_counts, self.finetune, batch_counts))
 
     def requests_started(self, n: int = 1) -> None:
         self.generations.labels("started").inc(n)

@@ -257,6 +257,10 @@ class Store:
         """The tenant's batches, newest first, after the batch ``after``; (page, has_more)."""
         return self._page("batches", "seq", "tenant = ?", [tenant], after, limit, "a batch of this tenant")
 
+    def count_batches(self) -> dict[str, int]:
+        """How many batches are in each status (of every tenant)."""
+        return dict(self._all("SELECT status, COUNT(*) FROM batches GROUP BY status"))
+
     def batches_with_status(self, *statuses: str) -> list[tuple[str, dict]]:
         """``(tenant, batch)`` of every batch in one of ``statuses``, oldest first."""
         where, params = _in(statuses)
