@@ -251,5 +251,5 @@ def test_guided_choice_outputs_exactly_one_of_the_choices(llm):
         assert out.outputs[0].text in choices and out.outputs[0].finish_reason == "stop"
     with pytest.raises(ValueError, match="guided_choice: "):
         SamplingParams(guided_choice=[])
-    with pytest.raises(ValueError, match="give one of guided_json, guided_choice and guided_regex"):
+    with pytest.raises(ValueError, match="give one of guided_json, guided_choice, guided_regex and guided_grammar"):
         SamplingParams(guided_choice=["a"], guided_json={"type": "object"})

@@ -103,7 +103,7 @@ def test_patterns_it_cannot_decide_are_errors_naming_the_place(pattern, message)
 
 
 def test_one_way_of_guiding_at_a_time():
-    with pytest.raises(ValueError, match="give one of guided_json, guided_choice and guided_regex"):
+    with pytest.raises(ValueError, match="give one of guided_json, guided_choice, guided_regex and guided_grammar"):
         SamplingParams(guided_regex="a", guided_json={"type": "object"})
     assert SamplingParams(guided_regex="a+").guided
 

@@ -147,15 +147,13 @@ def test_auto_tool_choice_without_a_parser_is_400_naming_the_flags(alice):
 @pytest.mark.parametrize("path, field, value", [
     (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "best_of", 3),
     (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}),
-    (COMPLETIONS, "guided_grammar", "root ::= 'a'"), (CHAT, "guided_grammar", "root ::= 'a'"),
     (CHAT, "stream_options", {"include_usage": True}),
 ])
 def test_parameters_the_server_cannot_honour_are_400(alice, path, field, value):
     body = {"model": BASE, "max_tokens": 2, field: value,
             **({"messages": HELLO} if path == CHAT else {"prompt": "hi"})}
     assert error_of(alice.post(path, json=body), 400)["param"] == field
-    neutral = {"suffix": None, "best_of": 1, "functions": [], "function_call": "none", "stream_options": None,
-               "guided_grammar": None}[field]
+    neutral = {"suffix": None, "best_of": 1, "functions": [], "function_call": "none", "stream_options": None}[field]
     assert alice.post(path, json={**body, field: neutral}).status_code == 200
 
 

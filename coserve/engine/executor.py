@@ -205,7 +205,8 @@ class ModelExecutor:
             return None
         if self.guided is None:
             raise RuntimeError("guided decoding: this executor has no vocabulary to guide decoding with")
-        return self.guided.mask(chunk.request_id, p.guided_json, chunk.history[1], p.guided_choice, p.guided_regex)
+        return self.guided.mask(chunk.request_id, p.guided_json, chunk.history[1], p.guided_choice, p.guided_regex,
+                                p.guided_grammar)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

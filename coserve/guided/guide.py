@@ -1,5 +1,5 @@
 """Guided decoding: which tokens may come next so that the output stays a prefix of JSON matching a
-schema (or of a text matching a regular expression), and an engine-wide registry of guides and
+schema (or of a text matching a regular expression or a grammar), and an engine-wide registry of guides and
 per-request cursors.
 
 A ``Guide`` is one compiled schema (or pattern) over one vocabulary. Its allowed-token mask for a machine state is
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from coserve.guided.grammar import compile_grammar
 from coserve.guided.machine import JsonMachine, State, initial_state
 from coserve.guided.regex import compile_regex
 from coserve.guided.schema import compile_choices, compile_schema
@@ -65,11 +66,11 @@ class Guide:
     """One schema's (or pattern's) token masks over one vocabulary."""
 
     def __init__(self, schema: Any, vocab: Vocabulary, choices: list[str] | None = None,
-                 regex: str | None = None) -> None:
+                 regex: str | None = None, grammar: str | None = None) -> None:
         """``schema``: a JSON schema; or, with ``choices`` (vLLM's guided_choice), the output is one of them; or,
-        with ``regex`` (vLLM's guided_regex), the whole output matches it."""
-        if regex is not None:
-            self.machine = compile_regex(regex)
+        with ``regex`` (vLLM's guided_regex) or ``grammar`` (guided_grammar, GBNF), the whole output matches it."""
+        if regex is not None or grammar is not None:
+            self.machine = compile_regex(regex) if regex is not None else compile_grammar(grammar)
             self.start = self.machine.start
         else:
             compiled = compile_choices(choices) if choices is not None else compile_schema(schema)
@@ -163,24 +164,25 @@ class GuidedDecoding:
         self._max_guides = max_guides
         self._cursors: dict[str, Cursor] = {}
 
-    def guide(self, schema: Any, choices: list[str] | None = None, regex: str | None = None) -> Guide:
-        key = json.dumps([schema, choices, regex], sort_keys=True)
+    def guide(self, schema: Any, choices: list[str] | None = None, regex: str | None = None,
+              grammar: str | None = None) -> Guide:
+        key = json.dumps([schema, choices, regex, grammar], sort_keys=True)
         guide = self._guides.get(key)
         if guide is None:
             if self._vocab is None:
                 self._vocab = Vocabulary(self._vocab_factory(), self._eos_ids, self._device)
-            guide = self._guides[key] = Guide(schema, self._vocab, choices, regex)
+            guide = self._guides[key] = Guide(schema, self._vocab, choices, regex, grammar)
             if len(self._guides) > self._max_guides:
                 self._guides.popitem(last=False)
         self._guides.move_to_end(key)
         return guide
 
     def mask(self, request_id: str, schema: Any, output_ids: list[int], choices: list[str] | None = None,
-             regex: str | None = None) -> torch.Tensor:
+             regex: str | None = None, grammar: str | None = None) -> torch.Tensor:
         """The tokens request ``request_id`` may sample next, its outputs so far being ``output_ids``."""
         cursor = self._cursors.get(request_id)
         if cursor is None or cursor.consumed > len(output_ids):
-            guide = self.guide(schema, choices, regex)
+            guide = self.guide(schema, choices, regex, grammar)
             cursor = self._cursors[request_id] = Cursor(guide, guide.start, 0)
         for token in output_ids[cursor.consumed:]:
             cursor.state = cursor.guide.advance(cursor.state, token)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coserve.guided.grammar import GrammarError, compile_grammar
 from coserve.guided.regex import RegexError, compile_regex
 from coserve.guided.schema import SchemaError, compile_choices, compile_schema
 
@@ -39,6 +40,7 @@ class SamplingParams:
     #   response_format): the text is compact JSON (coserve/guided); None = free text
     guided_choice: list[str] | None = None  # vLLM's: the output is exactly one of these strings; None = free text
     guided_regex: str | None = None  # vLLM's: the whole output matches this regular expression; None = free text
+    guided_grammar: str | None = None  # vLLM's: the whole output matches this GBNF grammar; None = free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,9 +84,16 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
-        given = [f for f in ("guided_json", "guided_choice", "guided_regex") if getattr(self, f) is not None]
+        given = [f for f in ("guided_json", "guided_choice", "guided_regex", "guided_grammar")
+                 if getattr(self, f) is not None]
         if len(given) > 1:
-            raise ValueError(f"{given[-1]}: give one of guided_json, guided_choice and guided_regex, not {len(given)}")
+            raise ValueError(f"{given[-1]}: give one of guided_json, guided_choice, guided_regex and guided_grammar, "
+                             f"not {len(given)}")
+        if self.guided_grammar is not None:
+            try:
+                compile_grammar(self.guided_grammar)
+            except GrammarError as e:
+                raise ValueError(f"guided_grammar: {e}") from None
         if self.guided_regex is not None:
             try:
                 compile_regex(self.guided_regex)
@@ -121,8 +130,10 @@ class SamplingParams:
 
     @property
     def guided(self) -> bool:
-        """Whether a guide decides which tokens may come (guided_json, guided_choice or guided_regex)."""
-        return self.guided_json is not None or self.guided_choice is not None or self.guided_regex is not None
+        """Whether a guide decides which tokens may come (guided_json, guided_choice, guided_regex or
+        guided_grammar)."""
+        return any(f is not None for f in (self.guided_json, self.guided_choice, self.guided_regex,
+                                           self.guided_grammar))
 
     @property
     def speculable(self) -> bool:

@@ -34,7 +34,7 @@ MAX_STOPS = 4  # OpenAI's limit on stop sequences
 INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []),
-               "function_call": (None, "none", "auto"), "guided_grammar": (None,)}
+               "function_call": (None, "none", "auto")}
 
 
 @router.get("/v1/models")

@@ -47,9 +47,9 @@ class Sampling(Body):
     response_format: Any = None  # OpenAI's: text, json_object or json_schema (coserve/server/response_format.py)
     guided_json: Any = None  # vLLM's extension: a JSON schema (an object or its text) the output must match
     guided_choice: Any = None  # vLLM's extension: the output is exactly one of these strings
-    structured_outputs: Any = None  # vLLM's newer form: {"json": schema}, {"choice": [...]} or {"regex": pattern}
+    structured_outputs: Any = None  # vLLM's newer form: {"json": ...}, {"choice": ...}, {"regex": ...}, {"grammar": ...}
     guided_regex: Any = None  # vLLM's extension: the whole output matches this regular expression
-    guided_grammar: Any = None  # vLLM's: not built (a 400 rather than ignored)
+    guided_grammar: Any = None  # vLLM's extension: the whole output matches this GBNF grammar
 
 
 class CompletionRequest(Sampling):

@@ -1,6 +1,6 @@
 """OpenAI's ``response_format`` (and vLLM's ``guided_json``, ``guided_choice``, ``guided_regex``,
-``structured_outputs``) as what a request's output must match: a JSON schema, one of a list of strings, or
-a regular expression.
+``guided_grammar``, ``structured_outputs``) as what a request's output must match: a JSON schema, one of a
+list of strings, a regular expression or a GBNF grammar.
 
 ``{"type": "text"}`` or nothing: free text. ``{"type": "json_object"}``: any JSON object.
 ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``: the schema (a
@@ -14,48 +14,51 @@ import json
 import re
 from typing import Any
 
+from coserve.guided.grammar import GrammarError, compile_grammar
 from coserve.guided.regex import RegexError, compile_regex
 from coserve.guided.schema import SchemaError, compile_choices, compile_schema
 from coserve.server.errors import bad_request
 
 TYPES = ("text", "json_object", "json_schema")
+STRUCTURED = {"json": "guided_json", "choice": "guided_choice", "regex": "guided_regex", "grammar": "guided_grammar"}
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
 def guided_output(body: Any) -> dict[str, Any]:
-    """The ``SamplingParams`` fields (``guided_json``, ``guided_choice`` or ``guided_regex``; none: free text) a
-    request's output must match: from ``response_format``, vLLM's ``guided_json`` / ``guided_choice`` /
-    ``guided_regex``, or vLLM's newer ``structured_outputs`` (``{"json": ...}``, ``{"choice": [...]}`` or
-    ``{"regex": ...}``); at most one of them; 400 naming the field when one is bad."""
-    guided_json, choices = getattr(body, "guided_json", None), getattr(body, "guided_choice", None)
-    regex = getattr(body, "guided_regex", None)
+    """The ``SamplingParams`` fields (``guided_json``, ``guided_choice``, ``guided_regex`` or ``guided_grammar``;
+    none: free text) a request's output must match: from ``response_format``, vLLM's ``guided_*`` fields, or
+    vLLM's newer ``structured_outputs`` (``{"json": ...}``, ``{"choice": [...]}``, ``{"regex": ...}`` or
+    ``{"grammar": ...}``); at most one of them; 400 naming the field when one is bad."""
+    given = {f: getattr(body, f, None) for f in ("guided_json", "guided_choice", "guided_regex", "guided_grammar")}
     structured = getattr(body, "structured_outputs", None)
     if structured is not None:
-        if not isinstance(structured, dict) or len(structured) != 1 or not set(structured) <= {"json", "choice",
-                                                                                                  "regex"}:
-            raise bad_request("structured_outputs: must be an object with one of 'json', 'choice' or 'regex'",
+        if not isinstance(structured, dict) or len(structured) != 1 or not set(structured) <= set(STRUCTURED):
+            raise bad_request(f"structured_outputs: must be an object with one of {', '.join(STRUCTURED)}",
                               "structured_outputs")
-        if guided_json is not None or choices is not None or regex is not None:
-            raise bad_request("structured_outputs: give either structured_outputs or guided_json/guided_choice/"
-                              "guided_regex", "structured_outputs")
-        guided_json, choices, regex = structured.get("json"), structured.get("choice"), structured.get("regex")
-    if regex is not None:
-        if guided_json is not None or choices is not None or getattr(body, "response_format", None) is not None:
-            raise bad_request("guided_regex: give one way of guiding the output", "guided_regex")
+        if any(v is not None for v in given.values()):
+            raise bad_request("structured_outputs: give either structured_outputs or vLLM's guided_* fields",
+                              "structured_outputs")
+        ((kind, value),) = structured.items()
+        given[STRUCTURED[kind]] = value
+    named = [f for f, v in given.items() if v is not None]
+    rf = getattr(body, "response_format", None)
+    if len(named) > 1 or (named and named != ["guided_json"] and rf is not None):
+        raise bad_request(f"{named[-1]}: give one way of guiding the output", named[-1])
+    for field, compile_one, error in (("guided_regex", compile_regex, RegexError),
+                                      ("guided_grammar", compile_grammar, GrammarError)):
+        if given[field] is not None:
+            try:
+                compile_one(given[field])
+            except error as e:
+                raise bad_request(f"{field}: {e}", field) from None
+            return {field: given[field]}
+    if given["guided_choice"] is not None:
         try:
-            compile_regex(regex)
-        except RegexError as e:
-            raise bad_request(f"guided_regex: {e}", "guided_regex") from None
-        return {"guided_regex": regex}
-    if choices is not None:
-        if guided_json is not None or getattr(body, "response_format", None) is not None:
-            raise bad_request("guided_choice: give one way of guiding the output", "guided_choice")
-        try:
-            compile_choices(choices)
+            compile_choices(given["guided_choice"])
         except SchemaError as e:
             raise bad_request(f"guided_choice: {str(e).removeprefix('choices: ')}", "guided_choice") from None
-        return {"guided_choice": list(choices)}
-    schema = guided_schema(getattr(body, "response_format", None), guided_json)
+        return {"guided_choice": list(given["guided_choice"])}
+    schema = guided_schema(rf, given["guided_json"])
     return {} if schema is None else {"guided_json": schema}
 
 

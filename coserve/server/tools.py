@@ -87,7 +87,7 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPla
                               "to a named function, or to 'none'", "tool_choice")
         return ToolPlan(None, None, auto=True)  # parameters are the model's to follow: nothing guides them
     if any(getattr(body, f) is not None for f in ("response_format", "guided_json", "guided_choice",
-                                                   "guided_regex", "structured_outputs")):
+                                                   "guided_regex", "guided_grammar", "structured_outputs")):
         raise bad_request("tool_choice: tool calls are JSON already; drop response_format and vLLM's guided_* / "
                           "structured_outputs", "tool_choice")
     names = [t.function.name for t in tools]
