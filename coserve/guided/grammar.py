@@ -25,6 +25,7 @@ from coserve.guided.regex import (MAX_CODE_POINT, Ranges, _completions, _utf8_le
 MAX_SYMBOLS = 50_000  # a grammar compiling to more symbols is refused ({m,n} repeats copy their item)
 MAX_STACKS = 4_096  # parses kept per state: beyond it an ambiguous grammar keeps the first found (every kept
 #   one is a valid parse, so guided text stays valid; only some continuations may be missed)
+MAX_CACHED_EXPANSIONS = 100_000
 ANY_CHAR = complement(())
 
 
@@ -347,10 +348,22 @@ class GrammarMachine:
         return (stacks, partial)
 
     def _advance(self, stacks: frozenset[Stack], cp: int) -> State:
-        moved = [s[:-1] for s in stacks if s and contains(s[-1].ranges, cp)]
-        if not moved:
-            return ()
-        return (self._expand(moved), b"")
+        out: set[Stack] = set()
+        for s in stacks:
+            if s and contains(s[-1].ranges, cp):
+                out |= self._expand_one(s[:-1])
+                if len(out) >= MAX_STACKS:
+                    break
+        return (frozenset(out), b"") if out else ()
+
+    def _expand_one(self, stack: Stack) -> frozenset[Stack]:
+        """``_expand`` of one stack, remembered (the same stacks come back at every repetition)."""
+        done = self._expanded.get(stack)
+        if done is None:
+            if len(self._expanded) >= MAX_CACHED_EXPANSIONS:
+                self._expanded.clear()
+            done = self._expanded[stack] = self._expand((stack,))
+        return done
 
     def accepting(self, state: State) -> bool:
         return bool(state) and not state[1] and () in state[0]
