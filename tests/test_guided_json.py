@@ -118,6 +118,32 @@ def test_a_pattern_string_refuses_a_surrogate_escape_and_closes_only_when_matche
     assert accepts({"type": "string"}, '"\\ud83d\\ude00"') is True
 
 
+BOUNDED = {"type": "object", "additionalProperties": False, "required": ["n", "x"],
+           "properties": {"n": {"type": "integer", "minimum": -12, "exclusiveMaximum": 250},
+                          "x": {"type": "number", "minimum": -3, "maximum": 7}}}
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(-400, 400), x=st.one_of(st.integers(-20, 20), st.decimals(-20, 20, places=3).map(float)))
+def test_minimum_and_maximum_are_kept_exactly_as_jsonschema_checks_them(n, x):
+    text = json.dumps({"n": n, "x": x})
+    try:
+        jsonschema.validate(json.loads(text), BOUNDED)
+        valid = True
+    except jsonschema.ValidationError:
+        valid = False
+    assert (accepts(BOUNDED, text) is True) == valid
+
+
+def test_a_bounded_number_is_written_without_exponent_and_ends_where_the_value_may():
+    schema = {"type": "integer", "minimum": 10, "maximum": 300}
+    assert accepts(schema, "25") is True and accepts(schema, "3") is False  # "3" may still become 30..300
+    assert accepts(schema, "301") is None and accepts(schema, "0") is None and accepts(schema, "-5") is None
+    assert accepts({"type": "number", "maximum": 7}, "7.0") is True and accepts({"type": "number", "maximum": 7},
+                                                                                  "7.5") is None
+    assert accepts({"type": "number", "minimum": 0}, "1e3") is None
+
+
 def test_a_key_twice_is_rejected_though_json_loads_would_keep_the_last():
     assert accepts(RECORD, '{"ok": true, "n": 1, "tags": [], "ok": false}') is None
     assert accepts({"type": "object", "properties": {"a": {}}}, '{"a": 1, "a": 2}') is None
@@ -126,7 +152,11 @@ def test_a_key_twice_is_rejected_though_json_loads_would_keep_the_last():
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string", "pattern": "(a"}, "schema.pattern: missing"),
     ({"type": "string", "pattern": "a{3,1}"}, "schema.pattern: quantifier"),
-    ({"type": "object", "properties": {"a": {"minimum": 3}}}, "schema.properties.a: keyword 'minimum'"),
+    ({"type": "object", "properties": {"a": {"multipleOf": 3}}}, "schema.properties.a: keyword 'multipleOf'"),
+    ({"type": "number", "exclusiveMinimum": 0}, "schema.exclusiveMinimum: not supported on a number"),
+    ({"type": "number", "minimum": 0.5}, "schema.minimum: only whole-number bounds"),
+    ({"type": "integer", "minimum": 3, "maximum": 2.5}, "schema: no integer lies within its bounds"),
+    ({"type": "integer", "minimum": True}, "schema.minimum: must be a finite number"),
     ({"type": "thing"}, "schema.type: must be one of"),
     ({"$ref": "#/$defs/missing"}, "does not resolve"),
     ({"type": "object", "properties": {}, "required": ["a"]}, "'a' is not among the properties"),
@@ -228,12 +258,13 @@ def test_guided_requests_match_their_schema_and_leave_others_alone(llm):
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [o.outputs[0].token_ids for o in alone]
 
 
-def test_guided_requests_with_patterns_validate(llm):
-    outs = llm.generate(["Code:", "Another:"], [SamplingParams(max_tokens=40, temperature=t, seed=7,
-                                                                guided_json=PATTERNED) for t in (0, 1.0)])
-    for out in outs:
-        assert out.outputs[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(out.outputs[0].text), PATTERNED)
+def test_guided_requests_with_patterns_and_bounds_validate(llm):
+    for schema in (PATTERNED, BOUNDED):
+        outs = llm.generate(["Code:", "Another:"], [SamplingParams(max_tokens=40, temperature=t, seed=7,
+                                                                    guided_json=schema) for t in (0, 1.0)])
+        for out in outs:
+            assert out.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
 def test_a_json_object_request_is_a_prefix_of_an_object_while_it_runs(llm):

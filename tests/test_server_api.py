@@ -188,8 +188,8 @@ def test_structured_outputs_match_the_schema_streamed_or_not(alice):
     ({"type": "xml"}, "response_format.type: must be one of text, json_object, json_schema"),
     ({"type": "json_schema"}, "response_format.json_schema: must be an object"),
     ({"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}, "json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "number", "minimum": 0}}},
-     "response_format.json_schema.schema: keyword 'minimum' is not supported"),
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "number", "multipleOf": 2}}},
+     "response_format.json_schema.schema: keyword 'multipleOf' is not supported"),
     ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "string", "pattern": "(?=a)"}}},
      "response_format.json_schema.schema.pattern: lookaround"),
 ])
@@ -302,8 +302,8 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(alice):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "no function named 'nope'"),
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "distinct"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "number", "minimum": 1}}}],
-      "tool_choice": "required"}, "tools", "tools[0].function.parameters: keyword 'minimum'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "number", "multipleOf": 2}}}],
+      "tool_choice": "required"}, "tools", "tools[0].function.parameters: keyword 'multipleOf'"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", "answers a call"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(alice, kwargs, param, message):
@@ -395,7 +395,7 @@ def test_responses_are_stored_chained_and_private_to_their_tenant(alice, bob):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "number", "minimum": 0}}}},
+    ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "number", "multipleOf": 2}}}},
      "text.format"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),

@@ -29,7 +29,8 @@ ANY_LITERALS = (b"true", b"false", b"null")
 # A: (A, node, phase, count). S: (S, node, escape, utf8 bytes owed, length, collected key bytes or None, pattern
 # state or None, the \\u escape's value so far).
 # N: (N, integer only, phase, digits in this part). L: (L, candidate texts, bytes matched).
-R, V, O, A, S, N, L = "RVOASNL"
+# P: (P, node, pattern state), a number whose text a pattern bounds (minimum / maximum).
+R, V, O, A, S, N, L, P = "RVOASNLP"
 O_OPEN, O_COMMA, O_KEY, O_INKEY, O_COLON, O_VALUE, O_AFTER = range(7)
 A_OPEN, A_VALUE, A_AFTER = range(3)
 N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP = range(8)
@@ -83,6 +84,8 @@ class JsonMachine:
             return self._string(top, rest, b)
         if kind == N:
             return self._number(top, rest, b)
+        if kind == P:
+            return self._bounded_number(top, rest, b)
         if kind == L:
             return self._literal(top, rest, b)
         if kind == O:
@@ -116,6 +119,9 @@ class JsonMachine:
             return (rest + ((A, nid, A_OPEN, 0),),) if b == LBRACK else ()
         if kind == "string":
             return (rest + (self._open_string(nid, None),),) if b == QUOTE else ()
+        if kind in ("number", "integer") and node.pattern is not None:
+            rx = self.patterns[nid].step(self.patterns[nid].start, b)
+            return (rest + ((P, nid, rx),),) if rx and self.patterns[nid].chars_needed(rx) is not None else ()
         if kind in ("number", "integer"):
             if b == MINUS:
                 return (rest + ((N, kind == "integer", N_MINUS, 0),),)
@@ -259,6 +265,17 @@ class JsonMachine:
             return then(0, 3, True, raw)
         return ()
 
+    def _bounded_number(self, top: tuple, rest: Stack, b: int) -> tuple[Stack, ...]:
+        _, nid, rx = top
+        machine = self.patterns[nid]
+        out: list[Stack] = []
+        rx2 = machine.step(rx, b)
+        if rx2 and machine.chars_needed(rx2) is not None:
+            out.append(rest + ((P, nid, rx2),))
+        if machine.accepting(rx):  # the number may end here: the enclosing value reads the byte
+            out.extend(s for done in self._complete(rest, None) for s in self.feed(done, b))
+        return tuple(out)
+
     def _number(self, top: tuple, rest: Stack, b: int) -> tuple[Stack, ...]:
         _, integer, phase, digits = top
         digit = 0x30 <= b <= 0x39
@@ -300,7 +317,7 @@ class JsonMachine:
         top = stack[-1]
         if top[0] == R:
             return top[2]
-        if top[0] == N and top[2] in N_COMPLETE:
+        if (top[0] == N and top[2] in N_COMPLETE) or (top[0] == P and self.patterns[top[1]].accepting(top[2])):
             return any(self._accepts(s) for s in self._complete(stack[:-1], None))
         if top[0] == L:
             return any(len(t) == top[2] and any(self._accepts(s) for s in self._complete(stack[:-1], t))

@@ -4,7 +4,8 @@ Supported (what OpenAI's structured outputs and vLLM's guided JSON are used with
 list), ``properties``, ``required``, ``additionalProperties`` (a bool or a schema), ``items``,
 ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (any branch), ``minLength`` /
 ``maxLength``, ``pattern`` (found anywhere in the string unless anchored, as JSON Schema says; the syntax of
-``regex.py``), local ``$ref`` into ``$defs`` / ``definitions`` (recursion allowed), and ``{}`` / ``true``
+``regex.py``), ``minimum`` / ``maximum`` (exclusive ones too on integers; numbers with bounds take whole-number
+bounds and are written without exponent), local ``$ref`` into ``$defs`` / ``definitions`` (recursion allowed), and ``{}`` / ``true``
 for any value. Annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``,
 ``$id``, ``format``, ``strict``) are ignored. Any other keyword is a constraint this module cannot
 enforce: ``SchemaError`` names it (and where it is) rather than letting output slip past it.
@@ -13,17 +14,21 @@ enforce: ``SchemaError`` names it (and where it is) rather than letting output s
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from coserve.guided.number_range import integer_range, number_range
 from coserve.guided.regex import RegexError, compile_regex, search_pattern
 
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "format",
                          "strict", "$defs", "definitions", "deprecated", "readOnly", "writeOnly"})
 HANDLED = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                     "enum", "const", "anyOf", "oneOf", "minLength", "maxLength", "pattern", "$ref"})
+                     "enum", "const", "anyOf", "oneOf", "minLength", "maxLength", "pattern", "minimum", "maximum",
+                     "exclusiveMinimum", "exclusiveMaximum", "$ref"})
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 MAX_NODES = 10_000  # a schema compiling to more is refused (a request cannot make the server build without end)
 
@@ -48,7 +53,8 @@ class Node:
     max_items: int | None = None
     min_length: int = 0  # string: in characters
     max_length: int | None = None
-    pattern: str | None = None  # string: a pattern (``regex.py`` syntax) the whole decoded content matches
+    pattern: str | None = None  # string: a pattern (``regex.py`` syntax) the whole decoded content matches;
+    #   number / integer: a pattern the number's text matches (its bounds, number_range.py)
 
     def property_node(self, key: bytes) -> int | None:
         return next((nid for k, nid in self.properties if k == key), None)
@@ -160,7 +166,8 @@ class _Compiler:
         if types is None:
             types = [t for t, keys in (("object", ("properties", "required", "additionalProperties")),
                                        ("array", ("items", "minItems", "maxItems")),
-                                       ("string", ("minLength", "maxLength", "pattern")))
+                                       ("string", ("minLength", "maxLength", "pattern")),
+                                       ("number", BOUNDS))
                      if any(k in s for k in keys)]
             if not types:
                 return ANY
@@ -226,7 +233,38 @@ class _Compiler:
             return self.add(Node("literal", texts=(b"true", b"false")))
         if t == "null":
             return self.add(Node("literal", texts=(b"null",)))
+        if any(k in s for k in BOUNDS):
+            return self.add(Node(t, pattern=self.bounded(t, s, path)))
         return self.add(Node(t))  # number, integer
+
+    @staticmethod
+    def bounded(t: str, s: dict, path: str) -> str:
+        """The pattern of a number or integer within ``minimum`` / ``maximum`` (and, for integers, the exclusive
+        bounds): exact for integers; numbers take integer inclusive bounds and are written without exponent."""
+        for key in BOUNDS:
+            v = s.get(key)
+            if key in s and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf")):
+                raise SchemaError(f"{path}.{key}: must be a finite number, got {v!r}")
+        if t == "integer":
+            lo = [math.ceil(s["minimum"])] if "minimum" in s else []
+            lo += [math.floor(s["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in s else []
+            hi = [math.floor(s["maximum"])] if "maximum" in s else []
+            hi += [math.ceil(s["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in s else []
+            pattern = integer_range(max(lo, default=None), min(hi, default=None))
+        else:
+            for key in ("exclusiveMinimum", "exclusiveMaximum"):
+                if key in s:
+                    raise SchemaError(f"{path}.{key}: not supported on a number (only on integers); use minimum / "
+                                      "maximum")
+            for key in ("minimum", "maximum"):
+                if key in s and not float(s[key]).is_integer():
+                    raise SchemaError(f"{path}.{key}: only whole-number bounds are supported on a number, got "
+                                      f"{s[key]!r}")
+            pattern = number_range(int(s["minimum"]) if "minimum" in s else None,
+                                   int(s["maximum"]) if "maximum" in s else None)
+        if pattern is None:
+            raise SchemaError(f"{path}: no {t} lies within its bounds")
+        return pattern
 
     @staticmethod
     def bounds(s: dict, lo_key: str, hi_key: str, path: str) -> tuple[int, int | None]:
