@@ -4,8 +4,11 @@ requests in the same batch untouched)."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import random
+import uuid
 
 import jsonschema
 import pytest
@@ -142,6 +145,45 @@ def test_a_bounded_number_is_written_without_exponent_and_ends_where_the_value_m
     assert accepts({"type": "number", "maximum": 7}, "7.0") is True and accepts({"type": "number", "maximum": 7},
                                                                                   "7.5") is None
     assert accepts({"type": "number", "minimum": 0}, "1e3") is None
+
+
+FORMAT_CHECKS = {
+    "date": datetime.date.fromisoformat, "time": datetime.time.fromisoformat,
+    "date-time": datetime.datetime.fromisoformat, "uuid": uuid.UUID, "ipv4": ipaddress.IPv4Address,
+    "email": lambda t: t.count("@") == 1 and "." in t.split("@")[1] or throw(),
+    "hostname": lambda t: all(0 < len(p) <= 63 and p[0] != "-" and p[-1] != "-" for p in t.split(".")) or throw(),
+}
+
+
+def throw():
+    raise ValueError("invalid")
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_CHECKS))
+def test_string_formats_are_kept_by_random_guided_walks(vocab, fmt):
+    """Soundness: every string a guided walk ends is valid for its format by Python's own parsers (dates against
+    the calendar: February 29th only in leap years)."""
+    _, v = vocab
+    schema = {"type": "string", "format": fmt}
+    guide, rng, ended = Guide(schema, v), random.Random(list(FORMAT_CHECKS).index(fmt)), 0
+    for _ in range(20):
+        state, data = guide.start, b""
+        for _ in range(120):
+            allowed = guide.allowed_ids(state)
+            eos = [i for i in allowed if i in v.eos_ids]
+            closing = [i for i in allowed if v.vocab[i] and any(c in v.vocab[i] for c in b'"@.')]
+            # end when allowed; otherwise lean towards the bytes that move a walk on (the quote, '@', '.')
+            token = eos[0] if eos else rng.choice(closing if closing and rng.random() < 0.3 else allowed)
+            if token in v.eos_ids:
+                FORMAT_CHECKS[fmt](json.loads(data.decode()))
+                ended += 1
+                break
+            state, data = guide.advance(state, token), data + v.vocab[token]
+    assert ended >= 12
+    assert accepts({"type": "string", "format": "date"}, '"2023-02-29"') is None
+    assert accepts({"type": "string", "format": "date"}, '"2024-02-29"') is True
+    assert accepts({"type": "string", "format": "date", "pattern": "^x$"}, '"x"') is True  # the pattern wins
+    assert accepts({"type": "string", "format": "color"}, '"red"') is True  # an unknown format: an annotation
 
 
 def test_a_key_twice_is_rejected_though_json_loads_would_keep_the_last():

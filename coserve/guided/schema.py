@@ -5,9 +5,11 @@ list), ``properties``, ``required``, ``additionalProperties`` (a bool or a schem
 ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (any branch), ``minLength`` /
 ``maxLength``, ``pattern`` (found anywhere in the string unless anchored, as JSON Schema says; the syntax of
 ``regex.py``), ``minimum`` / ``maximum`` (exclusive ones too on integers; numbers with bounds take whole-number
-bounds and are written without exponent), local ``$ref`` into ``$defs`` / ``definitions`` (recursion allowed), and ``{}`` / ``true``
-for any value. Annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``,
-``$id``, ``format``, ``strict``) are ignored. Any other keyword is a constraint this module cannot
+bounds and are written without exponent), ``format`` on strings for the formats of ``formats.py`` (date,
+time, date-time, uuid, ipv4, hostname, email; a ``pattern`` beside it wins; other formats are annotations),
+local ``$ref`` into ``$defs`` / ``definitions`` (recursion allowed), and ``{}`` / ``true`` for any value.
+Annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``, ``$id``, ``strict``, other
+``format``s) are ignored. Any other keyword is a constraint this module cannot
 enforce: ``SchemaError`` names it (and where it is) rather than letting output slip past it.
 """
 
@@ -20,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from coserve.guided.formats import FORMATS
 from coserve.guided.number_range import integer_range, number_range
 from coserve.guided.regex import RegexError, compile_regex, search_pattern
 
@@ -226,6 +229,8 @@ class _Compiler:
                     compile_regex(pattern)
                 except RegexError as e:
                     raise SchemaError(f"{path}.pattern: {e}") from None
+            elif s.get("format") in FORMATS:  # a known format, unless a pattern says more (formats.py)
+                pattern = FORMATS[s["format"]]
             if (lo, hi, pattern) == (0, None, None):
                 return ANY_STRING
             return self.add(Node("string", min_length=lo, max_length=hi, pattern=pattern))
