@@ -14,7 +14,7 @@ from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
 from coserve.server import errors
 from coserve.server.auth import Authenticator
-from coserve.server.batches import BatchRunner
+from coserve.server.batches import BATCH_PRIORITY, BatchRunner
 from coserve.server.batches_api import router as batches_router
 from coserve.server.config import ServerConfig
 from coserve.server.context import ServerContext
@@ -63,7 +63,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     metrics = ServerMetrics(engine_state, job_counts, store.count_batches)
     jobs = JobManager(store, loop, config, metrics, base)
     auth = Authenticator(config.api_keys)
-    batches = BatchRunner(store, config.state_dir)
+    batches = BatchRunner(store, config.state_dir,
+                          priority=BATCH_PRIORITY if engine_config.scheduling_policy == "priority" else None)
     ctx = ServerContext(config, EngineClient(loop, config.max_waiting_requests), store, models, jobs, metrics, auth,
                         batches)
 

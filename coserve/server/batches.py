@@ -5,8 +5,8 @@ rest), both ``batch_output`` files of the tenant.
 
 Progress is durable: every finished request is appended to ``batches/<batch id>.jsonl`` under the state
 directory before it counts, so a server restarted after a crash goes on with the requests not yet there.
-A batch being cancelled stops taking new requests, lets those in flight finish and keeps their results.
-Batches do not expire: the 24 hour ``completion_window`` is recorded, not enforced.
+A batch being cancelled stops taking new requests, lets those in flight finish and keeps their results; so
+does one past its ``expires_at`` (24 hours after it was made), which ends ``expired``.
 """
 
 from __future__ import annotations
@@ -65,13 +65,14 @@ async def call_route(app, tenant: str, url: str, body: dict) -> tuple[int, dict]
                                   "param": None, "code": None}}
 
 
-async def run_request(app, tenant: str, line: BatchLine, slots: asyncio.Semaphore) -> dict:
+async def run_request(app, tenant: str, line: BatchLine, slots: asyncio.Semaphore,
+                      priority: int | None = None) -> dict:
     """One batch request through the app (holding one of ``slots`` while it runs; retried while the server is
-    full), as the line of an output or error file. Under the priority scheduling policy a request that names
-    no ``priority`` gets ``BATCH_PRIORITY``: behind interactive requests (0) when both wait."""
+    full), as the line of an output or error file. ``priority``: what a request that names none gets (under the
+    priority scheduling policy, ``BATCH_PRIORITY`` puts batch requests behind interactive ones)."""
     body = line.body
-    if app.state.coserve.engine.config.scheduling_policy == "priority" and line.url != "/v1/responses":
-        body = {"priority": BATCH_PRIORITY, **body}
+    if priority is not None and line.url != "/v1/responses":
+        body = {"priority": priority, **body}
     while True:
         async with slots:
             status, body_out = await call_route(app, tenant, line.url, body)
@@ -86,11 +87,12 @@ async def run_request(app, tenant: str, line: BatchLine, slots: asyncio.Semaphor
 class BatchRunner:
     """Runs the server's batches; ``start`` and everything after it on the server's event loop."""
 
-    def __init__(self, store: Store, state_dir: Path | str, concurrency: int = 4) -> None:
+    def __init__(self, store: Store, state_dir: Path | str, concurrency: int = 4, priority: int | None = None) -> None:
         self.store = store
         self.dir = Path(state_dir) / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.concurrency = concurrency
+        self.priority = priority  # given to requests that name none (run_request)
         self.app = None  # the ASGI app the requests go through (set once it is built)
         self._tasks: dict[str, asyncio.Task] = {}
         self._slots: asyncio.Semaphore | None = None
@@ -138,7 +140,7 @@ class BatchRunner:
         with progress.open("a", encoding="utf-8") as out:
             async def worker() -> None:
                 for line in pending:
-                    if self._cancelling(tenant, batch_id):
+                    if self._cancelling(tenant, batch_id) or time.time() >= batch["expires_at"]:
                         return
                     record = await self._request(tenant, line)
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -150,16 +152,18 @@ class BatchRunner:
                         self.store.update_batch(batch_id, request_counts=dict(counts))
 
             await asyncio.gather(*(worker() for _ in range(min(self.concurrency, len(lines)))))
-        await self._finish(tenant, batch_id, lines, done)
+        await self._finish(tenant, batch_id, lines, done, expired=len(done) < len(lines)
+                           and time.time() >= batch["expires_at"])
         progress.unlink(missing_ok=True)
 
     def _cancelling(self, tenant: str, batch_id: str) -> bool:
         return self.store.get_batch(tenant, batch_id)["status"] == "cancelling"
 
     async def _request(self, tenant: str, line: BatchLine) -> dict:
-        return await run_request(self.app, tenant, line, self._slots)
+        return await run_request(self.app, tenant, line, self._slots, self.priority)
 
-    async def _finish(self, tenant: str, batch_id: str, lines: list[BatchLine], done: dict[str, dict]) -> None:
+    async def _finish(self, tenant: str, batch_id: str, lines: list[BatchLine], done: dict[str, dict],
+                      expired: bool = False) -> None:
         cancelled = self._cancelling(tenant, batch_id)
         self.store.update_batch(batch_id, status="cancelling" if cancelled else "finalizing",
                                 **({} if cancelled else {"finalizing_at": int(time.time())}))
@@ -174,8 +178,8 @@ class BatchRunner:
                                                "batch_output", data)
                 files[key] = made["id"]
         now = int(time.time())
-        self.store.update_batch(batch_id, status="cancelled" if cancelled else "completed",
-                                **({"cancelled_at": now} if cancelled else {"completed_at": now}),
+        status = "cancelled" if cancelled else "expired" if expired else "completed"
+        self.store.update_batch(batch_id, status=status, **{f"{status}_at": now},
                                 request_counts=_counts(len(lines), ordered), **files)
 
 

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             args.state_dir = scratch
         config, engine_config = serve_command.configs(args, warn_without_keys=False)
         app = build_app(config, engine_config)
-        records = asyncio.run(_run_all(app, lines, args.max_concurrency))
+        records = asyncio.run(_run_all(app, lines, args.max_concurrency, engine_config.scheduling_policy))
     out = Path(args.output_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
@@ -56,13 +56,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_all(app, lines, concurrency: int) -> list[dict]:
+async def _run_all(app, lines, concurrency: int, scheduling_policy: str) -> list[dict]:
     from coserve.server.auth import DEFAULT_TENANT
-    from coserve.server.batches import run_request
+    from coserve.server.batches import BATCH_PRIORITY, run_request
 
     slots = asyncio.Semaphore(concurrency)
+    priority = BATCH_PRIORITY if scheduling_policy == "priority" else None
     async with app.router.lifespan_context(app):
-        return list(await asyncio.gather(*(run_request(app, DEFAULT_TENANT, line, slots) for line in lines)))
+        return list(await asyncio.gather(*(run_request(app, DEFAULT_TENANT, line, slots, priority)
+                                           for line in lines)))
 
 
 if __name__ == "__main__":
