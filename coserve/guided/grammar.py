@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from coserve.guided.regex import (MAX_CODE_POINT, Ranges, _completions, _utf8_length, _without_surrogates, complement,
-                                  contains, intersects, normalize)
+from coserve.guided.regex import (MAX_CODE_POINT, Ranges, _without_surrogates, complement, contains, intersects,
+                                  normalize, step_utf8)
 
 MAX_SYMBOLS = 50_000  # a grammar compiling to more symbols is refused ({m,n} repeats copy their item)
 MAX_STACKS = 4_096  # parses kept per state: beyond it an ambiguous grammar keeps the first found (every kept
@@ -322,30 +322,11 @@ class GrammarMachine:
         return frozenset(out)
 
     def step(self, state: State, b: int) -> State:
-        if not state:
-            return ()
-        stacks, partial = state
-        if not partial:
-            if b < 0x80:
-                return self._advance(stacks, b)
-            if not (0xC2 <= b <= 0xF4):
-                return ()
-            partial = bytes([b])
-        else:
-            if not 0x80 <= b <= 0xBF:
-                return ()
-            partial += bytes([b])
-        need = _utf8_length(partial[0])
-        if len(partial) == need:
-            try:
-                cp = ord(partial.decode("utf-8"))
-            except UnicodeDecodeError:
-                return ()
-            return self._advance(stacks, cp)
-        bounds = _completions(partial, need)
-        if bounds is None or not any(s and intersects(s[-1].ranges, *bounds) for s in stacks):
-            return ()
-        return (stacks, partial)
+        return step_utf8(state, b, self._advance, self._may_take)
+
+    @staticmethod
+    def _may_take(stacks: frozenset[Stack], lo: int, hi: int) -> bool:
+        return any(s and intersects(s[-1].ranges, lo, hi) for s in stacks)
 
     def _advance(self, stacks: frozenset[Stack], cp: int) -> State:
         out: set[Stack] = set()

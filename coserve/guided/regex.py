@@ -406,34 +406,11 @@ class RegexMachine:
         return frozenset(seen)
 
     def step(self, state: State, b: int) -> State:
-        if not state:
-            return ()
-        nfa, partial = state
-        if not partial:
-            if b < 0x80:
-                return self._advance(nfa, b)
-            if not (0xC2 <= b <= 0xF4):
-                return ()
-            partial = bytes([b])
-        else:
-            if not 0x80 <= b <= 0xBF:
-                return ()
-            partial += bytes([b])
-        need = _utf8_length(partial[0])
-        if len(partial) == need:
-            try:
-                cp = ord(partial.decode("utf-8"))
-            except UnicodeDecodeError:
-                return ()
-            return self._advance(nfa, cp)
-        bounds = _completions(partial, need)
-        if bounds is None:
-            return ()
-        lo, hi = bounds
-        if not any(intersects(ranges, lo, hi) for s in nfa for ranges, t in self.states[s].moves
-                   if t in self.distance):
-            return ()
-        return (nfa, partial)
+        return step_utf8(state, b, self._advance, self._may_take)
+
+    def _may_take(self, nfa: frozenset[int], lo: int, hi: int) -> bool:
+        return any(intersects(ranges, lo, hi) for s in nfa for ranges, t in self.states[s].moves
+                   if t in self.distance)
 
     def _advance(self, nfa: frozenset[int], cp: int) -> State:
         # only moves from which the accepting state can still be reached: a live state always has a way out
@@ -456,6 +433,36 @@ class RegexMachine:
             if not state:
                 return False
         return self.accepting(state)
+
+
+def step_utf8(state: tuple, b: int, advance, may_take) -> tuple:
+    """One byte into a machine over code points whose state is ``(inner, bytes of a character being read)``
+    (``()``: dead): a whole character goes to ``advance(inner, code point)``; a partial one stays alive while
+    ``may_take(inner, lo, hi)`` says some code point it may still become can be taken."""
+    if not state:
+        return ()
+    inner, partial = state
+    if not partial:
+        if b < 0x80:
+            return advance(inner, b)
+        if not (0xC2 <= b <= 0xF4):
+            return ()
+        partial = bytes([b])
+    else:
+        if not 0x80 <= b <= 0xBF:
+            return ()
+        partial += bytes([b])
+    need = _utf8_length(partial[0])
+    if len(partial) == need:
+        try:
+            cp = ord(partial.decode("utf-8"))
+        except UnicodeDecodeError:
+            return ()
+        return advance(inner, cp)
+    bounds = _completions(partial, need)
+    if bounds is None or not may_take(inner, *bounds):
+        return ()
+    return (inner, partial)
 
 
 def _utf8_length(lead: int) -> int:
