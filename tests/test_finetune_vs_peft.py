@@ -121,3 +121,21 @@ def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, ta
     assert [x["step"] for x in lines] == [1, 2, 3]
     assert set(lines[0]) >= {"step", "loss", "lr", "tokens", "elapsed_s", "mean_token_accuracy"}
     assert [x["mean_token_accuracy"] for x in lines] == ref_accuracies
+
+
+def test_all_linear_wraps_the_modules_peft_wraps(model_factory):
+    """PEFT's target_modules="all-linear" (every linear module but the LM head), as a string, a one-item list or
+    the CLI's comma list; any other string is refused rather than read as PEFT's path regex."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from coserve.peft.config import LoraConfig
+    hf = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_factory("llama"))),
+                        PeftLoraConfig(r=4, target_modules="all-linear"))
+    wrapped = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in hf.named_parameters()
+               if name.endswith("lora_A.default.weight")}
+    for given in ("all-linear", ["all-linear"]):
+        assert set(LoraConfig(target_modules=given).target_modules) == wrapped
+    with pytest.raises(ValueError, match="a string must be 'all-linear'"):
+        LoraConfig(target_modules=".*proj")

@@ -37,8 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--use-rslora", action="store_true")
     p.add_argument("--use-dora", action="store_true", help="DoRA (PEFT's use_dora): a trainable magnitude per output")
-    p.add_argument("--target-modules", default=None, help="comma-separated (lora default: down_proj; "
-                   "ia3 default: k_proj,v_proj,down_proj)")
+    p.add_argument("--target-modules", default=None, help="comma-separated, or all-linear as in PEFT (lora "
+                   "default: down_proj; ia3 default: k_proj,v_proj,down_proj)")
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--lr-scheduler", default=d.lr_scheduler, choices=["constant", "linear", "cosine"])

@@ -7,6 +7,20 @@ from dataclasses import dataclass, field
 from coserve.model.decoder import INPUT_SCALABLE_MODULES, TARGET_MODULES
 
 
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module of the decoder layers (not the LM head)
+
+
+def _targets(modules) -> list[str]:
+    """``target_modules`` as a list: PEFT's ``"all-linear"`` (alone, as a string or a one-item list) expanded."""
+    if isinstance(modules, str):
+        if modules != ALL_LINEAR:
+            raise ValueError(f"target_modules: a string must be {ALL_LINEAR!r} (PEFT's regular expressions over module "
+                             f"paths are not supported); give a list of module names otherwise")
+        return list(TARGET_MODULES)
+    modules = list(modules)
+    return list(TARGET_MODULES) if modules == [ALL_LINEAR] else modules
+
+
 def _check_targets(name: str, modules: list[str]) -> None:
     if not modules:
         raise ValueError(f"{name}: at least one module is needed")
@@ -22,7 +36,7 @@ class LoraConfig:
     r: int = 16  # rank
     lora_alpha: float = 16  # scaling numerator
     lora_dropout: float = 0.0  # dropout on the bypass input
-    target_modules: list[str] = field(default_factory=lambda: ["down_proj"])  # the papers' setting
+    target_modules: list[str] = field(default_factory=lambda: ["down_proj"])  # the papers' setting; "all-linear"
     use_rslora: bool = False  # scaling = alpha / sqrt(r) instead of alpha / r
     use_dora: bool = False  # DoRA (PEFT's): a trainable magnitude per output times the direction W + scaling B A
 
@@ -35,7 +49,7 @@ class LoraConfig:
             raise ValueError(f"use_dora: must be true or false, got {self.use_dora!r}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout!r}")
-        self.target_modules = list(self.target_modules)
+        self.target_modules = _targets(self.target_modules)
         _check_targets("target_modules", self.target_modules)
 
     @property
