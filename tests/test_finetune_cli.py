@@ -94,3 +94,29 @@ def test_the_memory_target_trades_kept_bytes_for_flops(model_factory, tmp_path, 
     assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(tmp_path / "x"),
                  "--memory-target", "0", "--no-progress"]) == 2
     assert "memory_target" in capsys.readouterr().err
+
+
+def test_save_steps_writes_resumable_numbered_checkpoints(model_factory, tmp_path, capsys):
+    """HF Trainer's save_steps / save_total_limit: OUTPUT/checkpoint-STEP every N steps (the newest K kept), each an
+    adapter directory that --init-adapter resumes from, at that step."""
+    model_dir = model_factory("llama")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    out = tmp_path / "adapter"
+    common = ["--model", str(model_dir), "--data", str(data), "--lora-r", "4", "--batch-size", "1", "--no-progress",
+              "--no-shuffle", "--lr", "0.01"]
+    assert main(["finetune", *common, "--output", str(out), "--max-steps", "5", "--save-steps", "2",
+                 "--save-total-limit", "1"]) == 0
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4"]
+    assert (out / "checkpoint-4" / "adapter_config.json").is_file()
+    assert json.loads((out / "checkpoint-4" / "training_state.json").read_text())["step"] == 4
+    resumed = tmp_path / "resumed"
+    assert main(["finetune", *common, "--output", str(resumed), "--max-steps", "5",
+                 "--init-adapter", str(out / "checkpoint-4")]) == 0
+    log = [json.loads(x) for x in (resumed / "training_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [5]
+    first = [json.loads(x) for x in (out / "training_log.jsonl").read_text().splitlines()]
+    assert log[0]["loss"] == pytest.approx(first[4]["loss"], rel=1e-6)  # the same fifth step
+    capsys.readouterr()
+    assert main(["finetune", *common, "--output", str(tmp_path / "x"), "--save-steps", "-1"]) == 2
+    assert "save_steps: must be a non-negative integer" in capsys.readouterr().err

@@ -72,7 +72,8 @@ def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, ste
 
 
 def write_checkpoint(out_dir: Path, snap: CheckpointSnapshot) -> None:
-    """Adapter files, optimizer and scheduler state, and a JSON summary, atomically; keeps ``out_dir``'s log."""
+    """Adapter files, optimizer and scheduler state, and a JSON summary, atomically; keeps ``out_dir``'s log and
+    its numbered checkpoints (``checkpoint-STEP`` directories, hard-linked into the new directory, not copied)."""
     out_dir = Path(out_dir)
 
     def write(tmp: Path) -> None:
@@ -82,6 +83,10 @@ def write_checkpoint(out_dir: Path, snap: CheckpointSnapshot) -> None:
         log = out_dir / LOG_FILE
         if log.is_file():
             shutil.copy2(log, tmp / LOG_FILE)
+        if out_dir.is_dir():
+            for child in out_dir.iterdir():
+                if child.is_dir() and child.name.startswith("checkpoint-"):
+                    shutil.copytree(child, tmp / child.name, copy_function=os.link)
 
     write_dir_atomically(out_dir, write)
 

@@ -23,6 +23,10 @@ def add_arguments(p) -> None:
     d = FinetuneConfig(output_dir="-")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records")
+    p.add_argument("--save-steps", type=int, default=0, help="every this many steps, a resumable checkpoint in "
+                   "OUTPUT/checkpoint-STEP (HF Trainer's layout; --init-adapter resumes from one); 0 = only the end")
+    p.add_argument("--save-total-limit", type=int, default=0, help="keep only the newest this many checkpoint-STEP "
+                   "directories (0 = all)")
     p.add_argument("--eval-steps", type=int, default=0,
                    help="with --validation-data: a validation batch (batch-size examples, chosen by the step, so "
                         "a resume picks the same) every this many steps; 0 = only the whole set after each epoch")
@@ -75,7 +79,8 @@ def run(args) -> int:
         max_seq_len=args.max_seq_len, seed=args.seed, shuffle=not args.no_shuffle,
         window_tokens=args.window_tokens, window_schedule=args.window_schedule,
         rematerialize=args.rematerialize, memory_target=args.memory_target,
-        train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps)
+        train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps, save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit)
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     examples, report = load_dataset(args.data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)

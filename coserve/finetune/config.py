@@ -38,11 +38,14 @@ class FinetuneConfig:
     eval_steps: int = 0  # with validation data: every this many steps (0 = never), the next batch_size validation
     #   examples (in turn) run forward-only for the step's valid_batch_loss (the whole set runs at each epoch's end)
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
+    save_steps: int = 0  # HF Trainer's: every this many steps, a resumable checkpoint in output_dir/checkpoint-STEP
+    save_total_limit: int = 0  # HF Trainer's: keep only the newest this many of those (0 = all)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "max_nonfinite_steps"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_steps", "warmup_steps", "window_tokens", "seed", "eval_steps"):
+        for name in ("max_steps", "warmup_steps", "window_tokens", "seed", "eval_steps", "save_steps",
+                     "save_total_limit"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")

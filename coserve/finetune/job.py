@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from coserve.finetune.token_windows import FinetuneSlice, backward_window, forwa
 from coserve.model.decoder import DecoderModel
 from coserve.peft.dropout import mix_seed
 from coserve.peft.trainable import TrainableBypass
+
+CHECKPOINT_PREFIX = "checkpoint-"  # output_dir/checkpoint-STEP, as HF Trainer names them
 
 
 class FinetuneError(RuntimeError):
@@ -301,8 +304,21 @@ class FinetuneJob:
         """A finished step into the log and the training log file, then ``on_step`` (checkpoints)."""
         self.log.append(record)
         self._append_log(record)
+        if self.cfg.save_steps and self.step % self.cfg.save_steps == 0 and self.step < self.total_steps:
+            self._save_numbered()
         if self.on_step is not None:
             self.on_step(self)
+
+    def _save_numbered(self) -> None:
+        """``output_dir/checkpoint-STEP`` (HF Trainer's layout: an adapter directory ``--init-adapter`` resumes
+        from), the oldest beyond ``save_total_limit`` removed. Written here, on the thread that trains."""
+        self.save(self.output_dir / f"{CHECKPOINT_PREFIX}{self.step}")
+        if self.cfg.save_total_limit:
+            numbered = sorted((int(p.name[len(CHECKPOINT_PREFIX):]), p) for p in self.output_dir.iterdir()
+                              if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+                              and p.name[len(CHECKPOINT_PREFIX):].isdigit())
+            for _, path in numbered[:-self.cfg.save_total_limit]:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _append_log(self, record: StepRecord) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
