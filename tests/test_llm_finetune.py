@@ -64,3 +64,27 @@ def test_requests_and_jobs_are_charged_to_their_tenants(model_factory, tmp_path)
     with pytest.raises(ValueError, match="inference-only"):
         LLM(model_factory("llama"), dtype="float32", device="cpu", policy="inference-only").finetune(
             _data(tmp_path / "e.jsonl"), config=FinetuneConfig(output_dir=str(tmp_path / "o2")))
+
+
+def test_a_co_served_jobs_numbered_checkpoints_are_written_off_the_engine_thread(model_factory, tmp_path,
+                                                                                   monkeypatch):
+    import threading
+
+    import coserve.finetune.job as job_module
+    writers = []
+    real = job_module.write_checkpoint
+
+    def recording(out_dir, snap):
+        writers.append((out_dir.name, threading.current_thread().name))
+        real(out_dir, snap)
+
+    monkeypatch.setattr(job_module, "write_checkpoint", recording)
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    job = llm.finetune(_data(tmp_path / "d.jsonl"), LoraConfig(r=4, target_modules=["down_proj"]),
+                       FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=5, lr=1e-2, save_steps=2,
+                                      save_total_limit=1))
+    assert job.wait(timeout=120)["status"] == "succeeded"
+    assert [name for name, _ in writers] == ["checkpoint-2", "checkpoint-4"]
+    assert all(thread.startswith("coserve-save") for _, thread in writers)
+    assert sorted(p.name for p in job.output_dir.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4"]
+    assert (job.output_dir / "checkpoint-4" / "adapter_model.safetensors").is_file()

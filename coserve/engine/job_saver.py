@@ -26,10 +26,24 @@ class JobSaver:
         self._pending: dict[str, Future] = {}
 
     def submit(self, job_id: str, job: FinetuneJob) -> None:
-        """On the engine thread: copy the job's checkpoint and start writing it to ``job.output_dir``."""
+        """On the engine thread: copy the job's checkpoint and start writing it to ``job.output_dir`` (after every
+        write submitted before it: one thread, in order)."""
+        self._pending[job_id] = self._executor().submit(write_checkpoint, job.output_dir, job.snapshot())
+
+    def write_later(self, write) -> None:
+        """A job's intermediate checkpoint write (``FinetuneJob.write_later``), on the same thread, in order; a
+        failure is logged (the job trains on, its final save still to come)."""
+        def run() -> None:
+            try:
+                write()
+            except Exception:
+                log.exception("writing a numbered checkpoint failed")
+        self._executor().submit(run)
+
+    def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-save")
-        self._pending[job_id] = self._pool.submit(write_checkpoint, job.output_dir, job.snapshot())
+        return self._pool
 
     def any_done(self) -> bool:
         """Whether a write has ended (any thread: a cheap look)."""

@@ -142,6 +142,8 @@ class LLMEngine:
         self._check_finetune_memory(job)
         self._ensure_latency_model()
         self.job_states[jid] = JobState(job)
+        if job.write_later is None:  # numbered checkpoints (save_steps) are written off the engine thread
+            job.write_later = self.saver.write_later
         self.executor.jobs[jid] = job
         self.scheduler.add_job(job_progress(jid, job), tenant)
         if job.done:

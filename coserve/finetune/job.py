@@ -9,6 +9,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -107,6 +108,7 @@ class FinetuneJob:
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
         self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, longest)  # what it keeps
         self.on_step: Callable[[FinetuneJob], None] | None = None  # called after every optimizer step (checkpoints)
+        self.write_later: Callable[[Callable[[], None]], None] | None = None  # runs a checkpoint write elsewhere
 
     # ---- the work interface ------------------------------------------------
     @property
@@ -311,14 +313,13 @@ class FinetuneJob:
 
     def _save_numbered(self) -> None:
         """``output_dir/checkpoint-STEP`` (HF Trainer's layout: an adapter directory ``--init-adapter`` resumes
-        from), the oldest beyond ``save_total_limit`` removed. Written here, on the thread that trains."""
-        self.save(self.output_dir / f"{CHECKPOINT_PREFIX}{self.step}")
-        if self.cfg.save_total_limit:
-            numbered = sorted((int(p.name[len(CHECKPOINT_PREFIX):]), p) for p in self.output_dir.iterdir()
-                              if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-                              and p.name[len(CHECKPOINT_PREFIX):].isdigit())
-            for _, path in numbered[:-self.cfg.save_total_limit]:
-                shutil.rmtree(path, ignore_errors=True)
+        from), the oldest beyond ``save_total_limit`` removed: by ``write_later`` when set (a co-serving engine
+        writes off its thread, in order), else here."""
+        write = partial(write_numbered, self.output_dir, self.step, self.snapshot(), self.cfg.save_total_limit)
+        if self.write_later is not None:
+            self.write_later(write)
+        else:
+            write()
 
     def _append_log(self, record: StepRecord) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -365,3 +366,14 @@ def _targets(examples) -> int:
 
 def _plain(cfg: FinetuneConfig) -> dict:
     return {name: getattr(cfg, name) for name in cfg.__slots__}
+
+
+def write_numbered(output_dir: Path, step: int, snap: CheckpointSnapshot, keep: int) -> None:
+    """Write ``output_dir/checkpoint-STEP`` and remove the oldest numbered checkpoints beyond ``keep`` (0: none)."""
+    write_checkpoint(output_dir / f"{CHECKPOINT_PREFIX}{step}", snap)
+    if keep:
+        numbered = sorted((int(p.name[len(CHECKPOINT_PREFIX):]), p) for p in output_dir.iterdir()
+                          if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+                          and p.name[len(CHECKPOINT_PREFIX):].isdigit())
+        for _, path in numbered[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
