@@ -17,6 +17,7 @@ from coserve.peft.adapter_dir import write_adapter_files
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "training_state.json"
 LOG_FILE = "training_log.jsonl"
+CHECKPOINT_PREFIX = "checkpoint-"  # output_dir/checkpoint-STEP: numbered checkpoints, as HF Trainer names them
 
 
 def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
@@ -85,7 +86,7 @@ def write_checkpoint(out_dir: Path, snap: CheckpointSnapshot) -> None:
             shutil.copy2(log, tmp / LOG_FILE)
         if out_dir.is_dir():
             for child in out_dir.iterdir():
-                if child.is_dir() and child.name.startswith("checkpoint-"):
+                if child.is_dir() and child.name.startswith(CHECKPOINT_PREFIX):
                     shutil.copytree(child, tmp / child.name, copy_function=os.link)
 
     write_dir_atomically(out_dir, write)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from coserve.finetune.checkpoint import (LOG_FILE, CheckpointSnapshot, load_optimizer_state, snapshot_checkpoint,
-                                        write_checkpoint)
+from coserve.finetune.checkpoint import (CHECKPOINT_PREFIX, LOG_FILE, CheckpointSnapshot, load_optimizer_state,
+                                        snapshot_checkpoint, write_checkpoint)
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.optim import make_optimizer, make_scheduler
 from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
@@ -24,8 +24,6 @@ from coserve.finetune.token_windows import FinetuneSlice, backward_window, forwa
 from coserve.model.decoder import DecoderModel
 from coserve.peft.dropout import mix_seed
 from coserve.peft.trainable import TrainableBypass
-
-CHECKPOINT_PREFIX = "checkpoint-"  # output_dir/checkpoint-STEP, as HF Trainer names them
 
 
 class FinetuneError(RuntimeError):
