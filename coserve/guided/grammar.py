@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from coserve.guided.regex import (MAX_CODE_POINT, Ranges, _without_surrogates, complement, contains, intersects,
-                                  normalize, step_utf8)
+from coserve.guided.regex import (MAX_CODE_POINT, CodePointMachine, Ranges, _without_surrogates, complement, contains,
+                                  intersects, normalize, step_utf8)
 
 MAX_SYMBOLS = 50_000  # a grammar compiling to more symbols is refused ({m,n} repeats copy their item)
 MAX_STACKS = 4_096  # parses kept per state: beyond it an ambiguous grammar keeps the first found (every kept
@@ -257,7 +257,7 @@ Stack = tuple  # symbols still to match, the next one last
 State = tuple  # (frozenset of stacks, bytes of a UTF-8 character being read); () = dead
 
 
-class GrammarMachine:
+class GrammarMachine(CodePointMachine):
     """The byte-level transition function of one grammar (the interface of ``JsonMachine``)."""
 
     def __init__(self, grammar: str) -> None:
@@ -349,16 +349,6 @@ class GrammarMachine:
     def accepting(self, state: State) -> bool:
         return bool(state) and not state[1] and () in state[0]
 
-    def string_room(self, state: State) -> None:
-        return None  # every token is walked
-
-    def matches(self, text: str) -> bool:
-        state = self.start
-        for b in text.encode("utf-8"):
-            state = self.step(state, b)
-            if not state:
-                return False
-        return self.accepting(state)
 
 
 def compile_grammar(grammar: str) -> GrammarMachine:

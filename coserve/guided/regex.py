@@ -342,7 +342,32 @@ class _Builder:
 State = tuple  # (frozenset of NFA states, bytes of a UTF-8 character still being read); () = dead
 
 
-class RegexMachine:
+class CodePointMachine:
+    """What the machines over code points share (``RegexMachine``, ``grammar.GrammarMachine``): the interface of
+    ``JsonMachine`` less its JSON-string fast path, and a whole-text check."""
+
+    start: tuple
+
+    def step(self, state: tuple, b: int) -> tuple:
+        raise NotImplementedError
+
+    def accepting(self, state: tuple) -> bool:
+        raise NotImplementedError
+
+    def string_room(self, state: tuple) -> None:
+        return None  # no JSON string fast path: every token is walked
+
+    def matches(self, text: str) -> bool:
+        """Whether the whole of ``text`` matches (the machine run over its UTF-8 bytes)."""
+        state = self.start
+        for b in text.encode("utf-8"):
+            state = self.step(state, b)
+            if not state:
+                return False
+        return self.accepting(state)
+
+
+class RegexMachine(CodePointMachine):
     """The byte-level transition function of one pattern (the interface of ``JsonMachine``)."""
 
     def __init__(self, pattern: str) -> None:
@@ -422,17 +447,6 @@ class RegexMachine:
     def accepting(self, state: State) -> bool:
         return bool(state) and not state[1] and self.accept in state[0]
 
-    def string_room(self, state: State) -> None:
-        return None  # no JSON string fast path: every token is walked
-
-    def matches(self, text: str) -> bool:
-        """Whether the whole of ``text`` matches (the machine run over its UTF-8 bytes)."""
-        state = self.start
-        for b in text.encode("utf-8"):
-            state = self.step(state, b)
-            if not state:
-                return False
-        return self.accepting(state)
 
 
 def step_utf8(state: tuple, b: int, advance, may_take) -> tuple:
