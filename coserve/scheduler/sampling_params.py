@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coserve.guided.grammar import GrammarError, compile_grammar
-from coserve.guided.regex import RegexError, compile_regex
-from coserve.guided.schema import SchemaError, compile_choices, compile_schema
+from coserve.guided.compilers import COMPILERS
 
 
 MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (as vLLM does)
@@ -84,31 +82,15 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
-        given = [f for f in ("guided_json", "guided_choice", "guided_regex", "guided_grammar")
-                 if getattr(self, f) is not None]
+        given = [f for f in COMPILERS if getattr(self, f) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[-1]}: give one of guided_json, guided_choice, guided_regex and guided_grammar, "
                              f"not {len(given)}")
-        if self.guided_grammar is not None:
+        for f in given:
             try:
-                compile_grammar(self.guided_grammar)
-            except GrammarError as e:
-                raise ValueError(f"guided_grammar: {e}") from None
-        if self.guided_regex is not None:
-            try:
-                compile_regex(self.guided_regex)
-            except RegexError as e:
-                raise ValueError(f"guided_regex: {e}") from None
-        if self.guided_json is not None:
-            try:
-                compile_schema(self.guided_json)
-            except SchemaError as e:
-                raise ValueError(f"guided_json: {e}") from None
-        if self.guided_choice is not None:
-            try:
-                compile_choices(self.guided_choice)
-            except SchemaError as e:
-                raise ValueError(f"guided_choice: {e}") from None
+                COMPILERS[f](getattr(self, f))
+            except ValueError as e:
+                raise ValueError(f"{f}: {e}") from None
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
@@ -132,8 +114,7 @@ class SamplingParams:
     def guided(self) -> bool:
         """Whether a guide decides which tokens may come (guided_json, guided_choice, guided_regex or
         guided_grammar)."""
-        return any(f is not None for f in (self.guided_json, self.guided_choice, self.guided_regex,
-                                           self.guided_grammar))
+        return any(getattr(self, f) is not None for f in COMPILERS)
 
     @property
     def speculable(self) -> bool:

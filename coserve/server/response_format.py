@@ -14,8 +14,7 @@ import json
 import re
 from typing import Any
 
-from coserve.guided.grammar import GrammarError, compile_grammar
-from coserve.guided.regex import RegexError, compile_regex
+from coserve.guided.compilers import COMPILERS
 from coserve.guided.schema import SchemaError, compile_choices, compile_schema
 from coserve.server.errors import bad_request
 
@@ -29,7 +28,7 @@ def guided_output(body: Any) -> dict[str, Any]:
     none: free text) a request's output must match: from ``response_format``, vLLM's ``guided_*`` fields, or
     vLLM's newer ``structured_outputs`` (``{"json": ...}``, ``{"choice": [...]}``, ``{"regex": ...}`` or
     ``{"grammar": ...}``); at most one of them; 400 naming the field when one is bad."""
-    given = {f: getattr(body, f, None) for f in ("guided_json", "guided_choice", "guided_regex", "guided_grammar")}
+    given = {f: getattr(body, f, None) for f in COMPILERS}
     structured = getattr(body, "structured_outputs", None)
     if structured is not None:
         if not isinstance(structured, dict) or len(structured) != 1 or not set(structured) <= set(STRUCTURED):
@@ -44,12 +43,11 @@ def guided_output(body: Any) -> dict[str, Any]:
     rf = getattr(body, "response_format", None)
     if len(named) > 1 or (named and named != ["guided_json"] and rf is not None):
         raise bad_request(f"{named[-1]}: give one way of guiding the output", named[-1])
-    for field, compile_one, error in (("guided_regex", compile_regex, RegexError),
-                                      ("guided_grammar", compile_grammar, GrammarError)):
+    for field in ("guided_regex", "guided_grammar"):
         if given[field] is not None:
             try:
-                compile_one(given[field])
-            except error as e:
+                COMPILERS[field](given[field])
+            except ValueError as e:
                 raise bad_request(f"{field}: {e}", field) from None
             return {field: given[field]}
     if given["guided_choice"] is not None:
