@@ -18,6 +18,7 @@ from coserve.guided.grammar import MAX_SYMBOLS, GrammarError, compile_grammar
 from coserve.guided.guide import Guide, Vocabulary
 from coserve.guided.vocab import token_bytes
 from coserve.model.tokenizer import load_tokenizer
+from guided_helpers import ended_walks
 
 # JSON as llama.cpp's json.gbnf writes it (whitespace limited so that a model cannot pad forever)
 JSON = r'''
@@ -102,20 +103,10 @@ def vocab(model_factory):
 
 
 def test_random_guided_walks_that_end_are_json(vocab):
-    guide, rng, ended = Guide(None, vocab, grammar=JSON), random.Random(5), 0
-    for _ in range(25):
-        state, data = guide.start, b""
-        for _ in range(80):
-            allowed = guide.allowed_ids(state)
-            assert allowed
-            eos = [i for i in allowed if i in vocab.eos_ids]
-            token = eos[0] if eos and rng.random() < 0.4 else rng.choice(allowed)
-            if token in vocab.eos_ids:
-                json.loads(data.decode())
-                ended += 1
-                break
-            state, data = guide.advance(state, token), data + vocab.vocab[token]
-    assert ended >= 10
+    ended = ended_walks(Guide(None, vocab, grammar=JSON), vocab, random.Random(5), 25, 80, 0.4)
+    for data in ended:
+        json.loads(data.decode())
+    assert len(ended) >= 10
 
 
 def test_guided_grammar_requests_match_and_leave_others_alone(model_factory):

@@ -22,6 +22,7 @@ from coserve.guided.machine import JsonMachine, initial_state
 from coserve.guided.schema import SchemaError, compile_schema
 from coserve.guided.vocab import token_bytes
 from coserve.model.tokenizer import load_tokenizer
+from guided_helpers import ended_walks
 
 RECORD = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tags"],
           "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 12, "x", None]},
@@ -165,21 +166,12 @@ def test_string_formats_are_kept_by_random_guided_walks(vocab, fmt):
     the calendar: February 29th only in leap years)."""
     _, v = vocab
     schema = {"type": "string", "format": fmt}
-    guide, rng, ended = Guide(schema, v), random.Random(list(FORMAT_CHECKS).index(fmt)), 0
-    for _ in range(20):
-        state, data = guide.start, b""
-        for _ in range(120):
-            allowed = guide.allowed_ids(state)
-            eos = [i for i in allowed if i in v.eos_ids]
-            closing = [i for i in allowed if v.vocab[i] and any(c in v.vocab[i] for c in b'"@.')]
-            # end when allowed; otherwise lean towards the bytes that move a walk on (the quote, '@', '.')
-            token = eos[0] if eos else rng.choice(closing if closing and rng.random() < 0.3 else allowed)
-            if token in v.eos_ids:
-                FORMAT_CHECKS[fmt](json.loads(data.decode()))
-                ended += 1
-                break
-            state, data = guide.advance(state, token), data + v.vocab[token]
-    assert ended >= 12
+    # end when allowed; otherwise lean towards the bytes that move a walk on (the quote, '@', '.')
+    ended = ended_walks(Guide(schema, v), v, random.Random(list(FORMAT_CHECKS).index(fmt)), 20, 120, 1.0,
+                        lean=b'"@.', lean_chance=0.3)
+    for data in ended:
+        FORMAT_CHECKS[fmt](json.loads(data.decode()))
+    assert len(ended) >= 12
     assert accepts({"type": "string", "format": "date"}, '"2023-02-29"') is None
     assert accepts({"type": "string", "format": "date"}, '"2024-02-29"') is True
     assert accepts({"type": "string", "format": "date", "pattern": "^x$"}, '"x"') is True  # the pattern wins
@@ -265,19 +257,10 @@ def test_random_guided_walks_that_end_are_valid_documents(vocab):
     document ``jsonschema`` accepts."""
     _, v = vocab
     schema = {k: val for k, val in RECORD.items() if k != "required"} | {"required": ["ok"]}
-    guide, rng, ended = Guide(schema, v), random.Random(1), 0
-    for _ in range(40):
-        state, data = guide.start, b""
-        for _ in range(200):
-            allowed = guide.allowed_ids(state)
-            eos = [i for i in allowed if i in v.eos_ids]
-            token = eos[0] if eos and rng.random() < 0.5 else rng.choice(allowed)
-            if token in v.eos_ids:
-                jsonschema.validate(json.loads(data.decode()), schema)
-                ended += 1
-                break
-            state, data = guide.advance(state, token), data + v.vocab[token]
-    assert ended >= 10
+    ended = ended_walks(Guide(schema, v), v, random.Random(1), 40, 200, 0.5)
+    for data in ended:
+        jsonschema.validate(json.loads(data.decode()), schema)
+    assert len(ended) >= 10
 
 
 @pytest.fixture(scope="module")

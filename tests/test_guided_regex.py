@@ -16,6 +16,7 @@ from coserve.guided.guide import Guide, Vocabulary
 from coserve.guided.regex import MAX_STATES, RegexError, compile_regex
 from coserve.guided.vocab import token_bytes
 from coserve.model.tokenizer import load_tokenizer
+from guided_helpers import ended_walks
 
 # pattern -> texts that match it whole (each also checked against re.fullmatch)
 CASES = {
@@ -118,20 +119,10 @@ def test_random_guided_walks_that_end_match_the_pattern(vocab):
     """Soundness and liveness: sampling uniformly among the allowed tokens never gets stuck, and every walk
     that reaches end-of-sequence spells a text ``re.fullmatch`` accepts."""
     pattern = r"(\d{1,3}\.){2}[a-zé]{1,5}( ok)?"
-    guide, rng, ended = Guide(None, vocab, regex=pattern), random.Random(3), 0
-    for _ in range(30):
-        state, data = guide.start, b""
-        for _ in range(60):
-            allowed = guide.allowed_ids(state)
-            assert allowed
-            eos = [i for i in allowed if i in vocab.eos_ids]
-            token = eos[0] if eos and rng.random() < 0.3 else rng.choice(allowed)
-            if token in vocab.eos_ids:
-                assert re.fullmatch(pattern, data.decode(), re.ASCII)
-                ended += 1
-                break
-            state, data = guide.advance(state, token), data + vocab.vocab[token]
-    assert ended >= 20
+    ended = ended_walks(Guide(None, vocab, regex=pattern), vocab, random.Random(3), 30, 60, 0.3)
+    for data in ended:
+        assert re.fullmatch(pattern, data.decode(), re.ASCII)
+    assert len(ended) >= 20
 
 
 @pytest.fixture(scope="module")
