@@ -105,3 +105,32 @@ def test_requests_naming_no_priority_get_the_runners(tmp_path):
     make_batch(store2, 2, priority=-3)  # a request's own priority stays
     run(store2, tmp_path / "other", app2, priority=1)
     assert [c["priority"] for c in app2.calls] == [-3, -3]
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL: nothing after it runs, no handler sees it."""
+
+
+def test_a_finalization_cut_short_and_run_again_writes_each_result_file_once(tmp_path):
+    store, app = Store(tmp_path), EchoApp()
+    make_batch(store, 4)
+    update = store.update_batch
+
+    def killed_before_completing(batch_id, **fields):
+        if fields.get("status") == "completed":
+            raise Killed  # the output and error files are stored; the batch row does not say so yet
+        return update(batch_id, **fields)
+    store.update_batch = killed_before_completing
+    try:
+        run(store, tmp_path, app)
+    except Killed:
+        pass
+    else:
+        raise AssertionError("the stand-in kill did not happen")
+    store.update_batch = update
+    assert store.get_batch("alice", "batch_1")["status"] == "finalizing"
+    batch = run(store, tmp_path, app)  # the restart
+    assert batch["status"] == "completed" and len(app.calls) == 4  # no request ran twice
+    outputs = [f for f in store.list_files("alice") if f["purpose"] == "batch_output"]
+    assert sorted(f["id"] for f in outputs) == sorted([batch["output_file_id"], batch["error_file_id"]])
+    assert [r["custom_id"] for r in contents(store, batch["output_file_id"])] == ["c0", "c2", "c3"]

@@ -12,6 +12,7 @@ does one past its ``expires_at`` (24 hours after it was made), which ends ``expi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import secrets
@@ -175,12 +176,18 @@ class BatchRunner:
             if records:
                 data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
                 made = await asyncio.to_thread(self.store.add_file, tenant, f"{batch_id}_{name}.jsonl",
-                                               "batch_output", data)
+                                               "batch_output", data, result_file_id(batch_id, name))
                 files[key] = made["id"]
         now = int(time.time())
         status = "cancelled" if cancelled else "expired" if expired else "completed"
         self.store.update_batch(batch_id, status=status, **{f"{status}_at": now},
                                 request_counts=_counts(len(lines), ordered), **files)
+
+
+def result_file_id(batch_id: str, name: str) -> str:
+    """The id of a batch's output or error file, the same each time: a finalization that a crash cut short and
+    that runs again after the restart finds the file it wrote, rather than writing a second one."""
+    return "file-" + hashlib.sha256(f"{batch_id}/{name}".encode()).hexdigest()[:24]
 
 
 def _read_progress(path: Path) -> dict[str, dict]:

@@ -161,11 +161,18 @@ class Store:
             raise ValueError(f"file_id: {file_id!r} is not a file id (file-<24 hex>)")
         return self.files_dir / f"{file_id}.jsonl"
 
-    def add_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> dict:
-        """Store an uploaded file (bytes first, then the row); returns the file object."""
+    def add_file(self, tenant: str, filename: str, purpose: str, data: bytes, file_id: str | None = None) -> dict:
+        """Store an uploaded file (bytes first, then the row); returns the file object. With ``file_id`` (one the
+        server derives, for a file it writes: a batch's output) the call is idempotent: where that file already
+        exists it is returned as it is, so a write that a crash interrupted can be done again without a copy."""
         if not isinstance(data, (bytes, bytearray)):
             raise ValueError(f"data: must be bytes, got {type(data).__name__}")
-        file_id = self.new_id("file")
+        if file_id is None:
+            file_id = self.new_id("file")
+        else:
+            existing = self.get_file(tenant, file_id)
+            if existing is not None:
+                return existing
         path = self.file_path(file_id)
         write_atomically(path, bytes(data))
         row = (file_id, tenant, str(filename), str(purpose), len(data), _now())
