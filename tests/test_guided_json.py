@@ -67,12 +67,25 @@ def test_not_json_or_not_an_object_is_rejected(text):
 
 @pytest.mark.parametrize("text, whole", [
     ('{"ok": true, "n": 1, "tags": []}', True),
-    ('{"tags": ["abcd", "é"], "n": 12, "ok": false, "score": -0.5e3, "count": 7}', True),
+    ('{"ok": false, "n": 12, "tags": ["abcd", "\u00e9"], "score": -0.5e3, "count": 7}', True),
     ('{"ok": true, "n": null, "tags": [], "kind": {"id": "a\\"b"}}', True),
     ('{"ok": true, "n": "x", "tags": [], "kind": null}', True),
     ('{"ok": true, "n": 1', False),
 ])
 def test_documents_matching_the_schema_are_accepted(text, whole):
+    assert accepts(RECORD, text) is whole
+
+
+@pytest.mark.parametrize("text, whole", [
+    ('{"ok": true, "n": 1, "tags": [], "count": 7}', True),  # optional keys may be left out, in order
+    ('{"ok": true, "n": 1, "tags": [], "kind": null}', True),
+    ('{"tags": [], "n": 12, "ok": false}', None),  # out of the schema's order
+    ('{"ok": true, "tags": [], "n": 1}', None),  # a required key skipped
+    ('{"ok": true, "n": 1, "tags": [], "count": 7, "score": 1}', None),  # an optional key after a later one
+])
+def test_a_closed_objects_keys_come_in_the_schemas_order(text, whole):
+    """As OpenAI's structured outputs and llama.cpp's schema grammars write them: the model decides each value knowing the
+    keys before it (a tool call's function before its parameters)."""
     assert accepts(RECORD, text) is whole
     if whole:
         jsonschema.validate(json.loads(text), RECORD)

@@ -213,11 +213,12 @@ def streamed_calls(stream) -> tuple[dict[int, dict], str]:
     for chunk in stream:
         for choice in chunk.choices:
             for d in choice.delta.tool_calls or []:
-                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": "", "pieces": 0})
                 call["id"] = d.id or call["id"]
                 if d.function is not None:
                     call["name"] = d.function.name or call["name"]
                     call["arguments"] += d.function.arguments or ""
+                    call["pieces"] += bool(d.function.arguments)
             reason = choice.finish_reason or reason
     return calls, reason
 
@@ -249,6 +250,7 @@ def test_tool_calls_named_and_required_streamed_or_not(alice):
         tool_choice="required", parallel_tool_calls=False, stream=True))
     assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls.values()] == [
         (made.function.name, made.function.arguments)]
+    assert calls[0]["pieces"] > 1 or made.function.arguments == "{}"  # streamed as written
 
 
 def test_a_conversation_with_past_tool_calls_renders_and_none_answers_in_text(alice, server):
@@ -286,6 +288,7 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(alice):
     calls, reason = streamed_calls(chunks)
     assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls.values()] == [
         ("get_weather", call.function.arguments)]
+    assert calls[0]["pieces"] > 3  # the arguments came as they were written, not whole at the end
 
     free = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=12, temperature=0, tools=[WEATHER])
     assert free.choices[0].message.tool_calls is None and free.choices[0].message.content

@@ -165,7 +165,7 @@ class JsonMachine:
             value = node.additional if key is None else node.property_node(key)
             return (rest + ((O, nid, O_VALUE, seen, key), (V, value, True)),)
         # O_AFTER
-        if b == COMMA and (node.additional is not None or any(k not in seen for k, _ in node.properties)):
+        if b == COMMA and (node.additional is not None or node.next_keys(seen)):
             return (rest + ((O, nid, O_COMMA, seen, None),),)
         if b == RBRACE and node.required <= seen:
             return self._complete(rest, None)
@@ -176,7 +176,7 @@ class JsonMachine:
         may appear, else any string (collected when it may be a declared one)."""
         inkey = (O, nid, O_INKEY, seen, None)
         if node.additional is None:
-            remaining = tuple(k for k, _ in node.properties if k not in seen)
+            remaining = node.next_keys(seen)
             return (rest + (inkey, (L, remaining, 1)),) if remaining else ()
         return (rest + (inkey, self._open_string(ANY_STRING, b"" if node.properties else None)),)
 

@@ -62,6 +62,18 @@ class Node:
     def property_node(self, key: bytes) -> int | None:
         return next((nid for k, nid in self.properties if k == key), None)
 
+    def next_keys(self, seen: frozenset[bytes]) -> tuple[bytes, ...]:
+        """A closed object's keys that may come next, ``seen`` written: those declared after the last written
+        one, up to the first required one (which cannot be skipped). Keys come in the schema's order, as
+        OpenAI's structured outputs and llama.cpp's schema grammars write them."""
+        last = max((i for i, (k, _) in enumerate(self.properties) if k in seen), default=-1)
+        keys = []
+        for k, _ in self.properties[last + 1:]:
+            keys.append(k)
+            if k in self.required:
+                break
+        return tuple(keys)
+
 
 @dataclass(slots=True)
 class CompiledSchema:

@@ -26,7 +26,7 @@ from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
 from coserve.server.response_format import guided_output
-from coserve.server.tool_parser import visible_text
+from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import template_messages, template_tools, tool_call, tool_plan
 
 router = APIRouter()
@@ -406,21 +406,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                              "tool_calls": [{"index": 0, **tool_call(tools.function, "")}]}
                 return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                 "finish_reason": None}]}
-            if tools is not None and tools.auto:  # text until a call may begin; calls go out whole at the end
+            if calls[c.index] is not None:  # text until a call may begin, then the calls as they are written
                 safe[c.index] += c.delta.next(out.outputs[0].text, out.finished)  # stop strings held back too
-                shown = visible_text(safe[c.index])
-                text, sent[c.index] = shown[sent[c.index]:], len(shown)
-            elif tools is not None and tools.whole_calls:
-                return None  # a list of calls is sent whole, once it is whole
+                text, made = calls[c.index].update(safe[c.index])
+                delta = {**({"content": text} if text else {}), **({"tool_calls": made} if made else {})}
             else:
                 text = c.delta.next(out.outputs[0].text, out.finished)
+                delta = ({"content": text} if tools is None
+                         else {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}) if text else {}
             logprobs = new_logprobs(c, out)
-            if not text and not logprobs:
+            if not delta and not logprobs:
                 return None
-            delta = ({"content": text} if tools is None or tools.auto
-                     else {"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return {**head(c), "choices": [{
-                "index": c.index, "delta": delta,
+                "index": c.index, "delta": delta or {"content": ""},
                 "logprobs": {"content": chat_logprobs(ctx, logprobs)} if body.logprobs else None,
                 "finish_reason": None}]}
 
@@ -429,18 +427,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
             content, made = tools.reply(text) if tools is not None and reason == "stop" else (text, [])
             if made:
                 reason = "tool_calls"
-                if tools.whole_calls:
-                    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(made)]}
-                if tools.auto and content and len(content) > sent[c.index]:
-                    delta["content"] = content[sent[c.index]:]  # text before the calls, held back so far
-            elif tools is not None and tools.auto and len(text) > sent[c.index]:
-                delta = {"content": text[sent[c.index]:]}  # no calls after all: the text held back
-            elif tools is not None and tools.whole_calls and not tools.auto and text:
-                delta = {"content": text}  # cut short: the text as it is
+            if calls[c.index] is not None:
+                rest, deltas = calls[c.index].finish(text, content, made)
+                delta = {**({"content": rest} if rest else {}), **({"tool_calls": deltas} if deltas else {})}
             return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                             "finish_reason": reason}]}
-        sent = [0] * body.n  # auto tool choice: characters of each choice's text streamed so far
-        safe = [""] * body.n  # and its text that no stop string can still cut
+        # a list of calls (required, or read from free text): each choice's stream of them
+        calls = [ToolCallStream(tools.auto) if tools is not None and tools.listed else None for _ in range(body.n)]
+        safe = [""] * body.n  # each choice's text that no stop string can still cut
         include = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(events(job, ctx, chunk, last, include), job, ctx)
 

@@ -226,7 +226,7 @@ class ResponseShape:
 
         job, choice = self.job, self.job.choices[0]
         named = self.tools is not None and self.tools.function is not None
-        listed = self.tools is not None and self.tools.whole_calls  # a list of calls (or auto's), sent once whole
+        listed = self.tools is not None and self.tools.listed  # a list of calls (or auto's), sent once whole
         failed = False
         try:
             yield event("response.created", response=self.response(None, "in_progress"))

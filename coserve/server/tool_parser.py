@@ -3,8 +3,8 @@
 Only the Hermes format is known (``hermes``: Hermes, Qwen2/2.5 and the many models trained on it): each
 call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after any text. A reply whose blocks
 are not all whole JSON calls is text, as vLLM leaves it; names are not checked against the request's
-tools (as vLLM does not). While streaming, text is sent until a block may be starting (a tail that could
-be the start of ``<tool_call>`` is held back); the calls go out whole when the output ends.
+tools (as vLLM does not). A call's ``arguments`` are the JSON text the model wrote for them (so that a
+stream can send them as they are written: ``tool_stream.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import json
 import re
 from dataclasses import dataclass
 
+from coserve.server.call_text import NotACall, scan_call
+
 PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+ARGUMENT_KEYS = ("arguments", "parameters")  # where a Hermes call's arguments may be (the first written counts)
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -43,22 +46,19 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
 
 
 def _call(body: str) -> ParsedCall | None:
+    """The call of a block's body, its arguments the text the model wrote for them (what a stream sent)."""
     try:
         value = json.loads(body)
+        view = scan_call(body, 0, ARGUMENT_KEYS)
+    except (json.JSONDecodeError, NotACall):
+        return None
+    if not isinstance(value, dict) or not view.name:
+        return None
+    try:
+        json.loads(view.arguments)  # a string's content must be JSON text too
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    args = value.get("arguments", value.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            json.loads(args)
-        except json.JSONDecodeError:
-            return None
-        return ParsedCall(value["name"], args)
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
+    return ParsedCall(view.name, view.arguments)
 
 
 def visible_text(text: str) -> str:

@@ -21,6 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from coserve.server.call_text import scan_call_list
 from coserve.server.errors import bad_request
 from coserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from coserve.server.response_format import checked_schema
@@ -39,8 +40,9 @@ class ToolPlan:
     auto: bool = False
 
     @property
-    def whole_calls(self) -> bool:
-        """Whether streamed calls go out whole at the end (a list, or calls read from free text)."""
+    def listed(self) -> bool:
+        """Whether the output is a list of calls (``required``, or read from free text), not one named call's
+        arguments."""
         return self.function is None
 
     def reply(self, text: str) -> tuple[str | None, list[dict]]:
@@ -60,10 +62,12 @@ class ToolPlan:
             return None
         if self.function is not None:
             return [tool_call(self.function, text)]
-        try:  # the guide makes this shape; a stop string of the request's could still cut it to another
-            return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-        except (TypeError, KeyError):
+        # the guide makes this shape; a stop string of the request's could still cut it to another
+        if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                                  and "parameters" in c for c in value):
             return None
+        # each call's arguments are the text written for its parameters (what a stream sent of them)
+        return [tool_call(v.name, v.arguments) for v in scan_call_list(text)]
 
 
 def tool_call(name: str, arguments: str) -> dict:
