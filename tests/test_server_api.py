@@ -300,6 +300,20 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(alice):
     assert reply.output[0].type == "message"
 
 
+def test_the_responses_api_streams_required_calls_as_they_are_written(alice):
+    """tool_choice 'required' on the Responses API: each call an item whose arguments come in pieces (the
+    streamed events on plain data, 'auto' included: test_tool_stream.py)."""
+    tool = {"type": "function", **WEATHER["function"]}
+    events = list(alice.responses.create(model=BASE, input="Weather?", tools=[tool], max_output_tokens=80,
+                                         temperature=0, tool_choice="required", parallel_tool_calls=False,
+                                         stream=True))
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+    assert [e.item.id for e in events if e.type == "response.output_item.done"] == [call.id]
+
+
 @pytest.mark.parametrize("kwargs, param, message", [
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",

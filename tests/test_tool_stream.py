@@ -133,3 +133,63 @@ def test_any_call_list_streamed_in_any_pieces_joins_into_its_reply(items, separa
                          (content, [tool_call(c.name, c.arguments) for c in made]))
     assert got == content and [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
     assert scan_call_list(text)[-1].end is not None
+
+
+def responses_events(text: str, tools: ToolPlan, step: int = 3) -> list[dict]:
+    """The Responses API's streamed events for an output growing ``step`` characters at a time (no engine)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from coserve.engine.outputs import CompletionOutput, RequestOutput
+    from coserve.server.choices import Choice, Job
+    from coserve.server.generation import TextDelta
+    from coserve.server.protocol import ResponsesRequest
+    from coserve.server.responses_api import ResponseShape
+
+    async def outputs():
+        for end in [*range(step, len(text), step), len(text)]:
+            done = end == len(text)
+            yield RequestOutput("r", None, [1, 2], [CompletionOutput(0, text[:end], list(range(end)),
+                                                                       "stop" if done else None)], finished=done)
+    observe = SimpleNamespace(observe=lambda _: None)
+    ctx = SimpleNamespace(metrics=SimpleNamespace(ttft=observe, tpot=observe, request_done=lambda *_: None))
+    job = Job("resp_1", 0, "m", 1, [Choice(0, [1, 2], outputs(), TextDelta())])
+    body = ResponsesRequest(model="m", input="x", store=False, stream=True,
+                            tools=[{"type": "function", "name": "get_weather"}])
+
+    async def collect():
+        return [json.loads(e.split("data: ", 1)[1]) async for e in ResponseShape(job, body, tools, "t", []).events(ctx)]
+    return asyncio.run(collect())
+
+
+def test_the_responses_api_streams_the_text_then_each_call_as_written():
+    events = responses_events(HERMES, ToolPlan(None, None, auto=True))
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds and kinds[-1] == "response.completed"
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call", "function_call"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Let me look.\n"
+    assert final["output"][0]["content"][0]["text"] == "Let me look.\n"
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["output_index"] for e in added] == [e["output_index"] for e in done] == [0, 1, 2]
+    assert [e["item"] for e in done] == final["output"]  # the same ids, call ids and arguments
+    for index, item in ((1, final["output"][1]), (2, final["output"][2])):
+        pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+                  and e["output_index"] == index]
+        assert "".join(pieces) == item["arguments"]
+    assert len([e for e in events if e["type"] == "response.function_call_arguments.delta"
+                and e["output_index"] == 1]) > 3  # in pieces, as written
+    order = [(e["type"], e.get("output_index")) for e in events]
+    assert order.index(("response.output_item.done", 0)) < order.index(("response.output_item.added", 1))
+    assert order.index(("response.output_item.done", 1)) < order.index(("response.output_item.added", 2))
+
+
+def test_the_responses_api_streams_plain_text_under_auto_as_it_comes():
+    text = "No call, just an answer that goes on for a while."
+    events = responses_events(text, ToolPlan(None, None, auto=True))
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert len(deltas) > 5 and "".join(deltas) == text == events[-1]["response"]["output"][0]["content"][0]["text"]
+    blank = responses_events("", ToolPlan(None, None, auto=True))
+    assert [o["type"] for o in blank[-1]["response"]["output"]] == ["message"]
+    assert [e["type"] for e in blank].count("response.output_item.done") == 1

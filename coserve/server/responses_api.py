@@ -32,6 +32,7 @@ from coserve.server.protocol import (ChatCompletionRequest, FunctionCallInput, F
                                      ResponsesRequest)
 from coserve.server.response_format import guided_schema
 from coserve.server.tools import ToolPlan, tool_plan
+from coserve.server.tool_stream import ToolCallStream
 
 router = APIRouter()
 # chat fields whose errors name the Responses API's own
@@ -156,6 +157,13 @@ class ResponseShape:
         self.message_id = f"msg_{secrets.token_hex(12)}"
         self.call_id = f"call_{secrets.token_hex(12)}"  # a named function's call
         self.item_id = f"fc_{secrets.token_hex(12)}"
+        self.streamed_call_ids: list[str] = []  # a listed call's call_id where a stream announced it
+        self.call_item_ids: list[str] = []  # each listed call's item id, made as first needed
+
+    def call_item_id(self, i: int) -> str:
+        while len(self.call_item_ids) <= i:
+            self.call_item_ids.append(f"fc_{secrets.token_hex(12)}")
+        return self.call_item_ids[i]
 
     def items(self, out: RequestOutput) -> list[dict]:
         text, reason = out.outputs[0].text, finish_reason(out)
@@ -164,9 +172,11 @@ class ResponseShape:
         if calls:
             named = self.tools.function is not None
             said = [self.message(content, status)] if content else []  # auto: text the model wrote before calling
-            return said + [{"type": "function_call", "id": self.item_id if named else f"fc_{secrets.token_hex(12)}",
-                            "call_id": self.call_id if named else c["id"], "name": c["function"]["name"],
-                            "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+            ids = self.streamed_call_ids
+            return said + [{"type": "function_call", "id": self.item_id if named else self.call_item_id(i),
+                            "call_id": self.call_id if named else ids[i] if i < len(ids) else c["id"],
+                            "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                            "status": "completed"} for i, c in enumerate(calls)]
         if self.tools is not None and self.tools.function is not None:
             return [self.call_item(text, status)]
         return [self.message(text, status)]
@@ -226,7 +236,7 @@ class ResponseShape:
 
         job, choice = self.job, self.job.choices[0]
         named = self.tools is not None and self.tools.function is not None
-        listed = self.tools is not None and self.tools.listed  # a list of calls (or auto's), sent once whole
+        listed = self.tools is not None and self.tools.listed  # calls (required, or auto's after any text)
         failed = False
         try:
             yield event("response.created", response=self.response(None, "in_progress"))
@@ -234,36 +244,30 @@ class ResponseShape:
             if named:
                 yield event("response.output_item.added", output_index=0, item=self.call_item("", "in_progress"))
             elif not listed:
-                yield event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
-                yield event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
-                            part=_text_part(""))
-            while choice.out is None or not choice.out.finished:
-                out = await advance(choice, job, ctx)
-                delta = "" if listed else choice.delta.next(out.outputs[0].text, out.finished)
-                if delta and named:
-                    yield event("response.function_call_arguments.delta", item_id=self.item_id, output_index=0,
-                                delta=delta)
-                elif delta:
-                    yield event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                content_index=0, delta=delta, logprobs=[])
+                for e in self._open_message(event, 0):
+                    yield e
+            if listed:
+                async for e in self._listed_events(ctx, event):
+                    yield e
+            else:
+                while choice.out is None or not choice.out.finished:
+                    out = await advance(choice, job, ctx)
+                    delta = choice.delta.next(out.outputs[0].text, out.finished)
+                    if delta and named:
+                        yield event("response.function_call_arguments.delta", item_id=self.item_id, output_index=0,
+                                    delta=delta)
+                    elif delta:
+                        yield event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                    content_index=0, delta=delta, logprobs=[])
             final = self.response(choice.out)
             if named:
                 item = final["output"][0]
                 yield event("response.function_call_arguments.done", item_id=self.item_id, output_index=0,
                             arguments=item["arguments"])
                 yield event("response.output_item.done", output_index=0, item=item)
-            elif listed:
-                for i, item in enumerate(final["output"]):
-                    yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress"})
-                    yield event("response.output_item.done", output_index=i, item=item)
-            else:
-                item = final["output"][0]
-                text = item["content"][0]["text"]
-                yield event("response.output_text.done", item_id=self.message_id, output_index=0, content_index=0,
-                            text=text, logprobs=[])
-                yield event("response.content_part.done", item_id=self.message_id, output_index=0, content_index=0,
-                            part=_text_part(text))
-                yield event("response.output_item.done", output_index=0, item=item)
+            elif not listed:
+                for e in self._close_message(event, 0, final["output"][0]):
+                    yield e
             self.keep(ctx, final)
             yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
                         response=final)
@@ -274,6 +278,105 @@ class ResponseShape:
         finally:
             await close_all(job)
             count_outcomes(job, ctx, "error" if failed else "cancelled")
+
+    def _open_message(self, event, index: int):
+        yield event("response.output_item.added", output_index=index, item=self.message("", "in_progress"))
+        yield event("response.content_part.added", item_id=self.message_id, output_index=index, content_index=0,
+                    part=_text_part(""))
+
+    def _close_message(self, event, index: int, item: dict):
+        text = "".join(p["text"] for p in item["content"])
+        yield event("response.output_text.done", item_id=self.message_id, output_index=index, content_index=0,
+                    text=text, logprobs=[])
+        yield event("response.content_part.done", item_id=self.message_id, output_index=index, content_index=0,
+                    part=_text_part(text))
+        yield event("response.output_item.done", output_index=index, item=item)
+
+    async def _listed_events(self, ctx: ServerContext, event) -> AsyncIterator[str]:
+        """A reply of calls as it is written (``tool_stream.py``): the text before them as a message (opened at its
+        first visible character), then each call as an item, its arguments in pieces; the final response's
+        items carry the ids the stream announced. Where the finished text is not calls after all, the events
+        sent stand and ``response.completed`` carries the reply as read from the finished text."""
+        job, choice = self.job, self.job.choices[0]
+        stream = ToolCallStream(self.tools.auto)
+        self.streamed_call_ids = stream.ids  # the final items' call ids, for the calls announced here
+        safe, held = "", ""  # the text no stop string can cut; message text not sent yet (blank so far)
+        message, items = None, []  # the message's output index once open; the call items' output indexes
+
+        def text_events(text: str):
+            nonlocal held, message
+            held += text
+            if message is None and (items or not held.strip()):
+                return  # blank text before the calls is not a message (as the finished reply reads it)
+            if message is None:
+                message = 0
+                yield from self._open_message(event, 0)
+            if held:
+                yield event("response.output_text.delta", item_id=self.message_id, output_index=message,
+                            content_index=0, delta=held, logprobs=[])
+                held = ""
+
+        def close_call(final_items: dict | None = None):
+            i = len(items) - 1
+            item = (final_items or {}).get(i) or {"type": "function_call", "id": self.call_item_id(i),
+                                                  "call_id": stream.ids[i], "name": names[i],
+                                                  "arguments": stream.arguments_sent[i], "status": "completed"}
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=items[i],
+                        arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=items[i], item=item)
+
+        def call_events(deltas: list[dict]):
+            nonlocal message
+            for d in deltas:
+                i = d["index"]
+                if "id" in d:
+                    if message is not None and not items:  # the text is whole once a call begins
+                        yield from self._close_message(event, message, self.message(safe_content(), "completed"))
+                    if items:
+                        yield from close_call()
+                    names.append(d["function"]["name"])
+                    items.append((0 if message is None else message + 1) + len(items))
+                    yield event("response.output_item.added", output_index=items[i], item={
+                        "type": "function_call", "id": self.call_item_id(i), "call_id": d["id"],
+                        "name": d["function"]["name"], "arguments": "", "status": "in_progress"})
+                piece = d["function"].get("arguments", "")
+                if piece:
+                    yield event("response.function_call_arguments.delta", item_id=self.call_item_id(i),
+                                output_index=items[i], delta=piece)
+
+        def safe_content() -> str:
+            return safe[:stream.content_sent]
+
+        names: list[str] = []
+        while choice.out is None or not choice.out.finished:
+            out = await advance(choice, job, ctx)
+            safe += choice.delta.next(out.outputs[0].text, out.finished)
+            content, deltas = stream.update(safe)
+            for e in text_events(content):
+                yield e
+            for e in call_events(deltas):
+                yield e
+        final = self.response(choice.out)  # the reply as read from the finished text
+        calls = [o for o in final["output"] if o["type"] == "function_call"]
+        said = next((o for o in final["output"] if o["type"] == "message"), None)
+        rest, deltas = stream.finish(choice.out.outputs[0].text, None if said is None else said["content"][0]["text"],
+                                     [{"id": o["call_id"], "function": {"name": o["name"], "arguments": o["arguments"]}}
+                                      for o in calls])
+        if not items:
+            for e in text_events(rest):
+                yield e
+        for e in call_events(deltas):
+            yield e
+        if items:
+            for e in close_call(dict(enumerate(calls))):
+                yield e
+        elif said is not None:
+            if message is None:  # blank text and no call: the (empty) message is still an item
+                message = 0
+                for e in self._open_message(event, 0):
+                    yield e
+            for e in self._close_message(event, message, said):
+                yield e
 
 
 def _text_part(text: str) -> dict:
