@@ -57,7 +57,8 @@ def test_a_call_shows_its_name_once_whole_and_arguments_that_only_grow():
     assert names.index("get_weather") == text.index('", "arguments"') + 1 and None not in names[names.index("get_weather"):]
 
 
-@pytest.mark.parametrize("text", ['["a"]', '{"name" "x"}', '{"name": 3}', '{"name": "t", "arguments": [1]}', "{1: 2}"])
+@pytest.mark.parametrize("text", ['["a"]', '{"name" "x"}', '{"name": 3}', '{"name": "t", "arguments": [1]}', "{1: 2}",
+                                  '{"na\\xme": "t"}', '{"name": "\\q"}', '{"name": "t", "arguments": "\\z"}'])
 def test_what_cannot_become_a_call_is_said_at_once(text):
     with pytest.raises(NotACall):
         scan_call(text, 0, ("arguments",))

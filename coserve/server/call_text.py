@@ -82,6 +82,14 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
+def _loads(text: str):
+    """A whole JSON string's value (a bad escape in it: NotACall, as any text that cannot be a call)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise NotACall(f"not JSON: {text[:20]!r} ({e.msg})") from None
+
+
 def scan_call(text: str, start: int, argument_keys: tuple[str, ...], strings_hold_json: bool = True) -> CallView:
     """The call object whose ``{`` is at ``text[start]`` (after any whitespace), as far as it is written. Its
     arguments are the first member named one of ``argument_keys`` (in the order written: a model writes one).
@@ -110,7 +118,7 @@ def scan_call(text: str, start: int, argument_keys: tuple[str, ...], strings_hol
         key_end = _string_end(text, i)
         if key_end is None:
             break
-        key = json.loads(text[i:key_end])
+        key = _loads(text[i:key_end])
         i = skip_ws(text, key_end)
         if i >= len(text):
             break
@@ -123,7 +131,7 @@ def scan_call(text: str, start: int, argument_keys: tuple[str, ...], strings_hol
         if key == "name" and name is None:
             if end is None:
                 break
-            value = json.loads(text[i:end])
+            value = _loads(text[i:end])
             if not isinstance(value, str):
                 raise NotACall("a call's name is a string")
             name = value
@@ -133,7 +141,7 @@ def scan_call(text: str, start: int, argument_keys: tuple[str, ...], strings_hol
                 arguments, done = text[i:end if end is not None else len(text)], end is not None
             elif text[i] == '"' and strings_hold_json:  # JSON text in a string: sent whole, decoded
                 if end is not None:
-                    arguments, done = json.loads(text[i:end]), True
+                    arguments, done = _loads(text[i:end]), True
             elif strings_hold_json:
                 raise NotACall(f"a call's {key} is an object or a string holding one")
             elif end is not None:

@@ -31,8 +31,8 @@ from coserve.server.inference_api import (make_request, max_tokens_for, messages
 from coserve.server.protocol import (ChatCompletionRequest, FunctionCallInput, FunctionChoice, InputMessage,
                                      ResponsesRequest)
 from coserve.server.response_format import guided_schema
-from coserve.server.tools import ToolPlan, tool_plan
 from coserve.server.tool_stream import ToolCallStream
+from coserve.server.tools import ToolPlan, tool_plan
 
 router = APIRouter()
 # chat fields whose errors name the Responses API's own
