@@ -89,6 +89,16 @@ def test_a_required_list_streams_each_calls_parameters_as_written():
     assert early > 1
 
 
+def test_blank_text_before_the_calls_is_not_streamed_as_content():
+    text = "\n\n" + HERMES[HERMES.index("<tool_call>"):]
+    content, made = parse_tool_calls(text)
+    assert content is None and len(made) == 2
+    got, calls, _ = feed(ToolCallStream(auto=True), text, iter(lambda: 1, None),
+                         (content, [tool_call(c.name, c.arguments) for c in made]))
+    assert got == "" and [c["name"] for c in calls] == ["get_weather", "t"]
+    assert feed(ToolCallStream(auto=True), "  \n", iter(lambda: 1, None), ("  \n", []))[0] == "  \n"
+
+
 def test_text_that_turns_out_not_to_be_calls_ends_as_content():
     text = HERMES + " and then more text"
     content, made = parse_tool_calls(text)

@@ -54,7 +54,8 @@ class ToolCallStream:
         content = ""
         if self.auto:
             shown = visible_text(text)
-            content, self.content_sent = shown[self.content_sent:], len(shown)
+            if shown.strip():  # blank text before the calls is no content (as the finished reply reads it)
+                content, self.content_sent = shown[self.content_sent:], len(shown)
         if self.broken:
             return content, []
         try:
