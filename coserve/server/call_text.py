@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
+_DECODER = json.JSONDecoder()
 
 
 class NotACall(ValueError):
@@ -40,34 +41,21 @@ def skip_ws(text: str, i: int) -> int:
 
 
 def value_end(text: str, i: int) -> int | None:
-    """Index just past the JSON value that starts at ``text[i]``; None while it is not whole."""
+    """Index just past the JSON value that starts at ``text[i]``; None while it is not whole (or, for an
+    object or array, not valid JSON: the finished text's ``json.loads`` says so). Objects, arrays and numbers
+    are read by ``json``'s C scanner, so that a stream re-reading a long call's arguments at every token costs
+    little."""
     if i >= len(text):
         return None
-    c = text[i]
-    if c == '"':
+    if text[i] == '"':
         return _string_end(text, i)
-    if c in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            c = text[j]
-            if c == '"':
-                end = _string_end(text, j)
-                if end is None:
-                    return None
-                j = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
+    try:
+        _, end = _DECODER.raw_decode(text, i)
+    except json.JSONDecodeError:
         return None
-    j = i  # a number or a literal: it ends where a delimiter comes
-    while j < len(text) and text[j] not in ",}] \t\n\r":
-        j += 1
-    return j if j < len(text) else None
+    if end == len(text) and text[i] not in "{[":
+        return None  # a number or literal at the end may go on
+    return end
 
 
 def _string_end(text: str, i: int) -> int | None:
