@@ -75,9 +75,20 @@ def test_a_regular_grammar_matches_what_its_regex_matches(text):
     assert compile_grammar(LIST).matches(text) == (re.fullmatch(LIST_RE, text) is not None)
 
 
+@pytest.mark.parametrize("grammar, oracle", [
+    ('root ::= root "x" | "y"', r"yx*"),
+    ('root ::= root "+" num | root "-" num | num | root\nnum ::= [0-9]+', r"[0-9]+([-+][0-9]+)*"),
+])
+def test_immediate_left_recursion_is_rewritten_to_the_same_texts(grammar, oracle):
+    machine = compile_grammar(grammar)
+    for text in ["", "y", "yx", "yxxx", "x", "yyx", "1", "12+3", "1-2+30", "+1", "1+", "1++2", "y+1"]:
+        assert machine.matches(text) == (re.fullmatch(oracle, text) is not None), text
+
+
 @pytest.mark.parametrize("grammar, message", [
-    ('root ::= root "a" | "b"', "left recursion"),
+    ('root ::= a "b"\na ::= root "a" | "b"', "left recursion"),  # through another rule
     ('root ::= x* root "a"\nx ::= "x"', "left recursion"),
+    ('root ::= root "a"', "left recursion"),  # nothing to start from
     ('item ::= "x"', "no rule 'root'"),
     ('root ::= thing', "rule 'thing' is used but never defined"),
     ('root ::= "a"\nroot ::= "b"', "line 2: rule 'root' is defined twice"),

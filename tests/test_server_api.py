@@ -169,13 +169,15 @@ def test_structured_outputs_match_the_schema_streamed_or_not(alice):
     jsonschema.validate(json.loads(newer.choices[0].text), SMALL_SCHEMA)
     for extra in ({"guided_regex": r"\d{2}-(yes|no)"}, {"structured_outputs": {"regex": r"\d{2}-(yes|no)"}},
                   {"guided_grammar": 'root ::= [0-9]{2} "-" ("yes" | "no")'},
-                  {"structured_outputs": {"grammar": 'root ::= d d "-" a\nd ::= [0-9]\na ::= "yes" | "no"'}}):
+                  {"structured_outputs": {"grammar": 'root ::= d d "-" a\nd ::= [0-9]\na ::= "yes" | "no"'}},
+                  {"guided_grammar": 'start: DIGIT DIGIT "-" ("yes" | "no")\n%import common.DIGIT'}):  # Lark
         matched = alice.completions.create(model=BASE, prompt="Code:", max_tokens=8, temperature=1.0, seed=3,
                                            extra_body=extra)
         assert re.fullmatch(r"\d{2}-(yes|no)", matched.choices[0].text)
     for extra, param in (({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"xml": "x"}},
                                                                      "structured_outputs"),
                          ({"guided_grammar": 'root ::= root "a"'}, "guided_grammar"),
+                         ({"guided_grammar": 'start: "a"\n%declare X'}, "guided_grammar"),
                          ({"guided_regex": "(a"}, "guided_regex"),
                          ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
                          ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice")):

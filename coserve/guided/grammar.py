@@ -5,8 +5,10 @@ Syntax: rules ``name ::= alternatives`` (the output is the rule ``root``); alter
 items are string literals ``"..."`` (escapes ``\\n \\t \\r \\\\ \\" \\xHH \\uHHHH``), character classes
 ``[a-z]`` / ``[^...]``, ``.`` (any character), rule names, groups ``( ... )``, each optionally followed by
 ``*``, ``+``, ``?`` or ``{m}``, ``{m,}``, ``{m,n}``; ``#`` starts a comment. A rule runs until the next
-``name ::=``, so rules may span lines. Left recursion (``a ::= a "x" | "y"``) is a ``GrammarError``: the
-machine expands rules top-down and would not end; write it as repetition (``a ::= "y" "x"*``).
+``name ::=``, so rules may span lines. A Lark grammar (``start: ...``) goes through ``lark.py`` into the same
+rules (``compile_grammar`` tells the two apart). Immediate left recursion (``a ::= a "x" | "y"``) is rewritten
+into repetition (``a ::= "y" "x"*``); left recursion through other rules (``a ::= b "x"``, ``b ::= a | "y"``)
+is a ``GrammarError``: the machine expands rules top-down and would not end.
 
 The machine is a nondeterministic top-down parser over code points: a state is a set of stacks (the symbols
 still to match, the next one last), each expanded until a character is on top, plus the bytes of a UTF-8
@@ -16,6 +18,7 @@ rewritten into right-recursive rules, so ``x*`` keeps stacks from growing; nesti
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -45,14 +48,49 @@ Symbol = Char | int  # a character class, or a rule by its index
 
 # ---- parsing -------------------------------------------------------------------------------------------------
 
-class _Parser:
+Rules = list[list[tuple[Symbol, ...]]]  # rule index -> its alternatives, each a sequence of symbols
+
+
+class RuleSet:
+    """Rules under construction, shared by the grammar front ends (GBNF here, Lark in ``lark.py``): new rules,
+    and repetition rewritten into right-recursive rules."""
+
+    def __init__(self) -> None:
+        self.rules: Rules = []
+        self.symbols = 0
+
+    def new_rule(self, alternatives: list[tuple[Symbol, ...]]) -> int:
+        self.rules.append(alternatives)
+        self.symbols += sum(len(a) for a in alternatives) + 1
+        if self.symbols > MAX_SYMBOLS:
+            raise GrammarError(f"grammar too large: more than {MAX_SYMBOLS} symbols once repeats are expanded")
+        return len(self.rules) - 1
+
+    def choice(self, alternatives: list[tuple[Symbol, ...]]) -> tuple[Symbol, ...]:
+        """A group: the one sequence itself, or a new rule for several."""
+        return (self.new_rule(alternatives),) if len(alternatives) > 1 else alternatives[0]
+
+    def repeat(self, seq: tuple[Symbol, ...], lo: int, hi: int | None) -> tuple[Symbol, ...]:
+        """``seq`` ``lo`` to ``hi`` times (None: any number more)."""
+        if hi is None:  # tail: T ::= seq T | (empty)
+            tail = self.new_rule([])
+            self.rules[tail] = [seq + (tail,), ()]
+            return seq * lo + (tail,)
+        optional: tuple[Symbol, ...] = ()
+        for _ in range(hi - lo):  # O ::= seq O' | (empty), nested so that at most hi - lo follow
+            optional = (self.new_rule([seq + optional, ()]),)
+        if lo * len(seq) > MAX_SYMBOLS:
+            raise GrammarError(f"grammar too large: more than {MAX_SYMBOLS} symbols once repeats are expanded")
+        return seq * lo + optional
+
+
+class _Parser(RuleSet):
     def __init__(self, text: str) -> None:
+        super().__init__()
         self.t = text
         self.i = 0
         self.names: dict[str, int] = {}  # rule name -> index
-        self.rules: list[list[tuple[Symbol, ...]]] = []  # index -> alternatives
         self.defined: set[str] = set()
-        self.symbols = 0
 
     def error(self, message: str, at: int | None = None) -> GrammarError:
         at = self.i if at is None else at
@@ -64,13 +102,6 @@ class _Parser:
             self.names[name] = len(self.rules)
             self.rules.append([])
         return self.names[name]
-
-    def new_rule(self, alternatives: list[tuple[Symbol, ...]]) -> int:
-        self.rules.append(alternatives)
-        self.symbols += sum(len(a) for a in alternatives) + 1
-        if self.symbols > MAX_SYMBOLS:
-            raise GrammarError(f"grammar too large: more than {MAX_SYMBOLS} symbols once repeats are expanded")
-        return len(self.rules) - 1
 
     def space(self) -> None:
         while self.i < len(self.t):
@@ -101,7 +132,7 @@ class _Parser:
         self.i = save
         return found
 
-    def parse(self) -> tuple[list[list[tuple[Symbol, ...]]], int]:
+    def parse(self) -> tuple[Rules, int]:
         self.space()
         if self.i >= len(self.t):
             raise GrammarError("the grammar is empty")
@@ -166,7 +197,7 @@ class _Parser:
             if self.i >= len(self.t) or self.t[self.i] != ")":
                 raise self.error("missing ')'", at)
             self.i += 1
-            return (self.new_rule(alternatives),) if len(alternatives) > 1 else alternatives[0]
+            return self.choice(alternatives)
         name = self.name()
         if name is None:
             raise self.error(f"unexpected {c!r}")
@@ -191,16 +222,7 @@ class _Parser:
             self.i = end + 1
         else:
             return seq
-        if hi is None:  # tail: T ::= seq T | (empty)
-            tail = self.new_rule([])
-            self.rules[tail] = [seq + (tail,), ()]
-            return seq * lo + (tail,)
-        optional: tuple[Symbol, ...] = ()
-        for _ in range(hi - lo):  # O ::= seq O' | (empty), nested so that at most hi - lo follow
-            optional = (self.new_rule([seq + optional, ()]),)
-        if lo * len(seq) > MAX_SYMBOLS:
-            raise GrammarError(f"grammar too large: more than {MAX_SYMBOLS} symbols once repeats are expanded")
-        return seq * lo + optional
+        return self.repeat(seq, lo, hi)
 
     def char(self) -> int:
         c = self.t[self.i]
@@ -260,10 +282,9 @@ State = tuple  # (frozenset of stacks, bytes of a UTF-8 character being read); (
 class GrammarMachine(CodePointMachine):
     """The byte-level transition function of one grammar (the interface of ``JsonMachine``)."""
 
-    def __init__(self, grammar: str) -> None:
-        if not isinstance(grammar, str):
-            raise GrammarError(f"grammar must be a string, got {type(grammar).__name__}")
-        self.rules, root = _Parser(grammar).parse()
+    def __init__(self, rules: Rules, root: int) -> None:
+        self.rules = rules
+        _rewrite_immediate_left_recursion(rules)
         self._check_left_recursion()
         self._expanded: dict[Stack, frozenset[Stack]] = {}
         start = self._expand(frozenset({(root,)}))
@@ -351,9 +372,44 @@ class GrammarMachine(CodePointMachine):
 
 
 
+def _rewrite_immediate_left_recursion(rules: Rules) -> None:
+    """``a ::= a x | a y | b | c`` becomes ``a ::= b t | c t``, ``t ::= x t | y t | (empty)``: the same texts, and
+    no rule on top of a stack expands into itself (left recursion through other rules stays an error)."""
+    for r in range(len(rules)):
+        alternatives = rules[r]
+        tails = [alt[1:] for alt in alternatives if alt and alt[0] == r]
+        if not tails:
+            continue
+        bases = [alt for alt in alternatives if not (alt and alt[0] == r)]
+        if not bases:
+            continue  # only ever itself: no text; the left-recursion check says so
+        tails = [t for t in tails if t]  # a ::= a adds nothing
+        if not tails:
+            rules[r] = bases
+            continue
+        tail = len(rules)
+        rules.append([t + (tail,) for t in tails] + [()])
+        rules[r] = [b + (tail,) for b in bases]
+
+
+GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
+
+
+def is_gbnf(grammar: str) -> bool:
+    """Whether ``grammar`` is GBNF (some line defines ``name ::= ...``) rather than Lark (``name: ...``), the
+    test vLLM's ``guided_grammar`` makes too."""
+    return GBNF_RULE.search(grammar) is not None
+
+
+def parse_gbnf(grammar: str) -> tuple[Rules, int]:
+    """A GBNF grammar's rules and the index of ``root``."""
+    return _Parser(grammar).parse()
+
+
 def compile_grammar(grammar: str) -> GrammarMachine:
-    """The machine of a GBNF grammar; ``GrammarError`` names what is wrong and on which line. Machines are
-    shared (a request's grammar is checked at the server, in ``SamplingParams`` and by the engine's guide)."""
+    """The machine of a GBNF grammar, or of a Lark grammar (``coserve.guided.lark``), told apart by
+    ``is_gbnf``; ``GrammarError`` names what is wrong and on which line. Machines are shared (a request's
+    grammar is checked at the server, in ``SamplingParams`` and by the engine's guide)."""
     if not isinstance(grammar, str):
         raise GrammarError(f"grammar must be a string, got {type(grammar).__name__}")
     return _compiled(grammar)
@@ -361,4 +417,7 @@ def compile_grammar(grammar: str) -> GrammarMachine:
 
 @lru_cache(maxsize=64)
 def _compiled(grammar: str) -> GrammarMachine:
-    return GrammarMachine(grammar)
+    if is_gbnf(grammar):
+        return GrammarMachine(*parse_gbnf(grammar))
+    from coserve.guided.lark import parse_lark  # the Lark front end builds on this module's rules
+    return GrammarMachine(*parse_lark(grammar))

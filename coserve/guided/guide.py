@@ -68,7 +68,7 @@ class Guide:
     def __init__(self, schema: Any, vocab: Vocabulary, choices: list[str] | None = None,
                  regex: str | None = None, grammar: str | None = None) -> None:
         """``schema``: a JSON schema; or, with ``choices`` (vLLM's guided_choice), the output is one of them; or,
-        with ``regex`` (vLLM's guided_regex) or ``grammar`` (guided_grammar, GBNF), the whole output matches it."""
+        with ``regex`` (vLLM's guided_regex) or ``grammar`` (guided_grammar, GBNF or Lark), the whole output matches it."""
         if regex is not None or grammar is not None:
             self.machine = compile_regex(regex) if regex is not None else compile_grammar(grammar)
             self.start = self.machine.start

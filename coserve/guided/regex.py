@@ -96,9 +96,10 @@ ANY_BUT_NEWLINE = complement(((0x0A, 0x0A),))
 # AST: ("set", ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, min, max or None)
 
 class _Parser:
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, dotall: bool = False) -> None:
         self.p = pattern
         self.i = 0
+        self.dot = complement(()) if dotall else ANY_BUT_NEWLINE  # what '.' matches (re.DOTALL: anything)
 
     def error(self, message: str, at: int | None = None) -> RegexError:
         return RegexError(f"{message} at position {self.i if at is None else at}")
@@ -161,7 +162,7 @@ class _Parser:
         if c == "[":
             return ("set", self.char_class(at))
         if c == ".":
-            return ("set", ANY_BUT_NEWLINE)
+            return ("set", self.dot)
         if c == "\\":
             return ("set", self.escape(in_class=False))
         if c in "*+?":

@@ -38,7 +38,7 @@ class SamplingParams:
     #   response_format): the text is compact JSON (coserve/guided); None = free text
     guided_choice: list[str] | None = None  # vLLM's: the output is exactly one of these strings; None = free text
     guided_regex: str | None = None  # vLLM's: the whole output matches this regular expression; None = free text
-    guided_grammar: str | None = None  # vLLM's: the whole output matches this GBNF grammar; None = free text
+    guided_grammar: str | None = None  # vLLM's: the whole output matches this GBNF or Lark grammar; None = free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -49,7 +49,7 @@ class Sampling(Body):
     guided_choice: Any = None  # vLLM's extension: the output is exactly one of these strings
     structured_outputs: Any = None  # vLLM's newer form: {"json": ...}, {"choice": ...}, {"regex": ...}, {"grammar": ...}
     guided_regex: Any = None  # vLLM's extension: the whole output matches this regular expression
-    guided_grammar: Any = None  # vLLM's extension: the whole output matches this GBNF grammar
+    guided_grammar: Any = None  # vLLM's extension: the whole output matches this GBNF or Lark grammar
 
 
 class CompletionRequest(Sampling):

@@ -1,6 +1,6 @@
 """OpenAI's ``response_format`` (and vLLM's ``guided_json``, ``guided_choice``, ``guided_regex``,
 ``guided_grammar``, ``structured_outputs``) as what a request's output must match: a JSON schema, one of a
-list of strings, a regular expression or a GBNF grammar.
+list of strings, a regular expression or a grammar (GBNF or Lark).
 
 ``{"type": "text"}`` or nothing: free text. ``{"type": "json_object"}``: any JSON object.
 ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``: the schema (a
