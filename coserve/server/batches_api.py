@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from coserve.server.batch_files import ENDPOINTS, parse_batch_jsonl
 from coserve.server.batches import FINISHED
 from coserve.server.context import ServerContext, context, tenant_of
-from coserve.server.errors import APIError, bad_request, not_found
+from coserve.server.errors import APIError, bad_request, found
 from coserve.server.protocol import BatchRequest
 
 router = APIRouter()
@@ -26,9 +26,7 @@ async def create_batch(body: BatchRequest, request: Request, ctx: ServerContext 
         raise bad_request(f"endpoint: must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}", "endpoint")
     if body.completion_window not in WINDOWS:
         raise bad_request(f"completion_window: must be '24h', got {body.completion_window!r}", "completion_window")
-    source = ctx.store.get_file(tenant, body.input_file_id)
-    if source is None:
-        raise not_found("file", body.input_file_id, "input_file_id")
+    source = found(ctx.store.get_file(tenant, body.input_file_id), "file", body.input_file_id, "input_file_id")
     if source["purpose"] != "batch":
         raise bad_request(f"input_file_id: the file's purpose is {source['purpose']!r}, not 'batch'", "input_file_id")
     data = await asyncio.to_thread(ctx.store.file_path(body.input_file_id).read_bytes)
@@ -53,10 +51,7 @@ async def create_batch(body: BatchRequest, request: Request, ctx: ServerContext 
 
 
 def _own(ctx: ServerContext, request: Request, batch_id: str) -> dict:
-    batch = ctx.store.get_batch(tenant_of(request), batch_id)
-    if batch is None:
-        raise not_found("batch", batch_id, "batch_id")
-    return batch
+    return found(ctx.store.get_batch(tenant_of(request), batch_id), "batch", batch_id, "batch_id")
 
 
 @router.get("/v1/batches/{batch_id}")

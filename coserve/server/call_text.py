@@ -30,7 +30,6 @@ class CallView:
 
     name: str | None  # once its string is whole
     arguments: str  # the arguments' text so far: an object's raw text, or a string's decoded content once whole
-    arguments_done: bool  # the arguments' value is whole (or the object ended without one: "{}")
     end: int | None  # index just past the object's closing brace, once it is written
 
 
@@ -86,17 +85,17 @@ def scan_call(text: str, start: int, argument_keys: tuple[str, ...], strings_hol
     cannot become such an object."""
     i = skip_ws(text, start)
     if i >= len(text):
-        return CallView(None, "", False, None)
+        return CallView(None, "", None)
     if text[i] != "{":
         raise NotACall(f"a call is a JSON object; it begins with {text[i]!r}")
-    name, arguments, done, args_found = None, "", False, False
+    name, arguments, args_found = None, "", False
     i += 1
     while True:
         i = skip_ws(text, i)
         if i >= len(text):
             break
         if text[i] == "}":
-            return CallView(name, arguments if args_found else "{}", True, i + 1)
+            return CallView(name, arguments if args_found else "{}", i + 1)
         if text[i] == ",":
             i = skip_ws(text, i + 1)
             if i >= len(text):
@@ -126,18 +125,18 @@ def scan_call(text: str, start: int, argument_keys: tuple[str, ...], strings_hol
         elif key in argument_keys and not args_found:
             args_found = True
             if text[i] == "{":
-                arguments, done = text[i:end if end is not None else len(text)], end is not None
+                arguments = text[i:end if end is not None else len(text)]
             elif text[i] == '"' and strings_hold_json:  # JSON text in a string: sent whole, decoded
                 if end is not None:
-                    arguments, done = _loads(text[i:end]), True
+                    arguments = _loads(text[i:end])
             elif strings_hold_json:
                 raise NotACall(f"a call's {key} is an object or a string holding one")
             elif end is not None:
-                arguments, done = text[i:end], True
+                arguments = text[i:end]
         if end is None:
             break
         i = end
-    return CallView(name, arguments, done if args_found else False, None)
+    return CallView(name, arguments, None)
 
 
 def scan_call_list(text: str, argument_keys: tuple[str, ...] = ("parameters",)) -> list[CallView]:

@@ -7,12 +7,14 @@ Every client mistake becomes a 4xx here; only a fault of the server itself is a 
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+T = TypeVar("T")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
           413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
@@ -42,6 +44,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def not_found(what: str, name: str, param: str | None = None) -> APIError:
     return APIError(404, f"The {what} '{name}' does not exist", param, f"{what.replace(' ', '_')}_not_found")
+
+
+def found(row: T | None, what: str, name: str, param: str | None = None) -> T:
+    """``row`` (a tenant's file, job or batch as the store returned it), or a 404 when there is none: another
+    tenant's is as absent as one never made."""
+    if row is None:
+        raise not_found(what, name, param)
+    return row
 
 
 # pydantic names the member of a union that failed in the location (``("stop", "list[str]")``); such a part

@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coserve.server.context import ServerContext, context, tenant_of
-from coserve.server.errors import APIError, bad_request, not_found
+from coserve.server.errors import APIError, bad_request, found
 from coserve.server.protocol import FineTuningJobRequest
 from coserve.server.batch_files import parse_batch_jsonl
 from coserve.server.batches import ACTIVE
@@ -78,10 +78,7 @@ async def list_files(request: Request, purpose: str | None = None, after: str | 
 
 
 def _own_file(ctx: ServerContext, request: Request, file_id: str) -> dict:
-    f = ctx.store.get_file(tenant_of(request), file_id)
-    if f is None:
-        raise not_found("file", file_id, "file_id")
-    return f
+    return found(ctx.store.get_file(tenant_of(request), file_id), "file", file_id, "file_id")
 
 
 @router.get("/v1/files/{file_id}")
@@ -131,10 +128,7 @@ async def list_jobs(request: Request, after: str | None = None, limit: int = Que
 
 
 def _own_job(ctx: ServerContext, request: Request, job_id: str) -> dict:
-    job = ctx.store.get_job(tenant_of(request), job_id)
-    if job is None:
-        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
-    return job
+    return ctx.jobs.owned(tenant_of(request), job_id)
 
 
 @router.get("/v1/fine_tuning/jobs/{job_id}")

@@ -29,7 +29,7 @@ from coserve.peft import AdapterError
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 from coserve.server.config import ServerConfig
-from coserve.server.errors import APIError, bad_request, not_found
+from coserve.server.errors import APIError, bad_request, found, not_found
 from coserve.server.generation import on_engine
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import checkpoint_name, fine_tuned_name
@@ -143,8 +143,7 @@ class JobManager:
     def delete_file(self, tenant: str, file_id: str) -> None:
         """Delete the tenant's file: 404 if it has none by that id, 409 while a queued or running job uses it."""
         with self._files_lock:
-            if self.store.get_file(tenant, file_id) is None:
-                raise not_found("file", file_id, "file_id")
+            found(self.store.get_file(tenant, file_id), "file", file_id, "file_id")
             in_use = [j["id"] for owner, j in self.store.jobs_with_status(*HOLDS_FILES)
                       if owner == tenant and file_id in (j["training_file"], j["validation_file"])]
             if in_use:
@@ -160,9 +159,7 @@ class JobManager:
         for param, file_id in (("training_file", body.training_file), ("validation_file", body.validation_file)):
             if file_id is None:
                 continue
-            f = self.store.get_file(tenant, file_id)
-            if f is None:
-                raise not_found("file", file_id, param)
+            f = found(self.store.get_file(tenant, file_id), "file", file_id, param)
             if f["purpose"] != "fine-tune":
                 raise bad_request(f"{param}: file {file_id} has purpose '{f['purpose']}', not 'fine-tune'", param)
         if body.suffix is not None and not SUFFIX.fullmatch(body.suffix):
@@ -198,7 +195,7 @@ class JobManager:
 
     def cancel(self, tenant: str, job_id: str) -> dict:
         with self._lock:
-            job = self._own(tenant, job_id)
+            job = self.owned(tenant, job_id)
             if job["status"] not in HOLDS_FILES:
                 raise APIError(409, f"The job is already {job['status']} and cannot be cancelled",
                                code="job_not_cancellable")
@@ -212,7 +209,7 @@ class JobManager:
         """Stop a running or queued job where it is, keeping it resumable: a running job leaves the engine (its
         memory is freed) with a checkpoint of its last optimizer step, from which ``resume`` goes on."""
         with self._lock:
-            job = self._own(tenant, job_id)
+            job = self.owned(tenant, job_id)
             if job["status"] not in ACTIVE:
                 raise APIError(409, f"The job is {job['status']} and cannot be paused", code="job_not_pausable")
             where = "before its first step"
@@ -228,7 +225,7 @@ class JobManager:
     def resume(self, tenant: str, job_id: str) -> dict:
         """Queue a paused job again; it goes on from the checkpoint its pause left (or the start)."""
         with self._lock:
-            job = self._own(tenant, job_id)
+            job = self.owned(tenant, job_id)
             if job["status"] != "paused":
                 raise APIError(409, f"The job is {job['status']}, not paused", code="job_not_paused")
             if self.store.count_jobs(*ACTIVE, tenant=tenant) >= self.config.max_queued_jobs:
@@ -239,11 +236,9 @@ class JobManager:
         self._wake.set()
         return updated
 
-    def _own(self, tenant: str, job_id: str) -> dict:
-        job = self.store.get_job(tenant, job_id)
-        if job is None:
-            raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
-        return job
+    def owned(self, tenant: str, job_id: str) -> dict:
+        """``tenant``'s job ``job_id`` (404 when it has none of that id)."""
+        return found(self.store.get_job(tenant, job_id), "fine-tuning job", job_id, "fine_tuning_job_id")
 
     def _take_off_engine(self, job_id: str, becomes: str, code: str
                          ) -> tuple[Running, CheckpointSnapshot | None]:

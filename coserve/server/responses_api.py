@@ -159,6 +159,7 @@ class ResponseShape:
         self.item_id = f"fc_{secrets.token_hex(12)}"
         self.streamed_call_ids: list[str] = []  # a listed call's call_id where a stream announced it
         self.call_item_ids: list[str] = []  # each listed call's item id, made as first needed
+        self.final: dict | None = None  # the finished response, where a stream of listed calls read it
 
     def call_item_id(self, i: int) -> str:
         while len(self.call_item_ids) <= i:
@@ -259,7 +260,7 @@ class ResponseShape:
                     elif delta:
                         yield event("response.output_text.delta", item_id=self.message_id, output_index=0,
                                     content_index=0, delta=delta, logprobs=[])
-            final = self.response(choice.out)
+            final = self.final if listed else self.response(choice.out)
             if named:
                 item = final["output"][0]
                 yield event("response.function_call_arguments.done", item_id=self.item_id, output_index=0,
@@ -326,7 +327,6 @@ class ResponseShape:
             yield event("response.output_item.done", output_index=items[i], item=item)
 
         def call_events(deltas: list[dict]):
-            nonlocal message
             for d in deltas:
                 i = d["index"]
                 if "id" in d:
@@ -356,7 +356,7 @@ class ResponseShape:
                 yield e
             for e in call_events(deltas):
                 yield e
-        final = self.response(choice.out)  # the reply as read from the finished text
+        final = self.final = self.response(choice.out)  # the reply as read from the finished text
         calls = [o for o in final["output"] if o["type"] == "function_call"]
         said = next((o for o in final["output"] if o["type"] == "message"), None)
         rest, deltas = stream.finish(choice.out.outputs[0].text, None if said is None else said["content"][0]["text"],
