@@ -97,12 +97,20 @@ class BatchRunner:
         self.app = None  # the ASGI app the requests go through (set once it is built)
         self._tasks: dict[str, asyncio.Task] = {}
         self._slots: asyncio.Semaphore | None = None
+        self._cancelled: set[str] = set()  # batches being cancelled (the store says so too; read per line here)
 
     def start(self) -> None:
         """Go on with every batch a previous run left unfinished."""
         self._slots = asyncio.Semaphore(self.concurrency)
         for tenant, batch in self.store.batches_with_status(*ACTIVE):
+            if batch["status"] == "cancelling":
+                self._cancelled.add(batch["id"])
             self.submit(tenant, batch["id"])
+
+    def cancel(self, batch_id: str) -> dict:
+        """Mark the batch cancelling: its workers stop taking lines, and it ends with what is done."""
+        self._cancelled.add(batch_id)
+        return self.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
 
     async def stop(self) -> None:
         for task in self._tasks.values():
@@ -141,7 +149,7 @@ class BatchRunner:
         with progress.open("a", encoding="utf-8") as out:
             async def worker() -> None:
                 for line in pending:
-                    if self._cancelling(tenant, batch_id) or time.time() >= batch["expires_at"]:
+                    if batch_id in self._cancelled or time.time() >= batch["expires_at"]:
                         return
                     record = await self._request(tenant, line)
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -157,15 +165,13 @@ class BatchRunner:
                            and time.time() >= batch["expires_at"])
         progress.unlink(missing_ok=True)
 
-    def _cancelling(self, tenant: str, batch_id: str) -> bool:
-        return self.store.get_batch(tenant, batch_id)["status"] == "cancelling"
-
     async def _request(self, tenant: str, line: BatchLine) -> dict:
         return await run_request(self.app, tenant, line, self._slots, self.priority)
 
     async def _finish(self, tenant: str, batch_id: str, lines: list[BatchLine], done: dict[str, dict],
                       expired: bool = False) -> None:
-        cancelled = self._cancelling(tenant, batch_id)
+        cancelled = batch_id in self._cancelled
+        self._cancelled.discard(batch_id)
         self.store.update_batch(batch_id, status="cancelling" if cancelled else "finalizing",
                                 **({} if cancelled else {"finalizing_at": int(time.time())}))
         ordered = [done[line.custom_id] for line in lines if line.custom_id in done]  # the input's order

@@ -80,4 +80,4 @@ async def cancel_batch(batch_id: str, request: Request, ctx: ServerContext = Dep
                        "batch_not_cancellable")
     if batch["status"] == "cancelling":
         return batch
-    return ctx.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
+    return ctx.batches.cancel(batch_id)
