@@ -26,3 +26,27 @@ def ended_walks(guide, vocab, rng, walks: int, steps: int, end_chance: float, le
                 break
             state, data = guide.advance(state, token), data + vocab.vocab[token]
     return ended
+
+
+def llama_vocab(model_factory):
+    """The tiny Llama model's vocabulary as guided decoding sees it (end-of-sequence its only stop)."""
+    import torch
+
+    from coserve.guided.guide import Vocabulary
+    from coserve.guided.vocab import token_bytes
+    from coserve.model.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(model_factory("llama"))
+    return Vocabulary(token_bytes(tokenizer, len(tokenizer)), frozenset({tokenizer.eos_token_id}), torch.device("cpu"))
+
+
+def assert_grammar_refused(grammar: str, message: str) -> None:
+    """The grammar is a ``GrammarError`` matching ``message``, and a 'guided_grammar: ' error where a request
+    gives it."""
+    import pytest
+
+    from coserve import SamplingParams
+    from coserve.guided.grammar import GrammarError, compile_grammar
+    with pytest.raises(GrammarError, match=message):
+        compile_grammar(grammar)
+    with pytest.raises(ValueError, match="guided_grammar: "):
+        SamplingParams(guided_grammar=grammar)

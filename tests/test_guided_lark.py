@@ -9,16 +9,13 @@ import random
 import re
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coserve import LLM, SamplingParams
-from coserve.guided.grammar import GrammarError, compile_grammar, is_gbnf
-from coserve.guided.guide import Guide, Vocabulary
-from coserve.guided.vocab import token_bytes
-from coserve.model.tokenizer import load_tokenizer
-from guided_helpers import ended_walks
+from coserve.guided.grammar import compile_grammar, is_gbnf
+from coserve.guided.guide import Guide
+from guided_helpers import assert_grammar_refused, ended_walks, llama_vocab
 
 lark = pytest.importorskip("lark")
 
@@ -183,16 +180,12 @@ def test_gbnf_and_lark_are_told_apart_as_vllm_does():
     ('  \n', "the grammar is empty"),
 ])
 def test_lark_grammars_it_cannot_follow_are_errors_naming_the_line(grammar, message):
-    with pytest.raises(GrammarError, match=message):
-        compile_grammar(grammar)
-    with pytest.raises(ValueError, match="guided_grammar: "):
-        SamplingParams(guided_grammar=grammar)
+    assert_grammar_refused(grammar, message)
 
 
 @pytest.fixture(scope="module")
 def vocab(model_factory):
-    tokenizer = load_tokenizer(model_factory("llama"))
-    return Vocabulary(token_bytes(tokenizer, len(tokenizer)), frozenset({tokenizer.eos_token_id}), torch.device("cpu"))
+    return llama_vocab(model_factory)
 
 
 def test_random_guided_walks_that_end_are_what_lark_parses(vocab):

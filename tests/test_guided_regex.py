@@ -8,16 +8,13 @@ import re
 import zlib
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coserve import LLM, SamplingParams
-from coserve.guided.guide import Guide, Vocabulary
+from coserve.guided.guide import Guide
 from coserve.guided.regex import MAX_STATES, RegexError, compile_regex
-from coserve.guided.vocab import token_bytes
-from coserve.model.tokenizer import load_tokenizer
-from guided_helpers import ended_walks
+from guided_helpers import ended_walks, llama_vocab
 
 # pattern -> texts that match it whole (each also checked against re.fullmatch)
 CASES = {
@@ -112,8 +109,7 @@ def test_one_way_of_guiding_at_a_time():
 
 @pytest.fixture(scope="module")
 def vocab(model_factory):
-    tokenizer = load_tokenizer(model_factory("llama"))
-    return Vocabulary(token_bytes(tokenizer, len(tokenizer)), frozenset({tokenizer.eos_token_id}), torch.device("cpu"))
+    return llama_vocab(model_factory)
 
 
 def test_random_guided_walks_that_end_match_the_pattern(vocab):
