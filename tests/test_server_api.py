@@ -316,6 +316,95 @@ def test_the_responses_api_streams_required_calls_as_they_are_written(alice):
     assert [e.item.id for e in events if e.type == "response.output_item.done"] == [call.id]
 
 
+SUMS = 'start: INT (("+" | "*") INT) ~ 0..3\nINT: DIGIT ~ 1..3\n%import common.DIGIT'  # Lark, bounded
+SUMS_RE = r"[0-9]{1,3}([+*][0-9]{1,3}){0,3}"
+
+
+def custom_tool(name: str, fmt: dict | None) -> dict:
+    return {"type": "custom", "custom": {"name": name, "description": "a custom tool",
+                                         **({"format": fmt} if fmt else {})}}
+
+
+def test_a_named_custom_tool_is_called_with_input_its_grammar_matches_streamed_or_not(alice):
+    lark_fmt = {"type": "grammar", "grammar": {"syntax": "lark", "definition": SUMS}}
+    regex_fmt = {"type": "grammar", "grammar": {"syntax": "regex", "definition": SUMS_RE}}
+    tools = [WEATHER, custom_tool("calc", lark_fmt), custom_tool("calc_re", regex_fmt), custom_tool("note", None)]
+    for name in ("calc", "calc_re"):
+        pick = {"type": "custom", "custom": {"name": name}}
+        whole = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=30, temperature=0.8, seed=5,
+                                              tools=tools, tool_choice=pick)
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "custom" and call.custom.name == name and call.id.startswith("call_")
+        assert re.fullmatch(SUMS_RE, call.custom.input), call.custom.input
+        pieces, head = [], None
+        for chunk in alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=30, temperature=0.8,
+                                                   seed=5, tools=tools, tool_choice=pick, stream=True):
+            for d in chunk.choices[0].delta.tool_calls or []:
+                custom = d.model_extra.get("custom") or {}
+                head = head or (d.id, d.type, custom.get("name"))
+                pieces.append(custom.get("input", ""))
+        assert head[1:] == ("custom", name) and head[0].startswith("call_")
+        assert "".join(pieces) == call.custom.input and (len(pieces) > 2 or len(call.custom.input) < 2)
+    free = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=6, temperature=0, tools=tools,
+                                         tool_choice={"type": "custom", "custom": {"name": "note"}}).choices[0]
+    text = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=6, temperature=0, tools=tools,
+                                         tool_choice="none").choices[0].message.content
+    if free.finish_reason == "length":  # cut short, as a named function's arguments: no call, the text as content
+        assert free.message.tool_calls is None and free.message.content == text
+    else:  # a text format: the input is whatever the model wrote, unguided
+        assert free.message.tool_calls[0].custom.input == text
+    history = HELLO + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "custom", "custom": {"name": "calc", "input": "1+2"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    after = alice.chat.completions.create(model=BASE, messages=history, max_tokens=4, tools=tools, tool_choice="none")
+    assert after.choices[0].message.content is not None
+
+
+def test_the_responses_api_calls_a_named_custom_tool_streamed_or_not(alice):
+    tool = {"type": "custom", "name": "calc", "description": "sums",
+            "format": {"type": "grammar", "syntax": "lark", "definition": SUMS}}
+    ask = {"model": BASE, "input": "Add:", "tools": [tool], "tool_choice": {"type": "custom", "name": "calc"},
+           "max_output_tokens": 30, "temperature": 0}
+    whole = alice.responses.create(**ask)
+    (item,) = whole.output
+    assert item.type == "custom_tool_call" and item.name == "calc" and re.fullmatch(SUMS_RE, item.input)
+    assert item.id.startswith("ctc_") and item.call_id.startswith("call_")
+    events = list(alice.responses.create(**ask, stream=True))
+    final = events[-1].response
+    (streamed,) = final.output
+    assert streamed.input == item.input
+    assert "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta") == item.input
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done.input == item.input and done.item_id == streamed.id
+    answered = alice.responses.create(model=BASE, previous_response_id=whole.id, max_output_tokens=4,
+                                      input=[{"type": "custom_tool_call_output", "call_id": item.call_id,
+                                              "output": "7"}])
+    assert answered.output[0].type == "message"
+
+
+@pytest.mark.parametrize("kwargs, param, message", [
+    ({"tools": [{"type": "custom", "custom": {"name": "calc"}}]}, "tool_choice", "custom tools are called when"),
+    ({"tools": [{"type": "custom", "custom": {"name": "calc"}}], "tool_choice": "required"}, "tool_choice",
+     "custom tools are called when"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "custom", "custom": {"name": "calc"}}}, "tool_choice",
+     "no custom tool named 'calc'"),
+    ({"tools": [{"type": "custom", "custom": {"name": "calc", "format": {
+        "type": "grammar", "grammar": {"syntax": "lark", "definition": "start: nope"}}}}],
+      "tool_choice": {"type": "custom", "custom": {"name": "calc"}}}, "tools",
+     "tools[0].custom.format.grammar.definition: line 1: 'nope' is used but never defined"),
+    ({"tools": [{"type": "custom", "custom": {"name": "calc", "format": {"type": "grammar"}}}],
+      "tool_choice": {"type": "custom", "custom": {"name": "calc"}}}, "tools", "a grammar format needs"),
+    ({"tools": [WEATHER, {"type": "custom", "custom": {"name": "get_weather"}}],
+      "tool_choice": {"type": "custom", "custom": {"name": "get_weather"}}}, "tools", "distinct"),
+])
+def test_bad_custom_tool_requests_are_400_naming_the_field(alice, kwargs, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.chat.completions.create(**{"model": BASE, "messages": HELLO, "max_tokens": 4, **kwargs})
+    assert e.value.body["param"] == param and message in e.value.body["message"]
+
+
 @pytest.mark.parametrize("kwargs, param, message", [
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",

@@ -27,7 +27,7 @@ from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, D
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
 from coserve.server.response_format import guided_output
 from coserve.server.tool_stream import ToolCallStream
-from coserve.server.tools import template_messages, template_tools, tool_call, tool_plan
+from coserve.server.tools import template_messages, template_tools, tool_plan
 
 router = APIRouter()
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
@@ -240,7 +240,8 @@ async def off_loop_if_long(chars: int, fn, *args):
 def messages_chars(messages) -> int:
     """Characters of chat messages' contents (plain or in text parts) and past tool calls' arguments."""
     return sum((len(m.content) if isinstance(m.content, str) else sum(len(part.text) for part in m.content or []))
-               + sum(len(c.function.arguments) for c in m.tool_calls or []) for m in messages)
+               + sum(len(c.custom.input if c.type == "custom" else c.function.arguments) for c in m.tool_calls or [])
+               for m in messages)
 
 
 def prompt_chars(prompt) -> int:
@@ -387,7 +388,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     check_token_ids(body, ctx.engine.model_config.vocab_size)
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     tools = tool_plan(body, ctx.config.tool_call_parser)
-    guided = {"guided_json": tools.schema} if tools is not None and tools.schema is not None else guided_output(body)
+    guided = tools.guide() if tools is not None and not tools.auto else guided_output(body)
     ctx.client.check_capacity(body.n)
     job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
     params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided)
@@ -402,8 +403,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
             if out is None:
                 delta = {"role": "assistant", "content": ""}
                 if tools is not None and tools.function is not None:  # the call first; its arguments as they come
-                    delta = {"role": "assistant", "content": None,
-                             "tool_calls": [{"index": 0, **tool_call(tools.function, "")}]}
+                    delta = {"role": "assistant", "content": None, "tool_calls": [tools.head()]}
                 return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                 "finish_reason": None}]}
             if calls[c.index] is not None:  # text until a call may begin, then the calls as they are written
@@ -412,8 +412,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 delta = {**({"content": text} if text else {}), **({"tool_calls": made} if made else {})}
             else:
                 text = c.delta.next(out.outputs[0].text, out.finished)
-                delta = ({"content": text} if tools is None
-                         else {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}) if text else {}
+                delta = ({"content": text} if tools is None else {"tool_calls": [tools.piece(text)]}) if text else {}
             logprobs = new_logprobs(c, out)
             if not delta and not logprobs:
                 return None

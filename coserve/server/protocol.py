@@ -83,6 +83,31 @@ class Tool(Body):
     function: FunctionDef
 
 
+class GrammarSpec(Body):
+    definition: str
+    syntax: Literal["lark", "regex"]
+
+
+class CustomFormat(Body):
+    """A custom tool's input: free text, or text a grammar (Lark) or regular expression matches."""
+
+    type: Literal["text", "grammar"]
+    grammar: GrammarSpec | None = None
+
+
+class CustomDef(Body):
+    name: FunctionName
+    description: str | None = None
+    format: CustomFormat | None = None  # None: free text
+
+
+class CustomTool(Body):
+    """OpenAI's custom tool: called with one string (``input``), not JSON arguments."""
+
+    type: Literal["custom"]
+    custom: CustomDef
+
+
 class NamedFunction(Body):
     name: str
 
@@ -90,6 +115,11 @@ class NamedFunction(Body):
 class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
+
+
+class NamedCustomChoice(Body):
+    type: Literal["custom"]
+    custom: NamedFunction
 
 
 class CalledFunction(Body):
@@ -103,11 +133,22 @@ class ToolCall(Body):
     function: CalledFunction
 
 
+class CalledCustom(Body):
+    name: str
+    input: str
+
+
+class CustomToolCall(Body):
+    id: str
+    type: Literal["custom"]
+    custom: CalledCustom
+
+
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's past calls
+    tool_calls: list[Annotated[ToolCall | CustomToolCall, Field(discriminator="type")]] | None = None  # past calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
@@ -117,8 +158,8 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = None  # coserve/server/tools.py
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[Annotated[Tool | CustomTool, Field(discriminator="type")]] | None = None  # coserve/server/tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | NamedCustomChoice | None = None
     parallel_tool_calls: bool = True
     functions: Any = None
     function_call: Any = None
@@ -260,22 +301,61 @@ class FunctionTool(Body):
     strict: bool | None = None
 
 
+class ResponsesCustomFormat(Body):
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class ResponsesCustomTool(Body):
+    type: Literal["custom"]
+    name: FunctionName
+    description: str | None = None
+    format: ResponsesCustomFormat | None = None
+
+
 class FunctionChoice(Body):
     type: Literal["function"]
     name: str
 
 
+class CustomChoice(Body):
+    type: Literal["custom"]
+    name: str
+
+
+class CustomToolCallInput(Body):
+    """A custom tool call the model made earlier in the conversation."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+    status: str | None = None
+
+
+class CustomToolCallOutputInput(Body):
+    """A custom tool call's result, sent back to the model."""
+
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+
+
 class ResponsesRequest(Body):
     model: str
-    input: str | list[InputMessage | FunctionCallInput | FunctionCallOutputInput]
+    input: str | list[InputMessage | FunctionCallInput | FunctionCallOutputInput | CustomToolCallInput
+                      | CustomToolCallOutputInput]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
     text: TextOptions | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tools: list[Annotated[FunctionTool | ResponsesCustomTool, Field(discriminator="type")]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | CustomChoice | None = None
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     store: bool | None = None

@@ -1,11 +1,13 @@
 """OpenAI's Responses API (``POST /v1/responses``), served by the chat machinery.
 
 A request becomes a chat request: ``instructions`` a system message, ``input`` (a string, or items: messages,
-earlier ``function_call`` items and their ``function_call_output`` results) the conversation, ``text.format``
-the response format, function ``tools`` and ``tool_choice`` as on the chat API (``coserve/server/tools.py``).
-The reply is a ``response`` object whose ``output`` holds one assistant ``message`` (``output_text``), or
-``function_call`` items; streamed, the typed events OpenAI's clients read (``response.created`` ...
-``response.output_text.delta`` ... ``response.completed``). Finished responses are stored (unless ``store`` is
+earlier ``function_call`` / ``custom_tool_call`` items and their ``*_output`` results) the conversation,
+``text.format`` the response format, function and custom ``tools`` and ``tool_choice`` as on the chat API
+(``coserve/server/tools.py``). The reply is a ``response`` object whose ``output`` holds one assistant
+``message`` (``output_text``), ``function_call`` items, or a named custom tool's ``custom_tool_call``;
+streamed, the typed events OpenAI's clients read (``response.created`` ... ``response.output_text.delta`` /
+``response.function_call_arguments.delta`` / ``response.custom_tool_call_input.delta`` ...
+``response.completed``). Finished responses are stored (unless ``store`` is
 false) in the server's SQLite state with their conversation, for the tenant alone: ``previous_response_id``
 continues one (its instructions are not carried over, as OpenAI's are not), ``GET`` and ``DELETE
 /v1/responses/{id}`` read and forget one.
@@ -28,8 +30,8 @@ from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.inference_api import (make_request, max_tokens_for, messages_chars, off_loop_if_long, render_chat,
                                           sampling_params, submit)
-from coserve.server.protocol import (ChatCompletionRequest, FunctionCallInput, FunctionChoice, InputMessage,
-                                     ResponsesRequest)
+from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, CustomToolCallInput, FunctionCallInput,
+                                     FunctionChoice, FunctionTool, InputMessage, ResponsesCustomTool, ResponsesRequest)
 from coserve.server.response_format import guided_schema
 from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import ToolPlan, tool_plan
@@ -49,9 +51,10 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
         if isinstance(item, InputMessage):
             content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             messages.append({"role": item.role, "content": content})
-        elif isinstance(item, FunctionCallInput):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+        elif isinstance(item, (FunctionCallInput, CustomToolCallInput)):
+            call = ({"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+                    if isinstance(item, FunctionCallInput)
+                    else {"id": item.call_id, "type": "custom", "custom": {"name": item.name, "input": item.input}})
             last = messages[-1] if messages else {}
             if last.get("role") == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)  # calls made together
@@ -76,10 +79,12 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
                 spec["schema"] = fmt.json_schema
             response_format["json_schema"] = spec
     tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-             for t in body.tools or []]
+             if isinstance(t, FunctionTool) else {"type": "custom", "custom": _chat_custom(t)} for t in body.tools or []]
     choice = body.tool_choice
     if isinstance(choice, FunctionChoice):
         choice = {"type": "function", "function": {"name": choice.name}}
+    elif isinstance(choice, CustomChoice):
+        choice = {"type": "custom", "custom": {"name": choice.name}}
     try:
         return ChatCompletionRequest.model_validate({
             "model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
@@ -87,6 +92,16 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
             "parallel_tool_calls": body.parallel_tool_calls})
     except ValidationError as e:  # what the Responses API accepts and chat does not
         raise bad_request(f"input: {e.errors()[0]['msg']}", "input") from None
+
+
+def _chat_custom(tool: ResponsesCustomTool) -> dict:
+    """A Responses API custom tool as the chat API writes it (its grammar one level down)."""
+    out: dict = {"name": tool.name, **({"description": tool.description} if tool.description else {})}
+    fmt = tool.format
+    if fmt is not None:
+        out["format"] = ({"type": "text"} if fmt.type == "text" else
+                         {"type": "grammar", "grammar": {"definition": fmt.definition, "syntax": fmt.syntax}})
+    return out
 
 
 def _renamed(e: APIError) -> APIError:
@@ -116,8 +131,12 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
         ids = await off_loop_if_long(messages_chars(chat.messages), render_chat, ctx, chat)
         max_tokens = max_tokens_for(ctx, len(ids), body.max_output_tokens, "max_output_tokens", "input")
         tools = tool_plan(chat, ctx.config.tool_call_parser)
-        schema = tools.schema if tools is not None and not tools.auto else guided_schema(chat.response_format)
-        params = sampling_params(chat, max_tokens, None, 0, guided=None if schema is None else {"guided_json": schema})
+        if tools is not None and not tools.auto:
+            guided = tools.guide()
+        else:
+            schema = guided_schema(chat.response_format)
+            guided = None if schema is None else {"guided_json": schema}
+        params = sampling_params(chat, max_tokens, None, 0, guided=guided)
         ctx.client.check_capacity(1)
         job = Job(f"resp_{secrets.token_hex(12)}", int(time.time()), body.model, 1)
         submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")])
@@ -156,10 +175,15 @@ class ResponseShape:
         self.tenant, self.conversation = tenant, conversation
         self.message_id = f"msg_{secrets.token_hex(12)}"
         self.call_id = f"call_{secrets.token_hex(12)}"  # a named function's call
-        self.item_id = f"fc_{secrets.token_hex(12)}"
+        self.item_id = f"{'ctc' if tools is not None and tools.custom else 'fc'}_{secrets.token_hex(12)}"
         self.streamed_call_ids: list[str] = []  # a listed call's call_id where a stream announced it
         self.call_item_ids: list[str] = []  # each listed call's item id, made as first needed
         self.final: dict | None = None  # the finished response, where a stream of listed calls read it
+
+    @property
+    def _named_events(self) -> str:
+        """The streamed events of a named call's text: a function's arguments or a custom tool's input."""
+        return "custom_tool_call_input" if self.tools.custom else "function_call_arguments"
 
     def call_item_id(self, i: int) -> str:
         while len(self.call_item_ids) <= i:
@@ -170,16 +194,15 @@ class ResponseShape:
         text, reason = out.outputs[0].text, finish_reason(out)
         status = "incomplete" if reason == "length" else "completed"
         content, calls = self.tools.reply(text) if self.tools is not None and reason == "stop" else (text, [])
+        if self.tools is not None and self.tools.function is not None:  # named: the output is the call's
+            return [self.call_item(text, status)]
         if calls:
-            named = self.tools.function is not None
             said = [self.message(content, status)] if content else []  # auto: text the model wrote before calling
             ids = self.streamed_call_ids
-            return said + [{"type": "function_call", "id": self.item_id if named else self.call_item_id(i),
-                            "call_id": self.call_id if named else ids[i] if i < len(ids) else c["id"],
+            return said + [{"type": "function_call", "id": self.call_item_id(i),
+                            "call_id": ids[i] if i < len(ids) else c["id"],
                             "name": c["function"]["name"], "arguments": c["function"]["arguments"],
                             "status": "completed"} for i, c in enumerate(calls)]
-        if self.tools is not None and self.tools.function is not None:
-            return [self.call_item(text, status)]
         return [self.message(text, status)]
 
     def keep(self, ctx: ServerContext, final: dict) -> None:
@@ -187,10 +210,12 @@ class ResponseShape:
         if self.body.store is False:
             return
         said: list[dict] = []
-        calls = [o for o in final["output"] if o["type"] == "function_call"]
+        calls = [o for o in final["output"] if o["type"] in ("function_call", "custom_tool_call")]
         if calls:
             said.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                if c["type"] == "function_call" else
+                {"id": c["call_id"], "type": "custom", "custom": {"name": c["name"], "input": c["input"]}}
                 for c in calls]})
         for o in final["output"]:
             if o["type"] == "message":
@@ -201,16 +226,21 @@ class ResponseShape:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
                 "content": [] if status == "in_progress" else [_text_part(text)]}
 
-    def call_item(self, arguments: str, status: str) -> dict:
+    def call_item(self, text: str, status: str) -> dict:
+        """The named call's item: a function's (``arguments``) or a custom tool's (``input``)."""
+        if self.tools.custom:
+            return {"type": "custom_tool_call", "id": self.item_id, "call_id": self.call_id,
+                    "name": self.tools.function, "input": text, "status": status}
         return {"type": "function_call", "id": self.item_id, "call_id": self.call_id, "name": self.tools.function,
-                "arguments": arguments, "status": status}
+                "arguments": text, "status": status}
 
     def response(self, out: RequestOutput | None, status: str | None = None) -> dict:
         """The response object: in progress without ``out``, else finished with its output and usage."""
         b = self.body
         if out is not None:
             status = "incomplete" if finish_reason(out) == "length" else "completed"
-        choice = b.tool_choice.model_dump() if isinstance(b.tool_choice, FunctionChoice) else b.tool_choice or "auto"
+        choice = (b.tool_choice.model_dump() if isinstance(b.tool_choice, (FunctionChoice, CustomChoice))
+                  else b.tool_choice or "auto")
         obj = {"id": self.job.ident, "object": "response", "created_at": self.job.created, "status": status,
                "model": b.model, "output": [] if out is None else self.items(out), "error": None,
                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -255,7 +285,7 @@ class ResponseShape:
                     out = await advance(choice, job, ctx)
                     delta = choice.delta.next(out.outputs[0].text, out.finished)
                     if delta and named:
-                        yield event("response.function_call_arguments.delta", item_id=self.item_id, output_index=0,
+                        yield event(f"response.{self._named_events}.delta", item_id=self.item_id, output_index=0,
                                     delta=delta)
                     elif delta:
                         yield event("response.output_text.delta", item_id=self.message_id, output_index=0,
@@ -263,8 +293,8 @@ class ResponseShape:
             final = self.final if listed else self.response(choice.out)
             if named:
                 item = final["output"][0]
-                yield event("response.function_call_arguments.done", item_id=self.item_id, output_index=0,
-                            arguments=item["arguments"])
+                said = {"input": item["input"]} if self.tools.custom else {"arguments": item["arguments"]}
+                yield event(f"response.{self._named_events}.done", item_id=self.item_id, output_index=0, **said)
                 yield event("response.output_item.done", output_index=0, item=item)
             elif not listed:
                 for e in self._close_message(event, 0, final["output"][0]):

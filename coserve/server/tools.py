@@ -9,9 +9,16 @@ the model writes freely and calls in its text are read by the server's ``--tool-
 (``tool_parser.py``; the format depends on the model's training); a server started without one answers
 400 naming the way out, rather than ignoring the tools.
 
+Custom tools (OpenAI's ``{"type": "custom"}``: called with one string, ``input``, free text or text that a
+Lark grammar or a regular expression matches) are called when ``tool_choice`` names one
+(``{"type": "custom", "custom": {"name": ...}}``): the output is the input, guided by the tool's format. Under
+"auto" or "required" a request with custom tools is a 400 (no parser reads them from free text yet); under
+"none" or a named function they are listed to the template as functions of one string parameter, ``input``.
+
 Past calls in the conversation (assistant messages with ``tool_calls``, ``tool`` messages with results)
-reach the chat template as HF templates expect them; a template that never mentions ``tool_calls``
-sees the calls inlined as the JSON the ``required`` mode writes.
+reach the chat template as HF templates expect them (a custom call as a function call with arguments
+``{"input": ...}``); a template that never mentions ``tool_calls`` sees the calls inlined as the JSON the
+``required`` mode writes.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from typing import Any
 
 from coserve.server.call_text import scan_call_list
 from coserve.server.errors import bad_request
-from coserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from coserve.guided.compilers import COMPILERS
+from coserve.server.protocol import (ChatCompletionRequest, ChatMessage, CustomDef, CustomTool, CustomToolCall,
+                                     NamedCustomChoice, Tool)
 from coserve.server.response_format import checked_schema
 from coserve.server.tool_parser import parse_tool_calls
 
@@ -32,12 +41,28 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """How a request's output becomes tool calls: ``function`` named, ``None`` for a ``required`` list, or
-    ``auto`` (no guide: calls read from the text by the server's parser)."""
+    """How a request's output becomes tool calls: ``function`` named (a custom tool's with ``custom``), ``None``
+    for a ``required`` list, or ``auto`` (no guide: calls read from the text by the server's parser)."""
 
     function: str | None
-    schema: dict | None  # what guides the output (None: auto)
+    schema: dict | None  # what guides a function's arguments or a required list (None: auto, custom)
     auto: bool = False
+    custom: bool = False  # the named tool is a custom one: the output is its input, as written
+    custom_guide: dict | None = None  # a custom tool's guide: {"guided_grammar": ...} / {"guided_regex": ...}
+
+    def guide(self) -> dict | None:
+        """The ``SamplingParams`` guide of the output (None: free text)."""
+        if self.custom:
+            return self.custom_guide
+        return None if self.schema is None else {"guided_json": self.schema}
+
+    def head(self) -> dict:
+        """A streamed named call's first ``tool_calls`` delta: its id, type and name, nothing written yet."""
+        return {"index": 0, **(custom_call(self.function, "") if self.custom else tool_call(self.function, ""))}
+
+    def piece(self, text: str) -> dict:
+        """A streamed named call's ``tool_calls`` delta carrying more of what it is called with."""
+        return {"index": 0, **({"custom": {"input": text}} if self.custom else {"function": {"arguments": text}})}
 
     @property
     def listed(self) -> bool:
@@ -56,6 +81,8 @@ class ToolPlan:
     def calls(self, text: str) -> list[dict] | None:
         """The ``tool_calls`` of a finished guided output, or None if it is not a whole document (cut by
         max_tokens)."""
+        if self.custom:  # the guide ended it: the input is whatever was written
+            return [custom_call(self.function, text)]
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -75,6 +102,10 @@ def tool_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+def custom_call(name: str, text: str) -> dict:
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "custom", "custom": {"name": name, "input": text}}
+
+
 def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPlan | None:
     """None for a reply in text; else the plan; 400 naming the field for a choice that cannot be honoured.
     ``parser``: the server's ``--tool-call-parser`` (None: ``auto`` cannot be served)."""
@@ -83,6 +114,11 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPla
         raise bad_request("tool_choice: needs tools", "tool_choice")
     if not tools or choice == "none":
         return None
+    customs = [t.custom for t in tools if isinstance(t, CustomTool)]
+    if customs and not isinstance(choice, NamedCustomChoice) and choice in (None, "auto", "required"):
+        raise bad_request("tool_choice: custom tools are called when tool_choice names one ({\"type\": \"custom\", "
+                          "\"custom\": {\"name\": ...}}); with 'auto' or 'required' no parser reads their calls from "
+                          "free text", "tool_choice")
     if choice in (None, "auto"):
         if parser is None:
             raise bad_request("tool_choice: 'auto' (the default when tools are given) needs a parser of the tool "
@@ -94,16 +130,43 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPla
                                                    "guided_regex", "guided_grammar", "structured_outputs")):
         raise bad_request("tool_choice: tool calls are JSON already; drop response_format and vLLM's guided_* / "
                           "structured_outputs", "tool_choice")
-    names = [t.function.name for t in tools]
+    names = [tool_name(t) for t in tools]
     if len(set(names)) < len(names):
         raise bad_request("tools: function names must be distinct", "tools")
-    params = [_parameters(t, i) for i, t in enumerate(tools)]
+    if isinstance(choice, NamedCustomChoice):
+        name = choice.custom.name
+        found = [(i, t.custom) for i, t in enumerate(tools) if isinstance(t, CustomTool) and t.custom.name == name]
+        if not found:
+            raise bad_request(f"tool_choice: no custom tool named {name!r} among the tools", "tool_choice")
+        return ToolPlan(name, None, custom=True, custom_guide=_custom_guide(*found[0]))
+    functions = [(i, t) for i, t in enumerate(tools) if isinstance(t, Tool)]
+    fnames = [t.function.name for _, t in functions]
+    params = [_parameters(t, i) for i, t in functions]
     if choice == "required":
-        return ToolPlan(None, _calls_schema(names, params, body.parallel_tool_calls))
+        return ToolPlan(None, _calls_schema(fnames, params, body.parallel_tool_calls))
     name = choice.function.name
-    if name not in names:
+    if name not in fnames:
         raise bad_request(f"tool_choice: no function named {name!r} among the tools", "tool_choice")
-    return ToolPlan(name, params[names.index(name)])
+    return ToolPlan(name, params[fnames.index(name)])
+
+
+def tool_name(tool: Tool | CustomTool) -> str:
+    return tool.custom.name if isinstance(tool, CustomTool) else tool.function.name
+
+
+def _custom_guide(i: int, tool: CustomDef) -> dict | None:
+    """What guides a custom tool's input: its Lark grammar or regular expression (None: free text)."""
+    fmt, param = tool.format, f"tools[{i}].custom.format"
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.grammar is None:
+        raise bad_request(f"{param}.grammar: a grammar format needs {{\"definition\", \"syntax\"}}", "tools")
+    field = "guided_grammar" if fmt.grammar.syntax == "lark" else "guided_regex"
+    try:
+        COMPILERS[field](fmt.grammar.definition)
+    except ValueError as e:
+        raise bad_request(f"{param}.grammar.definition: {e}", "tools") from None
+    return {field: fmt.grammar.definition}
 
 
 def _parameters(tool: Tool, i: int) -> dict:
@@ -150,7 +213,8 @@ def template_messages(messages: list[ChatMessage], template: str) -> list[dict]:
             if m.role != "assistant":
                 raise bad_request(f"messages[{i}].tool_calls: only assistant messages make tool calls",
                                   f"messages[{i}].tool_calls")
-            calls = [(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls]
+            calls = [(c.custom.name, {"input": c.custom.input}) if isinstance(c, CustomToolCall)
+                     else (c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls]
             if inline:
                 msg["content"] = content + json.dumps([{"name": n, "parameters": a} for n, a in calls],
                                                       ensure_ascii=False)
@@ -174,4 +238,8 @@ def template_tools(tools: list[Tool] | None) -> list[dict] | None:
     """The tools as HF chat templates take them (``apply_chat_template(..., tools=...)``)."""
     if not tools:
         return None
-    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} if isinstance(t, Tool)
+            else {"type": "function", "function": {  # a custom tool: a function of one string
+                "name": t.custom.name, **({"description": t.custom.description} if t.custom.description else {}),
+                "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}}
+            for t in tools]
