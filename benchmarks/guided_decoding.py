@@ -10,7 +10,7 @@ tokens per second, the ratio to free text of --max-tokens tokens, and the ratio 
 output lengths run right after (what the guide itself costs), and how many of the guided outputs parse as JSON matching
 their schema by ``jsonschema`` (or, for a regex, match it by ``re.fullmatch``; those that end before
 ``--max-tokens``; the rest are cut by it, as free text would be); the grammar mode's texts are checked as
-JSON objects (its grammar writes a subset of them).
+JSON objects (its grammar writes a subset of them), and so are the lark mode's (the same grammar in Lark's syntax).
 """
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ REGEXES = {"regex": r"(\d{3}-){2}\d{4}|[A-Z][a-z]{1,10}( [A-Z][a-z]{1,10}){0,3}\
 GRAMMARS = {"grammar": """root ::= "{" pair ("," " "? pair){0,3} "}"
 pair ::= key ":" " "? value
 key ::= "\\"" [a-z]{1,8} "\\""
-value ::= [0-9]{1,4} | "true" | "false" | key"""}
+value ::= [0-9]{1,4} | "true" | "false" | key""",
+            # the same language in Lark's syntax (coserve/guided/lark.py): what the other front end costs
+            "lark": r"""start: "{" pair ("," " "? pair) ~ 0..3 "}"
+pair: key ":" " "? value
+key: "\"" /[a-z]{1,8}/ "\""
+value: /[0-9]{1,4}/ | "true" | "false" | key"""}
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list]:
