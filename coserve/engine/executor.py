@@ -24,7 +24,7 @@ def job_progress(job_id: str, job: FinetuneJob) -> FinetuneProgress:
     """A job's position as plain data for the scheduler."""
     phase, pending, forward_done, layers_left, seq_tokens = job.position()
     return FinetuneProgress(job_id, phase, pending, forward_done, layers_left, seq_tokens,
-                            job.model.cfg.num_layers, job.tokens_done, job.bottom_layer.share)
+                            job.model.cfg.num_layers, job.tokens_done, job.bottom_layer_cost)
 
 
 class ModelExecutor:
@@ -65,7 +65,7 @@ class ModelExecutor:
         for w in plan.finetune:
             if w.kind == BACKWARD and w.job_id not in result.finetune_errors:
                 try:
-                    self.jobs[w.job_id].backward_token_layers(w.num_tokens, timed=self.model.device.type == "cpu")
+                    self.jobs[w.job_id].backward_token_layers(w.num_tokens)
                 except Exception as e:  # a job that cannot go on stops alone; inference keeps serving
                     result.finetune_errors[w.job_id] = f"{type(e).__name__}: {e}"
         result.finetune = [job_progress(w.job_id, self.jobs[w.job_id]) for w in plan.finetune]

@@ -143,7 +143,7 @@ class LLMEngine:
         self._check_finetune_memory(job)
         self._ensure_latency_model()
         if self.config.policy == "coserve" and not job.done:  # slices that reach layer 0 are priced with it
-            job.bottom_layer.share = measure_bottom_layer_cost(job)
+            job.bottom_layer_cost = measure_bottom_layer_cost(job)
         self.job_states[jid] = JobState(job)
         if job.write_later is None:  # numbered checkpoints (save_steps) are written off the engine thread
             job.write_later = self.saver.write_later

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from coserve.finetune.bottom_layer import BottomLayerCost
 from coserve.finetune.checkpoint import (CHECKPOINT_PREFIX, LOG_FILE, CheckpointSnapshot, load_optimizer_state,
                                         snapshot_checkpoint, write_checkpoint)
 from coserve.finetune.config import FinetuneConfig
@@ -106,7 +105,7 @@ class FinetuneJob:
         self._start = time.perf_counter()
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
         self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, longest)  # what it keeps
-        self.bottom_layer = BottomLayerCost()  # layer 0's backward against another layer's (an engine measures it)
+        self.bottom_layer_cost = 1.0  # layer 0's backward against another layer's (an engine measures it)
         self.on_step: Callable[[FinetuneJob], None] | None = None  # called after every optimizer step (checkpoints)
         self.write_later: Callable[[Callable[[], None]], None] | None = None  # runs a checkpoint write elsewhere
 
@@ -199,17 +198,12 @@ class FinetuneJob:
         layers_left = seq.backward_layer + 1 if kind == "backward" else 0
         return kind, self.pending_tokens(), seq.forward_done, layers_left, seq.num_tokens
 
-    def backward_token_layers(self, token_layers: int, timed: bool = False) -> None:
+    def backward_token_layers(self, token_layers: int) -> None:
         """Backward windows over up to ``token_layers`` token-layers from the current position, each at most
-        the rest of its layer, layer after layer; stops early when the sequence's backward pass ends. With
-        ``timed`` (where wall time is the work done: a CPU), each window's time goes to ``bottom_layer``."""
+        the rest of its layer, layer after layer; stops early when the sequence's backward pass ends."""
         while token_layers > 0 and self.next_work() == "backward":
             n = min(token_layers, self.pending_tokens())
-            bottom = self._seq.backward_layer == 0
-            start = time.perf_counter()
             self.backward(n)
-            if timed:
-                self.bottom_layer.record(bottom, n, time.perf_counter() - start)
             token_layers -= n
 
     def backward(self, num_tokens: int) -> None:
