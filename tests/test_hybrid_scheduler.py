@@ -220,29 +220,6 @@ def test_backward_slices_pay_each_layer_window_they_touch():
     assert (w.kind, w.num_tokens) == (BACKWARD, 530)
 
 
-def test_the_bottom_layer_counts_at_its_own_cost():
-    """Layer 0's backward stops at the lowest trainable module: priced at its share, a slice that reaches it
-    takes more of its tokens (here the whole rest of the sequence) within the same budget."""
-    a = job("a", BACKWARD, pending=30, done=500, layers=2, tokens=500)  # 30 token-layers of layer 1, then 500 of 0
-    assert [a.backward_cost(n) for n in (0, 30, 530)] == [0, 30, 530]
-    a.bottom_layer_cost = 0.25
-    assert [a.backward_cost(n) for n in (0, 29, 30, 31, 34, 530)] == [0, 29, 30, 31, 31, 155]
-    last = job("b", BACKWARD, pending=200, done=500, layers=1, tokens=500)  # already in layer 0
-    last.bottom_layer_cost = 0.5
-    assert last.backward_cost(200) == 100
-    slices = {}
-    for cost in (1.0, 0.25):
-        s = make()  # 18 ms: 17 ms after the iteration's 1 ms, 340 token-layers at full price
-        a = job("a", BACKWARD, pending=30, done=500, layers=2, tokens=500)
-        a.bottom_layer_cost = cost
-        s.add_job(a)
-        plan = step(s)
-        (w,) = plan.finetune
-        slices[cost] = w.num_tokens
-        assert plan.predicted_s <= 0.018 + 1e-12
-    assert slices == {1.0: 340, 0.25: 530}
-
-
 def treq(rid, tenant, n_prompt=8, max_tokens=4):
     r = req(rid, n_prompt, max_tokens)
     r.tenant = tenant

@@ -24,7 +24,7 @@ def job_progress(job_id: str, job: FinetuneJob) -> FinetuneProgress:
     """A job's position as plain data for the scheduler."""
     phase, pending, forward_done, layers_left, seq_tokens = job.position()
     return FinetuneProgress(job_id, phase, pending, forward_done, layers_left, seq_tokens,
-                            job.model.cfg.num_layers, job.tokens_done, job.bottom_layer_cost)
+                            job.model.cfg.num_layers, job.tokens_done)
 
 
 class ModelExecutor:

@@ -26,7 +26,6 @@ from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import load_tokenizer
 from coserve.peft import (AdapterError, AdapterSlots, IA3Bank, LoraAdapter, LoraBank, ServedAdapter,
                           load_peft_adapter)
-from coserve.finetune.bottom_layer import measure_bottom_layer_cost
 from coserve.finetune.job import FinetuneJob
 from coserve.finetune.memory_budget import job_memory
 from coserve.guided.guide import GuidedDecoding
@@ -142,8 +141,6 @@ class LLMEngine:
             raise ValueError(f"job_id: {jid!r} is already in use")
         self._check_finetune_memory(job)
         self._ensure_latency_model()
-        if self.config.policy == "coserve" and not job.done:  # slices that reach layer 0 are priced with it
-            job.bottom_layer_cost = measure_bottom_layer_cost(job)
         self.job_states[jid] = JobState(job)
         if job.write_later is None:  # numbered checkpoints (save_steps) are written off the engine thread
             job.write_later = self.saver.write_later

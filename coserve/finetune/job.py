@@ -105,7 +105,6 @@ class FinetuneJob:
         self._start = time.perf_counter()
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
         self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, longest)  # what it keeps
-        self.bottom_layer_cost = 1.0  # layer 0's backward against another layer's (an engine measures it)
         self.on_step: Callable[[FinetuneJob], None] | None = None  # called after every optimizer step (checkpoints)
         self.write_later: Callable[[Callable[[], None]], None] | None = None  # runs a checkpoint write elsewhere
 
@@ -236,23 +235,14 @@ class FinetuneJob:
             self._batch_correct = 0
         ex = self.examples[self._batch[self._next_in_batch]]
         self._next_in_batch += 1
-        self._seq = self._training_sequence(ex)
+        self._seq = self._sequence(ex)
         self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, self._next_in_batch)
+        if self.cfg.rematerialize == "cheap":
+            self._seq.keeps = new_keeps(self.model, len(ex.token_ids), planned_keeps(self.plan))
 
     def _start_eval_sequence(self) -> None:
         self._seq = self._sequence(self.validation[self._eval_queue.pop(0)])
         self._seq.eval_only = True
-
-    def scratch_sequence(self, token_ids: list[int]) -> SequenceState:
-        """A sequence of ``token_ids`` (every one a target) laid out as this job's are, its kept tensors included,
-        for measurements; the job's own position is not touched."""
-        return self._training_sequence(Example(list(token_ids), list(token_ids[1:]) + [IGNORE_INDEX]))
-
-    def _training_sequence(self, ex: Example) -> SequenceState:
-        seq = self._sequence(ex)
-        if self.cfg.rematerialize == "cheap":  # room for what the plan keeps between forward and backward
-            seq.keeps = new_keeps(self.model, len(ex.token_ids), planned_keeps(self.plan))
-        return seq
 
     def _sequence(self, ex: Example) -> SequenceState:
         c = self.model.cfg

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 FORWARD, BACKWARD, DONE = "forward", "backward", "done"
@@ -20,8 +19,6 @@ class FinetuneProgress:
     sequence_tokens: int  # tokens of the current sequence
     num_layers: int  # of the model
     tokens_done: int = 0  # tokens through forward and backward so far (the job's throughput counter)
-    bottom_layer_cost: float = 1.0  # the bottom layer's backward per token-layer, as a fraction of another's
-    #   (its input is the frozen embedding: it stops at the lowest trainable module)
 
     @property
     def backward_token_layers_left(self) -> int:
@@ -29,13 +26,6 @@ class FinetuneProgress:
         if self.phase != BACKWARD:
             return 0
         return self.pending_tokens + max(0, self.backward_layers_left - 1) * self.sequence_tokens
-
-    def backward_cost(self, token_layers: int) -> int:
-        """What the next ``token_layers`` of backward work count as for the latency model: a token-layer of
-        the bottom layer as ``bottom_layer_cost`` of one (rounded up)."""
-        above = 0 if self.backward_layers_left <= 1 else self.backward_token_layers_left - self.sequence_tokens
-        bottom = max(0, token_layers - above)
-        return token_layers - bottom + math.ceil(bottom * self.bottom_layer_cost)
 
 
 @dataclass(slots=True)

@@ -151,15 +151,13 @@ class LatencyModel:
 
     def max_tokens_within(self, base: IterationShape, budget_s: float, field: str,
                           per_token_context: int = 0, *, max_n: int = 1 << 20,
-                          windows_of: Callable[[int], int] | None = None,
-                          count_of: Callable[[int], int] | None = None) -> int:
+                          windows_of: Callable[[int], int] | None = None) -> int:
         """Largest ``n <= max_n`` whose shape fits ``budget_s``; 0 if even ``n = 0`` exceeds it.
 
-        The shape is ``base`` with ``field`` (a token-count field) increased by ``n`` (or by ``count_of(n)``:
-        what ``n`` tokens count as) and its context field by that times ``per_token_context`` (and
-        ``finetune_backward_windows`` by ``windows_of(n)``); both functions non-decreasing. Exponential then
-        binary search; exact because predictions are monotone in every count. ``max_n`` bounds the answer
-        when the field costs nothing.
+        The shape is ``base`` with ``field`` (a token-count field) increased by ``n`` and its context
+        field by ``n * per_token_context`` (and ``finetune_backward_windows`` by ``windows_of(n)``, a
+        non-decreasing function). Exponential then binary search; exact because predictions are
+        monotone in every count. ``max_n`` bounds the answer when the field costs nothing.
         """
         if field not in _CONTEXT_OF:
             raise ValueError(f"field must be one of {sorted(_CONTEXT_OF)}, got {field!r}")
@@ -170,9 +168,8 @@ class LatencyModel:
         ctx = _CONTEXT_OF[field]
 
         def fits(n: int) -> bool:
-            counted = n if count_of is None else count_of(n)
-            grown = replace(base, **{field: getattr(base, field) + counted,
-                                     ctx: getattr(base, ctx) + counted * per_token_context})
+            grown = replace(base, **{field: getattr(base, field) + n,
+                                     ctx: getattr(base, ctx) + n * per_token_context})
             if windows_of is not None:
                 grown = replace(grown, finetune_backward_windows=grown.finetune_backward_windows + windows_of(n))
             return self.predict(grown) <= budget_s

@@ -68,18 +68,15 @@ def plan_slices(jobs: list[FinetuneProgress], shape: IterationShape, latency: La
         else:
             continue
         windows = backward_windows(job) if job.phase == BACKWARD else None
-        count_of = job.backward_cost if job.phase == BACKWARD else None  # the bottom layer costs less
         if latency is not None:
-            n = latency.max_tokens_within(shape, budget_s, field, ctx, max_n=limit, windows_of=windows,
-                                          count_of=count_of)
+            n = latency.max_tokens_within(shape, budget_s, field, ctx, max_n=limit, windows_of=windows)
         else:
             n = min(limit, tokens_left)
         if n <= 0 or (n < min_window and n < limit):
             continue
         context_field = _CONTEXT[field]
-        counted = n if count_of is None else count_of(n)
-        shape = replace(shape, **{field: getattr(shape, field) + counted,
-                                  context_field: getattr(shape, context_field) + counted * ctx})
+        shape = replace(shape, **{field: getattr(shape, field) + n,
+                                  context_field: getattr(shape, context_field) + n * ctx})
         if windows is not None:
             shape = replace(shape, finetune_backward_windows=shape.finetune_backward_windows + windows(n))
         has_forward = has_forward or job.phase == FORWARD
