@@ -28,9 +28,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from coserve.guided.compilers import COMPILERS
 from coserve.server.call_text import scan_call_list
 from coserve.server.errors import bad_request
-from coserve.guided.compilers import COMPILERS
 from coserve.server.protocol import (ChatCompletionRequest, ChatMessage, CustomDef, CustomTool, CustomToolCall,
                                      NamedCustomChoice, Tool)
 from coserve.server.response_format import checked_schema
@@ -114,8 +114,7 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPla
         raise bad_request("tool_choice: needs tools", "tool_choice")
     if not tools or choice == "none":
         return None
-    customs = [t.custom for t in tools if isinstance(t, CustomTool)]
-    if customs and not isinstance(choice, NamedCustomChoice) and choice in (None, "auto", "required"):
+    if any(isinstance(t, CustomTool) for t in tools) and choice in (None, "auto", "required"):
         raise bad_request("tool_choice: custom tools are called when tool_choice names one ({\"type\": \"custom\", "
                           "\"custom\": {\"name\": ...}}); with 'auto' or 'required' no parser reads their calls from "
                           "free text", "tool_choice")
@@ -128,8 +127,8 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPla
         return ToolPlan(None, None, auto=True)  # parameters are the model's to follow: nothing guides them
     if any(getattr(body, f) is not None for f in ("response_format", "guided_json", "guided_choice",
                                                    "guided_regex", "guided_grammar", "structured_outputs")):
-        raise bad_request("tool_choice: tool calls are JSON already; drop response_format and vLLM's guided_* / "
-                          "structured_outputs", "tool_choice")
+        raise bad_request("tool_choice: a named or required call is guided already (by its parameters or its "
+                          "format); drop response_format and vLLM's guided_* / structured_outputs", "tool_choice")
     names = [tool_name(t) for t in tools]
     if len(set(names)) < len(names):
         raise bad_request("tools: function names must be distinct", "tools")
