@@ -259,25 +259,27 @@ class InputMessage(Body):
     content: str | list[ContentText]
 
 
-class FunctionCallInput(Body):
+class CallItem(Body):
+    """What every call item and call-result item of the input carries."""
+
+    call_id: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallInput(CallItem):
     """A call the model made earlier in the conversation."""
 
     type: Literal["function_call"]
-    call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputInput(Body):
+class FunctionCallOutputInput(CallItem):
     """A call's result, sent back to the model."""
 
     type: Literal["function_call_output"]
-    call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class TextFormat(Body):
@@ -324,24 +326,19 @@ class CustomChoice(Body):
     name: str
 
 
-class CustomToolCallInput(Body):
+class CustomToolCallInput(CallItem):
     """A custom tool call the model made earlier in the conversation."""
 
     type: Literal["custom_tool_call"]
-    call_id: str
     name: str
     input: str
-    id: str | None = None
-    status: str | None = None
 
 
-class CustomToolCallOutputInput(Body):
+class CustomToolCallOutputInput(CallItem):
     """A custom tool call's result, sent back to the model."""
 
     type: Literal["custom_tool_call_output"]
-    call_id: str
     output: str
-    id: str | None = None
 
 
 class ResponsesRequest(Body):
