@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from coserve.guided.grammar import Char, GrammarError, Rules, RuleSet, Symbol
-from coserve.guided.regex import MAX_CODE_POINT, RegexError, _Parser as _RegexParser, _without_surrogates, normalize
+from coserve.guided.regex import MAX_CODE_POINT, RegexError, _without_surrogates, normalize, parse_regex
 
 # Lark's common.lark, less the lookbehind in ESCAPED_STRING (written here as the same language without it)
 COMMON = r'''
@@ -390,7 +390,7 @@ class _Builder(RuleSet):
         if unknown:
             raise _error(line, f"regex {literal}: flags {''.join(sorted(unknown))!r} are not supported (only i, s)")
         try:
-            node = _RegexParser(pattern, dotall="s" in flags).parse()
+            node = parse_regex(pattern, dotall="s" in flags)
         except RegexError as e:
             raise _error(line, f"regex {literal}: {e}") from None
         return self._node(node, "i" in flags)

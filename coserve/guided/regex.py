@@ -276,6 +276,12 @@ class _Parser:
         return _one(ord(c))
 
 
+def parse_regex(pattern: str, dotall: bool = False):
+    """A pattern's tree (``("set", ranges)``, ``("cat", items)``, ``("alt", options)``, ``("rep", item, lo, hi)``),
+    for another front end to build on (Lark's regex terminals); ``RegexError`` names what is wrong."""
+    return _Parser(pattern, dotall).parse()
+
+
 def _one(cp: int) -> Ranges:
     return ((cp, cp),)
 
