@@ -188,7 +188,7 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
     prompts = _prompts(5)
     solo = _solo_job(model_dir, tmp_path / "solo")
     monkeypatch.setattr(tiled_gemm, "F", SimpleNamespace(linear=uneven))
-    monkeypatch.setattr(decoder, "packing_available", lambda device, dtype: False)  # every GEMM is the uneven one
+    monkeypatch.setattr(decoder, "gemm_backend", lambda device, dtype: None)  # every GEMM is the uneven one
     monkeypatch.setattr(batch_invariance, "GEMM_TILE_ROWS", {})
     untiled = _engine(model_dir, fuse_finetuning="always", enable_prefix_caching=False)
     assert not untiled.batch_invariant and untiled.model.gemm_tile_rows == 0

@@ -1,7 +1,10 @@
-"""MKL-packed frozen weights (coserve/model/packed_gemm.py): the same products as plain matmuls, rows that do not
-depend on their neighbours, autograd left to plain matmuls, and a model that uses them."""
+"""Frozen weights packed for MKL or oneDNN (coserve/model/packed_gemm.py): the same products as plain matmuls, rows
+that do not depend on their neighbours, autograd left to plain matmuls, the backend a process picks, and a model that
+uses them."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -9,10 +12,14 @@ import torch.nn.functional as F
 
 from coserve.model.batch_invariance import invariance_violations
 from coserve.model.loader import load_model
-from coserve.model.packed_gemm import PackedWeights, packing_available
+from coserve.model import packed_gemm
+from coserve.model.packed_gemm import GEMM_BACKENDS, PackedWeights, gemm_backend, packing_available
 
 needs_packing = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
-                                   reason="this torch has no MKL packed GEMM")
+                                   reason="this torch has no packed GEMM")
+BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not packed_gemm._BACKENDS[b].available(),
+                                                     reason=f"this torch has no {b} packed GEMM"))
+            for b in GEMM_BACKENDS]
 
 
 def _weights():
@@ -21,11 +28,11 @@ def _weights():
     return {"row-major": torch.randn(24, 40, generator=g), "column-major": fused, "chunk view": fused.chunk(2)[1]}
 
 
-@needs_packing
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["row-major", "column-major", "chunk view"])
-def test_packed_products_equal_plain_ones(kind):
+def test_packed_products_equal_plain_ones(kind, backend):
     w = _weights()[kind]
-    packed = PackedWeights()
+    packed = PackedWeights(backend)
     packed.allow(w)
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(w.shape[0], generator=g)
@@ -37,10 +44,10 @@ def test_packed_products_equal_plain_ones(kind):
     assert packed.num_bytes() == 2 * w.numel() * 4  # a pack of w and one of w^T
 
 
-@needs_packing
-def test_a_packed_row_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_packed_row_does_not_depend_on_the_rows_beside_it(backend):
     w = _weights()["column-major"]
-    packed = PackedWeights()
+    packed = PackedWeights(backend)
     packed.allow(w)
     x = torch.randn(300, w.shape[1], generator=torch.Generator().manual_seed(2))
     alone = packed.linear(x[:8], w)
@@ -48,10 +55,10 @@ def test_a_packed_row_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(packed.linear(x[:rows], w)[:8], alone), rows
 
 
-@needs_packing
-def test_weights_not_allowed_and_inputs_that_need_a_gradient_run_plain_matmuls():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_not_allowed_and_inputs_that_need_a_gradient_run_plain_matmuls(backend):
     w = _weights()["column-major"]
-    packed = PackedWeights()
+    packed = PackedWeights(backend)
     x = torch.randn(16, w.shape[1])
     assert torch.equal(packed.linear(x, w), F.linear(x, w)) and packed.num_bytes() == 0
     packed.allow(w)
@@ -60,6 +67,47 @@ def test_weights_not_allowed_and_inputs_that_need_a_gradient_run_plain_matmuls()
     y.sum().backward()  # through F.linear's own backward
     torch.testing.assert_close(xg.grad, torch.ones(16, w.shape[0]) @ w)
     assert packed.num_bytes() == 0  # nothing was packed for it
+
+
+@needs_packing
+def test_the_process_picks_a_backend_once_and_the_environment_can_name_it(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("COSERVE_GEMMS", raising=False)
+    chosen = gemm_backend(cpu, torch.float32)
+    assert chosen in GEMM_BACKENDS and gemm_backend(cpu, torch.float32) == chosen  # timed once, then kept
+    assert gemm_backend(cpu, torch.bfloat16) is None and gemm_backend(torch.device("meta"), torch.float32) is None
+    monkeypatch.setenv("COSERVE_GEMMS", "plain")
+    assert gemm_backend(cpu, torch.float32) is None
+    for b in GEMM_BACKENDS:
+        if packed_gemm._BACKENDS[b].available():
+            monkeypatch.setenv("COSERVE_GEMMS", b.upper())
+            assert gemm_backend(cpu, torch.float32) == b
+    monkeypatch.setenv("COSERVE_GEMMS", "blas")
+    with pytest.raises(ValueError, match="COSERVE_GEMMS"):
+        gemm_backend(cpu, torch.float32)
+    with pytest.raises(ValueError, match="backend"):
+        PackedWeights("blas")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_faster_backend_wins_and_mkl_keeps_a_close_race(monkeypatch, backend):
+    """``_fastest`` times what it is given: a backend slowed down loses, and a small lead does not displace MKL."""
+    real = packed_gemm._Backend.mm
+    delays = {}
+
+    def slowed(self, x, pack, weight, bias):
+        t = time.perf_counter() + delays.get(self.name, 0.0)
+        y = real(self, x, pack, weight, bias)
+        while time.perf_counter() < t:
+            pass
+        return y
+
+    available = [b for b in packed_gemm._BACKENDS.values() if b.available()]
+    if len(available) < 2:
+        pytest.skip("one packed GEMM library only")
+    monkeypatch.setattr(packed_gemm._Backend, "mm", slowed)
+    delays.update({b.name: 0.0 if b.name == backend else 0.002 for b in available})
+    assert packed_gemm._fastest(available) == backend
 
 
 @needs_packing

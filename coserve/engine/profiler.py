@@ -25,7 +25,7 @@ from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.attention import PagedKVCache
 from coserve.model.decoder import DecoderModel
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
-from coserve.model.packed_gemm import packing_available
+from coserve.model.packed_gemm import gemm_backend
 from coserve.peft.config import LoraConfig
 from coserve.peft.trainable import TrainableLora
 from coserve.scheduler.latency_model import IterationShape, LatencyModel, fit
@@ -201,15 +201,20 @@ def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     kernel launches, so the two fits differ).
 
     A CUDA device is named with its index (``cuda`` and ``cuda:0`` are one key when 0 is current). ``gemms`` says
-    whether the frozen weights run MKL-packed (``coserve/model/packed_gemm.py``: wherever an engine can, it does),
-    which changes what an iteration of few rows costs.
+    which GEMM library the frozen weights run packed in (``coserve/model/packed_gemm.py``: wherever an engine can,
+    it does), which changes what an iteration of few rows costs.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return {"model": str(Path(model_dir).resolve()), "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "threads": str(torch.get_num_threads()),
-            "fused": str(fused).lower(), "gemms": "mkl-packed" if packing_available(device, dtype) else "plain"}
+            "fused": str(fused).lower(), "gemms": _gemms(device, dtype)}
+
+
+def _gemms(device: torch.device, dtype: torch.dtype) -> str:
+    backend = gemm_backend(device, dtype)
+    return f"{backend}-packed" if backend is not None else "plain"
 
 
 def default_profile_path() -> Path:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
-from coserve.model.packed_gemm import PackedWeights, packing_available
+from coserve.model.packed_gemm import PackedWeights, gemm_backend
 from coserve.model.rope import RotaryEmbedding
 from coserve.model.tiled_gemm import padded_rows, split_linear
 
@@ -114,8 +114,9 @@ class DecoderModel:
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
         self.scale = cfg.head_dim ** -0.5
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
-        # MKL-packed frozen weights (CPU, float32; coserve/model/packed_gemm.py), None where not used
-        self.packed = PackedWeights() if pack_gemms and packing_available(device, dtype) else None
+        # frozen weights packed for MKL or oneDNN (CPU, float32; coserve/model/packed_gemm.py), None where not used
+        backend = gemm_backend(device, dtype) if pack_gemms else None
+        self.packed = PackedWeights(backend) if backend is not None else None
         if self.packed is not None:
             self.packed.allow(self.lm_head, *(w for layer in self.layers for w in layer.frozen_weights()))
 
@@ -126,8 +127,8 @@ class DecoderModel:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                split: int = 0) -> torch.Tensor:
         """A frozen weight's matmul; with tiles on, a fused forward's rows ``[:split]`` (the inference rows and
-        their padding) in a call of their own. By MKL's pack of the weight where there is one (never with tiles:
-        those are for CUDA)."""
+        their padding) in a call of their own. By the weight's pack where there is one (never with tiles: those
+        are for CUDA)."""
         if self.packed is not None and not self.gemm_tile_rows:
             return self.packed.linear(x, weight, bias)
         return split_linear(x, weight, bias, split if self.gemm_tile_rows else 0)
