@@ -30,10 +30,10 @@ class Clock:
 
 
 def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True, clock=None, interval=64,
-         idle_s=0.018) -> Scheduler:
+         idle_s=0.018, min_prefill=64) -> Scheduler:
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, max_model_len=512, max_loras=2,
                           policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, min_finetune_window=4,
-                          temporal_interval=interval, idle_iteration_s=idle_s)
+                          temporal_interval=interval, idle_iteration_s=idle_s, min_prefill_chunk=min_prefill)
     return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None, clock=clock or Clock())
 
 
@@ -174,6 +174,30 @@ def test_a_request_behind_its_tpot_target_gets_short_iterations_until_it_catches
     assert len(plan.chunks) == 1 and plan.finetune == []
     clock.now = 0.045  # 3 tokens' worth (54 ms) of target: 9 ms of slack again
     assert step(s).finetune != []
+
+
+def test_a_long_prompt_beside_decoding_requests_is_cut_to_their_tpot_budget():
+    clock = Clock()
+    s = make(clock=clock, budget=512, min_prefill=16)
+    s.add_request(req("d", 4, max_tokens=100))
+    step(s)  # d decodes from now on
+    s.add_request(req("long", 300))
+    plan = step(s)
+    prefill = [c for c in plan.chunks if c.request_id == "long"][0]
+    # 18 ms of budget: 1 ms + 0.1 ms for d's decode token + 0.1 ms per prompt token -> 169 tokens
+    assert len(prefill.token_ids) == 169 and plan.predicted_s == 0.0  # no room left for finetuning (no job)
+    assert latency().predict(IterationShape(decode_tokens=1, prefill_tokens=169)) <= 0.018 + 1e-12
+    plan = step(s)  # the rest of the prompt, its first token, and d's next decode
+    assert len([c for c in plan.chunks if c.request_id == "long"][0].token_ids) == 131
+    clock.now = 1.0  # d far behind its target: prompts still move, by the minimum chunk
+    s.add_request(req("late", 100))
+    plan = step(s)
+    assert len([c for c in plan.chunks if c.request_id == "late"][0].token_ids) == 16
+    baseline = make(clock=Clock(), budget=512, min_prefill=16, policy="inference-only")
+    baseline.add_request(req("d", 4, max_tokens=100))
+    step(baseline)
+    baseline.add_request(req("long", 300))
+    assert len([c for c in step(baseline).chunks if c.request_id == "long"][0].token_ids) == 300  # the whole chunk
 
 
 def _whole_sequence_progress(plan):

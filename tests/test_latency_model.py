@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coserve.scheduler.latency_model import (
-    CORRECTION_RANGE, FEATURE_NAMES, IterationShape, LatencyModel, _nnls, features, fit,
+    CORRECTION_RANGE, FEATURE_NAMES, IterationShape, LatencyModel, _nnls, features, fit, iteration_kind,
     load_model, save_models,
 )
 
@@ -160,6 +160,12 @@ def test_each_iteration_kind_learns_its_own_correction(model):
         m.observe(bwd, 1.4 * model.predict(bwd))
     assert m.predict(fwd) == pytest.approx(0.8 * model.predict(fwd), rel=0.01)
     assert m.predict(bwd) == pytest.approx(1.4 * model.predict(bwd), rel=0.01)
+    over_layers = replace(bwd, finetune_backward_windows=3)  # a slice over several layers: a kind of its own
+    assert iteration_kind(bwd) == "backward" and iteration_kind(over_layers) == "backward-layers"
+    for _ in range(100):
+        m.observe(over_layers, 1.2 * model.predict(over_layers))
+    assert m.predict(over_layers) == pytest.approx(1.2 * model.predict(over_layers), rel=0.01)
+    assert m.predict(bwd) == pytest.approx(1.4 * model.predict(bwd), rel=0.02)  # the one-window kind kept its own
     assert "kind_corrections" not in m.to_json()  # learned per run, not saved
 
 

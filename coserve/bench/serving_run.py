@@ -225,7 +225,9 @@ def run_one(spec: RunSpec) -> dict:
                                "predicted_s": round(plan.predicted_s, 5), "decode_tokens": plan.shape.decode_tokens
                                if plan.shape is not None else None,
                                "inference_tokens": plan.num_scheduled_tokens,
-                               "finetune_forward_tokens": ft_fwd, "finetune_backward_tokens": round(ft_bwd, 2)})
+                               "finetune_forward_tokens": ft_fwd, "finetune_backward_tokens": round(ft_bwd, 2),
+                               "finetune_backward_windows": plan.shape.finetune_backward_windows
+                               if plan.shape is not None else None})
         if plan.chunks:
             busy.append((start, end))
         for out in outs:

@@ -31,6 +31,8 @@ class SchedulerConfig:
     slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
     slo_margin: float = 0.1  # fraction of the SLO kept free for prediction error
     min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)
+    min_prefill_chunk: int = 64  # coserve: the least prompt tokens an iteration takes while requests decode (a
+    #   prefill chunk is otherwise cut to what keeps the iteration within their TPOT budget)
     idle_iteration_s: float = 0.2  # with no request in the engine, how long a finetuning-only iteration may be
     #   (the most a newly arrived request waits for the running iteration before its prefill)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
@@ -40,7 +42,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_loras", "min_finetune_window",
-                     "temporal_interval"):
+                     "min_prefill_chunk", "temporal_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -242,6 +242,8 @@ class Scheduler:
         while scheduled < len(self.running) and budget > 0:
             request = self.running[scheduled]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n > 1:
+                n = self._prefill_chunk(plan, request, n)
             if self.blocks.blocks_for(request.num_computed_tokens + n) > self.blocks.num_blocks:
                 self.running.pop(scheduled)  # can never fit, even alone: stop it rather than spin
                 self._finish(request, "length")
@@ -267,8 +269,8 @@ class Scheduler:
                 self.remove_job(progress.job_id)
             else:
                 self.jobs[progress.job_id] = progress
-        if self.latency is not None and plan.shape is not None and plan.finetune and result.elapsed_s > 0:
-            self.latency.observe(plan.shape, result.elapsed_s)
+        if self.latency is not None and plan.shape is not None and result.elapsed_s > 0:
+            self.latency.observe(plan.shape, result.elapsed_s)  # each kind of iteration corrects its own predictions
         events = []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
@@ -360,10 +362,24 @@ class Scheduler:
             self.running.append(request)
             if request.adapter is not None:
                 adapters.add(request.adapter)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._prefill_chunk(plan, request, min(request.num_tokens - request.num_computed_tokens, budget))
             plan.chunks.append(self._chunk(request, n))
             budget -= n
         return budget
+
+    def _prefill_chunk(self, plan: IterationPlan, request: Request, n: int) -> int:
+        """The hybrid token scheduler's prefill chunk: with requests decoding, ``n`` prompt tokens of ``request`` cut
+        to what keeps the iteration's predicted time within their TPOT budget (``iteration_budget_s``), but not
+        below ``config.min_prefill_chunk`` (prompts keep moving when decodes are behind). Other policies, and
+        iterations with no request decoding, take the whole token budget's chunk."""
+        floor = self.config.min_prefill_chunk
+        if (self.config.policy != "coserve" or self.latency is None or n <= floor
+                or not any(r.first_token_time is not None for r in self.running)):
+            return n
+        start = request.num_computed_tokens
+        fit = self.latency.max_tokens_within(inference_shape(plan.chunks), self.iteration_budget_s(),
+                                             "prefill_tokens", start + min(n, 512) // 2, max_n=n)
+        return max(floor, fit)
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks that can start ``request``'s table: its full blocks before its last known token (which
