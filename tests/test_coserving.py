@@ -149,6 +149,10 @@ def test_the_engine_loads_a_profiled_latency_model_that_fits(model_factory, tmp_
     engine.add_finetune_job(_job(engine, tmp_path / "job"))
     plan = engine.scheduler.schedule()  # idle: the slice fills the SLO budget as the model predicts it
     assert plan.finetune and 0 < plan.predicted_s <= 0.045 + 1e-12
+    wide = _engine(model_dir, latency_model=str(path), slo_margin=0.3)  # the operator's margin reaches the scheduler
+    assert wide.scheduler.config.slo_margin == 0.3
+    with pytest.raises(ValueError, match="slo_margin"):
+        EngineConfig(model=model_dir, slo_margin=1.0)
     assert _engine(model_dir, latency_model=str(tmp_path / "none.json")).scheduler.latency is None
     (tmp_path / "bad.json").write_text('{"version": 99}')
     with pytest.raises(ValueError, match="latency_model"):

@@ -176,6 +176,39 @@ def test_a_request_behind_its_tpot_target_gets_short_iterations_until_it_catches
     assert step(s).finetune != []
 
 
+def test_requests_that_miss_the_slo_raise_the_margin_and_requests_that_attain_it_lower_it():
+    clock = Clock()
+    s = make(clock=clock)
+    assert s.margin == 0.1
+
+    def serve(rid, seconds_per_token):  # a request of 4 outputs, each step taking seconds_per_token
+        s.add_request(req(rid, 4, max_tokens=4))
+        for _ in range(4):
+            step(s)
+            clock.now += seconds_per_token
+
+    serve("slow", 0.030)  # 30 ms per output token: over the 20 ms SLO
+    assert abs(s.margin - 0.15) < 1e-12
+    s.add_request(req("r", 4, max_tokens=100))
+    step(s)
+    assert abs(s.iteration_budget_s() - 0.020 * 0.85) < 1e-12  # the target follows the margin
+    for i in range(10):
+        serve(f"slow{i}", 0.030)
+    assert s.margin == 0.4  # capped at slo_margin_max
+    serve("fast", 0.010)
+    assert abs(s.margin - (0.4 - 0.0015)) < 1e-12
+    for i in range(300):
+        serve(f"fast{i}", 0.010)
+    assert s.margin == 0.1  # back to the configured floor
+    fixed = make(clock=clock)
+    fixed.config.slo_margin_max = fixed.config.slo_margin  # a fixed margin: no controller
+    fixed.add_request(req("slow", 4, max_tokens=4))
+    for _ in range(4):
+        step(fixed)
+        clock.now += 0.030
+    assert fixed.margin == 0.1
+
+
 def test_a_long_prompt_beside_decoding_requests_is_cut_to_their_tpot_budget():
     clock = Clock()
     s = make(clock=clock, budget=512, min_prefill=16)

@@ -39,6 +39,10 @@ def add_arguments(p) -> None:
     p.add_argument("--finetune-data", default=None, help="dataset for the finetuning job (none: inference only)")
     p.add_argument("--finetune-seq-len", type=int, default=1024)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--slo-margin", type=float, default=0.1,
+                   help="coserve: the least fraction of the TPOT SLO kept free (EngineConfig.slo_margin)")
+    p.add_argument("--slo-margin-max", type=float, default=0.4,
+                   help="coserve: the most; misses raise the margin toward it (equal to --slo-margin: fixed)")
     p.add_argument("--ttft-limit-s", type=float, default=5.0)
     p.add_argument("--split", default="50:50", help="separate: percent of the cores for inference:finetuning")
     p.add_argument("--fuse-finetuning", default="auto", choices=FUSE_CHOICES,
@@ -128,7 +132,9 @@ def run(args) -> int:
         for pol in policies:
             spec = RunSpec(model=args.model, policy=pol["policy"], label=pol["label"], rate=rate,
                            duration_s=args.duration, requests=workload.requests, finetune=finetune,
-                           slo_tpot_ms=args.slo_tpot_ms, ttft_limit_s=args.ttft_limit_s, drain_s=args.drain,
+                           slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
+                           slo_margin_max=args.slo_margin_max, ttft_limit_s=args.ttft_limit_s,
+                           drain_s=args.drain,
                            temporal_interval=pol["temporal_interval"], split=pol["split"], dtype=args.dtype,
                            device=args.device, max_model_len=args.max_model_len,
                            latency_model=args.latency_model, seed=args.seed, progress=not args.no_progress,
@@ -169,6 +175,7 @@ def format_row(r: dict) -> str:
 def write_report(path: Path, args, rows: list[dict]) -> None:
     import torch
     report = {"model": args.model, "duration_s": args.duration, "slo_tpot_ms": args.slo_tpot_ms,
+              "slo_margin": args.slo_margin, "slo_margin_max": args.slo_margin_max,
               "ttft_limit_s": args.ttft_limit_s, "finetune_data": args.finetune_data,
               "command": " ".join(["coserve", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
               "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cpus",

@@ -51,6 +51,8 @@ class RunSpec:
     requests: list[BenchRequest]
     finetune: FinetuneSpec | None
     slo_tpot_ms: float = 50.0
+    slo_margin: float = 0.1  # EngineConfig.slo_margin
+    slo_margin_max: float = 0.4  # EngineConfig.slo_margin_max
     ttft_limit_s: float = 5.0
     drain_s: float = 30.0  # after the last arrival, how long requests may still finish
     temporal_interval: int = 64
@@ -159,7 +161,8 @@ def run_one(spec: RunSpec) -> dict:
     engine_policy = spec.policy if spec.policy in ENGINE_POLICIES else "inference-only"
     engine = LLMEngine(EngineConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
-        max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, latency_model=spec.latency_model,
+        max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, slo_margin=spec.slo_margin,
+        slo_margin_max=spec.slo_margin_max, latency_model=spec.latency_model,
         temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,
         cuda_graphs=spec.cuda_graphs, enable_prefix_caching=spec.prefix_caching))
     _warm_up(engine)
@@ -227,7 +230,7 @@ def run_one(spec: RunSpec) -> dict:
                                "inference_tokens": plan.num_scheduled_tokens,
                                "finetune_forward_tokens": ft_fwd, "finetune_backward_tokens": round(ft_bwd, 2),
                                "finetune_backward_windows": plan.shape.finetune_backward_windows
-                               if plan.shape is not None else None})
+                               if plan.shape is not None else None, "margin": round(engine.scheduler.margin, 4)})
         if plan.chunks:
             busy.append((start, end))
         for out in outs:

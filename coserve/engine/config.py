@@ -27,6 +27,10 @@ class EngineConfig:
     policy: str = "coserve"  # how finetuning jobs share iterations (scheduler.config.POLICIES)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
     slo_tpot_ms: float = 50.0  # inference time-per-output-token target the finetuning slice respects
+    slo_margin: float = 0.1  # fraction of the TPOT SLO kept free for prediction error (the iteration target is
+    #   slo_tpot_ms * (1 - margin)); the least margin
+    slo_margin_max: float = 0.4  # the most margin: the scheduler raises it while finished requests miss the SLO
+    #   (SchedulerConfig.slo_margin_max); equal to slo_margin = a fixed margin
     latency_model: str | None = None  # `coserve profile` JSON; None = the default profile path. A fit for this
     #   model, device, dtype and thread count sizes finetuning slices
     finetune_memory_gb: float | None = None  # finetuning jobs' adapters, gradients, optimizer state and kept
@@ -62,5 +66,11 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.fuse_finetuning not in FUSE_CHOICES:
             raise ValueError(f"fuse_finetuning must be one of {FUSE_CHOICES}, got {self.fuse_finetuning!r}")
+        if not (isinstance(self.slo_margin, (int, float)) and not isinstance(self.slo_margin, bool)
+                and 0 <= self.slo_margin < 1):
+            raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")
+        if not (isinstance(self.slo_margin_max, (int, float)) and not isinstance(self.slo_margin_max, bool)
+                and self.slo_margin <= self.slo_margin_max < 1):
+            raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {self.slo_margin_max!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")

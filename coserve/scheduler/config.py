@@ -29,7 +29,9 @@ class SchedulerConfig:
     max_loras: int = 4  # distinct adapters among the running requests
     policy: str = "coserve"  # how finetuning shares iterations (POLICIES)
     slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
-    slo_margin: float = 0.1  # fraction of the SLO kept free for prediction error
+    slo_margin: float = 0.1  # fraction of the SLO kept free for prediction error (the least the margin is)
+    slo_margin_max: float = 0.4  # coserve: the margin rises toward this while finished requests miss the SLO and
+    #   falls back while they attain it (``Scheduler.observe_tpot``); equal to slo_margin = a fixed margin
     min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)
     min_prefill_chunk: int = 64  # coserve: the least prompt tokens an iteration takes while requests decode (a
     #   prefill chunk is otherwise cut to what keeps the iteration within their TPOT budget)
@@ -59,3 +61,5 @@ class SchedulerConfig:
             raise ValueError(f"idle_iteration_s must be positive, got {self.idle_iteration_s!r}")
         if not (isinstance(self.slo_margin, (int, float)) and 0 <= self.slo_margin < 1):
             raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")
+        if not (isinstance(self.slo_margin_max, (int, float)) and self.slo_margin <= self.slo_margin_max < 1):
+            raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {self.slo_margin_max!r}")

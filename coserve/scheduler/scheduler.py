@@ -31,6 +31,10 @@ class TokenEvent:
 
 
 OVERHEAD_ALPHA = 0.05  # weight of each new iteration in the running mean of the time outside the model work
+# The SLO margin's controller (``Scheduler.observe_tpot``): up by MARGIN_UP at each finished request over the TPOT
+# SLO, down by MARGIN_DOWN at each within it, so that it settles where about MARGIN_DOWN / MARGIN_UP (3%) miss.
+MARGIN_UP = 0.05
+MARGIN_DOWN = 0.0015
 
 
 class Scheduler:
@@ -82,6 +86,7 @@ class Scheduler:
         # handing tokens out, the thread that serves them): a running mean the engine feeds (``observe_overhead``).
         self.overhead_s = 0.0
         self._overhead_seen = False
+        self.margin = config.slo_margin  # the fraction of the TPOT SLO kept free now (observe_tpot moves it)
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at admission
         self.num_draft_tokens = 0  # speculative decoding: n-gram drafts proposed
         self.num_accepted_drafts = 0  # of them, the ones the model agreed with
@@ -203,7 +208,7 @@ class Scheduler:
         keeps every running request's mean time per output token within it (negative when one is
         already behind: no finetuning until it catches up). With no request in the engine, the idle
         iteration length (``config.idle_iteration_s``) instead."""
-        target = self.config.slo_tpot_s * (1 - self.config.slo_margin)
+        target = self.config.slo_tpot_s * (1 - self.margin)
         if not self.has_unfinished():  # no request to slow down: only a newcomer's wait is bounded
             return max(target, self.config.idle_iteration_s)
         now = self.clock()
@@ -302,6 +307,21 @@ class Scheduler:
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
+            self.observe_tpot(request)
+
+    def observe_tpot(self, request: Request) -> None:
+        """A request finished: move the SLO margin (coserve, within ``[slo_margin, slo_margin_max]``) by whether its
+        time per output token met the SLO. Stretching every iteration to the target lengthens requests, so more of
+        them run at once and the engine idles less; under load that both misses the SLO (prefill chunks and
+        mispredicted iterations land on requests with no slack left) and trains less than a shorter target, so
+        misses raise the margin, and successes lower it back to ``slo_margin``."""
+        c = self.config
+        n = len(request.output_token_ids)
+        if c.policy != "coserve" or c.slo_margin_max == c.slo_margin or n < 2 or request.first_token_time is None:
+            return
+        tpot = (self.clock() - request.first_token_time) / (n - 1)
+        step = MARGIN_UP if tpot > c.slo_tpot_s else -MARGIN_DOWN
+        self.margin = min(c.slo_margin_max, max(c.slo_margin, self.margin + step))
 
     def _speculated(self, request: Request, chunk: InferenceChunk, result: ExecutionResult) -> TokenEvent:
         """A speculative chunk's outcome: the drafts the model agreed with and the token after them, appended one by

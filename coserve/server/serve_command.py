@@ -25,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-auth", action="store_true", help="serve without keys on a non-loopback host")
     p.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="SQLite state, files, adapters and checkpoints")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--slo-margin", type=float, default=0.1,
+                   help="the least fraction of the TPOT SLO kept free when sizing finetuning slices")
+    p.add_argument("--slo-margin-max", type=float, default=0.4,
+                   help="the most: misses of the SLO raise the margin toward it (equal to --slo-margin: fixed)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
@@ -118,7 +122,8 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,
-                                 slo_tpot_ms=args.slo_tpot_ms, latency_model=args.latency_model,
+                                 slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
+                                 slo_margin_max=args.slo_margin_max, latency_model=args.latency_model,
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
                                  cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                                  speculative_tokens=args.speculative_ngram,
