@@ -67,7 +67,7 @@ class _Backend:
 # MKL (Intel Xeon): from about 512 rows a packed input gradient was no faster, and whole-sequence backward steps
 # ran 2-3% slower with packs. oneDNN (AMD EPYC): packed products were faster at every row count timed (up to 1,024).
 _BACKENDS = {"mkl": _Backend("mkl", 256), "onednn": _Backend("onednn", 1 << 30)}
-_chosen: dict[tuple[str, torch.dtype], str | None] = {}
+_chosen: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> the backend timed fastest
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
