@@ -25,6 +25,7 @@ a gradient, ``F.linear`` runs.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -67,7 +68,6 @@ class _Backend:
 # MKL (Intel Xeon): from about 512 rows a packed input gradient was no faster, and whole-sequence backward steps
 # ran 2-3% slower with packs. oneDNN (AMD EPYC): packed products were faster at every row count timed (up to 1,024).
 _BACKENDS = {"mkl": _Backend("mkl", 256), "onednn": _Backend("onednn", 1 << 30)}
-_chosen: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> the backend timed fastest
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -92,16 +92,27 @@ def gemm_backend(device: torch.device, dtype: torch.dtype) -> str | None:
         return setting
     if setting != "auto":
         raise ValueError(f"COSERVE_GEMMS: {setting!r} is not one of auto, plain, {', '.join(GEMM_BACKENDS)}")
-    key = ("cpu", dtype)
-    if key not in _chosen:
-        _chosen[key] = _fastest([b for b in _BACKENDS.values() if b.available()])
-    return _chosen[key]
+    return _timed_choice()
 
 
-def _fastest(backends: list[_Backend]) -> str:
-    """Time each backend on a small model's matmuls (a 512 -> 2,816 and a 1,408 -> 512 weight, 8 and 64 rows)."""
-    if len(backends) == 1:
-        return backends[0].name
+@functools.cache
+def _timed_choice() -> str:
+    """The available backend ``_pick`` takes after ``_timings`` (once per process)."""
+    backends = [b for b in _BACKENDS.values() if b.available()]
+    return backends[0].name if len(backends) == 1 else _pick(_timings(backends))
+
+
+def _pick(seconds: dict[str, float]) -> str:
+    """The fastest backend by ``seconds``, except that MKL stays unless the fastest beats it by ``SWITCH_SPEEDUP``."""
+    best = min(seconds, key=seconds.get)
+    if "mkl" in seconds and best != "mkl" and seconds["mkl"] < SWITCH_SPEEDUP * seconds[best]:
+        return "mkl"
+    return best
+
+
+def _timings(backends: list[_Backend]) -> dict[str, float]:
+    """Seconds each backend takes for a small model's matmuls (a 512 -> 2,816 and a 1,408 -> 512 weight, 8 and
+    64 rows; the median of 15 rounds)."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(2816, 512, generator=g), torch.randn(512, 1408, generator=g)]
     inputs = [torch.randn(m, w.shape[1], generator=g) for w in weights for m in (8, 64)]
@@ -119,10 +130,7 @@ def _fastest(backends: list[_Backend]) -> str:
         for _ in range(3):
             once()
         seconds[b.name] = statistics.median(once() for _ in range(15))
-    best = min(seconds, key=seconds.get)
-    if "mkl" in seconds and best != "mkl" and seconds["mkl"] < SWITCH_SPEEDUP * seconds[best]:
-        return "mkl"
-    return best
+    return seconds
 
 
 class PackedWeights:
