@@ -30,10 +30,11 @@ class Clock:
 
 
 def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True, clock=None, interval=64,
-         idle_s=0.018, min_prefill=64) -> Scheduler:
+         idle_s=0.018, min_prefill=64, burst_s=0.0) -> Scheduler:
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, max_model_len=512, max_loras=2,
                           policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, min_finetune_window=4,
-                          temporal_interval=interval, idle_iteration_s=idle_s, min_prefill_chunk=min_prefill)
+                          temporal_interval=interval, idle_iteration_s=idle_s, min_prefill_chunk=min_prefill,
+                          finetune_burst_s=burst_s)
     return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None, clock=clock or Clock())
 
 
@@ -174,6 +175,43 @@ def test_a_request_behind_its_tpot_target_gets_short_iterations_until_it_catches
     assert len(plan.chunks) == 1 and plan.finetune == []
     clock.now = 0.045  # 3 tokens' worth (54 ms) of target: 9 ms of slack again
     assert step(s).finetune != []
+
+
+def test_bursting_banks_slack_in_decode_only_iterations_then_spends_it_on_one_long_slice():
+    """finetune_burst_s: while requests decode, finetuning waits until every one has banked enough slack (each
+    output under the 18 ms target adds the difference) for a slice of the burst length, up to the idle length."""
+    clock = Clock()
+    s = make(clock=clock, idle_s=0.1, burst_s=0.05)
+    s.add_job(job(pending=10**6, tokens=10**6))
+    s.add_request(req("a", 4, max_tokens=100))
+    plan = step(s)  # a's prefill (no first token yet: no bursting, an 18 ms slice as without it)
+    assert plan.finetune[0].num_tokens == int((0.018 - 1e-3 - 4e-4) / 2e-4 + 1e-9)
+    outputs = 1
+    while True:  # decode steps of 3 ms: 15 ms of slack banked each
+        clock.now += 0.003
+        budget = s.iteration_budget_s()
+        plan = step(s)
+        outputs += 1
+        if budget >= 0.05:
+            break
+        assert plan.finetune == [] and len(plan.chunks) == 1  # decode alone while the slack is short
+    assert abs(budget - (0.018 * (outputs - 1) - clock.now)) < 1e-12 and outputs == 5  # 4 x 15 ms + its own 18
+    (w,) = plan.finetune
+    assert w.num_tokens == int((budget - 1e-3 - 1e-4) / 2e-4 + 1e-9) and 0.05 <= plan.predicted_s <= budget + 1e-12
+    clock.now += plan.predicted_s  # the long iteration spends the slack: decode alone again
+    assert step(s).finetune == []
+    # a request waiting for admission or for its first token caps the iteration at the target, as without bursting
+    s.add_request(req("b", 4, max_tokens=100))
+    clock.now += 1.0  # a has fallen behind: nothing runs beside the inference
+    assert s.iteration_budget_s() < 0.018
+    lots = make(clock=Clock(), idle_s=0.1, burst_s=0.05)
+    lots.add_job(job(pending=10**6, tokens=10**6))
+    lots.add_request(req("a", 4, max_tokens=100))
+    step(lots)
+    lots.clock.now = -1.0  # a is far ahead of its target: the budget stops at the idle length
+    assert abs(lots.iteration_budget_s() - 0.1) < 1e-12
+    lots.add_request(req("b", 4, max_tokens=100))  # ... or at the target while b waits
+    assert abs(lots.iteration_budget_s() - 0.018) < 1e-12
 
 
 def test_requests_that_miss_the_slo_raise_the_margin_and_requests_that_attain_it_lower_it():

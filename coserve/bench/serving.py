@@ -43,6 +43,10 @@ def add_arguments(p) -> None:
                    help="coserve: the least fraction of the TPOT SLO kept free (EngineConfig.slo_margin)")
     p.add_argument("--slo-margin-max", type=float, default=0.4,
                    help="coserve: the most; misses raise the margin toward it (equal to --slo-margin: fixed)")
+    p.add_argument("--finetune-burst-ms", type=float, default=None,
+                   help="coserve: with requests decoding, finetuning waits for slack banked for a slice this long "
+                        "(EngineConfig.finetune_burst_ms; 0 = a slice in every iteration; default: 100 on a CPU, "
+                        "0 on a GPU)")
     p.add_argument("--ttft-limit-s", type=float, default=5.0)
     p.add_argument("--split", default="50:50", help="separate: percent of the cores for inference:finetuning")
     p.add_argument("--fuse-finetuning", default="auto", choices=FUSE_CHOICES,
@@ -133,7 +137,8 @@ def run(args) -> int:
             spec = RunSpec(model=args.model, policy=pol["policy"], label=pol["label"], rate=rate,
                            duration_s=args.duration, requests=workload.requests, finetune=finetune,
                            slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
-                           slo_margin_max=args.slo_margin_max, ttft_limit_s=args.ttft_limit_s,
+                           slo_margin_max=args.slo_margin_max, finetune_burst_ms=args.finetune_burst_ms,
+                           ttft_limit_s=args.ttft_limit_s,
                            drain_s=args.drain,
                            temporal_interval=pol["temporal_interval"], split=pol["split"], dtype=args.dtype,
                            device=args.device, max_model_len=args.max_model_len,
@@ -176,6 +181,7 @@ def write_report(path: Path, args, rows: list[dict]) -> None:
     import torch
     report = {"model": args.model, "duration_s": args.duration, "slo_tpot_ms": args.slo_tpot_ms,
               "slo_margin": args.slo_margin, "slo_margin_max": args.slo_margin_max,
+              "finetune_burst_ms": args.finetune_burst_ms,
               "ttft_limit_s": args.ttft_limit_s, "finetune_data": args.finetune_data,
               "command": " ".join(["coserve", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
               "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cpus",

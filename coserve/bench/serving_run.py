@@ -53,6 +53,7 @@ class RunSpec:
     slo_tpot_ms: float = 50.0
     slo_margin: float = 0.1  # EngineConfig.slo_margin
     slo_margin_max: float = 0.4  # EngineConfig.slo_margin_max
+    finetune_burst_ms: float | None = None  # EngineConfig.finetune_burst_ms
     ttft_limit_s: float = 5.0
     drain_s: float = 30.0  # after the last arrival, how long requests may still finish
     temporal_interval: int = 64
@@ -162,7 +163,7 @@ def run_one(spec: RunSpec) -> dict:
     engine = LLMEngine(EngineConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, slo_margin=spec.slo_margin,
-        slo_margin_max=spec.slo_margin_max, latency_model=spec.latency_model,
+        slo_margin_max=spec.slo_margin_max, finetune_burst_ms=spec.finetune_burst_ms, latency_model=spec.latency_model,
         temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,
         cuda_graphs=spec.cuda_graphs, enable_prefix_caching=spec.prefix_caching))
     _warm_up(engine)
@@ -268,6 +269,7 @@ def run_one(spec: RunSpec) -> dict:
         "num_iterations": len(iterations),
         "errors": sorted({r.error for r in failed})[:5],
         "threads": torch.get_num_threads(),
+        "finetune_burst_ms": engine.finetune_burst_ms if engine_policy == "coserve" else None,
         "batch_invariant": engine.batch_invariant, "fused_finetuning": engine.executor.fuse_finetuning,
         "gemm_tile_rows": engine.model.gemm_tile_rows, "cuda_graphs": engine.executor.graphs is not None,
         "iterations": iterations, **spec.extra,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from coserve.engine.config import EngineConfig
+from coserve.engine.config import DEFAULT_CPU_BURST_MS, EngineConfig
 from coserve.engine.executor import ModelExecutor, job_progress
 from coserve.engine.job_saver import JobSaver
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
@@ -82,6 +82,8 @@ class LLMEngine:
         fusion = plan_fusion(self.model, config.fuse_finetuning if config.policy == "coserve" else "never")
         self.batch_invariant = fusion.batch_invariant  # co-served inference rows round as they would alone
         fuse = fusion.fuse
+        self.finetune_burst_ms = (config.finetune_burst_ms if config.finetune_burst_ms is not None
+                                  else DEFAULT_CPU_BURST_MS if self.device.type == "cpu" else 0.0)
         self.latency_key = latency_key(config.model, self.device, self.dtype, fuse)  # what a latency fit must match
         if fusion.violations:  # a warning unless GEMM tiles fixed it
             if fusion.tile_rows:
@@ -303,7 +305,7 @@ class LLMEngine:
         c = self.config
         return Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.max_loras,
                                          c.policy, c.slo_tpot_ms / 1000, slo_margin=c.slo_margin,
-                                         slo_margin_max=c.slo_margin_max,
+                                         slo_margin_max=c.slo_margin_max, finetune_burst_s=self.finetune_burst_ms / 1000,
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,
                                          scheduling_policy=c.scheduling_policy),

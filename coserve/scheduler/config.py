@@ -37,6 +37,11 @@ class SchedulerConfig:
     #   prefill chunk is otherwise cut to what keeps the iteration within their TPOT budget)
     idle_iteration_s: float = 0.2  # with no request in the engine, how long a finetuning-only iteration may be
     #   (the most a newly arrived request waits for the running iteration before its prefill)
+    finetune_burst_s: float = 0.0  # coserve: with requests decoding, finetuning runs only in iterations whose TPOT
+    #   budget (the slack every decoding request has banked) reaches this many seconds, up to idle_iteration_s
+    #   long; the iterations in between decode alone and bank slack. For devices where a finetuning slice costs the
+    #   same beside decode tokens as alone and small slices cost more per token (CPUs); 0 = off: every iteration
+    #   carries the largest slice within the TPOT target (FlexLLM's hybrid token scheduler)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
     speculative_tokens: int = 0  # n-gram draft tokens verified per decode step of a greedy request; 0 = off
     scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
@@ -59,6 +64,8 @@ class SchedulerConfig:
             raise ValueError(f"slo_tpot_s must be positive, got {self.slo_tpot_s!r}")
         if not (isinstance(self.idle_iteration_s, (int, float)) and self.idle_iteration_s > 0):
             raise ValueError(f"idle_iteration_s must be positive, got {self.idle_iteration_s!r}")
+        if not (isinstance(self.finetune_burst_s, (int, float)) and self.finetune_burst_s >= 0):
+            raise ValueError(f"finetune_burst_s must be a non-negative number of seconds, got {self.finetune_burst_s!r}")
         if not (isinstance(self.slo_margin, (int, float)) and 0 <= self.slo_margin < 1):
             raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")
         if not (isinstance(self.slo_margin_max, (int, float)) and self.slo_margin <= self.slo_margin_max < 1):

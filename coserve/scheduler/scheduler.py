@@ -195,6 +195,8 @@ class Scheduler:
         order = order[shift:] + order[:shift]  # equal counters: round robin
         order.sort(key=lambda p: self.vtc.counter(self.job_tenants[p.job_id]))
         budget_s = self.iteration_budget_s()
+        if use_latency and self._bursting() and budget_s < self.config.finetune_burst_s:
+            return  # this iteration decodes alone and banks slack for a longer finetuning slice later
         latency = self.latency if use_latency else None
         plan.finetune, plan.shape = plan_slices(order, inference_shape(plan.chunks), latency, budget_s,
                                                 token_budget, self.config.min_finetune_window)
@@ -212,11 +214,19 @@ class Scheduler:
         if not self.has_unfinished():  # no request to slow down: only a newcomer's wait is bounded
             return max(target, self.config.idle_iteration_s)
         now = self.clock()
-        budget = target
+        # Bursting, with every running request past its first token and none waiting: up to the idle length,
+        # within each one's banked slack. Otherwise at most the target (a prompt's first token is not held back).
+        budget = max(target, self.config.idle_iteration_s) if self._bursting() else target
         for r in self.running:
             if r.first_token_time is not None:  # after the next token: (elapsed + t) / outputs-after-first
                 budget = min(budget, target * len(r.output_token_ids) - (now - r.first_token_time))
         return budget - self.overhead_s  # what is left for the model work, which the latency model predicts
+
+    def _bursting(self) -> bool:
+        """Whether finetuning waits for banked slack (``config.finetune_burst_s``): requests are decoding, every
+        one has its first token, and none waits for admission."""
+        return (self.config.finetune_burst_s > 0 and bool(self.running) and not self.waiting
+                and all(r.first_token_time is not None for r in self.running))
 
     def observe_overhead(self, seconds: float) -> None:
         """Fold one iteration's time outside the model work into ``overhead_s`` (clamped to [0, the TPOT SLO])."""

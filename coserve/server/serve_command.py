@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the least fraction of the TPOT SLO kept free when sizing finetuning slices")
     p.add_argument("--slo-margin-max", type=float, default=0.4,
                    help="the most: misses of the SLO raise the margin toward it (equal to --slo-margin: fixed)")
+    p.add_argument("--finetune-burst-ms", type=float, default=None,
+                   help="with requests decoding, finetuning waits for TPOT slack banked for a slice this long "
+                        "(0 = a slice in every iteration; default: 100 on a CPU, 0 on a GPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
@@ -123,7 +126,8 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,
                                  slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
-                                 slo_margin_max=args.slo_margin_max, latency_model=args.latency_model,
+                                 slo_margin_max=args.slo_margin_max, finetune_burst_ms=args.finetune_burst_ms,
+                                 latency_model=args.latency_model,
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
                                  cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                                  speculative_tokens=args.speculative_ngram,
