@@ -51,18 +51,23 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], steps_log: list | Non
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        if steps_log is not None:
-            steps_log.append(engine.has_running_jobs())
+        if steps_log is not None:  # iterations that carried finetuning work beside requests
+            steps_log.append(bool(engine.last_plan.chunks and engine.last_plan.finetune))
     return {rid: done[rid] for rid in ids}
 
 
+# A slice in every iteration (FlexLLM's hybrid token scheduler, the GPU default) and bursts (the CPU default).
+BURSTS = pytest.mark.parametrize("burst_ms", [0.0, 100.0], ids=["slices", "bursts"])
+
+
+@BURSTS
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, tmp_path, arch):
+def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, tmp_path, arch, burst_ms):
     model_dir = model_factory(arch)
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 200) for _ in range(rng.randint(3, 30))] for _ in range(12)]
     alone = _generate(_engine(model_dir), prompts)
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, finetune_burst_ms=burst_ms)
     job_id = engine.add_finetune_job(_job(engine, tmp_path / "job"))
     log: list[bool] = []
     together = _generate(engine, prompts, log)
@@ -74,10 +79,11 @@ def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, 
     assert (tmp_path / "job" / "adapter_model.safetensors").is_file()
 
 
+@BURSTS
 @pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
-def test_coserved_job_trains_the_same_adapter_as_alone(model_factory, tmp_path, use_dora):
+def test_coserved_job_trains_the_same_adapter_as_alone(model_factory, tmp_path, use_dora, burst_ms):
     model_dir = model_factory("llama")
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, finetune_burst_ms=burst_ms)
     solo = _job(engine, tmp_path / "solo", use_dora=use_dora)
     run_job(solo, progress=False)
     job = _job(engine, tmp_path / "co", use_dora=use_dora)
