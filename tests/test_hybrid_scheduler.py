@@ -3,11 +3,16 @@ with hand-built results (no model, no tensors)."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from coserve.kvcache import BlockManager
 from coserve.scheduler import ExecutionResult, Request, SamplingParams, Scheduler, SchedulerConfig
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
+from coserve.scheduler.inference_load import InferenceLoad
 from coserve.scheduler.latency_model import FEATURE_NAMES, IterationShape, LatencyModel
-from coserve.scheduler.scheduler import BURST_RESERVE
+from coserve.scheduler.scheduler import BURST_RESERVE, LOAD_HIGH, LOAD_LOW, LOAD_TAU_S
 
 # 1 ms per iteration, 0.1 ms per inference token, 0.2 ms per finetuning forward token, 0.05 ms per backward token-layer.
 COEF = {"overhead": 1e-3, "decode_tokens": 1e-4, "prefill_tokens": 1e-4, "finetune_forward_tokens": 2e-4,
@@ -31,9 +36,11 @@ class Clock:
 
 
 def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True, clock=None, interval=64,
-         idle_s=0.018, min_prefill=64, burst_s=0.0) -> Scheduler:
+         idle_s=0.018, min_prefill=64, burst_s=0.0, margin_max=0.1) -> Scheduler:
+    """A scheduler on the fake latency model; a fixed 10% margin unless ``margin_max`` lets misses or load move it."""
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, max_model_len=512, max_loras=2,
-                          policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, min_finetune_window=4,
+                          policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, slo_margin_max=margin_max,
+                          min_finetune_window=4,
                           temporal_interval=interval, idle_iteration_s=idle_s, min_prefill_chunk=min_prefill,
                           finetune_burst_s=burst_s)
     return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None, clock=clock or Clock())
@@ -218,7 +225,7 @@ def test_bursting_banks_slack_in_decode_only_iterations_then_spends_it_on_one_lo
 
 def test_requests_that_miss_the_slo_raise_the_margin_and_requests_that_attain_it_lower_it():
     clock = Clock()
-    s = make(clock=clock)
+    s = make(clock=clock, margin_max=0.4)
     assert s.margin == 0.1
 
     def serve(rid, seconds_per_token):  # a request of 4 outputs, each step taking seconds_per_token
@@ -240,13 +247,55 @@ def test_requests_that_miss_the_slo_raise_the_margin_and_requests_that_attain_it
     for i in range(300):
         serve(f"fast{i}", 0.010)
     assert s.margin == 0.1  # back to the configured floor
-    fixed = make(clock=clock)
-    fixed.config.slo_margin_max = fixed.config.slo_margin  # a fixed margin: no controller
+    fixed = make(clock=clock)  # slo_margin_max == slo_margin: a fixed margin, no controller
     fixed.add_request(req("slow", 4, max_tokens=4))
     for _ in range(4):
         step(fixed)
         clock.now += 0.030
     assert fixed.margin == 0.1
+
+
+def test_inference_load_widens_the_margin_before_any_request_misses_and_idle_time_narrows_it_back():
+    clock = Clock()
+    s = make(clock=clock, margin_max=0.6)
+    s.add_job(job(pending=10**6, tokens=10**6))
+    for i in range(8):
+        s.add_request(req(f"r{i}", 4, max_tokens=10**6))
+    step(s)  # the prompts
+    decode = s.latency.predict(IterationShape(decode_tokens=8))
+    for _ in range(200):  # decode iterations back to back, each as long as its inference work: load 1
+        plan = step(s)
+        clock.now += decode
+    assert s.load.share() > 0.9 and s.margin == 0.1  # no request has finished, let alone missed
+    assert abs(s.current_margin() - 0.6) < 1e-12
+    budget = s.iteration_budget_s()
+    assert budget <= 0.020 * 0.4 + 1e-12  # the target is the SLO less the 60% margin
+    for _ in range(100):  # the same requests, an iteration every 40 ms: 1 ms of inference in 40, load 0.03 for long
+        plan = step(s)
+        clock.now += 0.040
+    assert s.load.share() < 0.2 and s.current_margin() == 0.1
+    assert plan.chunks and plan.finetune  # nothing kept finetuning out meanwhile
+    # the share between LOAD_LOW and LOAD_HIGH moves the margin linearly
+    s.load = InferenceLoad(LOAD_TAU_S)
+    s.load.observe(0.0, 0.0)
+    s.load.observe(1.0, (LOAD_LOW + LOAD_HIGH) / 2)
+    assert abs(s.current_margin() - 0.35) < 1e-12
+
+
+def test_inference_load_is_the_decayed_share_of_wall_time_and_checks_its_time_constant():
+    load = InferenceLoad(tau_s=2.0)
+    assert load.share() == 0.0
+    load.observe(10.0, 0.5)  # the first observation only starts the clock
+    assert load.share() == 0.0
+    load.observe(11.0, 0.25)
+    assert abs(load.share() - 0.25) < 1e-12
+    load.observe(13.0, 2.0)  # decay e^-1 over the 2 s: (0.25 e^-1 + 2) / (1 e^-1 + 2)
+    e = math.exp(-1)
+    assert abs(load.share() - (0.25 * e + 2.0) / (e + 2.0)) < 1e-12
+    load.observe(14.0, 5.0)  # more inference than wall time (a misprediction) still reads as at most 1
+    assert load.share() == 1.0
+    with pytest.raises(ValueError, match="tau_s"):
+        InferenceLoad(0.0)
 
 
 def test_a_long_prompt_beside_decoding_requests_is_cut_to_their_tpot_budget():

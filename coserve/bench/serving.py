@@ -41,8 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--slo-margin", type=float, default=0.1,
                    help="coserve: the least fraction of the TPOT SLO kept free (EngineConfig.slo_margin)")
-    p.add_argument("--slo-margin-max", type=float, default=0.4,
-                   help="coserve: the most; misses raise the margin toward it (equal to --slo-margin: fixed)")
+    p.add_argument("--slo-margin-max", type=float, default=0.6,
+                   help="coserve: the most; misses and the inference load raise the margin toward it "
+                        "(equal to --slo-margin: fixed)")
     p.add_argument("--finetune-burst-ms", type=float, default=None,
                    help="coserve: with requests decoding, finetuning waits for slack banked for a slice this long "
                         "(EngineConfig.finetune_burst_ms; 0 = a slice in every iteration; default: 100 on a CPU, "

@@ -52,7 +52,7 @@ class RunSpec:
     finetune: FinetuneSpec | None
     slo_tpot_ms: float = 50.0
     slo_margin: float = 0.1  # EngineConfig.slo_margin
-    slo_margin_max: float = 0.4  # EngineConfig.slo_margin_max
+    slo_margin_max: float = 0.6  # EngineConfig.slo_margin_max
     finetune_burst_ms: float | None = None  # EngineConfig.finetune_burst_ms
     ttft_limit_s: float = 5.0
     drain_s: float = 30.0  # after the last arrival, how long requests may still finish
@@ -231,7 +231,9 @@ def run_one(spec: RunSpec) -> dict:
                                "inference_tokens": plan.num_scheduled_tokens,
                                "finetune_forward_tokens": ft_fwd, "finetune_backward_tokens": round(ft_bwd, 2),
                                "finetune_backward_windows": plan.shape.finetune_backward_windows
-                               if plan.shape is not None else None, "margin": round(engine.scheduler.margin, 4)})
+                               if plan.shape is not None else None,
+                               "margin": round(engine.scheduler.current_margin(), 4),
+                               "load": round(engine.scheduler.load.share(), 4)})
         if plan.chunks:
             busy.append((start, end))
         for out in outs:

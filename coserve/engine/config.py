@@ -34,8 +34,8 @@ class EngineConfig:
     slo_tpot_ms: float = 50.0  # inference time-per-output-token target the finetuning slice respects
     slo_margin: float = 0.1  # fraction of the TPOT SLO kept free for prediction error (the iteration target is
     #   slo_tpot_ms * (1 - margin)); the least margin
-    slo_margin_max: float = 0.4  # the most margin: the scheduler raises it while finished requests miss the SLO
-    #   (SchedulerConfig.slo_margin_max); equal to slo_margin = a fixed margin
+    slo_margin_max: float = 0.6  # the most margin: the scheduler raises it while finished requests miss the SLO
+    #   and as the inference load grows (SchedulerConfig.slo_margin_max); equal to slo_margin = a fixed margin
     finetune_burst_ms: float | None = None  # coserve: with requests decoding, finetuning waits until their banked
     #   TPOT slack allows a slice this long (SchedulerConfig.finetune_burst_s); 0 = every iteration carries one;
     #   None = DEFAULT_CPU_BURST_MS on a CPU (where a slice beside decode tokens costs what it costs alone, and

@@ -30,8 +30,9 @@ class SchedulerConfig:
     policy: str = "coserve"  # how finetuning shares iterations (POLICIES)
     slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
     slo_margin: float = 0.1  # fraction of the SLO kept free for prediction error (the least the margin is)
-    slo_margin_max: float = 0.4  # coserve: the margin rises toward this while finished requests miss the SLO and
-    #   falls back while they attain it (``Scheduler.observe_tpot``); equal to slo_margin = a fixed margin
+    slo_margin_max: float = 0.6  # coserve: the margin rises toward this while finished requests miss the SLO and
+    #   falls back while they attain it (``Scheduler.observe_tpot``), and with the inference load
+    #   (``Scheduler.load_margin``); equal to slo_margin = a fixed margin
     min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)
     min_prefill_chunk: int = 64  # coserve: the least prompt tokens an iteration takes while requests decode (a
     #   prefill chunk is otherwise cut to what keeps the iteration within their TPOT budget)

@@ -12,6 +12,7 @@ from coserve.scheduler.config import SchedulerConfig
 from coserve.scheduler.dts import DynamicTemporalSharing, TemporalSharing
 from coserve.scheduler.fairness import VirtualTokenCounter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress, FinetuneWork
+from coserve.scheduler.inference_load import InferenceLoad
 from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.ngram_drafts import propose_drafts
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
@@ -39,6 +40,11 @@ MARGIN_DOWN = 0.0015
 # AMD EPYC, 100 ms bursts) a tenth of the bursts ran 1.29-1.36x their prediction, and an overrun is paid by every
 # running request, a request near its first tokens most per output token.
 BURST_RESERVE = 0.3
+# The load-driven margin (``Scheduler.load_margin``): with the inference load (``InferenceLoad``, the share of the
+# last LOAD_TAU_S seconds that the inference work alone would take) at LOAD_LOW or below, none beyond the least;
+# rising linearly to ``slo_margin_max`` at LOAD_HIGH.
+LOAD_TAU_S = 5.0
+LOAD_LOW, LOAD_HIGH = 0.2, 0.4
 
 
 class Scheduler:
@@ -91,6 +97,7 @@ class Scheduler:
         self.overhead_s = 0.0
         self._overhead_seen = False
         self.margin = config.slo_margin  # the fraction of the TPOT SLO kept free now (observe_tpot moves it)
+        self.load = InferenceLoad(LOAD_TAU_S)  # coserve with a latency model: widens the margin under load
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at admission
         self.num_draft_tokens = 0  # speculative decoding: n-gram drafts proposed
         self.num_accepted_drafts = 0  # of them, the ones the model agreed with
@@ -218,7 +225,7 @@ class Scheduler:
         keeps every running request's mean time per output token within it (negative when one is
         already behind: no finetuning until it catches up). With no request in the engine, the idle
         iteration length (``config.idle_iteration_s``) instead."""
-        target = self.config.slo_tpot_s * (1 - self.margin)
+        target = self.config.slo_tpot_s * (1 - self.current_margin())
         if not self.has_unfinished():  # no request to slow down: only a newcomer's wait is bounded
             return max(target, self.config.idle_iteration_s)
         now = self.clock()
@@ -229,6 +236,18 @@ class Scheduler:
             if r.first_token_time is not None:  # after the next token: (elapsed + t) / outputs-after-first
                 budget = min(budget, target * len(r.output_token_ids) - (now - r.first_token_time))
         return budget - self.overhead_s  # what is left for the model work, which the latency model predicts
+
+    def current_margin(self) -> float:
+        """The margin the TPOT target keeps now: the miss controller's (``margin``) or the load's, the wider."""
+        return max(self.margin, self.load_margin())
+
+    def load_margin(self) -> float:
+        """The margin the inference load asks for: ``slo_margin`` up to LOAD_LOW, ``slo_margin_max`` from LOAD_HIGH,
+        linear between. Stretching decode to the target banks no slack for a burst of arrivals, and under load it
+        trains no more than a wider margin (the engine is busy with inference either way)."""
+        c = self.config
+        ramp = min(max((self.load.share() - LOAD_LOW) / (LOAD_HIGH - LOAD_LOW), 0.0), 1.0)
+        return c.slo_margin + ramp * (c.slo_margin_max - c.slo_margin)
 
     def _bursting(self) -> bool:
         """Whether finetuning waits for banked slack (``config.finetune_burst_s``): requests are decoding, every
@@ -294,6 +313,9 @@ class Scheduler:
                 self.jobs[progress.job_id] = progress
         if self.latency is not None and plan.shape is not None and result.elapsed_s > 0:
             self.latency.observe(plan.shape, result.elapsed_s)  # each kind of iteration corrects its own predictions
+        if self.latency is not None and self.config.policy == "coserve":
+            inference_s = self.latency.predict(inference_shape(plan.chunks)) if plan.chunks else 0.0
+            self.load.observe(self.clock(), inference_s)
         events = []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)

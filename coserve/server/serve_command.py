@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--slo-margin", type=float, default=0.1,
                    help="the least fraction of the TPOT SLO kept free when sizing finetuning slices")
-    p.add_argument("--slo-margin-max", type=float, default=0.4,
-                   help="the most: misses of the SLO raise the margin toward it (equal to --slo-margin: fixed)")
+    p.add_argument("--slo-margin-max", type=float, default=0.6,
+                   help="the most: misses of the SLO and the inference load raise the margin toward it "
+                        "(equal to --slo-margin: fixed)")
     p.add_argument("--finetune-burst-ms", type=float, default=None,
                    help="with requests decoding, finetuning waits for TPOT slack banked for a slice this long "
                         "(0 = a slice in every iteration; default: 100 on a CPU, 0 on a GPU)")
