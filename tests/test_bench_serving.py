@@ -162,3 +162,26 @@ def test_headline_compares_against_the_best_baseline_that_holds_the_slo():
     assert four["vs_separate"] == 2.0 and four["inference_only_holds"] and four["coserve_holds"]
     table = markdown(headline(rows))
     assert "| 2 | 100% / 95% | 800 | - (none holds) | 1.14x (temporal:64) | 1.33x |" in table
+
+
+def test_a_sweep_report_takes_named_policies_per_file_and_later_rows_replace_earlier(tmp_path, capsys, monkeypatch):
+    from coserve.bench.sweep_report import main, select
+
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text(json.dumps({"results": [{**r, "ttft_s": {"p50": 0.02}, "tpot_s": {"p50": 0.01}}
+                                                for r in rows]}))
+        return str(path)
+
+    old = write("old.json", [_row("coserve", 1.0, 0.9, 100), _row("dts", 1.0, 1.0, 80), _row("coserve", 2.0, 0.5, 9)])
+    new = write("new.json", [_row("coserve", 1.0, 1.0, 120), _row("inference-only", 1.0, 1.0, None)])
+    rows = select([old + ":dts", new])  # the old coserve rows are left out, even where new.json has none
+    assert [(r["policy"], r["rate"], r["finetune_tokens_per_s"]) for r in rows] == [
+        ("coserve", 1.0, 120), ("dts", 1.0, 80), ("inference-only", 1.0, None)]
+    assert [r["finetune_tokens_per_s"] for r in select([old, new]) if r["policy"] == "coserve"] == [120, 9]
+    with pytest.raises(ValueError, match="missing.json"):
+        select([str(tmp_path / "missing.json")])
+    monkeypatch.setattr("sys.argv", ["sweep_report", old + ":dts", new])
+    main()
+    out = capsys.readouterr().out
+    assert "1.50x (dts)" in out and "| coserve | 1 | 100.0% | 20 | 10.0 | 120 | 50% |" in out

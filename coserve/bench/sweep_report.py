@@ -1,0 +1,63 @@
+"""The headline, the rows and the plots of a co-serving sweep assembled from several ``coserve bench --out`` files.
+
+    python -m coserve.bench.sweep_report FILE.json[:POLICY,POLICY...] ... [--plot DIR]
+
+``FILE.json:coserve,dts`` takes only those policies' rows of a file (a sweep whose policies ran different code);
+a later file's row replaces an earlier one of the same policy and rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from coserve.bench.headline import headline, markdown
+from coserve.bench.serving import read_rows
+
+
+def select(specs: list[str]) -> list[dict]:
+    """The rows named by ``FILE[:POLICY,...]`` specs, later ones replacing earlier ones of the same (policy, rate)."""
+    rows: dict[tuple[str, float], dict] = {}
+    for spec in specs:
+        path, _, names = spec.partition(":")
+        wanted = set(names.split(",")) if names else None
+        for row in read_rows(Path(path)):
+            if wanted is None or row["policy"] in wanted:
+                rows[(row["policy"], row["rate"])] = row
+    return sorted(rows.values(), key=lambda r: (r["rate"], r["policy"]))
+
+
+def table(rows: list[dict]) -> str:
+    """One Markdown row per run: attainment, TTFT and TPOT p50, finetuning tokens/s, the time no inference ran."""
+    out = ["| policy | rate | SLO attainment | TTFT p50 (ms) | TPOT p50 (ms) | finetune tok/s | no inference running |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ttft, tpot, ft = r["ttft_s"]["p50"], r["tpot_s"]["p50"], r["finetune_tokens_per_s"]
+        out.append(f"| {r['policy']} | {r['rate']:g} | {r['slo_attainment']:.1%} | "
+                   f"{'-' if ttft is None else round(ttft * 1000)} | {'-' if tpot is None else round(tpot * 1000, 1)} | "
+                   f"{'-' if not ft else format(round(ft), ',')} | {r['idle_fraction']:.0%} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", nargs="+", metavar="FILE.json[:POLICY,...]")
+    p.add_argument("--plot", default=None, metavar="DIR", help="FlexLLM's Figures 10-12 and coserve's token mix")
+    args = p.parse_args()
+    rows = select(args.results)
+    print(markdown(headline(rows)))
+    print()
+    print(table(rows))
+    if args.plot:
+        from coserve.bench.plots import plot_sweep, plot_token_mix
+        out = Path(args.plot)
+        paths = plot_sweep([r for r in rows if r["rate"] > 0], out)
+        for r in rows:
+            if r["policy"] == "coserve" and r["rate"] > 0 and r.get("iterations"):
+                paths.append(plot_token_mix(r["iterations"], out / f"token_mix_coserve_{r['rate']:g}.png",
+                                            f"coserve at {r['rate']:g} req/s: tokens per iteration"))
+        print("plots: " + ", ".join(str(p) for p in paths))
+
+
+if __name__ == "__main__":
+    main()
