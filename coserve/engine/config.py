@@ -8,8 +8,9 @@ from coserve.model.batch_invariance import FUSE_CHOICES
 from coserve.scheduler.config import SCHEDULING_POLICIES
 
 
-# The finetuning burst on a CPU (EngineConfig.finetune_burst_ms): on a 2-core AMD EPYC, co-served at 1 and 3 req/s
-# (README, the co-serving benchmark), bursts of 100 ms trained 27-32% more than a slice in every iteration.
+# The finetuning burst on a CPU (EngineConfig.finetune_burst_ms). The session that built it measured 27-32% more
+# finetuning with 100 ms bursts than with a slice in every iteration, co-served at 1 and 3 req/s on a 2-core Zen 4
+# EPYC (its runs are lost); on a 2-core Zen 5 EPYC, twice as fast, at 1-3 req/s, within noise (README).
 DEFAULT_CPU_BURST_MS = 100.0
 
 

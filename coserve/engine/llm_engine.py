@@ -305,7 +305,8 @@ class LLMEngine:
         c = self.config
         return Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.max_loras,
                                          c.policy, c.slo_tpot_ms / 1000, slo_margin=c.slo_margin,
-                                         slo_margin_max=c.slo_margin_max, finetune_burst_s=self.finetune_burst_ms / 1000,
+                                         slo_margin_max=c.slo_margin_max,
+                                         finetune_burst_s=self.finetune_burst_ms / 1000,
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,
                                          scheduling_policy=c.scheduling_policy),

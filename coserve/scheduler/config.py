@@ -66,7 +66,8 @@ class SchedulerConfig:
         if not (isinstance(self.idle_iteration_s, (int, float)) and self.idle_iteration_s > 0):
             raise ValueError(f"idle_iteration_s must be positive, got {self.idle_iteration_s!r}")
         if not (isinstance(self.finetune_burst_s, (int, float)) and self.finetune_burst_s >= 0):
-            raise ValueError(f"finetune_burst_s must be a non-negative number of seconds, got {self.finetune_burst_s!r}")
+            raise ValueError(
+                f"finetune_burst_s must be a non-negative number of seconds, got {self.finetune_burst_s!r}")
         if not (isinstance(self.slo_margin, (int, float)) and 0 <= self.slo_margin < 1):
             raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")
         if not (isinstance(self.slo_margin_max, (int, float)) and self.slo_margin <= self.slo_margin_max < 1):
