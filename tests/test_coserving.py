@@ -159,6 +159,13 @@ def test_the_engine_loads_a_profiled_latency_model_that_fits(model_factory, tmp_
     assert wide.scheduler.config.slo_margin == 0.3
     with pytest.raises(ValueError, match="slo_margin"):
         EngineConfig(model=model_dir, slo_margin=1.0)
+    with pytest.raises(ValueError, match="slo_margin_max"):
+        EngineConfig(model=model_dir, slo_margin=0.2, slo_margin_max=0.1)
+    for bad in (-1.0, True, "100"):
+        with pytest.raises(ValueError, match="finetune_burst_ms"):
+            EngineConfig(model=model_dir, finetune_burst_ms=bad)
+    assert wide.finetune_burst_ms == 100.0 and wide.scheduler.config.finetune_burst_s == 0.1  # a CPU's default
+    assert _engine(model_dir, finetune_burst_ms=0).scheduler.config.finetune_burst_s == 0.0
     assert _engine(model_dir, latency_model=str(tmp_path / "none.json")).scheduler.latency is None
     (tmp_path / "bad.json").write_text('{"version": 99}')
     with pytest.raises(ValueError, match="latency_model"):
