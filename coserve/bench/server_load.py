@@ -48,6 +48,8 @@ def add_arguments(p) -> None:
     p.add_argument("--ttft-limit-s", type=float, default=5.0)
     p.add_argument("--phase", choices=["both", "http", "in-process"], default="both")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a phase may take at most")
+    p.add_argument("--repeats", type=int, default=1, help="run the phases this many times, alternating, and "
+                   "compare the TTFTs of all their requests pooled (one run's median moves by several ms)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -302,10 +304,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def http_added_ms(rows: list[dict], repeats: int) -> float | None:
+    """The HTTP phase's median TTFT less the in-process phase's, in ms: of the pooled rows after several repeats,
+    else of the two rows; None without both phases' medians."""
+    medians = {r["phase"].removesuffix(" (all)"): r["ttft_s"]["p50"] for r in rows
+               if repeats == 1 or r["phase"].endswith(" (all)")}
+    inproc = next((v for k, v in medians.items() if k.startswith("in-process")), None)
+    http = next((v for k, v in medians.items() if k.startswith("http")), None)
+    return None if inproc is None or http is None else (http - inproc) * 1000
+
+
 def run(args) -> int:
     from coserve.model.tokenizer import load_tokenizer
     if args.num_requests <= 0:
         raise ValueError(f"--num-requests: must be positive, got {args.num_requests}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
     tokenizer = load_tokenizer(args.model)
     requests = build_requests(args, tokenizer)
     data = None
@@ -316,23 +330,33 @@ def run(args) -> int:
         data = finetune_jsonl(path)
     spec = LoadSpec(str(Path(args.model).resolve()), requests, data, args.slo_tpot_ms / 1000, args.ttft_limit_s,
                     args.timeout, args.dtype, args.device, args.seed)
-    rows = []
-    phases = [("in-process", run_inprocess), ("http", run_http)]
-    for name, fn in phases:
-        if args.phase not in ("both", name):
-            continue
-        how = "one at a time" if args.rate == 0 else f"at {args.rate} req/s"
-        print(f"{name}: {len(requests)} streamed chat requests {how}"
-              f"{' beside a fine-tuning job' if data else ''}...", flush=True)
-        records, extra = fn(spec)
-        rows.append(phase_row(name, records, extra, spec))
+    phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
+              if args.phase in ("both", name)]
+    rows, pooled = [], {name: ([], {"elapsed_s": 0.0, "finetune_tokens": 0}) for name, _ in phases}
+    for repeat in range(args.repeats):
+        for name, fn in phases:
+            label = name if args.repeats == 1 else f"{name} #{repeat + 1}"
+            how = "one at a time" if args.rate == 0 else f"at {args.rate} req/s"
+            print(f"{label}: {len(requests)} streamed chat requests {how}"
+                  f"{' beside a fine-tuning job' if data else ''}...", flush=True)
+            records, extra = fn(spec)
+            rows.append(phase_row(label, records, extra, spec))
+            pooled[name][0].extend(records)
+            pooled[name][1]["elapsed_s"] += extra["elapsed_s"]
+            pooled[name][1]["finetune_tokens"] += extra.get("finetune_tokens", 0)
+    if args.repeats > 1:
+        rows += [phase_row(f"{name} (all)", records, extra, spec) for name, (records, extra) in pooled.items()]
     print(table(rows))
-    result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "model": args.model,
+    result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "repeats": args.repeats,
+              "model": args.model,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
-    if len(rows) == 2 and rows[0]["ttft_s"]["p50"] is not None and rows[1]["ttft_s"]["p50"] is not None:
-        added = (rows[1]["ttft_s"]["p50"] - rows[0]["ttft_s"]["p50"]) * 1000
+    added = http_added_ms(rows, args.repeats)
+    if added is not None:
         result["http_added_ttft_p50_ms"] = added
-        print(f"HTTP adds {added:+.1f} ms to the median TTFT (target <= 5 ms)")
+        runs = [http_added_ms(rows[2 * i:2 * i + 2], 1) for i in range(args.repeats)] if args.repeats > 1 else []
+        result["http_added_ttft_p50_ms_by_repeat"] = runs
+        each = f" (each pair: {', '.join(f'{a:+.1f}' for a in runs if a is not None)})" if runs else ""
+        print(f"HTTP adds {added:+.1f} ms to the median TTFT{each} (target <= 5 ms)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
