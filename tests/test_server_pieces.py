@@ -91,16 +91,13 @@ def test_load_workload_fits_the_context(tiny_model):
         assert len(tok(text)["input_ids"]) + out <= 512
 
 
-def test_what_http_adds_is_the_difference_of_median_ttfts_pooled_over_repeats():
+def test_what_http_adds_is_the_difference_of_the_two_phases_median_ttfts():
     from coserve.bench.server_load import http_added_ms
 
     def row(phase, p50):
         return {"phase": phase, "ttft_s": {"p50": p50}}
 
-    assert abs(http_added_ms([row("in-process", 0.060), row("http", 0.0635)], 1) - 3.5) < 1e-9
-    assert http_added_ms([row("in-process", 0.060)], 1) is None  # one phase only
-    assert http_added_ms([row("in-process", 0.060), row("http", None)], 1) is None  # no request got a first token
-    rows = [row("in-process #1", 0.060), row("http #1", 0.070), row("in-process #2", 0.050), row("http #2", 0.051),
-            row("in-process (all)", 0.055), row("http (all)", 0.058)]
-    assert abs(http_added_ms(rows, 2) - 3.0) < 1e-9  # the pooled rows, not the pairs
-    assert abs(http_added_ms(rows[2:4], 1) - 1.0) < 1e-9  # one pair
+    assert abs(http_added_ms(row("in-process", 0.060), row("http", 0.0635)) - 3.5) < 1e-9
+    assert http_added_ms(row("in-process", 0.060), None) is None  # one phase only
+    assert http_added_ms(row("in-process", 0.060), row("http", None)) is None  # no request got a first token
+    assert abs(http_added_ms(row("in-process (all)", 0.055), row("http (all)", 0.058)) - 3.0) < 1e-9

@@ -304,14 +304,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def http_added_ms(rows: list[dict], repeats: int) -> float | None:
-    """The HTTP phase's median TTFT less the in-process phase's, in ms: of the pooled rows after several repeats,
-    else of the two rows; None without both phases' medians."""
-    medians = {r["phase"].removesuffix(" (all)"): r["ttft_s"]["p50"] for r in rows
-               if repeats == 1 or r["phase"].endswith(" (all)")}
-    inproc = next((v for k, v in medians.items() if k.startswith("in-process")), None)
-    http = next((v for k, v in medians.items() if k.startswith("http")), None)
-    return None if inproc is None or http is None else (http - inproc) * 1000
+def http_added_ms(inprocess: dict | None, http: dict | None) -> float | None:
+    """The HTTP phase row's median TTFT less the in-process one's, in ms; None without both medians."""
+    a = inprocess["ttft_s"]["p50"] if inprocess is not None else None
+    b = http["ttft_s"]["p50"] if http is not None else None
+    return None if a is None or b is None else (b - a) * 1000
 
 
 def run(args) -> int:
@@ -332,31 +329,37 @@ def run(args) -> int:
                     args.timeout, args.dtype, args.device, args.seed)
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
-    rows, pooled = [], {name: ([], {"elapsed_s": 0.0, "finetune_tokens": 0}) for name, _ in phases}
+    rows, pairs = [], []  # pairs: each repeat's row by phase
+    pooled = {name: ([], {"elapsed_s": 0.0, "finetune_tokens": 0}) for name, _ in phases}
     for repeat in range(args.repeats):
+        pair = {}
         for name, fn in phases:
             label = name if args.repeats == 1 else f"{name} #{repeat + 1}"
             how = "one at a time" if args.rate == 0 else f"at {args.rate} req/s"
             print(f"{label}: {len(requests)} streamed chat requests {how}"
                   f"{' beside a fine-tuning job' if data else ''}...", flush=True)
             records, extra = fn(spec)
-            rows.append(phase_row(label, records, extra, spec))
+            pair[name] = phase_row(label, records, extra, spec)
+            rows.append(pair[name])
             pooled[name][0].extend(records)
             pooled[name][1]["elapsed_s"] += extra["elapsed_s"]
             pooled[name][1]["finetune_tokens"] += extra.get("finetune_tokens", 0)
+        pairs.append(pair)
+    overall = pairs[0]
     if args.repeats > 1:
-        rows += [phase_row(f"{name} (all)", records, extra, spec) for name, (records, extra) in pooled.items()]
+        overall = {name: phase_row(f"{name} (all)", records, extra, spec) for name, (records, extra) in pooled.items()}
+        rows += overall.values()
     print(table(rows))
     result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "repeats": args.repeats,
               "model": args.model,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
-    added = http_added_ms(rows, args.repeats)
+    added = http_added_ms(overall.get("in-process"), overall.get("http"))
     if added is not None:
         result["http_added_ttft_p50_ms"] = added
-        runs = [http_added_ms(rows[2 * i:2 * i + 2], 1) for i in range(args.repeats)] if args.repeats > 1 else []
-        result["http_added_ttft_p50_ms_by_repeat"] = runs
-        each = f" (each pair: {', '.join(f'{a:+.1f}' for a in runs if a is not None)})" if runs else ""
-        print(f"HTTP adds {added:+.1f} ms to the median TTFT{each} (target <= 5 ms)")
+        each = [http_added_ms(p["in-process"], p["http"]) for p in pairs] if args.repeats > 1 else []
+        result["http_added_ttft_p50_ms_by_repeat"] = each
+        note = f" (each pair: {', '.join(f'{a:+.1f}' for a in each if a is not None)})" if each else ""
+        print(f"HTTP adds {added:+.1f} ms to the median TTFT{note} (target <= 5 ms)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
