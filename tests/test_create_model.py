@@ -172,3 +172,30 @@ def test_bad_arguments_raise_value_error_naming_the_field(tmp_path, kwargs, fiel
     with pytest.raises(ValueError, match=field):
         create_model(tmp_path / "m", **kwargs)
     assert not (tmp_path / "m").exists()  # nothing written
+
+
+
+class _SlowTokenizer:
+    """A tokenizer without a fast backend: ``encode`` must call it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, text, add_special_tokens=True):
+        self.calls.append((text, add_special_tokens))
+        return {"input_ids": (7, 8)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_encode_one_text_is_the_tokenizers_call(model_factory, arch):
+    """``encode`` (the backend on the calling thread) gives exactly ``tokenizer(text)["input_ids"]``, with or
+    without special tokens, where the text holds special tokens itself, and for a tokenizer without a backend."""
+    from coserve.model.tokenizer import encode, load_tokenizer
+    tok = load_tokenizer(model_factory(arch))
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False, add_generation_prompt=True)
+    long = "a long text, tokenized through the batch path. " * 400  # over ONE_THREAD_CHARS
+    for text in [*TEXTS, chat, "", " leading space", "ünïcödé ✓ 中文", "<|im_start|>user<|im_end|>", long]:
+        for special in (True, False):
+            assert encode(tok, text, special) == tok(text, add_special_tokens=special)["input_ids"], (text, special)
+    slow = _SlowTokenizer()
+    assert encode(slow, "x", False) == [7, 8] and slow.calls == [("x", False)]

@@ -101,3 +101,94 @@ def test_what_http_adds_is_the_difference_of_the_two_phases_median_ttfts():
     assert http_added_ms(row("in-process", 0.060), None) is None  # one phase only
     assert http_added_ms(row("in-process", 0.060), row("http", None)) is None  # no request got a first token
     assert abs(http_added_ms(row("in-process (all)", 0.055), row("http (all)", 0.058)) - 3.0) < 1e-9
+
+
+def _choice(index, submitted_at, first_token_at, prompt_len, output_len):
+    from types import SimpleNamespace
+
+    from coserve.server.choices import Choice
+    out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(output_len)))], num_cached_tokens=0)
+    return Choice(index, list(range(prompt_len)), SimpleNamespace(submitted_at=submitted_at), TextDelta(),
+                  out=out, first_token_at=first_token_at)
+
+
+def test_a_generation_logs_where_its_first_tokens_time_went():
+    from coserve.server.choices import Job
+    job = Job("chatcmpl-x", 0, "base", n=2, arrived=10.0)
+    assert job.log_fields() == {"id": "chatcmpl-x", "model": "base"}  # refused before any choice started
+    job.choices = [_choice(0, 10.002, 10.050, 5, 3), _choice(1, 10.002, 10.040, 5, 4)]
+    fields = job.log_fields()
+    assert fields["ttft_ms"] == pytest.approx(40.0) and fields["engine_ttft_ms"] == pytest.approx(38.0)  # choice 1
+    assert (fields["prompt_tokens"], fields["completion_tokens"]) == (5, 7)  # one prompt, both choices' outputs
+
+
+def test_the_access_log_line_carries_the_arrival_and_the_generations_fields(caplog):
+    """The middleware notes the arrival for the route, and adds the route's Job fields to its JSON line."""
+    import asyncio
+    import logging
+
+    from coserve.server.auth import Authenticator
+    from coserve.server.metrics import ServerMetrics
+    from coserve.server.middleware import ACCESS_LOGGER, ServerMiddleware
+    seen = {}
+
+    class FakeJob:
+        def log_fields(self):
+            return {"id": "cmpl-1", "engine_ttft_ms": 12.5}
+
+    async def app(scope, receive, send):
+        seen["arrived"] = scope["state"]["arrived"]
+        if scope["path"] == "/v1/completions":
+            scope["state"]["job"] = FakeJob()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware = ServerMiddleware(app, Authenticator({}), ServerMetrics(dict, dict), 1000, 1000)
+
+    async def call(path):
+        scope = {"type": "http", "path": path, "method": "POST", "headers": []}
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            pass
+        await middleware(scope, receive, send)
+
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
+        asyncio.run(call("/v1/completions"))
+        asyncio.run(call("/v1/models"))
+    first, second = (json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER)
+    assert isinstance(seen["arrived"], float)
+    assert first["id"] == "cmpl-1" and first["engine_ttft_ms"] == 12.5 and first["status"] == 200
+    assert first["tenant"] == "default" and first["path"] == "/v1/completions"
+    assert "id" not in second and second["path"] == "/v1/models"
+
+
+def test_engine_ttfts_are_read_from_the_servers_access_log():
+    from coserve.bench.server_load import engine_ttfts
+    log = "\n".join([
+        "2026-11-25 10:00:00,000 INFO coserve.server: a job started",
+        '2026-11-25 10:00:00,001 INFO coserve.access: {"path": "/v1/models", "status": 200}',
+        '2026-11-25 10:00:00,002 INFO coserve.access: {"id": "chatcmpl-a", "engine_ttft_ms": 61.5}',
+        '2026-11-25 10:00:00,003 INFO coserve.access: {"id": "chatcmpl-b"}',  # no first token: not counted
+        "2026-11-25 10:00:00,004 INFO coserve.access: {not json",
+        '2026-11-25 10:00:00,005 INFO coserve.access: ["a list"]',
+    ])
+    assert engine_ttfts(log) == {"chatcmpl-a": pytest.approx(0.0615)}
+
+
+def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_medians():
+    from coserve.bench.metrics import RequestRecord
+    from coserve.bench.server_load import LoadSpec, http_added_ms, phase_row
+    spec = LoadSpec("m", [], None, 0.05, 5.0, 60.0, "float32", None, 0)
+    inproc = [RequestRecord(0.0, 0.0605, 0.2, 10, 5, engine_ttft_s=0.060),  # 0.5 ms outside the engine
+              RequestRecord(1.0, 1.1006, 1.3, 10, 5, engine_ttft_s=0.100)]  # 0.6 ms
+    http = [RequestRecord(0.0, 0.0545, 0.2, 10, 5, engine_ttft_s=0.050),  # 4.5 ms
+            RequestRecord(1.0, 1.1045, 1.3, 10, 5, engine_ttft_s=0.100),  # 4.5 ms
+            RequestRecord(2.0, 2.3, 2.5, 10, 5),  # its engine's part unknown: not in the split
+            RequestRecord(3.0, None, None, 0, 0, failed=True)]
+    a, b = phase_row("in-process", inproc, {"elapsed_s": 2.0}, spec), phase_row("http", http, {"elapsed_s": 4.0}, spec)
+    assert (a["num_split"], b["num_split"]) == (2, 2)
+    assert a["outside_engine_s"]["p50"] == pytest.approx(0.00055) and b["outside_engine_s"]["p50"] == pytest.approx(0.0045)
+    assert http_added_ms(a, b, "outside_engine_s") == pytest.approx(3.95)

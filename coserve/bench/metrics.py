@@ -29,6 +29,7 @@ class RequestRecord:
     num_output_tokens: int
     failed: bool = False
     error: str | None = None
+    engine_ttft_s: float | None = None  # the engine's part of the TTFT (submission to first token), where known
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -51,6 +52,14 @@ class RequestRecord:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
     @property
+    def outside_engine_s(self) -> float | None:
+        """The part of the TTFT spent outside the engine (the client, HTTP, parsing, the chat template and
+        tokenizing): ttft_s - engine_ttft_s, None unless both are known."""
+        if self.ttft_s is None or self.engine_ttft_s is None:
+            return None
+        return self.ttft_s - self.engine_ttft_s
+
+    @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first: (finish - first_token) / (outputs - 1);
         0.0 with one output token; None unless both times are known."""
@@ -61,7 +70,7 @@ class RequestRecord:
         return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
 
 
-def _stats(values: list[float]) -> dict[str, float | None]:
+def percentile_stats(values: list[float]) -> dict[str, float | None]:
     """{mean, p50, p90, p99} (linear interpolation), all None for no values."""
     if not values:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
@@ -105,8 +114,8 @@ def summarize(records: list[RequestRecord], duration_s: float, slo_tpot_s: float
         "slo_tpot_s": float(slo_tpot_s),
         "ttft_limit_s": float(ttft_limit_s),
         "slo_attainment": attained / len(records) if records else 1.0,
-        "ttft_s": _stats([r.ttft_s for r in done]),
-        "tpot_s": _stats([r.tpot_s for r in done]),
+        "ttft_s": percentile_stats([r.ttft_s for r in done]),
+        "tpot_s": percentile_stats([r.tpot_s for r in done]),
         "goodput": attained / duration_s,
         "inference_tokens_per_s": (prompt_tokens + output_tokens) / duration_s,
         "output_tokens_per_s": output_tokens / duration_s,

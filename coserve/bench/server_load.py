@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coserve.bench.arrivals import poisson_arrivals
-from coserve.bench.metrics import RequestRecord, summarize
+from coserve.bench.metrics import RequestRecord, percentile_stats, summarize
 from coserve.bench.spawned import run_spawned
 from coserve.bench.workload import DEFAULT_SHAREGPT, fit_length, load_sharegpt
+from coserve.server.middleware import ACCESS_LOGGER
 
 DEFAULT_ALPACA = Path(__file__).resolve().parents[3] / "shared" / "data" / "alpaca_en_demo.json"
 TENANT = "default"
@@ -125,10 +126,11 @@ def one_at_a_time(spec: LoadSpec):
     return contextlib.nullcontext()
 
 
-async def drive(spec: LoadSpec, send) -> tuple[list[RequestRecord], float]:
-    """Every request of ``spec`` at its arrival offset (one at a time for ``--rate 0``), and the seconds it took.
-    ``send(message, max_tokens, clock)`` streams one and returns (first-token time on ``clock``, prompt tokens,
-    output tokens); an exception counts as a failed request, with why."""
+async def drive(spec: LoadSpec, send) -> tuple[list[RequestRecord], list[str | None], float]:
+    """Every request of ``spec`` at its arrival offset (one at a time for ``--rate 0``): their records, their
+    response ids, and the seconds it took. ``send(message, max_tokens, clock)`` streams one and returns (first-token
+    time on ``clock``, prompt tokens, output tokens, the engine's part of the TTFT if known, the response id if
+    any); an exception counts as a failed request, with why."""
     start = time.monotonic()
 
     def clock() -> float:
@@ -136,18 +138,18 @@ async def drive(spec: LoadSpec, send) -> tuple[list[RequestRecord], float]:
 
     turn = one_at_a_time(spec)
 
-    async def one(offset: float, message: str, max_tokens: int) -> RequestRecord:
+    async def one(offset: float, message: str, max_tokens: int) -> tuple[RequestRecord, str | None]:
         async with turn:
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
             sent = clock()
             try:
-                first, n_prompt, n_out = await send(message, max_tokens, clock)
+                first, n_prompt, n_out, engine_ttft, ident = await send(message, max_tokens, clock)
             except Exception as e:  # counted as failed, with why
-                return RequestRecord(sent, None, None, 0, 0, failed=True, error=f"{type(e).__name__}: {e}")
-            return RequestRecord(sent, first, clock(), n_prompt, n_out)
+                return RequestRecord(sent, None, None, 0, 0, failed=True, error=f"{type(e).__name__}: {e}"), None
+            return RequestRecord(sent, first, clock(), n_prompt, n_out, engine_ttft_s=engine_ttft), ident
 
-    records = await asyncio.gather(*(one(*r) for r in spec.requests))
-    return list(records), clock()
+    done = await asyncio.gather(*(one(*r) for r in spec.requests))
+    return [record for record, _ in done], [ident for _, ident in done], clock()
 
 
 # ---- the HTTP phase ---------------------------------------------------------------------------------------------
@@ -162,19 +164,20 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
             await asyncio.sleep(0.1)
     tokens0 = (await client.fine_tuning.jobs.retrieve(job.id)).trained_tokens or 0 if job else 0
 
-    async def send(message: str, max_tokens: int, clock) -> tuple[float | None, int, int]:
-        first, n_out, n_prompt = None, 0, 0
+    async def send(message: str, max_tokens: int, clock):
+        first, n_out, n_prompt, ident = None, 0, 0, None
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": message}], max_tokens=max_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
+            ident = chunk.id
             if chunk.choices and chunk.choices[0].delta.content and first is None:
                 first = clock()
             if chunk.usage is not None:
                 n_out, n_prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-        return first, n_prompt, n_out
+        return first, n_prompt, n_out, None, ident  # the engine's part: from the server's log, once it stops
 
-    records, elapsed = await drive(spec, send)
+    records, ids, elapsed = await drive(spec, send)
     ft = {}
     if job is not None:
         done = await client.fine_tuning.jobs.retrieve(job.id)
@@ -182,7 +185,23 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
         if done.status == "running":
             await client.fine_tuning.jobs.cancel(job.id)
     await client.close()
-    return records, {"elapsed_s": elapsed, **ft}
+    return records, {"elapsed_s": elapsed, "ids": ids, **ft}
+
+
+def engine_ttfts(log_text: str) -> dict[str, float]:
+    """Response id -> the engine's part of its TTFT (seconds), from the access log lines of a server's log."""
+    found = {}
+    for line in log_text.splitlines():
+        _, sep, record = line.partition(f" {ACCESS_LOGGER}: ")
+        if not sep:
+            continue
+        try:
+            fields = json.loads(record)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(fields, dict) and "id" in fields and fields.get("engine_ttft_ms") is not None:
+            found[fields["id"]] = fields["engine_ttft_ms"] / 1000
+    return found
 
 
 def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
@@ -193,7 +212,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
     with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
         port = _free_port()
         cmd = [sys.executable, "-m", "coserve.cli", "serve", "--model", spec.model, "--state-dir", f"{tmp}/state",
-               "--port", str(port), "--dtype", spec.dtype, "--log-level", "warning", "--max-waiting-requests",
+               "--port", str(port), "--dtype", spec.dtype, "--log-level", "info", "--max-waiting-requests",
                str(max(512, len(spec.requests)))] + (["--device", spec.device] if spec.device else [])
         log = open(f"{tmp}/server.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -211,7 +230,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
                     raise RuntimeError("the server did not start in 300 s")
                 time.sleep(0.2)
             model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-            return asyncio.run(_http_requests(spec, f"http://127.0.0.1:{port}/v1", model))
+            records, extra = asyncio.run(_http_requests(spec, f"http://127.0.0.1:{port}/v1", model))
         finally:
             proc.terminate()
             try:
@@ -219,6 +238,10 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
+        logged = engine_ttfts(Path(tmp, "server.log").read_text(errors="replace"))
+        for record, ident in zip(records, extra.pop("ids")):
+            record.engine_ttft_s = logged.get(ident)
+        return records, extra
 
 
 def _free_port() -> int:
@@ -249,20 +272,22 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
                 await asyncio.sleep(0.1)
         tokens0 = ctx.metrics.finetune.total
 
-        async def send(message: str, max_tokens: int, clock) -> tuple[float | None, int, int]:
+        async def send(message: str, max_tokens: int, clock):
             body = ChatCompletionRequest.model_validate({
                 "model": ctx.models.base, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "ignore_eos": True})
             ids = render_chat(ctx, body)
             limit = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "messages")
             choice = start_choice(ctx, TENANT, ids, sampling_params(body, limit, None, 0), None, 0, "messages")
-            first, out = None, None
+            first, out, engine_ttft = None, None, None
             async for out in choice.stream:
+                if engine_ttft is None and out.outputs[0].token_ids:
+                    engine_ttft = time.monotonic() - choice.stream.submitted_at
                 if first is None and choice.delta.next(out.outputs[0].text, out.finished):
                     first = clock()
-            return first, len(ids), len(out.outputs[0].token_ids)
+            return first, len(ids), len(out.outputs[0].token_ids), engine_ttft, None
 
-        records, elapsed = await drive(spec, send)
+        records, _, elapsed = await drive(spec, send)
         ft = {}
         if job is not None:
             await asyncio.sleep(2 * POLL_S)  # let the job watcher count the last tokens
@@ -289,25 +314,33 @@ def phase_row(name: str, records: list[RequestRecord], extra: dict, spec: LoadSp
     row["finetune_tokens_per_s"] = extra.get("finetune_tokens", 0) / extra["elapsed_s"]
     row["finetune_job_status"] = extra.get("job_status")
     row["errors"] = sorted({r.error for r in records if r.error})[:5]
+    # each request's TTFT split: the engine's wait (submission to first token) and the rest, outside the engine
+    done = [r for r in records if r.completed]
+    row["engine_ttft_s"] = percentile_stats([r.engine_ttft_s for r in done if r.engine_ttft_s is not None])
+    row["outside_engine_s"] = percentile_stats([r.outside_engine_s for r in done if r.outside_engine_s is not None])
+    row["num_split"] = sum(r.outside_engine_s is not None for r in done)
     return row
 
 
 def table(rows: list[dict]) -> str:
     def ms(v):
         return "n/a" if v is None else f"{v * 1000:.1f}"
-    lines = ["| phase | requests | failed | SLO attainment | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms "
-             "| finetuning tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| phase | requests | failed | SLO attainment | TTFT p50 ms | TTFT p90 ms | outside engine p50 ms "
+             "| TPOT p50 ms | TPOT p90 ms | finetuning tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['phase']} | {r['num_requests']} | {r['num_failed']} | {100 * r['slo_attainment']:.1f}% | "
-                     f"{ms(r['ttft_s']['p50'])} | {ms(r['ttft_s']['p90'])} | {ms(r['tpot_s']['p50'])} | "
-                     f"{ms(r['tpot_s']['p90'])} | {r['finetune_tokens_per_s']:.0f} |")
+                     f"{ms(r['ttft_s']['p50'])} | {ms(r['ttft_s']['p90'])} | {ms(r['outside_engine_s']['p50'])} | "
+                     f"{ms(r['tpot_s']['p50'])} | {ms(r['tpot_s']['p90'])} | {r['finetune_tokens_per_s']:.0f} |")
     return "\n".join(lines)
 
 
-def http_added_ms(inprocess: dict | None, http: dict | None) -> float | None:
-    """The HTTP phase row's median TTFT less the in-process one's, in ms; None without both medians."""
-    a = inprocess["ttft_s"]["p50"] if inprocess is not None else None
-    b = http["ttft_s"]["p50"] if http is not None else None
+def http_added_ms(inprocess: dict | None, http: dict | None, key: str = "ttft_s") -> float | None:
+    """The HTTP phase row's median of ``key`` less the in-process one's, in ms; None without both medians.
+    ``ttft_s``: the phases' median TTFTs, which also differ by how the engine happened to schedule each phase;
+    ``outside_engine_s``: each request's TTFT less its engine's wait, which leaves only the path to and from
+    the engine."""
+    a = inprocess[key]["p50"] if inprocess is not None else None
+    b = http[key]["p50"] if http is not None else None
     return None if a is None or b is None else (b - a) * 1000
 
 
@@ -358,8 +391,14 @@ def run(args) -> int:
         result["http_added_ttft_p50_ms"] = added
         each = [http_added_ms(p["in-process"], p["http"]) for p in pairs] if args.repeats > 1 else []
         result["http_added_ttft_p50_ms_by_repeat"] = each
+        path = http_added_ms(overall["in-process"], overall["http"], "outside_engine_s")
+        result["http_added_outside_engine_p50_ms"] = path
         note = f" (each pair: {', '.join(f'{a:+.1f}' for a in each if a is not None)})" if each else ""
-        print(f"HTTP adds {added:+.1f} ms to the median TTFT{note} (target <= 5 ms)")
+        if path is not None:
+            print(f"HTTP adds {path:+.1f} ms to the median TTFT outside the engine (in-process "
+                  f"{1000 * overall['in-process']['outside_engine_s']['p50']:.1f} ms, HTTP "
+                  f"{1000 * overall['http']['outside_engine_s']['p50']:.1f} ms per request; target <= 5 ms)")
+        print(f"The phases' median TTFTs differ by {added:+.1f} ms{note}, the engine's scheduling of each included")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -23,7 +23,7 @@ from coserve.model.batch_invariance import plan_fusion
 from coserve.model.config import ModelConfig
 from coserve.model.decode_graphs import DecodeGraphs
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
-from coserve.model.tokenizer import load_tokenizer
+from coserve.model.tokenizer import encode, load_tokenizer
 from coserve.peft import (AdapterError, AdapterSlots, IA3Bank, LoraAdapter, LoraBank, ServedAdapter,
                           load_peft_adapter)
 from coserve.finetune.job import FinetuneJob
@@ -263,7 +263,7 @@ class LLMEngine:
             if outside:
                 raise ValueError(f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer(prompt)["input_ids"]
+            text, token_ids = prompt, encode(self.tokenizer, prompt)
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]

@@ -44,8 +44,31 @@ class Job:
     model: str
     n: int = 1  # choices per prompt
     choices: list[Choice] = field(default_factory=list)
-    arrived: float = field(default_factory=time.monotonic)
+    arrived: float = field(default_factory=time.monotonic)  # when the server received it (time.monotonic)
     counted: bool = False  # its choices' outcomes are in the metrics
+
+    def log_fields(self) -> dict:
+        """What the access log adds for this request: its id, model and tokens, and where its first token's time
+        went: ``ttft_ms`` from arrival to the first token on the event loop, ``engine_ttft_ms`` the part from
+        its submission to the engine (the rest is the HTTP layer, parsing, the chat template and tokenizing)."""
+        fields = {"id": self.ident, "model": self.model}
+        started = [c for c in self.choices if c.first_token_at is not None]
+        if started:
+            first = min(started, key=lambda c: c.first_token_at)
+            fields["ttft_ms"] = round((first.first_token_at - self.arrived) * 1000, 3)
+            fields["engine_ttft_ms"] = round((first.first_token_at - first.stream.submitted_at) * 1000, 3)
+        if self.choices:
+            counts = usage(self)
+            fields["prompt_tokens"], fields["completion_tokens"] = counts["prompt_tokens"], counts["completion_tokens"]
+        return fields
+
+
+def new_job(request: Request, ident: str, model: str, n: int = 1) -> Job:
+    """A route's Job, arrived when the server received the request (``ServerMiddleware`` notes the time), and
+    known to the access log line the middleware writes when the response ends."""
+    job = Job(ident, int(time.time()), model, n, arrived=getattr(request.state, "arrived", None) or time.monotonic())
+    request.state.job = job
+    return job
 
 
 async def advance(choice: Choice, job: Job, ctx: ServerContext) -> RequestOutput:

@@ -36,7 +36,9 @@ class ServerContext:
         return self.client.engine
 
 
-def context(request: Request) -> ServerContext:
+async def context(request: Request) -> ServerContext:
+    """The shared objects (a coroutine: FastAPI would run a plain function in a worker thread, a thread hop on
+    every request)."""
     return request.app.state.coserve
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -92,6 +93,7 @@ class RequestStream:
     def __init__(self, client: EngineClient, request: Request, text: str | None) -> None:
         self.client = client
         self.request_id = rid = request.request_id
+        self.submitted_at = time.monotonic()  # handed to the engine (its part of the TTFT starts here)
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self._closed = False

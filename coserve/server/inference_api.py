@@ -6,19 +6,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-import time
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from coserve.engine.outputs import RequestOutput
+from coserve.model.tokenizer import encode
 from coserve.peft import AdapterError
 from coserve.scheduler import Request as EngineRequest
 from coserve.scheduler import SamplingParams
 from coserve.scheduler.plan import TokenLogprobs
 from coserve.server.beam_api import completions_by_beam_search
-from coserve.server.choices import Choice, Job, events, finish_reason, gather_all, streaming, usage
+from coserve.server.choices import Choice, Job, events, finish_reason, gather_all, new_job, streaming, usage
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.generation import TextDelta, on_engine_async
@@ -64,8 +64,8 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: ServerContext =
     if body.messages is not None:
         ids = await off_loop_if_long(messages_chars(body.messages), render_chat, ctx, body)
     else:
-        ids = await off_loop_if_long(len(body.prompt), lambda: ctx.engine.tokenizer(
-            body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        ids = await off_loop_if_long(len(body.prompt), encode, ctx.engine.tokenizer, body.prompt,
+                                     body.add_special_tokens)
     return {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids}
 
 
@@ -261,7 +261,7 @@ def completion_prompts(ctx: ServerContext, prompt) -> list[tuple[list[int], str]
     out = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            ids = ctx.engine.tokenizer(p)["input_ids"]
+            ids = encode(ctx.engine.tokenizer, p)
             text = p
         else:
             ids = list(p)
@@ -293,7 +293,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             raise bad_request(f"{field}: not available with use_beam_search", field)
         limit = min(max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt") for ids, _ in prompts)
         return await completions_by_beam_search(ctx, tenant, body, adapter, prompts, limit, make_request)
-    job = Job(f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
+    job = new_job(request, f"cmpl-{secrets.token_hex(12)}", body.model, body.n)
     requests = []
     for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
@@ -370,7 +370,7 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
                                              add_generation_prompt=True, tokenize=False)
     except Exception as e:  # jinja raises its own kinds for a template that rejects the conversation
         raise bad_request(f"messages: the model's chat template cannot render them ({e})", "messages") from e
-    return ctx.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode(tokenizer, text, add_special_tokens=False)
 
 
 @router.post("/v1/chat/completions")
@@ -390,7 +390,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     tools = tool_plan(body, ctx.config.tool_call_parser)
     guided = tools.guide() if tools is not None and not tools.auto else guided_output(body)
     ctx.client.check_capacity(body.n)
-    job = Job(f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model, body.n)
+    job = new_job(request, f"chatcmpl-{secrets.token_hex(12)}", body.model, body.n)
     params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided)
               for j in range(body.n)]
     submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages", body.priority), "") for p in params])

@@ -16,7 +16,8 @@ from coserve.server.errors import APIError
 from coserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("coserve.server")
-access_log = logging.getLogger("coserve.access")
+ACCESS_LOGGER = "coserve.access"  # one JSON object per request, at INFO
+access_log = logging.getLogger(ACCESS_LOGGER)
 OPEN_PATHS = ("/health", "/metrics")  # no key needed
 INTERNAL_TENANT = "coserve.tenant"  # a scope key of the server's own in-process calls (batches): their tenant.
 # A request from the network cannot set it: its scope is built by the HTTP server from the wire.
@@ -57,7 +58,7 @@ class ServerMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start = time.perf_counter()
+        start = time.monotonic()
         path, method = scope["path"], scope["method"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         status = {"code": 500, "started": False}
@@ -69,6 +70,7 @@ class ServerMiddleware:
             await send(message)
 
         try:
+            scope.setdefault("state", {})["arrived"] = start  # a Job's arrival (its TTFT starts here)
             if INTERNAL_TENANT in scope:
                 tenant = scope[INTERNAL_TENANT]
                 scope.setdefault("state", {})["tenant"] = tenant
@@ -100,7 +102,12 @@ class ServerMiddleware:
                 raise
             await server_fault(e, self.engine_error()).response()(scope, receive, send_logged)
         finally:
-            ms = (time.perf_counter() - start) * 1000
+            ms = (time.monotonic() - start) * 1000
             self.metrics.http.labels(method, route_label(scope), str(status["code"])).inc()
-            access_log.info(json.dumps({"method": method, "path": path, "status": status["code"],
-                                        "ms": round(ms, 2), "tenant": tenant}))
+            if access_log.isEnabledFor(logging.INFO):
+                record = {"method": method, "path": path, "status": status["code"], "ms": round(ms, 2),
+                          "tenant": tenant}
+                job = scope.get("state", {}).get("job")  # a generation's id, tokens and TTFT (choices.new_job)
+                if job is not None:
+                    record.update(job.log_fields())
+                access_log.info(json.dumps(record))

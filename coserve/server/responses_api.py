@@ -18,14 +18,14 @@ from __future__ import annotations
 import itertools
 import json
 import secrets
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
 from coserve.engine.outputs import RequestOutput
-from coserve.server.choices import Job, advance, close_all, count_outcomes, finish_reason, gather_all, streaming
+from coserve.server.choices import (Job, advance, close_all, count_outcomes, finish_reason, gather_all, new_job,
+                                    streaming)
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.inference_api import (make_request, max_tokens_for, messages_chars, off_loop_if_long, render_chat,
@@ -138,7 +138,7 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
             guided = None if schema is None else {"guided_json": schema}
         params = sampling_params(chat, max_tokens, None, 0, guided=guided)
         ctx.client.check_capacity(1)
-        job = Job(f"resp_{secrets.token_hex(12)}", int(time.time()), body.model, 1)
+        job = new_job(request, f"resp_{secrets.token_hex(12)}", body.model)
         submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")])
     except APIError as e:
         raise _renamed(e) from None
