@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import threading
+import time
 
 import httpx
 import openai
@@ -32,7 +33,8 @@ def server(model_factory, tmp_path_factory):
     srv = start_server(model, root / "state", "--api-keys", str(keys), "--served-model-name", BASE,
                        "--allow-lora-loading", "--checkpoint-steps", "2", "--max-upload-bytes", "200000",
                        "--max-body-bytes", "100000", "--max-waiting-requests", "8", "--max-queued-jobs", "3",
-                       "--max-loaded-models", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                       "--max-loaded-models", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                       "--log-level", "info")  # the access log lines too
     yield srv
     srv.stop()
 
@@ -64,6 +66,21 @@ def test_completion_streamed_equals_whole(alice):
     pieces = [c.choices[0].text for c in alice.completions.create(
         model=BASE, prompt="The scheduler decides", max_tokens=12, temperature=0, stream=True) if c.choices]
     assert "".join(pieces) == whole.choices[0].text
+
+
+def test_the_access_log_says_where_a_streamed_chats_first_token_time_went(server, alice):
+    from coserve.bench.server_load import engine_ttfts
+    chunks = list(alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=3, temperature=0, stream=True))
+    ident = chunks[0].id
+    deadline = time.monotonic() + 10  # the line is written when the response has ended
+    while time.monotonic() < deadline and ident not in server.log.read_text():
+        time.sleep(0.05)
+    line = next(json.loads(x.partition("coserve.access: ")[2]) for x in server.log.read_text().splitlines()
+                if f'"{ident}"' in x)
+    assert line["path"] == "/v1/chat/completions" and line["status"] == 200 and line["tenant"] == "alice"
+    assert line["model"] == BASE and line["completion_tokens"] == 3 and line["prompt_tokens"] > 0
+    assert 0 < line["engine_ttft_ms"] <= line["ttft_ms"] <= line["ms"]
+    assert engine_ttfts(server.log.read_text())[ident] == pytest.approx(line["engine_ttft_ms"] / 1000)
 
 
 def test_chat_streamed_equals_whole_with_usage(alice):
