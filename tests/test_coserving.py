@@ -17,6 +17,7 @@ from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.peft.config import LoraConfig
 from coserve.peft.trainable import TrainableLora
 from coserve.scheduler import SamplingParams
+from coserve.scheduler.finetune_work import FORWARD
 
 
 def _examples(vocab: int, seed: int, n: int = 4) -> list[Example]:
@@ -206,3 +207,88 @@ def test_jobs_are_admitted_within_the_finetuning_memory_budget(model_factory, tm
         engine.add_finetune_job(_job(engine, tmp_path / "b"))
     engine.cancel_finetune_job(first)  # its memory is free again
     engine.add_finetune_job(_job(engine, tmp_path / "c"))
+
+
+def test_a_new_request_cuts_the_finetuning_slice_short_and_the_adapter_is_unchanged(model_factory, tmp_path,
+                                                                                    monkeypatch):
+    """Where a request waits to enter the engine (``ModelExecutor.arrivals``), the iteration in flight stops its
+    backward slice before the next window, and a forward window without inference runs in pieces and stops
+    between two: the request waits one window or piece, not the slice. The job still trains the adapter it
+    trains alone, and a cut iteration's time does not correct the latency model (it is not the plan's)."""
+    import coserve.engine.executor as executor
+    monkeypatch.setattr(executor, "FORWARD_PIECE_TOKENS", 8)  # the examples' windows run in several pieces
+    model_dir = model_factory("llama")
+    engine = _engine(model_dir)
+    solo = _job(engine, tmp_path / "solo")
+    run_job(solo, progress=False)
+    job = _job(engine, tmp_path / "co")
+    job_id = engine.add_finetune_job(job)
+    rng, arrivals = random.Random(11), random.Random(12)
+    engine.executor.arrivals = lambda: arrivals.random() < 0.5
+    latency = engine.scheduler.latency
+    assert latency is not None  # profiled at start
+    cut, corrected_when_cut = [], []
+    execute = engine.executor.execute
+
+    forward_cut = []  # forward windows without inference that stopped between two pieces
+
+    def traced(plan):
+        result = execute(plan)
+        cut.append(result.interrupted)
+        windows = [w for w in plan.finetune if w.kind == FORWARD]
+        if result.interrupted and windows and not plan.chunks and job.next_work() == "forward":
+            forward_cut.append(windows[0].num_tokens)
+        return result
+    engine.executor.execute = traced
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    while engine.has_running_jobs():
+        if rng.random() < 0.2:
+            engine.add_request([rng.randrange(5, 200) for _ in range(rng.randint(2, 12))], params)
+        before = (latency.correction, dict(latency.kind_corrections))
+        engine.step()
+        if cut and cut[-1]:
+            corrected_when_cut.append(before != (latency.correction, dict(latency.kind_corrections)))
+    assert engine.job_states[job_id].status == "succeeded" and job.step == solo.step == 2
+    assert 3 <= sum(cut) < len(cut) and forward_cut
+    assert corrected_when_cut and not any(corrected_when_cut)  # only whole iterations correct the model
+    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
+        assert (a - b).norm() / b.norm() <= 1e-5
+    assert [r.loss for r in job.log] == pytest.approx([r.loss for r in solo.log], rel=1e-5)
+
+
+def test_a_job_stops_before_a_backward_window_when_told(model_factory, tmp_path):
+    engine = _engine(model_factory("llama"))
+    job = _job(engine, tmp_path / "job")
+    while job.next_work() != "backward":
+        job.forward(64)
+    assert job.backward_token_layers(10**6, stop=lambda: True) is True  # nothing done
+    assert job.next_work() == "backward" and job.pending_tokens() > 0
+    calls = []
+    assert engine.model.cfg.num_layers >= 2  # a window is at most the rest of one layer
+    assert job.backward_token_layers(10**6, stop=lambda: calls.append(1) or len(calls) > 1) is True
+    assert len(calls) == 2 and job.next_work() == "backward"  # one window ran, the second was refused
+    assert job.backward_token_layers(10**6) is False  # the rest, to the end of the sequence's backward pass
+    assert job.next_work() != "backward"
+
+
+def test_the_engine_loop_counts_a_handed_over_request_as_an_arrival_until_it_runs(model_factory, tmp_path):
+    from coserve.engine.engine_loop import EngineLoop
+    engine = _engine(model_factory("llama"))
+    loop = EngineLoop(engine)
+    try:
+        assert engine.executor.arrivals == loop.arrival_waiting and not loop.arrival_waiting()
+        seen = []
+        with loop.cond:  # the loop is between passes: what is posted waits
+            loop.post(lambda: seen.append(loop.arrival_waiting()), arrival=True)
+            loop.post(lambda: seen.append("plain"))
+            assert loop.arrival_waiting()
+        assert loop.post_and_wait(lambda: 42) == 42  # runs after both
+        assert seen == [False, "plain"] and not loop.arrival_waiting()  # counted until it ran, not while
+        with pytest.raises(ValueError, match="refused"):
+            loop.post_and_wait(lambda: (_ for _ in ()).throw(ValueError("refused")), arrival=True)
+        assert not loop.arrival_waiting()  # one that raises is no longer waiting either
+        request_id = loop.post_and_wait(lambda: engine.add_request([5, 6, 7], SamplingParams(max_tokens=2)),
+                                        arrival=True)
+        assert [o.request_id for o in loop.wait_for([request_id])] == [request_id]
+    finally:
+        loop.stop()

@@ -511,7 +511,8 @@ def test_requests_submitted_but_not_yet_queued_count_against_capacity():
 
     posted = []
     scheduler = SimpleNamespace(waiting=[], running=[])
-    loop = SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler), post=posted.append, listeners={})
+    loop = SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler), listeners={},
+                           post=lambda fn, arrival=False: posted.append(arrival))
 
     async def burst() -> None:
         client = EngineClient(loop, max_waiting_requests=4)
@@ -526,7 +527,7 @@ def test_requests_submitted_but_not_yet_queued_count_against_capacity():
         client.check_capacity(1)
 
     asyncio.run(burst())
-    assert len(posted) == 5  # four submissions and one abort
+    assert posted == [True] * 4 + [False]  # four submissions (arrivals) and one abort
 
 
 def test_capacity_is_whole_again_after_everything_above(server, alice):
@@ -554,8 +555,7 @@ def test_a_checkpoint_is_recorded_only_after_the_events_of_its_steps(tmp_path):
     store.add_job("alice", {"id": job_id, "status": "running", "coserve": {"step": 0}})
     ft = SimpleNamespace(log=[], step=0, tokens_done=0, total_steps=10)
     engine = SimpleNamespace(job_states={job_id: SimpleNamespace(status="running", error=None, job=ft)})
-    loop = SimpleNamespace(engine=engine, post=lambda fn: fn(), error=None,  # posted work runs at once
-                           thread=SimpleNamespace(is_alive=lambda: True))
+    loop = SimpleNamespace(engine=engine, post_and_wait=lambda fn: fn())  # posted work runs at once
     jobs = JobManager(store, loop, ServerConfig(model="m", state_dir=str(tmp_path / "state")),
                       ServerMetrics(lambda: {}, lambda: {}), "base")
     r = Running(job_id, "alice", f"ft:base::{job_id}", 1, ft)

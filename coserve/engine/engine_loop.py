@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ from coserve.engine.outputs import RequestOutput
 T = TypeVar("T")
 log = logging.getLogger("coserve.engine")
 IDLE_POLL_S = 0.005  # an idle loop also looks for posted work this often (a post that lost the race to notify)
+ALIVE_CHECK_S = 0.5  # a caller waiting on a posted call looks this often whether the loop still runs
 MAX_FAULTS, FAULT_WINDOW_S = 3, 60.0  # this many engine faults within this many seconds stop the loop
 
 
@@ -31,6 +33,8 @@ class EngineLoop:
         # request id -> called with each output (from the engine thread), or with the error that stopped the loop
         self.listeners: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._posted: deque[Callable[[], None]] = deque()
+        self._arrivals: deque[None] = deque()  # one per new request handed over and not yet in the engine
+        engine.executor.arrivals = self.arrival_waiting  # a long finetuning slice makes way for them
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self._stop = False
         self._faults: list[float] = []  # when engine.step() last raised (reset_after_fault)
@@ -92,15 +96,60 @@ class EngineLoop:
             except Exception:  # a posted call reports its own errors; one that raises must not stop the engine
                 log.exception("a call posted to the engine loop failed")
 
-    def post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the engine thread before its next iteration; returns at once, never blocks."""
+    def arrival_waiting(self) -> bool:
+        """Whether a new request was handed over (``arrival=True``) and waits for the iteration in flight."""
+        return bool(self._arrivals)
+
+    def _as_arrival(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn``, counted as a new request's arrival until it runs (deque appends and pops are atomic)."""
+        self._arrivals.append(None)
+
+        def arrive() -> T:
+            self._arrivals.popleft()
+            return fn()
+        return arrive
+
+    def post(self, fn: Callable[[], None], arrival: bool = False) -> None:
+        """Run ``fn`` on the engine thread before its next iteration; returns at once, never blocks.
+        ``arrival``: ``fn`` hands the engine a new request, so the iteration in flight cuts its backward
+        slice short (``ModelExecutor.arrivals``) rather than keep the request waiting."""
         self._check()
-        self._posted.append(fn)
+        self._posted.append(self._as_arrival(fn) if arrival else fn)
         if self.cond.acquire(blocking=False):  # idle: wake it now (busy: it drains the queue after its iteration)
             try:
                 self.cond.notify_all()
             finally:
                 self.cond.release()
+
+    def post_future(self, fn: Callable[[], T], arrival: bool = False) -> concurrent.futures.Future:
+        """``post`` ``fn``; the future gets what it returns or raises."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # the caller's to handle
+                    future.set_exception(e)
+        self.post(work, arrival)
+        return future
+
+    def check_alive(self) -> None:
+        """Raise if the loop has stopped (a posted call would never run)."""
+        if self.error is not None or not self.thread.is_alive():
+            raise RuntimeError(f"the engine loop stopped ({self.error!r}) before running a posted call") from self.error
+
+    def post_and_wait(self, fn: Callable[[], T], arrival: bool = False) -> T:
+        """Run ``fn`` on the engine thread before its next iteration and return what it returns (raise what it
+        raises), from any thread but the engine's. Posted work runs first at every iteration, so this waits one
+        iteration at most; ``call`` instead competes for the loop's lock with an engine thread that takes it
+        back right after each iteration (waits of seconds were measured while jobs trained)."""
+        future = self.post_future(fn, arrival)
+        while True:
+            try:
+                return future.result(timeout=ALIVE_CHECK_S)
+            except concurrent.futures.TimeoutError:
+                self.check_alive()
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine between iterations, then wake the loop."""

@@ -110,7 +110,7 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
         if self._loop is not None:  # the engine runs in its thread: hand the requests over and wait
-            self._loop.call(lambda: [self.engine.enqueue(r, t) for r, t in built])
+            self._loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
             return self._loop.wait_for([r.request_id for r, _ in built])
         order = {}
         for i, (request, text) in enumerate(built):

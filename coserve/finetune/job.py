@@ -197,13 +197,17 @@ class FinetuneJob:
         layers_left = seq.backward_layer + 1 if kind == "backward" else 0
         return kind, self.pending_tokens(), seq.forward_done, layers_left, seq.num_tokens
 
-    def backward_token_layers(self, token_layers: int) -> None:
+    def backward_token_layers(self, token_layers: int, stop: Callable[[], bool] | None = None) -> bool:
         """Backward windows over up to ``token_layers`` token-layers from the current position, each at most
-        the rest of its layer, layer after layer; stops early when the sequence's backward pass ends."""
+        the rest of its layer, layer after layer; stops early when the sequence's backward pass ends, or before
+        a window once ``stop()`` says so (returns True then: the rest is left for a later iteration)."""
         while token_layers > 0 and self.next_work() == "backward":
+            if stop is not None and stop():
+                return True
             n = min(token_layers, self.pending_tokens())
             self.backward(n)
             token_layers -= n
+        return False
 
     def backward(self, num_tokens: int) -> None:
         """One backward window of up to ``num_tokens`` tokens of the current layer."""

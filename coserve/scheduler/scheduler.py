@@ -311,7 +311,7 @@ class Scheduler:
                 self.remove_job(progress.job_id)
             else:
                 self.jobs[progress.job_id] = progress
-        if self.latency is not None and plan.shape is not None and result.elapsed_s > 0:
+        if self.latency is not None and plan.shape is not None and result.elapsed_s > 0 and not result.interrupted:
             self.latency.observe(plan.shape, result.elapsed_s)  # each kind of iteration corrects its own predictions
         if self.latency is not None and self.config.policy == "coserve":
             inference_s = self.latency.predict(inference_shape(plan.chunks)) if plan.chunks else 0.0

@@ -4,60 +4,33 @@ anything else on the engine between two iterations (``on_engine``)."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from coserve.engine.engine_loop import EngineLoop
+from coserve.engine.engine_loop import ALIVE_CHECK_S, EngineLoop
 from coserve.engine.outputs import RequestOutput
 from coserve.scheduler import Request
 from coserve.server.errors import APIError
 
 T = TypeVar("T")
-ALIVE_CHECK_S = 0.5  # a caller waiting on the engine looks this often whether the engine loop still runs
-
-
-def _posted(loop: EngineLoop, fn: Callable[[], T]) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def work() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # the caller's to handle
-                future.set_exception(e)
-    loop.post(work)
-    return future
-
-
-def _check_alive(loop: EngineLoop) -> None:
-    if loop.error is not None or not loop.thread.is_alive():
-        raise RuntimeError(f"the engine loop stopped ({loop.error!r}) before running a posted call") from loop.error
 
 
 def on_engine(loop: EngineLoop, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on the engine thread before its next iteration and return what it returns (raise what it raises),
-    from any thread but the engine's. Posted work runs first at every iteration, so this waits one iteration at
-    most; ``EngineLoop.call`` instead competes for the loop's lock with an engine thread that takes it back right
-    after each iteration (waits of seconds were measured while jobs trained)."""
-    future = _posted(loop, fn)
-    while True:
-        try:
-            return future.result(timeout=ALIVE_CHECK_S)
-        except concurrent.futures.TimeoutError:
-            _check_alive(loop)
+    """Run ``fn`` on the engine thread before its next iteration and return what it returns (raise what it
+    raises), from any thread but the engine's (``EngineLoop.post_and_wait``)."""
+    return loop.post_and_wait(fn)
 
 
 async def on_engine_async(loop: EngineLoop, fn: Callable[[], T]) -> T:
     """``on_engine`` for a coroutine: the event loop waits without blocking (nor taking a worker thread)."""
-    future = asyncio.wrap_future(_posted(loop, fn))
+    future = asyncio.wrap_future(loop.post_future(fn))
     while True:
         done, _ = await asyncio.wait({future}, timeout=ALIVE_CHECK_S)
         if done:
             return future.result()
-        _check_alive(loop)
+        loop.check_alive()
 
 
 class EngineClient:
@@ -117,7 +90,7 @@ class RequestStream:
                 loop.listeners.pop(rid, None)
                 listener(e)
 
-        loop.post(submit)
+        loop.post(submit, arrival=True)
         client.in_flight += 1  # until it ends (_end) or is aborted (aclose)
 
     def __aiter__(self) -> "RequestStream":
