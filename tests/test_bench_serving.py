@@ -81,15 +81,19 @@ def test_policy_and_split_options():
         split_cores((50, 50), [0])
 
 
-@pytest.mark.parametrize("policy", ["coserve", "spatial"])
-def test_a_short_run_serves_every_request_and_trains(model_factory, tmp_path, policy):
+@pytest.mark.parametrize("policy, cut", [("coserve", False), ("coserve", True), ("spatial", False)],
+                         ids=["coserve", "coserve-cut-for-arrivals", "spatial"])
+def test_a_short_run_serves_every_request_and_trains(model_factory, tmp_path, policy, cut):
     model = model_factory("llama")
     tok = load_tokenizer(model)
     w = serving_workload(tok, 128, rate=8.0, duration_s=1.5, seed=0)
     spec = RunSpec(model=str(model), policy=policy, label=policy, rate=8.0, duration_s=1.5, requests=w.requests,
                    finetune=FinetuneSpec(str(_alpaca(tmp_path / "a.json")), max_seq_len=64), slo_tpot_ms=1000.0,
-                   ttft_limit_s=60.0, drain_s=30.0, max_model_len=128, progress=False)
+                   ttft_limit_s=60.0, drain_s=30.0, max_model_len=128, progress=False, cut_for_arrivals=cut)
     row = run_one(spec)
+    assert row["cut_for_arrivals"] is cut and row["cut_iterations"] == sum(it["cut"] for it in row["iterations"])
+    if not cut:  # nothing watches arrivals: no iteration is cut
+        assert row["cut_iterations"] == 0
     assert row["policy"] == policy and row["num_requests"] == len(w.requests) > 0
     assert row["num_completed"] == row["num_requests"] and row["num_failed"] == 0
     assert row["slo_attainment"] == 1.0  # a generous SLO on a tiny model

@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
                    help="coserve: with requests decoding, finetuning waits for slack banked for a slice this long "
                         "(EngineConfig.finetune_burst_ms; 0 = a slice in every iteration; default: 100 on a CPU, "
                         "0 on a GPU)")
+    p.add_argument("--cut-for-arrivals", action=argparse.BooleanOptionalAction, default=False,
+                   help="a request arriving during an iteration cuts its finetuning slice short, as in the "
+                        "server and the Python API (off by default: the published sweeps ran without)")
     p.add_argument("--ttft-limit-s", type=float, default=5.0)
     p.add_argument("--split", default="50:50", help="separate: percent of the cores for inference:finetuning")
     p.add_argument("--fuse-finetuning", default="auto", choices=FUSE_CHOICES,
@@ -145,7 +148,7 @@ def run(args) -> int:
                            device=args.device, max_model_len=args.max_model_len,
                            latency_model=args.latency_model, seed=args.seed, progress=not args.no_progress,
                            fuse_finetuning=args.fuse_finetuning, cuda_graphs=not args.enforce_eager,
-                           prefix_caching=args.enable_prefix_caching,
+                           prefix_caching=args.enable_prefix_caching, cut_for_arrivals=args.cut_for_arrivals,
                            extra={"arrivals": workload.arrivals, "lengths": workload.lengths})
             row = run_in_child(spec)
             rows.append(row)
@@ -182,7 +185,7 @@ def write_report(path: Path, args, rows: list[dict]) -> None:
     import torch
     report = {"model": args.model, "duration_s": args.duration, "slo_tpot_ms": args.slo_tpot_ms,
               "slo_margin": args.slo_margin, "slo_margin_max": args.slo_margin_max,
-              "finetune_burst_ms": args.finetune_burst_ms,
+              "finetune_burst_ms": args.finetune_burst_ms, "cut_for_arrivals": args.cut_for_arrivals,
               "ttft_limit_s": args.ttft_limit_s, "finetune_data": args.finetune_data,
               "command": " ".join(["coserve", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
               "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cpus",

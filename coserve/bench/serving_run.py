@@ -67,6 +67,7 @@ class RunSpec:
     fuse_finetuning: str = "auto"  # EngineConfig.fuse_finetuning
     cuda_graphs: bool = True  # EngineConfig.cuda_graphs
     prefix_caching: bool = True  # EngineConfig.enable_prefix_caching
+    cut_for_arrivals: bool = False  # a request arriving mid-iteration cuts its finetuning slice (ModelExecutor.arrivals)
     extra: dict = field(default_factory=dict)  # copied into the result (workload sources, ...)
 
 
@@ -193,6 +194,8 @@ def run_one(spec: RunSpec) -> dict:
                desc=f"{spec.label} @ {spec.rate:g} req/s")
     t0 = time.perf_counter()
     clock = lambda: time.perf_counter() - t0  # noqa: E731
+    if spec.cut_for_arrivals:  # as the server's engine loop: a request due waits one window, not the slice
+        engine.executor.arrivals = lambda: bool(pending) and pending[0].arrival_s <= clock()
     while True:
         now = clock()
         bar.update(min(round(now), bar.total) - bar.n)
@@ -233,7 +236,8 @@ def run_one(spec: RunSpec) -> dict:
                                "finetune_backward_windows": plan.shape.finetune_backward_windows
                                if plan.shape is not None else None,
                                "margin": round(engine.scheduler.current_margin(), 4),
-                               "load": round(engine.scheduler.load.share(), 4)})
+                               "load": round(engine.scheduler.load.share(), 4),
+                               "cut": engine.last_cut})
         if plan.chunks:
             busy.append((start, end))
         for out in outs:
@@ -272,6 +276,8 @@ def run_one(spec: RunSpec) -> dict:
         "errors": sorted({r.error for r in failed})[:5],
         "threads": torch.get_num_threads(),
         "finetune_burst_ms": engine.finetune_burst_ms if engine_policy == "coserve" else None,
+        "cut_for_arrivals": spec.cut_for_arrivals,
+        "cut_iterations": sum(1 for it in iterations if it["cut"]),
         "batch_invariant": engine.batch_invariant, "fused_finetuning": engine.executor.fuse_finetuning,
         "gemm_tile_rows": engine.model.gemm_tile_rows, "cuda_graphs": engine.executor.graphs is not None,
         "iterations": iterations, **spec.extra,

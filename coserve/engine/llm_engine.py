@@ -131,6 +131,7 @@ class LLMEngine:
         self._job_ids = itertools.count()
         self.job_states: dict[str, JobState] = {}  # every finetuning job this engine was given, by id
         self.last_plan: IterationPlan | None = None  # the latest iteration's plan (benchmarks read its token mix)
+        self.last_cut = False  # whether the latest iteration cut its finetuning slice short for an arrival
         self._last_step: tuple[float, float] | None = None  # (start, model seconds) of the latest busy iteration
         self.num_failed_iterations = 0  # iterations whose execution raised (``_iteration_failed``)
         self.saver = JobSaver()  # finished jobs' adapters, written off the engine thread
@@ -355,7 +356,7 @@ class LLMEngine:
             result = self.executor.execute(plan)
         except Exception as e:  # what the iteration carried fails; the engine keeps serving
             return self._iteration_failed(plan, e)
-        self.last_plan = plan
+        self.last_plan, self.last_cut = plan, result.interrupted
         events = self.scheduler.update(plan, result)
         for progress in result.finetune:
             if progress.phase == DONE and self.job_states[progress.job_id].status == "running":
