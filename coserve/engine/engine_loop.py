@@ -111,7 +111,7 @@ class EngineLoop:
 
     def post(self, fn: Callable[[], None], arrival: bool = False) -> None:
         """Run ``fn`` on the engine thread before its next iteration; returns at once, never blocks.
-        ``arrival``: ``fn`` hands the engine a new request, so the iteration in flight cuts its backward
+        ``arrival``: ``fn`` hands the engine a new request, so the iteration in flight cuts its finetuning
         slice short (``ModelExecutor.arrivals``) rather than keep the request waiting."""
         self._check()
         self._posted.append(self._as_arrival(fn) if arrival else fn)

@@ -53,8 +53,9 @@ class ModelExecutor:
         self.adapters = adapters  # the engine's resident adapters, by name (shared, read only here)
         self.generators: dict[str, torch.Generator] = {}  # per-request RNGs of seeded requests
         self.default_generator = torch.Generator(device=model.device).manual_seed(seed)
-        # says whether a new request waits to enter the engine: backward slices stop between two windows then,
-        # so that a request arriving during a long finetuning iteration waits one window, not the iteration
+        # says whether a new request waits to enter the engine: backward slices stop between two windows then
+        # (and a forward window without inference between two pieces), so that a request arriving during a
+        # long finetuning iteration waits one window, not the iteration
         self.arrivals: Callable[[], bool] | None = None
 
     def execute(self, plan: IterationPlan) -> ExecutionResult:

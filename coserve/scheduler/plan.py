@@ -74,4 +74,4 @@ class ExecutionResult:
     finetune: list[FinetuneProgress] = field(default_factory=list)  # jobs the iteration advanced, after it
     finetune_losses: dict[str, float] = field(default_factory=dict)  # job id -> loss of its forward window
     finetune_errors: dict[str, str] = field(default_factory=dict)  # job id -> why it stopped (reported DONE)
-    interrupted: bool = False  # its backward slice stopped early for a new request (elapsed_s is not the plan's)
+    interrupted: bool = False  # its finetuning slice stopped early for a new request (elapsed_s is not the plan's)
