@@ -74,9 +74,10 @@ class ModelExecutor:
         elif forward is not None:
             self._forward_alone(forward, result)
         for w in plan.finetune:
-            if w.kind == BACKWARD and w.job_id not in result.finetune_errors and not result.interrupted:
+            if w.kind == BACKWARD and w.job_id not in result.finetune_errors:  # each at least one window
                 try:
-                    result.interrupted = self.jobs[w.job_id].backward_token_layers(w.num_tokens, self.arrivals)
+                    cut = self.jobs[w.job_id].backward_token_layers(w.num_tokens, self.arrivals)
+                    result.interrupted = result.interrupted or cut
                 except Exception as e:  # a job that cannot go on stops alone; inference keeps serving
                     result.finetune_errors[w.job_id] = f"{type(e).__name__}: {e}"
         result.finetune = [job_progress(w.job_id, self.jobs[w.job_id]) for w in plan.finetune]

@@ -199,14 +199,17 @@ class FinetuneJob:
 
     def backward_token_layers(self, token_layers: int, stop: Callable[[], bool] | None = None) -> bool:
         """Backward windows over up to ``token_layers`` token-layers from the current position, each at most
-        the rest of its layer, layer after layer; stops early when the sequence's backward pass ends, or before
-        a window once ``stop()`` says so (returns True then: the rest is left for a later iteration)."""
+        the rest of its layer, layer after layer; stops early when the sequence's backward pass ends, or, after
+        the first window, before the next once ``stop()`` says so (returns True then: the rest is left for a
+        later iteration; the first window always runs, so that arrivals however frequent cannot starve the job)."""
+        first = True
         while token_layers > 0 and self.next_work() == "backward":
-            if stop is not None and stop():
+            if not first and stop is not None and stop():
                 return True
             n = min(token_layers, self.pending_tokens())
             self.backward(n)
             token_layers -= n
+            first = False
         return False
 
     def backward(self, num_tokens: int) -> None:
