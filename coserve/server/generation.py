@@ -1,5 +1,6 @@
 """Access to the engine thread: submit a request, receive its outputs as they come, abort on disconnect; run
-anything else on the engine between two iterations (``on_engine``)."""
+anything else on the engine between two iterations (``on_engine_async``; ``EngineLoop.post_and_wait``
+from a thread)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,9 @@ from coserve.server.errors import APIError
 T = TypeVar("T")
 
 
-def on_engine(loop: EngineLoop, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on the engine thread before its next iteration and return what it returns (raise what it
-    raises), from any thread but the engine's (``EngineLoop.post_and_wait``)."""
-    return loop.post_and_wait(fn)
-
-
 async def on_engine_async(loop: EngineLoop, fn: Callable[[], T]) -> T:
-    """``on_engine`` for a coroutine: the event loop waits without blocking (nor taking a worker thread)."""
+    """``EngineLoop.post_and_wait`` for a coroutine: the event loop waits without blocking (nor taking a worker
+    thread)."""
     future = asyncio.wrap_future(loop.post_future(fn))
     while True:
         done, _ = await asyncio.wait({future}, timeout=ALIVE_CHECK_S)

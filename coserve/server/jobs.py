@@ -3,7 +3,7 @@ checkpoints, and resumed from their last checkpoint after a restart.
 
 One watcher thread starts queued jobs (tokenizing their data off the engine thread), turns each optimizer
 step into a metrics event, saves a servable checkpoint every ``checkpoint_steps`` (or epoch), and records
-how each job ends. Every engine access goes through ``on_engine`` (between iterations).
+how each job ends. Every engine access goes through ``EngineLoop.post_and_wait`` (between iterations).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
-from coserve.server.generation import on_engine
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import checkpoint_name, fine_tuned_name
 from coserve.server.protocol import CoserveOptions, FineTuningJobRequest, Hyperparameters
@@ -255,7 +254,7 @@ class JobManager:
             else:
                 r.job.stop_validation()  # its last step is recorded even if its validation pass was under way
             return self._read(r), r.job.snapshot() if becomes == "paused" else None
-        read, snap = on_engine(self.loop, stop_and_read)
+        read, snap = self.loop.post_and_wait(stop_and_read)
         status = self._record(r, *read)
         self._forget(job_id)
         if status != "cancelled":
@@ -374,7 +373,7 @@ class JobManager:
                     tokens=ft.tokens_done)  # a resumed job's tokens so far are counted already
         ft.on_step = lambda j: self._checkpoint(r)
         try:
-            on_engine(self.loop, lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
+            self.loop.post_and_wait(lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
         except FinetuneMemoryError as e:
             if self.running and e.fits_alone:
                 raise WaitForMemory(str(e).removeprefix("finetune_memory_gb: ")) from e
@@ -402,7 +401,7 @@ class JobManager:
         running = list(self.running.values())
         if not running:
             return
-        reads = on_engine(self.loop, lambda: [self._read(r) for r in running])  # one engine visit for all
+        reads = self.loop.post_and_wait(lambda: [self._read(r) for r in running])  # one engine visit for all
         ended = [r.job_id for r, read in zip(running, reads) if self._record(r, *read) != "running"]
         if ended:
             self._forget(*ended)
@@ -497,4 +496,4 @@ class JobManager:
         """Drop jobs that ended from the engine's and the watcher's books (their files stay on disk)."""
         for job_id in job_ids:
             self.running.pop(job_id, None)
-        on_engine(self.loop, lambda: [self.engine.job_states.pop(job_id, None) for job_id in job_ids])
+        self.loop.post_and_wait(lambda: [self.engine.job_states.pop(job_id, None) for job_id in job_ids])

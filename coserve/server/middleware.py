@@ -70,13 +70,12 @@ class ServerMiddleware:
             await send(message)
 
         try:
-            scope.setdefault("state", {})["arrived"] = start  # a Job's arrival (its TTFT starts here)
+            state = scope.setdefault("state", {})
+            state["arrived"] = start  # a Job's arrival (its TTFT starts here)
             if INTERNAL_TENANT in scope:
-                tenant = scope[INTERNAL_TENANT]
-                scope.setdefault("state", {})["tenant"] = tenant
+                tenant = state["tenant"] = scope[INTERNAL_TENANT]
             elif path not in OPEN_PATHS:
-                tenant = self.auth.tenant(headers.get("authorization"))
-                scope.setdefault("state", {})["tenant"] = tenant
+                tenant = state["tenant"] = self.auth.tenant(headers.get("authorization"))
             limit = self.max_upload if path in UPLOAD_PATHS else self.max_body
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > limit:
