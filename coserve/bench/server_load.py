@@ -3,9 +3,9 @@ in-process engine.
 
 Both phases run the same streamed chat requests (prompt texts and lengths from the ShareGPT trace, Poisson
 arrivals at ``--rate``, a bounded count) beside the same fine-tuning job. The HTTP phase starts ``coserve
-serve`` in a child process and drives it with the ``openai`` client's async API; the in-process phase builds
-the very same server objects (``build_app``) in a spawned process and calls their engine client directly, with
-no HTTP, no JSON and no client process. The difference of their TTFTs is what the HTTP layer adds.
+serve`` in a child process and drives it with the ``openai`` client's async API from another (at
+``--client-nice``); the in-process phase builds the very same server objects (``build_app``) in a spawned
+process and calls their engine client directly, with no HTTP, no JSON and no client process. The difference of their TTFTs is what the HTTP layer adds.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-nice", type=int, default=0, help="the HTTP phase's load client runs at this nice value "
+                   "(0-19; the server keeps its own): on a machine with no core to spare, 19 keeps the client's "
+                   "parsing of streamed chunks from taking the engine's CPU, as a client on another machine would")
     p.add_argument("--out", default=None, help="JSON results")
 
 
@@ -70,6 +73,7 @@ class LoadSpec:
     dtype: str
     device: str | None
     seed: int
+    client_nice: int = 0
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
@@ -230,7 +234,8 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
                     raise RuntimeError("the server did not start in 300 s")
                 time.sleep(0.2)
             model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-            records, extra = asyncio.run(_http_requests(spec, f"http://127.0.0.1:{port}/v1", model))
+            records, extra = run_spawned(_http_client, (spec, f"http://127.0.0.1:{port}/v1", model),
+                                         "the HTTP phase's load client")
         finally:
             proc.terminate()
             try:
@@ -242,6 +247,15 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
         for record, ident in zip(records, extra.pop("ids")):
             record.engine_ttft_s = logged.get(ident)
         return records, extra
+
+
+def _http_client(job: tuple[LoadSpec, str, str]) -> tuple[list[RequestRecord], dict]:
+    """The HTTP phase's load, from its own process at ``spec.client_nice`` (a niceness cannot be undone, so the
+    client cannot lower its own and then give the server a normal one)."""
+    spec, base_url, model = job
+    nice = os.nice(spec.client_nice)
+    records, extra = asyncio.run(_http_requests(spec, base_url, model))
+    return records, {**extra, "client_nice": nice}
 
 
 def _free_port() -> int:
@@ -313,6 +327,7 @@ def phase_row(name: str, records: list[RequestRecord], extra: dict, spec: LoadSp
     row = {"phase": name, **summarize(records, extra["elapsed_s"], spec.slo_tpot_s, spec.ttft_limit_s)}
     row["finetune_tokens_per_s"] = extra.get("finetune_tokens", 0) / extra["elapsed_s"]
     row["finetune_job_status"] = extra.get("job_status")
+    row["client_nice"] = extra.get("client_nice")  # the HTTP load client's, as it saw it; None in-process
     row["errors"] = sorted({r.error for r in records if r.error})[:5]
     # each request's TTFT split: the engine's wait (submission to first token) and the rest, outside the engine
     done = [r for r in records if r.completed]
@@ -350,6 +365,8 @@ def run(args) -> int:
         raise ValueError(f"--num-requests: must be positive, got {args.num_requests}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
+    if not 0 <= args.client_nice <= 19:
+        raise ValueError(f"--client-nice: must be 0 to 19, got {args.client_nice}")
     tokenizer = load_tokenizer(args.model)
     requests = build_requests(args, tokenizer)
     data = None
@@ -359,7 +376,7 @@ def run(args) -> int:
             raise ValueError(f"--finetune-data: {path} is not a file (give one, or 'none')")
         data = finetune_jsonl(path)
     spec = LoadSpec(str(Path(args.model).resolve()), requests, data, args.slo_tpot_ms / 1000, args.ttft_limit_s,
-                    args.timeout, args.dtype, args.device, args.seed)
+                    args.timeout, args.dtype, args.device, args.seed, args.client_nice)
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
     rows, pairs = [], []  # pairs: each repeat's row by phase
@@ -384,7 +401,7 @@ def run(args) -> int:
         rows += overall.values()
     print(table(rows))
     result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "repeats": args.repeats,
-              "model": args.model,
+              "model": args.model, "client_nice": args.client_nice,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     added = http_added_ms(overall.get("in-process"), overall.get("http"))
     if added is not None:
