@@ -19,6 +19,18 @@ def _cache(device, num_blocks=12, block_size=4, kv_heads=2, dim=8):
     return cache
 
 
+@pytest.mark.parametrize("tables", [[3, 1, 0], [[3, 1, 0], [5, 7, 2]]])
+def test_gather_lays_the_blocks_of_a_table_end_to_end(tables):
+    cache = _cache(torch.device("cpu"))
+    tables = torch.tensor(tables)
+    k, v = cache.gather(0, tables)
+    lead = tuple(tables.shape[:-1])
+    assert k.shape == (*lead, tables.shape[-1] * 4, 2, 8)
+    blocks = [cache.k[0][b] for b in tables.reshape(-1).tolist()]  # one block at a time, by plain indexing
+    assert torch.equal(k.reshape(-1, 2, 8), torch.cat(blocks))
+    assert torch.equal(v, cache.v[0][tables].reshape(*lead, -1, 2, 8))
+
+
 def test_gather_repeated_repeats_each_kv_head_for_its_query_heads():
     cache = _cache(torch.device("cpu"))
     tables = torch.tensor([[3, 1, 0], [5, 7, 2]])

@@ -192,3 +192,19 @@ def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_
     assert (a["num_split"], b["num_split"]) == (2, 2)
     assert a["outside_engine_s"]["p50"] == pytest.approx(0.00055) and b["outside_engine_s"]["p50"] == pytest.approx(0.0045)
     assert http_added_ms(a, b, "outside_engine_s") == pytest.approx(3.95)
+
+
+def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(model_factory):
+    """``bench-server``'s HTTP phase end to end: a ``coserve serve`` child, the load from a spawned client process
+    at ``client_nice``, and each request's engine part read back from the server's access log."""
+    import os
+
+    from coserve.bench.server_load import LoadSpec, phase_row, run_http
+    spec = LoadSpec(str(model_factory("llama")), [(0.0, "Hello there", 3), (0.05, "Tell me a story", 4)], None,
+                    0.05, 5.0, 120.0, "float32", None, 0, client_nice=3)
+    records, extra = run_http(spec)
+    assert extra["client_nice"] == min(19, os.nice(0) + 3)  # this process's value, plus 3
+    assert [(r.completed, r.num_output_tokens) for r in records] == [(True, 3), (True, 4)]
+    assert all(r.engine_ttft_s is not None and 0 < r.engine_ttft_s <= r.ttft_s for r in records)
+    row = phase_row("http", records, extra, spec)
+    assert row["client_nice"] == extra["client_nice"] and row["num_split"] == 2 and row["num_failed"] == 0
