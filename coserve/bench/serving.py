@@ -48,9 +48,9 @@ def add_arguments(p) -> None:
                    help="coserve: with requests decoding, finetuning waits for slack banked for a slice this long "
                         "(EngineConfig.finetune_burst_ms; 0 = a slice in every iteration; default: 100 on a CPU, "
                         "0 on a GPU)")
-    p.add_argument("--cut-for-arrivals", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--cut-for-arrivals", action=argparse.BooleanOptionalAction, default=True,
                    help="a request arriving during an iteration cuts its finetuning slice short, as in the "
-                        "server and the Python API (off by default: the published sweeps ran without)")
+                        "server and the Python API (--no-cut-for-arrivals: as the sweeps before 2026-11-26 ran)")
     p.add_argument("--ttft-limit-s", type=float, default=5.0)
     p.add_argument("--split", default="50:50", help="separate: percent of the cores for inference:finetuning")
     p.add_argument("--fuse-finetuning", default="auto", choices=FUSE_CHOICES,

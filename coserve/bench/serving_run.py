@@ -67,7 +67,7 @@ class RunSpec:
     fuse_finetuning: str = "auto"  # EngineConfig.fuse_finetuning
     cuda_graphs: bool = True  # EngineConfig.cuda_graphs
     prefix_caching: bool = True  # EngineConfig.enable_prefix_caching
-    cut_for_arrivals: bool = False  # a request arriving mid-iteration cuts its finetuning slice (ModelExecutor.arrivals)
+    cut_for_arrivals: bool = True  # a request arriving mid-iteration cuts its finetuning slice (ModelExecutor.arrivals)
     extra: dict = field(default_factory=dict)  # copied into the result (workload sources, ...)
 
 
