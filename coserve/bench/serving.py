@@ -50,7 +50,7 @@ def add_arguments(p) -> None:
                         "0 on a GPU)")
     p.add_argument("--cut-for-arrivals", action=argparse.BooleanOptionalAction, default=True,
                    help="a request arriving during an iteration cuts its finetuning slice short, as in the "
-                        "server and the Python API (--no-cut-for-arrivals: as the sweeps before 2026-11-26 ran)")
+                        "server and the Python API (--no-cut-for-arrivals: as the sweeps before commit 52f6613 ran)")
     p.add_argument("--ttft-limit-s", type=float, default=5.0)
     p.add_argument("--split", default="50:50", help="separate: percent of the cores for inference:finetuning")
     p.add_argument("--fuse-finetuning", default="auto", choices=FUSE_CHOICES,
