@@ -208,3 +208,4 @@ def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(mod
     assert all(r.engine_ttft_s is not None and 0 < r.engine_ttft_s <= r.ttft_s for r in records)
     row = phase_row("http", records, extra, spec)
     assert row["client_nice"] == extra["client_nice"] and row["num_split"] == 2 and row["num_failed"] == 0
+    assert row["client_cpu_ms_per_request"] == pytest.approx(1000 * extra["client_cpu_s"] / 2) and extra["client_cpu_s"] > 0

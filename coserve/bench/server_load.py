@@ -254,8 +254,9 @@ def _http_client(job: tuple[LoadSpec, str, str]) -> tuple[list[RequestRecord], d
     client cannot lower its own and then give the server a normal one)."""
     spec, base_url, model = job
     nice = os.nice(spec.client_nice)
+    cpu = time.process_time()
     records, extra = asyncio.run(_http_requests(spec, base_url, model))
-    return records, {**extra, "client_nice": nice}
+    return records, {**extra, "client_nice": nice, "client_cpu_s": time.process_time() - cpu}
 
 
 def _free_port() -> int:
@@ -328,6 +329,10 @@ def phase_row(name: str, records: list[RequestRecord], extra: dict, spec: LoadSp
     row["finetune_tokens_per_s"] = extra.get("finetune_tokens", 0) / extra["elapsed_s"]
     row["finetune_job_status"] = extra.get("job_status")
     row["client_nice"] = extra.get("client_nice")  # the HTTP load client's, as it saw it; None in-process
+    # the CPU time the HTTP load client took (all its threads), per request: what it takes from the engine's
+    # cores when they are all the machine has
+    cpu = extra.get("client_cpu_s")
+    row["client_cpu_ms_per_request"] = None if cpu is None or not records else 1000 * cpu / len(records)
     row["errors"] = sorted({r.error for r in records if r.error})[:5]
     # each request's TTFT split: the engine's wait (submission to first token) and the rest, outside the engine
     done = [r for r in records if r.completed]
@@ -416,6 +421,10 @@ def run(args) -> int:
                   f"{1000 * overall['in-process']['outside_engine_s']['p50']:.1f} ms, HTTP "
                   f"{1000 * overall['http']['outside_engine_s']['p50']:.1f} ms per request; target <= 5 ms)")
         print(f"The phases' median TTFTs differ by {added:+.1f} ms{note}, the engine's scheduling of each included")
+    for row in rows:
+        if row.get("client_cpu_ms_per_request") is not None:
+            print(f"{row['phase']}: the load client took {row['client_cpu_ms_per_request']:.1f} ms of CPU per request "
+                  f"({row['client_cpu_ms_per_request'] * row['num_requests'] / 1000 / row['duration_s']:.1%} of a core)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
