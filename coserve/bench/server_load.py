@@ -5,7 +5,8 @@ Both phases run the same streamed chat requests (prompt texts and lengths from t
 arrivals at ``--rate``, a bounded count) beside the same fine-tuning job. The HTTP phase starts ``coserve
 serve`` in a child process and drives it with the ``openai`` client's async API from another (at
 ``--client-nice``); the in-process phase builds the very same server objects (``build_app``) in a spawned
-process and calls their engine client directly, with no HTTP, no JSON and no client process. The difference of their TTFTs is what the HTTP layer adds.
+process and calls their engine client directly, with no HTTP, no JSON and no client process. The difference
+of their TTFTs is what the HTTP layer adds.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--client-nice", type=int, default=0, help="the HTTP phase's load client runs at this nice value "
-                   "(0-19; the server keeps its own): on a machine with no core to spare, 19 keeps the client's "
-                   "parsing of streamed chunks from taking the engine's CPU, as a client on another machine would")
+                   "(0-19; the server keeps its own), to see how much of the phases' difference is the client's CPU "
+                   "(on 2 cores, 19 moved it from the engine's wait to the client's late reads: README)")
     p.add_argument("--out", default=None, help="JSON results")
 
 
