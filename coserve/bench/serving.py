@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
                    help="coserve: with requests decoding, finetuning waits for slack banked for a slice this long "
                         "(EngineConfig.finetune_burst_ms; 0 = a slice in every iteration; default: 100 on a CPU, "
                         "0 on a GPU)")
+    p.add_argument("--first-token-slice-ms", type=float, default=None,
+                   help="coserve: the most finetuning an iteration that gives a request its first token carries "
+                        "(EngineConfig.first_token_slice_ms; default: as any other iteration)")
     p.add_argument("--cut-for-arrivals", action=argparse.BooleanOptionalAction, default=True,
                    help="a request arriving during an iteration cuts its finetuning slice short, as in the "
                         "server and the Python API (--no-cut-for-arrivals: as the sweeps before commit 52f6613 ran)")
@@ -142,6 +145,7 @@ def run(args) -> int:
                            duration_s=args.duration, requests=workload.requests, finetune=finetune,
                            slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
                            slo_margin_max=args.slo_margin_max, finetune_burst_ms=args.finetune_burst_ms,
+                           first_token_slice_ms=args.first_token_slice_ms,
                            ttft_limit_s=args.ttft_limit_s,
                            drain_s=args.drain,
                            temporal_interval=pol["temporal_interval"], split=pol["split"], dtype=args.dtype,
@@ -186,6 +190,7 @@ def write_report(path: Path, args, rows: list[dict]) -> None:
     report = {"model": args.model, "duration_s": args.duration, "slo_tpot_ms": args.slo_tpot_ms,
               "slo_margin": args.slo_margin, "slo_margin_max": args.slo_margin_max,
               "finetune_burst_ms": args.finetune_burst_ms, "cut_for_arrivals": args.cut_for_arrivals,
+              "first_token_slice_ms": args.first_token_slice_ms,
               "ttft_limit_s": args.ttft_limit_s, "finetune_data": args.finetune_data,
               "command": " ".join(["coserve", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
               "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cpus",

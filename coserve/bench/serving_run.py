@@ -54,6 +54,7 @@ class RunSpec:
     slo_margin: float = 0.1  # EngineConfig.slo_margin
     slo_margin_max: float = 0.6  # EngineConfig.slo_margin_max
     finetune_burst_ms: float | None = None  # EngineConfig.finetune_burst_ms
+    first_token_slice_ms: float | None = None  # EngineConfig.first_token_slice_ms
     ttft_limit_s: float = 5.0
     drain_s: float = 30.0  # after the last arrival, how long requests may still finish
     temporal_interval: int = 64
@@ -165,6 +166,7 @@ def run_one(spec: RunSpec) -> dict:
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, slo_margin=spec.slo_margin,
         slo_margin_max=spec.slo_margin_max, finetune_burst_ms=spec.finetune_burst_ms, latency_model=spec.latency_model,
+        first_token_slice_ms=spec.first_token_slice_ms,
         temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,
         cuda_graphs=spec.cuda_graphs, enable_prefix_caching=spec.prefix_caching))
     _warm_up(engine)

@@ -41,6 +41,8 @@ class EngineConfig:
     #   TPOT slack allows a slice this long (SchedulerConfig.finetune_burst_s); 0 = every iteration carries one;
     #   None = DEFAULT_CPU_BURST_MS on a CPU (where a slice beside decode tokens costs what it costs alone, and
     #   small slices more per token), 0 on a GPU (where it rides nearly free)
+    first_token_slice_ms: float | None = None  # coserve: the most finetuning an iteration that gives a request its
+    #   first token carries (SchedulerConfig.first_token_slice_s); None = as any other iteration
     latency_model: str | None = None  # `coserve profile` JSON; None = the default profile path. A fit for this
     #   model, device, dtype and thread count sizes finetuning slices
     finetune_memory_gb: float | None = None  # finetuning jobs' adapters, gradients, optimizer state and kept
@@ -82,6 +84,11 @@ class EngineConfig:
         if not (isinstance(self.slo_margin_max, (int, float)) and not isinstance(self.slo_margin_max, bool)
                 and self.slo_margin <= self.slo_margin_max < 1):
             raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {self.slo_margin_max!r}")
+        if self.first_token_slice_ms is not None and (
+                not isinstance(self.first_token_slice_ms, (int, float)) or isinstance(self.first_token_slice_ms, bool)
+                or not self.first_token_slice_ms >= 0):
+            raise ValueError(f"first_token_slice_ms must be None or a non-negative number, got "
+                             f"{self.first_token_slice_ms!r}")
         if self.finetune_burst_ms is not None and (
                 not isinstance(self.finetune_burst_ms, (int, float)) or isinstance(self.finetune_burst_ms, bool)
                 or not self.finetune_burst_ms >= 0):

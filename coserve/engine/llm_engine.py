@@ -308,6 +308,8 @@ class LLMEngine:
                                          c.policy, c.slo_tpot_ms / 1000, slo_margin=c.slo_margin,
                                          slo_margin_max=c.slo_margin_max,
                                          finetune_burst_s=self.finetune_burst_ms / 1000,
+                                         first_token_slice_s=(None if c.first_token_slice_ms is None
+                                                              else c.first_token_slice_ms / 1000),
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,
                                          scheduling_policy=c.scheduling_policy),

@@ -43,6 +43,9 @@ class SchedulerConfig:
     #   long; the iterations in between decode alone and bank slack. For devices where a finetuning slice costs the
     #   same beside decode tokens as alone and small slices cost more per token (CPUs); 0 = off: every iteration
     #   carries the largest slice within the TPOT target (FlexLLM's hybrid token scheduler)
+    first_token_slice_s: float | None = None  # coserve: the most finetuning time (by the latency model) an
+    #   iteration that gives a request its first token carries; the time it leaves is banked as the running
+    #   requests' TPOT slack (a later burst takes it). None = as any other iteration
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
     speculative_tokens: int = 0  # n-gram draft tokens verified per decode step of a greedy request; 0 = off
     scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
@@ -65,6 +68,10 @@ class SchedulerConfig:
             raise ValueError(f"slo_tpot_s must be positive, got {self.slo_tpot_s!r}")
         if not (isinstance(self.idle_iteration_s, (int, float)) and self.idle_iteration_s > 0):
             raise ValueError(f"idle_iteration_s must be positive, got {self.idle_iteration_s!r}")
+        if self.first_token_slice_s is not None and not (
+                isinstance(self.first_token_slice_s, (int, float)) and self.first_token_slice_s >= 0):
+            raise ValueError(f"first_token_slice_s must be None or a non-negative number of seconds, got "
+                             f"{self.first_token_slice_s!r}")
         if not (isinstance(self.finetune_burst_s, (int, float)) and self.finetune_burst_s >= 0):
             raise ValueError(
                 f"finetune_burst_s must be a non-negative number of seconds, got {self.finetune_burst_s!r}")

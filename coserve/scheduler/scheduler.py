@@ -212,6 +212,10 @@ class Scheduler:
                 plan.predicted_s = self.latency.predict(plan.shape) if self.latency is not None else 0.0
                 return
             budget_s /= 1 + BURST_RESERVE  # a long slice's overrun lands on every running request at once
+        cap = self.config.first_token_slice_s
+        if use_latency and cap is not None and self.latency is not None and any(
+                c.sample and c.num_output_tokens == 0 for c in plan.chunks):  # someone's first token: soon
+            budget_s = min(budget_s, self.latency.predict(inference_shape(plan.chunks)) + cap)
         latency = self.latency if use_latency else None
         plan.finetune, plan.shape = plan_slices(order, inference_shape(plan.chunks), latency, budget_s,
                                                 token_budget, self.config.min_finetune_window)
