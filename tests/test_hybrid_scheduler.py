@@ -36,13 +36,13 @@ class Clock:
 
 
 def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True, clock=None, interval=64,
-         idle_s=0.018, min_prefill=64, burst_s=0.0, margin_max=0.1) -> Scheduler:
+         idle_s=0.018, min_prefill=64, burst_s=0.0, margin_max=0.1, first_token_s=None) -> Scheduler:
     """A scheduler on the fake latency model; a fixed 10% margin unless ``margin_max`` lets misses or load move it."""
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, max_model_len=512, max_loras=2,
                           policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, slo_margin_max=margin_max,
                           min_finetune_window=4,
                           temporal_interval=interval, idle_iteration_s=idle_s, min_prefill_chunk=min_prefill,
-                          finetune_burst_s=burst_s)
+                          finetune_burst_s=burst_s, first_token_slice_s=first_token_s)
     return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None, clock=clock or Clock())
 
 
@@ -94,6 +94,32 @@ def test_a_burst_cuts_the_finetuning_slice_within_one_iteration():
     plan = step(s)  # now four decodes: 1.4 ms, the slice grows back
     assert len(plan.chunks) == 4 and plan.finetune[0].num_tokens == 83
     assert plan.predicted_s <= 0.018 + 1e-12
+
+
+@pytest.mark.parametrize("cap_ms", [None, 4.0])
+def test_an_iteration_giving_a_first_token_carries_at_most_the_first_token_slice(cap_ms):
+    s = make(first_token_s=None if cap_ms is None else cap_ms / 1000)
+    s.add_job(job(pending=10**6, tokens=10**6))
+    s.add_request(req("long", 100))
+    plan = step(s)  # the prompt's first 64 tokens: no token sampled yet, so the whole budget
+    assert [c.sample for c in plan.chunks] == [False] and plan.finetune[0].num_tokens == int((0.018 - 7.4e-3) / 2e-4 + 1e-9)
+    plan = step(s)  # its last 36: the first token
+    inference = latency().predict(IterationShape(prefill_tokens=36))
+    n = plan.finetune[0].num_tokens
+    if cap_ms is None:
+        assert n == int((0.018 - inference) / 2e-4 + 1e-9)  # 72 tokens
+    else:
+        assert n == int(0.004 / 2e-4 + 1e-9) and plan.predicted_s <= inference + 0.004 + 1e-12  # 20 tokens
+    plan = step(s)  # a decode: the whole budget again
+    assert [c.sample for c in plan.chunks] == [True] and plan.finetune[0].num_tokens == int((0.018 - 1.1e-3) / 2e-4 + 1e-9)
+
+
+def test_first_token_slice_must_be_none_or_non_negative():
+    with pytest.raises(ValueError, match="first_token_slice_s"):
+        SchedulerConfig(first_token_slice_s=-0.001)
+    from coserve.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="first_token_slice_ms"):
+        EngineConfig(model="m", first_token_slice_ms="5")
 
 
 def test_backward_slices_span_layers_and_several_jobs_share_an_iteration():
