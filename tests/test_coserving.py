@@ -167,6 +167,11 @@ def test_the_engine_loads_a_profiled_latency_model_that_fits(model_factory, tmp_
             EngineConfig(model=model_dir, finetune_burst_ms=bad)
     assert wide.finetune_burst_ms == 100.0 and wide.scheduler.config.finetune_burst_s == 0.1  # a CPU's default
     assert _engine(model_dir, finetune_burst_ms=0).scheduler.config.finetune_burst_s == 0.0
+    assert wide.first_token_slice_ms == 5.0 and wide.scheduler.config.first_token_slice_s == 0.005  # a CPU's default
+    assert _engine(model_dir, first_token_slice_ms=float("inf")).scheduler.config.first_token_slice_s is None
+    for bad in (-1.0, True, "5"):
+        with pytest.raises(ValueError, match="first_token_slice_ms"):
+            EngineConfig(model=model_dir, first_token_slice_ms=bad)
     assert _engine(model_dir, latency_model=str(tmp_path / "none.json")).scheduler.latency is None
     (tmp_path / "bad.json").write_text('{"version": 99}')
     with pytest.raises(ValueError, match="latency_model"):

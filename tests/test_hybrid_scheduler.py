@@ -114,12 +114,9 @@ def test_an_iteration_giving_a_first_token_carries_at_most_the_first_token_slice
     assert [c.sample for c in plan.chunks] == [True] and plan.finetune[0].num_tokens == int((0.018 - 1.1e-3) / 2e-4 + 1e-9)
 
 
-def test_first_token_slice_must_be_none_or_non_negative():
+def test_the_first_token_slice_must_be_none_or_non_negative():
     with pytest.raises(ValueError, match="first_token_slice_s"):
         SchedulerConfig(first_token_slice_s=-0.001)
-    from coserve.engine.config import EngineConfig
-    with pytest.raises(ValueError, match="first_token_slice_ms"):
-        EngineConfig(model="m", first_token_slice_ms="5")
 
 
 def test_backward_slices_span_layers_and_several_jobs_share_an_iteration():

@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
                         "0 on a GPU)")
     p.add_argument("--first-token-slice-ms", type=float, default=None,
                    help="coserve: the most finetuning an iteration that gives a request its first token carries "
-                        "(EngineConfig.first_token_slice_ms; default: as any other iteration)")
+                        "(EngineConfig.first_token_slice_ms; inf = as any other iteration; default: 5 on a CPU, "
+                        "inf on a GPU)")
     p.add_argument("--cut-for-arrivals", action=argparse.BooleanOptionalAction, default=True,
                    help="a request arriving during an iteration cuts its finetuning slice short, as in the "
                         "server and the Python API (--no-cut-for-arrivals: as the sweeps before commit 52f6613 ran)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import logging
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from coserve.engine.config import DEFAULT_CPU_BURST_MS, EngineConfig
+from coserve.engine.config import DEFAULT_CPU_BURST_MS, DEFAULT_CPU_FIRST_TOKEN_SLICE_MS, EngineConfig
 from coserve.engine.executor import ModelExecutor, job_progress
 from coserve.engine.job_saver import JobSaver
 from coserve.engine.profiler import default_profile_path, latency_key, profile, save_latency_model
@@ -84,6 +85,9 @@ class LLMEngine:
         fuse = fusion.fuse
         self.finetune_burst_ms = (config.finetune_burst_ms if config.finetune_burst_ms is not None
                                   else DEFAULT_CPU_BURST_MS if self.device.type == "cpu" else 0.0)
+        self.first_token_slice_ms = (config.first_token_slice_ms if config.first_token_slice_ms is not None
+                                     else DEFAULT_CPU_FIRST_TOKEN_SLICE_MS if self.device.type == "cpu"
+                                     else math.inf)
         self.latency_key = latency_key(config.model, self.device, self.dtype, fuse)  # what a latency fit must match
         if fusion.violations:  # a warning unless GEMM tiles fixed it
             if fusion.tile_rows:
@@ -308,8 +312,8 @@ class LLMEngine:
                                          c.policy, c.slo_tpot_ms / 1000, slo_margin=c.slo_margin,
                                          slo_margin_max=c.slo_margin_max,
                                          finetune_burst_s=self.finetune_burst_ms / 1000,
-                                         first_token_slice_s=(None if c.first_token_slice_ms is None
-                                                              else c.first_token_slice_ms / 1000),
+                                         first_token_slice_s=(None if math.isinf(self.first_token_slice_ms)
+                                                              else self.first_token_slice_ms / 1000),
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,
                                          scheduling_policy=c.scheduling_policy),

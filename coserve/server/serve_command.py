@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--finetune-burst-ms", type=float, default=None,
                    help="with requests decoding, finetuning waits for TPOT slack banked for a slice this long "
                         "(0 = a slice in every iteration; default: 100 on a CPU, 0 on a GPU)")
+    p.add_argument("--first-token-slice-ms", type=float, default=None,
+                   help="the most finetuning an iteration that gives a request its first token carries (its "
+                        "time is banked as the running requests' TPOT slack; inf = as any other iteration; "
+                        "default: 5 on a CPU, inf on a GPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
@@ -128,6 +132,7 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,
                                  slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
                                  slo_margin_max=args.slo_margin_max, finetune_burst_ms=args.finetune_burst_ms,
+                                 first_token_slice_ms=args.first_token_slice_ms,
                                  latency_model=args.latency_model,
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
                                  cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
