@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-import math
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
