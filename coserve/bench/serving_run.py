@@ -278,8 +278,7 @@ def run_one(spec: RunSpec) -> dict:
         "errors": sorted({r.error for r in failed})[:5],
         "threads": torch.get_num_threads(),
         "finetune_burst_ms": engine.finetune_burst_ms if engine_policy == "coserve" else None,
-        "first_token_slice_ms": (engine.first_token_slice_ms  # None: no cap
-                                 if engine_policy == "coserve" and engine.first_token_slice_ms != float("inf") else None),
+        "first_token_slice_ms": engine.first_token_slice_ms if engine_policy == "coserve" else None,  # None: no cap
         "cut_for_arrivals": spec.cut_for_arrivals,
         "cut_iterations": sum(1 for it in iterations if it["cut"]),
         "batch_invariant": engine.batch_invariant, "fused_finetuning": engine.executor.fuse_finetuning,

@@ -85,9 +85,9 @@ class LLMEngine:
         fuse = fusion.fuse
         self.finetune_burst_ms = (config.finetune_burst_ms if config.finetune_burst_ms is not None
                                   else DEFAULT_CPU_BURST_MS if self.device.type == "cpu" else 0.0)
-        self.first_token_slice_ms = (config.first_token_slice_ms if config.first_token_slice_ms is not None
-                                     else DEFAULT_CPU_FIRST_TOKEN_SLICE_MS if self.device.type == "cpu"
-                                     else math.inf)
+        ft_slice = (config.first_token_slice_ms if config.first_token_slice_ms is not None
+                    else DEFAULT_CPU_FIRST_TOKEN_SLICE_MS if self.device.type == "cpu" else math.inf)
+        self.first_token_slice_ms = None if math.isinf(ft_slice) else ft_slice  # None: no cap
         self.latency_key = latency_key(config.model, self.device, self.dtype, fuse)  # what a latency fit must match
         if fusion.violations:  # a warning unless GEMM tiles fixed it
             if fusion.tile_rows:
@@ -312,7 +312,7 @@ class LLMEngine:
                                          c.policy, c.slo_tpot_ms / 1000, slo_margin=c.slo_margin,
                                          slo_margin_max=c.slo_margin_max,
                                          finetune_burst_s=self.finetune_burst_ms / 1000,
-                                         first_token_slice_s=(None if math.isinf(self.first_token_slice_ms)
+                                         first_token_slice_s=(None if self.first_token_slice_ms is None
                                                               else self.first_token_slice_ms / 1000),
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,

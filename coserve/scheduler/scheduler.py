@@ -206,18 +206,19 @@ class Scheduler:
         order = order[shift:] + order[:shift]  # equal counters: round robin
         order.sort(key=lambda p: self.vtc.counter(self.job_tenants[p.job_id]))
         budget_s = self.iteration_budget_s()
+        inference = inference_shape(plan.chunks)
         if use_latency and self._bursting():
             if budget_s < self.config.finetune_burst_s:  # decode alone, banking slack for a longer slice later
-                plan.shape = inference_shape(plan.chunks)  # still measured: the inference kind's correction
+                plan.shape = inference  # still measured: the inference kind's correction
                 plan.predicted_s = self.latency.predict(plan.shape) if self.latency is not None else 0.0
                 return
             budget_s /= 1 + BURST_RESERVE  # a long slice's overrun lands on every running request at once
         cap = self.config.first_token_slice_s
         if use_latency and cap is not None and self.latency is not None and any(
                 c.sample and c.num_output_tokens == 0 for c in plan.chunks):  # someone's first token: soon
-            budget_s = min(budget_s, self.latency.predict(inference_shape(plan.chunks)) + cap)
+            budget_s = min(budget_s, self.latency.predict(inference) + cap)
         latency = self.latency if use_latency else None
-        plan.finetune, plan.shape = plan_slices(order, inference_shape(plan.chunks), latency, budget_s,
+        plan.finetune, plan.shape = plan_slices(order, inference, latency, budget_s,
                                                 token_budget, self.config.min_finetune_window)
         plan.predicted_s = latency.predict(plan.shape) if latency is not None else 0.0
         for w in plan.finetune:  # a finetuning token is charged once, when its forward window is planned
