@@ -189,3 +189,33 @@ def test_a_sweep_report_takes_named_policies_per_file_and_later_rows_replace_ear
     main()
     out = capsys.readouterr().out
     assert "1.50x (dts)" in out and "| coserve | 1 | 100.0% | 20 | 10.0 | 120 | 50% |" in out
+
+
+def test_a_pooled_sweep_report_averages_repeated_runs_of_each_policy_and_rate(tmp_path, capsys, monkeypatch):
+    from coserve.bench.sweep_report import main, pool, select
+
+    def run(policy, slo, ft, requests, ttft, idle=0.5):
+        return {**_row(policy, 2.0, slo, ft, idle), "num_requests": requests, "ttft_s": {"p50": ttft, "p90": 1.0},
+                "tpot_s": {"p50": 0.01}, "inference_tokens_per_s": 10.0 * requests}
+
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps({"results": [run("coserve", 1.0, 100.0, 30, 0.02), run("dts", 0.9, 80.0, 30, 0.04),
+                                             run("inference-only", 1.0, None, 30, 0.01, idle=0.6)]}))
+    second = tmp_path / "second.json"
+    second.write_text(json.dumps({"results": [run("coserve", 0.8, 140.0, 10, 0.04), run("dts", 1.0, 90.0, 30, 0.02)]}))
+    rows = {r["policy"]: r for r in select([str(first), str(second)], pooled=True)}
+    co = rows["coserve"]
+    assert co["runs"] == 2 and co["num_requests"] == 40
+    assert co["slo_attainment"] == pytest.approx((30 * 1.0 + 10 * 0.8) / 40)  # over all requests, not a mean of runs
+    assert co["finetune_tokens_per_s"] == 120.0 and co["finetune_tokens_per_s_range"] == [100.0, 140.0]
+    assert co["ttft_s"] == {"p50": pytest.approx(0.03)} and co["inference_tokens_per_s"] == 200.0
+    assert rows["inference-only"]["idle_fraction"] == 0.6 and "runs" not in rows["inference-only"]  # one run: as is
+    assert [r["finetune_tokens_per_s"] for r in select([str(first), str(second)])] == [140.0, 90.0, None]  # replaced
+    assert pool([run("coserve", 1.0, 100.0, 30, 0.02)])["finetune_tokens_per_s"] == 100.0
+    assert pool([run("coserve", 1.0, 100.0, 30, 0.02), run("coserve", 1.0, 0.0, 30, 0.02)])[
+        "finetune_tokens_per_s"] == 50.0  # a run that trained nothing counts
+    monkeypatch.setattr("sys.argv", ["sweep_report", str(first), str(second), "--pool"])
+    main()
+    out = capsys.readouterr().out
+    assert "| 2 | 100% / 95% | 120 | - (none holds) | 1.41x (dts) | - |" in out  # 120 / mean(80, 90)
+    assert "| coserve | 2 | 95.0% | 30 | 10.0 | 120 | 50% | 2 | 100-140 |" in out

@@ -97,7 +97,8 @@ def run(args) -> int:
             extra += f" | peak GPU {r['peak_gpu_bytes'] / 2**20:.1f} MiB" + (
                 f" (x{r['ratio_peak_gpu']:.2f})" if "ratio_peak_gpu" in r else "")
         setting = f"{r['rematerialize']}:{r['window_tokens']}" if r["system"] == "coserve" else "-"
-        print(f"{r['system']:8s} {r['targets']:20.20s} {setting:>8s}: "
+        targets = "all linear" if r["targets"] == ALL_LINEAR else r["targets"]
+        print(f"{r['system']:8s} {targets:20.20s} {setting:>8s}: "
               f"{r['tokens_per_s']:7.1f} tok/s, kept {r['kept_bytes_per_token']:8.0f} B/token, "
               f"peak RSS {r['peak_rss_bytes'] / 2**20:7.1f} MiB{extra}")
     if args.out:

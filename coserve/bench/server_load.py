@@ -57,7 +57,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--client-nice", type=int, default=0, help="the HTTP phase's load client runs at this nice value "
                    "(0-19; the server keeps its own), to see how much of the phases' difference is the client's CPU "
-                   "(on 2 cores, 19 moved it from the engine's wait to the client's late reads: README)")
+                   "(on 2 cores, 19 moved it from the engine's wait to the client's late reads: "
+                   "docs/benchmark-history.md)")
     p.add_argument("--out", default=None, help="JSON results")
 
 

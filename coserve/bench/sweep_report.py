@@ -1,9 +1,10 @@
 """The headline, the rows and the plots of a co-serving sweep assembled from several ``coserve bench --out`` files.
 
-    python -m coserve.bench.sweep_report FILE.json[:POLICY,POLICY...] ... [--plot DIR]
+    python -m coserve.bench.sweep_report FILE.json[:POLICY,POLICY...] ... [--pool] [--plot DIR]
 
 ``FILE.json:coserve,dts`` takes only those policies' rows of a file (a sweep whose policies ran different code);
-a later file's row replaces an earlier one of the same policy and rate.
+a later file's row replaces an earlier one of the same policy and rate. With ``--pool`` the rows of the same
+policy and rate are repeated runs instead, and each (policy, rate) becomes one row of their means (``pool``).
 """
 
 from __future__ import annotations
@@ -15,36 +16,78 @@ from coserve.bench.headline import headline, markdown
 from coserve.bench.serving import read_rows
 
 
-def select(specs: list[str]) -> list[dict]:
-    """The rows named by ``FILE[:POLICY,...]`` specs, later ones replacing earlier ones of the same (policy, rate)."""
-    rows: dict[tuple[str, float], dict] = {}
+def select(specs: list[str], pooled: bool = False) -> list[dict]:
+    """The rows named by ``FILE[:POLICY,...]`` specs, later ones replacing earlier ones of the same (policy, rate);
+    with ``pooled``, the runs of each (policy, rate) pooled into one row instead (``pool``)."""
+    runs: dict[tuple[str, float], list[dict]] = {}
     for spec in specs:
         path, _, names = spec.partition(":")
         wanted = set(names.split(",")) if names else None
         for row in read_rows(Path(path)):
             if wanted is None or row["policy"] in wanted:
-                rows[(row["policy"], row["rate"])] = row
-    return sorted(rows.values(), key=lambda r: (r["rate"], r["policy"]))
+                key = (row["policy"], row["rate"])
+                runs[key] = (runs.get(key, []) + [row]) if pooled else [row]
+    rows = [pool(group) for group in runs.values()]
+    return sorted(rows, key=lambda r: (r["rate"], r["policy"]))
+
+
+def pool(runs: list[dict]) -> dict:
+    """Repeated runs of one policy at one rate as one row: SLO attainment over all their requests, the means of
+    the throughputs, the idle fraction and the TTFT/TPOT p50s (of the runs' medians), with ``runs`` (how many)
+    and ``finetune_tokens_per_s_range`` (the lowest and highest run). The first run's other fields (its
+    iterations, for the token-mix plot) stay. One run is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    requests = [r.get("num_requests") or 0 for r in runs]
+    attained = (sum(r["slo_attainment"] * n for r, n in zip(runs, requests)) / sum(requests) if all(requests)
+                else _mean([r["slo_attainment"] for r in runs]))
+    ft = [r["finetune_tokens_per_s"] for r in runs]
+    trained = None not in ft  # None: a policy without finetuning (a run that trained nothing has 0)
+    row = {**first, "runs": len(runs), "num_requests": sum(requests), "slo_attainment": attained,
+           "idle_fraction": _mean([r["idle_fraction"] for r in runs]),
+           "finetune_tokens_per_s": _mean(ft) if trained else None,
+           "finetune_tokens_per_s_range": [min(ft), max(ft)] if trained else None}
+    inference = [r.get("inference_tokens_per_s") for r in runs]
+    if all(x is not None for x in inference):
+        row["inference_tokens_per_s"] = _mean(inference)
+    for key in ("ttft_s", "tpot_s"):
+        p50s = [r[key]["p50"] for r in runs if isinstance(r.get(key), dict) and r[key].get("p50") is not None]
+        if key in first:
+            row[key] = {"p50": _mean(p50s) if p50s else None}
+    return row
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 def table(rows: list[dict]) -> str:
     """One Markdown row per run: attainment, TTFT and TPOT p50, finetuning tokens/s, the time no inference ran."""
+    pooled = any(r.get("runs", 1) > 1 for r in rows)
     out = ["| policy | rate | SLO attainment | TTFT p50 (ms) | TPOT p50 (ms) | finetune tok/s "
-           "| no inference running |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| no inference running |" + (" runs | finetune tok/s, lowest-highest |" if pooled else ""),
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if pooled else "")]
     for r in rows:
         ttft, tpot, ft = r["ttft_s"]["p50"], r["tpot_s"]["p50"], r["finetune_tokens_per_s"]
-        out.append(f"| {r['policy']} | {r['rate']:g} | {r['slo_attainment']:.1%} | "
-                   f"{'-' if ttft is None else round(ttft * 1000)} | {'-' if tpot is None else round(tpot * 1000, 1)} | "
-                   f"{'-' if not ft else format(round(ft), ',')} | {r['idle_fraction']:.0%} |")
+        line = (f"| {r['policy']} | {r['rate']:g} | {r['slo_attainment']:.1%} | "
+                f"{'-' if ttft is None else round(ttft * 1000)} | {'-' if tpot is None else round(tpot * 1000, 1)} | "
+                f"{'-' if not ft else format(round(ft), ',')} | {r['idle_fraction']:.0%} |")
+        if pooled:
+            spread = r.get("finetune_tokens_per_s_range")
+            line += f" {r.get('runs', 1)} | {'-' if not spread else '-'.join(format(round(x), ',') for x in spread)} |"
+        out.append(line)
     return "\n".join(out)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", nargs="+", metavar="FILE.json[:POLICY,...]")
+    p.add_argument("--pool", action="store_true",
+                   help="rows of the same policy and rate are repeated runs: report their means (and each spread)")
     p.add_argument("--plot", default=None, metavar="DIR", help="FlexLLM's Figures 10-12 and coserve's token mix")
     args = p.parse_args()
-    rows = select(args.results)
+    rows = select(args.results, pooled=args.pool)
     print(markdown(headline(rows)))
     print()
     print(table(rows))

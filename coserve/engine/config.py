@@ -10,12 +10,13 @@ from coserve.scheduler.config import SCHEDULING_POLICIES
 
 # The finetuning burst on a CPU (EngineConfig.finetune_burst_ms). The session that built it measured 27-32% more
 # finetuning with 100 ms bursts than with a slice in every iteration, co-served at 1 and 3 req/s on a 2-core Zen 4
-# EPYC (its runs are lost); on a 2-core Zen 5 EPYC, twice as fast, at 1-3 req/s, within noise (README).
+# EPYC (its runs are lost); on a 2-core Zen 5 EPYC, twice as fast, at 1-3 req/s, within noise
+# (docs/benchmark-history.md).
 DEFAULT_CPU_BURST_MS = 100.0
 # The first-token slice on a CPU (EngineConfig.first_token_slice_ms): the finetuning left out of an iteration that
 # gives a request its first token is banked as the running requests' TPOT slack, which the bursts above spend.
 # Measured on a 2-core Zen 5 EPYC, co-serving the sweep's workload, 5 ms against none, one pair each at 1, 2, 3
-# and 5 req/s (two at 5): TTFT p50 0-16 ms lower, finetuning 0-6% higher (README).
+# and 5 req/s (two at 5): TTFT p50 0-16 ms lower, finetuning 0-6% higher (docs/benchmark-history.md).
 DEFAULT_CPU_FIRST_TOKEN_SLICE_MS = 5.0
 
 
