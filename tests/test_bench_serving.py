@@ -166,6 +166,8 @@ def test_headline_compares_against_the_best_baseline_that_holds_the_slo():
     assert four["vs_separate"] == 2.0 and four["inference_only_holds"] and four["coserve_holds"]
     table = markdown(headline(rows))
     assert "| 2 | 100% / 95% | 800 | - (none holds) | 1.14x (temporal:64) | 1.33x |" in table
+    below = markdown(headline([_row("coserve", 3, 0.85, 500.0), _row("dts", 3, 0.95, 600.0)]))
+    assert "| 3 | - / 85% (below 90%) | 500 | - (none holds) | 0.83x (dts) | - |" in below  # inference-only not run
 
 
 def test_a_sweep_report_takes_named_policies_per_file_and_later_rows_replace_earlier(tmp_path, capsys, monkeypatch):
