@@ -91,14 +91,11 @@ class EngineConfig:
         if not (isinstance(self.slo_margin_max, (int, float)) and not isinstance(self.slo_margin_max, bool)
                 and self.slo_margin <= self.slo_margin_max < 1):
             raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {self.slo_margin_max!r}")
-        if self.first_token_slice_ms is not None and (
-                not isinstance(self.first_token_slice_ms, (int, float)) or isinstance(self.first_token_slice_ms, bool)
-                or not self.first_token_slice_ms >= 0):
-            raise ValueError(f"first_token_slice_ms must be None or a non-negative number (inf: no cap), got "
-                             f"{self.first_token_slice_ms!r}")
-        if self.finetune_burst_ms is not None and (
-                not isinstance(self.finetune_burst_ms, (int, float)) or isinstance(self.finetune_burst_ms, bool)
-                or not self.finetune_burst_ms >= 0):
-            raise ValueError(f"finetune_burst_ms must be a non-negative number, got {self.finetune_burst_ms!r}")
+        for name, what in (("first_token_slice_ms", "None or a non-negative number (inf: no cap)"),
+                           ("finetune_burst_ms", "a non-negative number")):  # None: the device's default
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not value >= 0):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")
