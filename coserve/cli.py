@@ -13,7 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_create_model(sub)
     _add_generate(sub)
-    _add_module_commands(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    _add_module_commands(sub, argv[0] if argv else None)
     args = parser.parse_args(argv)
     if args.command in NO_INFERENCE:
         from coserve.model.batch_invariance import release_strict_cpu_gemms
@@ -112,12 +113,15 @@ MODULE_COMMANDS = {
 }
 
 
-def _add_module_commands(sub) -> None:
+def _add_module_commands(sub, chosen: str | None) -> None:
+    """Every module command, named with its help; only the ``chosen`` one's module is imported (for its arguments),
+    so that ``coserve bench`` or ``profile`` never loads what another command needs (the server's web stack)."""
     for name, (module_name, help_text) in MODULE_COMMANDS.items():
-        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(func=module.run)
 
 
 if __name__ == "__main__":

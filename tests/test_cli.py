@@ -81,3 +81,21 @@ def test_run_batch_answers_each_request_in_order_as_the_server_would(model_facto
     proc = subprocess.run([sys.executable, "-m", "coserve.cli", "run-batch", "--model", str(model), "-i", str(source),
                            "-o", str(out)], capture_output=True, text=True)
     assert proc.returncode == 2 and "line 1: method: must be 'POST'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["bench", "profile", "finetune"])
+def test_a_command_loads_only_its_own_module(command):
+    """``coserve bench`` (or profile, finetune) runs where the server's web stack is not installed: the CLI imports
+    the chosen command's module alone (the others are listed with their help)."""
+    code = ("import sys\nfrom coserve.cli import main\ntry:\n    main([%r, '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'coserve.server.middleware') "
+            "if m in sys.modules))" % command)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout
+    assert "--model" in proc.stdout  # its own arguments were added
+
+
+def test_the_command_list_names_every_command():
+    proc = subprocess.run([sys.executable, "-m", "coserve.cli", "--help"], capture_output=True, text=True, check=True)
+    for name in ("bench", "bench-server", "serve", "profile", "finetune", "run-batch", "create-model"):
+        assert name in proc.stdout

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The co-serving sweep on a CUDA machine, every policy, inside a fixed wall-clock budget (a lent GPU's minutes):
+# the latency model profiled first, then the runs in order of what they decide (zero load, the light and the heavy
+# end, the middle), the CUDA-only tests, and `spatial` with whatever time is left. Every `coserve bench` writes its
+# JSON after each run, so a step cut by the budget keeps the runs it finished.
+#
+#   OUT=runs/cuda_sweep DATA=../shared/data BUDGET=570 bash benchmarks/cuda_sweep.sh
+#
+# Settings (environment): MODEL (created with the small preset if missing), DATA (alpaca_en_demo.json,
+# azure_llm_2023_code.csv, sharegpt_trace.json), OUT, BUDGET (seconds for the whole script), DUR (seconds of
+# arrivals per run), DRAIN, LIGHT / MID / HEAVY (req/s), PRESET, DTYPE, PROFILE_POINTS, FT_SEQ_LEN, TESTS (0: skip them).
+set -u
+MODEL=${MODEL:-models/coserve-small}
+DATA=${DATA:-../shared/data}
+OUT=${OUT:-runs/cuda_sweep}
+BUDGET=${BUDGET:-570}
+DUR=${DUR:-15}
+DRAIN=${DRAIN:-5}
+LIGHT=${LIGHT:-5}
+MID=${MID:-15}
+HEAVY=${HEAVY:-30}
+PRESET=${PRESET:-small}
+DTYPE=${DTYPE:-float32}
+PROFILE_POINTS=${PROFILE_POINTS:-60}
+TESTS=${TESTS:-1}
+FT_SEQ_LEN=${FT_SEQ_LEN:-1024}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+
+start=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - start))); }
+say() { echo "[$(($(date +%s) - start)) s] $*"; }
+mkdir -p "$OUT"
+CS="$PY -m coserve.cli"
+
+say "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+$PY -c "import torch, transformers, platform; print('python', platform.python_version(), 'torch', torch.__version__,
+'transformers', transformers.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0),
+'threads', torch.get_num_threads())"
+
+[ -f "$MODEL/config.json" ] || $CS create-model "$MODEL" --preset "$PRESET" --dtype "$DTYPE"
+say "profile"
+timeout -k 5 "$(left)" $CS profile --model "$MODEL" --dtype "$DTYPE" --points "$PROFILE_POINTS" \
+    --out "$OUT/latency.json"
+
+W=(--duration "$DUR" --drain "$DRAIN" --slo-tpot-ms 50 --ttft-limit-s 5 --dtype "$DTYPE"
+   --trace "$DATA/azure_llm_2023_code.csv" --trace-start 63 --prompts "$DATA/sharegpt_trace.json"
+   --finetune-data "$DATA/alpaca_en_demo.json" --finetune-seq-len "$FT_SEQ_LEN" --latency-model "$OUT/latency.json" --no-progress)
+ALL=(--policy inference-only --policy coserve --policy temporal:64 --policy dts --policy separate)
+
+step() {  # step NAME ARGS...: one `coserve bench` into $OUT/NAME.json, cut at the budget
+    local name=$1 t
+    shift
+    t=$(left)
+    if [ "$t" -lt 30 ]; then say "skipped $name: ${t} s left"; return; fi
+    say "$name"
+    timeout -k 5 "$t" $CS bench --model "$MODEL" "$@" "${W[@]}" --out "$OUT/$name.json"
+}
+
+step idle --policy finetune-only --policy coserve --rate 0
+step light "${ALL[@]}" --rate "$LIGHT"
+step heavy "${ALL[@]}" --rate "$HEAVY"
+step mid "${ALL[@]}" --rate "$MID"
+if [ "$TESTS" = 1 ] && [ "$(left)" -gt 60 ]; then
+    say "CUDA tests"
+    timeout -k 5 "$(($(left) - 30))" $PY -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py \
+        tests/test_decode_attention.py tests/test_batch_invariance.py tests/test_finetune_windows.py 2>&1 | tail -5
+fi
+step spatial --policy spatial --rate "$LIGHT" --rate "$HEAVY" --rate "$MID"
+say "done"
