@@ -224,6 +224,7 @@ def test_a_new_request_cuts_the_finetuning_slice_short_and_the_adapter_is_unchan
     job cannot starve), and a cut iteration's time does not correct the latency model (it is not the plan's)."""
     import coserve.engine.executor as executor
     monkeypatch.setattr(executor, "FORWARD_PIECE_TOKENS", 8)  # the examples' windows run in several pieces
+    monkeypatch.setattr(executor, "FORWARD_PIECE_S", 0.0)  # of 8 tokens, however fast the device
     model_dir = model_factory("llama")
     engine = _engine(model_dir)
     solo = _job(engine, tmp_path / "solo")
@@ -261,6 +262,40 @@ def test_a_new_request_cuts_the_finetuning_slice_short_and_the_adapter_is_unchan
     for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
         assert (a - b).norm() / b.norm() <= 1e-5
     assert [r.loss for r in job.log] == pytest.approx([r.loss for r in solo.log], rel=1e-5)
+
+
+def test_forward_pieces_grow_to_what_the_device_runs_in_the_piece_time():
+    from coserve.engine.executor import FORWARD_PIECE_S, FORWARD_PIECE_TOKENS, forward_piece_tokens
+    assert forward_piece_tokens(None) == FORWARD_PIECE_TOKENS  # nothing measured yet
+    assert forward_piece_tokens(10 * FORWARD_PIECE_S / FORWARD_PIECE_TOKENS) == FORWARD_PIECE_TOKENS  # slow: never less
+    assert forward_piece_tokens(FORWARD_PIECE_S / (4 * FORWARD_PIECE_TOKENS)) == 4 * FORWARD_PIECE_TOKENS
+
+
+def test_a_forward_window_runs_whole_once_a_piece_shows_the_device_is_fast(model_factory, tmp_path, monkeypatch):
+    """With arrivals watched, the first forward window without inference runs in pieces of FORWARD_PIECE_TOKENS;
+    once a piece of that size is timed, windows run in pieces as long as the device runs in FORWARD_PIECE_S (here
+    so long that they run whole). The adapter is the one the job trains alone."""
+    import coserve.engine.executor as executor
+    monkeypatch.setattr(executor, "FORWARD_PIECE_TOKENS", 8)
+    monkeypatch.setattr(executor, "FORWARD_PIECE_S", 1e6)
+    engine = _engine(model_factory("llama"), policy="finetune-only")
+    solo = _job(engine, tmp_path / "solo")
+    run_job(solo, progress=False)
+    job = _job(engine, tmp_path / "co")
+    engine.add_finetune_job(job)
+    engine.executor.arrivals = lambda: False
+    pieces, forward = [], job.forward
+    job.forward = lambda n: pieces.append(n) or forward(n)
+    windows = []
+    while engine.has_running_jobs():
+        engine.step()
+        windows += [w.num_tokens for w in engine.last_plan.finetune if w.kind == FORWARD]
+    first = -(-windows[0] // 8)  # the first window's pieces
+    assert windows[0] > 8 and pieces[:first] == [8] * (first - 1) + [windows[0] - 8 * (first - 1)]
+    assert engine.executor.forward_s_per_token > 0
+    assert pieces[first:] == windows[1:]  # then every window in one piece
+    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
+        assert (a - b).norm() / b.norm() <= 1e-5
 
 
 def test_a_job_stops_between_backward_windows_when_told_but_always_runs_one(model_factory, tmp_path):

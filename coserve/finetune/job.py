@@ -97,6 +97,7 @@ class FinetuneJob:
         self._batch_targets = 0  # target tokens of the step's sequences
         self._batch_correct = 0  # of which predicted right (at the forward, before this step's update)
         self._pending: StepRecord | None = None  # a step waiting for its validation loss
+        self._epoch_order: tuple[int, list[int]] | None = None  # (epoch, its order of the examples)
         self._eval_queue: list[int] = []  # validation sequences still to run for it
         self._eval_whole = True  # the queue is the whole validation set (else a batch of it: eval_steps)
         self._eval_loss = 0.0
@@ -226,10 +227,14 @@ class FinetuneJob:
 
     # ---- internals -----------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.examples)))
-        if self.cfg.shuffle:
-            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        """The epoch's order of the examples (shuffled once per epoch, not at every step: with small batches the
+        shuffle of a large dataset cost more than a step of a small model)."""
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            order = list(range(len(self.examples)))
+            if self.cfg.shuffle:
+                random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
 
     def _start_sequence(self) -> None:
         if self._next_in_batch == len(self._batch):  # a new optimizer step: pick its sequences
