@@ -172,6 +172,22 @@ def test_where_matmuls_are_not_batch_invariant_the_window_runs_in_calls_of_its_o
         _engine(model_dir, fuse_finetuning="sometimes")
 
 
+def test_only_a_co_serving_engine_warns_of_matmuls_that_are_not_batch_invariant(model_factory, monkeypatch, caplog):
+    """The other policies never put a finetuning window beside inference rows: their engines say nothing of it."""
+    import logging
+
+    from coserve.model import batch_invariance
+    monkeypatch.setattr(batch_invariance, "invariance_violations",
+                        lambda model, linear=None: ["down_proj (1408 -> 512) in calls of [17]"])
+    model_dir = model_factory("llama")
+    for policy, warned in (("temporal", False), ("inference-only", False), ("coserve", True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            engine = _engine(model_dir, policy=policy)
+        assert not engine.batch_invariant
+        assert any("not batch-invariant" in r.getMessage() for r in caplog.records) == warned, policy
+
+
 def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_factory, tmp_path, monkeypatch):
     """Where plain GEMMs round a row by the call's size (cuBLAS picks its kernel by size: measured on an H100), the
     engine runs them in tiles of a fixed row count and still fuses windows: logprobs equal to the last bit, the

@@ -89,7 +89,8 @@ class LLMEngine:
                     else DEFAULT_CPU_FIRST_TOKEN_SLICE_MS if self.device.type == "cpu" else math.inf)
         self.first_token_slice_ms = None if math.isinf(ft_slice) else ft_slice  # None: no cap
         self.latency_key = latency_key(config.model, self.device, self.dtype, fuse)  # what a latency fit must match
-        if fusion.violations:  # a warning unless GEMM tiles fixed it
+        if fusion.violations and config.policy == "coserve":  # a warning unless GEMM tiles fixed it (other policies
+            # never put a window beside inference rows: nothing to warn of)
             if fusion.tile_rows:
                 how = (f"they run in GEMM tiles of {fusion.tile_rows} rows, so that a finetuning window can share "
                        "them (coserve/model/tiled_gemm.py)")
