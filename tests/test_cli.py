@@ -99,3 +99,25 @@ def test_the_command_list_names_every_command():
     proc = subprocess.run([sys.executable, "-m", "coserve.cli", "--help"], capture_output=True, text=True, check=True)
     for name in ("bench", "bench-server", "serve", "profile", "finetune", "run-batch", "create-model"):
         assert name in proc.stdout
+
+
+def test_the_slo_margin_defaults_are_one_pair_everywhere():
+    """The scheduler, the engine, a bench run and the `serve` and `bench` options default to the same margins."""
+    import argparse
+
+    from coserve.bench import serving
+    from coserve.bench.serving_run import RunSpec
+    from coserve.engine.config import EngineConfig
+    from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SchedulerConfig
+    from coserve.server import serve_command
+    pair = (DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX)
+    assert (SchedulerConfig().slo_margin, SchedulerConfig().slo_margin_max) == pair
+    engine = EngineConfig(model="m")
+    assert (engine.slo_margin, engine.slo_margin_max) == pair
+    spec = RunSpec(model="m", policy="coserve", label="coserve", rate=1.0, duration_s=1.0, requests=[], finetune=None)
+    assert (spec.slo_margin, spec.slo_margin_max) == pair
+    for module in (serving, serve_command):
+        p = argparse.ArgumentParser()
+        module.add_arguments(p)
+        args = p.parse_args(["--model", "m"])
+        assert (args.slo_margin, args.slo_margin_max) == pair, module.__name__

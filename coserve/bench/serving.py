@@ -19,6 +19,7 @@ from pathlib import Path
 from coserve.bench.serving_run import BENCH_POLICIES, FinetuneSpec, RunSpec, run_in_child
 from coserve.bench.serving_workload import serving_workload
 from coserve.engine.config import FUSE_CHOICES
+from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
 
 
 def add_arguments(p) -> None:
@@ -39,9 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--finetune-data", default=None, help="dataset for the finetuning job (none: inference only)")
     p.add_argument("--finetune-seq-len", type=int, default=1024)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    p.add_argument("--slo-margin", type=float, default=0.1,
+    p.add_argument("--slo-margin", type=float, default=DEFAULT_SLO_MARGIN,
                    help="coserve: the least fraction of the TPOT SLO kept free (EngineConfig.slo_margin)")
-    p.add_argument("--slo-margin-max", type=float, default=0.6,
+    p.add_argument("--slo-margin-max", type=float, default=DEFAULT_SLO_MARGIN_MAX,
                    help="coserve: the most; misses and the inference load raise the margin toward it "
                         "(equal to --slo-margin: fixed)")
     p.add_argument("--finetune-burst-ms", type=float, default=None,

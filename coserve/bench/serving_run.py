@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from coserve.bench.metrics import RequestRecord, idle_fraction, summarize
 from coserve.bench.serving_workload import BenchRequest
 from coserve.bench.spawned import run_spawned
+from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
 from coserve.scheduler.finetune_work import BACKWARD, FORWARD
 
 ENGINE_POLICIES = ("coserve", "inference-only", "finetune-only", "temporal", "dts")
@@ -51,8 +52,8 @@ class RunSpec:
     requests: list[BenchRequest]
     finetune: FinetuneSpec | None
     slo_tpot_ms: float = 50.0
-    slo_margin: float = 0.1  # EngineConfig.slo_margin
-    slo_margin_max: float = 0.6  # EngineConfig.slo_margin_max
+    slo_margin: float = DEFAULT_SLO_MARGIN  # EngineConfig.slo_margin
+    slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # EngineConfig.slo_margin_max
     finetune_burst_ms: float | None = None  # EngineConfig.finetune_burst_ms
     first_token_slice_ms: float | None = None  # EngineConfig.first_token_slice_ms
     ttft_limit_s: float = 5.0

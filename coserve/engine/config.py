@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coserve.model.batch_invariance import FUSE_CHOICES
-from coserve.scheduler.config import SCHEDULING_POLICIES
+from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SCHEDULING_POLICIES
 
 
 # The finetuning burst on a CPU (EngineConfig.finetune_burst_ms). The session that built it measured 27-32% more
@@ -39,9 +39,9 @@ class EngineConfig:
     policy: str = "coserve"  # how finetuning jobs share iterations (scheduler.config.POLICIES)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
     slo_tpot_ms: float = 50.0  # inference time-per-output-token target the finetuning slice respects
-    slo_margin: float = 0.1  # fraction of the TPOT SLO kept free for prediction error (the iteration target is
+    slo_margin: float = DEFAULT_SLO_MARGIN  # fraction of the TPOT SLO kept free for prediction error (the iteration target is
     #   slo_tpot_ms * (1 - margin)); the least margin
-    slo_margin_max: float = 0.6  # the most margin: the scheduler raises it while finished requests miss the SLO
+    slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # the most margin: the scheduler raises it while finished requests miss the SLO
     #   and as the inference load grows (SchedulerConfig.slo_margin_max); equal to slo_margin = a fixed margin
     finetune_burst_ms: float | None = None  # coserve: with requests decoding, finetuning waits until their banked
     #   TPOT slack allows a slice this long (SchedulerConfig.finetune_burst_s); 0 = every iteration carries one;

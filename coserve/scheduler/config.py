@@ -17,6 +17,10 @@ POLICIES = ("coserve", "inference-only", "finetune-only", "temporal", "dts")
 # arrival (the tail of the running list is preempted); priority, by each request's priority (lower first, then
 # arrival; the lowest-priority request not yet scheduled in the iteration is preempted).
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# The TPOT margin coserve keeps free (fractions of the SLO): at least DEFAULT_SLO_MARGIN, up to DEFAULT_SLO_MARGIN_MAX
+# under misses and load. One place for the defaults of the scheduler, the engine, `serve`, `bench` and its runs.
+DEFAULT_SLO_MARGIN = 0.1
+DEFAULT_SLO_MARGIN_MAX = 0.6
 
 
 @dataclass(slots=True)
@@ -29,8 +33,8 @@ class SchedulerConfig:
     max_loras: int = 4  # distinct adapters among the running requests
     policy: str = "coserve"  # how finetuning shares iterations (POLICIES)
     slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
-    slo_margin: float = 0.1  # fraction of the SLO kept free for prediction error (the least the margin is)
-    slo_margin_max: float = 0.6  # coserve: the margin rises toward this while finished requests miss the SLO and
+    slo_margin: float = DEFAULT_SLO_MARGIN  # fraction of the SLO kept free for prediction error (the least the margin is)
+    slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # coserve: the margin rises toward this while finished requests miss the SLO and
     #   falls back while they attain it (``Scheduler.observe_tpot``), and with the inference load
     #   (``Scheduler.load_margin``); equal to slo_margin = a fixed margin
     min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)

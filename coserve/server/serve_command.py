@@ -7,6 +7,7 @@ import logging
 import sys
 
 from coserve.engine.config import FUSE_CHOICES
+from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
 
 DEFAULT_STATE_DIR = "coserve-state"
 
@@ -25,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-auth", action="store_true", help="serve without keys on a non-loopback host")
     p.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="SQLite state, files, adapters and checkpoints")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    p.add_argument("--slo-margin", type=float, default=0.1,
+    p.add_argument("--slo-margin", type=float, default=DEFAULT_SLO_MARGIN,
                    help="the least fraction of the TPOT SLO kept free when sizing finetuning slices")
-    p.add_argument("--slo-margin-max", type=float, default=0.6,
+    p.add_argument("--slo-margin-max", type=float, default=DEFAULT_SLO_MARGIN_MAX,
                    help="the most: misses of the SLO and the inference load raise the margin toward it "
                         "(equal to --slo-margin: fixed)")
     p.add_argument("--finetune-burst-ms", type=float, default=None,
