@@ -36,13 +36,15 @@ class Clock:
 
 
 def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True, clock=None, interval=64,
-         idle_s=0.018, min_prefill=64, burst_s=0.0, margin_max=0.1, first_token_s=None) -> Scheduler:
+         idle_s=0.018, min_prefill=64, burst_s=0.0, margin_max=0.1, first_token_s=None,
+         load_margin_max=None) -> Scheduler:
     """A scheduler on the fake latency model; a fixed 10% margin unless ``margin_max`` lets misses or load move it."""
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, max_model_len=512, max_loras=2,
                           policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, slo_margin_max=margin_max,
                           min_finetune_window=4,
                           temporal_interval=interval, idle_iteration_s=idle_s, min_prefill_chunk=min_prefill,
-                          finetune_burst_s=burst_s, first_token_slice_s=first_token_s)
+                          finetune_burst_s=burst_s, first_token_slice_s=first_token_s,
+                          load_margin_max=load_margin_max)
     return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None, clock=clock or Clock())
 
 
@@ -303,6 +305,28 @@ def test_inference_load_widens_the_margin_before_any_request_misses_and_idle_tim
     s.load.observe(0.0, 0.0)
     s.load.observe(1.0, (LOAD_LOW + LOAD_HIGH) / 2)
     assert abs(s.current_margin() - 0.35) < 1e-12
+
+
+def test_load_margin_max_caps_what_the_load_alone_asks_and_misses_go_beyond_it():
+    clock = Clock()
+    s = make(clock=clock, margin_max=0.8, load_margin_max=0.5)
+    s.load.observe(0.0, 0.0)
+    s.load.observe(1.0, 1.0)  # fully loaded
+    assert abs(s.current_margin() - 0.5) < 1e-12  # the load alone: up to load_margin_max
+    for i in range(20):  # requests over the 20 ms SLO
+        s.add_request(req(f"slow{i}", 4, max_tokens=4))
+        for _ in range(4):
+            step(s)
+            clock.now += 0.030
+    assert s.margin == 0.8 and s.current_margin() == 0.8  # misses: up to slo_margin_max
+    assert abs(make(margin_max=0.8).config.slo_margin_max - 0.8) < 1e-12  # None: the load goes to slo_margin_max
+    unset = make(margin_max=0.8)
+    unset.load.observe(0.0, 0.0)
+    unset.load.observe(1.0, 1.0)
+    assert abs(unset.current_margin() - 0.8) < 1e-12
+    for bad in (0.05, 0.9, "0.5"):
+        with pytest.raises(ValueError, match="load_margin_max"):
+            make(margin_max=0.8, load_margin_max=bad)
 
 
 def test_inference_load_is_the_decayed_share_of_wall_time_and_checks_its_time_constant():

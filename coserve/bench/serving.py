@@ -45,6 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--slo-margin-max", type=float, default=DEFAULT_SLO_MARGIN_MAX,
                    help="coserve: the most; misses and the inference load raise the margin toward it "
                         "(equal to --slo-margin: fixed)")
+    p.add_argument("--load-margin-max", type=float, default=None,
+                   help="coserve: the most the inference load alone raises the margin to; above it only misses of the SLO "
+                        "do (default: --slo-margin-max)")
     p.add_argument("--finetune-burst-ms", type=float, default=None,
                    help="coserve: with requests decoding, finetuning waits for slack banked for a slice this long "
                         "(EngineConfig.finetune_burst_ms; 0 = a slice in every iteration; default: 100 on a CPU, "
@@ -146,7 +149,8 @@ def run(args) -> int:
             spec = RunSpec(model=args.model, policy=pol["policy"], label=pol["label"], rate=rate,
                            duration_s=args.duration, requests=workload.requests, finetune=finetune,
                            slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
-                           slo_margin_max=args.slo_margin_max, finetune_burst_ms=args.finetune_burst_ms,
+                           slo_margin_max=args.slo_margin_max, load_margin_max=args.load_margin_max,
+                           finetune_burst_ms=args.finetune_burst_ms,
                            first_token_slice_ms=args.first_token_slice_ms,
                            ttft_limit_s=args.ttft_limit_s,
                            drain_s=args.drain,
@@ -191,6 +195,7 @@ def write_report(path: Path, args, rows: list[dict]) -> None:
     import torch
     report = {"model": args.model, "duration_s": args.duration, "slo_tpot_ms": args.slo_tpot_ms,
               "slo_margin": args.slo_margin, "slo_margin_max": args.slo_margin_max,
+              "load_margin_max": args.load_margin_max,
               "finetune_burst_ms": args.finetune_burst_ms, "cut_for_arrivals": args.cut_for_arrivals,
               "first_token_slice_ms": args.first_token_slice_ms,
               "ttft_limit_s": args.ttft_limit_s, "finetune_data": args.finetune_data,

@@ -54,6 +54,7 @@ class RunSpec:
     slo_tpot_ms: float = 50.0
     slo_margin: float = DEFAULT_SLO_MARGIN  # EngineConfig.slo_margin
     slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # EngineConfig.slo_margin_max
+    load_margin_max: float | None = None  # EngineConfig.load_margin_max
     finetune_burst_ms: float | None = None  # EngineConfig.finetune_burst_ms
     first_token_slice_ms: float | None = None  # EngineConfig.first_token_slice_ms
     ttft_limit_s: float = 5.0
@@ -166,7 +167,7 @@ def run_one(spec: RunSpec) -> dict:
     engine = LLMEngine(EngineConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, slo_margin=spec.slo_margin,
-        slo_margin_max=spec.slo_margin_max, finetune_burst_ms=spec.finetune_burst_ms, latency_model=spec.latency_model,
+        slo_margin_max=spec.slo_margin_max, load_margin_max=spec.load_margin_max, finetune_burst_ms=spec.finetune_burst_ms, latency_model=spec.latency_model,
         first_token_slice_ms=spec.first_token_slice_ms,
         temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,
         cuda_graphs=spec.cuda_graphs, enable_prefix_caching=spec.prefix_caching))

@@ -43,6 +43,8 @@ class EngineConfig:
     #   slo_tpot_ms * (1 - margin)); the least margin
     slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # the most margin: the scheduler raises it while finished requests miss the SLO
     #   and as the inference load grows (SchedulerConfig.slo_margin_max); equal to slo_margin = a fixed margin
+    load_margin_max: float | None = None  # the most the inference load alone raises the margin to; above it only
+    #   misses do (SchedulerConfig.load_margin_max; None: slo_margin_max)
     finetune_burst_ms: float | None = None  # coserve: with requests decoding, finetuning waits until their banked
     #   TPOT slack allows a slice this long (SchedulerConfig.finetune_burst_s); 0 = every iteration carries one;
     #   None = DEFAULT_CPU_BURST_MS on a CPU (where a slice beside decode tokens costs what it costs alone, and
@@ -91,6 +93,11 @@ class EngineConfig:
         if not (isinstance(self.slo_margin_max, (int, float)) and not isinstance(self.slo_margin_max, bool)
                 and self.slo_margin <= self.slo_margin_max < 1):
             raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {self.slo_margin_max!r}")
+        if self.load_margin_max is not None and not (
+                isinstance(self.load_margin_max, (int, float)) and not isinstance(self.load_margin_max, bool)
+                and self.slo_margin <= self.load_margin_max <= self.slo_margin_max):
+            raise ValueError(f"load_margin_max must be None or lie in [slo_margin, slo_margin_max], "
+                             f"got {self.load_margin_max!r}")
         for name, what in (("first_token_slice_ms", "None or a non-negative number (inf: no cap)"),
                            ("finetune_burst_ms", "a non-negative number")):  # None: the device's default
             value = getattr(self, name)

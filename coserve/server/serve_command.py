@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-margin-max", type=float, default=DEFAULT_SLO_MARGIN_MAX,
                    help="the most: misses of the SLO and the inference load raise the margin toward it "
                         "(equal to --slo-margin: fixed)")
+    p.add_argument("--load-margin-max", type=float, default=None,
+                   help="the most the inference load alone raises the margin to; above it only misses of the SLO "
+                        "do (default: --slo-margin-max)")
     p.add_argument("--finetune-burst-ms", type=float, default=None,
                    help="with requests decoding, finetuning waits for TPOT slack banked for a slice this long "
                         "(0 = a slice in every iteration; default: 100 on a CPU, 0 on a GPU)")
@@ -132,7 +135,8 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,
                                  slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
-                                 slo_margin_max=args.slo_margin_max, finetune_burst_ms=args.finetune_burst_ms,
+                                 slo_margin_max=args.slo_margin_max, load_margin_max=args.load_margin_max,
+                                 finetune_burst_ms=args.finetune_burst_ms,
                                  first_token_slice_ms=args.first_token_slice_ms,
                                  latency_model=args.latency_model,
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
