@@ -8,7 +8,8 @@
 #
 # Settings (environment): MODEL (created with the small preset if missing), DATA (alpaca_en_demo.json,
 # azure_llm_2023_code.csv, sharegpt_trace.json), OUT, BUDGET (seconds for the whole script), DUR (seconds of
-# arrivals per run), DRAIN, LIGHT / MID / HEAVY (req/s), PRESET, DTYPE, PROFILE_POINTS, FT_SEQ_LEN, TESTS (0: skip them).
+# arrivals per run), DRAIN, LIGHT / MID / HEAVY (req/s), PRESET, DTYPE, PROFILE_POINTS, FT_SEQ_LEN, TESTS (0: skip
+# them).
 set -u
 MODEL=${MODEL:-models/coserve-small}
 DATA=${DATA:-../shared/data}
@@ -46,7 +47,8 @@ timeout -k 5 "$(left)" $CS profile --model "$MODEL" --dtype "$DTYPE" --points "$
 
 W=(--duration "$DUR" --drain "$DRAIN" --slo-tpot-ms 50 --ttft-limit-s 5 --dtype "$DTYPE"
    --trace "$DATA/azure_llm_2023_code.csv" --trace-start 63 --prompts "$DATA/sharegpt_trace.json"
-   --finetune-data "$DATA/alpaca_en_demo.json" --finetune-seq-len "$FT_SEQ_LEN" --latency-model "$OUT/latency.json" --no-progress)
+   --finetune-data "$DATA/alpaca_en_demo.json" --finetune-seq-len "$FT_SEQ_LEN" --latency-model "$OUT/latency.json"
+   --no-progress)
 ALL=(--policy inference-only --policy coserve --policy temporal:64 --policy dts --policy separate)
 
 step() {  # step NAME ARGS...: one `coserve bench` into $OUT/NAME.json, cut at the budget

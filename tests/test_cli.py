@@ -121,7 +121,8 @@ def test_the_slo_margin_defaults_are_one_pair_everywhere():
         module.add_arguments(p)
         args = p.parse_args(["--model", "m"])
         assert (args.slo_margin, args.slo_margin_max) == pair, module.__name__
-        assert args.load_margin_max is None and p.parse_args(["--model", "m", "--load-margin-max", "0.5"]).load_margin_max == 0.5
+        assert args.load_margin_max is None
+        assert p.parse_args(["--model", "m", "--load-margin-max", "0.5"]).load_margin_max == 0.5
     assert engine.load_margin_max is None and EngineConfig(model="m", slo_margin_max=0.8, load_margin_max=0.6)
     with pytest.raises(ValueError, match="load_margin_max"):
         EngineConfig(model="m", load_margin_max=0.9)  # above slo_margin_max

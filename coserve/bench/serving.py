@@ -46,8 +46,8 @@ def add_arguments(p) -> None:
                    help="coserve: the most; misses and the inference load raise the margin toward it "
                         "(equal to --slo-margin: fixed)")
     p.add_argument("--load-margin-max", type=float, default=None,
-                   help="coserve: the most the inference load alone raises the margin to; above it only misses of the SLO "
-                        "do (default: --slo-margin-max)")
+                   help="coserve: the most the inference load alone raises the margin to; above it only misses "
+                        "of the SLO do (default: --slo-margin-max)")
     p.add_argument("--finetune-burst-ms", type=float, default=None,
                    help="coserve: with requests decoding, finetuning waits for slack banked for a slice this long "
                         "(EngineConfig.finetune_burst_ms; 0 = a slice in every iteration; default: 100 on a CPU, "

@@ -167,7 +167,8 @@ def run_one(spec: RunSpec) -> dict:
     engine = LLMEngine(EngineConfig(
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, slo_margin=spec.slo_margin,
-        slo_margin_max=spec.slo_margin_max, load_margin_max=spec.load_margin_max, finetune_burst_ms=spec.finetune_burst_ms, latency_model=spec.latency_model,
+        slo_margin_max=spec.slo_margin_max, load_margin_max=spec.load_margin_max,
+        finetune_burst_ms=spec.finetune_burst_ms, latency_model=spec.latency_model,
         first_token_slice_ms=spec.first_token_slice_ms,
         temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,
         cuda_graphs=spec.cuda_graphs, enable_prefix_caching=spec.prefix_caching))

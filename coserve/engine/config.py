@@ -39,10 +39,11 @@ class EngineConfig:
     policy: str = "coserve"  # how finetuning jobs share iterations (scheduler.config.POLICIES)
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
     slo_tpot_ms: float = 50.0  # inference time-per-output-token target the finetuning slice respects
-    slo_margin: float = DEFAULT_SLO_MARGIN  # fraction of the TPOT SLO kept free for prediction error (the iteration target is
-    #   slo_tpot_ms * (1 - margin)); the least margin
-    slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # the most margin: the scheduler raises it while finished requests miss the SLO
-    #   and as the inference load grows (SchedulerConfig.slo_margin_max); equal to slo_margin = a fixed margin
+    slo_margin: float = DEFAULT_SLO_MARGIN  # fraction of the TPOT SLO kept free for prediction error (the
+    #   iteration target is slo_tpot_ms * (1 - margin)); the least margin
+    slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # the most margin: the scheduler raises it while finished
+    #   requests miss the SLO and as the inference load grows (SchedulerConfig.slo_margin_max); equal to
+    #   slo_margin = a fixed margin
     load_margin_max: float | None = None  # the most the inference load alone raises the margin to; above it only
     #   misses do (SchedulerConfig.load_margin_max; None: slo_margin_max)
     finetune_burst_ms: float | None = None  # coserve: with requests decoding, finetuning waits until their banked

@@ -33,9 +33,9 @@ class SchedulerConfig:
     max_loras: int = 4  # distinct adapters among the running requests
     policy: str = "coserve"  # how finetuning shares iterations (POLICIES)
     slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
-    slo_margin: float = DEFAULT_SLO_MARGIN  # fraction of the SLO kept free for prediction error (the least the margin is)
-    slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # coserve: the margin rises toward this while finished requests miss the SLO and
-    #   falls back while they attain it (``Scheduler.observe_tpot``), and with the inference load
+    slo_margin: float = DEFAULT_SLO_MARGIN  # fraction of the SLO kept free for prediction error (the least margin)
+    slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # coserve: the margin rises toward this while finished requests
+    #   miss the SLO and falls back while they attain it (``Scheduler.observe_tpot``), and with the inference load
     #   (``Scheduler.load_margin``); equal to slo_margin = a fixed margin
     load_margin_max: float | None = None  # coserve: the most the inference load alone raises the margin to (None:
     #   slo_margin_max); below slo_margin_max, only misses of the SLO take the margin above it
@@ -85,7 +85,7 @@ class SchedulerConfig:
             raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")
         if not (isinstance(self.slo_margin_max, (int, float)) and self.slo_margin <= self.slo_margin_max < 1):
             raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {self.slo_margin_max!r}")
-        if self.load_margin_max is not None and not (isinstance(self.load_margin_max, (int, float))
-                                                     and self.slo_margin <= self.load_margin_max <= self.slo_margin_max):
+        top = self.load_margin_max
+        if top is not None and not (isinstance(top, (int, float)) and self.slo_margin <= top <= self.slo_margin_max):
             raise ValueError(f"load_margin_max must be None or lie in [slo_margin, slo_margin_max], "
                              f"got {self.load_margin_max!r}")

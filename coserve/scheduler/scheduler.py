@@ -248,8 +248,9 @@ class Scheduler:
 
     def load_margin(self) -> float:
         """The margin the inference load asks for: ``slo_margin`` up to LOAD_LOW, ``load_margin_max`` (or
-        ``slo_margin_max``) from LOAD_HIGH, linear between. Stretching decode to the target banks no slack for a burst of arrivals, and under load it
-        trains no more than a wider margin (the engine is busy with inference either way)."""
+        ``slo_margin_max``) from LOAD_HIGH, linear between. Stretching decode to the target banks no slack for a
+        burst of arrivals, and under load it trains no more than a wider margin (the engine is busy with inference
+        either way)."""
         c = self.config
         ramp = min(max((self.load.share() - LOAD_LOW) / (LOAD_HIGH - LOAD_LOW), 0.0), 1.0)
         top = c.slo_margin_max if c.load_margin_max is None else c.load_margin_max
