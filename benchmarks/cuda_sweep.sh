@@ -9,7 +9,9 @@
 # Settings (environment): MODEL (created with the small preset if missing), DATA (alpaca_en_demo.json,
 # azure_llm_2023_code.csv, sharegpt_trace.json), OUT, BUDGET (seconds for the whole script), DUR (seconds of
 # arrivals per run), DRAIN, LIGHT / MID / HEAVY (req/s), PRESET, DTYPE, PROFILE_POINTS, FT_SEQ_LEN, TESTS (0: skip
-# them).
+# them), EXTRA (more `coserve bench` options for every run, e.g. "--slo-margin-max 0.3").
+# The H200 of 2026-11-26 took about 36 s per run of 15 s arrivals (about 20 s to start each run's process), so
+# BUDGET=555 covered the profile and 13 runs; the rates here suit `small` float32 on an H100 or H200.
 set -u
 MODEL=${MODEL:-models/coserve-small}
 DATA=${DATA:-../shared/data}
@@ -24,6 +26,7 @@ PRESET=${PRESET:-small}
 DTYPE=${DTYPE:-float32}
 PROFILE_POINTS=${PROFILE_POINTS:-60}
 TESTS=${TESTS:-1}
+EXTRA=${EXTRA:-}
 FT_SEQ_LEN=${FT_SEQ_LEN:-1024}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -57,7 +60,8 @@ step() {  # step NAME ARGS...: one `coserve bench` into $OUT/NAME.json, cut at t
     t=$(left)
     if [ "$t" -lt 30 ]; then say "skipped $name: ${t} s left"; return; fi
     say "$name"
-    timeout -k 5 "$t" $CS bench --model "$MODEL" "$@" "${W[@]}" --out "$OUT/$name.json"
+    # shellcheck disable=SC2086  # EXTRA is a list of options
+    timeout -k 5 "$t" $CS bench --model "$MODEL" "$@" "${W[@]}" $EXTRA --out "$OUT/$name.json"
 }
 
 step idle --policy finetune-only --policy coserve --rate 0
