@@ -102,12 +102,14 @@ def test_the_command_list_names_every_command():
 
 
 def test_the_slo_margin_defaults_are_one_pair_everywhere():
-    """The scheduler, the engine, a bench run and the `serve` and `bench` options default to the same margins."""
+    """The scheduler, the engine, a bench run and the `serve` and `bench` options (one definition:
+    coserve/engine/slo_options.py) default to the same margins."""
     import argparse
 
     from coserve.bench import serving
     from coserve.bench.serving_run import RunSpec
     from coserve.engine.config import EngineConfig
+    from coserve.engine.slo_options import slo_settings
     from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SchedulerConfig
     from coserve.server import serve_command
     pair = (DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX)
@@ -122,6 +124,7 @@ def test_the_slo_margin_defaults_are_one_pair_everywhere():
         args = p.parse_args(["--model", "m"])
         assert (args.slo_margin, args.slo_margin_max) == pair, module.__name__
         assert args.load_margin_max is None
+        assert EngineConfig(model="m", **slo_settings(args)).slo_margin_max == DEFAULT_SLO_MARGIN_MAX  # its fields
         assert p.parse_args(["--model", "m", "--load-margin-max", "0.5"]).load_margin_max == 0.5
     assert engine.load_margin_max is None and EngineConfig(model="m", slo_margin_max=0.8, load_margin_max=0.6)
     with pytest.raises(ValueError, match="load_margin_max"):

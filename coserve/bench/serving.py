@@ -19,7 +19,7 @@ from pathlib import Path
 from coserve.bench.serving_run import BENCH_POLICIES, FinetuneSpec, RunSpec, run_in_child
 from coserve.bench.serving_workload import serving_workload
 from coserve.engine.config import FUSE_CHOICES
-from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
+from coserve.engine.slo_options import add_slo_arguments, slo_settings
 
 
 def add_arguments(p) -> None:
@@ -39,23 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", default=None, help="ShareGPT-trace JSON: prompt texts and lengths")
     p.add_argument("--finetune-data", default=None, help="dataset for the finetuning job (none: inference only)")
     p.add_argument("--finetune-seq-len", type=int, default=1024)
-    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    p.add_argument("--slo-margin", type=float, default=DEFAULT_SLO_MARGIN,
-                   help="coserve: the least fraction of the TPOT SLO kept free (EngineConfig.slo_margin)")
-    p.add_argument("--slo-margin-max", type=float, default=DEFAULT_SLO_MARGIN_MAX,
-                   help="coserve: the most; misses and the inference load raise the margin toward it "
-                        "(equal to --slo-margin: fixed)")
-    p.add_argument("--load-margin-max", type=float, default=None,
-                   help="coserve: the most the inference load alone raises the margin to; above it only misses "
-                        "of the SLO do (default: --slo-margin-max)")
-    p.add_argument("--finetune-burst-ms", type=float, default=None,
-                   help="coserve: with requests decoding, finetuning waits for slack banked for a slice this long "
-                        "(EngineConfig.finetune_burst_ms; 0 = a slice in every iteration; default: 100 on a CPU, "
-                        "0 on a GPU)")
-    p.add_argument("--first-token-slice-ms", type=float, default=None,
-                   help="coserve: the most finetuning an iteration that gives a request its first token carries "
-                        "(EngineConfig.first_token_slice_ms; inf = as any other iteration; default: 5 on a CPU, "
-                        "inf on a GPU)")
+    add_slo_arguments(p, prefix="coserve: ")
     p.add_argument("--cut-for-arrivals", action=argparse.BooleanOptionalAction, default=True,
                    help="a request arriving during an iteration cuts its finetuning slice short, as in the "
                         "server and the Python API (--no-cut-for-arrivals: as the sweeps before commit 52f6613 ran)")
@@ -148,11 +132,7 @@ def run(args) -> int:
         for pol in policies:
             spec = RunSpec(model=args.model, policy=pol["policy"], label=pol["label"], rate=rate,
                            duration_s=args.duration, requests=workload.requests, finetune=finetune,
-                           slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
-                           slo_margin_max=args.slo_margin_max, load_margin_max=args.load_margin_max,
-                           finetune_burst_ms=args.finetune_burst_ms,
-                           first_token_slice_ms=args.first_token_slice_ms,
-                           ttft_limit_s=args.ttft_limit_s,
+                           **slo_settings(args), ttft_limit_s=args.ttft_limit_s,
                            drain_s=args.drain,
                            temporal_interval=pol["temporal_interval"], split=pol["split"], dtype=args.dtype,
                            device=args.device, max_model_len=args.max_model_len,

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from coserve.engine.config import FUSE_CHOICES
-from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
+from coserve.engine.slo_options import add_slo_arguments, slo_settings
 
 DEFAULT_STATE_DIR = "coserve-state"
 
@@ -25,22 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     keys.add_argument("--api-keys", default=None, metavar="FILE", help="one 'KEY TENANT' per line")
     p.add_argument("--no-auth", action="store_true", help="serve without keys on a non-loopback host")
     p.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="SQLite state, files, adapters and checkpoints")
-    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    p.add_argument("--slo-margin", type=float, default=DEFAULT_SLO_MARGIN,
-                   help="the least fraction of the TPOT SLO kept free when sizing finetuning slices")
-    p.add_argument("--slo-margin-max", type=float, default=DEFAULT_SLO_MARGIN_MAX,
-                   help="the most: misses of the SLO and the inference load raise the margin toward it "
-                        "(equal to --slo-margin: fixed)")
-    p.add_argument("--load-margin-max", type=float, default=None,
-                   help="the most the inference load alone raises the margin to; above it only misses of the SLO "
-                        "do (default: --slo-margin-max)")
-    p.add_argument("--finetune-burst-ms", type=float, default=None,
-                   help="with requests decoding, finetuning waits for TPOT slack banked for a slice this long "
-                        "(0 = a slice in every iteration; default: 100 on a CPU, 0 on a GPU)")
-    p.add_argument("--first-token-slice-ms", type=float, default=None,
-                   help="the most finetuning an iteration that gives a request its first token carries (its "
-                        "time is banked as the running requests' TPOT slack; inf = as any other iteration; "
-                        "default: 5 on a CPU, inf on a GPU)")
+    add_slo_arguments(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
@@ -134,11 +119,7 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,
-                                 slo_tpot_ms=args.slo_tpot_ms, slo_margin=args.slo_margin,
-                                 slo_margin_max=args.slo_margin_max, load_margin_max=args.load_margin_max,
-                                 finetune_burst_ms=args.finetune_burst_ms,
-                                 first_token_slice_ms=args.first_token_slice_ms,
-                                 latency_model=args.latency_model,
+                                 **slo_settings(args), latency_model=args.latency_model,
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
                                  cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                                  speculative_tokens=args.speculative_ngram,
