@@ -84,6 +84,6 @@ def serving_workload(tokenizer, max_model_len: int, rate: float, duration_s: flo
     requests = []
     for t, text, p, o in zip(times, texts, prompt_lens, output_lens):
         p = min(p, max_model_len - 1)
-        ids = tokenizer(text)["input_ids"] or [tokenizer.bos_token_id or 0]
+        ids = tokenizer(text, verbose=False)["input_ids"] or [tokenizer.bos_token_id or 0]  # cut to p below
         requests.append(BenchRequest(float(t), fit_length(ids, p), max(1, min(o, max_model_len - p))))
     return Workload(requests, arrivals_name, lengths)
