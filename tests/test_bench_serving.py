@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from coserve.bench.serving import parse_policy, parse_split
 from coserve.bench.serving_run import FinetuneSpec, RunSpec, run_one, split_cores
@@ -104,6 +105,25 @@ def test_a_short_run_serves_every_request_and_trains(model_factory, tmp_path, po
         assert any(it["predicted_s"] > 0 for it in row["iterations"])
     else:  # trained beside the engine: its iterations carry inference only
         assert all(it["finetune_forward_tokens"] == it["finetune_backward_tokens"] == 0 for it in row["iterations"])
+    assert row["finetune_stream"] == ("default" if policy == "spatial" else None)  # a CPU has no streams
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a CUDA device")
+def test_spatial_trains_on_a_cuda_stream_of_its_own(model_factory, tmp_path, monkeypatch):
+    import coserve.bench.serving_run as serving_run
+    streams = []
+    train = serving_run._train_until
+    monkeypatch.setattr(serving_run, "_train_until",
+                        lambda job, stop, deadline: streams.append(torch.cuda.current_stream()) or train(job, stop,
+                                                                                                        deadline))
+    model = model_factory("llama")
+    w = serving_workload(load_tokenizer(model), 128, rate=8.0, duration_s=1.5, seed=0)
+    spec = RunSpec(model=str(model), policy="spatial", label="spatial", rate=8.0, duration_s=1.5, requests=w.requests,
+                   finetune=FinetuneSpec(str(_alpaca(tmp_path / "a.json")), max_seq_len=64), slo_tpot_ms=1000.0,
+                   ttft_limit_s=60.0, drain_s=30.0, max_model_len=128, progress=False, device="cuda")
+    row = run_one(spec)
+    assert row["finetune_stream"] == "own" and row["num_failed"] == 0 and row["finetune_tokens"] > 0
+    assert streams and streams[0] != torch.cuda.default_stream()
 
 
 def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):

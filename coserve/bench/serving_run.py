@@ -3,8 +3,8 @@ with a finetuning job beside it as the policy says.
 
 Policies of the engine's scheduler (``coserve``, ``inference-only``, ``finetune-only``,
 ``temporal``, ``dts``) run the job inside the engine's iterations. Two baselines run it outside:
-``spatial`` trains in a second thread on the same model and cores, with no coordination (the CPU
-stand-in for two CUDA streams), and ``separate`` trains in a second process pinned to its share of
+``spatial`` trains in a second thread on the same model and cores, with no coordination (on a GPU on a
+CUDA stream of its own, as FlexLLM's spatial sharing: two streams share the device), and ``separate`` trains in a second process pinned to its share of
 the cores while the engine keeps the rest (two clusters, ``--split``). Each run happens in a fresh
 process (``run_in_child``) so that threads, core affinity and allocator state never leak between runs.
 """
@@ -112,6 +112,21 @@ def _train_until(job, stop: threading.Event | None, deadline: float | None) -> N
             return
 
 
+def _train_beside(job, stop: threading.Event) -> None:
+    """``spatial``'s training thread: whole windows until ``stop``; on CUDA on a stream of its own, so that its
+    kernels may overlap the engine's (which run on the default stream)."""
+    import torch
+    device = job.model.device
+    if device.type != "cuda":
+        _train_until(job, stop, None)
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # what the job set up on the default stream is done
+    with torch.cuda.stream(stream):
+        _train_until(job, stop, None)
+    stream.synchronize()
+
+
 def _separate_worker(conn, model: str, spec: FinetuneSpec, dtype: str, device: str | None, cores: list[int],
                      duration_s: float) -> None:
     """The finetuning side of ``separate``: its own process on its own cores (on a GPU machine, the
@@ -178,7 +193,7 @@ def run_one(spec: RunSpec) -> dict:
     if trains and spec.policy != "separate":
         job = _make_job(engine.model, engine.tokenizer, spec.finetune, tmp.name)
         if spec.policy == "spatial":
-            thread = threading.Thread(target=_train_until, args=(job, stop, None), daemon=True)
+            thread = threading.Thread(target=_train_beside, args=(job, stop), daemon=True)
         else:
             engine.add_finetune_job(job, "bench")
     if worker is not None:
@@ -286,6 +301,7 @@ def run_one(spec: RunSpec) -> dict:
         "cut_iterations": sum(1 for it in iterations if it["cut"]),
         "batch_invariant": engine.batch_invariant, "fused_finetuning": engine.executor.fuse_finetuning,
         "gemm_tile_rows": engine.model.gemm_tile_rows, "cuda_graphs": engine.executor.graphs is not None,
+        "finetune_stream": None if thread is None else "own" if engine.device.type == "cuda" else "default",
         "iterations": iterations, **spec.extra,
     }
 
