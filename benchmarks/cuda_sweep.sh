@@ -71,7 +71,8 @@ step mid "${ALL[@]}" --rate "$MID"
 if [ "$TESTS" = 1 ] && [ "$(left)" -gt 60 ]; then
     say "CUDA tests"
     timeout -k 5 "$(($(left) - 30))" $PY -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py \
-        tests/test_decode_attention.py tests/test_batch_invariance.py tests/test_finetune_windows.py 2>&1 | tail -5
+        tests/test_decode_attention.py tests/test_batch_invariance.py tests/test_finetune_windows.py \
+        tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own 2>&1 | tail -5
 fi
 step spatial --policy spatial --rate "$LIGHT" --rate "$HEAVY" --rate "$MID"
 say "done"
