@@ -9,7 +9,9 @@
 # Settings (environment): MODEL (created with the small preset if missing), DATA (alpaca_en_demo.json,
 # azure_llm_2023_code.csv, sharegpt_trace.json), OUT, BUDGET (seconds for the whole script), DUR (seconds of
 # arrivals per run), DRAIN, LIGHT / MID / HEAVY (req/s), PRESET, DTYPE, PROFILE_POINTS, FT_SEQ_LEN, TESTS (0: skip
-# them), EXTRA (more `coserve bench` options for every run, e.g. "--slo-margin-max 0.3").
+# them), FUSE (--fuse-finetuning for the profile and every run: auto, always, never; `never` keeps decode rows on
+# their CUDA graphs and runs windows in calls of their own), EXTRA (more `coserve bench` options for every run, e.g.
+# "--slo-margin-max 0.3").
 # The H200 of 2026-11-26 took about 36 s per run of 15 s arrivals (about 20 s to start each run's process), so
 # BUDGET=555 covered the profile and 13 runs; the rates here suit `small` float32 on an H100 or H200.
 set -u
@@ -26,6 +28,7 @@ PRESET=${PRESET:-small}
 DTYPE=${DTYPE:-float32}
 PROFILE_POINTS=${PROFILE_POINTS:-60}
 TESTS=${TESTS:-1}
+FUSE=${FUSE:-auto}
 EXTRA=${EXTRA:-}
 FT_SEQ_LEN=${FT_SEQ_LEN:-1024}
 PY=${PY:-python3}
@@ -46,9 +49,9 @@ $PY -c "import torch, transformers, platform; print('python', platform.python_ve
 [ -f "$MODEL/config.json" ] || $CS create-model "$MODEL" --preset "$PRESET" --dtype "$DTYPE"
 say "profile"
 timeout -k 5 "$(left)" $CS profile --model "$MODEL" --dtype "$DTYPE" --points "$PROFILE_POINTS" \
-    --out "$OUT/latency.json"
+    --fuse-finetuning "$FUSE" --out "$OUT/latency.json"
 
-W=(--duration "$DUR" --drain "$DRAIN" --slo-tpot-ms 50 --ttft-limit-s 5 --dtype "$DTYPE"
+W=(--duration "$DUR" --drain "$DRAIN" --slo-tpot-ms 50 --ttft-limit-s 5 --dtype "$DTYPE" --fuse-finetuning "$FUSE"
    --trace "$DATA/azure_llm_2023_code.csv" --trace-start 63 --prompts "$DATA/sharegpt_trace.json"
    --finetune-data "$DATA/alpaca_en_demo.json" --finetune-seq-len "$FT_SEQ_LEN" --latency-model "$OUT/latency.json"
    --no-progress)
