@@ -319,8 +319,7 @@ def test_load_margin_max_caps_what_the_load_alone_asks_and_misses_go_beyond_it()
             step(s)
             clock.now += 0.030
     assert s.margin == 0.8 and s.current_margin() == 0.8  # misses: up to slo_margin_max
-    assert abs(make(margin_max=0.8).config.slo_margin_max - 0.8) < 1e-12  # None: the load goes to slo_margin_max
-    unset = make(margin_max=0.8)
+    unset = make(margin_max=0.8)  # load_margin_max None: the load alone goes to slo_margin_max
     unset.load.observe(0.0, 0.0)
     unset.load.observe(1.0, 1.0)
     assert abs(unset.current_margin() - 0.8) < 1e-12
