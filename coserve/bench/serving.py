@@ -173,12 +173,8 @@ def format_row(r: dict) -> str:
 
 def write_report(path: Path, args, rows: list[dict]) -> None:
     import torch
-    report = {"model": args.model, "duration_s": args.duration, "slo_tpot_ms": args.slo_tpot_ms,
-              "slo_margin": args.slo_margin, "slo_margin_max": args.slo_margin_max,
-              "load_margin_max": args.load_margin_max,
-              "finetune_burst_ms": args.finetune_burst_ms, "cut_for_arrivals": args.cut_for_arrivals,
-              "first_token_slice_ms": args.first_token_slice_ms,
-              "ttft_limit_s": args.ttft_limit_s, "finetune_data": args.finetune_data,
+    report = {"model": args.model, "duration_s": args.duration, **slo_settings(args),
+              "cut_for_arrivals": args.cut_for_arrivals, "ttft_limit_s": args.ttft_limit_s, "finetune_data": args.finetune_data,
               "command": " ".join(["coserve", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
               "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
               "results": rows}

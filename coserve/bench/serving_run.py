@@ -6,8 +6,8 @@ Policies of the engine's scheduler (``coserve``, ``inference-only``, ``finetune-
 ``spatial`` trains in a second thread on the same model and cores, with no coordination (on a GPU on a
 CUDA stream of its own, as FlexLLM's spatial sharing: two streams share the device), and ``separate``
 trains in a second process pinned to its share of the cores while the engine keeps the rest (two
-clusters, ``--split``). Each run happens in a fresh
-process (``run_in_child``) so that threads, core affinity and allocator state never leak between runs.
+clusters, ``--split``). Each run happens in a fresh process (``run_in_child``) so that threads, core
+affinity and allocator state never leak between runs.
 """
 
 from __future__ import annotations
