@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coserve.model.batch_invariance import FUSE_CHOICES
-from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SCHEDULING_POLICIES
+from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SCHEDULING_POLICIES, check_margins
 
 
 # The finetuning burst on a CPU (EngineConfig.finetune_burst_ms). The session that built it measured 27-32% more
@@ -88,17 +88,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.fuse_finetuning not in FUSE_CHOICES:
             raise ValueError(f"fuse_finetuning must be one of {FUSE_CHOICES}, got {self.fuse_finetuning!r}")
-        if not (isinstance(self.slo_margin, (int, float)) and not isinstance(self.slo_margin, bool)
-                and 0 <= self.slo_margin < 1):
-            raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")
-        if not (isinstance(self.slo_margin_max, (int, float)) and not isinstance(self.slo_margin_max, bool)
-                and self.slo_margin <= self.slo_margin_max < 1):
-            raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {self.slo_margin_max!r}")
-        if self.load_margin_max is not None and not (
-                isinstance(self.load_margin_max, (int, float)) and not isinstance(self.load_margin_max, bool)
-                and self.slo_margin <= self.load_margin_max <= self.slo_margin_max):
-            raise ValueError(f"load_margin_max must be None or lie in [slo_margin, slo_margin_max], "
-                             f"got {self.load_margin_max!r}")
+        check_margins(self.slo_margin, self.slo_margin_max, self.load_margin_max)
         for name, what in (("first_token_slice_ms", "None or a non-negative number (inf: no cap)"),
                            ("finetune_burst_ms", "a non-negative number")):  # None: the device's default
             value = getattr(self, name)

@@ -23,6 +23,21 @@ DEFAULT_SLO_MARGIN = 0.1
 DEFAULT_SLO_MARGIN_MAX = 0.6
 
 
+def check_margins(slo_margin, slo_margin_max, load_margin_max) -> None:
+    """The SLO margins' checks (``SchedulerConfig`` and ``EngineConfig``): numbers with
+    0 <= slo_margin <= load_margin_max (or None) <= slo_margin_max < 1; a ValueError names the field."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    if not (number(slo_margin) and 0 <= slo_margin < 1):
+        raise ValueError(f"slo_margin must lie in [0, 1), got {slo_margin!r}")
+    if not (number(slo_margin_max) and slo_margin <= slo_margin_max < 1):
+        raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {slo_margin_max!r}")
+    if load_margin_max is not None and not (number(load_margin_max)
+                                            and slo_margin <= load_margin_max <= slo_margin_max):
+        raise ValueError(f"load_margin_max must be None or lie in [slo_margin, slo_margin_max], "
+                         f"got {load_margin_max!r}")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Budgets that bound one iteration; validated on construction."""
@@ -81,11 +96,4 @@ class SchedulerConfig:
         if not (isinstance(self.finetune_burst_s, (int, float)) and self.finetune_burst_s >= 0):
             raise ValueError(
                 f"finetune_burst_s must be a non-negative number of seconds, got {self.finetune_burst_s!r}")
-        if not (isinstance(self.slo_margin, (int, float)) and 0 <= self.slo_margin < 1):
-            raise ValueError(f"slo_margin must lie in [0, 1), got {self.slo_margin!r}")
-        if not (isinstance(self.slo_margin_max, (int, float)) and self.slo_margin <= self.slo_margin_max < 1):
-            raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {self.slo_margin_max!r}")
-        top = self.load_margin_max
-        if top is not None and not (isinstance(top, (int, float)) and self.slo_margin <= top <= self.slo_margin_max):
-            raise ValueError(f"load_margin_max must be None or lie in [slo_margin, slo_margin_max], "
-                             f"got {self.load_margin_max!r}")
+        check_margins(self.slo_margin, self.slo_margin_max, self.load_margin_max)
