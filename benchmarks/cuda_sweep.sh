@@ -11,7 +11,9 @@
 # arrivals per run), DRAIN, LIGHT / MID / HEAVY (req/s), PRESET, DTYPE, PROFILE_POINTS, FT_SEQ_LEN, TESTS (0: skip
 # them), FUSE (--fuse-finetuning for the profile and every run: auto, always, never; `never` keeps decode rows on
 # their CUDA graphs and runs windows in calls of their own), EXTRA (more `coserve bench` options for every run, e.g.
-# "--slo-margin-max 0.3").
+# "--slo-margin-max 0.3"), POLICIES (the policies run at LIGHT, HEAVY and MID, space-separated; default every one
+# but spatial, which runs last), TEST_ARGS (the pytest arguments of the CUDA tests). An empty MID skips the middle
+# rate.
 # The H200 of 2026-11-26 took about 36 s per run of 15 s arrivals (about 20 s to start each run's process), so
 # BUDGET=555 covered the profile and 13 runs; the rates here suit `small` float32 on an H100 or H200.
 set -u
@@ -22,7 +24,7 @@ BUDGET=${BUDGET:-570}
 DUR=${DUR:-15}
 DRAIN=${DRAIN:-5}
 LIGHT=${LIGHT:-5}
-MID=${MID:-15}
+MID=${MID-15}
 HEAVY=${HEAVY:-30}
 PRESET=${PRESET:-small}
 DTYPE=${DTYPE:-float32}
@@ -31,6 +33,8 @@ TESTS=${TESTS:-1}
 FUSE=${FUSE:-auto}
 EXTRA=${EXTRA:-}
 FT_SEQ_LEN=${FT_SEQ_LEN:-1024}
+TEST_ARGS=${TEST_ARGS:-tests/test_decode_graphs.py tests/test_decode_attention.py tests/test_batch_invariance.py
+tests/test_finetune_windows.py tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 
@@ -55,7 +59,9 @@ W=(--duration "$DUR" --drain "$DRAIN" --slo-tpot-ms 50 --ttft-limit-s 5 --dtype 
    --trace "$DATA/azure_llm_2023_code.csv" --trace-start 63 --prompts "$DATA/sharegpt_trace.json"
    --finetune-data "$DATA/alpaca_en_demo.json" --finetune-seq-len "$FT_SEQ_LEN" --latency-model "$OUT/latency.json"
    --no-progress)
-ALL=(--policy inference-only --policy coserve --policy temporal:64 --policy dts --policy separate)
+POLICIES=${POLICIES:-inference-only coserve temporal:64 dts separate}
+ALL=()
+for p in $POLICIES; do ALL+=(--policy "$p"); done
 
 step() {  # step NAME ARGS...: one `coserve bench` into $OUT/NAME.json, cut at the budget
     local name=$1 t
@@ -70,12 +76,11 @@ step() {  # step NAME ARGS...: one `coserve bench` into $OUT/NAME.json, cut at t
 step idle --policy finetune-only --policy coserve --rate 0
 step light "${ALL[@]}" --rate "$LIGHT"
 step heavy "${ALL[@]}" --rate "$HEAVY"
-step mid "${ALL[@]}" --rate "$MID"
+[ -n "$MID" ] && step mid "${ALL[@]}" --rate "$MID"
 if [ "$TESTS" = 1 ] && [ "$(left)" -gt 60 ]; then
     say "CUDA tests"
-    timeout -k 5 "$(($(left) - 30))" $PY -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py \
-        tests/test_decode_attention.py tests/test_batch_invariance.py tests/test_finetune_windows.py \
-        tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own 2>&1 | tail -5
+    # shellcheck disable=SC2086  # TEST_ARGS is a list of arguments
+    timeout -k 5 "$(($(left) - 30))" $PY -m pytest -q -p no:cacheprovider $TEST_ARGS 2>&1 | tail -5
 fi
-step spatial --policy spatial --rate "$LIGHT" --rate "$HEAVY" --rate "$MID"
+step spatial --policy spatial --rate "$LIGHT" --rate "$HEAVY" ${MID:+--rate "$MID"}
 say "done"
