@@ -222,9 +222,8 @@ def test_a_new_request_cuts_the_finetuning_slice_short_and_the_adapter_is_unchan
     between two: the request waits one window or piece, not the slice. The job still trains the adapter it
     trains alone (with an arrival always waiting too: every slice still runs its first window or piece, so the
     job cannot starve), and a cut iteration's time does not correct the latency model (it is not the plan's)."""
-    import coserve.engine.executor as executor
-    monkeypatch.setattr(executor, "FORWARD_PIECE_TOKENS", 8)  # the examples' windows run in several pieces
-    monkeypatch.setattr(executor, "FORWARD_PIECE_S", 0.0)  # of 8 tokens, however fast the device
+    from coserve.engine.forward_pieces import ForwardPieces
+    monkeypatch.setattr(ForwardPieces, "tokens", lambda self: 8)  # the examples' windows run in 8-token pieces
     model_dir = model_factory("llama")
     engine = _engine(model_dir)
     solo = _job(engine, tmp_path / "solo")
@@ -264,20 +263,13 @@ def test_a_new_request_cuts_the_finetuning_slice_short_and_the_adapter_is_unchan
     assert [r.loss for r in job.log] == pytest.approx([r.loss for r in solo.log], rel=1e-5)
 
 
-def test_forward_pieces_grow_to_what_the_device_runs_in_the_piece_time():
-    from coserve.engine.executor import FORWARD_PIECE_S, FORWARD_PIECE_TOKENS, forward_piece_tokens
-    assert forward_piece_tokens(None) == FORWARD_PIECE_TOKENS  # nothing measured yet
-    assert forward_piece_tokens(10 * FORWARD_PIECE_S / FORWARD_PIECE_TOKENS) == FORWARD_PIECE_TOKENS  # slow: never less
-    assert forward_piece_tokens(FORWARD_PIECE_S / (4 * FORWARD_PIECE_TOKENS)) == 4 * FORWARD_PIECE_TOKENS
-
-
 def test_a_forward_window_runs_whole_once_a_piece_shows_the_device_is_fast(model_factory, tmp_path, monkeypatch):
     """With arrivals watched, the first forward window without inference runs in pieces of FORWARD_PIECE_TOKENS;
     once a piece of that size is timed, windows run in pieces as long as the device runs in FORWARD_PIECE_S (here
     so long that they run whole). The adapter is the one the job trains alone."""
-    import coserve.engine.executor as executor
-    monkeypatch.setattr(executor, "FORWARD_PIECE_TOKENS", 8)
-    monkeypatch.setattr(executor, "FORWARD_PIECE_S", 1e6)
+    import coserve.engine.forward_pieces as forward_pieces
+    monkeypatch.setattr(forward_pieces, "FORWARD_PIECE_TOKENS", 8)
+    monkeypatch.setattr(forward_pieces, "FORWARD_PIECE_S", 1e6)
     engine = _engine(model_factory("llama"), policy="finetune-only")
     solo = _job(engine, tmp_path / "solo")
     run_job(solo, progress=False)
@@ -292,7 +284,7 @@ def test_a_forward_window_runs_whole_once_a_piece_shows_the_device_is_fast(model
         windows += [w.num_tokens for w in engine.last_plan.finetune if w.kind == FORWARD]
     first = -(-windows[0] // 8)  # the first window's pieces
     assert windows[0] > 8 and pieces[:first] == [8] * (first - 1) + [windows[0] - 8 * (first - 1)]
-    assert engine.executor.forward_s_per_token > 0
+    assert engine.executor.pieces.per_token_s > 0
     assert pieces[first:] == windows[1:]  # then every window in one piece
     for a, b in zip(job.bypass.parameters(), solo.bypass.parameters()):
         assert (a - b).norm() / b.norm() <= 1e-5

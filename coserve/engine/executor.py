@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from coserve.engine.forward_pieces import ForwardPieces
 from coserve.engine.mixed_forward import mixed_forward
 from coserve.finetune.job import FinetuneJob
 from coserve.guided.guide import GuidedDecoding
@@ -19,24 +20,6 @@ from coserve.model.sampling import SamplingRow, sample, top_logprobs
 from coserve.peft import AdapterSlots, ServedAdapter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
-
-
-# Where new requests are watched (ModelExecutor.arrivals), a forward window without inference beside it runs in
-# pieces, so that a request waits one piece rather than the whole window: pieces of FORWARD_PIECE_TOKENS tokens
-# (64- and 256-token windows of the `small` preset ran 16 and 53 ms alone on a 2-core Zen 5), or as many more as
-# the device runs in FORWARD_PIECE_S. Each piece is a whole pass through the model, so where tokens are cheap (a
-# GPU, a small model) fixed-size pieces cost more than they bound: `tiny` on the CPU trained 14% fewer tokens/s
-# in 128-token pieces than in whole windows, and on an H200 the engine's finetune-only ran at 0.74x a plain loop.
-FORWARD_PIECE_TOKENS = 128
-FORWARD_PIECE_S = 0.03
-
-
-def forward_piece_tokens(seconds_per_token: float | None) -> int:
-    """The tokens a forward piece may cover, given what a piece of at least FORWARD_PIECE_TOKENS took per token
-    (None: nothing measured yet)."""
-    if seconds_per_token is None or seconds_per_token <= 0:
-        return FORWARD_PIECE_TOKENS
-    return max(FORWARD_PIECE_TOKENS, int(FORWARD_PIECE_S / seconds_per_token))
 
 
 def job_progress(job_id: str, job: FinetuneJob) -> FinetuneProgress:
@@ -69,7 +52,7 @@ class ModelExecutor:
         # (and a forward window without inference between two pieces), so that a request arriving during a
         # long finetuning iteration waits one window, not the iteration
         self.arrivals: Callable[[], bool] | None = None
-        self.forward_s_per_token: float | None = None  # what the latest full-size forward piece took, per token
+        self.pieces = ForwardPieces()  # the timings of forward pieces, and the size they call for
 
     def execute(self, plan: IterationPlan) -> ExecutionResult:
         """Run one iteration's chunks in one forward call and sample where the plan asks."""
@@ -103,22 +86,21 @@ class ModelExecutor:
         return result
 
     def _forward_alone(self, w, result: ExecutionResult) -> None:
-        """A forward window with no inference beside it. Where arrivals are watched, it runs in pieces of at
-        most ``FORWARD_PIECE_TOKENS`` and stops between two once a request waits (a piece is a window of its
-        own: the job's state is the same as after a shorter planned window)."""
+        """A forward window with no inference beside it. Where arrivals are watched, it runs in pieces
+        (``forward_pieces.py``) and stops between two once a request waits (a piece is a window of its own: the
+        job's state is the same as after a shorter planned window)."""
         job = self.jobs[w.job_id]
         try:
-            piece = w.num_tokens if self.arrivals is None else forward_piece_tokens(self.forward_s_per_token)
+            piece = None if self.arrivals is None else self.pieces.tokens()
             left, loss = w.num_tokens, 0.0
             while left > 0 and job.next_work() == "forward":
                 if left < w.num_tokens and self.arrivals():
                     result.interrupted = True
                     break
-                n = min(left, piece, job.pending_tokens())
+                n = min(left, piece or left, job.pending_tokens())
                 start = time.perf_counter()
                 loss += job.forward(n)  # a float: the device has finished the piece
-                if n >= FORWARD_PIECE_TOKENS:  # shorter ones are mostly fixed cost: they would shrink the pieces
-                    self.forward_s_per_token = (time.perf_counter() - start) / n
+                self.pieces.record(n, time.perf_counter() - start)
                 left -= n
             result.finetune_losses[w.job_id] = loss
         except Exception as e:  # a job that cannot go on stops alone; inference keeps serving
