@@ -81,6 +81,24 @@ def test_non_finite_losses_are_skipped_then_stop_the_job(setup, tmp_path):
         assert torch.equal(tensor, good[name])
 
 
+def test_a_non_finite_gradient_with_a_finite_loss_skips_the_step(setup, tmp_path):
+    model_dir, model, examples, bypass = setup
+    b = bypass()
+    job = FinetuneJob(model, b, examples, _cfg(tmp_path / "out", max_steps=2))
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    step = job._optimizer_step
+
+    def poisoned():  # one element of the last parameter's gradient overflows
+        grads = [p.grad for p in b.parameters() if p.grad is not None]
+        grads[-1].view(-1)[0] = float("inf")
+        step()
+    job._optimizer_step = poisoned
+    run_job(job, progress=False)
+    assert [r.skipped for r in job.log] == [True, True] and all(math.isfinite(r.loss) for r in job.log)
+    for name, tensor in b.state_dict().items():  # no step was taken
+        assert torch.equal(tensor, before[name])
+
+
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_whole(setup, tmp_path, monkeypatch):
     model_dir, model, examples, bypass = setup
     out = tmp_path / "out"

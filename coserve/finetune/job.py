@@ -268,8 +268,9 @@ class FinetuneJob:
     def _optimizer_step(self) -> None:
         params = self.bypass.parameters()
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = math.isfinite(self._batch_loss) and all(
-            p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = math.isfinite(self._batch_loss) and (  # one device sync for every gradient, not one each
+            not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))
         if finite:
             if self.cfg.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
