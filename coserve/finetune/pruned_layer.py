@@ -212,8 +212,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         v_own_grad += dv_acc[a:b]
     dqkv = torch.empty(n, cfg.q_size + 2 * cfg.kv_size, device=x.device, dtype=x.dtype)  # [dq | dk | dv]
     dq, dk, dv = dqkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    _rope_backward_into(model, q_grad, positions, dq.unflatten(1, (cfg.num_heads, cfg.head_dim)))
-    _rope_backward_into(model, k_own_grad, positions, dk.unflatten(1, (cfg.num_kv_heads, cfg.head_dim)))
+    _rope_backward_into(model, torch.cat([q_grad, k_own_grad], dim=1), positions,  # q and k in one pass
+                        dqkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim)))
     dv.copy_(v_own_grad.flatten(1))
     ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)
     ex_k = _out_backward_into(bypass, keep, i, "k_proj", h1, dk, a, b)

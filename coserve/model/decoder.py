@@ -204,12 +204,17 @@ class DecoderModel:
         linear = functools.partial(self.linear, split=split)
         t = x.shape[0]
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        q, k, v = linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = bypass_output(bypass, tap, i, "q_proj", h, q)
-        k = bypass_output(bypass, tap, i, "k_proj", h, k)
+        qkv = linear(h, layer.qkv, layer.qkv_bias)
+        q0, k0, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = bypass_output(bypass, tap, i, "q_proj", h, q0)
+        k = bypass_output(bypass, tap, i, "k_proj", h, k0)
         v = bypass_output(bypass, tap, i, "v_proj", h, v)
-        q, k = self.rope(q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim),
-                         positions)
+        if q is q0 and k is k0:  # side by side in the projection's output: rotated in one pass (half the kernels)
+            qk = self.rope.rotate(qkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim)), positions)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        else:
+            q, k = self.rope(q.reshape(t, cfg.num_heads, cfg.head_dim),
+                             k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if tap is not None:
             tap("q", q)
