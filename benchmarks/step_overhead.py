@@ -18,14 +18,14 @@ from coserve.engine.llm_engine import LLMEngine
 from coserve.scheduler.sampling_params import SamplingParams
 
 
-def measure(model: str, requests: int, steps: int, device: str) -> dict[str, float]:
+def measure(model: str, requests: int, steps: int, device: str, prompt_len: int) -> dict[str, float]:
     """Median microseconds per decode step of each part, with ``requests`` requests decoding."""
     engine = LLMEngine(EngineConfig(model=model, dtype="float32", device=device, policy="inference-only",
                                     max_num_seqs=max(256, requests)))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 50, temperature=0, ignore_eos=True)
     for _ in range(requests):
-        engine.add_request([rng.randrange(5, 200) for _ in range(20)], params)
+        engine.add_request([rng.randrange(5, 200) for _ in range(prompt_len)], params)
     while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # every prompt in, every request decoding
     parts: dict[str, list[float]] = {"schedule": [], "execute": [], "forward": [], "step": []}
@@ -62,12 +62,13 @@ def main() -> None:
     p.add_argument("--requests", default="32,128", help="comma-separated numbers of decoding requests")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--prompt-len", type=int, default=200, help="tokens of each request's prompt")
     args = p.parse_args()
-    print(f"{args.model} on {args.device}: median microseconds per decode step")
+    print(f"{args.model} on {args.device}, prompts of {args.prompt_len} tokens: median microseconds per decode step")
     print(f"{'requests':>8} {'step':>8} {'forward':>8} {'host':>8} {'schedule':>9} {'execute-forward':>15} "
           f"{'update+outputs':>14} {'host/request':>12}")
     for n in (int(x) for x in args.requests.split(",")):
-        m = measure(args.model, n, args.steps, args.device)
+        m = measure(args.model, n, args.steps, args.device, args.prompt_len)
         host = m["step"] - m["forward"]
         print(f"{n:>8} {m['step']:>8.0f} {m['forward']:>8.0f} {host:>8.0f} {m['schedule']:>9.0f} "
               f"{m['execute'] - m['forward']:>15.0f} {m['update+outputs']:>14.0f} {host / n:>12.1f}")

@@ -114,7 +114,10 @@ class SamplingParams:
     def guided(self) -> bool:
         """Whether a guide decides which tokens may come (guided_json, guided_choice, guided_regex or
         guided_grammar)."""
-        return any(getattr(self, f) is not None for f in COMPILERS)
+        for f in COMPILERS:  # a loop, not any() over a generator: this runs for every request at every step
+            if getattr(self, f) is not None:
+                return True
+        return False
 
     @property
     def speculable(self) -> bool:

@@ -391,6 +391,8 @@ class Scheduler:
         """Make room for ``num_tokens`` of ``request`` (at ``position`` in the running list; those before it are
         in the plan already), preempting from the tail, or under the priority policy the lowest-priority request
         from ``position`` on (the latest of those); False if it was the victim."""
+        if not self.blocks.blocks_needed(request.request_id, num_tokens):  # most decode steps: room already held
+            return True
         while not self.blocks.can_allocate(request.request_id, num_tokens):
             if self.config.scheduling_policy == "priority":
                 at = max(range(position, len(self.running)), key=lambda i: (self.running[i].priority, i))
