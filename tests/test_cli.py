@@ -129,3 +129,23 @@ def test_the_slo_margin_defaults_are_one_pair_everywhere():
     assert engine.load_margin_max is None and EngineConfig(model="m", slo_margin_max=0.8, load_margin_max=0.6)
     with pytest.raises(ValueError, match="load_margin_max"):
         EngineConfig(model="m", load_margin_max=0.9)  # above slo_margin_max
+
+
+def test_the_scheduler_delay_factor_reaches_the_engine_and_a_bench_run():
+    import argparse
+
+    from coserve.bench import serving
+    from coserve.bench.serving_run import RunSpec
+    from coserve.engine.config import EngineConfig
+    from coserve.engine.slo_options import slo_settings
+    from coserve.server import serve_command
+    for module in (serving, serve_command):
+        p = argparse.ArgumentParser()
+        module.add_arguments(p)
+        assert p.parse_args(["--model", "m"]).scheduler_delay_factor == 0.0  # off by default, as vLLM's
+        args = p.parse_args(["--model", "m", "--scheduler-delay-factor", "2"])
+        assert EngineConfig(model="m", **slo_settings(args)).scheduler_delay_factor == 2.0
+        assert RunSpec(model="m", policy="coserve", label="coserve", rate=1.0, duration_s=1.0, requests=[],
+                       finetune=None, **slo_settings(args)).scheduler_delay_factor == 2.0
+    with pytest.raises(ValueError, match="scheduler_delay_factor"):
+        EngineConfig(model="m", scheduler_delay_factor=-0.5)

@@ -324,3 +324,27 @@ def test_the_engine_loop_counts_a_handed_over_request_as_an_arrival_until_it_run
         assert [o.request_id for o in loop.wait_for([request_id])] == [request_id]
     finally:
         loop.stop()
+
+
+def test_greedy_outputs_unchanged_when_prompts_wait_to_share_a_prefill(model_factory):
+    """scheduler_delay_factor moves when a prompt is admitted, never what it generates."""
+    model_dir = model_factory("llama")
+    rng = random.Random(8)
+    prompts = [[rng.randrange(5, 200) for _ in range(rng.randint(3, 20))] for _ in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def staggered(engine):  # a new prompt every other step, while earlier ones decode
+        ids, done, i = [], {}, 0
+        while len(done) < len(prompts):
+            if i % 2 == 0 and len(ids) < len(prompts):
+                ids.append(engine.add_request(prompts[len(ids)], params))
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+            i += 1
+        return [done[r] for r in ids]
+
+    plain = staggered(_engine(model_dir))
+    delayed_engine = _engine(model_dir, scheduler_delay_factor=3.0)
+    assert staggered(delayed_engine) == plain
+    assert delayed_engine.scheduler.last_prompt_latency_s > 0

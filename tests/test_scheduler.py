@@ -165,3 +165,70 @@ def test_priority_policy_gives_the_token_budget_to_the_most_urgent_running_reque
         assert [(c.request_id, len(c.token_ids)) for c in plan.chunks] == [("lax", 4), ("urgent", 2)]
         plan, _ = run_step(s)  # lax decodes, urgent still prefills: who gets the budget first
         assert [(c.request_id, len(c.token_ids)) for c in plan.chunks] == third
+
+
+def _delayed(factor: float):
+    clock = [0.0]
+    s = Scheduler(SchedulerConfig(64, 8, 256, 2, scheduler_delay_factor=factor), BlockManager(64, 4),
+                  clock=lambda: clock[0])
+    return s, clock
+
+
+def _admitted(plan, running_before: set[str]) -> list[str]:
+    return [c.request_id for c in plan.chunks if c.request_id not in running_before]
+
+
+def test_the_scheduler_delay_lets_prompts_gather_while_requests_run():
+    """vLLM's scheduler_delay_factor: with a request running, a new prompt waits until the oldest waiting one
+    has waited factor x the last prompt iteration's latency; the prompts that came meanwhile share its pass."""
+    s, clock = _delayed(2.0)
+    s.add_request(req("a", 4, max_tokens=50))
+    plan, _ = run_step(s)  # nothing running: admitted at once
+    assert [c.request_id for c in plan.chunks] == ["a"]
+    clock[0] = 0.25  # that prompt iteration took 250 ms (planned to planned)
+    run_step(s)
+    assert s.last_prompt_latency_s == 0.25
+    s.add_request(req("b", 4, max_tokens=50))  # queued at 0.25
+    clock[0] = 0.5
+    s.add_request(req("c", 4, max_tokens=50))
+    for t in (0.5, 0.6, 0.74):  # b waited less than 2 x 250 ms: decode alone
+        clock[0] = t
+        plan, _ = run_step(s)
+        assert [c.request_id for c in plan.chunks] == ["a"]
+    clock[0] = 0.75  # b has waited 500 ms: b and c in one iteration
+    plan, _ = run_step(s)
+    assert sorted(_admitted(plan, {"a"})) == ["b", "c"]
+
+
+def test_without_a_delay_factor_or_with_nothing_running_prompts_go_at_once():
+    s, clock = _delayed(0.0)
+    s.add_request(req("a", 4, max_tokens=50))
+    run_step(s)
+    s.add_request(req("b", 4))
+    plan, _ = run_step(s)
+    assert "b" in [c.request_id for c in plan.chunks]
+    s, clock = _delayed(5.0)
+    s.last_prompt_latency_s = 1.0
+    s.add_request(req("x", 4))  # nothing running: no reason to wait
+    plan, _ = run_step(s)
+    assert [c.request_id for c in plan.chunks] == ["x"]
+
+
+def test_a_preempted_request_resumes_without_the_delay():
+    s, clock = _delayed(10.0)
+    s.last_prompt_latency_s = 1.0
+    s.add_request(req("a", 4, max_tokens=50))
+    run_step(s)
+    s.add_request(req("b", 4, max_tokens=50))
+    s.waiting.remove(s.requests["b"])  # b as a preempted request: back at the head, not newly queued
+    s._queued_at.pop("b")
+    s.waiting.appendleft(s.requests["b"])
+    plan, _ = run_step(s)
+    assert "b" in [c.request_id for c in plan.chunks]
+
+
+def test_the_delay_factor_is_checked():
+    import pytest
+    for bad in (-1, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="scheduler_delay_factor"):
+            SchedulerConfig(scheduler_delay_factor=bad)

@@ -58,6 +58,7 @@ class RunSpec:
     load_margin_max: float | None = None  # EngineConfig.load_margin_max
     finetune_burst_ms: float | None = None  # EngineConfig.finetune_burst_ms
     first_token_slice_ms: float | None = None  # EngineConfig.first_token_slice_ms
+    scheduler_delay_factor: float = 0.0  # EngineConfig.scheduler_delay_factor
     ttft_limit_s: float = 5.0
     drain_s: float = 30.0  # after the last arrival, how long requests may still finish
     temporal_interval: int = 64
@@ -185,7 +186,7 @@ def run_one(spec: RunSpec) -> dict:
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, slo_margin=spec.slo_margin,
         slo_margin_max=spec.slo_margin_max, load_margin_max=spec.load_margin_max,
         finetune_burst_ms=spec.finetune_burst_ms, latency_model=spec.latency_model,
-        first_token_slice_ms=spec.first_token_slice_ms,
+        first_token_slice_ms=spec.first_token_slice_ms, scheduler_delay_factor=spec.scheduler_delay_factor,
         temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,
         cuda_graphs=spec.cuda_graphs, enable_prefix_caching=spec.prefix_caching))
     _warm_up(engine)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coserve.model.batch_invariance import FUSE_CHOICES
-from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SCHEDULING_POLICIES, check_margins
+from coserve.scheduler.config import (DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SCHEDULING_POLICIES,
+                                     check_delay_factor, check_margins)
 
 
 # The finetuning burst on a CPU (EngineConfig.finetune_burst_ms). The session that built it measured 27-32% more
@@ -67,6 +68,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # full KV blocks are shared by requests whose tokens (and tenant and
     #   adapter) agree up to them (kvcache/block_manager.py); a prompt's cached blocks are not computed again
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priority: lower first; vLLM's flag)
+    scheduler_delay_factor: float = 0.0  # vLLM's: while requests run, new prompts wait until the oldest has waited
+    #   this many times the last prompt iteration's latency, so that several share one prefill pass; 0 = off
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank",
@@ -89,6 +92,7 @@ class EngineConfig:
         if self.fuse_finetuning not in FUSE_CHOICES:
             raise ValueError(f"fuse_finetuning must be one of {FUSE_CHOICES}, got {self.fuse_finetuning!r}")
         check_margins(self.slo_margin, self.slo_margin_max, self.load_margin_max)
+        check_delay_factor(self.scheduler_delay_factor)
         for name, what in (("first_token_slice_ms", "None or a non-negative number (inf: no cap)"),
                            ("finetune_burst_ms", "a non-negative number")):  # None: the device's default
             value = getattr(self, name)

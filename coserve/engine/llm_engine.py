@@ -317,7 +317,8 @@ class LLMEngine:
                                                               else self.first_token_slice_ms / 1000),
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,
-                                         scheduling_policy=c.scheduling_policy),
+                                         scheduling_policy=c.scheduling_policy,
+                                         scheduler_delay_factor=c.scheduler_delay_factor),
                          BlockManager(num_blocks, c.block_size, c.enable_prefix_caching), latency=latency)
 
     def reset_after_fault(self, error: BaseException) -> list[RequestOutput]:

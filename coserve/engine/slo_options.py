@@ -1,5 +1,6 @@
-"""The co-serving SLO options that ``coserve serve`` and ``coserve bench`` share: one definition, one set of
-defaults (``EngineConfig`` fields of the same names)."""
+"""The co-serving SLO options that ``coserve serve`` and ``coserve bench`` share (the latency targets, and the
+knobs that trade finetuning and first tokens against them): one definition, one set of defaults (``EngineConfig``
+fields of the same names)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
 
 # The EngineConfig fields these options set, named as the options' destinations.
 SLO_FIELDS = ("slo_tpot_ms", "slo_margin", "slo_margin_max", "load_margin_max", "finetune_burst_ms",
-              "first_token_slice_ms")
+              "first_token_slice_ms", "scheduler_delay_factor")
 
 
 def add_slo_arguments(p, prefix: str = "") -> None:
@@ -28,6 +29,9 @@ def add_slo_arguments(p, prefix: str = "") -> None:
                    help=f"{prefix}the most finetuning an iteration that gives a request its first token carries "
                         "(its time is banked as the running requests' TPOT slack; inf = as any other iteration; "
                         "default: 5 on a CPU, inf on a GPU)")
+    p.add_argument("--scheduler-delay-factor", type=float, default=0.0,
+                   help="while requests run, new prompts wait until the oldest has waited this many times the last "
+                        "prompt iteration's latency, so that several share one prefill pass (vLLM's flag; 0 = off)")
 
 
 def slo_settings(args) -> dict:

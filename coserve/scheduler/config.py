@@ -38,6 +38,12 @@ def check_margins(slo_margin, slo_margin_max, load_margin_max) -> None:
                          f"got {load_margin_max!r}")
 
 
+def check_delay_factor(value) -> None:
+    """``scheduler_delay_factor`` must be a finite number >= 0 (SchedulerConfig and EngineConfig)."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")):
+        raise ValueError(f"scheduler_delay_factor must be a finite number >= 0, got {value!r}")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Budgets that bound one iteration; validated on construction."""
@@ -70,6 +76,9 @@ class SchedulerConfig:
     temporal_interval: int = 64  # policy temporal: inference iterations per finetuning iteration
     speculative_tokens: int = 0  # n-gram draft tokens verified per decode step of a greedy request; 0 = off
     scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
+    scheduler_delay_factor: float = 0.0  # vLLM's: while requests run, new prompts wait until the oldest has waited
+    #   this many times the latency of the last iteration that admitted prompts, so that several share one
+    #   prefill pass (where a pass costs its kernel launches whatever its tokens); 0 = admit at once
     fairness: FairnessWeights = field(default_factory=FairnessWeights)  # VTC cost of input, output, finetuning tokens
 
     def __post_init__(self) -> None:
@@ -97,3 +106,4 @@ class SchedulerConfig:
             raise ValueError(
                 f"finetune_burst_s must be a non-negative number of seconds, got {self.finetune_burst_s!r}")
         check_margins(self.slo_margin, self.slo_margin_max, self.load_margin_max)
+        check_delay_factor(self.scheduler_delay_factor)

@@ -102,6 +102,11 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculative decoding: n-gram drafts proposed
         self.num_accepted_drafts = 0  # of them, the ones the model agreed with
         self.prefix_cache_hits = 0  # of them, found cached (not computed again)
+        # scheduler_delay_factor: when each waiting request was queued (by this clock; a preempted one is not here:
+        # it resumes at once), when the last iteration that admitted prompts was planned, and how long it took
+        self._queued_at: dict[str, float] = {}
+        self._prompt_planned_at: float | None = None
+        self.last_prompt_latency_s = 0.0
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,6 +115,8 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.config.scheduler_delay_factor:
+            self._queued_at[request.request_id] = self.clock()
         self._arrivals += 1
         self._tenant_arrives(request.tenant)
 
@@ -303,8 +310,12 @@ class Scheduler:
             plan.chunks.append(self._chunk(request, n, drafts))
             budget -= n + len(drafts)
             scheduled += 1
-        if not plan.preempted:
+        passed = self._delay_passed()  # (measures the last prompt iteration's latency either way)
+        if not plan.preempted and passed:
+            admitted = len(self.running)
             budget = self._admit(plan, budget)
+            if len(self.running) > admitted and self.config.scheduler_delay_factor:
+                self._prompt_planned_at = self.clock()
         plan.adapters = sorted({c.adapter for c in plan.chunks if c.adapter is not None})
         plan.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return budget
@@ -406,6 +417,22 @@ class Scheduler:
         self.blocks.allocate(request.request_id, num_tokens)
         return True
 
+    def _delay_passed(self) -> bool:
+        """vLLM's ``scheduler_delay_factor``: with requests running, waiting prompts are admitted once the oldest
+        has waited ``factor`` times the latency of the last iteration that admitted prompts (planned to planned),
+        so that prompts arriving meanwhile share its prefill; with none running, at once."""
+        factor = self.config.scheduler_delay_factor
+        if not factor:
+            return True
+        now = self.clock()
+        if self._prompt_planned_at is not None:  # the iteration after a prompt iteration: it has ended
+            self.last_prompt_latency_s = now - self._prompt_planned_at
+            self._prompt_planned_at = None
+        if not self.waiting or not self.running:
+            return True
+        oldest = min(self._queued_at.get(r.request_id, float("-inf")) for r in self.waiting)
+        return now - oldest >= factor * self.last_prompt_latency_s
+
     def _admit(self, plan: IterationPlan, budget: int) -> int:
         adapters = {r.adapter for r in self.running if r.adapter is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -417,6 +444,7 @@ class Scheduler:
             if not self.blocks.can_allocate(request.request_id, request.num_tokens, prefix):
                 break  # admitted only when the whole prompt fits
             self.waiting.remove(request)
+            self._queued_at.pop(request.request_id, None)
             self.vtc.charge_input(request.tenant, request.num_tokens)
             self.blocks.allocate(request.request_id, request.num_tokens, prefix)
             if prefix:  # those blocks' K/V are in the cache already: computing starts after them
@@ -515,6 +543,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         self.blocks.free(request.request_id)
+        self._queued_at.pop(request.request_id, None)  # ended while waiting
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_since_plan.append(request.request_id)
