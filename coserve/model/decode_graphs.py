@@ -26,7 +26,7 @@ import torch
 
 from coserve.model.attention import PagedKVCache
 from coserve.model.decoder import DecoderModel
-from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup
+from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, long_tensor
 
 MIN_GRAPH_BLOCKS = 4  # the smallest block bucket (a power of two)
 
@@ -142,7 +142,7 @@ class DecodeGraphs:
         pad = seqs - t
         values = (token_ids + [0] * pad + positions + [0] * pad + slots + [scratch * bs] * pad
                   + [c.context_len for c in chunks] + [1] * pad + tables + [scratch] * (pad * blocks))
-        g.host.copy_(torch.tensor(values, dtype=torch.long))
+        g.host.copy_(long_tensor(values, g.host.device))
         g.inputs.copy_(g.host, non_blocking=True)
 
     def _record(self, rows: int, seqs: int, blocks: int) -> _Graph:

