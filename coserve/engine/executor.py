@@ -126,11 +126,14 @@ class ModelExecutor:
             hidden, sampling = self._verify_drafts(hidden, sampling, result)
         if sampling:
             logits = self.model.logits(hidden)  # [N, V] float32
-            rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
-                                self._generator(c.request_id, c.params.seed), _adjustments(c, self.eos_token_ids),
-                                self._allowed(c), c.params.min_p)
-                    for c in sampling]
-            tokens = sample(logits, rows, self.default_generator)
+            if all(c.params.greedy and not c.params.reads_history for c in sampling):
+                tokens = logits.argmax(dim=-1).tolist()  # what ``sample`` gives such rows, without building them
+            else:
+                rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
+                                    self._generator(c.request_id, c.params.seed),
+                                    _adjustments(c, self.eos_token_ids), self._allowed(c), c.params.min_p)
+                        for c in sampling]
+                tokens = sample(logits, rows, self.default_generator)
             result.sampled.update({c.request_id: t for c, t in zip(sampling, tokens)})
             wants = [i for i, c in enumerate(sampling) if c.params.logprobs is not None]
             if wants:
