@@ -3,6 +3,8 @@ them) against one plain autograd forward and backward of the same sequence, then
 operators and the host calls that stall it (kernel launches, copies, synchronizations).
 
     python benchmarks/finetune_profile.py --model DIR [--device cuda] [--dtype bfloat16] [--seq-len 512]
+
+From the repository root; where coserve is not installed (a lent GPU's image), with ``PYTHONPATH=.``.
 """
 
 from __future__ import annotations
