@@ -174,7 +174,8 @@ def format_row(r: dict) -> str:
 def write_report(path: Path, args, rows: list[dict]) -> None:
     import torch
     report = {"model": args.model, "duration_s": args.duration, **slo_settings(args),
-              "cut_for_arrivals": args.cut_for_arrivals, "ttft_limit_s": args.ttft_limit_s, "finetune_data": args.finetune_data,
+              "cut_for_arrivals": args.cut_for_arrivals, "ttft_limit_s": args.ttft_limit_s,
+              "finetune_data": args.finetune_data,
               "command": " ".join(["coserve", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
               "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
               "results": rows}

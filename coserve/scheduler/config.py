@@ -23,16 +23,18 @@ DEFAULT_SLO_MARGIN = 0.1
 DEFAULT_SLO_MARGIN_MAX = 0.6
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def check_margins(slo_margin, slo_margin_max, load_margin_max) -> None:
     """The SLO margins' checks (``SchedulerConfig`` and ``EngineConfig``): numbers with
     0 <= slo_margin <= load_margin_max (or None) <= slo_margin_max < 1; a ValueError names the field."""
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-    if not (number(slo_margin) and 0 <= slo_margin < 1):
+    if not (_number(slo_margin) and 0 <= slo_margin < 1):
         raise ValueError(f"slo_margin must lie in [0, 1), got {slo_margin!r}")
-    if not (number(slo_margin_max) and slo_margin <= slo_margin_max < 1):
+    if not (_number(slo_margin_max) and slo_margin <= slo_margin_max < 1):
         raise ValueError(f"slo_margin_max must lie in [slo_margin, 1), got {slo_margin_max!r}")
-    if load_margin_max is not None and not (number(load_margin_max)
+    if load_margin_max is not None and not (_number(load_margin_max)
                                             and slo_margin <= load_margin_max <= slo_margin_max):
         raise ValueError(f"load_margin_max must be None or lie in [slo_margin, slo_margin_max], "
                          f"got {load_margin_max!r}")
@@ -40,7 +42,7 @@ def check_margins(slo_margin, slo_margin_max, load_margin_max) -> None:
 
 def check_delay_factor(value) -> None:
     """``scheduler_delay_factor`` must be a finite number >= 0 (SchedulerConfig and EngineConfig)."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")):
+    if not (_number(value) and 0 <= value < float("inf")):
         raise ValueError(f"scheduler_delay_factor must be a finite number >= 0, got {value!r}")
 
 
