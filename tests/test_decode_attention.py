@@ -1,5 +1,5 @@
-"""Attention's CUDA forms against the forms CPU runs: decode (K/V heads repeated by the gather, an additive mask made
-once per batch; checked on whatever device is here) and prefill chunks in one variable-length call (CUDA)."""
+"""Attention's CUDA form against the forms CPU runs: every chunk of a batch in one variable-length call over its
+blocks, K/V heads repeated by the gather (the layout checked anywhere, the kernel on CUDA)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from coserve.model import attention
 from coserve.model.attention import PagedKVCache
-from coserve.model.forward_batch import SequenceChunk, build_forward_batch
+from coserve.model import forward_batch
+from coserve.model.forward_batch import SequenceChunk, build_forward_batch, varlen_keys
 
 
 def _cache(device, num_blocks=12, block_size=4, kv_heads=2, dim=8):
@@ -38,38 +39,62 @@ def test_gather_repeated_repeats_each_kv_head_for_its_query_heads():
     kr, vr = cache.gather_repeated(0, tables, num_heads=6)
     assert kr.shape == (2, 12, 6, 8)
     assert torch.equal(kr, k.repeat_interleave(3, dim=2)) and torch.equal(vr, v.repeat_interleave(3, dim=2))
+    flat, _ = cache.gather_repeated(0, tables.reshape(-1), num_heads=6)  # a flat list of blocks: end to end
+    assert torch.equal(flat, kr.reshape(-1, 6, 8))
 
 
-def test_the_cuda_decode_form_equals_the_cpu_form():
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Decode tokens, a whole prompt, a chunk after a cached prefix, a speculative chunk (a token and two drafts).
+_MIXED = [SequenceChunk(0, 1, 9, [3, 1, 0]), SequenceChunk(1, 6, 5, [4, 6]), SequenceChunk(6, 7, 6, [2, 8]),
+          SequenceChunk(7, 10, 11, [5, 7, 9]), SequenceChunk(10, 13, 8, [10, 11])]
+
+
+def test_varlen_keys_lay_each_chunk_s_blocks_end_to_end():
+    keys = varlen_keys(_MIXED, 4, torch.device("cpu"))
+    assert keys.blocks.tolist() == [3, 1, 0, 4, 6, 2, 8, 5, 7, 9, 10, 11]  # the blocks covering each context
+    assert keys.cu_q.tolist() == [0, 1, 6, 7, 10, 13]
+    assert keys.cu_k.tolist() == [0, 12, 20, 28, 40, 48]  # whole blocks
+    assert keys.seqlen_k.tolist() == [9, 5, 6, 11, 8]
+    assert (keys.max_q, keys.max_k) == (5, 11)
+    assert keys.cu_q.dtype == keys.cu_k.dtype == keys.seqlen_k.dtype == torch.int32
+    with pytest.raises(ValueError, match="in order"):
+        varlen_keys([_MIXED[1], _MIXED[0]], 4, torch.device("cpu"))
+
+
+def test_the_varlen_layout_gives_the_attention_of_the_per_chunk_forms():
+    """What the variable-length kernel computes from ``VarlenKeys`` (each chunk's first ``seqlen_k`` gathered keys,
+    causal from the bottom right), written out in plain attention, equals the CPU forms' output."""
+    device = torch.device("cpu")
+    g = torch.Generator(device="cpu").manual_seed(5)
+    rows = _MIXED[-1].end
+    q, k, v = torch.randn(rows, 6, 8, generator=g), torch.randn(rows, 2, 8, generator=g), torch.randn(rows, 2, 8,
+                                                                                                    generator=g)
     cache = _cache(device)
-    chunks = [SequenceChunk(0, 1, 9, [3, 1, 0]), SequenceChunk(1, 2, 7, [5, 7]), SequenceChunk(2, 3, 6, [2, 4])]
-    batch = build_forward_batch([[1], [2], [3]], chunks, cache.block_size, [0, 1, 2], device)
-    [group] = batch.single_groups
-    q = torch.randn(3, 6, 8, generator=torch.Generator(device="cpu").manual_seed(1)).to(device)
-    cuda_form = attention._single_token_attention_cuda(q, 0, cache, group, 0.35)
-    k, v = cache.gather(0, group.block_tables)
-    reference = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.valid, scale=0.35,
-        enable_gqa=True).squeeze(2)
-    torch.testing.assert_close(cuda_form, reference, rtol=1e-5, atol=1e-5)
-    assert group.bias is not None and group.bias.stride(-2) % 16 == 0  # made once, aligned for the kernel
+    batch = build_forward_batch([[1] * c.num_new for c in _MIXED], _MIXED, cache.block_size, [0], device)
+    expected = attention.paged_attention(q, k, v, 0, cache, batch, 0.35).view(rows, 6, 8)
+    keys = varlen_keys(_MIXED, cache.block_size, device)
+    kg, vg = cache.gather_repeated(0, keys.blocks, 6)  # [B * block_size, Hq, D], K/V written above
+    for i, c in enumerate(_MIXED):
+        start, n = keys.cu_k[i].item(), keys.seqlen_k[i].item()
+        kc, vc = kg[start:start + n].transpose(0, 1), vg[start:start + n].transpose(0, 1)  # [Hq, n, D]
+        sees = torch.arange(n).unsqueeze(0) <= torch.arange(c.num_new).unsqueeze(1) + (n - c.num_new)
+        out = torch.nn.functional.scaled_dot_product_attention(q[c.start:c.end].transpose(0, 1), kc, vc,
+                                                               attn_mask=sees, scale=0.35)
+        torch.testing.assert_close(out.transpose(0, 1), expected[c.start:c.end], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the variable-length kernel is CUDA's")
-def test_prefill_chunks_in_one_variable_length_call_equal_one_call_each(monkeypatch):
-    """On CUDA every chunk of 2+ tokens (whole prompts, and chunks after a cached prefix) attends in one call."""
+def test_one_variable_length_call_equals_the_per_chunk_forms(monkeypatch):
+    """On CUDA every chunk (decode tokens, prompts, chunks after a prefix, drafts) attends in one call."""
     device = torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(3)
-    chunks = [SequenceChunk(0, 5, 5, [0, 1]), SequenceChunk(5, 6, 7, [2, 3]),  # a prompt, a decode token
-              SequenceChunk(6, 9, 10, [4, 5, 6]), SequenceChunk(9, 11, 2, [7])]  # after a prefix of 7, a prompt
-    q = torch.randn(11, 6, 8, generator=g).to(device)
-    k, v = torch.randn(11, 2, 8, generator=g).to(device), torch.randn(11, 2, 8, generator=g).to(device)
+    rows = _MIXED[-1].end
+    q = torch.randn(rows, 6, 8, generator=g).to(device)
+    k, v = torch.randn(rows, 2, 8, generator=g).to(device), torch.randn(rows, 2, 8, generator=g).to(device)
     outs = []
     for varlen in (True, False):
-        monkeypatch.setattr(attention, "VARLEN_PREFILL", varlen)
+        monkeypatch.setattr(forward_batch, "CUDA_VARLEN", varlen)
         cache = _cache(device)
-        batch = build_forward_batch([[1] * (c.end - c.start) for c in chunks], chunks, cache.block_size, [4], device)
+        batch = build_forward_batch([[1] * c.num_new for c in _MIXED], _MIXED, cache.block_size, [4], device)
+        assert (batch.varlen is not None) == varlen and bool(batch.single_groups) != varlen
         outs.append(attention.paged_attention(q, k, v, 0, cache, batch, 0.35))
-        assert (batch.prefill is not None) == varlen
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

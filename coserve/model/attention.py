@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, prefill_rows
+from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys
 
 #: The attention kernels coserve lets ``scaled_dot_product_attention`` choose from. cuDNN's
 #: (which torch picks first for bfloat16/float16 on an H100) builds a graph for every new shape,
@@ -15,8 +15,6 @@ from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleToken
 #: 1,520 tokens/s on an H100, without it at 29,900.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# On CUDA, prefill chunks attend in one variable-length call (``_prefill_attention_cuda``); False: one call each.
-VARLEN_PREFILL = True
 EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT = 2  # the memory-efficient kernel's ``custom_mask_type`` for chunks after a prefix
 
 
@@ -56,19 +54,11 @@ class PagedKVCache:
         self.k[layer].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
         self.v[layer].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
-    def gather_repeated(self, layer: int, block_tables: torch.Tensor, num_heads: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the blocks ``block_tables`` ``[S, nb]`` as ``[S, nb * block_size, num_heads, Dh]``, each K/V head
+    def gather_repeated(self, layer: int, blocks: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the blocks ``blocks`` ``[..., nb]`` as ``[..., nb * block_size, num_heads, Dh]``, each K/V head
         repeated for the ``num_heads // Hkv`` query heads it serves (as HF's ``repeat_kv``), in one gather each."""
-        k, v = (_gather_heads_repeated(pool, block_tables, num_heads) for pool in (self.k[layer], self.v[layer]))
-        return k.flatten(1, 2), v.flatten(1, 2)
-
-    def gather_slots_repeated(self, layer: int, slots: torch.Tensor, num_heads: int
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V at flat ``slots`` ``[K]`` as ``[K, num_heads, Dh]``, heads repeated as in ``gather_repeated``."""
-        k, v = (_gather_heads_repeated(pool.flatten(0, 1), slots, num_heads)
-                for pool in (self.k[layer], self.v[layer]))
-        return k, v
+        k, v = (_gather_heads_repeated(pool, blocks, num_heads) for pool in (self.k[layer], self.v[layer]))
+        return k.flatten(-4, -3), v.flatten(-4, -3)
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the blocks ``block_table`` ``[..., nb]`` as ``[..., nb * block_size, Hkv, D]``.
@@ -103,12 +93,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         ``[T, Hq * D]`` attention outputs in row order.
     """
     cache.write(layer, batch.slot_mapping, k, v)
+    if batch.varlen is not None:
+        return _varlen_attention(q, layer, cache, batch.varlen, scale).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     for group in batch.single_groups:
         out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale)
-    if q.is_cuda and VARLEN_PREFILL and (batch.multi_chunks or batch.prefixed_chunks):
-        _prefill_attention_cuda(q, layer, cache, batch, scale, out)
-        return out.reshape(q.shape[0], -1)
     for chunk in batch.multi_chunks:  # a whole prompt (or its first chunk): causal over its own rows
         _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, None, scale, out)
     for pc in batch.prefixed_chunks:  # a later prefill chunk: over the cached prefix and itself
@@ -117,21 +106,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return out.reshape(q.shape[0], -1)
 
 
-def _prefill_attention_cuda(q: torch.Tensor, layer: int, cache: PagedKVCache, batch: ForwardBatch, scale: float,
-                            out: torch.Tensor) -> None:
-    """Every chunk of 2+ tokens in one variable-length call of the memory-efficient kernel, causal from the
-    bottom right (query ``i`` of a chunk after a prefix of ``p`` sees keys ``<= p + i``), its keys and values
-    gathered from the cache (where this layer's new ones were just written) with their heads repeated. One
-    call instead of one per chunk, each of which fell to PyTorch's unfused math path (grouped K/V heads)."""
-    if batch.prefill is None:
-        batch.prefill = prefill_rows(batch.multi_chunks + [pc.chunk for pc in batch.prefixed_chunks],
-                                     cache.block_size, q.device)
-    pr = batch.prefill
-    k, v = cache.gather_slots_repeated(layer, pr.slots, q.shape[1])  # [K, Hq, Dh]
+def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: VarlenKeys, scale: float
+                      ) -> torch.Tensor:
+    """Every chunk in one variable-length call of the memory-efficient kernel (CUDA), causal from the bottom right
+    (query ``i`` of a chunk after a prefix of ``p`` sees keys ``<= p + i``; a decode token sees its whole context).
+    Keys and values: the chunks' blocks gathered whole with their heads repeated (the kernel wants as many K/V heads
+    as query heads), each chunk reading its first ``seqlen_k`` slots. Each (chunk, head, block of queries) is one
+    thread block over that chunk's keys alone, so a row's result does not depend on the chunks beside it. Returns
+    ``[T, Hq, D]``."""
+    k, v = cache.gather_repeated(layer, keys.blocks, q.shape[1])  # [B * block_size, Hq, D]
     o = torch.ops.aten._efficient_attention_forward(
-        q[pr.rows].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, pr.cu_q, pr.cu_k, pr.max_q, pr.max_k, 0.0,
-        EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=scale)[0]  # [1, Q, Hq, D]
-    out[pr.rows] = o[0]
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, keys.cu_q, keys.cu_k, keys.max_q, keys.max_k, 0.0,
+        EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=scale, seqlen_k=keys.seqlen_k)[0]  # [1, T, Hq, D]
+    return o[0]
 
 
 def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk: SequenceChunk,
@@ -146,31 +133,8 @@ def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk:
 def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
                             scale: float) -> torch.Tensor:
     """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes."""
-    if q.is_cuda:
-        return _single_token_attention_cuda(q, layer, cache, group, scale)
     kc, vc = cache.gather(layer, group.block_tables)  # [D, L, Hkv, Dh]
     o = sdpa(
         q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
         attn_mask=group.valid, scale=scale, enable_gqa=True)  # [D, Hq, 1, Dh]
     return o.squeeze(2)
-
-
-def _single_token_attention_cuda(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
-                                 scale: float) -> torch.Tensor:
-    """``_single_token_attention`` on CUDA: K/V gathered with their heads repeated, the mask an additive bias made
-    once per batch, so that the memory-efficient kernel runs. (With grouped K/V heads and a mask, PyTorch falls back
-    to its unfused math path: about 15 kernels a layer, measured on an H100 as most of a decode step's launches.)"""
-    kc, vc = cache.gather_repeated(layer, group.block_tables, q.shape[1])  # [D, L, Hq, Dh]
-    if group.bias is None:
-        group.bias = _additive_bias(group.valid, q.dtype)
-    o = sdpa(q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=group.bias, scale=scale)
-    return o.squeeze(2)  # [D, Hq, Dh]
-
-
-def _additive_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``valid`` ``[..., L]`` as 0 / -inf in ``dtype``, in a buffer whose rows are padded to a multiple of 16
-    columns (the memory-efficient kernel's alignment; it would copy a mask otherwise)."""
-    length = valid.shape[-1]
-    padded = torch.full((*valid.shape[:-1], -(-length // 16) * 16), float("-inf"), dtype=dtype, device=valid.device)
-    padded[..., :length].masked_fill_(valid, 0.0)
-    return padded[..., :length]

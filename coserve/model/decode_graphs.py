@@ -26,7 +26,8 @@ import torch
 
 from coserve.model.attention import PagedKVCache
 from coserve.model.decoder import DecoderModel
-from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, long_tensor
+from coserve.model import forward_batch
+from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys, long_tensor
 
 MIN_GRAPH_BLOCKS = 4  # the smallest block bucket (a power of two)
 
@@ -165,13 +166,21 @@ class DecodeGraphs:
         return g
 
     def _static_forward(self, g: _Graph) -> torch.Tensor:
-        seqs, blocks = g.seqs, g.blocks
+        """The forward a graph records: attention laid out as the eager forward lays out a batch on CUDA (one
+        variable-length call, here over ``blocks`` blocks a row, of which it reads its context; or the decode group,
+        padded to ``blocks``, where ``CUDA_VARLEN`` is off), so that a replay rounds as the eager forward does."""
+        seqs, blocks, bs = g.seqs, g.blocks, self.cache.block_size
+        device = g.inputs.device
         tokens, positions, slots, lengths, tables = g.inputs.split([seqs, seqs, seqs, seqs, seqs * blocks])
-        tables = tables.view(seqs, blocks)
-        span = torch.arange(blocks * self.cache.block_size, device=g.inputs.device)
-        valid = (span.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
-        group = SingleTokenGroup(rows=torch.arange(seqs, device=g.inputs.device), block_tables=tables,
-                                 context_lens=lengths, valid=valid)
         batch = ForwardBatch(token_ids=tokens, positions=positions, slot_mapping=slots, chunks=[],
-                             logits_rows=tokens[:0], single_groups=[group])
+                             logits_rows=tokens[:0])
+        if forward_batch.CUDA_VARLEN:
+            starts = torch.arange(seqs + 1, device=device, dtype=torch.int32)
+            batch.varlen = VarlenKeys(blocks=tables, cu_q=starts, cu_k=starts * (blocks * bs),
+                                      seqlen_k=lengths.to(torch.int32), max_q=1, max_k=blocks * bs)
+        else:
+            span = torch.arange(blocks * bs, device=device)
+            batch.single_groups = [SingleTokenGroup(
+                rows=torch.arange(seqs, device=device), block_tables=tables.view(seqs, blocks), context_lens=lengths,
+                valid=(span.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :])]
         return self.model.forward(batch, self.cache, None, min_rows=g.rows)

@@ -41,7 +41,6 @@ class SingleTokenGroup:
     block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0
     context_lens: torch.Tensor  # [D] long
     valid: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool: the gathered positions each chunk attends to
-    bias: torch.Tensor | None = None  # ``valid`` as an additive mask, made by the first layer that needs one (CUDA)
 
 
 @dataclass(slots=True)
@@ -55,33 +54,43 @@ class PrefixedChunk:
 
 
 @dataclass(slots=True)
-class PrefillRows:
-    """Every chunk of 2+ tokens of a batch, for one variable-length attention call (CUDA): its queries' rows, the
-    cache slots of the keys each chunk attends to (its prefix and itself, in position order), and the cumulative
-    lengths of both."""
+class VarlenKeys:
+    """Every chunk of a batch (decode tokens, prompt chunks, chunks after a cached prefix) for one variable-length
+    attention call on CUDA: the KV blocks each chunk attends to, whole, chunk after chunk, and where each chunk's
+    queries and keys start. A chunk's keys are the first ``seqlen_k`` of its blocks' slots: its context, up to and
+    including its own new tokens (written into the cache before attention)."""
 
-    rows: torch.Tensor  # [Q] long: the chunks' rows in the flat batch, chunk after chunk
-    slots: torch.Tensor  # [K] long: flat cache slots of each chunk's positions 0 .. context_len - 1
-    cu_q: torch.Tensor  # [C + 1] int32: where each chunk's queries start in ``rows``
-    cu_k: torch.Tensor  # [C + 1] int32: where each chunk's keys start in ``slots``
+    blocks: torch.Tensor  # [B] long: chunk after chunk, the blocks covering its context
+    cu_q: torch.Tensor  # [C + 1] int32: where each chunk's rows start in the flat batch
+    cu_k: torch.Tensor  # [C + 1] int32: where each chunk's keys start among the gathered blocks' slots
+    seqlen_k: torch.Tensor  # [C] int32: each chunk's context length
     max_q: int  # the longest chunk
     max_k: int  # the longest context
 
 
-def prefill_rows(chunks: list[SequenceChunk], block_size: int, device: torch.device) -> PrefillRows:
-    """``PrefillRows`` of ``chunks`` (each of 2+ tokens, with or without a cached prefix)."""
-    rows: list[int] = []
-    slots: list[int] = []
-    cu_q, cu_k = [0], [0]
+def varlen_keys(chunks: list[SequenceChunk], block_size: int, device: torch.device) -> VarlenKeys:
+    """``VarlenKeys`` of ``chunks``, which must cover the batch's rows in order from row 0."""
+    blocks = array("q")
+    cu_q, cu_k, lengths = array("i", [0]), array("i", [0]), array("i")
     for c in chunks:
-        rows.extend(range(c.start, c.end))
-        slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in range(c.context_len))
-        cu_q.append(cu_q[-1] + c.num_new)
-        cu_k.append(cu_k[-1] + c.context_len)
-    return PrefillRows(long_tensor(rows, device), long_tensor(slots, device),
-                       torch.tensor(cu_q, dtype=torch.int32, device=device),
-                       torch.tensor(cu_k, dtype=torch.int32, device=device),
-                       max(c.num_new for c in chunks), max(c.context_len for c in chunks))
+        if c.start != cu_q[-1]:
+            raise ValueError(f"chunks must cover the rows in order: a chunk starts at row {c.start}, "
+                             f"not {cu_q[-1]}")
+        nb = -(-c.context_len // block_size)
+        blocks.extend(c.block_table[:nb])
+        cu_q.append(c.end)
+        cu_k.append(cu_k[-1] + nb * block_size)
+        lengths.append(c.context_len)
+    ints = torch.frombuffer(cu_q + cu_k + lengths, dtype=torch.int32).to(device)  # one copy to the device
+    n = len(chunks) + 1
+    return VarlenKeys(long_tensor(blocks, device), ints[:n], ints[n:2 * n], ints[2 * n:],
+                      max(c.num_new for c in chunks), max(c.context_len for c in chunks))
+
+
+# On CUDA a batch is laid out for one variable-length attention call over every chunk (``VarlenKeys``): per layer,
+# one gather of K and one of V and one kernel, where the per-length decode groups and prompt chunks took a few
+# calls each (about 5 kernels and their host work per group per layer). False: the groups and chunks, as on CPU.
+CUDA_VARLEN = True
 
 
 # A group of one-token chunks takes sequences down to this fraction of its longest context, so
@@ -102,11 +111,11 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long, flat KV-cache slot (block * block_size + offset) per token
     chunks: list[SequenceChunk]  # one per sequence, in row order
     logits_rows: torch.Tensor  # [N] long, rows whose next-token logits are wanted
-    # Derived once per batch for attention (see attention.py).
+    # Derived once per batch for attention (see attention.py): on CUDA ``varlen`` alone, elsewhere the rest.
+    varlen: VarlenKeys | None = None  # every chunk, for one variable-length call (CUDA)
     single_groups: list[SingleTokenGroup] = field(default_factory=list)  # 1-token chunks, by length
     multi_chunks: list[SequenceChunk] = field(default_factory=list)  # chunks of 2+ tokens without a prefix
     prefixed_chunks: list[PrefixedChunk] = field(default_factory=list)  # chunks of 2+ tokens after a prefix
-    prefill: PrefillRows | None = None  # all chunks of 2+ tokens in one, made by the first layer that needs it (CUDA)
 
     @property
     def num_tokens(self) -> int:
@@ -125,18 +134,18 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
             positions.append(pos)
             slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
         token_ids.extend(tokens)
+    batch = ForwardBatch(token_ids=long_tensor(token_ids, device), positions=long_tensor(positions, device),
+                         slot_mapping=long_tensor(slots, device), chunks=chunks,
+                         logits_rows=long_tensor(logits_rows, device))
+    if device.type == "cuda" and CUDA_VARLEN:
+        batch.varlen = varlen_keys(chunks, block_size, device)
+        return batch
     singles = sorted((c for c in chunks if c.num_new == 1), key=lambda c: -c.context_len)
-    return ForwardBatch(
-        token_ids=long_tensor(token_ids, device),
-        positions=long_tensor(positions, device),
-        slot_mapping=long_tensor(slots, device),
-        chunks=chunks,
-        logits_rows=long_tensor(logits_rows, device),
-        single_groups=[_group(g, block_size, device) for g in _split_by_length(singles)],
-        multi_chunks=[c for c in chunks if c.num_new > 1 and c.context_len == c.num_new],
-        prefixed_chunks=[_prefixed(c, block_size, device) for c in chunks
-                         if c.num_new > 1 and c.context_len > c.num_new],
-    )
+    batch.single_groups = [_group(g, block_size, device) for g in _split_by_length(singles)]
+    batch.multi_chunks = [c for c in chunks if c.num_new > 1 and c.context_len == c.num_new]
+    batch.prefixed_chunks = [_prefixed(c, block_size, device) for c in chunks
+                             if c.num_new > 1 and c.context_len > c.num_new]
+    return batch
 
 
 def _prefixed(chunk: SequenceChunk, block_size: int, device: torch.device) -> PrefixedChunk:
