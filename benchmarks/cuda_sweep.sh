@@ -12,8 +12,8 @@
 # them), FUSE (--fuse-finetuning for the profile and every run: auto, always, never; `never` keeps decode rows on
 # their CUDA graphs and runs windows in calls of their own), EXTRA (more `coserve bench` options for every run, e.g.
 # "--slo-margin-max 0.3"), POLICIES (the policies run at LIGHT, HEAVY and MID, space-separated; default every one
-# but spatial, which runs last), TEST_ARGS (the pytest arguments of the CUDA tests). An empty MID skips the middle
-# rate.
+# but spatial, which runs last), TEST_ARGS (the pytest arguments of the CUDA tests). An empty MID or HEAVY skips
+# that rate.
 # The H200 of 2026-11-26 took about 36 s per run of 15 s arrivals (about 20 s to start each run's process), so
 # BUDGET=555 covered the profile and 13 runs; the rates here suit `small` float32 on an H100 or H200.
 set -u
@@ -25,7 +25,7 @@ DUR=${DUR:-15}
 DRAIN=${DRAIN:-5}
 LIGHT=${LIGHT:-5}
 MID=${MID-15}
-HEAVY=${HEAVY:-30}
+HEAVY=${HEAVY-30}
 PRESET=${PRESET:-small}
 DTYPE=${DTYPE:-float32}
 PROFILE_POINTS=${PROFILE_POINTS:-60}
@@ -75,12 +75,12 @@ step() {  # step NAME ARGS...: one `coserve bench` into $OUT/NAME.json, cut at t
 
 step idle --policy finetune-only --policy coserve --rate 0
 step light "${ALL[@]}" --rate "$LIGHT"
-step heavy "${ALL[@]}" --rate "$HEAVY"
+[ -n "$HEAVY" ] && step heavy "${ALL[@]}" --rate "$HEAVY"
 [ -n "$MID" ] && step mid "${ALL[@]}" --rate "$MID"
 if [ "$TESTS" = 1 ] && [ "$(left)" -gt 60 ]; then
     say "CUDA tests"
     # shellcheck disable=SC2086  # TEST_ARGS is a list of arguments
     timeout -k 5 "$(($(left) - 30))" $PY -m pytest -q -p no:cacheprovider $TEST_ARGS 2>&1 | tail -5
 fi
-step spatial --policy spatial --rate "$LIGHT" --rate "$HEAVY" ${MID:+--rate "$MID"}
+step spatial --policy spatial --rate "$LIGHT" ${HEAVY:+--rate "$HEAVY"} ${MID:+--rate "$MID"}
 say "done"

@@ -14,6 +14,7 @@ import collections
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -97,6 +98,17 @@ def main() -> None:
         fw, bw = (statistics.median(r[i] for r in runs) * 1e3 for i in (0, 1))
         print(f"  {label:<20} forward {fw:8.2f} ms  backward {bw:8.2f} ms  "
               f"({args.seq_len / ((fw + bw) / 1e3):,.0f} tokens/s)")
+
+    if device.type == "cuda":  # where the job waits for the device: the Python lines of its synchronizing calls
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            job_sequence()
+        torch.cuda.set_sync_debug_mode("default")
+        sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                    if "synchronizing" in str(w.message))
+        print("\n== job, whole windows: synchronizing calls by line: "
+              + (", ".join(f"{k} {v}" for k, v in sites.most_common()) or "none"))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for label, run in (("job, whole windows", job_sequence), ("plain autograd", autograd_sequence)):

@@ -56,6 +56,8 @@ def test_varlen_keys_lay_each_chunk_s_blocks_end_to_end():
     assert keys.seqlen_k.tolist() == [9, 5, 6, 11, 8]
     assert (keys.max_q, keys.max_k) == (5, 11)
     assert keys.cu_q.dtype == keys.cu_k.dtype == keys.seqlen_k.dtype == torch.int32
+    empty = varlen_keys([], 4, torch.device("cpu"))  # no inference rows (a finetuning window's forward alone)
+    assert empty.cu_q.tolist() == empty.cu_k.tolist() == [0] and (empty.max_q, empty.max_k) == (0, 0)
     with pytest.raises(ValueError, match="in order"):
         varlen_keys([_MIXED[1], _MIXED[0]], 4, torch.device("cpu"))
 

@@ -84,7 +84,7 @@ def varlen_keys(chunks: list[SequenceChunk], block_size: int, device: torch.devi
     ints = torch.frombuffer(cu_q + cu_k + lengths, dtype=torch.int32).to(device)  # one copy to the device
     n = len(chunks) + 1
     return VarlenKeys(long_tensor(blocks, device), ints[:n], ints[n:2 * n], ints[2 * n:],
-                      max(c.num_new for c in chunks), max(c.context_len for c in chunks))
+                      max((c.num_new for c in chunks), default=0), max((c.context_len for c in chunks), default=0))
 
 
 # On CUDA a batch is laid out for one variable-length attention call over every chunk (``VarlenKeys``): per layer,
@@ -138,7 +138,7 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
                          slot_mapping=long_tensor(slots, device), chunks=chunks,
                          logits_rows=long_tensor(logits_rows, device))
     if device.type == "cuda" and CUDA_VARLEN:
-        batch.varlen = varlen_keys(chunks, block_size, device)
+        batch.varlen = varlen_keys(chunks, block_size, device) if chunks else None  # none: a window's forward alone
         return batch
     singles = sorted((c for c in chunks if c.num_new == 1), key=lambda c: -c.context_len)
     batch.single_groups = [_group(g, block_size, device) for g in _split_by_length(singles)]
