@@ -196,14 +196,3 @@ def test_the_first_layer_stops_at_its_lowest_bypass(model_factory, peft, remat):
     for g, r in zip(_grads(bypass), ref):
         assert r.abs().max() > 0
         assert float((g - r).norm() / r.norm()) <= 1e-5
-
-
-def test_repeated_kv_heads_equal_repeat_interleave():
-    from coserve.finetune.window_attention import _repeat_kv
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(5, 6, 4, generator=g), torch.randn(5, 2, 4, generator=g), torch.randn(5, 2, 4, generator=g)
-    kr, vr = _repeat_kv(q, k, v)
-    assert torch.equal(kr, k.repeat_interleave(3, dim=1)) and torch.equal(vr, v.repeat_interleave(3, dim=1))
-    same_k, same_v = _repeat_kv(q[:, :2], k, v)  # one query head per K/V head: as they are
-    assert same_k is k and same_v is v

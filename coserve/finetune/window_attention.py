@@ -85,14 +85,11 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
 
 
 def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V ``[L, Hkv, D]`` with each head repeated for its group of query heads: ``[L, Hq, D]``, as
-    ``repeat_interleave(group, dim=1)`` gives them, by one copy of a stride-0 view, which never waits for the
-    device (a CUDA ``repeat_interleave`` may size its output from a tensor of repeats, synchronizing)."""
+    """K/V ``[L, Hkv, D]`` with each head repeated for its group of query heads: ``[L, Hq, D]``."""
     group = q.shape[1] // k.shape[1]
     if group == 1:
         return k, v
-    return tuple(t.unsqueeze(2).expand(t.shape[0], t.shape[1], group, t.shape[2]).reshape(t.shape[0], -1, t.shape[2])
-                 for t in (k, v))
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 def _bias(n: int, p: int, q: torch.Tensor) -> torch.Tensor | None:
