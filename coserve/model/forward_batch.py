@@ -89,7 +89,9 @@ def varlen_keys(chunks: list[SequenceChunk], block_size: int, device: torch.devi
 
 # On CUDA a batch is laid out for one variable-length attention call over every chunk (``VarlenKeys``): per layer,
 # one gather of K and one of V and one kernel, where the per-length decode groups and prompt chunks took a few
-# calls each (about 5 kernels and their host work per group per layer). False: the groups and chunks, as on CPU.
+# calls each (``benchmarks/mixed_step.py``, ``medium`` bfloat16 on an H200, 48 decode tokens and a 256-token prompt
+# chunk: 1,463 against 2,650 aten operators, 16.4 against 46.3 ms a forward). False: the groups and chunks, as on
+# CPU (tests compare the two).
 CUDA_VARLEN = True
 
 
