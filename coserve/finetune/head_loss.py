@@ -12,7 +12,7 @@ import torch
 
 from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.model.decoder import DecoderModel
-from coserve.model.norm_grad import rms_norm_backward
+from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
 
 
 def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tensor, loss_scale: float,
@@ -29,7 +29,8 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
         return 0.0, torch.zeros_like(x) if need_grad else None, 0
     xs = x if m == x.shape[0] else x[rows]
     t = targets[rows]
-    logits = model.logits(model.final_norm(xs))  # [m, V] float32
+    stats = rms_norm_stats(xs, model.cfg.rms_norm_eps)  # the final norm's, for its backward too
+    logits = model.logits(model.final_norm(xs, stats))  # [m, V] float32
     picked = logits.gather(1, t.unsqueeze(1))  # [m, 1]
     top, predicted = logits.max(dim=-1, keepdim=True)
     probs = logits.sub_(top).exp_()  # exp(logits - max), in the logits' buffer
@@ -44,7 +45,7 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
     probs[torch.arange(m, device=probs.device), t] -= 1.0
     probs.mul_(loss_scale)
     dh = model.input_grad(probs.to(x.dtype), model.lm_head)  # [m, H]
-    dx = rms_norm_backward(dh, xs, model.norm, model.cfg.rms_norm_eps)
+    dx = rms_norm_backward(dh, xs, model.norm_f32, model.cfg.rms_norm_eps, stats)
     if m == x.shape[0]:
         return loss, dx, correct
     grad = torch.zeros_like(x)

@@ -25,7 +25,7 @@ from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET, PruningPlan, p
 from coserve.finetune.window_attention import (kept_attention_supported, window_attention, window_attention_backward,
                                                window_attention_lse)
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
-from coserve.model.norm_grad import rms_norm_backward
+from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
 from coserve.peft.trainable import LowRank
 
 # The base layer's tensors a plan may store or recompute (attention's two outputs go together).
@@ -149,10 +149,12 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     last = len(_STAGES) if need_input_grad else _lowest_stage(bypass)
     if last == 0:
         return None
+    eps = cfg.rms_norm_eps
     q = keep.get("q", a, b)
-    h1 = None
+    h1 = stats1 = None  # the input norm and its statistics, where recomputed (its backward reads them too)
     if q is None or _touches(bypass, "q_proj", "k_proj", "v_proj"):
-        h1 = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        stats1 = rms_norm_stats(x, eps)
+        h1 = rms_norm(x, layer.input_norm, eps, stats1)
     if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
         bias = layer.qkv_bias[:cfg.q_size] if layer.qkv_bias is not None else None
         with torch.no_grad():
@@ -170,9 +172,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         with torch.no_grad():
             resid = x + bypassed_linear(bypass, None, i, "o_proj", o, layer.o, model.linear)
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
-    h2 = None
+    h2 = stats2 = None
     if gate is None or up is None or _touches(bypass, "gate_proj", "up_proj"):
-        h2 = rms_norm(resid, layer.post_norm, cfg.rms_norm_eps)
+        stats2 = rms_norm_stats(resid, eps)
+        h2 = rms_norm(resid, layer.post_norm, eps, stats2)
     inter = cfg.intermediate_size
     with torch.no_grad():
         if gate is None:
@@ -194,7 +197,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if last == 2:
         return None
     dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u)
-    dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm, cfg.rms_norm_eps)
+    dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2)
     dattn = _module_backward(model, bypass, keep, i, "o_proj", o, layer.o, dresid, a, b, need_dx=last > 3)
     if last == 3:
         return None
@@ -221,7 +224,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if not need_input_grad:
         return None
     dh1 = _plus(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v)
-    return dresid + rms_norm_backward(dh1, x, layer.input_norm, cfg.rms_norm_eps)
+    return dresid + rms_norm_backward(dh1, x, layer.input_norm_f32, eps, stats1)
 
 
 def _lowest_stage(bypass) -> int:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
+from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
 from coserve.model.rope import RotaryEmbedding
 from coserve.model.tiled_gemm import padded_rows, split_linear
@@ -67,6 +68,8 @@ class DecoderLayer:
         self.index = index
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
+        # in float32 for their backward (the same tensors in a float32 model; else one copy, not one per window)
+        self.input_norm_f32, self.post_norm_f32 = self.input_norm.float(), self.post_norm.float()
         self.qkv = gemm_layout(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                                           w("self_attn.v_proj.weight")]))  # [q + 2kv, H]
         self.qkv_bias = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
@@ -110,6 +113,7 @@ class DecoderModel:
         self.lm_head = (self.embed if cfg.tie_word_embeddings  # the embedding's own rows: gathered by token
                         else gemm_layout(state["lm_head.weight"].to(device=device, dtype=dtype)))
         self.norm = state["model.norm.weight"].to(device=device, dtype=dtype)
+        self.norm_f32 = self.norm.float()  # for the finetuning head's backward, as DecoderLayer's
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
         self.scale = cfg.head_dim ** -0.5
@@ -182,8 +186,8 @@ class DecoderModel:
             x, _, _ = self.layer_forward(layer, x, positions, attend, bypass)
         return self.final_norm(x[:t])
 
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+    def final_norm(self, x: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, stats)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[N, V]`` in float32 for hidden states ``[N, H]``."""
@@ -257,8 +261,9 @@ def bypassed_linear(bypass: Bypass | None, tap: Tap | None, layer: int, module: 
     return bypass_output(bypass, tap, layer, module, x, linear(x, weight))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as HF's LlamaRMSNorm does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as HF's LlamaRMSNorm does; ``stats``: ``rms_norm_stats(x, eps)``
+    where the caller keeps them for the backward."""
+    xf, rstd = stats if stats is not None else rms_norm_stats(x, eps)
+    return weight * (xf * rstd).to(x.dtype)
