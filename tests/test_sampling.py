@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coserve import LLM, SamplingParams
-from coserve.model.sampling import SamplingRow, _filtered_probs, sample
+from coserve.model.sampling import SamplingRow, _filtered_probs, draw, filtered_probs, sample
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,28 @@ def test_top_k_and_top_p_filter_exactly():
     assert (probs > 0).tolist() == [True, True, False, False, False]
     probs = _filtered_probs(logits, SamplingRow(1.0, -1, 0.01, None))
     assert (probs > 0).tolist() == [True, False, False, False, False]  # the top token always stays
+
+
+def test_a_batch_filters_each_row_as_alone():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=g) * 3
+    rows = [SamplingRow(1.0, -1, 1.0, None), SamplingRow(0.7, 5, 1.0, None), SamplingRow(1.3, -1, 0.8, None),
+            SamplingRow(1.0, 40, 0.95, None, min_p=0.02), SamplingRow(0.5, 0, 1.0, None, min_p=0.1),
+            SamplingRow(2.0, 1000, 0.5, None)]
+    together = filtered_probs(logits, rows)
+    for i, row in enumerate(rows):  # bit for bit: no filter reaches another row
+        assert torch.equal(together[i], _filtered_probs(logits[i], row))
+
+
+def test_draws_follow_the_probabilities_and_never_pick_a_dropped_token():
+    probs = torch.tensor([[0.0, 0.5, 0.3, 0.2, 0.0, 0.0]]).repeat(20_000, 1)
+    tokens = draw(probs, [None] * len(probs), torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=6) / len(tokens)
+    assert counts[[0, 4, 5]].sum() == 0
+    torch.testing.assert_close(counts, probs[0], atol=0.015, rtol=0)
+    seeded = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(7)]
+    three = draw(torch.tensor([[0.25] * 4, [0.25] * 4, [0.25] * 4]), seeded)
+    assert three[0] == three[2]  # the same seed, the same number: a row's draw is its own
 
 
 def test_low_temperature_sampling_approaches_greedy():
