@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from coserve import LLM, SamplingParams
+from coserve.model import sampling
 from coserve.model.sampling import SamplingRow, _filtered_probs, draw, filtered_probs, sample
 
 
@@ -45,6 +46,23 @@ def test_a_batch_filters_each_row_as_alone():
     together = filtered_probs(logits, rows)
     for i, row in enumerate(rows):  # bit for bit: no filter reaches another row
         assert torch.equal(together[i], _filtered_probs(logits[i], row))
+
+
+def test_top_p_sorts_the_likeliest_tokens_first_and_a_wide_nucleus_whole():
+    """Rows whose nucleus lies within the top ``TOP_P_CANDIDATES`` and rows whose nucleus does not (sorted whole),
+    in one batch: each keeps what sorting its whole row keeps."""
+    vocab = 300  # more than TOP_P_CANDIDATES
+    g = torch.Generator().manual_seed(1)
+    peaky = -2.0 * torch.log(torch.arange(1.0, vocab + 1))[torch.randperm(vocab, generator=g)]
+    flat = 0.01 * torch.randn(vocab, generator=g)  # a nucleus of about 0.9 * 300 tokens
+    logits = torch.stack([peaky, flat, peaky.flip(0), flat.flip(0)])
+    rows = [SamplingRow(1.0, -1, top_p, None) for top_p in (0.9, 0.9, 0.5, 0.99)]
+    kept = filtered_probs(logits, rows) > 0
+    for i, row in enumerate(rows):
+        sorted_probs, order = logits[i].softmax(-1).sort(descending=True)
+        n = int(((sorted_probs.cumsum(-1) - sorted_probs) < row.top_p).sum())  # tokens before the mass is reached
+        assert set(order[:n].tolist()) == set(kept[i].nonzero().squeeze(1).tolist())
+    assert kept[0].sum() < sampling.TOP_P_CANDIDATES < kept[1].sum()  # both paths ran
 
 
 def test_draws_follow_the_probabilities_and_never_pick_a_dropped_token():

@@ -86,16 +86,48 @@ def filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).unsqueeze(1))
         kth = kth.masked_fill(column([float(k == 0) for k in ks]) > 0, float("-inf"))  # top-k off: nothing below
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if any(row.top_p < 1.0 for row in rows):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already reach top_p (never the top token; rows without
-        # top-p drop nothing).
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= column([row.top_p for row in rows])
-        drop[:, 0] = False
-        drop &= column([float(row.top_p < 1.0) for row in rows]) > 0
-        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    nucleus = [j for j, row in enumerate(rows) if row.top_p < 1.0]
+    if nucleus:
+        index = torch.tensor(nucleus, device=device)
+        scaled = scaled.index_copy(0, index, _top_p(scaled[index], [rows[j].top_p for j in nucleus]))
     return scaled.softmax(-1)
+
+
+# Top-p first sorts only this many of a row's likeliest tokens, which hold the nucleus wherever their mass reaches
+# top-p (a row where they do not is sorted whole). Sorting a whole row was most of top-p's time: 128 rows of 8,192
+# logits took 31 ms to sort here (2-core Zen 4) and 5 ms for their top 256.
+TOP_P_CANDIDATES = 256
+
+
+def _top_p(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """``scaled`` ``[M, V]`` with every token dropped (-inf) that comes after tokens already holding ``top_p`` of
+    its row's probability (the top token always stays)."""
+    limit = torch.tensor(top_p, dtype=scaled.dtype, device=scaled.device).unsqueeze(1)
+    out = torch.full_like(scaled, float("-inf"))
+    k = min(scaled.shape[-1], TOP_P_CANDIDATES)
+    values, order = scaled.topk(k, dim=-1)  # descending
+    probs = (values - scaled.logsumexp(-1, keepdim=True)).exp()
+    mass = probs.cumsum(-1)
+    held = mass[:, -1] >= limit[:, 0]  # the rows whose nucleus lies within their top k
+    if k == scaled.shape[-1] or bool(held.all()):
+        return out.scatter(1, order, values.masked_fill(_dropped(mass, probs, limit), float("-inf")))
+    whole = (~held).nonzero().squeeze(1)  # the rest, sorted whole (one row's path depends on that row alone)
+    sorted_logits, sorted_order = scaled[whole].sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    out[whole] = out[whole].scatter(1, sorted_order, sorted_logits.masked_fill(
+        _dropped(sorted_probs.cumsum(-1), sorted_probs, limit[whole]), float("-inf")))
+    part = held.nonzero().squeeze(1)
+    out[part] = out[part].scatter(1, order[part], values[part].masked_fill(
+        _dropped(mass[part], probs[part], limit[part]), float("-inf")))
+    return out
+
+
+def _dropped(mass: torch.Tensor, probs: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Which of a row's tokens, in descending order with their probabilities and running mass, come after tokens
+    already reaching ``limit`` (never the first)."""
+    drop = (mass - probs) >= limit
+    drop[:, 0] = False
+    return drop
 
 
 def _filtered_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
