@@ -200,11 +200,16 @@ def test_lark_guided_requests_end_in_text_lark_parses(model_factory):
     llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
     free = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     alone = llm.generate(["Hello there"], free)
-    outs = llm.generate(["Hello there", "Greet:", "Sum:"],
-                        [free, SamplingParams(max_tokens=40, temperature=0.9, seed=4, guided_grammar=GREETINGS),
-                         SamplingParams(max_tokens=40, temperature=0, guided_grammar=sums)])
+    # Sampled greetings may run out of tokens instead (random weights can repeat the ignored space; about half did,
+    # with torch.multinomial as with the sampler now): each that ends must parse, and some end.
+    greet = [SamplingParams(max_tokens=40, temperature=0.9, seed=seed, guided_grammar=GREETINGS) for seed in range(6)]
+    outs = llm.generate(["Hello there", "Sum:"] + ["Greet:"] * len(greet),
+                        [free, SamplingParams(max_tokens=40, temperature=0, guided_grammar=sums)] + greet)
     assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
-    for out, grammar in zip(outs[1:], (GREETINGS, sums)):
-        o = out.outputs[0]
-        assert o.finish_reason == "stop" and lark_accepts(grammar, o.text), o.text
-    assert re.search(r"[0-9]", outs[2].outputs[0].text)
+    summed = outs[1].outputs[0]
+    assert summed.finish_reason == "stop" and lark_accepts(sums, summed.text), summed.text
+    assert re.search(r"[0-9]", summed.text)
+    greetings = [out.outputs[0] for out in outs[2:]]
+    for o in greetings:
+        assert o.finish_reason == "length" or lark_accepts(GREETINGS, o.text), o.text
+    assert sum(o.finish_reason == "stop" for o in greetings) >= 2, [o.text for o in greetings]
