@@ -173,3 +173,20 @@ def test_priority_scheduling_changes_the_order_not_the_outputs(llm, model_factor
     assert [o.token_ids for o in outs] == [o.token_ids for o in fcfs]
     with pytest.raises(ValueError, match="priority: 3 needs the priority scheduling policy"):
         llm.generate("x", params, priority=3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampling_on_cuda_filters_as_on_cpu_and_draws_within_the_filter():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 400, generator=g) * 3
+    rows = [SamplingRow(1.0, -1, 1.0, None), SamplingRow(0.7, 20, 1.0, None), SamplingRow(1.0, -1, 0.6, None),
+            SamplingRow(1.2, 50, 0.9, None, min_p=0.01), SamplingRow(0.9, -1, 0.95, None)]
+    on_cpu, on_cuda = filtered_probs(logits, rows), filtered_probs(logits.cuda(), rows)
+    assert torch.equal(on_cpu > 0, on_cuda.cpu() > 0)
+    torch.testing.assert_close(on_cuda.cpu(), on_cpu, rtol=1e-5, atol=1e-7)
+    seeded = lambda: [torch.Generator(device="cuda").manual_seed(s) for s in range(5)]  # noqa: E731
+    first = sample(logits.cuda(), [SamplingRow(r.temperature, r.top_k, r.top_p, gen, min_p=r.min_p)
+                                   for r, gen in zip(rows, seeded())])
+    again = sample(logits.cuda(), [SamplingRow(r.temperature, r.top_k, r.top_p, gen, min_p=r.min_p)
+                                   for r, gen in zip(rows, seeded())])
+    assert first == again and all(on_cpu[i, t] > 0 for i, t in enumerate(first))
