@@ -34,7 +34,8 @@ FUSE=${FUSE:-auto}
 EXTRA=${EXTRA:-}
 FT_SEQ_LEN=${FT_SEQ_LEN:-1024}
 TEST_ARGS=${TEST_ARGS:-tests/test_decode_graphs.py tests/test_decode_attention.py tests/test_batch_invariance.py
-tests/test_finetune_windows.py tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own}
+tests/test_finetune_windows.py tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own
+tests/test_sampling.py::test_sampling_on_cuda_filters_as_on_cpu_and_draws_within_the_filter}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 
