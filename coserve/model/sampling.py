@@ -84,7 +84,8 @@ def filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if any(ks):
         top = torch.topk(scaled, max(ks), dim=-1).values  # [M, max k], descending
         kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).unsqueeze(1))
-        kth = kth.masked_fill(column([float(k == 0) for k in ks]) > 0, float("-inf"))  # top-k off: nothing below
+        off = torch.tensor([k == 0 for k in ks], device=device).unsqueeze(1)
+        kth = kth.masked_fill(off, float("-inf"))  # top-k off: nothing below
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     nucleus = [j for j, row in enumerate(rows) if row.top_p < 1.0]
     if nucleus:
@@ -103,22 +104,19 @@ def _top_p(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """``scaled`` ``[M, V]`` with every token dropped (-inf) that comes after tokens already holding ``top_p`` of
     its row's probability (the top token always stays)."""
     limit = torch.tensor(top_p, dtype=scaled.dtype, device=scaled.device).unsqueeze(1)
-    out = torch.full_like(scaled, float("-inf"))
     k = min(scaled.shape[-1], TOP_P_CANDIDATES)
     values, order = scaled.topk(k, dim=-1)  # descending
     probs = (values - scaled.logsumexp(-1, keepdim=True)).exp()
     mass = probs.cumsum(-1)
+    out = torch.full_like(scaled, float("-inf")).scatter(  # every row by its top k (rows they do not hold: below)
+        1, order, values.masked_fill(_dropped(mass, probs, limit), float("-inf")))
     held = mass[:, -1] >= limit[:, 0]  # the rows whose nucleus lies within their top k
-    if k == scaled.shape[-1] or bool(held.all()):
-        return out.scatter(1, order, values.masked_fill(_dropped(mass, probs, limit), float("-inf")))
-    whole = (~held).nonzero().squeeze(1)  # the rest, sorted whole (one row's path depends on that row alone)
-    sorted_logits, sorted_order = scaled[whole].sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(-1)
-    out[whole] = out[whole].scatter(1, sorted_order, sorted_logits.masked_fill(
-        _dropped(sorted_probs.cumsum(-1), sorted_probs, limit[whole]), float("-inf")))
-    part = held.nonzero().squeeze(1)
-    out[part] = out[part].scatter(1, order[part], values[part].masked_fill(
-        _dropped(mass[part], probs[part], limit[part]), float("-inf")))
+    if k < scaled.shape[-1] and not bool(held.all()):  # the rest, sorted whole (a row's path is its own)
+        whole = (~held).nonzero().squeeze(1)
+        sorted_logits, sorted_order = scaled[whole].sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        out[whole] = torch.full_like(sorted_logits, float("-inf")).scatter(1, sorted_order, sorted_logits.masked_fill(
+            _dropped(sorted_probs.cumsum(-1), sorted_probs, limit[whole]), float("-inf")))
     return out
 
 
