@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import threading
+import time
 
 import pytest
 
@@ -197,8 +200,6 @@ def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_
 def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(model_factory):
     """``bench-server``'s HTTP phase end to end: a ``coserve serve`` child, the load from a spawned client process
     at ``client_nice``, and each request's engine part read back from the server's access log."""
-    import os
-
     from coserve.bench.server_load import LoadSpec, phase_row, run_http
     spec = LoadSpec(str(model_factory("llama")), [(0.0, "Hello there", 3), (0.05, "Tell me a story", 4)], None,
                     0.05, 5.0, 120.0, "float32", None, 0, client_nice=3)
@@ -209,3 +210,16 @@ def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(mod
     row = phase_row("http", records, extra, spec)
     assert row["client_nice"] == extra["client_nice"] and row["num_split"] == 2 and row["num_failed"] == 0
     assert row["client_cpu_ms_per_request"] == pytest.approx(1000 * extra["client_cpu_s"] / 2) and extra["client_cpu_s"] > 0
+    # the server's event loop ran the two requests (its main thread's CPU time, read from /proc)
+    assert extra["server_loop_cpu_s"] > 0
+    assert row["server_loop_cpu_ms_per_request"] == pytest.approx(1000 * extra["server_loop_cpu_s"] / 2)
+
+
+def test_a_threads_cpu_time_is_read_and_an_unreadable_one_is_none():
+    from coserve.bench.server_load import thread_cpu_s
+    before = thread_cpu_s(os.getpid(), threading.get_native_id())
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    assert thread_cpu_s(os.getpid(), threading.get_native_id()) > before
+    assert thread_cpu_s(os.getpid(), 2**31 - 1) is None

@@ -59,6 +59,8 @@ def add_arguments(p) -> None:
                    "(0-19; the server keeps its own), to see how much of the phases' difference is the client's CPU "
                    "(on 2 cores, 19 moved it from the engine's wait to the client's late reads: "
                    "docs/benchmark-history.md)")
+    p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (both phases): an "
+                   "event every N tokens after the first")
     p.add_argument("--out", default=None, help="JSON results")
 
 
@@ -76,6 +78,7 @@ class LoadSpec:
     device: str | None
     seed: int
     client_nice: int = 0
+    stream_interval: int = 1  # the server's --stream-interval, in both phases
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
@@ -219,7 +222,8 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
         port = _free_port()
         cmd = [sys.executable, "-m", "coserve.cli", "serve", "--model", spec.model, "--state-dir", f"{tmp}/state",
                "--port", str(port), "--dtype", spec.dtype, "--log-level", "info", "--max-waiting-requests",
-               str(max(512, len(spec.requests)))] + (["--device", spec.device] if spec.device else [])
+               str(max(512, len(spec.requests))), "--stream-interval", str(spec.stream_interval)]
+        cmd += ["--device", spec.device] if spec.device else []
         log = open(f"{tmp}/server.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -236,8 +240,11 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
                     raise RuntimeError("the server did not start in 300 s")
                 time.sleep(0.2)
             model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+            loop_cpu = thread_cpu_s(proc.pid, proc.pid)
             records, extra = run_spawned(_http_client, (spec, f"http://127.0.0.1:{port}/v1", model),
                                          "the HTTP phase's load client")
+            after = thread_cpu_s(proc.pid, proc.pid)
+            extra["server_loop_cpu_s"] = None if loop_cpu is None or after is None else after - loop_cpu
         finally:
             proc.terminate()
             try:
@@ -249,6 +256,16 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
         for record, ident in zip(records, extra.pop("ids")):
             record.engine_ttft_s = logged.get(ident)
         return records, extra
+
+
+def thread_cpu_s(pid: int, tid: int) -> float | None:
+    """CPU seconds one thread of a process has run (user + system, Linux's /proc); None where unreadable. The
+    server's event loop is its main thread (uvicorn runs it there): ``thread_cpu_s(pid, pid)``."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
 def _http_client(job: tuple[LoadSpec, str, str]) -> tuple[list[RequestRecord], dict]:
@@ -276,7 +293,7 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
     from coserve.server.inference_api import max_tokens_for, render_chat, sampling_params, start_choice
     from coserve.server.jobs import POLL_S
     from coserve.server.protocol import ChatCompletionRequest, FineTuningJobRequest
-    app = build_app(ServerConfig(model=spec.model, state_dir=state_dir),
+    app = build_app(ServerConfig(model=spec.model, state_dir=state_dir, stream_interval=spec.stream_interval),
                     EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device))
     ctx = app.state.coserve
     async with app.router.lifespan_context(app):
@@ -335,6 +352,8 @@ def phase_row(name: str, records: list[RequestRecord], extra: dict, spec: LoadSp
     # cores when they are all the machine has
     cpu = extra.get("client_cpu_s")
     row["client_cpu_ms_per_request"] = None if cpu is None or not records else 1000 * cpu / len(records)
+    loop = extra.get("server_loop_cpu_s")  # the server's event loop thread (HTTP phase only)
+    row["server_loop_cpu_ms_per_request"] = None if loop is None or not records else 1000 * loop / len(records)
     row["errors"] = sorted({r.error for r in records if r.error})[:5]
     # each request's TTFT split: the engine's wait (submission to first token) and the rest, outside the engine
     done = [r for r in records if r.completed]
@@ -383,7 +402,7 @@ def run(args) -> int:
             raise ValueError(f"--finetune-data: {path} is not a file (give one, or 'none')")
         data = finetune_jsonl(path)
     spec = LoadSpec(str(Path(args.model).resolve()), requests, data, args.slo_tpot_ms / 1000, args.ttft_limit_s,
-                    args.timeout, args.dtype, args.device, args.seed, args.client_nice)
+                    args.timeout, args.dtype, args.device, args.seed, args.client_nice, args.stream_interval)
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
     rows, pairs = [], []  # pairs: each repeat's row by phase
@@ -408,7 +427,7 @@ def run(args) -> int:
         rows += overall.values()
     print(table(rows))
     result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "repeats": args.repeats,
-              "model": args.model, "client_nice": args.client_nice,
+              "model": args.model, "client_nice": args.client_nice, "stream_interval": args.stream_interval,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     added = http_added_ms(overall.get("in-process"), overall.get("http"))
     if added is not None:
@@ -426,7 +445,9 @@ def run(args) -> int:
     for row in rows:
         if row.get("client_cpu_ms_per_request") is not None:
             print(f"{row['phase']}: the load client took {row['client_cpu_ms_per_request']:.1f} ms of CPU per request "
-                  f"({row['client_cpu_ms_per_request'] * row['num_requests'] / 1000 / row['duration_s']:.1%} of a core)")
+                  f"({row['client_cpu_ms_per_request'] * row['num_requests'] / 1000 / row['duration_s']:.1%} of a core)"
+                  + (f"; the server's event loop {row['server_loop_cpu_ms_per_request']:.1f} ms"
+                     if row.get("server_loop_cpu_ms_per_request") is not None else ""))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -65,7 +65,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     auth = Authenticator(config.api_keys)
     batches = BatchRunner(store, config.state_dir,
                           priority=BATCH_PRIORITY if engine_config.scheduling_policy == "priority" else None)
-    ctx = ServerContext(config, EngineClient(loop, config.max_waiting_requests), store, models, jobs, metrics, auth,
+    ctx = ServerContext(config, EngineClient(loop, config.max_waiting_requests, config.stream_interval), store, models, jobs, metrics, auth,
                         batches)
 
     @asynccontextmanager

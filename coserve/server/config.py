@@ -29,11 +29,12 @@ class ServerConfig:
     max_running_jobs: int = 2  # fine-tuning jobs co-served at once (more wait, queued)
     max_loaded_models: int = 32  # fine-tuned models and checkpoints kept loaded (least recently used unloaded)
     checkpoint_steps: int = 0  # save a servable checkpoint every N optimizer steps; 0 = at each epoch's end
+    stream_interval: int = 1  # streamed responses: an event every this many tokens (the first token at once)
     tool_call_parser: str | None = None  # tool_choice "auto": how calls written in the text are read (tool_parser.py)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_upload_bytes", "max_waiting_requests", "max_queued_jobs",
-                     "max_running_jobs", "max_loaded_models"):
+                     "max_running_jobs", "max_loaded_models", "stream_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer, got {value!r}")

@@ -16,6 +16,7 @@ from coserve.scheduler import Request
 from coserve.server.errors import APIError
 
 T = TypeVar("T")
+UNSTREAMED = 2**62  # a response sent whole needs no output between its first token's and its last
 
 
 async def on_engine_async(loop: EngineLoop, fn: Callable[[], T]) -> T:
@@ -33,10 +34,11 @@ class EngineClient:
     """What the HTTP routes use of the engine; ``EngineLoop.post`` keeps the event loop from ever blocking
     on an iteration in flight."""
 
-    def __init__(self, loop: EngineLoop, max_waiting_requests: int) -> None:
+    def __init__(self, loop: EngineLoop, max_waiting_requests: int, stream_interval: int = 1) -> None:
         self.loop = loop
         self.engine = loop.engine
         self.max_waiting_requests = max_waiting_requests
+        self.stream_interval = stream_interval  # a stream hears of every this many new tokens (``RequestStream``)
         self.in_flight = 0  # requests submitted and not ended (counted on the event loop's thread only)
 
     def check_capacity(self, new_requests: int) -> None:
@@ -51,15 +53,23 @@ class EngineClient:
             raise APIError(503, f"The server is over capacity ({waiting} requests waiting); retry later",
                            code="server_overloaded")
 
-    def submit(self, request: Request, text: str | None = None) -> "RequestStream":
-        """Hand ``request`` to the engine now (before any response is sent); iterate the result for its outputs."""
-        return RequestStream(self, request, text)
+    def submit(self, request: Request, text: str | None = None, streamed: bool = True) -> "RequestStream":
+        """Hand ``request`` to the engine now (before any response is sent); iterate the result for its outputs:
+        the first token's, then one every ``stream_interval`` tokens, and the last. ``streamed=False`` (a
+        response sent whole): only the first token's (its time is measured) and the last."""
+        return RequestStream(self, request, text, self.stream_interval if streamed else UNSTREAMED)
 
 
 class RequestStream:
-    """A submitted request's outputs as an async iterator; ``aclose`` aborts it unless it has finished."""
+    """A submitted request's outputs as an async iterator; ``aclose`` aborts it unless it has finished.
 
-    def __init__(self, client: EngineClient, request: Request, text: str | None) -> None:
+    Outputs are cumulative (each holds all the text so far), so the ones between two that reach the event loop
+    can be left out: with ``every`` > 1 it hears of the first token at once, then of every ``every`` new
+    tokens, and of the end (vLLM's and SGLang's ``--stream-interval``). Each output that reaches it wakes the
+    event loop from the engine thread and becomes a server-sent event; on a CPU whose cores also run the engine,
+    fewer of them leave the engine more time (``coserve bench-server --stream-interval``)."""
+
+    def __init__(self, client: EngineClient, request: Request, text: str | None, every: int = 1) -> None:
         self.client = client
         self.request_id = rid = request.request_id
         self.submitted_at = time.monotonic()  # handed to the engine (its part of the TTFT starts here)
@@ -68,8 +78,15 @@ class RequestStream:
         self._closed = False
         aio = asyncio.get_running_loop()
         loop = client.loop
+        heard = 0  # tokens in the last output passed on (touched on the engine thread only)
 
         def listener(out: RequestOutput | BaseException) -> None:
+            nonlocal heard
+            if isinstance(out, RequestOutput) and not out.finished:
+                tokens = len(out.outputs[0].token_ids)
+                if heard and tokens - heard < every:
+                    return  # a later output carries these tokens too
+                heard = tokens
             aio.call_soon_threadsafe(self.queue.put_nowait, out)
 
         def submit() -> None:

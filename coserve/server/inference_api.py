@@ -167,11 +167,11 @@ def make_request(ctx: ServerContext, tenant: str, ids: list[int], params: Sampli
     return request
 
 
-def submit(ctx: ServerContext, job: Job, requests: list[tuple[EngineRequest, str]]) -> None:
+def submit(ctx: ServerContext, job: Job, requests: list[tuple[EngineRequest, str]], streamed: bool) -> None:
     """Hand every choice's request to the engine at once (all were validated first)."""
     ctx.client.check_capacity(len(requests))
     for index, (request, prefix) in enumerate(requests):
-        job.choices.append(Choice(index, request.prompt_token_ids, ctx.client.submit(request),
+        job.choices.append(Choice(index, request.prompt_token_ids, ctx.client.submit(request, streamed=streamed),
                                   TextDelta.for_stops(request.params.stop), prefix))
     ctx.metrics.requests_started(len(requests))
 
@@ -301,7 +301,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored, guided=guided)
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt", body.priority),
                              text if body.echo else ""))
-    submit(ctx, job, requests)
+    submit(ctx, job, requests, body.stream)
 
     def offset_base(c: Choice) -> int:
         """The completion's first text offset: after the echoed prompt, counted as its tokens' texts (as the
@@ -393,7 +393,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     job = new_job(request, f"chatcmpl-{secrets.token_hex(12)}", body.model, body.n)
     params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided)
               for j in range(body.n)]
-    submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages", body.priority), "") for p in params])
+    submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages", body.priority), "") for p in params],
+           body.stream)
 
     if body.stream:
         def head(c: Choice) -> dict:

@@ -139,7 +139,7 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
         params = sampling_params(chat, max_tokens, None, 0, guided=guided)
         ctx.client.check_capacity(1)
         job = new_job(request, f"resp_{secrets.token_hex(12)}", body.model)
-        submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")])
+        submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")], body.stream)
     except APIError as e:
         raise _renamed(e) from None
     shape = ResponseShape(job, body, tools, tenant, conversation)
