@@ -288,10 +288,14 @@ def test_inference_load_widens_the_margin_before_any_request_misses_and_idle_tim
         s.add_request(req(f"r{i}", 4, max_tokens=10**6))
     step(s)  # the prompts
     decode = s.latency.predict(IterationShape(decode_tokens=8))
-    for _ in range(200):  # decode iterations back to back, each as long as its inference work: load 1
+    for _ in range(200):  # decode iterations back to back, each as long as its inference work
         plan = step(s)
         clock.now += decode
-    assert s.load.share() > 0.9 and s.margin == 0.1  # no request has finished, let alone missed
+    # each 1.8 ms iteration of 8 rows: 0.8 ms of token work in full, and its 1 ms fixed cost as if spread over the
+    # 18 ms the SLO (20 ms less the least margin, 10%) lets an iteration last: 0.1 ms (fewer rows once the KV
+    # blocks run out and requests are preempted)
+    assert LOAD_HIGH < s.load.share() <= 0.9 / 1.8 + 0.01
+    assert s.margin == 0.1  # no request has finished, let alone missed
     assert abs(s.current_margin() - 0.6) < 1e-12
     budget = s.iteration_budget_s()
     assert budget <= 0.020 * 0.4 + 1e-12  # the target is the SLO less the 60% margin
@@ -326,6 +330,28 @@ def test_load_margin_max_caps_what_the_load_alone_asks_and_misses_go_beyond_it()
     for bad in (0.05, 0.9, "0.5"):
         with pytest.raises(ValueError, match="load_margin_max"):
             make(margin_max=0.8, load_margin_max=bad)
+
+
+def test_the_load_counts_the_fixed_cost_of_an_iteration_as_if_it_were_stretched_so_shorter_ones_raise_it_not():
+    """The same token work per second in 45 ms iterations or in 20 ms ones (a wider margin) is the same load; counted
+    in full, the fixed cost made the shorter iterations a higher load, which widened the margin further."""
+    def share(iteration_s: float, stretch_s: float | None) -> float:
+        load = InferenceLoad(tau_s=2.0, stretch_s=stretch_s)
+        now = 0.0
+        load.observe(now, 0.0)
+        for _ in range(int(20 / iteration_s)):
+            now += iteration_s
+            load.observe(now, 0.001 + 0.2 * iteration_s, fixed_s=0.001)  # 1 ms fixed + a fifth of the time in tokens
+        return load.share()
+    assert share(0.045, 0.045) == pytest.approx(0.2 + 0.001 / 0.045)
+    assert share(0.020, 0.045) == pytest.approx(share(0.045, 0.045))
+    assert share(0.020, None) == pytest.approx(0.2 + 0.001 / 0.020)  # in full: 0.25 against 0.22
+    long = InferenceLoad(tau_s=2.0, stretch_s=0.045)  # an iteration longer than the stretch counts it once
+    long.observe(0.0, 0.0)
+    long.observe(0.1, 0.011, fixed_s=0.001)
+    assert long.share() == pytest.approx(0.11)
+    with pytest.raises(ValueError, match="stretch_s"):
+        InferenceLoad(1.0, stretch_s=0.0)
 
 
 def test_inference_load_is_the_decayed_share_of_wall_time_and_checks_its_time_constant():

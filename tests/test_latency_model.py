@@ -167,6 +167,10 @@ def test_each_iteration_kind_learns_its_own_correction(model):
     assert m.predict(over_layers) == pytest.approx(1.2 * model.predict(over_layers), rel=0.01)
     assert m.predict(bwd) == pytest.approx(1.4 * model.predict(bwd), rel=0.02)  # the one-window kind kept its own
     assert "kind_corrections" not in m.to_json()  # learned per run, not saved
+    # the fixed part of a prediction (the overhead term) carries the same correction as the whole
+    assert m.fixed_s(fwd) == pytest.approx(0.8 * model.fixed_s(fwd), rel=0.01)
+    assert model.fixed_s(IterationShape()) == pytest.approx(model.predict(IterationShape()))
+    assert model.fixed_s(IterationShape()) > 0
 
 
 def test_json_round_trip_and_keyed_load(tmp_path, model):

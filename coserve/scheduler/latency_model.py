@@ -135,6 +135,10 @@ class LatencyModel:
         the shape's kind (the overall one until that kind has been observed)."""
         return self._raw(shape) * self.kind_corrections.get(iteration_kind(shape), self.correction)
 
+    def fixed_s(self, shape: IterationShape) -> float:
+        """The part of ``predict(shape)`` any iteration of its kind pays, whatever it carries (``overhead``)."""
+        return self.coefficients[0] * self.kind_corrections.get(iteration_kind(shape), self.correction)
+
     def observe(self, shape: IterationShape, measured_s: float) -> None:
         """Fold one measured iteration into the correction.
 

@@ -41,8 +41,9 @@ MARGIN_DOWN = 0.0015
 # running request, a request near its first tokens most per output token.
 BURST_RESERVE = 0.3
 # The load-driven margin (``Scheduler.load_margin``): with the inference load (``InferenceLoad``, the share of the
-# last LOAD_TAU_S seconds that the inference work alone would take) at LOAD_LOW or below, none beyond the least;
-# rising linearly to ``slo_margin_max`` at LOAD_HIGH.
+# last LOAD_TAU_S seconds that the inference work alone would take, each iteration's fixed cost counted as if the
+# iteration were as long as the least margin lets it be) at LOAD_LOW or below, none beyond the least; rising
+# linearly to ``slo_margin_max`` at LOAD_HIGH.
 LOAD_TAU_S = 5.0
 LOAD_LOW, LOAD_HIGH = 0.2, 0.4
 
@@ -97,7 +98,9 @@ class Scheduler:
         self.overhead_s = 0.0
         self._overhead_seen = False
         self.margin = config.slo_margin  # the fraction of the TPOT SLO kept free now (observe_tpot moves it)
-        self.load = InferenceLoad(LOAD_TAU_S)  # coserve with a latency model: widens the margin under load
+        # coserve with a latency model: widens the margin under load (the fixed cost of an iteration counted as if it
+        # were as long as the SLO lets it be at the least margin)
+        self.load = InferenceLoad(LOAD_TAU_S, config.slo_tpot_s * (1 - config.slo_margin))
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at admission
         self.num_draft_tokens = 0  # speculative decoding: n-gram drafts proposed
         self.num_accepted_drafts = 0  # of them, the ones the model agreed with
@@ -332,8 +335,11 @@ class Scheduler:
         if self.latency is not None and plan.shape is not None and result.elapsed_s > 0 and not result.interrupted:
             self.latency.observe(plan.shape, result.elapsed_s)  # each kind of iteration corrects its own predictions
         if self.latency is not None and self.config.policy == "coserve":
-            inference_s = self.latency.predict(inference_shape(plan.chunks)) if plan.chunks else 0.0
-            self.load.observe(self.clock(), inference_s)
+            shape = inference_shape(plan.chunks)
+            if plan.chunks:
+                self.load.observe(self.clock(), self.latency.predict(shape), self.latency.fixed_s(shape))
+            else:
+                self.load.observe(self.clock(), 0.0)
         events = []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
