@@ -215,6 +215,20 @@ def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(mod
     assert row["server_loop_cpu_ms_per_request"] == pytest.approx(1000 * extra["server_loop_cpu_s"] / 2)
 
 
+def test_the_http_phases_server_gets_the_stream_interval_and_the_slo_options_the_serve_parser_reads():
+    from coserve.bench.server_load import LoadSpec, server_command
+    from coserve.server.serve_command import add_arguments
+    spec = LoadSpec("m", [(0.0, "hi", 3)], None, 0.04, 5.0, 60.0, "float32", None, 0, stream_interval=4,
+                    slo={"slo_tpot_ms": 40.0, "slo_margin": 0.1, "load_margin_max": 0.1, "finetune_burst_ms": None})
+    cmd = server_command(spec, 8123, "/tmp/state")
+    assert cmd[1:4] == ["-m", "coserve.cli", "serve"] and "--finetune-burst-ms" not in cmd
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(cmd[4:])
+    assert (args.stream_interval, args.slo_tpot_ms, args.slo_margin, args.load_margin_max) == (4, 40.0, 0.1, 0.1)
+    assert args.finetune_burst_ms is None and args.port == 8123
+
+
 def test_a_threads_cpu_time_is_read_and_an_unreadable_one_is_none():
     from coserve.bench.server_load import thread_cpu_s
     before = thread_cpu_s(os.getpid(), threading.get_native_id())

@@ -21,13 +21,14 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from coserve.bench.arrivals import poisson_arrivals
 from coserve.bench.metrics import RequestRecord, percentile_stats, summarize
 from coserve.bench.spawned import run_spawned
 from coserve.bench.workload import DEFAULT_SHAREGPT, fit_length, load_sharegpt
+from coserve.engine.slo_options import add_slo_arguments, slo_settings
 from coserve.server.middleware import ACCESS_LOGGER
 
 DEFAULT_ALPACA = Path(__file__).resolve().parents[3] / "shared" / "data" / "alpaca_en_demo.json"
@@ -46,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens at most per request")
     p.add_argument("--finetune-data", default=None, help="JSON/JSONL Alpaca or chat records (default: "
                    "../shared/data/alpaca_en_demo.json); 'none' = no fine-tuning job")
-    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    add_slo_arguments(p, "coserve: ")  # the server's, in both phases (--slo-tpot-ms also judges attainment)
     p.add_argument("--ttft-limit-s", type=float, default=5.0)
     p.add_argument("--phase", choices=["both", "http", "in-process"], default="both")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a phase may take at most")
@@ -79,6 +80,7 @@ class LoadSpec:
     seed: int
     client_nice: int = 0
     stream_interval: int = 1  # the server's --stream-interval, in both phases
+    slo: dict = field(default_factory=dict)  # the server's SLO options (slo_options.SLO_FIELDS), in both phases
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
@@ -213,6 +215,17 @@ def engine_ttfts(log_text: str) -> dict[str, float]:
     return found
 
 
+def server_command(spec: LoadSpec, port: int, state_dir: str) -> list[str]:
+    """The HTTP phase's ``coserve serve`` command line: the spec's model, dtype, device, stream interval and SLO
+    options (those not None)."""
+    cmd = [sys.executable, "-m", "coserve.cli", "serve", "--model", spec.model, "--state-dir", state_dir,
+           "--port", str(port), "--dtype", spec.dtype, "--log-level", "info", "--max-waiting-requests",
+           str(max(512, len(spec.requests))), "--stream-interval", str(spec.stream_interval)]
+    cmd += ["--device", spec.device] if spec.device else []
+    return cmd + [arg for name, value in spec.slo.items() if value is not None
+                  for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
     """``coserve serve`` in a child process on a free port; the load from this process."""
     import subprocess
@@ -220,10 +233,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
     import httpx
     with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
         port = _free_port()
-        cmd = [sys.executable, "-m", "coserve.cli", "serve", "--model", spec.model, "--state-dir", f"{tmp}/state",
-               "--port", str(port), "--dtype", spec.dtype, "--log-level", "info", "--max-waiting-requests",
-               str(max(512, len(spec.requests))), "--stream-interval", str(spec.stream_interval)]
-        cmd += ["--device", spec.device] if spec.device else []
+        cmd = server_command(spec, port, f"{tmp}/state")
         log = open(f"{tmp}/server.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -294,7 +304,7 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
     from coserve.server.jobs import POLL_S
     from coserve.server.protocol import ChatCompletionRequest, FineTuningJobRequest
     app = build_app(ServerConfig(model=spec.model, state_dir=state_dir, stream_interval=spec.stream_interval),
-                    EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device))
+                    EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device, **spec.slo))
     ctx = app.state.coserve
     async with app.router.lifespan_context(app):
         job = None
@@ -402,7 +412,8 @@ def run(args) -> int:
             raise ValueError(f"--finetune-data: {path} is not a file (give one, or 'none')")
         data = finetune_jsonl(path)
     spec = LoadSpec(str(Path(args.model).resolve()), requests, data, args.slo_tpot_ms / 1000, args.ttft_limit_s,
-                    args.timeout, args.dtype, args.device, args.seed, args.client_nice, args.stream_interval)
+                    args.timeout, args.dtype, args.device, args.seed, args.client_nice, args.stream_interval,
+                    slo_settings(args))
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
     rows, pairs = [], []  # pairs: each repeat's row by phase
@@ -428,6 +439,7 @@ def run(args) -> int:
     print(table(rows))
     result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "repeats": args.repeats,
               "model": args.model, "client_nice": args.client_nice, "stream_interval": args.stream_interval,
+              **slo_settings(args),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     added = http_added_ms(overall.get("in-process"), overall.get("http"))
     if added is not None:
