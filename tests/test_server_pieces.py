@@ -173,12 +173,15 @@ def test_engine_ttfts_are_read_from_the_servers_access_log():
     log = "\n".join([
         "2026-11-25 10:00:00,000 INFO coserve.server: a job started",
         '2026-11-25 10:00:00,001 INFO coserve.access: {"path": "/v1/models", "status": 200}',
-        '2026-11-25 10:00:00,002 INFO coserve.access: {"id": "chatcmpl-a", "engine_ttft_ms": 61.5}',
+        '2026-11-25 10:00:00,002 INFO coserve.access: {"id": "chatcmpl-a", "engine_ttft_ms": 61.5, "ttft_ms": 62.5}',
         '2026-11-25 10:00:00,003 INFO coserve.access: {"id": "chatcmpl-b"}',  # no first token: not counted
         "2026-11-25 10:00:00,004 INFO coserve.access: {not json",
         '2026-11-25 10:00:00,005 INFO coserve.access: ["a list"]',
+        '2026-11-25 10:00:00,006 INFO coserve.access: {"id": "chatcmpl-c", "engine_ttft_ms": 40.0}',
     ])
-    assert engine_ttfts(log) == {"chatcmpl-a": pytest.approx(0.0615)}
+    found = engine_ttfts(log)
+    assert found == {"chatcmpl-a": (pytest.approx(0.0615), pytest.approx(0.0625)),
+                     "chatcmpl-c": (pytest.approx(0.040), None)}
 
 
 def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_medians():
@@ -210,6 +213,11 @@ def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(mod
     row = phase_row("http", records, extra, spec)
     assert row["client_nice"] == extra["client_nice"] and row["num_split"] == 2 and row["num_failed"] == 0
     assert row["client_cpu_ms_per_request"] == pytest.approx(1000 * extra["client_cpu_s"] / 2) and extra["client_cpu_s"] > 0
+    # the time outside the engine splits into the server's part before it and the client's and the wire's
+    for r in records:
+        assert 0 < r.server_before_engine_s and 0 < r.client_and_wire_s
+        assert r.server_before_engine_s + r.client_and_wire_s == pytest.approx(r.outside_engine_s)
+    assert row["server_before_engine_s"]["p50"] > 0 and row["client_and_wire_s"]["p50"] > 0
     # the server's event loop ran the two requests (its main thread's CPU time, read from /proc)
     assert extra["server_loop_cpu_s"] > 0
     assert row["server_loop_cpu_ms_per_request"] == pytest.approx(1000 * extra["server_loop_cpu_s"] / 2)

@@ -30,6 +30,7 @@ class RequestRecord:
     failed: bool = False
     error: str | None = None
     engine_ttft_s: float | None = None  # the engine's part of the TTFT (submission to first token), where known
+    server_ttft_s: float | None = None  # the server's (its arrival to the first token on its event loop), where known
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -58,6 +59,23 @@ class RequestRecord:
         if self.ttft_s is None or self.engine_ttft_s is None:
             return None
         return self.ttft_s - self.engine_ttft_s
+
+    @property
+    def server_before_engine_s(self) -> float | None:
+        """Of the time outside the engine, the server's before it (routing, validation, the chat template,
+        tokenizing, submitting): server_ttft_s - engine_ttft_s, None unless both are known."""
+        if self.server_ttft_s is None or self.engine_ttft_s is None:
+            return None
+        return self.server_ttft_s - self.engine_ttft_s
+
+    @property
+    def client_and_wire_s(self) -> float | None:
+        """Of the time outside the engine, the rest: the client building and sending the request, TCP and the
+        HTTP server before the server's middleware, and the first token's way back to the client: ttft_s -
+        server_ttft_s, None unless both are known."""
+        if self.ttft_s is None or self.server_ttft_s is None:
+            return None
+        return self.ttft_s - self.server_ttft_s
 
     @property
     def tpot_s(self) -> float | None:

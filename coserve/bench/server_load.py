@@ -199,8 +199,9 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
     return records, {"elapsed_s": elapsed, "ids": ids, **ft}
 
 
-def engine_ttfts(log_text: str) -> dict[str, float]:
-    """Response id -> the engine's part of its TTFT (seconds), from the access log lines of a server's log."""
+def engine_ttfts(log_text: str) -> dict[str, tuple[float, float | None]]:
+    """Response id -> the engine's part of its TTFT and the server's (arrival to the first token on the event loop;
+    None where not logged), in seconds, from the access log lines of a server's log."""
     found = {}
     for line in log_text.splitlines():
         _, sep, record = line.partition(f" {ACCESS_LOGGER}: ")
@@ -211,7 +212,8 @@ def engine_ttfts(log_text: str) -> dict[str, float]:
         except json.JSONDecodeError:
             continue
         if isinstance(fields, dict) and "id" in fields and fields.get("engine_ttft_ms") is not None:
-            found[fields["id"]] = fields["engine_ttft_ms"] / 1000
+            server = fields.get("ttft_ms")
+            found[fields["id"]] = (fields["engine_ttft_ms"] / 1000, None if server is None else server / 1000)
     return found
 
 
@@ -264,7 +266,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
             log.close()
         logged = engine_ttfts(Path(tmp, "server.log").read_text(errors="replace"))
         for record, ident in zip(records, extra.pop("ids")):
-            record.engine_ttft_s = logged.get(ident)
+            record.engine_ttft_s, record.server_ttft_s = logged.get(ident, (None, None))
         return records, extra
 
 
@@ -370,6 +372,11 @@ def phase_row(name: str, records: list[RequestRecord], extra: dict, spec: LoadSp
     row["engine_ttft_s"] = percentile_stats([r.engine_ttft_s for r in done if r.engine_ttft_s is not None])
     row["outside_engine_s"] = percentile_stats([r.outside_engine_s for r in done if r.outside_engine_s is not None])
     row["num_split"] = sum(r.outside_engine_s is not None for r in done)
+    # the HTTP phase's time outside the engine, split where the server logged its own part: the server before the
+    # engine, and the client and the wire (both ways)
+    row["server_before_engine_s"] = percentile_stats([r.server_before_engine_s for r in done
+                                                      if r.server_before_engine_s is not None])
+    row["client_and_wire_s"] = percentile_stats([r.client_and_wire_s for r in done if r.client_and_wire_s is not None])
     return row
 
 
@@ -460,6 +467,10 @@ def run(args) -> int:
                   f"({row['client_cpu_ms_per_request'] * row['num_requests'] / 1000 / row['duration_s']:.1%} of a core)"
                   + (f"; the server's event loop {row['server_loop_cpu_ms_per_request']:.1f} ms"
                      if row.get("server_loop_cpu_ms_per_request") is not None else ""))
+        before, wire = row["server_before_engine_s"]["p50"], row["client_and_wire_s"]["p50"]
+        if before is not None and wire is not None:
+            print(f"{row['phase']}: outside the engine, p50 {1000 * before:.2f} ms in the server before it and "
+                  f"{1000 * wire:.2f} ms in the client and on the wire")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
