@@ -234,6 +234,7 @@ def test_the_http_phases_server_gets_the_stream_interval_and_the_slo_options_the
     add_arguments(parser)
     args = parser.parse_args(cmd[4:])
     assert (args.stream_interval, args.slo_tpot_ms, args.slo_margin, args.load_margin_max) == (4, 40.0, 0.1, 0.1)
+    assert args.gil_switch_interval_ms == 0.5
     assert args.finetune_burst_ms is None and args.port == 8123
 
 

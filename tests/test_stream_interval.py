@@ -39,7 +39,8 @@ def test_events_come_every_n_tokens_after_the_first_with_the_same_text_and_logpr
             whole = http.post("/v1/completions", json=body).json()["choices"][0]
         tokens = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"][0]["logprobs"]]
         text = "".join(e["choices"][0]["text"] for e in events)
-        logprobs = [lp for e in events if e["choices"][0]["logprobs"] for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
+        logprobs = [lp for e in events if e["choices"][0]["logprobs"]
+                    for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
         assert text == whole["text"] and logprobs == pytest.approx(whole["logprobs"]["token_logprobs"], abs=1e-5)
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         streams[interval] = (tokens, text, logprobs)

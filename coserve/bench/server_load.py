@@ -62,6 +62,7 @@ def add_arguments(p) -> None:
                    "docs/benchmark-history.md)")
     p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (both phases): an "
                    "event every N tokens after the first")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=0.5, help="the server's (both phases)")
     p.add_argument("--out", default=None, help="JSON results")
 
 
@@ -81,6 +82,7 @@ class LoadSpec:
     client_nice: int = 0
     stream_interval: int = 1  # the server's --stream-interval, in both phases
     slo: dict = field(default_factory=dict)  # the server's SLO options (slo_options.SLO_FIELDS), in both phases
+    gil_switch_interval_ms: float = 0.5  # the server's --gil-switch-interval-ms, in both phases
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
@@ -222,7 +224,8 @@ def server_command(spec: LoadSpec, port: int, state_dir: str) -> list[str]:
     options (those not None)."""
     cmd = [sys.executable, "-m", "coserve.cli", "serve", "--model", spec.model, "--state-dir", state_dir,
            "--port", str(port), "--dtype", spec.dtype, "--log-level", "info", "--max-waiting-requests",
-           str(max(512, len(spec.requests))), "--stream-interval", str(spec.stream_interval)]
+           str(max(512, len(spec.requests))), "--stream-interval", str(spec.stream_interval),
+           "--gil-switch-interval-ms", str(spec.gil_switch_interval_ms)]
     cmd += ["--device", spec.device] if spec.device else []
     return cmd + [arg for name, value in spec.slo.items() if value is not None
                   for arg in (f"--{name.replace('_', '-')}", str(value))]
@@ -305,7 +308,8 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
     from coserve.server.inference_api import max_tokens_for, render_chat, sampling_params, start_choice
     from coserve.server.jobs import POLL_S
     from coserve.server.protocol import ChatCompletionRequest, FineTuningJobRequest
-    app = build_app(ServerConfig(model=spec.model, state_dir=state_dir, stream_interval=spec.stream_interval),
+    app = build_app(ServerConfig(model=spec.model, state_dir=state_dir, stream_interval=spec.stream_interval,
+                                 gil_switch_interval_ms=spec.gil_switch_interval_ms),
                     EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device, **spec.slo))
     ctx = app.state.coserve
     async with app.router.lifespan_context(app):
@@ -420,7 +424,7 @@ def run(args) -> int:
         data = finetune_jsonl(path)
     spec = LoadSpec(str(Path(args.model).resolve()), requests, data, args.slo_tpot_ms / 1000, args.ttft_limit_s,
                     args.timeout, args.dtype, args.device, args.seed, args.client_nice, args.stream_interval,
-                    slo_settings(args))
+                    slo_settings(args), args.gil_switch_interval_ms)
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
     rows, pairs = [], []  # pairs: each repeat's row by phase
@@ -446,7 +450,7 @@ def run(args) -> int:
     print(table(rows))
     result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "repeats": args.repeats,
               "model": args.model, "client_nice": args.client_nice, "stream_interval": args.stream_interval,
-              **slo_settings(args),
+              "gil_switch_interval_ms": args.gil_switch_interval_ms, **slo_settings(args),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     added = http_added_ms(overall.get("in-process"), overall.get("http"))
     if added is not None:

@@ -335,8 +335,8 @@ class Scheduler:
         if self.latency is not None and plan.shape is not None and result.elapsed_s > 0 and not result.interrupted:
             self.latency.observe(plan.shape, result.elapsed_s)  # each kind of iteration corrects its own predictions
         if self.latency is not None and self.config.policy == "coserve":
-            shape = inference_shape(plan.chunks)
             if plan.chunks:
+                shape = inference_shape(plan.chunks)
                 self.load.observe(self.clock(), self.latency.predict(shape), self.latency.fixed_s(shape))
             else:
                 self.load.observe(self.clock(), 0.0)

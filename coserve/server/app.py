@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -65,11 +66,13 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     auth = Authenticator(config.api_keys)
     batches = BatchRunner(store, config.state_dir,
                           priority=BATCH_PRIORITY if engine_config.scheduling_policy == "priority" else None)
-    ctx = ServerContext(config, EngineClient(loop, config.max_waiting_requests, config.stream_interval), store, models, jobs, metrics, auth,
-                        batches)
+    client = EngineClient(loop, config.max_waiting_requests, config.stream_interval)
+    ctx = ServerContext(config, client, store, models, jobs, metrics, auth, batches)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(config.gil_switch_interval_ms / 1000)  # the event loop waits less on the engine thread
         jobs.start()
         batches.start()
         try:
@@ -79,6 +82,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             jobs.stop()
             loop.stop()
             store.close()
+            sys.setswitchinterval(switch)
 
     app = FastAPI(title="coserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.coserve = ctx

@@ -30,6 +30,10 @@ class ServerConfig:
     max_loaded_models: int = 32  # fine-tuned models and checkpoints kept loaded (least recently used unloaded)
     checkpoint_steps: int = 0  # save a servable checkpoint every N optimizer steps; 0 = at each epoch's end
     stream_interval: int = 1  # streamed responses: an event every this many tokens (the first token at once)
+    # while serving, the interpreter's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms): how long
+    # the event loop may wait for the engine thread to hand it the GIL. On a 2-core CPU 0.5 ms took about 4 ms off the
+    # HTTP path's median TTFT under load (docs/benchmark-history.md)
+    gil_switch_interval_ms: float = 0.5
     tool_call_parser: str | None = None  # tool_choice "auto": how calls written in the text are read (tool_parser.py)
 
     def __post_init__(self) -> None:
@@ -38,6 +42,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer, got {value!r}")
+        if not (isinstance(self.gil_switch_interval_ms, (int, float)) and 0 < self.gil_switch_interval_ms <= 1000):
+            raise ValueError(f"--gil-switch-interval-ms: must be a number of milliseconds in (0, 1000], got "
+                             f"{self.gil_switch_interval_ms!r}")
         if not isinstance(self.checkpoint_steps, int) or self.checkpoint_steps < 0:
             raise ValueError(f"--checkpoint-steps: must be a non-negative integer, got {self.checkpoint_steps!r}")
         if not 0 < self.port < 65536:

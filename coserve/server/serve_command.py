@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=512)
     p.add_argument("--stream-interval", type=int, default=1, help="streamed responses: the first token at once, "
                    "then an event every N tokens (fewer events take less CPU from the engine; vLLM's flag)")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=0.5, help="while serving, the interpreter's GIL "
+                   "switch interval: how long the event loop may wait for the engine thread (Python's default: 5)")
     p.add_argument("--max-queued-jobs", type=int, default=16, help="per tenant")
     p.add_argument("--max-running-jobs", type=int, default=2)
     p.add_argument("--max-loaded-models", type=int, default=32, help="fine-tuned models and checkpoints kept "
@@ -117,6 +119,7 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                           max_upload_bytes=args.max_upload_bytes, max_waiting_requests=args.max_waiting_requests,
                           max_queued_jobs=args.max_queued_jobs, max_running_jobs=args.max_running_jobs,
                           max_loaded_models=args.max_loaded_models, stream_interval=args.stream_interval,
+                          gil_switch_interval_ms=args.gil_switch_interval_ms,
                           checkpoint_steps=args.checkpoint_steps, tool_call_parser=args.tool_call_parser)
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
