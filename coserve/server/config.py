@@ -32,7 +32,8 @@ class ServerConfig:
     stream_interval: int = 1  # streamed responses: an event every this many tokens (the first token at once)
     # while serving, the interpreter's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms): how long
     # the event loop may wait for the engine thread to hand it the GIL. On a 2-core CPU 0.5 ms took about 4 ms off the
-    # HTTP path's median TTFT under load (docs/benchmark-history.md)
+    # HTTP path's median TTFT in 200-request load runs and made no difference in 500-request ones
+    # (docs/benchmark-history.md)
     gil_switch_interval_ms: float = 0.5
     tool_call_parser: str | None = None  # tool_choice "auto": how calls written in the text are read (tool_parser.py)
 
