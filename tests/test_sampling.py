@@ -7,7 +7,12 @@ import torch
 
 from coserve import LLM, SamplingParams
 from coserve.model import sampling
-from coserve.model.sampling import SamplingRow, _filtered_probs, draw, filtered_probs, sample
+from coserve.model.sampling import SamplingRow, draw, filtered_probs, sample
+
+
+def one_row(logits, row):
+    """``filtered_probs`` of one row ``[V]``."""
+    return filtered_probs(logits.unsqueeze(0), [row])[0]
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +33,12 @@ def test_same_seed_same_tokens_whatever_the_batch(llm):
 
 def test_top_k_and_top_p_filter_exactly():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    probs = _filtered_probs(logits, SamplingRow(1.0, 2, 1.0, None))
+    probs = one_row(logits, SamplingRow(1.0, 2, 1.0, None))
     assert (probs[2:] == 0).all() and probs[:2].sum().item() == pytest.approx(1.0)
     p = logits.softmax(-1)  # [0.55, 0.20, 0.12, 0.07, 0.03]
-    probs = _filtered_probs(logits, SamplingRow(1.0, -1, float(p[0] + p[1]) - 1e-3, None))
+    probs = one_row(logits, SamplingRow(1.0, -1, float(p[0] + p[1]) - 1e-3, None))
     assert (probs > 0).tolist() == [True, True, False, False, False]
-    probs = _filtered_probs(logits, SamplingRow(1.0, -1, 0.01, None))
+    probs = one_row(logits, SamplingRow(1.0, -1, 0.01, None))
     assert (probs > 0).tolist() == [True, False, False, False, False]  # the top token always stays
 
 
@@ -45,7 +50,7 @@ def test_a_batch_filters_each_row_as_alone():
             SamplingRow(2.0, 1000, 0.5, None)]
     together = filtered_probs(logits, rows)
     for i, row in enumerate(rows):  # bit for bit: no filter reaches another row
-        assert torch.equal(together[i], _filtered_probs(logits[i], row))
+        assert torch.equal(together[i], one_row(logits[i], row))
 
 
 def test_top_p_sorts_the_likeliest_tokens_first_and_a_wide_nucleus_whole():

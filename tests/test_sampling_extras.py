@@ -8,7 +8,12 @@ import torch
 from transformers import MinPLogitsWarper
 
 from coserve import LLM, SamplingParams
-from coserve.model.sampling import SamplingRow, _filtered_probs
+from coserve.model.sampling import SamplingRow, filtered_probs
+
+
+def one_row(logits, row):
+    """``filtered_probs`` of one row ``[V]``."""
+    return filtered_probs(logits.unsqueeze(0), [row])[0]
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +25,7 @@ def llm(model_factory):
 def test_min_p_keeps_what_hf_keeps(min_p, temperature):
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(1)) * 3
     for row in logits:
-        ours = _filtered_probs(row, SamplingRow(temperature, -1, 1.0, None, min_p=min_p))
+        ours = one_row(row, SamplingRow(temperature, -1, 1.0, None, min_p=min_p))
         hf = MinPLogitsWarper(min_p)(None, (row / temperature).unsqueeze(0))[0].softmax(-1)
         assert torch.equal(ours > 0, hf > 0)
         torch.testing.assert_close(ours, hf, rtol=1e-6, atol=1e-7)

@@ -29,6 +29,7 @@ from coserve.bench.metrics import RequestRecord, percentile_stats, summarize
 from coserve.bench.spawned import run_spawned
 from coserve.bench.workload import DEFAULT_SHAREGPT, fit_length, load_sharegpt
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
+from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
 from coserve.server.middleware import ACCESS_LOGGER
 
 DEFAULT_ALPACA = Path(__file__).resolve().parents[3] / "shared" / "data" / "alpaca_en_demo.json"
@@ -62,7 +63,8 @@ def add_arguments(p) -> None:
                    "docs/benchmark-history.md)")
     p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (both phases): an "
                    "event every N tokens after the first")
-    p.add_argument("--gil-switch-interval-ms", type=float, default=0.5, help="the server's (both phases)")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
+                   help="the server's (both phases)")
     p.add_argument("--out", default=None, help="JSON results")
 
 
@@ -82,7 +84,7 @@ class LoadSpec:
     client_nice: int = 0
     stream_interval: int = 1  # the server's --stream-interval, in both phases
     slo: dict = field(default_factory=dict)  # the server's SLO options (slo_options.SLO_FIELDS), in both phases
-    gil_switch_interval_ms: float = 0.5  # the server's --gil-switch-interval-ms, in both phases
+    gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS  # the server's --gil-switch-interval-ms, both phases
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------

@@ -128,11 +128,6 @@ def _dropped(mass: torch.Tensor, probs: torch.Tensor, limit: torch.Tensor) -> to
     return drop
 
 
-def _filtered_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """``filtered_probs`` of one row ``[V]``."""
-    return filtered_probs(logits.unsqueeze(0), [row])[0]
-
-
 def top_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]
                  ) -> list[tuple[float, dict[int, float]]]:
     """The sampled tokens' log-probabilities under the raw logits, and each row's top-N."""

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from coserve.server.tool_parser import PARSERS
 
 LOOPBACK_NAMES = ("localhost",)
+# While serving, the interpreter's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms): how long the
+# event loop may wait for the engine thread to hand it the GIL. On a 2-core CPU 0.5 ms took about 4 ms off the HTTP
+# path's median TTFT in 200-request load runs and made no difference in 500-request ones (docs/benchmark-history.md).
+DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 
 
 @dataclass(slots=True)
@@ -30,11 +34,7 @@ class ServerConfig:
     max_loaded_models: int = 32  # fine-tuned models and checkpoints kept loaded (least recently used unloaded)
     checkpoint_steps: int = 0  # save a servable checkpoint every N optimizer steps; 0 = at each epoch's end
     stream_interval: int = 1  # streamed responses: an event every this many tokens (the first token at once)
-    # while serving, the interpreter's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms): how long
-    # the event loop may wait for the engine thread to hand it the GIL. On a 2-core CPU 0.5 ms took about 4 ms off the
-    # HTTP path's median TTFT in 200-request load runs and made no difference in 500-request ones
-    # (docs/benchmark-history.md)
-    gil_switch_interval_ms: float = 0.5
+    gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS  # while serving (below)
     tool_call_parser: str | None = None  # tool_choice "auto": how calls written in the text are read (tool_parser.py)
 
     def __post_init__(self) -> None:

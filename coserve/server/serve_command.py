@@ -8,6 +8,7 @@ import sys
 
 from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
+from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
 
 DEFAULT_STATE_DIR = "coserve-state"
 
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=512)
     p.add_argument("--stream-interval", type=int, default=1, help="streamed responses: the first token at once, "
                    "then an event every N tokens (fewer events take less CPU from the engine; vLLM's flag)")
-    p.add_argument("--gil-switch-interval-ms", type=float, default=0.5, help="while serving, the interpreter's GIL "
+    p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS, help="while serving, the interpreter's GIL "
                    "switch interval: how long the event loop may wait for the engine thread (Python's default: 5)")
     p.add_argument("--max-queued-jobs", type=int, default=16, help="per tenant")
     p.add_argument("--max-running-jobs", type=int, default=2)
