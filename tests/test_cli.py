@@ -110,7 +110,8 @@ def test_the_slo_margin_defaults_are_one_pair_everywhere():
     from coserve.bench.serving_run import RunSpec
     from coserve.engine.config import EngineConfig
     from coserve.engine.slo_options import slo_settings
-    from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SchedulerConfig
+    from coserve.scheduler.config import (DEFAULT_LOAD_RESERVE_S, DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX,
+                                         SchedulerConfig)
     from coserve.server import serve_command
     pair = (DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX)
     assert (SchedulerConfig().slo_margin, SchedulerConfig().slo_margin_max) == pair
@@ -126,9 +127,15 @@ def test_the_slo_margin_defaults_are_one_pair_everywhere():
         assert args.load_margin_max is None
         assert EngineConfig(model="m", **slo_settings(args)).slo_margin_max == DEFAULT_SLO_MARGIN_MAX  # its fields
         assert p.parse_args(["--model", "m", "--load-margin-max", "0.5"]).load_margin_max == 0.5
+        reserve = p.parse_args(["--model", "m", "--load-reserve-ms", "300"])
+        assert args.load_reserve_ms == DEFAULT_LOAD_RESERVE_S * 1000 and reserve.load_reserve_ms == 300.0
+        assert EngineConfig(model="m", **slo_settings(reserve)).load_reserve_ms == 300.0
     assert engine.load_margin_max is None and EngineConfig(model="m", slo_margin_max=0.8, load_margin_max=0.6)
     with pytest.raises(ValueError, match="load_margin_max"):
         EngineConfig(model="m", load_margin_max=0.9)  # above slo_margin_max
+    assert (engine.load_reserve_ms, spec.load_reserve_ms) == (DEFAULT_LOAD_RESERVE_S * 1000,) * 2
+    with pytest.raises(ValueError, match="load_reserve_ms"):
+        EngineConfig(model="m", load_reserve_ms=-1.0)
 
 
 def test_the_scheduler_delay_factor_reaches_the_engine_and_a_bench_run():

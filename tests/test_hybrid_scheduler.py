@@ -37,14 +37,14 @@ class Clock:
 
 def make(slo_ms=20.0, policy="coserve", budget=64, with_latency=True, clock=None, interval=64,
          idle_s=0.018, min_prefill=64, burst_s=0.0, margin_max=0.1, first_token_s=None,
-         load_margin_max=None) -> Scheduler:
+         load_margin_max=None, load_reserve_s=math.inf) -> Scheduler:
     """A scheduler on the fake latency model; a fixed 10% margin unless ``margin_max`` lets misses or load move it."""
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, max_model_len=512, max_loras=2,
                           policy=policy, slo_tpot_s=slo_ms / 1000, slo_margin=0.1, slo_margin_max=margin_max,
                           min_finetune_window=4,
                           temporal_interval=interval, idle_iteration_s=idle_s, min_prefill_chunk=min_prefill,
                           finetune_burst_s=burst_s, first_token_slice_s=first_token_s,
-                          load_margin_max=load_margin_max)
+                          load_margin_max=load_margin_max, load_reserve_s=load_reserve_s)
     return Scheduler(cfg, BlockManager(256, 4), latency() if with_latency else None, clock=clock or Clock())
 
 
@@ -330,6 +330,51 @@ def test_load_margin_max_caps_what_the_load_alone_asks_and_misses_go_beyond_it()
     for bad in (0.05, 0.9, "0.5"):
         with pytest.raises(ValueError, match="load_margin_max"):
             make(margin_max=0.8, load_margin_max=bad)
+
+
+def _fully_loaded(s: Scheduler) -> None:
+    s.load = InferenceLoad(LOAD_TAU_S)
+    s.load.observe(0.0, 0.0)
+    s.load.observe(1.0, 1.0)
+
+
+@pytest.mark.parametrize("reserve_s", [math.inf, 0.05, 0.0])
+def test_the_load_margin_holds_a_request_only_until_it_has_banked_the_load_reserve(reserve_s):
+    """Under full load the target is 8 ms (20 ms SLO, 60% margin) against 18 ms without the load margin. A request
+    banks 10 ms more per output at 8 ms; once it has banked ``load_reserve_s`` against 18 ms it may go at 18 ms, and
+    it keeps that reserve: a request that spent its slack gets short iterations until it has the reserve again."""
+    clock = Clock()
+    s = make(clock=clock, margin_max=0.6, load_reserve_s=reserve_s)
+    s.add_job(job(pending=10**6, tokens=10**6))
+    s.add_request(req("r", 4, max_tokens=1000))
+    step(s)  # the first token at t = 0
+    budgets = {}
+    for k in range(1, 12):  # decode steps of 3 ms
+        clock.now = 0.003 * k
+        step(s)
+        _fully_loaded(s)
+        assert s.margin == 0.1 and abs(s.current_margin() - 0.6) < 1e-12
+        n, elapsed = k + 1, clock.now
+        budgets[n] = s.iteration_budget_s()
+        # the load margin's target, or the one without it less the reserve, whichever allows more; never above 18 ms
+        # once the reserve is finite (8 ms with no cap)
+        expect = min(0.008 if math.isinf(reserve_s) else 0.018, max(0.008 * n, 0.018 * n - reserve_s) - elapsed)
+        assert abs(budgets[n] - expect) < 1e-12, n
+    if math.isinf(reserve_s):
+        assert all(abs(b - 0.008) < 1e-12 for b in budgets.values())  # the load margin for the whole output
+    elif reserve_s == 0.0:  # no reserve: as if there were no load margin at all
+        free = make(clock=clock, margin_max=0.1)
+        free.running, free.requests = s.running, s.requests
+        assert abs(budgets[12] - free.iteration_budget_s()) < 1e-12 and abs(budgets[12] - 0.018) < 1e-12
+    else:  # 50 ms: at 8 ms an output banks 10 ms more against 18 ms, so from the fifth output on the request's
+        # budget is what it has banked against 18 ms less 50 ms; before, what it has banked against 8 ms (2 outputs
+        # in 3 ms: 13 ms)
+        assert abs(budgets[2] - 0.013) < 1e-12 and abs(budgets[12] - 0.018) < 1e-12
+        clock.now = 0.164  # 12 outputs in 164 ms: 216 ms at 18 ms each less the 50 ms reserve leaves 2 ms
+        assert abs(s.iteration_budget_s() - 0.002) < 1e-12
+    for bad in (-0.001, math.nan, "1"):
+        with pytest.raises(ValueError, match="load_reserve_s"):
+            make(load_reserve_s=bad)
 
 
 def test_the_load_counts_the_fixed_cost_of_an_iteration_as_if_it_were_stretched_so_shorter_ones_raise_it_not():

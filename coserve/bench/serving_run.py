@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from coserve.bench.metrics import RequestRecord, idle_fraction, summarize
 from coserve.bench.serving_workload import BenchRequest
 from coserve.bench.spawned import run_spawned
-from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
+from coserve.scheduler.config import DEFAULT_LOAD_RESERVE_S, DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
 from coserve.scheduler.finetune_work import BACKWARD, FORWARD
 
 ENGINE_POLICIES = ("coserve", "inference-only", "finetune-only", "temporal", "dts")
@@ -56,6 +56,7 @@ class RunSpec:
     slo_margin: float = DEFAULT_SLO_MARGIN  # EngineConfig.slo_margin
     slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # EngineConfig.slo_margin_max
     load_margin_max: float | None = None  # EngineConfig.load_margin_max
+    load_reserve_ms: float = DEFAULT_LOAD_RESERVE_S * 1000  # EngineConfig.load_reserve_ms
     finetune_burst_ms: float | None = None  # EngineConfig.finetune_burst_ms
     first_token_slice_ms: float | None = None  # EngineConfig.first_token_slice_ms
     scheduler_delay_factor: float = 0.0  # EngineConfig.scheduler_delay_factor
@@ -185,6 +186,7 @@ def run_one(spec: RunSpec) -> dict:
         model=spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
         max_num_seqs=256, policy=engine_policy, slo_tpot_ms=spec.slo_tpot_ms, slo_margin=spec.slo_margin,
         slo_margin_max=spec.slo_margin_max, load_margin_max=spec.load_margin_max,
+        load_reserve_ms=spec.load_reserve_ms,
         finetune_burst_ms=spec.finetune_burst_ms, latency_model=spec.latency_model,
         first_token_slice_ms=spec.first_token_slice_ms, scheduler_delay_factor=spec.scheduler_delay_factor,
         temporal_interval=spec.temporal_interval, seed=spec.seed, fuse_finetuning=spec.fuse_finetuning,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coserve.model.batch_invariance import FUSE_CHOICES
-from coserve.scheduler.config import (DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX, SCHEDULING_POLICIES,
-                                     check_delay_factor, check_margins)
+from coserve.scheduler.config import (DEFAULT_LOAD_RESERVE_S, DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX,
+                                     SCHEDULING_POLICIES, check_delay_factor, check_load_reserve, check_margins)
 
 
 # The finetuning burst on a CPU (EngineConfig.finetune_burst_ms). The session that built it measured 27-32% more
@@ -47,6 +47,8 @@ class EngineConfig:
     #   slo_margin = a fixed margin
     load_margin_max: float | None = None  # the most the inference load alone raises the margin to; above it only
     #   misses do (SchedulerConfig.load_margin_max; None: slo_margin_max)
+    load_reserve_ms: float = DEFAULT_LOAD_RESERVE_S * 1000  # the most TPOT slack the load margin makes a request
+    #   bank before it goes at the target without it (SchedulerConfig.load_reserve_s; inf: no cap)
     finetune_burst_ms: float | None = None  # coserve: with requests decoding, finetuning waits until their banked
     #   TPOT slack allows a slice this long (SchedulerConfig.finetune_burst_s); 0 = every iteration carries one;
     #   None = DEFAULT_CPU_BURST_MS on a CPU (where a slice beside decode tokens costs what it costs alone, and
@@ -92,6 +94,7 @@ class EngineConfig:
         if self.fuse_finetuning not in FUSE_CHOICES:
             raise ValueError(f"fuse_finetuning must be one of {FUSE_CHOICES}, got {self.fuse_finetuning!r}")
         check_margins(self.slo_margin, self.slo_margin_max, self.load_margin_max)
+        check_load_reserve(self.load_reserve_ms, "load_reserve_ms")
         check_delay_factor(self.scheduler_delay_factor)
         for name, what in (("first_token_slice_ms", "None or a non-negative number (inf: no cap)"),
                            ("finetune_burst_ms", "a non-negative number")):  # None: the device's default

@@ -312,6 +312,7 @@ class LLMEngine:
         return Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.max_loras,
                                          c.policy, c.slo_tpot_ms / 1000, slo_margin=c.slo_margin,
                                          slo_margin_max=c.slo_margin_max, load_margin_max=c.load_margin_max,
+                                         load_reserve_s=c.load_reserve_ms / 1000,
                                          finetune_burst_s=self.finetune_burst_ms / 1000,
                                          first_token_slice_s=(None if self.first_token_slice_ms is None
                                                               else self.first_token_slice_ms / 1000),

@@ -4,11 +4,11 @@ fields of the same names)."""
 
 from __future__ import annotations
 
-from coserve.scheduler.config import DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
+from coserve.scheduler.config import DEFAULT_LOAD_RESERVE_S, DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
 
 # The EngineConfig fields these options set, named as the options' destinations.
-SLO_FIELDS = ("slo_tpot_ms", "slo_margin", "slo_margin_max", "load_margin_max", "finetune_burst_ms",
-              "first_token_slice_ms", "scheduler_delay_factor")
+SLO_FIELDS = ("slo_tpot_ms", "slo_margin", "slo_margin_max", "load_margin_max", "load_reserve_ms",
+              "finetune_burst_ms", "first_token_slice_ms", "scheduler_delay_factor")
 
 
 def add_slo_arguments(p, prefix: str = "") -> None:
@@ -22,6 +22,9 @@ def add_slo_arguments(p, prefix: str = "") -> None:
     p.add_argument("--load-margin-max", type=float, default=None,
                    help=f"{prefix}the most the inference load alone raises the margin to; above it only misses "
                         "of the SLO do (default: --slo-margin-max)")
+    p.add_argument("--load-reserve-ms", type=float, default=DEFAULT_LOAD_RESERVE_S * 1000,
+                   help=f"{prefix}the most TPOT slack the load margin makes a request bank; one that has banked it "
+                        "goes at the target without the load margin (inf: the whole output; default: %(default)s)")
     p.add_argument("--finetune-burst-ms", type=float, default=None,
                    help=f"{prefix}with requests decoding, finetuning waits for TPOT slack banked for a slice this "
                         "long (0 = a slice in every iteration; default: 100 on a CPU, 0 on a GPU)")

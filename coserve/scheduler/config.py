@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from coserve.scheduler.fairness import FairnessWeights
@@ -21,6 +22,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # under misses and load. One place for the defaults of the scheduler, the engine, `serve`, `bench` and its runs.
 DEFAULT_SLO_MARGIN = 0.1
 DEFAULT_SLO_MARGIN_MAX = 0.6
+# The most TPOT slack the load margin makes one request bank (SchedulerConfig.load_reserve_s): inf = no cap.
+DEFAULT_LOAD_RESERVE_S = math.inf
 
 
 def _number(x) -> bool:
@@ -38,6 +41,12 @@ def check_margins(slo_margin, slo_margin_max, load_margin_max) -> None:
                                             and slo_margin <= load_margin_max <= slo_margin_max):
         raise ValueError(f"load_margin_max must be None or lie in [slo_margin, slo_margin_max], "
                          f"got {load_margin_max!r}")
+
+
+def check_load_reserve(value, name: str) -> None:
+    """A load reserve is a number >= 0 (inf: no cap); a ValueError names the field ``name``."""
+    if not (_number(value) and value >= 0):
+        raise ValueError(f"{name} must be a number >= 0 (inf: no cap), got {value!r}")
 
 
 def check_delay_factor(value) -> None:
@@ -62,6 +71,9 @@ class SchedulerConfig:
     #   (``Scheduler.load_margin``); equal to slo_margin = a fixed margin
     load_margin_max: float | None = None  # coserve: the most the inference load alone raises the margin to (None:
     #   slo_margin_max); below slo_margin_max, only misses of the SLO take the margin above it
+    load_reserve_s: float = DEFAULT_LOAD_RESERVE_S  # coserve: the most slack (seconds, against the target without
+    #   the load margin) the load margin makes a running request bank; one that has banked it goes at that target
+    #   (``Scheduler.iteration_budget_s``). inf = the load margin holds every request for its whole output
     min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)
     min_prefill_chunk: int = 64  # coserve: the least prompt tokens an iteration takes while requests decode (a
     #   prefill chunk is otherwise cut to what keeps the iteration within their TPOT budget)
@@ -108,4 +120,5 @@ class SchedulerConfig:
             raise ValueError(
                 f"finetune_burst_s must be a non-negative number of seconds, got {self.finetune_burst_s!r}")
         check_margins(self.slo_margin, self.slo_margin_max, self.load_margin_max)
+        check_load_reserve(self.load_reserve_s, "load_reserve_s")
         check_delay_factor(self.scheduler_delay_factor)

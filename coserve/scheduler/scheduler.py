@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -239,17 +240,27 @@ class Scheduler:
         """The longest the next iteration may take: the TPOT target (SLO minus margin), lowered to what
         keeps every running request's mean time per output token within it (negative when one is
         already behind: no finetuning until it catches up). With no request in the engine, the idle
-        iteration length (``config.idle_iteration_s``) instead."""
-        target = self.config.slo_tpot_s * (1 - self.current_margin())
+        iteration length (``config.idle_iteration_s``) instead.
+
+        The load margin's part of the target holds a request only until it has banked
+        ``config.load_reserve_s`` of slack against the target without it (the miss controller's): the slack
+        a burst of arrivals takes from a request does not grow with the request's length, so a long one
+        need not go at the widened target for its whole output."""
+        c = self.config
+        target = c.slo_tpot_s * (1 - self.current_margin())
         if not self.has_unfinished():  # no request to slow down: only a newcomer's wait is bounded
-            return max(target, self.config.idle_iteration_s)
+            return max(target, c.idle_iteration_s)
+        base = c.slo_tpot_s * (1 - self.margin)  # the target without the load margin (>= target)
+        reserve = c.load_reserve_s
+        top = target if math.isinf(reserve) else base  # what a request that banked its reserve may go at
         now = self.clock()
         # Bursting, with every running request past its first token and none waiting: up to the idle length,
         # within each one's banked slack. Otherwise at most the target (a prompt's first token is not held back).
-        budget = max(target, self.config.idle_iteration_s) if self._bursting() else target
+        budget = max(top, c.idle_iteration_s) if self._bursting() else top
         for r in self.running:
             if r.first_token_time is not None:  # after the next token: (elapsed + t) / outputs-after-first
-                budget = min(budget, target * len(r.output_token_ids) - (now - r.first_token_time))
+                n, elapsed = len(r.output_token_ids), now - r.first_token_time
+                budget = min(budget, max(target * n, base * n - reserve) - elapsed)
         return budget - self.overhead_s  # what is left for the model work, which the latency model predicts
 
     def current_margin(self) -> float:
