@@ -44,7 +44,8 @@ BURST_RESERVE = 0.3
 # The load-driven margin (``Scheduler.load_margin``): with the inference load (``InferenceLoad``, the share of the
 # last LOAD_TAU_S seconds that the inference work alone would take, each iteration's fixed cost counted as if the
 # iteration were as long as the least margin lets it be) at LOAD_LOW or below, none beyond the least; rising
-# linearly to ``slo_margin_max`` at LOAD_HIGH.
+# linearly to ``slo_margin_max`` at LOAD_HIGH. It holds each request only until it has banked
+# ``SchedulerConfig.load_reserve_s`` of slack (``Scheduler.iteration_budget_s``).
 LOAD_TAU_S = 5.0
 LOAD_LOW, LOAD_HIGH = 0.2, 0.4
 
