@@ -246,7 +246,7 @@ class Scheduler:
         The load margin's part of the target holds a request only until it has banked
         ``config.load_reserve_s`` of slack against the target without it (the miss controller's): the slack
         a burst of arrivals takes from a request does not grow with the request's length, so a long one
-        need not go at the widened target for its whole output."""
+        need not go at the load margin's shorter target for its whole output."""
         c = self.config
         target = c.slo_tpot_s * (1 - self.current_margin())
         if not self.has_unfinished():  # no request to slow down: only a newcomer's wait is bounded
@@ -256,7 +256,8 @@ class Scheduler:
         top = target if math.isinf(reserve) else base  # what a request that banked its reserve may go at
         now = self.clock()
         # Bursting, with every running request past its first token and none waiting: up to the idle length,
-        # within each one's banked slack. Otherwise at most the target (a prompt's first token is not held back).
+        # within each one's banked slack. Otherwise at most the target (a prompt's first token is not held back;
+        # with a finite reserve, the target without the load margin, each request bounding it below).
         budget = max(top, c.idle_iteration_s) if self._bursting() else top
         for r in self.running:
             if r.first_token_time is not None:  # after the next token: (elapsed + t) / outputs-after-first
