@@ -61,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=512)
     p.add_argument("--stream-interval", type=int, default=1, help="streamed responses: the first token at once, "
                    "then an event every N tokens (fewer events take less CPU from the engine; vLLM's flag)")
-    p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS, help="while serving, the interpreter's GIL "
-                   "switch interval: how long the event loop may wait for the engine thread (Python's default: 5)")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
+                   help="while serving, the interpreter's GIL switch interval: how long the event loop may wait "
+                        "for the engine thread (Python's default: 5)")
     p.add_argument("--max-queued-jobs", type=int, default=16, help="per tenant")
     p.add_argument("--max-running-jobs", type=int, default=2)
     p.add_argument("--max-loaded-models", type=int, default=32, help="fine-tuned models and checkpoints kept "
