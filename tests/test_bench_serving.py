@@ -134,10 +134,12 @@ def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
                  "--rate", "6", "--duration", "1", "--drain", "20", "--max-model-len", "128",
                  "--finetune-data", str(_alpaca(tmp_path / "a.json")), "--finetune-seq-len", "64",
                  "--slo-tpot-ms", "1000", "--out", str(out), "--plot", str(plots), "--no-progress",
-                 "--fuse-finetuning", "never"])
+                 "--fuse-finetuning", "never", "--repeats", "2"])
     assert code == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["policy"] for r in rows] == ["coserve", "inference-only"]
+    # every run a row; the second repeat runs the policies in the other order
+    assert [(r["policy"], r["repeat"]) for r in rows] == [("coserve", 1), ("inference-only", 1),
+                                                          ("inference-only", 2), ("coserve", 2)]
     assert rows[0]["batch_invariant"] and rows[0]["fused_finetuning"] is False  # as asked
     assert rows[0]["gemm_tile_rows"] == 0  # no tiles on CPU
     assert rows[1]["finetune_tokens_per_s"] is None and rows[0]["finetune_tokens_per_s"] > 0
@@ -145,6 +147,30 @@ def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
     assert {p.name for p in plots.iterdir()} >= {"slo_attainment.png", "finetune_throughput.png",
                                                  "inference_throughput.png", "token_mix_coserve_6.png"}
     assert main(["bench", "--model", str(model), "--policy", "nope", "--no-progress"]) == 2
+    assert main(["bench", "--model", str(model), "--repeats", "0", "--no-progress"]) == 2
+
+
+def test_repeated_runs_rotate_the_policy_order_and_the_headline_pools_them():
+    from coserve.bench.headline import headline, markdown
+    from coserve.bench.repeats import policy_order, pool_rows
+    assert [policy_order(["a", "b", "c"], k) for k in range(4)] == [["a", "b", "c"], ["b", "c", "a"],
+                                                                    ["c", "a", "b"], ["a", "b", "c"]]
+    assert policy_order([], 3) == []
+
+    def run(policy, slo, ft, requests=10):
+        return {**_row(policy, 2, slo, ft), "num_requests": requests}
+
+    rows = [run("coserve", 1.0, 600.0), run("dts", 1.0, 500.0), run("dts", 0.8, 700.0, requests=30),
+            run("coserve", 0.9, 900.0, requests=30)]
+    pooled = pool_rows(rows)
+    assert [(r["policy"], r["runs"]) for r in pooled] == [("coserve", 2), ("dts", 2)]  # first-seen order
+    (two,) = headline(rows)
+    assert two["finetune_tokens_per_s"]["coserve"] == 750.0 and two["coserve_range"] == [600.0, 900.0]
+    assert two["attainment"]["dts"] == pytest.approx(0.85)  # 34 of 40 requests: dts no longer holds 90%
+    assert two["best_temporal"] is None and two["coserve_holds"]  # 37 of 40
+    assert "| 2 | - / 92% | 750 (2 runs: 600-900) | - (none holds) | - (none holds) | - |" in markdown([two])
+    (one,) = headline(rows[:2])  # single runs: as they are
+    assert one["vs_temporal"] == 600 / 500 and one["coserve_range"] is None
 
 
 def test_the_headline_takes_the_zero_load_run_from_an_earlier_file(model_factory, tmp_path, capsys):
@@ -214,7 +240,8 @@ def test_a_sweep_report_takes_named_policies_per_file_and_later_rows_replace_ear
 
 
 def test_a_pooled_sweep_report_averages_repeated_runs_of_each_policy_and_rate(tmp_path, capsys, monkeypatch):
-    from coserve.bench.sweep_report import main, pool, select
+    from coserve.bench.repeats import pool
+    from coserve.bench.sweep_report import main, select
 
     def run(policy, slo, ft, requests, ttft, idle=0.5):
         return {**_row(policy, 2.0, slo, ft, idle), "num_requests": requests, "ttft_s": {"p50": ttft, "p90": 1.0},
@@ -239,5 +266,5 @@ def test_a_pooled_sweep_report_averages_repeated_runs_of_each_policy_and_rate(tm
     monkeypatch.setattr("sys.argv", ["sweep_report", str(first), str(second), "--pool"])
     main()
     out = capsys.readouterr().out
-    assert "| 2 | 100% / 95% | 120 | - (none holds) | 1.41x (dts) | - |" in out  # 120 / mean(80, 90)
+    assert "| 2 | 100% / 95% | 120 (2 runs: 100-140) | - (none holds) | 1.41x (dts) | - |" in out  # 120 / mean(80, 90)
     assert "| coserve | 2 | 95.0% | 30 | 10.0 | 120 | 50% | 2 | 100-140 |" in out

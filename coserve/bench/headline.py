@@ -5,6 +5,8 @@ inference leaves. Plain Python on the result rows.
 
 from __future__ import annotations
 
+from coserve.bench.repeats import pool_rows
+
 SLO_TARGET = 0.9  # a policy "holds" a rate when at least this fraction of its requests attain the SLO
 
 
@@ -25,7 +27,11 @@ def headline(rows: list[dict]) -> list[dict]:
     ``temporal``-or-``dts`` run that holds the SLO at that rate (None when none does).
     ``harvest``: co-serving's throughput over ``finetune-only``'s (its zero-load run) times the
     fraction of time ``inference-only`` left idle at that rate.
+
+    Repeated runs of a (policy, rate) count as one row of their means (``repeats.pool_rows``): attainment over
+    all their requests, the mean throughputs.
     """
+    rows = pool_rows(rows)
     solo = [r for r in rows if r["policy"] == "finetune-only" and r["rate"] == 0 and r["finetune_tokens_per_s"]]
     solo_rate = solo[0]["finetune_tokens_per_s"] if solo else None
     out = []
@@ -42,6 +48,7 @@ def headline(rows: list[dict]) -> list[dict]:
             "rate": rate,
             "attainment": {r["policy"]: r["slo_attainment"] for r in at},
             "finetune_tokens_per_s": {r["policy"]: r["finetune_tokens_per_s"] for r in at},
+            "coserve_runs": co.get("runs", 1), "coserve_range": co.get("finetune_tokens_per_s_range"),
             "coserve_holds": _holds(co), "inference_only_holds": inf is not None and _holds(inf),
             "best_separate": sep["policy"] if sep else None,
             "vs_separate": ft / sep["finetune_tokens_per_s"] if sep else None,
@@ -74,8 +81,10 @@ def markdown(lines: list[dict]) -> str:
         att = h["attainment"]
         flag = "" if h["coserve_holds"] else " (below 90%)"  # its ratios then compare a run that misses the SLO
         inf = att.get("inference-only")
+        spread = h.get("coserve_range")  # repeated runs: how many, the lowest and the highest
+        runs = f" ({h['coserve_runs']} runs: {spread[0]:.0f}-{spread[1]:.0f})" if spread else ""
         rows.append(f"| {h['rate']:g} | {'-' if inf is None else format(inf, '.0%')} / {att['coserve']:.0%}{flag} "
-                    f"| {h['finetune_tokens_per_s']['coserve']:.0f} "
+                    f"| {h['finetune_tokens_per_s']['coserve']:.0f}{runs} "
                     f"| {f(h['vs_separate'])} ({h['best_separate'] or 'none holds'}) "
                     f"| {f(h['vs_temporal'])} ({h['best_temporal'] or 'none holds'}) | {f(h['harvest'])} |")
     return "\n".join(rows)

@@ -1,9 +1,10 @@
 """``coserve bench``: serving SLO attainment and finetuning throughput per (policy, arrival rate).
 
 Every (policy, rate) pair is one run in a fresh process (``serving_run``), on the same request
-stream for a given rate, with the same finetuning job. Results go to ``--out`` as JSON (one row
-per run, with its per-iteration token mix) and, with ``--plot``, to PNGs after FlexLLM's
-Figures 10-12.
+stream for a given rate, with the same finetuning job; ``--repeats N`` runs each pair N times (the
+policies' order rotated each time) and pools them in the headline (``repeats.py``). Results go to
+``--out`` as JSON (one row per run, with its per-iteration token mix) and, with ``--plot``, to PNGs
+after FlexLLM's Figures 10-12.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import platform
 import sys
 from pathlib import Path
 
+from coserve.bench.repeats import policy_order, pool_rows
 from coserve.bench.serving_run import BENCH_POLICIES, FinetuneSpec, RunSpec, run_in_child
 from coserve.bench.serving_workload import serving_workload
 from coserve.engine.config import FUSE_CHOICES
@@ -55,10 +57,14 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every (policy, rate) this many times, the policies' order rotated each time; every "
+                        "run is a row of --out, the headline and plots pool each pair's runs (their means)")
     p.add_argument("--out", default=None, help="write every run's row as JSON here")
     p.add_argument("--with-results", action="append", default=[], metavar="FILE.json",
                    help="rows of an earlier run (its --out file) for the headline only: e.g. the zero-load "
-                        "finetune-only run that the harvest ratio needs")
+                        "finetune-only run that the harvest ratio needs (pooled with this run's rows of the same "
+                        "policy and rate)")
     p.add_argument("--plot", default=None, metavar="DIR", help="write the figures (PNG) here")
     p.add_argument("--no-progress", action="store_true")
 
@@ -112,6 +118,8 @@ def run(args) -> int:
     for r in rates:
         if r < 0:
             raise ValueError(f"--rate: {r} is negative")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
     for name in ("trace", "prompts", "finetune_data", "latency_model"):
         value = getattr(args, name)
         if value is not None and not Path(value).is_file():
@@ -122,37 +130,40 @@ def run(args) -> int:
     tokenizer = load_tokenizer(Path(args.model))
     finetune = (FinetuneSpec(args.finetune_data, args.finetune_seq_len, seed=args.seed)
                 if args.finetune_data else None)
+    workloads = {rate: serving_workload(tokenizer, max_len, rate, args.duration,
+                                        burstiness=args.burstiness if args.arrival == "gamma" else 1.0,
+                                        trace=Path(args.trace) if args.trace else None,
+                                        prompts=Path(args.prompts) if args.prompts else None, seed=args.seed,
+                                        trace_start=args.trace_start)
+                 for rate in rates}  # every repeat of a rate serves the same request stream
     rows = []
-    for rate in rates:
-        workload = serving_workload(tokenizer, max_len, rate, args.duration,
-                                    burstiness=args.burstiness if args.arrival == "gamma" else 1.0,
-                                    trace=Path(args.trace) if args.trace else None,
-                                    prompts=Path(args.prompts) if args.prompts else None, seed=args.seed,
-                                    trace_start=args.trace_start)
-        for pol in policies:
-            spec = RunSpec(model=args.model, policy=pol["policy"], label=pol["label"], rate=rate,
-                           duration_s=args.duration, requests=workload.requests, finetune=finetune,
-                           **slo_settings(args), ttft_limit_s=args.ttft_limit_s,
-                           drain_s=args.drain,
-                           temporal_interval=pol["temporal_interval"], split=pol["split"], dtype=args.dtype,
-                           device=args.device, max_model_len=args.max_model_len,
-                           latency_model=args.latency_model, seed=args.seed, progress=not args.no_progress,
-                           fuse_finetuning=args.fuse_finetuning, cuda_graphs=not args.enforce_eager,
-                           prefix_caching=args.enable_prefix_caching, cut_for_arrivals=args.cut_for_arrivals,
-                           extra={"arrivals": workload.arrivals, "lengths": workload.lengths})
-            row = run_in_child(spec)
-            rows.append(row)
-            print(format_row(row), flush=True)
-            if args.out:  # after every run: a long sweep keeps what it measured
-                write_report(Path(args.out), args, rows)
+    for repeat in range(args.repeats):
+        for rate in rates:
+            workload = workloads[rate]
+            for pol in policy_order(policies, repeat):
+                spec = RunSpec(model=args.model, policy=pol["policy"], label=pol["label"], rate=rate,
+                               duration_s=args.duration, requests=workload.requests, finetune=finetune,
+                               **slo_settings(args), ttft_limit_s=args.ttft_limit_s,
+                               drain_s=args.drain,
+                               temporal_interval=pol["temporal_interval"], split=pol["split"], dtype=args.dtype,
+                               device=args.device, max_model_len=args.max_model_len,
+                               latency_model=args.latency_model, seed=args.seed, progress=not args.no_progress,
+                               fuse_finetuning=args.fuse_finetuning, cuda_graphs=not args.enforce_eager,
+                               prefix_caching=args.enable_prefix_caching, cut_for_arrivals=args.cut_for_arrivals,
+                               extra={"arrivals": workload.arrivals, "lengths": workload.lengths})
+                row = {**run_in_child(spec), "repeat": repeat + 1}
+                rows.append(row)
+                print(format_row(row), flush=True)
+                if args.out:  # after every run: a long sweep keeps what it measured
+                    write_report(Path(args.out), args, rows)
     if any(r["policy"] == "coserve" for r in rows):
         from coserve.bench.headline import headline, markdown
         print(markdown(headline(earlier + rows)))
     if args.plot:
         from coserve.bench.plots import plot_sweep, plot_token_mix
-        paths = plot_sweep(rows, Path(args.plot))
+        paths = plot_sweep(pool_rows(rows), Path(args.plot))
         for row in rows:
-            if row["iterations"] and row["policy"] == "coserve":
+            if row["iterations"] and row["policy"] == "coserve" and row["repeat"] == 1:  # each rate's first run
                 name = f"token_mix_{row['policy']}_{row['rate']:g}.png".replace(" ", "_").replace(":", "-")
                 paths.append(plot_token_mix(row["iterations"], Path(args.plot) / name,
                                             f"{row['policy']} at {row['rate']:g} req/s: tokens per iteration"))
@@ -163,7 +174,8 @@ def run(args) -> int:
 def format_row(r: dict) -> str:
     ft = r["finetune_tokens_per_s"]
     tpot, ttft = r["tpot_s"]["p50"], r["ttft_s"]["p50"]
-    return (f"{r['policy']:>16s} {r['rate']:6.2f} req/s  requests {r['num_requests']:4d}  "
+    again = f" #{r['repeat']}" if r.get("repeat", 1) > 1 else ""
+    return (f"{r['policy'] + again:>16s} {r['rate']:6.2f} req/s  requests {r['num_requests']:4d}  "
             f"failed {r['num_failed']}  unfinished {r['num_unfinished']}  SLO {r['slo_attainment']:6.1%}  "
             f"TTFT p50 {'-' if ttft is None else f'{ttft * 1000:.0f} ms'}  "
             f"TPOT p50 {'-' if tpot is None else f'{tpot * 1000:.1f} ms'}  "

@@ -4,7 +4,8 @@
 
 ``FILE.json:coserve,dts`` takes only those policies' rows of a file (a sweep whose policies ran different code);
 a later file's row replaces an earlier one of the same policy and rate. With ``--pool`` the rows of the same
-policy and rate are repeated runs instead, and each (policy, rate) becomes one row of their means (``pool``).
+policy and rate are repeated runs instead, and each (policy, rate) becomes one row of their means
+(``coserve.bench.repeats.pool``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from coserve.bench.headline import headline, markdown
+from coserve.bench.repeats import pool
 from coserve.bench.serving import read_rows
 
 
@@ -29,37 +31,6 @@ def select(specs: list[str], pooled: bool = False) -> list[dict]:
                 runs[key] = (runs.get(key, []) + [row]) if pooled else [row]
     rows = [pool(group) for group in runs.values()]
     return sorted(rows, key=lambda r: (r["rate"], r["policy"]))
-
-
-def pool(runs: list[dict]) -> dict:
-    """Repeated runs of one policy at one rate as one row: SLO attainment over all their requests, the means of
-    the throughputs, the idle fraction and the TTFT/TPOT p50s (of the runs' medians), with ``runs`` (how many)
-    and ``finetune_tokens_per_s_range`` (the lowest and highest run). The first run's other fields (its
-    iterations, for the token-mix plot) stay. One run is returned as it is."""
-    if len(runs) == 1:
-        return runs[0]
-    first = runs[0]
-    requests = [r.get("num_requests") or 0 for r in runs]
-    attained = (sum(r["slo_attainment"] * n for r, n in zip(runs, requests)) / sum(requests) if all(requests)
-                else _mean([r["slo_attainment"] for r in runs]))
-    ft = [r["finetune_tokens_per_s"] for r in runs]
-    trained = None not in ft  # None: a policy without finetuning (a run that trained nothing has 0)
-    row = {**first, "runs": len(runs), "num_requests": sum(requests), "slo_attainment": attained,
-           "idle_fraction": _mean([r["idle_fraction"] for r in runs]),
-           "finetune_tokens_per_s": _mean(ft) if trained else None,
-           "finetune_tokens_per_s_range": [min(ft), max(ft)] if trained else None}
-    inference = [r.get("inference_tokens_per_s") for r in runs]
-    if all(x is not None for x in inference):
-        row["inference_tokens_per_s"] = _mean(inference)
-    for key in ("ttft_s", "tpot_s"):
-        p50s = [r[key]["p50"] for r in runs if isinstance(r.get(key), dict) and r[key].get("p50") is not None]
-        if key in first:
-            row[key] = {"p50": _mean(p50s) if p50s else None}
-    return row
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 def table(rows: list[dict]) -> str:
