@@ -12,7 +12,8 @@ from coserve.scheduler import ExecutionResult, Request, SamplingParams, Schedule
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
 from coserve.scheduler.inference_load import InferenceLoad
 from coserve.scheduler.latency_model import FEATURE_NAMES, IterationShape, LatencyModel
-from coserve.scheduler.scheduler import BURST_RESERVE, LOAD_HIGH, LOAD_LOW, LOAD_TAU_S
+from coserve.scheduler.scheduler import BURST_RESERVE
+from coserve.scheduler.tpot_budget import LOAD_HIGH, LOAD_LOW, LOAD_TAU_S
 
 # 1 ms per iteration, 0.1 ms per inference token, 0.2 ms per finetuning forward token, 0.05 ms per backward token-layer.
 COEF = {"overhead": 1e-3, "decode_tokens": 1e-4, "prefill_tokens": 1e-4, "finetune_forward_tokens": 2e-4,
@@ -251,7 +252,7 @@ def test_bursting_banks_slack_in_decode_only_iterations_then_spends_it_on_one_lo
 def test_requests_that_miss_the_slo_raise_the_margin_and_requests_that_attain_it_lower_it():
     clock = Clock()
     s = make(clock=clock, margin_max=0.4)
-    assert s.margin == 0.1
+    assert s.tpot.margin == 0.1
 
     def serve(rid, seconds_per_token):  # a request of 4 outputs, each step taking seconds_per_token
         s.add_request(req(rid, 4, max_tokens=4))
@@ -260,24 +261,24 @@ def test_requests_that_miss_the_slo_raise_the_margin_and_requests_that_attain_it
             clock.now += seconds_per_token
 
     serve("slow", 0.030)  # 30 ms per output token: over the 20 ms SLO
-    assert abs(s.margin - 0.15) < 1e-12
+    assert abs(s.tpot.margin - 0.15) < 1e-12
     s.add_request(req("r", 4, max_tokens=100))
     step(s)
     assert abs(s.iteration_budget_s() - 0.020 * 0.85) < 1e-12  # the target follows the margin
     for i in range(10):
         serve(f"slow{i}", 0.030)
-    assert s.margin == 0.4  # capped at slo_margin_max
+    assert s.tpot.margin == 0.4  # capped at slo_margin_max
     serve("fast", 0.010)
-    assert abs(s.margin - (0.4 - 0.0015)) < 1e-12
+    assert abs(s.tpot.margin - (0.4 - 0.0015)) < 1e-12
     for i in range(300):
         serve(f"fast{i}", 0.010)
-    assert s.margin == 0.1  # back to the configured floor
+    assert s.tpot.margin == 0.1  # back to the configured floor
     fixed = make(clock=clock)  # slo_margin_max == slo_margin: a fixed margin, no controller
     fixed.add_request(req("slow", 4, max_tokens=4))
     for _ in range(4):
         step(fixed)
         clock.now += 0.030
-    assert fixed.margin == 0.1
+    assert fixed.tpot.margin == 0.1
 
 
 def test_inference_load_widens_the_margin_before_any_request_misses_and_idle_time_narrows_it_back():
@@ -294,48 +295,48 @@ def test_inference_load_widens_the_margin_before_any_request_misses_and_idle_tim
     # each 1.8 ms iteration of 8 rows: 0.8 ms of token work in full, and its 1 ms fixed cost as if spread over the
     # 18 ms the SLO (20 ms less the least margin, 10%) lets an iteration last: 0.1 ms (fewer rows once the KV
     # blocks run out and requests are preempted)
-    assert LOAD_HIGH < s.load.share() <= 0.9 / 1.8 + 0.01
-    assert s.margin == 0.1  # no request has finished, let alone missed
-    assert abs(s.current_margin() - 0.6) < 1e-12
+    assert LOAD_HIGH < s.tpot.load.share() <= 0.9 / 1.8 + 0.01
+    assert s.tpot.margin == 0.1  # no request has finished, let alone missed
+    assert abs(s.tpot.current_margin() - 0.6) < 1e-12
     budget = s.iteration_budget_s()
     assert budget <= 0.020 * 0.4 + 1e-12  # the target is the SLO less the 60% margin
     for _ in range(100):  # the same requests, an iteration every 40 ms: 1 ms of inference in 40, load 0.03 for long
         plan = step(s)
         clock.now += 0.040
-    assert s.load.share() < 0.2 and s.current_margin() == 0.1
+    assert s.tpot.load.share() < 0.2 and s.tpot.current_margin() == 0.1
     assert plan.chunks and plan.finetune  # nothing kept finetuning out meanwhile
     # the share between LOAD_LOW and LOAD_HIGH moves the margin linearly
-    s.load = InferenceLoad(LOAD_TAU_S)
-    s.load.observe(0.0, 0.0)
-    s.load.observe(1.0, (LOAD_LOW + LOAD_HIGH) / 2)
-    assert abs(s.current_margin() - 0.35) < 1e-12
+    s.tpot.load = InferenceLoad(LOAD_TAU_S)
+    s.tpot.load.observe(0.0, 0.0)
+    s.tpot.load.observe(1.0, (LOAD_LOW + LOAD_HIGH) / 2)
+    assert abs(s.tpot.current_margin() - 0.35) < 1e-12
 
 
 def test_load_margin_max_caps_what_the_load_alone_asks_and_misses_go_beyond_it():
     clock = Clock()
     s = make(clock=clock, margin_max=0.8, load_margin_max=0.5)
-    s.load.observe(0.0, 0.0)
-    s.load.observe(1.0, 1.0)  # fully loaded
-    assert abs(s.current_margin() - 0.5) < 1e-12  # the load alone: up to load_margin_max
+    s.tpot.load.observe(0.0, 0.0)
+    s.tpot.load.observe(1.0, 1.0)  # fully loaded
+    assert abs(s.tpot.current_margin() - 0.5) < 1e-12  # the load alone: up to load_margin_max
     for i in range(20):  # requests over the 20 ms SLO
         s.add_request(req(f"slow{i}", 4, max_tokens=4))
         for _ in range(4):
             step(s)
             clock.now += 0.030
-    assert s.margin == 0.8 and s.current_margin() == 0.8  # misses: up to slo_margin_max
+    assert s.tpot.margin == 0.8 and s.tpot.current_margin() == 0.8  # misses: up to slo_margin_max
     unset = make(margin_max=0.8)  # load_margin_max None: the load alone goes to slo_margin_max
-    unset.load.observe(0.0, 0.0)
-    unset.load.observe(1.0, 1.0)
-    assert abs(unset.current_margin() - 0.8) < 1e-12
+    unset.tpot.load.observe(0.0, 0.0)
+    unset.tpot.load.observe(1.0, 1.0)
+    assert abs(unset.tpot.current_margin() - 0.8) < 1e-12
     for bad in (0.05, 0.9, "0.5"):
         with pytest.raises(ValueError, match="load_margin_max"):
             make(margin_max=0.8, load_margin_max=bad)
 
 
 def _fully_loaded(s: Scheduler) -> None:
-    s.load = InferenceLoad(LOAD_TAU_S)
-    s.load.observe(0.0, 0.0)
-    s.load.observe(1.0, 1.0)
+    s.tpot.load = InferenceLoad(LOAD_TAU_S)
+    s.tpot.load.observe(0.0, 0.0)
+    s.tpot.load.observe(1.0, 1.0)
 
 
 @pytest.mark.parametrize("reserve_s", [math.inf, 0.05, 0.0])
@@ -353,7 +354,7 @@ def test_the_load_margin_holds_a_request_only_until_it_has_banked_the_load_reser
         clock.now = 0.003 * k
         step(s)
         _fully_loaded(s)
-        assert s.margin == 0.1 and abs(s.current_margin() - 0.6) < 1e-12
+        assert s.tpot.margin == 0.1 and abs(s.tpot.current_margin() - 0.6) < 1e-12
         n, elapsed = k + 1, clock.now
         budgets[n] = s.iteration_budget_s()
         # the load margin's target, or the one without it less the reserve, whichever allows more; never above 18 ms
@@ -523,16 +524,16 @@ def test_time_outside_the_model_work_comes_off_the_budget():
     serving the tokens) is measured by the engine and kept out of the finetuning slice's budget."""
     s = make()
     s.add_request(req("r", 4))
-    s.observe_overhead(0.004)  # the first observation is taken as it is
+    s.tpot.observe_overhead(0.004)  # the first observation is taken as it is
     assert abs(s.iteration_budget_s() - 0.014) < 1e-12
-    s.observe_overhead(0.0)  # then a running mean
-    assert 0 < s.overhead_s < 0.004
-    s.observe_overhead(5.0)  # a stall is clamped to the SLO, not taken whole
-    assert s.overhead_s <= 0.02
+    s.tpot.observe_overhead(0.0)  # then a running mean
+    assert 0 < s.tpot.overhead_s < 0.004
+    s.tpot.observe_overhead(5.0)  # a stall is clamped to the SLO, not taken whole
+    assert s.tpot.overhead_s <= 0.02
 
 
 def test_the_engine_measures_its_overhead(tiny_model):
     from coserve import LLM, SamplingParams
     llm = LLM(tiny_model, dtype="float32", device="cpu", policy="inference-only")
     llm.generate(["a", "b"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert 0 < llm.engine.scheduler.overhead_s < 0.05
+    assert 0 < llm.engine.scheduler.tpot.overhead_s < 0.05

@@ -259,8 +259,8 @@ def run_one(spec: RunSpec) -> dict:
                                "finetune_forward_tokens": ft_fwd, "finetune_backward_tokens": round(ft_bwd, 2),
                                "finetune_backward_windows": plan.shape.finetune_backward_windows
                                if plan.shape is not None else None,
-                               "margin": round(engine.scheduler.current_margin(), 4),
-                               "load": round(engine.scheduler.load.share(), 4),
+                               "margin": round(engine.scheduler.tpot.current_margin(), 4),
+                               "load": round(engine.scheduler.tpot.load.share(), 4),
                                "cut": engine.last_cut})
         if plan.chunks:
             busy.append((start, end))

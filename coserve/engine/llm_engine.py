@@ -359,7 +359,7 @@ class LLMEngine:
         self.collect_saves()
         if self._last_step is not None:  # back to back with a busy one: the gap beyond its model work is overhead
             last_start, last_model_s = self._last_step
-            self.scheduler.observe_overhead(start - last_start - last_model_s)
+            self.scheduler.tpot.observe_overhead(start - last_start - last_model_s)
         plan = self.scheduler.schedule()
         try:
             result = self.executor.execute(plan)

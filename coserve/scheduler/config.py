@@ -73,13 +73,13 @@ class SchedulerConfig:
     slo_tpot_s: float = 0.05  # inference time-per-output-token target the finetuning slice respects
     slo_margin: float = DEFAULT_SLO_MARGIN  # fraction of the SLO kept free for prediction error (the least margin)
     slo_margin_max: float = DEFAULT_SLO_MARGIN_MAX  # coserve: the margin rises toward this while finished requests
-    #   miss the SLO and falls back while they attain it (``Scheduler.observe_tpot``), and with the inference load
-    #   (``Scheduler.load_margin``); equal to slo_margin = a fixed margin
+    #   miss the SLO and falls back while they attain it (``TpotBudget.observe_tpot``), and with the inference load
+    #   (``TpotBudget.load_margin``); equal to slo_margin = a fixed margin
     load_margin_max: float | None = None  # coserve: the most the inference load alone raises the margin to (None:
     #   slo_margin_max); below slo_margin_max, only misses of the SLO take the margin above it
     load_reserve_s: float = DEFAULT_LOAD_RESERVE_S  # coserve: the most slack (seconds, against the target without
     #   the load margin) the load margin makes a running request bank; one that has banked it goes at that target
-    #   (``Scheduler.iteration_budget_s``). inf = the load margin holds every request for its whole output
+    #   (``TpotBudget.budget_s``). inf = the load margin holds every request for its whole output
     min_finetune_window: int = 16  # smallest finetuning slice worth an iteration (unless it finishes a pass)
     min_prefill_chunk: int = 64  # coserve: the least prompt tokens an iteration takes while requests decode (a
     #   prefill chunk is otherwise cut to what keeps the iteration within their TPOT budget)

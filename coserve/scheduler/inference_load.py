@@ -3,7 +3,7 @@
 Co-serving stretches decode iterations to the TPOT target with finetuning work, so the requests in flight bank no
 slack; when a burst of arrivals then saturates the engine, every one of them misses the SLO. Under load, a wider
 margin trains about as much (the engine is busy with inference anyway) and keeps slack for the next burst, so the
-scheduler widens its margin with this load before the misses come (``Scheduler.iteration_budget_s``).
+scheduler widens its margin with this load before the misses come (``TpotBudget.budget_s``).
 
 The load must not rise because the margin did. Every iteration pays a fixed cost whatever it carries (the latency
 model's ``overhead`` term: on a 2-core CPU about half of a small decode step), so a wider margin, which shortens

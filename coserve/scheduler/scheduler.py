@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coserve.kvcache import BlockManager, block_key
+from coserve.kvcache import BlockManager
 from coserve.scheduler.config import SchedulerConfig
 from coserve.scheduler.dts import DynamicTemporalSharing, TemporalSharing
 from coserve.scheduler.fairness import VirtualTokenCounter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress, FinetuneWork
-from coserve.scheduler.inference_load import InferenceLoad
 from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.ngram_drafts import propose_drafts
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
+from coserve.scheduler.prefix_blocks import cached_prefix, register_blocks
 from coserve.scheduler.request import Request, RequestStatus
 from coserve.scheduler.slice_policy import inference_shape, plan_slices
+from coserve.scheduler.tpot_budget import TpotBudget
 
 
 @dataclass(slots=True)
@@ -32,22 +32,10 @@ class TokenEvent:
     finish_reason: str | None
 
 
-OVERHEAD_ALPHA = 0.05  # weight of each new iteration in the running mean of the time outside the model work
-# The SLO margin's controller (``Scheduler.observe_tpot``): up by MARGIN_UP at each finished request over the TPOT
-# SLO, down by MARGIN_DOWN at each within it, so that it settles where about MARGIN_DOWN / MARGIN_UP (3%) miss.
-MARGIN_UP = 0.05
-MARGIN_DOWN = 0.0015
 # A burst's predicted time is kept this fraction below the slack it spends: in co-served runs at 1-3 req/s (2-core
 # AMD EPYC, 100 ms bursts) a tenth of the bursts ran 1.29-1.36x their prediction, and an overrun is paid by every
 # running request, a request near its first tokens most per output token.
 BURST_RESERVE = 0.3
-# The load-driven margin (``Scheduler.load_margin``): with the inference load (``InferenceLoad``, the share of the
-# last LOAD_TAU_S seconds that the inference work alone would take, each iteration's fixed cost counted as if the
-# iteration were as long as the least margin lets it be) at LOAD_LOW or below, none beyond the least; rising
-# linearly to ``slo_margin_max`` at LOAD_HIGH. It holds each request only until it has banked
-# ``SchedulerConfig.load_reserve_s`` of slack (``Scheduler.iteration_budget_s``).
-LOAD_TAU_S = 5.0
-LOAD_LOW, LOAD_HIGH = 0.2, 0.4
 
 
 class Scheduler:
@@ -95,14 +83,7 @@ class Scheduler:
         self.vtc = VirtualTokenCounter(config.fairness)
         self.job_tenants: dict[str, str] = {}  # job id -> tenant
         self._tenant_work: dict[str, int] = {}  # tenant -> its unfinished requests and active jobs
-        # Seconds each iteration costs beyond the model work the latency model predicts (scheduling, detokenizing,
-        # handing tokens out, the thread that serves them): a running mean the engine feeds (``observe_overhead``).
-        self.overhead_s = 0.0
-        self._overhead_seen = False
-        self.margin = config.slo_margin  # the fraction of the TPOT SLO kept free now (observe_tpot moves it)
-        # coserve with a latency model: widens the margin under load (the fixed cost of an iteration counted as if it
-        # were as long as the SLO lets it be at the least margin)
-        self.load = InferenceLoad(LOAD_TAU_S, config.slo_tpot_s * (1 - config.slo_margin))
+        self.tpot = TpotBudget(config)  # coserve: how long an iteration may take, and the margins that set it
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at admission
         self.num_draft_tokens = 0  # speculative decoding: n-gram drafts proposed
         self.num_accepted_drafts = 0  # of them, the ones the model agreed with
@@ -238,60 +219,15 @@ class Scheduler:
                 self.vtc.charge_finetune(self.job_tenants[w.job_id], w.num_tokens)
 
     def iteration_budget_s(self) -> float:
-        """The longest the next iteration may take: the TPOT target (SLO minus margin), lowered to what
-        keeps every running request's mean time per output token within it (negative when one is
-        already behind: no finetuning until it catches up). With no request in the engine, the idle
-        iteration length (``config.idle_iteration_s``) instead.
-
-        The load margin's part of the target holds a request only until it has banked
-        ``config.load_reserve_s`` of slack against the target without it (the miss controller's): the slack
-        a burst of arrivals takes from a request does not grow with the request's length, so a long one
-        need not go at the load margin's shorter target for its whole output."""
-        c = self.config
-        target = c.slo_tpot_s * (1 - self.current_margin())
-        if not self.has_unfinished():  # no request to slow down: only a newcomer's wait is bounded
-            return max(target, c.idle_iteration_s)
-        base = c.slo_tpot_s * (1 - self.margin)  # the target without the load margin (>= target)
-        reserve = c.load_reserve_s
-        top = target if math.isinf(reserve) else base  # what a request that banked its reserve may go at
-        now = self.clock()
-        # Bursting, with every running request past its first token and none waiting: up to the idle length,
-        # within each one's banked slack. Otherwise at most the target (a prompt's first token is not held back;
-        # with a finite reserve, the target without the load margin, each request bounding it below).
-        budget = max(top, c.idle_iteration_s) if self._bursting() else top
-        for r in self.running:
-            if r.first_token_time is not None:  # after the next token: (elapsed + t) / outputs-after-first
-                n, elapsed = len(r.output_token_ids), now - r.first_token_time
-                budget = min(budget, max(target * n, base * n - reserve) - elapsed)
-        return budget - self.overhead_s  # what is left for the model work, which the latency model predicts
-
-    def current_margin(self) -> float:
-        """The margin the TPOT target keeps now: the miss controller's (``margin``) or the load's, the wider."""
-        return max(self.margin, self.load_margin())
-
-    def load_margin(self) -> float:
-        """The margin the inference load asks for: ``slo_margin`` up to LOAD_LOW, ``load_margin_max`` (or
-        ``slo_margin_max``) from LOAD_HIGH, linear between. Stretching decode to the target banks no slack for a
-        burst of arrivals, and under load it trains no more than a wider margin (the engine is busy with inference
-        either way)."""
-        c = self.config
-        ramp = min(max((self.load.share() - LOAD_LOW) / (LOAD_HIGH - LOAD_LOW), 0.0), 1.0)
-        top = c.slo_margin_max if c.load_margin_max is None else c.load_margin_max
-        return c.slo_margin + ramp * (top - c.slo_margin)
+        """The longest the next iteration's model work may take (``TpotBudget.budget_s``): within every running
+        request's TPOT target, or the idle iteration's length with no request in the engine."""
+        return self.tpot.budget_s(self.running, self.clock(), not self.has_unfinished(), self._bursting())
 
     def _bursting(self) -> bool:
         """Whether finetuning waits for banked slack (``config.finetune_burst_s``): requests are decoding, every
         one has its first token, and none waits for admission."""
         return (self.config.finetune_burst_s > 0 and bool(self.running) and not self.waiting
                 and all(r.first_token_time is not None for r in self.running))
-
-    def observe_overhead(self, seconds: float) -> None:
-        """Fold one iteration's time outside the model work into ``overhead_s`` (clamped to [0, the TPOT SLO])."""
-        seconds = min(max(seconds, 0.0), self.config.slo_tpot_s)
-        if not self._overhead_seen:
-            self.overhead_s, self._overhead_seen = seconds, True
-        else:
-            self.overhead_s += OVERHEAD_ALPHA * (seconds - self.overhead_s)
 
     def _plan_whole_sequence(self, plan: IterationPlan) -> None:
         """Temporal sharing's finetuning iteration: what is left of one job's current sequence, forward
@@ -350,9 +286,9 @@ class Scheduler:
         if self.latency is not None and self.config.policy == "coserve":
             if plan.chunks:
                 shape = inference_shape(plan.chunks)
-                self.load.observe(self.clock(), self.latency.predict(shape), self.latency.fixed_s(shape))
+                self.tpot.load.observe(self.clock(), self.latency.predict(shape), self.latency.fixed_s(shape))
             else:
-                self.load.observe(self.clock(), 0.0)
+                self.tpot.load.observe(self.clock(), 0.0)
         events = []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
@@ -363,7 +299,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens = chunk.end
             if self.blocks.enable_caching:
-                self._register_blocks(request)
+                register_blocks(self.blocks, request)
             if chunk.prompt_targets is not None and len(request.prompt_logprobs) == chunk.start:
                 request.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if not chunk.sample:
@@ -384,21 +320,8 @@ class Scheduler:
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
-            self.observe_tpot(request)
-
-    def observe_tpot(self, request: Request) -> None:
-        """A request finished: move the SLO margin (coserve, within ``[slo_margin, slo_margin_max]``) by whether its
-        time per output token met the SLO. Stretching every iteration to the target lengthens requests, so more of
-        them run at once and the engine idles less; under load that both misses the SLO (prefill chunks and
-        mispredicted iterations land on requests with no slack left) and trains less than a shorter target, so
-        misses raise the margin, and successes lower it back to ``slo_margin``."""
-        c = self.config
-        n = len(request.output_token_ids)
-        if c.policy != "coserve" or c.slo_margin_max == c.slo_margin or n < 2 or request.first_token_time is None:
-            return
-        tpot = (self.clock() - request.first_token_time) / (n - 1)
-        step = MARGIN_UP if tpot > c.slo_tpot_s else -MARGIN_DOWN
-        self.margin = min(c.slo_margin_max, max(c.slo_margin, self.margin + step))
+            if self.config.policy == "coserve":
+                self.tpot.observe_tpot(request, self.clock())
 
     def _speculated(self, request: Request, chunk: InferenceChunk, result: ExecutionResult) -> TokenEvent:
         """A speculative chunk's outcome: the drafts the model agreed with and the token after them, appended one by
@@ -408,7 +331,7 @@ class Scheduler:
         self.num_accepted_drafts += len(more)
         request.num_computed_tokens = chunk.start + 1 + len(more)  # the fed token and the accepted drafts
         if self.blocks.enable_caching:
-            self._register_blocks(request)
+            register_blocks(self.blocks, request)
         token = None
         for token in [result.sampled[chunk.request_id], *more]:
             self._append(request, token)
@@ -459,7 +382,7 @@ class Scheduler:
             if (request.adapter is not None and request.adapter not in adapters
                     and len(adapters) >= self.config.max_loras):
                 break  # first come, first served: wait until an adapter's requests finish
-            prefix = self._cached_prefix(request)
+            prefix = cached_prefix(self.blocks, request)
             if not self.blocks.can_allocate(request.request_id, request.num_tokens, prefix):
                 break  # admitted only when the whole prompt fits
             self.waiting.remove(request)
@@ -496,31 +419,6 @@ class Scheduler:
         fit = self.latency.max_tokens_within(inference_shape(plan.chunks), self.iteration_budget_s(),
                                              "prefill_tokens", start + min(n, 512) // 2, max_n=n)
         return max(floor, fit)
-
-    def _cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks that can start ``request``'s table: its full blocks before its last known token (which
-        must be computed for the next token's logits); none when it scores its prompt."""
-        if not self.blocks.enable_caching or request.params.prompt_logprobs is not None:
-            return []
-        return self.blocks.match(self._block_keys(request, (request.num_tokens - 1) // self.blocks.block_size))
-
-    def _block_keys(self, request: Request, num_blocks: int) -> list[int]:
-        """The prefix-cache keys of ``request``'s first ``num_blocks`` blocks (their tokens must be known)."""
-        keys, size = request.block_keys, self.blocks.block_size
-        while len(keys) < num_blocks:
-            i = len(keys)
-            keys.append(block_key(keys[-1] if keys else None, tuple(request.token_ids(i * size, (i + 1) * size)),
-                                  request.cache_salt))
-        return keys[:num_blocks]
-
-    def _register_blocks(self, request: Request) -> None:
-        """Register ``request``'s blocks that its computed tokens have filled since the last time."""
-        full = request.num_computed_tokens // self.blocks.block_size
-        if full > request.num_registered_blocks:
-            for i, key in enumerate(self._block_keys(request, full)[request.num_registered_blocks:],
-                                    request.num_registered_blocks):
-                self.blocks.register(request.request_id, i, key)
-            request.num_registered_blocks = full
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Speculative decoding: n-gram drafts for a decoding request that may take them, as many as the budget,
