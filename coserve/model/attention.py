@@ -132,9 +132,19 @@ def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk:
 
 def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
                             scale: float) -> torch.Tensor:
-    """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes."""
+    """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes.
+
+    On a CPU the query heads that share a K/V head are that head's rows of queries (``[D, Hkv, Hq // Hkv, Dh]``;
+    query head ``i`` reads K/V head ``i // (Hq // Hkv)``, as HF's ``repeat_kv``), so the kernel reads each K/V
+    head once rather than a copy per query head (``enable_gqa``): 157 against 342 us for 10 sequences of 400
+    tokens of ``small``, 1.05 against 2.08 ms for 40 of 512 (2-core Zen 4)."""
     kc, vc = cache.gather(layer, group.block_tables)  # [D, L, Hkv, Dh]
-    o = sdpa(
-        q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
-        attn_mask=group.valid, scale=scale, enable_gqa=True)  # [D, Hq, 1, Dh]
-    return o.squeeze(2)
+    if q.is_cuda:
+        o = sdpa(q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
+                 attn_mask=group.valid, scale=scale, enable_gqa=True)  # [D, Hq, 1, Dh]
+        return o.squeeze(2)
+    d, hq, dh = q.shape
+    hkv = kc.shape[2]
+    o = sdpa(q.view(d, hkv, hq // hkv, dh), kc.transpose(1, 2), vc.transpose(1, 2),
+             attn_mask=group.valid, scale=scale)  # [D, Hkv, Hq // Hkv, Dh]
+    return o.reshape(d, hq, dh)
