@@ -96,8 +96,8 @@ CUDA_VARLEN = True
 
 
 # A group of one-token chunks takes sequences down to this fraction of its longest context, so that padding adds
-# about a tenth at most to the attention work while the number of calls stays small. On the CPU a group's K/V is gathered
-# and then read by the attention kernel, so a smaller group also stays in cache between the two. With decode
+# about a tenth at most to the attention work while the number of calls stays small. On the CPU a group's K/V is
+# gathered and then read by the attention kernel, so a smaller group also stays in cache between the two. With decode
 # attention reading each K/V head once (``attention._single_token_attention``), 32 decoding requests of `small` with
 # contexts of 64-1,400 tokens took 40.1, 42.7, 44.9 and 61.8 ms a step (medians) at 0.9 against 44.0, 44.7, 48.0
 # and 61.4 at 0.75 (four runs, the ratios alternating step by step in one engine; 2-core Zen 4); at 0.5 56.2 ms, at
