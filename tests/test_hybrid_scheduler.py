@@ -295,7 +295,7 @@ def test_inference_load_widens_the_margin_before_any_request_misses_and_idle_tim
     # each 1.8 ms iteration of 8 rows: 0.8 ms of token work in full, and its 1 ms fixed cost as if spread over the
     # 18 ms the SLO (20 ms less the least margin, 10%) lets an iteration last: 0.1 ms (fewer rows once the KV
     # blocks run out and requests are preempted)
-    assert LOAD_HIGH < s.tpot.load.share() <= 0.9 / 1.8 + 0.01
+    assert LOAD_HIGH < s.tpot.load_share() <= 0.9 / 1.8 + 0.01
     assert s.tpot.margin == 0.1  # no request has finished, let alone missed
     assert abs(s.tpot.current_margin() - 0.6) < 1e-12
     budget = s.iteration_budget_s()
@@ -303,20 +303,20 @@ def test_inference_load_widens_the_margin_before_any_request_misses_and_idle_tim
     for _ in range(100):  # the same requests, an iteration every 40 ms: 1 ms of inference in 40, load 0.03 for long
         plan = step(s)
         clock.now += 0.040
-    assert s.tpot.load.share() < 0.2 and s.tpot.current_margin() == 0.1
+    assert s.tpot.load_share() < 0.2 and s.tpot.current_margin() == 0.1
     assert plan.chunks and plan.finetune  # nothing kept finetuning out meanwhile
     # the share between LOAD_LOW and LOAD_HIGH moves the margin linearly
     s.tpot.load = InferenceLoad(LOAD_TAU_S)
-    s.tpot.load.observe(0.0, 0.0)
-    s.tpot.load.observe(1.0, (LOAD_LOW + LOAD_HIGH) / 2)
+    s.tpot.observe_inference(0.0, 0.0)
+    s.tpot.observe_inference(1.0, (LOAD_LOW + LOAD_HIGH) / 2)
     assert abs(s.tpot.current_margin() - 0.35) < 1e-12
 
 
 def test_load_margin_max_caps_what_the_load_alone_asks_and_misses_go_beyond_it():
     clock = Clock()
     s = make(clock=clock, margin_max=0.8, load_margin_max=0.5)
-    s.tpot.load.observe(0.0, 0.0)
-    s.tpot.load.observe(1.0, 1.0)  # fully loaded
+    s.tpot.observe_inference(0.0, 0.0)
+    s.tpot.observe_inference(1.0, 1.0)  # fully loaded
     assert abs(s.tpot.current_margin() - 0.5) < 1e-12  # the load alone: up to load_margin_max
     for i in range(20):  # requests over the 20 ms SLO
         s.add_request(req(f"slow{i}", 4, max_tokens=4))
@@ -325,8 +325,8 @@ def test_load_margin_max_caps_what_the_load_alone_asks_and_misses_go_beyond_it()
             clock.now += 0.030
     assert s.tpot.margin == 0.8 and s.tpot.current_margin() == 0.8  # misses: up to slo_margin_max
     unset = make(margin_max=0.8)  # load_margin_max None: the load alone goes to slo_margin_max
-    unset.tpot.load.observe(0.0, 0.0)
-    unset.tpot.load.observe(1.0, 1.0)
+    unset.tpot.observe_inference(0.0, 0.0)
+    unset.tpot.observe_inference(1.0, 1.0)
     assert abs(unset.tpot.current_margin() - 0.8) < 1e-12
     for bad in (0.05, 0.9, "0.5"):
         with pytest.raises(ValueError, match="load_margin_max"):
@@ -335,8 +335,8 @@ def test_load_margin_max_caps_what_the_load_alone_asks_and_misses_go_beyond_it()
 
 def _fully_loaded(s: Scheduler) -> None:
     s.tpot.load = InferenceLoad(LOAD_TAU_S)
-    s.tpot.load.observe(0.0, 0.0)
-    s.tpot.load.observe(1.0, 1.0)
+    s.tpot.observe_inference(0.0, 0.0)
+    s.tpot.observe_inference(1.0, 1.0)
 
 
 @pytest.mark.parametrize("reserve_s", [math.inf, 0.05, 0.0])

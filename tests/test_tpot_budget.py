@@ -41,8 +41,8 @@ def test_the_budget_is_the_target_lowered_to_the_slack_of_the_request_furthest_b
 @pytest.mark.parametrize("reserve_s", [math.inf, 0.05])
 def test_under_full_load_a_request_goes_at_the_load_target_until_it_has_banked_the_reserve(reserve_s):
     b = budget(load_reserve_s=reserve_s)
-    b.load.observe(0.0, 0.0)
-    b.load.observe(1.0, 1.0)
+    b.observe_inference(0.0, 0.0)
+    b.observe_inference(1.0, 1.0)
     assert b.current_margin() == pytest.approx(0.6) and b.margin == 0.1  # the load's margin, not the misses'
     r = decoding(11, first_token_time=0.0)  # 10 intervals at 8 ms (the load target): 100 ms banked against 18 ms
     at_load_target = b.budget_s([r], now=0.080, idle=False, bursting=False)

@@ -260,7 +260,7 @@ def run_one(spec: RunSpec) -> dict:
                                "finetune_backward_windows": plan.shape.finetune_backward_windows
                                if plan.shape is not None else None,
                                "margin": round(engine.scheduler.tpot.current_margin(), 4),
-                               "load": round(engine.scheduler.tpot.load.share(), 4),
+                               "load": round(engine.scheduler.tpot.load_share(), 4),
                                "cut": engine.last_cut})
         if plan.chunks:
             busy.append((start, end))

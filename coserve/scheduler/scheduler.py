@@ -286,9 +286,9 @@ class Scheduler:
         if self.latency is not None and self.config.policy == "coserve":
             if plan.chunks:
                 shape = inference_shape(plan.chunks)
-                self.tpot.load.observe(self.clock(), self.latency.predict(shape), self.latency.fixed_s(shape))
+                self.tpot.observe_inference(self.clock(), self.latency.predict(shape), self.latency.fixed_s(shape))
             else:
-                self.tpot.load.observe(self.clock(), 0.0)
+                self.tpot.observe_inference(self.clock(), 0.0)
         events = []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)

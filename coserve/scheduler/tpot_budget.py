@@ -99,6 +99,16 @@ class TpotBudget:
         step = MARGIN_UP if tpot > c.slo_tpot_s else -MARGIN_DOWN
         self.margin = min(c.slo_margin_max, max(c.slo_margin, self.margin + step))
 
+    def observe_inference(self, now: float, inference_s: float, fixed_s: float = 0.0) -> None:
+        """An iteration ended at ``now`` whose inference rows alone would take ``inference_s`` seconds by the latency
+        model (0 for one without inference), ``fixed_s`` of it the cost any iteration pays: the load margin's feed
+        (``InferenceLoad.observe``)."""
+        self.load.observe(now, inference_s, fixed_s)
+
+    def load_share(self) -> float:
+        """The inference load the margin follows now (``InferenceLoad.share``)."""
+        return self.load.share()
+
     def observe_overhead(self, seconds: float) -> None:
         """Fold one iteration's time outside the model work into ``overhead_s`` (clamped to [0, the TPOT SLO])."""
         seconds = min(max(seconds, 0.0), self.config.slo_tpot_s)
