@@ -14,15 +14,16 @@
 # "--slo-margin-max 0.3"), POLICIES (the policies run at LIGHT, HEAVY and MID, space-separated; default every one
 # but spatial, which runs last), TEST_ARGS (the pytest arguments of the CUDA tests). An empty MID or HEAVY skips
 # that rate.
-# The H200 of 2026-11-26 took about 36 s per run of 15 s arrivals (about 20 s to start each run's process), so
-# BUDGET=555 covered the profile and 13 runs; the rates here suit `small` float32 on an H100 or H200.
+# The H200 of 2026-11-26 took about 36 s per run of 15 s arrivals with a 5 s drain (about 20 s to start each run's
+# process), so BUDGET=555 covered the profile and 13 runs; a run ends once its requests are done, so the 15 s drain
+# costs only where some are still decoding. The rates here suit `small` float32 on an H100 or H200.
 set -u
 MODEL=${MODEL:-models/coserve-small}
 DATA=${DATA:-../shared/data}
 OUT=${OUT:-runs/cuda_sweep}
 BUDGET=${BUDGET:-570}
 DUR=${DUR:-15}
-DRAIN=${DRAIN:-5}
+DRAIN=${DRAIN:-15}  # 5 s counted long late answers of `coserve` (TPOT 30-40 ms) as misses on the H200 (2026-11-26)
 LIGHT=${LIGHT:-5}
 MID=${MID-15}
 HEAVY=${HEAVY-30}
