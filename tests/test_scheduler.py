@@ -40,6 +40,17 @@ def test_decodes_go_first_and_prefill_fills_the_rest():
     assert plan.num_scheduled_tokens == 8
 
 
+def test_first_tokens_come_first_among_an_iterations_events():
+    s = make(budget=32)
+    s.add_request(req("a", 3, max_tokens=10))
+    s.add_request(req("b", 3, max_tokens=10))
+    run_step(s)  # a and b prefilled
+    s.add_request(req("c", 5))
+    plan, events = run_step(s)
+    assert [c.request_id for c in plan.chunks] == ["a", "b", "c"]  # decodes go first in the forward
+    assert [e.request_id for e in events] == ["c", "a", "b"]  # its first token is delivered before their next ones
+
+
 def test_admission_only_when_the_whole_prompt_fits():
     s = make(num_blocks=4, block_size=4, budget=64)
     s.add_request(req("big", 17))  # needs 5 blocks of 4

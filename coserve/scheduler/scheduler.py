@@ -273,7 +273,10 @@ class Scheduler:
         return budget
 
     def update(self, plan: IterationPlan, result: ExecutionResult) -> list[TokenEvent]:
-        """Advance requests and jobs by the executed plan; returns one event per sampled token."""
+        """Advance requests and jobs by the executed plan; returns one event per sampled token, first tokens
+        first (the engine delivers its outputs in this order: a server turns each into an event on one event loop,
+        so a first token, whose time-to-first-token someone waits on, does not queue behind the decode tokens of
+        the same iteration)."""
         for progress in result.finetune:
             if progress.job_id not in self.jobs:
                 continue  # cancelled while the iteration ran
@@ -289,7 +292,7 @@ class Scheduler:
                 self.tpot.observe_inference(self.clock(), self.latency.predict(shape), self.latency.fixed_s(shape))
             else:
                 self.tpot.observe_inference(self.clock(), 0.0)
-        events = []
+        events, firsts = [], []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.is_finished:
@@ -306,9 +309,10 @@ class Scheduler:
                 continue
             token = result.sampled[chunk.request_id]
             self._append(request, token)
-            events.append(TokenEvent(request.request_id, token, result.logprobs.get(request.request_id),
-                                     request.is_finished, request.finish_reason))
-        return events
+            (firsts if len(request.output_token_ids) == 1 else events).append(
+                TokenEvent(request.request_id, token, result.logprobs.get(request.request_id), request.is_finished,
+                           request.finish_reason))
+        return firsts + events
 
     def _append(self, request: Request, token: int) -> None:
         """One new output token: timed if first, charged to the tenant, and the request finished if it stops it."""
