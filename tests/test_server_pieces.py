@@ -200,15 +200,19 @@ def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_
     assert http_added_ms(a, b, "outside_engine_s") == pytest.approx(3.95)
 
 
-def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(model_factory):
+@pytest.mark.parametrize("client_stream", ["objects", "lines"])
+def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(model_factory, client_stream):
     """``bench-server``'s HTTP phase end to end: a ``coserve serve`` child, the load from a spawned client process
-    at ``client_nice``, and each request's engine part read back from the server's access log."""
+    at ``client_nice`` (reading chunk objects or the events' lines), and each request's engine part read back from
+    the server's access log."""
     from coserve.bench.server_load import LoadSpec, phase_row, run_http
     spec = LoadSpec(str(model_factory("llama")), [(0.0, "Hello there", 3), (0.05, "Tell me a story", 4)], None,
-                    0.05, 5.0, 120.0, "float32", None, 0, client_nice=3)
+                    0.05, 5.0, 120.0, "float32", None, 0, client_nice=3, client_stream=client_stream)
     records, extra = run_http(spec)
     assert extra["client_nice"] == min(19, os.nice(0) + 3)  # this process's value, plus 3
+    assert extra["client_stream"] == client_stream
     assert [(r.completed, r.num_output_tokens) for r in records] == [(True, 3), (True, 4)]
+    assert all(r.num_prompt_tokens > 5 for r in records)  # the usage event was read
     assert all(r.engine_ttft_s is not None and 0 < r.engine_ttft_s <= r.ttft_s for r in records)
     row = phase_row("http", records, extra, spec)
     assert row["client_nice"] == extra["client_nice"] and row["num_split"] == 2 and row["num_failed"] == 0
@@ -221,6 +225,14 @@ def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(mod
     # the server's event loop ran the two requests (its main thread's CPU time, read from /proc)
     assert extra["server_loop_cpu_s"] > 0
     assert row["server_loop_cpu_ms_per_request"] == pytest.approx(1000 * extra["server_loop_cpu_s"] / 2)
+
+
+def test_a_stream_line_is_read_as_its_event_and_an_error_event_raises_with_its_message():
+    from coserve.bench.server_load import stream_event
+    assert stream_event('data: {"id": "c1", "choices": []}') == {"id": "c1", "choices": []}
+    assert stream_event("data: [DONE]") is None and stream_event("") is None and stream_event(": ping") is None
+    with pytest.raises(RuntimeError, match="engine failed"):
+        stream_event('data: {"error": {"message": "The engine failed", "type": "server_error"}}')
 
 
 def test_the_http_phases_server_gets_the_stream_interval_and_the_slo_options_the_serve_parser_reads():

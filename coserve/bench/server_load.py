@@ -35,6 +35,7 @@ from coserve.server.middleware import ACCESS_LOGGER
 DEFAULT_ALPACA = Path(__file__).resolve().parents[3] / "shared" / "data" / "alpaca_en_demo.json"
 TENANT = "default"
 CHAT_TEMPLATE_ROOM = 64  # tokens left for the chat template and re-tokenization drift
+CLIENT_STREAMS = ("objects", "lines")  # how the HTTP phase's client reads a stream (``--client-stream``)
 
 
 def add_arguments(p) -> None:
@@ -61,6 +62,11 @@ def add_arguments(p) -> None:
                    "(0-19; the server keeps its own), to see how much of the phases' difference is the client's CPU "
                    "(on 2 cores, 19 moved it from the engine's wait to the client's late reads: "
                    "docs/benchmark-history.md)")
+    p.add_argument("--client-stream", choices=CLIENT_STREAMS, default="objects", help="how the HTTP phase's "
+                   "client reads each stream: objects, the openai client's chunk objects (as an application iterates "
+                   "them); lines, the same client's with_streaming_response, each server-sent event's JSON read with "
+                   "json.loads (as vLLM's benchmark_serving reads them): about a quarter of the client's CPU, which on "
+                   "a machine of few cores it takes from the engine")
     p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (both phases): an "
                    "event every N tokens after the first")
     p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
@@ -85,6 +91,7 @@ class LoadSpec:
     stream_interval: int = 1  # the server's --stream-interval, in both phases
     slo: dict = field(default_factory=dict)  # the server's SLO options (slo_options.SLO_FIELDS), in both phases
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS  # the server's --gil-switch-interval-ms, both phases
+    client_stream: str = "objects"  # CLIENT_STREAMS: the HTTP phase's client reads chunk objects or the events' lines
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
@@ -179,11 +186,13 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
             await asyncio.sleep(0.1)
     tokens0 = (await client.fine_tuning.jobs.retrieve(job.id)).trained_tokens or 0 if job else 0
 
-    async def send(message: str, max_tokens: int, clock):
+    def body(message: str, max_tokens: int) -> dict:
+        return dict(model=model, messages=[{"role": "user", "content": message}], max_tokens=max_tokens,
+                    temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+
+    async def send_objects(message: str, max_tokens: int, clock):
         first, n_out, n_prompt, ident = None, 0, 0, None
-        stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": message}], max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        stream = await client.chat.completions.create(**body(message, max_tokens))
         async for chunk in stream:
             ident = chunk.id
             if chunk.choices and chunk.choices[0].delta.content and first is None:
@@ -192,7 +201,22 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
                 n_out, n_prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
         return first, n_prompt, n_out, None, ident  # the engine's part: from the server's log, once it stops
 
-    records, ids, elapsed = await drive(spec, send)
+    async def send_lines(message: str, max_tokens: int, clock):
+        first, n_out, n_prompt, ident = None, 0, 0, None
+        async with client.chat.completions.with_streaming_response.create(**body(message, max_tokens)) as response:
+            async for line in response.iter_lines():
+                event = stream_event(line)
+                if event is None:
+                    continue
+                ident = event.get("id", ident)
+                choices = event.get("choices") or [{}]
+                if first is None and choices[0].get("delta", {}).get("content"):
+                    first = clock()
+                if event.get("usage"):
+                    n_out, n_prompt = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
+        return first, n_prompt, n_out, None, ident
+
+    records, ids, elapsed = await drive(spec, send_lines if spec.client_stream == "lines" else send_objects)
     ft = {}
     if job is not None:
         done = await client.fine_tuning.jobs.retrieve(job.id)
@@ -201,6 +225,21 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
             await client.fine_tuning.jobs.cancel(job.id)
     await client.close()
     return records, {"elapsed_s": elapsed, "ids": ids, **ft}
+
+
+def stream_event(line: str) -> dict | None:
+    """One line of a chat completion stream: its event's JSON, or None for a blank line, a comment or ``[DONE]``; an
+    error event raises (as the openai client's chunk iterator does), naming the server's message."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return None
+    event = json.loads(data)
+    if isinstance(event, dict) and event.get("error") is not None:
+        error = event["error"]
+        raise RuntimeError(f"the stream ended in an error: {error.get('message') if isinstance(error, dict) else error}")
+    return event
 
 
 def engine_ttfts(log_text: str) -> dict[str, tuple[float, float | None]]:
@@ -292,7 +331,8 @@ def _http_client(job: tuple[LoadSpec, str, str]) -> tuple[list[RequestRecord], d
     nice = os.nice(spec.client_nice)
     cpu = time.process_time()
     records, extra = asyncio.run(_http_requests(spec, base_url, model))
-    return records, {**extra, "client_nice": nice, "client_cpu_s": time.process_time() - cpu}
+    return records, {**extra, "client_nice": nice, "client_stream": spec.client_stream,
+                     "client_cpu_s": time.process_time() - cpu}
 
 
 def _free_port() -> int:
@@ -366,6 +406,7 @@ def phase_row(name: str, records: list[RequestRecord], extra: dict, spec: LoadSp
     row["finetune_tokens_per_s"] = extra.get("finetune_tokens", 0) / extra["elapsed_s"]
     row["finetune_job_status"] = extra.get("job_status")
     row["client_nice"] = extra.get("client_nice")  # the HTTP load client's, as it saw it; None in-process
+    row["client_stream"] = extra.get("client_stream")  # how it read the streams (CLIENT_STREAMS); None in-process
     # the CPU time the HTTP load client took (all its threads), per request: what it takes from the engine's
     # cores when they are all the machine has
     cpu = extra.get("client_cpu_s")
@@ -426,7 +467,7 @@ def run(args) -> int:
         data = finetune_jsonl(path)
     spec = LoadSpec(str(Path(args.model).resolve()), requests, data, args.slo_tpot_ms / 1000, args.ttft_limit_s,
                     args.timeout, args.dtype, args.device, args.seed, args.client_nice, args.stream_interval,
-                    slo_settings(args), args.gil_switch_interval_ms)
+                    slo_settings(args), args.gil_switch_interval_ms, args.client_stream)
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
     rows, pairs = [], []  # pairs: each repeat's row by phase
@@ -451,7 +492,8 @@ def run(args) -> int:
         rows += overall.values()
     print(table(rows))
     result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "repeats": args.repeats,
-              "model": args.model, "client_nice": args.client_nice, "stream_interval": args.stream_interval,
+              "model": args.model, "client_nice": args.client_nice, "client_stream": args.client_stream,
+              "stream_interval": args.stream_interval,
               "gil_switch_interval_ms": args.gil_switch_interval_ms, **slo_settings(args),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     added = http_added_ms(overall.get("in-process"), overall.get("http"))
@@ -469,7 +511,7 @@ def run(args) -> int:
         print(f"The phases' median TTFTs differ by {added:+.1f} ms{note}, the engine's scheduling of each included")
     for row in rows:
         if row.get("client_cpu_ms_per_request") is not None:
-            print(f"{row['phase']}: the load client took {row['client_cpu_ms_per_request']:.1f} ms of CPU per request "
+            print(f"{row['phase']}: the load client (reading {row['client_stream']}) took {row['client_cpu_ms_per_request']:.1f} ms of CPU per request "
                   f"({row['client_cpu_ms_per_request'] * row['num_requests'] / 1000 / row['duration_s']:.1%} of a core)"
                   + (f"; the server's event loop {row['server_loop_cpu_ms_per_request']:.1f} ms"
                      if row.get("server_loop_cpu_ms_per_request") is not None else ""))
