@@ -65,8 +65,8 @@ def add_arguments(p) -> None:
     p.add_argument("--client-stream", choices=CLIENT_STREAMS, default="objects", help="how the HTTP phase's "
                    "client reads each stream: objects, the openai client's chunk objects (as an application iterates "
                    "them); lines, the same client's with_streaming_response, each server-sent event's JSON read with "
-                   "json.loads (as vLLM's benchmark_serving reads them): about a quarter of the client's CPU, which on "
-                   "a machine of few cores it takes from the engine")
+                   "json.loads (as vLLM's benchmark_serving reads them): about half the client's CPU under load (the "
+                   "CPU a client on the same few cores takes from the engine)")
     p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (both phases): an "
                    "event every N tokens after the first")
     p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
@@ -238,7 +238,8 @@ def stream_event(line: str) -> dict | None:
     event = json.loads(data)
     if isinstance(event, dict) and event.get("error") is not None:
         error = event["error"]
-        raise RuntimeError(f"the stream ended in an error: {error.get('message') if isinstance(error, dict) else error}")
+        message = error.get("message") if isinstance(error, dict) else error
+        raise RuntimeError(f"the stream ended in an error: {message}")
     return event
 
 
@@ -511,7 +512,8 @@ def run(args) -> int:
         print(f"The phases' median TTFTs differ by {added:+.1f} ms{note}, the engine's scheduling of each included")
     for row in rows:
         if row.get("client_cpu_ms_per_request") is not None:
-            print(f"{row['phase']}: the load client (reading {row['client_stream']}) took {row['client_cpu_ms_per_request']:.1f} ms of CPU per request "
+            print(f"{row['phase']}: the load client (reading {row['client_stream']}) took "
+                  f"{row['client_cpu_ms_per_request']:.1f} ms of CPU per request "
                   f"({row['client_cpu_ms_per_request'] * row['num_requests'] / 1000 / row['duration_s']:.1%} of a core)"
                   + (f"; the server's event loop {row['server_loop_cpu_ms_per_request']:.1f} ms"
                      if row.get("server_loop_cpu_ms_per_request") is not None else ""))
