@@ -133,23 +133,25 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
     spares each streamed token two task switches on the event loop."""
     queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException]] = asyncio.Queue()
 
-    async def pump(choice: Choice) -> None:
-        try:
-            while choice.out is None or not choice.out.finished:
-                await queue.put((choice, await advance(choice, job, ctx)))
-        except Exception as e:
-            await queue.put((choice, e))
-
-    async def next_output() -> tuple[Choice, RequestOutput | BaseException]:
-        if tasks:
-            return await queue.get()
-        choice = job.choices[0]
+    async def read(choice: Choice) -> tuple[Choice, RequestOutput | BaseException]:
+        """The choice's next output, or the error that ended it."""
         try:
             return choice, await advance(choice, job, ctx)
         except Exception as e:
             return choice, e
 
+    async def pump(choice: Choice) -> None:
+        while True:
+            item = await read(choice)
+            await queue.put(item)
+            if isinstance(item[1], BaseException) or item[1].finished:
+                return
+
     tasks = [asyncio.create_task(pump(c)) for c in job.choices] if len(job.choices) > 1 else []
+
+    async def next_output() -> tuple[Choice, RequestOutput | BaseException]:
+        return await queue.get() if tasks else await read(job.choices[0])
+
     failed = False
     try:
         open_choices = len(job.choices)
