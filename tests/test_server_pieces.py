@@ -258,3 +258,34 @@ def test_a_threads_cpu_time_is_read_and_an_unreadable_one_is_none():
         pass
     assert thread_cpu_s(os.getpid(), threading.get_native_id()) > before
     assert thread_cpu_s(os.getpid(), 2**31 - 1) is None
+
+
+def test_an_interleaved_run_sends_alternate_requests_through_http_and_in_process_on_one_server(model_factory):
+    """``bench-server --phase interleaved`` end to end: one spawned host serves HTTP (uvicorn, as ``coserve serve``
+    runs) and drives the odd requests on its own objects; a client process sends the even ones over HTTP from the
+    same start; a job created in the host trains beside both halves."""
+    from coserve.bench.interleaved import halves, run_interleaved
+    from coserve.bench.server_load import LoadSpec, phase_row
+    data = b'{"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi there"}]}\n'
+    requests = [(0.0, "Hello there", 3), (0.05, "Tell me a story", 4), (0.1, "Why", 2), (0.15, "How so", 5)]
+    spec = LoadSpec(str(model_factory("llama")), requests, data, 0.05, 5.0, 120.0, "float32", None, 0)
+    inproc, http = halves(spec)
+    assert [r[2] for r in http.requests] == [3, 2] and [r[2] for r in inproc.requests] == [4, 5]
+    assert http.finetune_jsonl is None and inproc.finetune_jsonl == data  # the host creates the job
+    swapped_inproc, swapped_http = halves(spec, swap=True)  # the next repeat: each request the other way
+    assert swapped_inproc.requests == http.requests and swapped_http.requests == inproc.requests
+    assert swapped_http.finetune_jsonl is None and swapped_inproc.finetune_jsonl == data
+    done = run_interleaved(spec)
+    (in_records, in_extra), (http_records, http_extra) = done["in-process"], done["http"]
+    assert [(r.completed, r.num_output_tokens) for r in http_records] == [(True, 3), (True, 2)]
+    assert [(r.completed, r.num_output_tokens) for r in in_records] == [(True, 4), (True, 5)]
+    # one start for both halves: each request was sent at its arrival offset on the shared clock
+    for record, (offset, _, _) in zip(http_records + in_records, http.requests + inproc.requests):
+        assert offset - 0.005 <= record.arrival_s < offset + 1.0  # (timers wake within a ms)
+    assert all(r.engine_ttft_s is not None and 0 < r.engine_ttft_s <= r.ttft_s for r in http_records + in_records)
+    assert all(r.server_before_engine_s > 0 for r in http_records)  # read from the host's access log
+    # one job served both halves: both carry the run's time and tokens
+    assert in_extra["finetune_tokens"] > 0 and http_extra["finetune_tokens"] == in_extra["finetune_tokens"]
+    assert http_extra["elapsed_s"] == in_extra["elapsed_s"] and in_extra["job_status"] in ("running", "succeeded")
+    row = phase_row("http (interleaved)", http_records, http_extra, spec)
+    assert row["num_failed"] == 0 and row["num_split"] == 2 and row["client_cpu_ms_per_request"] > 0

@@ -51,7 +51,11 @@ def add_arguments(p) -> None:
                    "../shared/data/alpaca_en_demo.json); 'none' = no fine-tuning job")
     add_slo_arguments(p, "coserve: ")  # the server's, in both phases (--slo-tpot-ms also judges attainment)
     p.add_argument("--ttft-limit-s", type=float, default=5.0)
-    p.add_argument("--phase", choices=["both", "http", "in-process"], default="both")
+    p.add_argument("--phase", choices=["both", "http", "in-process", "interleaved"], default="both",
+                   help="both: the in-process phase, then the HTTP phase (with --repeats, alternately first); "
+                   "interleaved: one run on one server, the requests alternately through HTTP and in-process (both "
+                   "halves meet the same engine and the same machine at once; with --repeats, every other run swaps "
+                   "the halves: coserve/bench/interleaved.py)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a phase may take at most")
     p.add_argument("--repeats", type=int, default=1, help="run the phases this many times, alternating, and "
                    "compare the TTFTs of all their requests pooled (one run's median moves by several ms)")
@@ -148,12 +152,14 @@ def one_at_a_time(spec: LoadSpec):
     return contextlib.nullcontext()
 
 
-async def drive(spec: LoadSpec, send) -> tuple[list[RequestRecord], list[str | None], float]:
+async def drive(spec: LoadSpec, send, start_at: float | None = None
+                ) -> tuple[list[RequestRecord], list[str | None], float]:
     """Every request of ``spec`` at its arrival offset (one at a time for ``--rate 0``): their records, their
     response ids, and the seconds it took. ``send(message, max_tokens, clock)`` streams one and returns (first-token
     time on ``clock``, prompt tokens, output tokens, the engine's part of the TTFT if known, the response id if
-    any); an exception counts as a failed request, with why."""
-    start = time.monotonic()
+    any); an exception counts as a failed request, with why. Offsets count from now, or from ``start_at`` (wall
+    clock, ``time.time()``: two processes driving halves of one load share it)."""
+    start = time.monotonic() + (0.0 if start_at is None else start_at - time.time())
 
     def clock() -> float:
         return time.monotonic() - start
@@ -175,7 +181,8 @@ async def drive(spec: LoadSpec, send) -> tuple[list[RequestRecord], list[str | N
 
 
 # ---- the HTTP phase ---------------------------------------------------------------------------------------------
-async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[list[RequestRecord], dict]:
+async def _http_requests(spec: LoadSpec, base_url: str, model: str, start_at: float | None = None
+                         ) -> tuple[list[RequestRecord], dict]:
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=spec.timeout_s)
     job = None
@@ -216,7 +223,7 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str) -> tuple[lis
                     n_out, n_prompt = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
         return first, n_prompt, n_out, None, ident
 
-    records, ids, elapsed = await drive(spec, send_lines if spec.client_stream == "lines" else send_objects)
+    records, ids, elapsed = await drive(spec, send_lines if spec.client_stream == "lines" else send_objects, start_at)
     ft = {}
     if job is not None:
         done = await client.fine_tuning.jobs.retrieve(job.id)
@@ -279,7 +286,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
 
     import httpx
     with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
-        port = _free_port()
+        port = free_port()
         cmd = server_command(spec, port, f"{tmp}/state")
         log = open(f"{tmp}/server.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -298,7 +305,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
                 time.sleep(0.2)
             model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
             loop_cpu = thread_cpu_s(proc.pid, proc.pid)
-            records, extra = run_spawned(_http_client, (spec, f"http://127.0.0.1:{port}/v1", model),
+            records, extra = run_spawned(http_client, (spec, f"http://127.0.0.1:{port}/v1", model),
                                          "the HTTP phase's load client")
             after = thread_cpu_s(proc.pid, proc.pid)
             extra["server_loop_cpu_s"] = None if loop_cpu is None or after is None else after - loop_cpu
@@ -325,18 +332,19 @@ def thread_cpu_s(pid: int, tid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
-def _http_client(job: tuple[LoadSpec, str, str]) -> tuple[list[RequestRecord], dict]:
+def http_client(job: tuple) -> tuple[list[RequestRecord], dict]:
     """The HTTP phase's load, from its own process at ``spec.client_nice`` (a niceness cannot be undone, so the
-    client cannot lower its own and then give the server a normal one)."""
-    spec, base_url, model = job
+    client cannot lower its own and then give the server a normal one). ``job``: the spec, the server's base URL,
+    the model's id, and optionally when the load starts (``drive``'s ``start_at``)."""
+    spec, base_url, model, *start_at = job
     nice = os.nice(spec.client_nice)
     cpu = time.process_time()
-    records, extra = asyncio.run(_http_requests(spec, base_url, model))
+    records, extra = asyncio.run(_http_requests(spec, base_url, model, *start_at))
     return records, {**extra, "client_nice": nice, "client_stream": spec.client_stream,
                      "client_cpu_s": time.process_time() - cpu}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -344,50 +352,75 @@ def _free_port() -> int:
 
 
 # ---- the in-process phase ---------------------------------------------------------------------------------------
-async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[RequestRecord], dict]:
+def phase_app(spec: LoadSpec, state_dir: str):
+    """The server's ASGI app for a phase, as ``coserve serve`` builds it from the spec's options (its engine starts
+    with the app's lifespan)."""
     from coserve.engine.config import EngineConfig
     from coserve.server.app import build_app
     from coserve.server.config import ServerConfig
-    from coserve.server.inference_api import max_tokens_for, render_chat, sampling_params, start_choice
+    return build_app(ServerConfig(model=spec.model, state_dir=state_dir, stream_interval=spec.stream_interval,
+                                  gil_switch_interval_ms=spec.gil_switch_interval_ms),
+                     EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device, **spec.slo))
+
+
+async def start_job(ctx, spec: LoadSpec) -> tuple[dict | None, int]:
+    """The spec's fine-tuning job created on the server's own objects, once it runs (None without data), and the
+    server's count of finetuning tokens then."""
+    from coserve.server.protocol import FineTuningJobRequest
+    job = None
+    if spec.finetune_jsonl is not None:
+        f = ctx.store.add_file(TENANT, "train.jsonl", "fine-tune", spec.finetune_jsonl)
+        job = ctx.jobs.create(TENANT, FineTuningJobRequest.model_validate(
+            {"model": ctx.models.base, "training_file": f["id"], "seed": spec.seed, **JOB}))
+        while ctx.store.get_job(TENANT, job["id"])["status"] == "queued":
+            await asyncio.sleep(0.1)
+    return job, ctx.metrics.finetune.total
+
+
+async def end_job(ctx, job: dict | None, tokens0: int) -> dict:
+    """The tokens ``job`` trained since ``tokens0`` and its status; cancelled if still running."""
     from coserve.server.jobs import POLL_S
-    from coserve.server.protocol import ChatCompletionRequest, FineTuningJobRequest
-    app = build_app(ServerConfig(model=spec.model, state_dir=state_dir, stream_interval=spec.stream_interval,
-                                 gil_switch_interval_ms=spec.gil_switch_interval_ms),
-                    EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device, **spec.slo))
+    if job is None:
+        return {}
+    await asyncio.sleep(2 * POLL_S)  # let the job watcher count the last tokens
+    ft = {"finetune_tokens": ctx.metrics.finetune.total - tokens0,
+          "job_status": ctx.store.get_job(TENANT, job["id"])["status"]}
+    if ft["job_status"] == "running":
+        await asyncio.to_thread(ctx.jobs.cancel, TENANT, job["id"])
+    return ft
+
+
+def inprocess_send(ctx):
+    """``drive``'s ``send`` on the server's own objects: the chat request validated, rendered and started as the
+    chat route does, its outputs read from the engine client directly (no HTTP, no JSON)."""
+    from coserve.server.inference_api import max_tokens_for, render_chat, sampling_params, start_choice
+    from coserve.server.protocol import ChatCompletionRequest
+
+    async def send(message: str, max_tokens: int, clock):
+        body = ChatCompletionRequest.model_validate({
+            "model": ctx.models.base, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True})
+        ids = render_chat(ctx, body)
+        limit = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "messages")
+        choice = start_choice(ctx, TENANT, ids, sampling_params(body, limit, None, 0), None, 0, "messages")
+        first, out, engine_ttft = None, None, None
+        async for out in choice.stream:
+            if engine_ttft is None and out.outputs[0].token_ids:
+                engine_ttft = time.monotonic() - choice.stream.submitted_at
+            if first is None and choice.delta.next(out.outputs[0].text, out.finished):
+                first = clock()
+        return first, len(ids), len(out.outputs[0].token_ids), engine_ttft, None
+
+    return send
+
+
+async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[RequestRecord], dict]:
+    app = phase_app(spec, state_dir)
     ctx = app.state.coserve
     async with app.router.lifespan_context(app):
-        job = None
-        if spec.finetune_jsonl is not None:
-            f = ctx.store.add_file(TENANT, "train.jsonl", "fine-tune", spec.finetune_jsonl)
-            job = ctx.jobs.create(TENANT, FineTuningJobRequest.model_validate(
-                {"model": ctx.models.base, "training_file": f["id"], "seed": spec.seed, **JOB}))
-            while ctx.store.get_job(TENANT, job["id"])["status"] == "queued":
-                await asyncio.sleep(0.1)
-        tokens0 = ctx.metrics.finetune.total
-
-        async def send(message: str, max_tokens: int, clock):
-            body = ChatCompletionRequest.model_validate({
-                "model": ctx.models.base, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
-                "temperature": 0, "stream": True, "ignore_eos": True})
-            ids = render_chat(ctx, body)
-            limit = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "messages")
-            choice = start_choice(ctx, TENANT, ids, sampling_params(body, limit, None, 0), None, 0, "messages")
-            first, out, engine_ttft = None, None, None
-            async for out in choice.stream:
-                if engine_ttft is None and out.outputs[0].token_ids:
-                    engine_ttft = time.monotonic() - choice.stream.submitted_at
-                if first is None and choice.delta.next(out.outputs[0].text, out.finished):
-                    first = clock()
-            return first, len(ids), len(out.outputs[0].token_ids), engine_ttft, None
-
-        records, _, elapsed = await drive(spec, send)
-        ft = {}
-        if job is not None:
-            await asyncio.sleep(2 * POLL_S)  # let the job watcher count the last tokens
-            ft = {"finetune_tokens": ctx.metrics.finetune.total - tokens0,
-                  "job_status": ctx.store.get_job(TENANT, job["id"])["status"]}
-            if ft["job_status"] == "running":
-                await asyncio.to_thread(ctx.jobs.cancel, TENANT, job["id"])
+        job, tokens0 = await start_job(ctx, spec)
+        records, _, elapsed = await drive(spec, inprocess_send(ctx))
+        ft = await end_job(ctx, job, tokens0)
     return records, {"elapsed_s": elapsed, **ft}
 
 
@@ -472,15 +505,27 @@ def run(args) -> int:
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
     rows, pairs = [], []  # pairs: each repeat's row by phase
-    pooled = {name: ([], {"elapsed_s": 0.0, "finetune_tokens": 0}) for name, _ in phases}
+    names = ("in-process", "http") if args.phase in ("both", "interleaved") else (args.phase,)
+    pooled = {name: ([], {"elapsed_s": 0.0, "finetune_tokens": 0}) for name in names}
+    how = "one at a time" if args.rate == 0 else f"at {args.rate} req/s"
+    beside = " beside a fine-tuning job" if data else ""
     for repeat in range(args.repeats):
+        suffix = "" if args.repeats == 1 else f" #{repeat + 1}"
+        if args.phase == "interleaved":
+            from coserve.bench.interleaved import run_interleaved
+            print(f"interleaved{suffix}: {len(requests)} streamed chat requests {how}{beside}, alternately "
+                  f"through HTTP and in-process on one server...", flush=True)
+            done = run_interleaved(spec, swap=repeat % 2 == 1)
+        else:
+            done = {}
+            # alternately first: a machine that drifts slower (or faster) through a run weighs on both phases alike
+            for name, fn in (phases if repeat % 2 == 0 else phases[::-1]):
+                print(f"{name}{suffix}: {len(requests)} streamed chat requests {how}{beside}...", flush=True)
+                done[name] = fn(spec)
         pair = {}
-        for name, fn in phases:
-            label = name if args.repeats == 1 else f"{name} #{repeat + 1}"
-            how = "one at a time" if args.rate == 0 else f"at {args.rate} req/s"
-            print(f"{label}: {len(requests)} streamed chat requests {how}"
-                  f"{' beside a fine-tuning job' if data else ''}...", flush=True)
-            records, extra = fn(spec)
+        for name in names:
+            records, extra = done[name]
+            label = f"{name}{' (interleaved)' if args.phase == 'interleaved' else ''}{suffix}"
             pair[name] = phase_row(label, records, extra, spec)
             rows.append(pair[name])
             pooled[name][0].extend(records)
@@ -489,10 +534,13 @@ def run(args) -> int:
         pairs.append(pair)
     overall = pairs[0]
     if args.repeats > 1:
-        overall = {name: phase_row(f"{name} (all)", records, extra, spec) for name, (records, extra) in pooled.items()}
+        mode = " interleaved" if args.phase == "interleaved" else ""
+        overall = {name: phase_row(f"{name} (all{mode})", records, extra, spec)
+                   for name, (records, extra) in pooled.items()}
         rows += overall.values()
     print(table(rows))
-    result = {"rows": rows, "rate": args.rate, "num_requests": args.num_requests, "repeats": args.repeats,
+    result = {"rows": rows, "phase": args.phase, "rate": args.rate, "num_requests": args.num_requests,
+              "repeats": args.repeats,
               "model": args.model, "client_nice": args.client_nice, "client_stream": args.client_stream,
               "stream_interval": args.stream_interval,
               "gil_switch_interval_ms": args.gil_switch_interval_ms, **slo_settings(args),
@@ -509,7 +557,8 @@ def run(args) -> int:
             print(f"HTTP adds {path:+.1f} ms to the median TTFT outside the engine (in-process "
                   f"{1000 * overall['in-process']['outside_engine_s']['p50']:.1f} ms, HTTP "
                   f"{1000 * overall['http']['outside_engine_s']['p50']:.1f} ms per request; target <= 5 ms)")
-        print(f"The phases' median TTFTs differ by {added:+.1f} ms{note}, the engine's scheduling of each included")
+        parts = "halves'" if args.phase == "interleaved" else "phases'"
+        print(f"The {parts} median TTFTs differ by {added:+.1f} ms{note}, the engine's scheduling of each included")
     for row in rows:
         if row.get("client_cpu_ms_per_request") is not None:
             print(f"{row['phase']}: the load client (reading {row['client_stream']}) took "

@@ -1,0 +1,130 @@
+"""``coserve bench-server --phase interleaved``: both paths in one run, on one server, at once.
+
+The requests alternate by arrival: even-numbered ones go through HTTP, from the ``openai`` client in a process of
+its own, and odd-numbered ones through the same server's own objects in its process, without HTTP (as the
+in-process phase sends them); with ``--repeats``, every other run swaps them, so that over two runs each request
+(its prompt and output lengths) has gone both ways. One engine serves both halves beside one fine-tuning job, so each half's requests
+meet the same batches, the same job and the same machine: a machine whose speed drifts between two phases run one
+after the other (20-40% within minutes on the 2-core hosts this was built on) moves both halves alike, and the
+difference of their median TTFTs is what the HTTP path adds.
+
+The server runs as ``coserve serve`` runs it (uvicorn, its event loop, its HTTP parser, the access log at INFO),
+in a spawned host process that also drives the in-process half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+from coserve.bench.metrics import RequestRecord
+from coserve.bench.server_load import (LoadSpec, drive, end_job, engine_ttfts, free_port, http_client,
+                                       inprocess_send, phase_app, start_job)
+from coserve.bench.spawned import run_spawned
+
+START_DELAY_S = 5.0  # from the host being ready to the load's first arrival: time for the client to start
+READY_TIMEOUT_S = 300.0  # the host's model load and engine start, at most
+
+
+def halves(spec: LoadSpec, swap: bool = False) -> tuple[LoadSpec, LoadSpec]:
+    """``(in-process, http)``: the spec's requests alternately, by arrival, the first through HTTP (``swap``: the
+    first in-process); the job's data stays with the in-process half, whose host creates the job on the server's own
+    objects."""
+    first, second = (replace(spec, requests=spec.requests[i::2]) for i in (0, 1))
+    inproc, http = (first, second) if swap else (second, first)
+    return inproc, replace(http, finetune_jsonl=None)
+
+
+def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[RequestRecord], dict]]:
+    """``{"in-process": (records, extra), "http": (records, extra)}`` of one interleaved run (``swap``: as
+    ``halves``; two runs, one swapped, send every request once each way). Both extras carry the run's seconds and
+    fine-tuning tokens (one job served both halves); the HTTP half's records carry the engine's part of each TTFT,
+    read from the server's access log."""
+    inproc, http = halves(spec, swap)
+    mp = multiprocessing.get_context("spawn")
+    parent, child = mp.Pipe()
+    with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
+        port, log_path = free_port(), f"{tmp}/server.log"
+        host = mp.Process(target=_host, args=(child, inproc, port, f"{tmp}/state", log_path))
+        host.start()
+        child.close()
+        try:
+            model = _receive(parent, host, READY_TIMEOUT_S, "ready", log_path)
+            start_at = time.time() + START_DELAY_S
+            parent.send(start_at)
+            http_records, http_extra = run_spawned(http_client, (http, f"http://127.0.0.1:{port}/v1", model, start_at),
+                                                   "the interleaved run's HTTP client")
+            parent.send("done")
+            in_records, in_extra = _receive(parent, host, spec.timeout_s, "ok", log_path)
+            host.join(timeout=60)
+        finally:
+            if host.is_alive():
+                host.terminate()
+                host.join(timeout=30)
+        logged = engine_ttfts(Path(log_path).read_text(errors="replace"))
+    for record, ident in zip(http_records, http_extra.pop("ids")):
+        record.engine_ttft_s, record.server_ttft_s = logged.get(ident, (None, None))
+    run = {k: in_extra[k] for k in ("elapsed_s", "finetune_tokens", "job_status") if k in in_extra}
+    return {"in-process": (in_records, in_extra), "http": (http_records, {**http_extra, **run})}
+
+
+def _receive(conn, host, timeout_s: float, expected: str, log_path: str):
+    """The host's next message, which must be ``expected``; its error, its death or its silence raise naming it."""
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"the interleaved run's server host sent nothing in {timeout_s:.0f} s")
+    try:
+        kind, value = conn.recv()
+    except EOFError:
+        host.join(timeout=10)
+        tail = Path(log_path).read_text(errors="replace")[-2000:] if Path(log_path).is_file() else ""
+        raise RuntimeError(f"the interleaved run's server host died (exit code {host.exitcode}): {tail}") from None
+    if kind != expected:
+        raise RuntimeError(f"the interleaved run's server host failed: {value}")
+    return value
+
+
+def _host(conn, spec: LoadSpec, port: int, state_dir: str, log_path: str) -> None:
+    """The spawned host: the server on ``port`` and the in-process half; messages ``("ready", model id)``, then
+    ``("ok", (records, extra))`` or ``("error", why)``."""
+    import uvicorn
+    logging.basicConfig(level=logging.INFO, filename=log_path,  # as ``coserve serve`` logs (uvicorn's lines too)
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = phase_app(spec, state_dir)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info", access_log=False,
+                                               log_config=None))
+        with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+            result = runner.run(_host_main(conn, spec, app, server))
+        conn.send(("ok", result))
+    except BaseException as e:  # reported to the parent, which names the run
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+async def _host_main(conn, spec: LoadSpec, app, server) -> tuple[list[RequestRecord], dict]:
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            serving.result()
+            raise RuntimeError("the server stopped before it started")
+        await asyncio.sleep(0.05)
+    try:
+        ctx = app.state.coserve
+        job, tokens0 = await start_job(ctx, spec)
+        conn.send(("ready", ctx.models.base))
+        start_at = await asyncio.to_thread(conn.recv)
+        records, _, _ = await drive(spec, inprocess_send(ctx), start_at)
+        await asyncio.to_thread(conn.recv)  # the HTTP half has finished too
+        elapsed = time.time() - start_at  # the run's: both halves
+        ft = await end_job(ctx, job, tokens0)
+    finally:
+        server.should_exit = True
+        await serving
+    return records, {"elapsed_s": elapsed, **ft}
