@@ -29,9 +29,8 @@ from coserve.bench.metrics import RequestRecord, percentile_stats, summarize
 from coserve.bench.spawned import run_spawned
 from coserve.bench.workload import DEFAULT_SHAREGPT, fit_length, load_sharegpt
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
-from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, DEFAULT_LOOP_SLICE_MS, check_loop_slice_ms
+from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
 from coserve.server.middleware import ACCESS_LOGGER
-from coserve.server.thread_slice import set_thread_slice
 
 DEFAULT_ALPACA = Path(__file__).resolve().parents[3] / "shared" / "data" / "alpaca_en_demo.json"
 TENANT = "default"
@@ -76,9 +75,6 @@ def add_arguments(p) -> None:
                    "event every N tokens after the first")
     p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
                    help="the server's (both phases)")
-    p.add_argument("--loop-slice-ms", type=float, default=DEFAULT_LOOP_SLICE_MS, help="the server's event loop "
-                   "thread's scheduler slice (both phases; coserve serve --loop-slice-ms), and the HTTP load "
-                   "client's; 0 = the kernel's default")
     p.add_argument("--out", default=None, help="JSON results")
 
 
@@ -100,7 +96,6 @@ class LoadSpec:
     slo: dict = field(default_factory=dict)  # the server's SLO options (slo_options.SLO_FIELDS), in both phases
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS  # the server's --gil-switch-interval-ms, both phases
     client_stream: str = "objects"  # CLIENT_STREAMS: the HTTP phase's client reads chunk objects or the events' lines
-    loop_slice_ms: float = DEFAULT_LOOP_SLICE_MS  # the server's --loop-slice-ms (both phases), and the load client's
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
@@ -279,7 +274,7 @@ def server_command(spec: LoadSpec, port: int, state_dir: str) -> list[str]:
     cmd = [sys.executable, "-m", "coserve.cli", "serve", "--model", spec.model, "--state-dir", state_dir,
            "--port", str(port), "--dtype", spec.dtype, "--log-level", "info", "--max-waiting-requests",
            str(max(512, len(spec.requests))), "--stream-interval", str(spec.stream_interval),
-           "--gil-switch-interval-ms", str(spec.gil_switch_interval_ms), "--loop-slice-ms", str(spec.loop_slice_ms)]
+           "--gil-switch-interval-ms", str(spec.gil_switch_interval_ms)]
     cmd += ["--device", spec.device] if spec.device else []
     return cmd + [arg for name, value in spec.slo.items() if value is not None
                   for arg in (f"--{name.replace('_', '-')}", str(value))]
@@ -343,8 +338,6 @@ def http_client(job: tuple) -> tuple[list[RequestRecord], dict]:
     the model's id, and optionally when the load starts (``drive``'s ``start_at``)."""
     spec, base_url, model, *start_at = job
     nice = os.nice(spec.client_nice)
-    if spec.loop_slice_ms:  # the client's event loop, as the server's: a core soon after each wake-up
-        set_thread_slice(spec.loop_slice_ms / 1000)
     cpu = time.process_time()
     records, extra = asyncio.run(_http_requests(spec, base_url, model, *start_at))
     return records, {**extra, "client_nice": nice, "client_stream": spec.client_stream,
@@ -366,7 +359,7 @@ def phase_app(spec: LoadSpec, state_dir: str):
     from coserve.server.app import build_app
     from coserve.server.config import ServerConfig
     return build_app(ServerConfig(model=spec.model, state_dir=state_dir, stream_interval=spec.stream_interval,
-                                  gil_switch_interval_ms=spec.gil_switch_interval_ms, loop_slice_ms=spec.loop_slice_ms),
+                                  gil_switch_interval_ms=spec.gil_switch_interval_ms),
                      EngineConfig(model=spec.model, dtype=spec.dtype, device=spec.device, **spec.slo))
 
 
@@ -496,7 +489,6 @@ def run(args) -> int:
         raise ValueError(f"--num-requests: must be positive, got {args.num_requests}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
-    check_loop_slice_ms(args.loop_slice_ms)
     if not 0 <= args.client_nice <= 19:
         raise ValueError(f"--client-nice: must be 0 to 19, got {args.client_nice}")
     tokenizer = load_tokenizer(args.model)
@@ -509,7 +501,7 @@ def run(args) -> int:
         data = finetune_jsonl(path)
     spec = LoadSpec(str(Path(args.model).resolve()), requests, data, args.slo_tpot_ms / 1000, args.ttft_limit_s,
                     args.timeout, args.dtype, args.device, args.seed, args.client_nice, args.stream_interval,
-                    slo_settings(args), args.gil_switch_interval_ms, args.client_stream, args.loop_slice_ms)
+                    slo_settings(args), args.gil_switch_interval_ms, args.client_stream)
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
     rows, pairs = [], []  # pairs: each repeat's row by phase
@@ -551,8 +543,7 @@ def run(args) -> int:
               "repeats": args.repeats,
               "model": args.model, "client_nice": args.client_nice, "client_stream": args.client_stream,
               "stream_interval": args.stream_interval,
-              "gil_switch_interval_ms": args.gil_switch_interval_ms, "loop_slice_ms": args.loop_slice_ms,
-              **slo_settings(args),
+              "gil_switch_interval_ms": args.gil_switch_interval_ms, **slo_settings(args),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     added = http_added_ms(overall.get("in-process"), overall.get("http"))
     if added is not None:

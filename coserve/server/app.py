@@ -14,7 +14,6 @@ from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
 from coserve.server import errors
-from coserve.server.thread_slice import restore_thread_slice, set_thread_slice
 from coserve.server.auth import Authenticator
 from coserve.server.batches import BATCH_PRIORITY, BatchRunner
 from coserve.server.batches_api import router as batches_router
@@ -29,7 +28,6 @@ from coserve.server.metrics import JOB_STATES, ServerMetrics
 from coserve.server.middleware import ServerMiddleware
 from coserve.server.models import ADAPTER_NAME, ModelRegistry
 from coserve.server.store import Store
-from coserve.server.thread_slice import restore_thread_slice, set_thread_slice
 
 log = logging.getLogger("coserve.server")
 
@@ -75,8 +73,6 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         switch = sys.getswitchinterval()
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)  # the event loop waits less on the engine thread
-        # on the event loop's thread (the lifespan runs there): it takes a core from the engine's sooner on waking
-        slice_before = set_thread_slice(config.loop_slice_ms / 1000) if config.loop_slice_ms else None
         jobs.start()
         batches.start()
         try:
@@ -87,7 +83,6 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             loop.stop()
             store.close()
             sys.setswitchinterval(switch)
-            restore_thread_slice(slice_before)
 
     app = FastAPI(title="coserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.coserve = ctx

@@ -12,10 +12,6 @@ LOOPBACK_NAMES = ("localhost",)
 # event loop may wait for the engine thread to hand it the GIL. On a 2-core CPU 0.5 ms took about 4 ms off the HTTP
 # path's median TTFT in 200-request load runs and made no difference in 500-request ones (docs/benchmark-history.md).
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
-# While serving, the event loop thread's scheduler slice on Linux 6.12+ (``thread_slice.py``; the kernel's default is
-# its base slice, 1.4 ms on the 2-core machines this was built on): a short one lets the loop take a core from the
-# engine's compute threads as soon as a request or a token comes in. 0 leaves the kernel's default.
-DEFAULT_LOOP_SLICE_MS = 0.1
 
 
 @dataclass(slots=True)
@@ -39,7 +35,6 @@ class ServerConfig:
     checkpoint_steps: int = 0  # save a servable checkpoint every N optimizer steps; 0 = at each epoch's end
     stream_interval: int = 1  # streamed responses: an event every this many tokens (the first token at once)
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS  # while serving (below)
-    loop_slice_ms: float = DEFAULT_LOOP_SLICE_MS  # the event loop thread's scheduler slice while serving; 0 = default
     tool_call_parser: str | None = None  # tool_choice "auto": how calls written in the text are read (tool_parser.py)
 
     def __post_init__(self) -> None:
@@ -51,7 +46,6 @@ class ServerConfig:
         if not (isinstance(self.gil_switch_interval_ms, (int, float)) and 0 < self.gil_switch_interval_ms <= 1000):
             raise ValueError(f"--gil-switch-interval-ms: must be a number of milliseconds in (0, 1000], got "
                              f"{self.gil_switch_interval_ms!r}")
-        check_loop_slice_ms(self.loop_slice_ms)
         if not isinstance(self.checkpoint_steps, int) or self.checkpoint_steps < 0:
             raise ValueError(f"--checkpoint-steps: must be a non-negative integer, got {self.checkpoint_steps!r}")
         if not 0 < self.port < 65536:
@@ -75,11 +69,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def check_loop_slice_ms(value) -> None:
-    """``--loop-slice-ms``: 0 (the kernel's default) or what the kernel accepts (thread_slice.py); else ValueError."""
-    from coserve.server.thread_slice import MAX_SLICE_S, MIN_SLICE_S
-    if not (isinstance(value, (int, float)) and (value == 0 or MIN_SLICE_S * 1000 <= value <= MAX_SLICE_S * 1000)):
-        raise ValueError(f"--loop-slice-ms: must be 0 (the kernel's default) or {MIN_SLICE_S * 1000:g}-"
-                         f"{MAX_SLICE_S * 1000:g} ms, got {value!r}")

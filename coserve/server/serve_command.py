@@ -8,7 +8,7 @@ import sys
 
 from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
-from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS, DEFAULT_LOOP_SLICE_MS
+from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
 
 DEFAULT_STATE_DIR = "coserve-state"
 
@@ -64,10 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
                    help="while serving, the interpreter's GIL switch interval: how long the event loop may wait "
                         "for the engine thread (Python's default: 5)")
-    p.add_argument("--loop-slice-ms", type=float, default=DEFAULT_LOOP_SLICE_MS,
-                   help="while serving, the event loop thread's scheduler slice on Linux 6.12+ (EEVDF): a short one "
-                        "takes a core from the engine's compute threads as soon as a request or a token comes in; "
-                        "0 leaves the kernel's default")
     p.add_argument("--max-queued-jobs", type=int, default=16, help="per tenant")
     p.add_argument("--max-running-jobs", type=int, default=2)
     p.add_argument("--max-loaded-models", type=int, default=32, help="fine-tuned models and checkpoints kept "
@@ -125,7 +121,7 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                           max_upload_bytes=args.max_upload_bytes, max_waiting_requests=args.max_waiting_requests,
                           max_queued_jobs=args.max_queued_jobs, max_running_jobs=args.max_running_jobs,
                           max_loaded_models=args.max_loaded_models, stream_interval=args.stream_interval,
-                          gil_switch_interval_ms=args.gil_switch_interval_ms, loop_slice_ms=args.loop_slice_ms,
+                          gil_switch_interval_ms=args.gil_switch_interval_ms,
                           checkpoint_steps=args.checkpoint_steps, tool_call_parser=args.tool_call_parser)
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
