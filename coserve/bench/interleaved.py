@@ -3,10 +3,11 @@
 The requests alternate by arrival: even-numbered ones go through HTTP, from the ``openai`` client in a process of
 its own, and odd-numbered ones through the same server's own objects in its process, without HTTP (as the
 in-process phase sends them); with ``--repeats``, every other run swaps them, so that over two runs each request
-(its prompt and output lengths) has gone both ways. One engine serves both halves beside one fine-tuning job, so each half's requests
-meet the same batches, the same job and the same machine: a machine whose speed drifts between two phases run one
-after the other (20-40% within minutes on the 2-core hosts this was built on) moves both halves alike, and the
-difference of their median TTFTs is what the HTTP path adds.
+(its prompt and output lengths) has gone both ways. One engine serves both halves beside one fine-tuning job, so
+each half's requests meet the same batches, the same job and the same machine: a machine whose speed drifts
+between two phases run one after the other (20-40% within minutes on the 2-core hosts this was built on) moves
+both halves alike, and the difference of their median TTFTs is what the HTTP path adds. What it leaves out is the
+CPU the HTTP machinery (the server's event loop, the load client) takes from the engine: both halves bear it.
 
 The server runs as ``coserve serve`` runs it (uvicorn, its event loop, its HTTP parser, the access log at INFO),
 in a spawned host process that also drives the in-process half.

@@ -6,7 +6,8 @@ arrivals at ``--rate``, a bounded count) beside the same fine-tuning job. The HT
 serve`` in a child process and drives it with the ``openai`` client's async API from another (at
 ``--client-nice``); the in-process phase builds the very same server objects (``build_app``) in a spawned
 process and calls their engine client directly, with no HTTP, no JSON and no client process. The difference
-of their TTFTs is what the HTTP layer adds.
+of their TTFTs is what the HTTP layer adds. ``--phase interleaved`` runs both paths at once on one server instead
+(``interleaved.py``), so that a machine's drift between the two phases does not count.
 """
 
 from __future__ import annotations
