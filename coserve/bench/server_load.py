@@ -506,13 +506,14 @@ def run(args) -> int:
     phases = [(name, fn) for name, fn in (("in-process", run_inprocess), ("http", run_http))
               if args.phase in ("both", name)]
     rows, pairs = [], []  # pairs: each repeat's row by phase
-    names = ("in-process", "http") if args.phase in ("both", "interleaved") else (args.phase,)
+    interleaved = args.phase == "interleaved"
+    names = ("in-process", "http") if args.phase == "both" or interleaved else (args.phase,)
     pooled = {name: ([], {"elapsed_s": 0.0, "finetune_tokens": 0}) for name in names}
     how = "one at a time" if args.rate == 0 else f"at {args.rate} req/s"
     beside = " beside a fine-tuning job" if data else ""
     for repeat in range(args.repeats):
         suffix = "" if args.repeats == 1 else f" #{repeat + 1}"
-        if args.phase == "interleaved":
+        if interleaved:
             from coserve.bench.interleaved import run_interleaved
             print(f"interleaved{suffix}: {len(requests)} streamed chat requests {how}{beside}, alternately "
                   f"through HTTP and in-process on one server...", flush=True)
@@ -526,7 +527,7 @@ def run(args) -> int:
         pair = {}
         for name in names:
             records, extra = done[name]
-            label = f"{name}{' (interleaved)' if args.phase == 'interleaved' else ''}{suffix}"
+            label = f"{name}{' (interleaved)' if interleaved else ''}{suffix}"
             pair[name] = phase_row(label, records, extra, spec)
             rows.append(pair[name])
             pooled[name][0].extend(records)
@@ -535,7 +536,7 @@ def run(args) -> int:
         pairs.append(pair)
     overall = pairs[0]
     if args.repeats > 1:
-        mode = " interleaved" if args.phase == "interleaved" else ""
+        mode = " interleaved" if interleaved else ""
         overall = {name: phase_row(f"{name} (all{mode})", records, extra, spec)
                    for name, (records, extra) in pooled.items()}
         rows += overall.values()
@@ -558,7 +559,7 @@ def run(args) -> int:
             print(f"HTTP adds {path:+.1f} ms to the median TTFT outside the engine (in-process "
                   f"{1000 * overall['in-process']['outside_engine_s']['p50']:.1f} ms, HTTP "
                   f"{1000 * overall['http']['outside_engine_s']['p50']:.1f} ms per request; target <= 5 ms)")
-        parts = "halves'" if args.phase == "interleaved" else "phases'"
+        parts = "halves'" if interleaved else "phases'"
         print(f"The {parts} median TTFTs differ by {added:+.1f} ms{note}, the engine's scheduling of each included")
     for row in rows:
         if row.get("client_cpu_ms_per_request") is not None:
