@@ -200,17 +200,19 @@ def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_
     assert http_added_ms(a, b, "outside_engine_s") == pytest.approx(3.95)
 
 
-@pytest.mark.parametrize("client_stream", ["objects", "lines"])
-def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(model_factory, client_stream):
+@pytest.mark.parametrize("client_stream, client_http", [("objects", "aiohttp"), ("lines", "httpx")])
+def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(model_factory, client_stream,
+                                                                             client_http):
     """``bench-server``'s HTTP phase end to end: a ``coserve serve`` child, the load from a spawned client process
-    at ``client_nice`` (reading chunk objects or the events' lines), and each request's engine part read back from
-    the server's access log."""
+    at ``client_nice`` (reading chunk objects or the events' lines, over the openai client's aiohttp or httpx
+    transport), and each request's engine part read back from the server's access log."""
     from coserve.bench.server_load import LoadSpec, phase_row, run_http
     spec = LoadSpec(str(model_factory("llama")), [(0.0, "Hello there", 3), (0.05, "Tell me a story", 4)], None,
-                    0.05, 5.0, 120.0, "float32", None, 0, client_nice=3, client_stream=client_stream)
+                    0.05, 5.0, 120.0, "float32", None, 0, client_nice=3, client_stream=client_stream,
+                    client_http=client_http)
     records, extra = run_http(spec)
     assert extra["client_nice"] == min(19, os.nice(0) + 3)  # this process's value, plus 3
-    assert extra["client_stream"] == client_stream
+    assert extra["client_stream"] == client_stream and extra["client_http"] == client_http
     assert [(r.completed, r.num_output_tokens) for r in records] == [(True, 3), (True, 4)]
     assert all(r.num_prompt_tokens > 5 for r in records)  # the usage event was read
     assert all(r.engine_ttft_s is not None and 0 < r.engine_ttft_s <= r.ttft_s for r in records)
@@ -225,6 +227,21 @@ def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(mod
     # the server's event loop ran the two requests (its main thread's CPU time, read from /proc)
     assert extra["server_loop_cpu_s"] > 0
     assert row["server_loop_cpu_ms_per_request"] == pytest.approx(1000 * extra["server_loop_cpu_s"] / 2)
+
+
+def test_the_load_client_transport_is_checked_at_the_boundary_naming_the_flag(monkeypatch):
+    import importlib.util
+
+    from coserve.bench.server_load import check_client_http
+    check_client_http("httpx")
+    check_client_http("aiohttp")  # the test extras install openai[aiohttp]
+    with pytest.raises(ValueError, match="--client-http: one of aiohttp, httpx, got 'curl'"):
+        check_client_http("curl")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp" else real(name, *a))
+    with pytest.raises(ValueError, match=r"--client-http aiohttp: .*openai\[aiohttp\].*--client-http httpx"):
+        check_client_http("aiohttp")
+    check_client_http("httpx")
 
 
 def test_a_stream_line_is_read_as_its_event_and_an_error_event_raises_with_its_message():
