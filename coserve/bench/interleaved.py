@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from coserve.bench.metrics import RequestRecord
-from coserve.bench.server_load import (LoadSpec, drive, end_job, engine_ttfts, free_port, http_client,
+from coserve.bench.server_load import (ClientJob, LoadSpec, drive, end_job, engine_ttfts, free_port, http_client,
                                        inprocess_send, phase_app, start_job)
 from coserve.bench.spawned import run_spawned
 
@@ -59,8 +59,8 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
             model = _receive(parent, host, READY_TIMEOUT_S, "ready", log_path)
             start_at = time.time() + START_DELAY_S
             parent.send(start_at)
-            http_records, http_extra = run_spawned(http_client, (http, f"http://127.0.0.1:{port}/v1", model, start_at),
-                                                   "the interleaved run's HTTP client")
+            job = ClientJob(http, f"http://127.0.0.1:{port}/v1", model, start_at)
+            http_records, http_extra = run_spawned(http_client, job, "the interleaved run's HTTP client")
             parent.send("done")
             in_records, in_extra = _receive(parent, host, spec.timeout_s, "ok", log_path)
             host.join(timeout=60)

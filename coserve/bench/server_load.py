@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from coserve.bench.arrivals import poisson_arrivals
 from coserve.bench.metrics import RequestRecord, percentile_stats, summarize
@@ -337,7 +338,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
                 time.sleep(0.2)
             model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
             loop_cpu = thread_cpu_s(proc.pid, proc.pid)
-            records, extra = run_spawned(http_client, (spec, f"http://127.0.0.1:{port}/v1", model),
+            records, extra = run_spawned(http_client, ClientJob(spec, f"http://127.0.0.1:{port}/v1", model),
                                          "the HTTP phase's load client")
             after = thread_cpu_s(proc.pid, proc.pid)
             extra["server_loop_cpu_s"] = None if loop_cpu is None or after is None else after - loop_cpu
@@ -364,14 +365,23 @@ def thread_cpu_s(pid: int, tid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
-def http_client(job: tuple) -> tuple[list[RequestRecord], dict]:
+class ClientJob(NamedTuple):
+    """What the HTTP load client process is given: the load, the server's base URL, the model's id, and when the
+    load starts (``drive``'s ``start_at``; None: at once)."""
+
+    spec: LoadSpec
+    base_url: str
+    model: str
+    start_at: float | None = None
+
+
+def http_client(job: ClientJob) -> tuple[list[RequestRecord], dict]:
     """The HTTP phase's load, from its own process at ``spec.client_nice`` (a niceness cannot be undone, so the
-    client cannot lower its own and then give the server a normal one). ``job``: the spec, the server's base URL,
-    the model's id, and optionally when the load starts (``drive``'s ``start_at``)."""
-    spec, base_url, model, *start_at = job
+    client cannot lower its own and then give the server a normal one)."""
+    spec = job.spec
     nice = os.nice(spec.client_nice)
     cpu = time.process_time()
-    records, extra = asyncio.run(_http_requests(spec, base_url, model, *start_at))
+    records, extra = asyncio.run(_http_requests(spec, job.base_url, job.model, job.start_at))
     return records, {**extra, "client_nice": nice, "client_stream": spec.client_stream, "client_http": spec.client_http,
                      "client_cpu_s": time.process_time() - cpu}
 

@@ -131,8 +131,6 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
     """Server-sent events for every choice's new text, interleaved as tokens arrive, then ``[DONE]``. Several
     choices are read by a task each into one queue; a single choice (the common case) is read directly, which
     spares each streamed token two task switches on the event loop."""
-    queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException]] = asyncio.Queue()
-
     async def read(choice: Choice) -> tuple[Choice, RequestOutput | BaseException]:
         """The choice's next output, or the error that ended it."""
         try:
@@ -147,10 +145,14 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
             if isinstance(item[1], BaseException) or item[1].finished:
                 return
 
-    tasks = [asyncio.create_task(pump(c)) for c in job.choices] if len(job.choices) > 1 else []
+    queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException]] | None = None
+    tasks = []
+    if len(job.choices) > 1:
+        queue = asyncio.Queue()
+        tasks = [asyncio.create_task(pump(c)) for c in job.choices]
 
     async def next_output() -> tuple[Choice, RequestOutput | BaseException]:
-        return await queue.get() if tasks else await read(job.choices[0])
+        return await queue.get() if queue is not None else await read(job.choices[0])
 
     failed = False
     try:
