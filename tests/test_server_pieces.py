@@ -244,6 +244,26 @@ def test_the_load_client_transport_is_checked_at_the_boundary_naming_the_flag(mo
     check_client_http("httpx")
 
 
+def test_the_client_niceness_is_checked_at_the_boundary_and_a_negative_one_is_tried_first(monkeypatch):
+    import subprocess
+
+    from coserve.bench.server_load import check_client_nice
+    for ok in (0, 19):
+        check_client_nice(ok)
+    for bad in (-21, 20):
+        with pytest.raises(ValueError, match=f"--client-nice: must be -20 to 19, got {bad}"):
+            check_client_nice(bad)
+    tried = []
+
+    def run(cmd, **kw):
+        tried.append(cmd[-1])
+        return subprocess.CompletedProcess(cmd, 1)  # as for a user without the privilege
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(ValueError, match="--client-nice -5: lowering a niceness needs root or CAP_SYS_NICE"):
+        check_client_nice(-5)
+    assert tried == ["import os; os.nice(-5)"]
+
+
 def test_a_stream_line_is_read_as_its_event_and_an_error_event_raises_with_its_message():
     from coserve.bench.server_load import stream_event
     assert stream_event('data: {"id": "c1", "choices": []}') == {"id": "c1", "choices": []}

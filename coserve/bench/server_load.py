@@ -65,10 +65,11 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--client-nice", type=int, default=0, help="the HTTP phase's load client runs at this nice value "
-                   "(0-19; the server keeps its own), to see how much of the phases' difference is the client's CPU "
-                   "(on 2 cores, 19 moved it from the engine's wait to the client's late reads: "
-                   "docs/benchmark-history.md)")
+    p.add_argument("--client-nice", type=int, default=0, help="the HTTP phase's load client runs this much nicer "
+                   "than the command (-20 to 19, below 0 needs root or CAP_SYS_NICE; the server keeps its own), to see "
+                   "how much of the phases' difference is the client's CPU on the server's cores (on 2 cores, 19 moved "
+                   "it from the engine's wait to the client's late reads; a negative value stands in for a client on "
+                   "cores of its own, which the engine's threads do not slow: docs/benchmark-history.md)")
     p.add_argument("--client-stream", choices=CLIENT_STREAMS, default="objects", help="how the HTTP phase's "
                    "client reads each stream: objects, the openai client's chunk objects (as an application iterates "
                    "them); lines, the same client's with_streaming_response, each server-sent event's JSON read with "
@@ -386,6 +387,16 @@ def http_client(job: ClientJob) -> tuple[list[RequestRecord], dict]:
                      "client_cpu_s": time.process_time() - cpu}
 
 
+def check_client_nice(nice: int) -> None:
+    """Raises naming ``--client-nice`` for a value out of -20..19, or a negative one this user may not take (tried
+    in a throwaway process: a niceness lowered cannot be raised back without the same privilege)."""
+    import subprocess
+    if not -20 <= nice <= 19:
+        raise ValueError(f"--client-nice: must be -20 to 19, got {nice}")
+    if nice < 0 and subprocess.run([sys.executable, "-c", f"import os; os.nice({nice})"], capture_output=True).returncode:
+        raise ValueError(f"--client-nice {nice}: lowering a niceness needs root or CAP_SYS_NICE")
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as sock:
@@ -532,8 +543,7 @@ def run(args) -> int:
         raise ValueError(f"--num-requests: must be positive, got {args.num_requests}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
-    if not 0 <= args.client_nice <= 19:
-        raise ValueError(f"--client-nice: must be 0 to 19, got {args.client_nice}")
+    check_client_nice(args.client_nice)
     if args.phase != "in-process":
         check_client_http(args.client_http)
     tokenizer = load_tokenizer(args.model)
