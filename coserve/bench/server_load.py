@@ -77,7 +77,8 @@ def add_arguments(p) -> None:
                    "CPU a client on the same few cores takes from the engine)")
     p.add_argument("--client-http", choices=CLIENT_HTTPS, default="aiohttp", help="the HTTP phase's openai client's "
                    "transport: aiohttp, the SDK's DefaultAioHttpClient (openai[aiohttp], which the SDK recommends for "
-                   "concurrency: 2.4 ms to a bare server's first token, against 2.8 ms); httpx, the SDK's default")
+                   "concurrency: a request in one write, less CPU a chunk; docs/benchmark-history.md); httpx, the "
+                   "SDK's default (headers and body in two writes)")
     p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (both phases): an "
                    "event every N tokens after the first")
     p.add_argument("--gil-switch-interval-ms", type=float, default=DEFAULT_GIL_SWITCH_INTERVAL_MS,
