@@ -248,7 +248,7 @@ def check_client_http(name: str) -> None:
     if name not in CLIENT_HTTPS:
         raise ValueError(f"--client-http: one of {', '.join(CLIENT_HTTPS)}, got {name!r}")
     try:
-        from openai import DefaultAioHttpClient  # noqa: F401  (openai >= 1.8x)
+        from openai import DefaultAioHttpClient  # noqa: F401  (not in older openai releases)
     except ImportError:
         missing = True
     else:
@@ -390,7 +390,7 @@ def http_client(job: ClientJob) -> tuple[list[RequestRecord], dict]:
 
 def check_client_nice(nice: int) -> None:
     """Raises naming ``--client-nice`` for a value out of -20..19, or a negative one this user may not take (tried
-    in a throwaway process: a niceness lowered cannot be raised back without the same privilege)."""
+    in a throwaway process, so that this one keeps its own)."""
     import subprocess
     if not -20 <= nice <= 19:
         raise ValueError(f"--client-nice: must be -20 to 19, got {nice}")
