@@ -68,8 +68,8 @@ def add_arguments(p) -> None:
     p.add_argument("--client-nice", type=int, default=0, help="the HTTP phase's load client runs this much nicer "
                    "than the command (-20 to 19, below 0 needs root or CAP_SYS_NICE; the server keeps its own), to see "
                    "how much of the phases' difference is the client's CPU on the server's cores (on 2 cores, 19 moved "
-                   "it from the engine's wait to the client's late reads; a negative value stands in for a client on "
-                   "cores of its own, which the engine's threads do not slow: docs/benchmark-history.md)")
+                   "it from the engine's wait to the client's late reads; a negative value stands nearer a client on "
+                   "cores of its own, which the engine's threads hardly slow: docs/benchmark-history.md)")
     p.add_argument("--client-stream", choices=CLIENT_STREAMS, default="objects", help="how the HTTP phase's "
                    "client reads each stream: objects, the openai client's chunk objects (as an application iterates "
                    "them); lines, the same client's with_streaming_response, each server-sent event's JSON read with "
@@ -190,9 +190,9 @@ async def drive(spec: LoadSpec, send, start_at: float | None = None
 
 
 # ---- the HTTP phase ---------------------------------------------------------------------------------------------
-async def _http_requests(spec: LoadSpec, base_url: str, model: str, start_at: float | None = None
-                         ) -> tuple[list[RequestRecord], dict]:
-    client = openai_client(spec, base_url)
+async def _http_requests(load: "ClientJob") -> tuple[list[RequestRecord], dict]:
+    spec, model = load.spec, load.model
+    client = openai_client(spec, load.base_url)
     job = None
     if spec.finetune_jsonl is not None:
         f = await client.files.create(file=("train.jsonl", io.BytesIO(spec.finetune_jsonl)), purpose="fine-tune")
@@ -231,7 +231,8 @@ async def _http_requests(spec: LoadSpec, base_url: str, model: str, start_at: fl
                     n_out, n_prompt = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
         return first, n_prompt, n_out, None, ident
 
-    records, ids, elapsed = await drive(spec, send_lines if spec.client_stream == "lines" else send_objects, start_at)
+    records, ids, elapsed = await drive(spec, send_lines if spec.client_stream == "lines" else send_objects,
+                                     load.start_at)
     ft = {}
     if job is not None:
         done = await client.fine_tuning.jobs.retrieve(job.id)
@@ -247,13 +248,15 @@ def check_client_http(name: str) -> None:
     import importlib.util
     if name not in CLIENT_HTTPS:
         raise ValueError(f"--client-http: one of {', '.join(CLIENT_HTTPS)}, got {name!r}")
+    if name == "httpx":  # the SDK's own default, always there
+        return
     try:
         from openai import DefaultAioHttpClient  # noqa: F401  (not in older openai releases)
     except ImportError:
         missing = True
     else:
         missing = importlib.util.find_spec("aiohttp") is None
-    if name == "aiohttp" and missing:
+    if missing:
         raise ValueError("--client-http aiohttp: needs the openai client's aiohttp transport "
                          "(pip install 'openai[aiohttp]'); or give --client-http httpx")
 
@@ -383,7 +386,7 @@ def http_client(job: ClientJob) -> tuple[list[RequestRecord], dict]:
     spec = job.spec
     nice = os.nice(spec.client_nice)
     cpu = time.process_time()
-    records, extra = asyncio.run(_http_requests(spec, job.base_url, job.model, job.start_at))
+    records, extra = asyncio.run(_http_requests(job))
     return records, {**extra, "client_nice": nice, "client_stream": spec.client_stream, "client_http": spec.client_http,
                      "client_cpu_s": time.process_time() - cpu}
 
