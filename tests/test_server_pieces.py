@@ -200,6 +200,33 @@ def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_
     assert http_added_ms(a, b, "outside_engine_s") == pytest.approx(3.95)
 
 
+def test_a_warm_up_sends_one_untimed_request_and_its_failure_raises_naming_it_where_a_load_counts_a_failure():
+    import asyncio
+
+    from coserve.bench.server_load import WARM_UP, LoadSpec, drive, warm_up
+    spec = LoadSpec("m", [(0.0, "a", 3), (0.01, "b", 4)], None, 0.05, 5.0, 60.0, "float32", None, 0)
+    sent = []
+
+    async def send(message, max_tokens, clock):
+        sent.append((message, max_tokens))
+        if message == "b":
+            raise ConnectionError("reset")
+        return clock(), 5, max_tokens, None, f"id-{message}"
+
+    asyncio.run(warm_up(send))
+    assert sent == [WARM_UP]
+    records, ids, _ = asyncio.run(drive(spec, send))
+    assert sent == [WARM_UP, ("a", 3), ("b", 4)]  # the load itself: each request once
+    assert ids == ["id-a", None] and [r.num_output_tokens for r in records] == [3, 0]
+    assert not records[0].failed and records[1].failed and "reset" in records[1].error  # a load request: counted
+
+    async def refused(message, max_tokens, clock):
+        raise ConnectionError("refused")
+
+    with pytest.raises(RuntimeError, match="warm-up request before the load failed: ConnectionError: refused"):
+        asyncio.run(warm_up(refused))
+
+
 @pytest.mark.parametrize("client_stream, client_http", [("objects", "aiohttp"), ("lines", "httpx")])
 def test_the_http_phase_drives_a_live_server_from_a_client_at_its_nice_value(model_factory, client_stream,
                                                                              client_http):

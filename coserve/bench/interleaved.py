@@ -21,16 +21,17 @@ import multiprocessing
 import tempfile
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from coserve.bench.metrics import RequestRecord
 from coserve.bench.server_load import (ClientJob, LoadSpec, drive, end_job, engine_ttfts, free_port, http_client,
-                                       inprocess_send, phase_app, start_job)
+                                       inprocess_send, phase_app, start_job, warm_up)
 from coserve.bench.spawned import run_spawned
 
-START_DELAY_S = 5.0  # from the host being ready to the load's first arrival: time for the client to start
-READY_TIMEOUT_S = 300.0  # the host's model load and engine start, at most
+START_DELAY_S = 0.2  # from both paths being warm to the load's first arrival: time for the start to reach both
+READY_TIMEOUT_S = 300.0  # the host's model load and engine start, and the client's start, at most each
 
 
 def halves(spec: LoadSpec, swap: bool = False) -> tuple[LoadSpec, LoadSpec]:
@@ -55,12 +56,20 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
         host = mp.Process(target=_host, args=(child, inproc, port, f"{tmp}/state", log_path))
         host.start()
         child.close()
+        ours, theirs = mp.Pipe()
         try:
             model = _receive(parent, host, READY_TIMEOUT_S, "ready", log_path)
-            start_at = time.time() + START_DELAY_S
-            parent.send(start_at)
-            job = ClientJob(http, f"http://127.0.0.1:{port}/v1", model, start_at)
-            http_records, http_extra = run_spawned(http_client, job, "the interleaved run's HTTP client")
+            job = ClientJob(http, f"http://127.0.0.1:{port}/v1", model, theirs)
+            with ThreadPoolExecutor(1) as pool:
+                client = pool.submit(run_spawned, http_client, job, "the interleaved run's HTTP client")
+                try:
+                    _await_warm(ours, client, READY_TIMEOUT_S)
+                    start_at = time.time() + START_DELAY_S  # both paths warm: one start for both
+                    parent.send(start_at)
+                    ours.send(start_at)
+                finally:
+                    ours.close()  # a client still waiting for its start gets EOFError and ends
+                http_records, http_extra = client.result()
             parent.send("done")
             in_records, in_extra = _receive(parent, host, spec.timeout_s, "ok", log_path)
             host.join(timeout=60)
@@ -73,6 +82,18 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
         record.engine_ttft_s, record.server_ttft_s = logged.get(ident, (None, None))
     run = {k: in_extra[k] for k in ("elapsed_s", "finetune_tokens", "job_status") if k in in_extra}
     return {"in-process": (in_records, in_extra), "http": (http_records, {**http_extra, **run})}
+
+
+def _await_warm(conn, client: Future, timeout_s: float) -> None:
+    """Waits for the client's ``"warm"`` on ``conn``; the client's error, its end or its silence raise naming it."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.05):
+        if client.done():
+            client.result()  # its error, naming the client
+            raise RuntimeError("the interleaved run's HTTP client ended before its warm-up request")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the interleaved run's HTTP client was not warm in {timeout_s:.0f} s")
+    conn.recv()
 
 
 def _receive(conn, host, timeout_s: float, expected: str, log_path: str):
@@ -91,7 +112,8 @@ def _receive(conn, host, timeout_s: float, expected: str, log_path: str):
 
 
 def _host(conn, spec: LoadSpec, port: int, state_dir: str, log_path: str) -> None:
-    """The spawned host: the server on ``port`` and the in-process half; messages ``("ready", model id)``, then
+    """The spawned host: the server on ``port`` and the in-process half; messages ``("ready", model id)`` (the job
+    started, the in-process path warmed up), then
     ``("ok", (records, extra))`` or ``("error", why)``."""
     import uvicorn
     logging.basicConfig(level=logging.INFO, filename=log_path,  # as ``coserve serve`` logs (uvicorn's lines too)
@@ -119,9 +141,11 @@ async def _host_main(conn, spec: LoadSpec, app, server) -> tuple[list[RequestRec
     try:
         ctx = app.state.coserve
         job, tokens0 = await start_job(ctx, spec)
+        send = inprocess_send(ctx)
+        await warm_up(send)
         conn.send(("ready", ctx.models.base))
         start_at = await asyncio.to_thread(conn.recv)
-        records, _, _ = await drive(spec, inprocess_send(ctx), start_at)
+        records, _, _ = await drive(spec, send, start_at)
         await asyncio.to_thread(conn.recv)  # the HTTP half has finished too
         elapsed = time.time() - start_at  # the run's: both halves
         ft = await end_job(ctx, job, tokens0)

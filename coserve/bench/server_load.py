@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from coserve.bench.arrivals import poisson_arrivals
 from coserve.bench.metrics import RequestRecord, percentile_stats, summarize
@@ -154,6 +154,20 @@ def finetune_jsonl(path: Path) -> bytes:
 JOB = {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}  # longer than any phase: cancelled at the end
 
 
+WARM_UP = ("Say hello.", 1)  # the untimed request before a load: (user message, output tokens)
+
+
+async def warm_up(send) -> None:
+    """One untimed request through ``send`` (as ``drive`` sends them) before the load, as vLLM's
+    ``benchmark_serving`` sends a test prompt: a path's first request pays its one-off costs (the ``openai`` client's
+    lazy imports and its first connection, the server's first validation; 50-90 ms on a 2-core host), which no
+    measured request should carry. Its failure raises, naming it."""
+    try:
+        await send(*WARM_UP, time.monotonic)
+    except Exception as e:
+        raise RuntimeError(f"the warm-up request before the load failed: {type(e).__name__}: {e}") from e
+
+
 def one_at_a_time(spec: LoadSpec):
     """With every arrival at 0 (``--rate 0``) a lock sends one request at a time; else no limit."""
     if all(offset == 0 for offset, _, _ in spec.requests):
@@ -231,8 +245,13 @@ async def _http_requests(load: "ClientJob") -> tuple[list[RequestRecord], dict]:
                     n_out, n_prompt = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
         return first, n_prompt, n_out, None, ident
 
-    records, ids, elapsed = await drive(spec, send_lines if spec.client_stream == "lines" else send_objects,
-                                     load.start_at)
+    send = send_lines if spec.client_stream == "lines" else send_objects
+    await warm_up(send)
+    start_at = None
+    if load.start is not None:  # a load shared with another process: report warm, then take the common start
+        load.start.send("warm")
+        start_at = await asyncio.to_thread(load.start.recv)
+    records, ids, elapsed = await drive(spec, send, start_at)
     ft = {}
     if job is not None:
         done = await client.fine_tuning.jobs.retrieve(job.id)
@@ -371,13 +390,14 @@ def thread_cpu_s(pid: int, tid: int) -> float | None:
 
 
 class ClientJob(NamedTuple):
-    """What the HTTP load client process is given: the load, the server's base URL, the model's id, and when the
-    load starts (``drive``'s ``start_at``; None: at once)."""
+    """What the HTTP load client process is given: the load, the server's base URL, the model's id, and where a
+    shared load's start comes from: a pipe end (a ``multiprocessing`` connection) the client sends ``"warm"`` on once
+    its warm-up request is done, then receives ``drive``'s ``start_at`` from (None: the load starts at once)."""
 
     spec: LoadSpec
     base_url: str
     model: str
-    start_at: float | None = None
+    start: Any = None
 
 
 def http_client(job: ClientJob) -> tuple[list[RequestRecord], dict]:
@@ -476,7 +496,9 @@ async def _inprocess_requests(spec: LoadSpec, state_dir: str) -> tuple[list[Requ
     ctx = app.state.coserve
     async with app.router.lifespan_context(app):
         job, tokens0 = await start_job(ctx, spec)
-        records, _, elapsed = await drive(spec, inprocess_send(ctx))
+        send = inprocess_send(ctx)
+        await warm_up(send)
+        records, _, elapsed = await drive(spec, send)
         ft = await end_job(ctx, job, tokens0)
     return records, {"elapsed_s": elapsed, **ft}
 
