@@ -289,6 +289,10 @@ def test_the_client_niceness_is_checked_at_the_boundary_and_a_negative_one_is_tr
     with pytest.raises(ValueError, match="--client-nice -5: lowering a niceness needs root or CAP_SYS_NICE"):
         check_client_nice(-5)
     assert tried == ["import os; os.nice(-5)"]
+    check_client_nice(-5, client_runs=False)  # --phase in-process: no client, nothing to try
+    assert tried == ["import os; os.nice(-5)"]
+    with pytest.raises(ValueError, match="--client-nice: must be -20 to 19, got 20"):
+        check_client_nice(20, client_runs=False)  # still a bad value
 
 
 def test_a_stream_line_is_read_as_its_event_and_an_error_event_raises_with_its_message():

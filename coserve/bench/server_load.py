@@ -411,13 +411,14 @@ def http_client(job: ClientJob) -> tuple[list[RequestRecord], dict]:
                      "client_cpu_s": time.process_time() - cpu}
 
 
-def check_client_nice(nice: int) -> None:
-    """Raises naming ``--client-nice`` for a value out of -20..19, or a negative one this user may not take (tried
-    in a throwaway process, so that this one keeps its own)."""
+def check_client_nice(nice: int, client_runs: bool = True) -> None:
+    """Raises naming ``--client-nice`` for a value out of -20..19, or, where a load client will run
+    (``client_runs``), a negative one this user may not take (tried in a throwaway process, so that this one keeps
+    its own)."""
     import subprocess
     if not -20 <= nice <= 19:
         raise ValueError(f"--client-nice: must be -20 to 19, got {nice}")
-    if nice < 0 and subprocess.run([sys.executable, "-c", f"import os; os.nice({nice})"], capture_output=True).returncode:
+    if client_runs and nice < 0 and subprocess.run([sys.executable, "-c", f"import os; os.nice({nice})"], capture_output=True).returncode:
         raise ValueError(f"--client-nice {nice}: lowering a niceness needs root or CAP_SYS_NICE")
 
 
@@ -569,7 +570,7 @@ def run(args) -> int:
         raise ValueError(f"--num-requests: must be positive, got {args.num_requests}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
-    check_client_nice(args.client_nice)
+    check_client_nice(args.client_nice, client_runs=args.phase != "in-process")
     if args.phase != "in-process":
         check_client_http(args.client_http)
     tokenizer = load_tokenizer(args.model)
