@@ -328,6 +328,26 @@ def test_a_threads_cpu_time_is_read_and_an_unreadable_one_is_none():
     assert thread_cpu_s(os.getpid(), 2**31 - 1) is None
 
 
+def test_the_interleaved_load_starts_once_its_client_is_warm_and_a_client_that_ends_first_raises_naming_it():
+    import multiprocessing
+    from concurrent.futures import Future
+
+    from coserve.bench.interleaved import await_warm
+    ours, theirs = multiprocessing.Pipe()
+    theirs.send("warm")
+    await_warm(ours, Future(), 1.0)  # the client's word arrived: the start can be sent
+    failed = Future()
+    failed.set_exception(RuntimeError("the interleaved run's HTTP client failed: warm-up request ... refused"))
+    with pytest.raises(RuntimeError, match="HTTP client failed: warm-up request"):
+        await_warm(ours, failed, 1.0)  # its own error, not a wait for the timeout
+    ended = Future()
+    ended.set_result(([], {}))
+    with pytest.raises(RuntimeError, match="HTTP client ended before its warm-up request"):
+        await_warm(ours, ended, 1.0)
+    with pytest.raises(RuntimeError, match="HTTP client was not warm in 0 s"):
+        await_warm(ours, Future(), 0.1)
+
+
 def test_an_interleaved_run_sends_alternate_requests_through_http_and_in_process_on_one_server(model_factory):
     """``bench-server --phase interleaved`` end to end: one spawned host serves HTTP (uvicorn, as ``coserve serve``
     runs) and drives the odd requests on its own objects; a client process sends the even ones over HTTP from the

@@ -57,19 +57,19 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
         host.start()
         child.close()
         ours, theirs = mp.Pipe()
+        pool = ThreadPoolExecutor(1)  # the client process, waited for in a thread while its start is arranged
         try:
             model = _receive(parent, host, READY_TIMEOUT_S, "ready", log_path)
             job = ClientJob(http, f"http://127.0.0.1:{port}/v1", model, theirs)
-            with ThreadPoolExecutor(1) as pool:
-                client = pool.submit(run_spawned, http_client, job, "the interleaved run's HTTP client")
-                try:
-                    _await_warm(ours, client, READY_TIMEOUT_S)
-                    start_at = time.time() + START_DELAY_S  # both paths warm: one start for both
-                    parent.send(start_at)
-                    ours.send(start_at)
-                finally:
-                    ours.close()  # a client still waiting for its start gets EOFError and ends
-                http_records, http_extra = client.result()
+            client = pool.submit(run_spawned, http_client, job, "the interleaved run's HTTP client")
+            try:
+                await_warm(ours, client, READY_TIMEOUT_S)
+                start_at = time.time() + START_DELAY_S  # both paths warm: one start for both
+                parent.send(start_at)
+                ours.send(start_at)
+            finally:
+                ours.close()  # a client still waiting for its start gets EOFError and ends
+            http_records, http_extra = client.result()
             parent.send("done")
             in_records, in_extra = _receive(parent, host, spec.timeout_s, "ok", log_path)
             host.join(timeout=60)
@@ -77,6 +77,7 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
             if host.is_alive():
                 host.terminate()
                 host.join(timeout=30)
+            pool.shutdown()  # on an error, a client still in a request ends once the server is gone
         logged = engine_ttfts(Path(log_path).read_text(errors="replace"))
     for record, ident in zip(http_records, http_extra.pop("ids")):
         record.engine_ttft_s, record.server_ttft_s = logged.get(ident, (None, None))
@@ -84,7 +85,7 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
     return {"in-process": (in_records, in_extra), "http": (http_records, {**http_extra, **run})}
 
 
-def _await_warm(conn, client: Future, timeout_s: float) -> None:
+def await_warm(conn, client: Future, timeout_s: float) -> None:
     """Waits for the client's ``"warm"`` on ``conn``; the client's error, its end or its silence raise naming it."""
     deadline = time.monotonic() + timeout_s
     while not conn.poll(0.05):
