@@ -106,13 +106,13 @@ def test_what_http_adds_is_the_difference_of_the_two_phases_median_ttfts():
     assert abs(http_added_ms(row("in-process (all)", 0.055), row("http (all)", 0.058)) - 3.0) < 1e-9
 
 
-def _choice(index, submitted_at, first_token_at, prompt_len, output_len):
+def _choice(index, submitted_at, first_token_at, prompt_len, output_len, first_text_at=None):
     from types import SimpleNamespace
 
     from coserve.server.choices import Choice
     out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(output_len)))], num_cached_tokens=0)
     return Choice(index, list(range(prompt_len)), SimpleNamespace(submitted_at=submitted_at), TextDelta(),
-                  out=out, first_token_at=first_token_at)
+                  out=out, first_token_at=first_token_at, first_text_at=first_text_at)
 
 
 def test_a_generation_logs_where_its_first_tokens_time_went():
@@ -123,6 +123,18 @@ def test_a_generation_logs_where_its_first_tokens_time_went():
     fields = job.log_fields()
     assert fields["ttft_ms"] == pytest.approx(40.0) and fields["engine_ttft_ms"] == pytest.approx(38.0)  # choice 1
     assert (fields["prompt_tokens"], fields["completion_tokens"]) == (5, 7)  # one prompt, both choices' outputs
+    assert "first_text_ms" not in fields  # not streamed: no event was written
+    job.choices = [_choice(0, 10.002, 10.050, 5, 3, first_text_at=10.060),  # its text held back 10 ms
+                   _choice(1, 10.002, 10.040, 5, 4, first_text_at=10.090)]
+    assert job.log_fields()["first_text_ms"] == pytest.approx(60.0)  # the first event of any choice
+
+
+def test_a_streams_first_text_held_back_after_its_first_token_is_split_from_the_client_and_the_wire():
+    from coserve.bench.metrics import RequestRecord
+    r = RequestRecord(0.0, 0.100, 0.5, 10, 5, engine_ttft_s=0.040, server_ttft_s=0.042, server_text_s=0.090)
+    assert r.server_before_engine_s == pytest.approx(0.002) and r.client_and_wire_s == pytest.approx(0.058)
+    assert r.held_text_s == pytest.approx(0.048)  # of the client's and the wire's 58 ms, 48 were the server's hold
+    assert RequestRecord(0.0, 0.1, 0.5, 10, 5, server_ttft_s=0.042).held_text_s is None  # not logged
 
 
 def test_the_access_log_line_carries_the_arrival_and_the_generations_fields(caplog):
@@ -173,15 +185,16 @@ def test_engine_ttfts_are_read_from_the_servers_access_log():
     log = "\n".join([
         "2026-11-25 10:00:00,000 INFO coserve.server: a job started",
         '2026-11-25 10:00:00,001 INFO coserve.access: {"path": "/v1/models", "status": 200}',
-        '2026-11-25 10:00:00,002 INFO coserve.access: {"id": "chatcmpl-a", "engine_ttft_ms": 61.5, "ttft_ms": 62.5}',
+        '2026-11-25 10:00:00,002 INFO coserve.access: {"id": "chatcmpl-a", "engine_ttft_ms": 61.5, "ttft_ms": 62.5, '
+        '"first_text_ms": 70.0}',
         '2026-11-25 10:00:00,003 INFO coserve.access: {"id": "chatcmpl-b"}',  # no first token: not counted
         "2026-11-25 10:00:00,004 INFO coserve.access: {not json",
         '2026-11-25 10:00:00,005 INFO coserve.access: ["a list"]',
         '2026-11-25 10:00:00,006 INFO coserve.access: {"id": "chatcmpl-c", "engine_ttft_ms": 40.0}',
     ])
     found = engine_ttfts(log)
-    assert found == {"chatcmpl-a": (pytest.approx(0.0615), pytest.approx(0.0625)),
-                     "chatcmpl-c": (pytest.approx(0.040), None)}
+    assert found == {"chatcmpl-a": (pytest.approx(0.0615), pytest.approx(0.0625), pytest.approx(0.070)),
+                     "chatcmpl-c": (pytest.approx(0.040), None, None)}
 
 
 def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_medians():
@@ -372,6 +385,7 @@ def test_an_interleaved_run_sends_alternate_requests_through_http_and_in_process
         assert offset - 0.005 <= record.arrival_s < offset + 1.0  # (timers wake within a ms)
     assert all(r.engine_ttft_s is not None and 0 < r.engine_ttft_s <= r.ttft_s for r in http_records + in_records)
     assert all(r.server_before_engine_s > 0 for r in http_records)  # read from the host's access log
+    assert all(r.held_text_s >= 0 for r in http_records)  # the first text's event: at or after the first token
     # one job served both halves: both carry the run's time and tokens
     assert in_extra["finetune_tokens"] > 0 and http_extra["finetune_tokens"] == in_extra["finetune_tokens"]
     assert http_extra["elapsed_s"] == in_extra["elapsed_s"] and in_extra["job_status"] in ("running", "succeeded")

@@ -80,7 +80,7 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
             pool.shutdown()  # on an error, a client still in a request ends once the server is gone
         logged = engine_ttfts(Path(log_path).read_text(errors="replace"))
     for record, ident in zip(http_records, http_extra.pop("ids")):
-        record.engine_ttft_s, record.server_ttft_s = logged.get(ident, (None, None))
+        record.engine_ttft_s, record.server_ttft_s, record.server_text_s = logged.get(ident, (None, None, None))
     run = {k: in_extra[k] for k in ("elapsed_s", "finetune_tokens", "job_status") if k in in_extra}
     return {"in-process": (in_records, in_extra), "http": (http_records, {**http_extra, **run})}
 

@@ -31,6 +31,7 @@ class RequestRecord:
     error: str | None = None
     engine_ttft_s: float | None = None  # the engine's part of the TTFT (submission to first token), where known
     server_ttft_s: float | None = None  # the server's (its arrival to the first token on its event loop), where known
+    server_text_s: float | None = None  # the server's arrival to its first event of output text, where known
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -69,10 +70,19 @@ class RequestRecord:
         return self.server_ttft_s - self.engine_ttft_s
 
     @property
+    def held_text_s(self) -> float | None:
+        """Of the client's and the wire's part, the first text the server held back after the first token (an
+        unfinished UTF-8 character, or what may begin a stop string): server_text_s - server_ttft_s, None unless
+        both are known."""
+        if self.server_text_s is None or self.server_ttft_s is None:
+            return None
+        return self.server_text_s - self.server_ttft_s
+
+    @property
     def client_and_wire_s(self) -> float | None:
         """Of the time outside the engine, the rest: the client building and sending the request, TCP and the
-        HTTP server before the server's middleware, and the first token's way back to the client: ttft_s -
-        server_ttft_s, None unless both are known."""
+        HTTP server before the server's middleware, and the first token's way back to the client (with any text
+        held back, ``held_text_s``): ttft_s - server_ttft_s, None unless both are known."""
         if self.ttft_s is None or self.server_ttft_s is None:
             return None
         return self.ttft_s - self.server_ttft_s

@@ -307,9 +307,10 @@ def stream_event(line: str) -> dict | None:
     return event
 
 
-def engine_ttfts(log_text: str) -> dict[str, tuple[float, float | None]]:
-    """Response id -> the engine's part of its TTFT and the server's (arrival to the first token on the event loop;
-    None where not logged), in seconds, from the access log lines of a server's log."""
+def engine_ttfts(log_text: str) -> dict[str, tuple[float, float | None, float | None]]:
+    """Response id -> the engine's part of its TTFT, the server's (arrival to the first token on the event loop),
+    and the server's arrival to its first event of text (each None where not logged), in seconds, from the access
+    log lines of a server's log."""
     found = {}
     for line in log_text.splitlines():
         _, sep, record = line.partition(f" {ACCESS_LOGGER}: ")
@@ -320,8 +321,9 @@ def engine_ttfts(log_text: str) -> dict[str, tuple[float, float | None]]:
         except json.JSONDecodeError:
             continue
         if isinstance(fields, dict) and "id" in fields and fields.get("engine_ttft_ms") is not None:
-            server = fields.get("ttft_ms")
-            found[fields["id"]] = (fields["engine_ttft_ms"] / 1000, None if server is None else server / 1000)
+            server, text = fields.get("ttft_ms"), fields.get("first_text_ms")
+            found[fields["id"]] = (fields["engine_ttft_ms"] / 1000, None if server is None else server / 1000,
+                                   None if text is None else text / 1000)
     return found
 
 
@@ -375,7 +377,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
             log.close()
         logged = engine_ttfts(Path(tmp, "server.log").read_text(errors="replace"))
         for record, ident in zip(records, extra.pop("ids")):
-            record.engine_ttft_s, record.server_ttft_s = logged.get(ident, (None, None))
+            record.engine_ttft_s, record.server_ttft_s, record.server_text_s = logged.get(ident, (None, None, None))
         return records, extra
 
 
@@ -539,6 +541,7 @@ def phase_row(name: str, records: list[RequestRecord], extra: dict, spec: LoadSp
     row["server_before_engine_s"] = percentile_stats([r.server_before_engine_s for r in done
                                                       if r.server_before_engine_s is not None])
     row["client_and_wire_s"] = percentile_stats([r.client_and_wire_s for r in done if r.client_and_wire_s is not None])
+    row["held_text_s"] = percentile_stats([r.held_text_s for r in done if r.held_text_s is not None])  # part of it
     return row
 
 
@@ -652,7 +655,9 @@ def run(args) -> int:
         before, wire = row["server_before_engine_s"]["p50"], row["client_and_wire_s"]["p50"]
         if before is not None and wire is not None:
             print(f"{row['phase']}: outside the engine, p50 {1000 * before:.2f} ms in the server before it and "
-                  f"{1000 * wire:.2f} ms in the client and on the wire")
+                  f"{1000 * wire:.2f} ms in the client and on the wire (p99 {1000 * row['client_and_wire_s']['p99']:.1f}"
+                  + (f", of which text held back after the first token: p99 {1000 * held:.1f} ms)"
+                     if (held := row["held_text_s"]["p99"]) is not None else " ms)"))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -32,6 +32,7 @@ class Choice:
     out: RequestOutput | None = None
     logprobs_sent: int = 0
     first_token_at: float | None = None
+    first_text_at: float | None = None  # a stream's first event of this choice's output (text held back until then)
     finished_at: float | None = None
 
 
@@ -50,13 +51,18 @@ class Job:
     def log_fields(self) -> dict:
         """What the access log adds for this request: its id, model and tokens, and where its first token's time
         went: ``ttft_ms`` from arrival to the first token on the event loop, ``engine_ttft_ms`` the part from
-        its submission to the engine (the rest is the HTTP layer, parsing, the chat template and tokenizing)."""
+        its submission to the engine (the rest is the HTTP layer, parsing, the chat template and tokenizing), and for
+        a stream ``first_text_ms`` from arrival to the first event carrying output (later than the first token where
+        its text was held back: an unfinished UTF-8 character, or what may begin a stop string)."""
         fields = {"id": self.ident, "model": self.model}
         started = [c for c in self.choices if c.first_token_at is not None]
         if started:
             first = min(started, key=lambda c: c.first_token_at)
             fields["ttft_ms"] = round((first.first_token_at - self.arrived) * 1000, 3)
             fields["engine_ttft_ms"] = round((first.first_token_at - first.stream.submitted_at) * 1000, 3)
+        texts = [c.first_text_at for c in self.choices if c.first_text_at is not None]
+        if texts:
+            fields["first_text_ms"] = round((min(texts) - self.arrived) * 1000, 3)
         if self.choices:
             counts = usage(self)
             fields["prompt_tokens"], fields["completion_tokens"] = counts["prompt_tokens"], counts["completion_tokens"]
@@ -170,6 +176,8 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
                 break
             body = chunk(choice, out)
             if body is not None:
+                if choice.first_text_at is None:
+                    choice.first_text_at = time.monotonic()
                 yield sse(body)
             if out.finished:
                 open_choices -= 1
