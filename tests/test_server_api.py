@@ -85,6 +85,17 @@ def test_the_access_log_says_where_a_streamed_chats_first_token_time_went(server
                                                           pytest.approx(line["first_text_ms"] / 1000))
 
 
+def test_a_streamed_response_logs_when_its_first_text_went_out(server, alice):
+    events = list(alice.responses.create(model=BASE, input="Hello", max_output_tokens=4, temperature=0, stream=True))
+    ident = events[-1].response.id
+    deadline = time.monotonic() + 10  # the line is written when the response has ended
+    while time.monotonic() < deadline and f'"{ident}"' not in server.log.read_text():
+        time.sleep(0.05)
+    line = next(json.loads(x.partition("coserve.access: ")[2]) for x in server.log.read_text().splitlines()
+                if f'"{ident}"' in x)
+    assert line["path"] == "/v1/responses" and 0 < line["ttft_ms"] <= line["first_text_ms"] <= line["ms"]
+
+
 def test_chat_streamed_equals_whole_with_usage(alice):
     whole = alice.chat.completions.create(model=BASE, messages=HELLO, max_completion_tokens=10, temperature=0)
     assert whole.choices[0].message.role == "assistant"
