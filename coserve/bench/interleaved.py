@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from coserve.bench.metrics import RequestRecord
-from coserve.bench.server_load import (ClientJob, LoadSpec, drive, end_job, engine_ttfts, free_port, http_client,
+from coserve.bench.server_load import (ClientJob, LoadSpec, add_logged_times, drive, end_job, free_port, http_client,
                                        inprocess_send, phase_app, start_job, warm_up)
 from coserve.bench.spawned import run_spawned
 
@@ -78,9 +78,7 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
                 host.terminate()
                 host.join(timeout=30)
             pool.shutdown()  # on an error, a client still in a request ends once the server is gone
-        logged = engine_ttfts(Path(log_path).read_text(errors="replace"))
-    for record, ident in zip(http_records, http_extra.pop("ids")):
-        record.engine_ttft_s, record.server_ttft_s, record.server_text_s = logged.get(ident, (None, None, None))
+        add_logged_times(http_records, http_extra.pop("ids"), Path(log_path).read_text(errors="replace"))
     run = {k: in_extra[k] for k in ("elapsed_s", "finetune_tokens", "job_status") if k in in_extra}
     return {"in-process": (in_records, in_extra), "http": (http_records, {**http_extra, **run})}
 

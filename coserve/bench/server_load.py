@@ -321,10 +321,16 @@ def engine_ttfts(log_text: str) -> dict[str, tuple[float, float | None, float | 
         except json.JSONDecodeError:
             continue
         if isinstance(fields, dict) and "id" in fields and fields.get("engine_ttft_ms") is not None:
-            server, text = fields.get("ttft_ms"), fields.get("first_text_ms")
-            found[fields["id"]] = (fields["engine_ttft_ms"] / 1000, None if server is None else server / 1000,
-                                   None if text is None else text / 1000)
+            found[fields["id"]] = tuple(None if (ms := fields.get(k)) is None else ms / 1000
+                                        for k in ("engine_ttft_ms", "ttft_ms", "first_text_ms"))
     return found
+
+
+def add_logged_times(records: list[RequestRecord], ids: list[str | None], log_text: str) -> None:
+    """Each HTTP request's record gets the times its server logged (``engine_ttfts``), matched by response id."""
+    logged = engine_ttfts(log_text)
+    for record, ident in zip(records, ids):
+        record.engine_ttft_s, record.server_ttft_s, record.server_text_s = logged.get(ident, (None, None, None))
 
 
 def server_command(spec: LoadSpec, port: int, state_dir: str) -> list[str]:
@@ -375,9 +381,7 @@ def run_http(spec: LoadSpec) -> tuple[list[RequestRecord], dict]:
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
-        logged = engine_ttfts(Path(tmp, "server.log").read_text(errors="replace"))
-        for record, ident in zip(records, extra.pop("ids")):
-            record.engine_ttft_s, record.server_ttft_s, record.server_text_s = logged.get(ident, (None, None, None))
+        add_logged_times(records, extra.pop("ids"), Path(tmp, "server.log").read_text(errors="replace"))
         return records, extra
 
 
@@ -420,7 +424,8 @@ def check_client_nice(nice: int, client_runs: bool = True) -> None:
     import subprocess
     if not -20 <= nice <= 19:
         raise ValueError(f"--client-nice: must be -20 to 19, got {nice}")
-    if client_runs and nice < 0 and subprocess.run([sys.executable, "-c", f"import os; os.nice({nice})"], capture_output=True).returncode:
+    if client_runs and nice < 0 and subprocess.run([sys.executable, "-c", f"import os; os.nice({nice})"],
+                                                   capture_output=True).returncode:
         raise ValueError(f"--client-nice {nice}: lowering a niceness needs root or CAP_SYS_NICE")
 
 
@@ -654,10 +659,11 @@ def run(args) -> int:
                      if row.get("server_loop_cpu_ms_per_request") is not None else ""))
         before, wire = row["server_before_engine_s"]["p50"], row["client_and_wire_s"]["p50"]
         if before is not None and wire is not None:
+            held = row["held_text_s"]["p99"]
+            of_which = "" if held is None else f", of which text held back after the first token: p99 {1000 * held:.1f}"
             print(f"{row['phase']}: outside the engine, p50 {1000 * before:.2f} ms in the server before it and "
-                  f"{1000 * wire:.2f} ms in the client and on the wire (p99 {1000 * row['client_and_wire_s']['p99']:.1f}"
-                  + (f", of which text held back after the first token: p99 {1000 * held:.1f} ms)"
-                     if (held := row["held_text_s"]["p99"]) is not None else " ms)"))
+                  f"{1000 * wire:.2f} ms in the client and on the wire (p99 "
+                  f"{1000 * row['client_and_wire_s']['p99']:.1f}{of_which} ms)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -35,6 +35,12 @@ class Choice:
     first_text_at: float | None = None  # a stream's first event of this choice's output (text held back until then)
     finished_at: float | None = None
 
+    def sent_text(self) -> None:
+        """Notes a stream's event of this choice's output going out: the first one is the access log's
+        ``first_text_ms``."""
+        if self.first_text_at is None:
+            self.first_text_at = time.monotonic()
+
 
 @dataclass(slots=True)
 class Job:
@@ -176,8 +182,7 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
                 break
             body = chunk(choice, out)
             if body is not None:
-                if choice.first_text_at is None:
-                    choice.first_text_at = time.monotonic()
+                choice.sent_text()
                 yield sse(body)
             if out.finished:
                 open_choices -= 1

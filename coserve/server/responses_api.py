@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import secrets
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -285,8 +284,8 @@ class ResponseShape:
                 while choice.out is None or not choice.out.finished:
                     out = await advance(choice, job, ctx)
                     delta = choice.delta.next(out.outputs[0].text, out.finished)
-                    if delta and choice.first_text_at is None:
-                        choice.first_text_at = time.monotonic()  # the access log's first_text_ms
+                    if delta:
+                        choice.sent_text()
                     if delta and named:
                         yield event(f"response.{self._named_events}.delta", item_id=self.item_id, output_index=0,
                                     delta=delta)
