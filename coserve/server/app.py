@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
-from coserve.server import errors
+from coserve.server import errors, inference_api, lean_routes, responses_api
 from coserve.server.auth import Authenticator
 from coserve.server.batches import BATCH_PRIORITY, BatchRunner
 from coserve.server.batches_api import router as batches_router
@@ -21,8 +21,6 @@ from coserve.server.config import ServerConfig
 from coserve.server.context import ServerContext
 from coserve.server.fine_tuning_api import router as fine_tuning_router
 from coserve.server.generation import EngineClient
-from coserve.server.inference_api import router as inference_router
-from coserve.server.responses_api import router as responses_router
 from coserve.server.jobs import JobManager
 from coserve.server.metrics import JOB_STATES, ServerMetrics
 from coserve.server.middleware import ServerMiddleware
@@ -87,10 +85,12 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app = FastAPI(title="coserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.coserve = ctx
     errors.install(app)
-    app.include_router(inference_router)
-    app.include_router(responses_router)
+    app.include_router(inference_api.router)
+    app.include_router(responses_api.router)
     app.include_router(fine_tuning_router)
     app.include_router(batches_router)
+    lean_routes.install(app, {"/v1/chat/completions": inference_api.chat_completions,
+                              "/v1/completions": inference_api.completions, "/v1/responses": responses_api.responses})
 
     @app.get("/health")
     async def health():
