@@ -211,6 +211,7 @@ def test_what_http_adds_outside_the_engine_is_the_difference_of_the_per_request_
     assert (a["num_split"], b["num_split"]) == (2, 2)
     assert a["outside_engine_s"]["p50"] == pytest.approx(0.00055) and b["outside_engine_s"]["p50"] == pytest.approx(0.0045)
     assert http_added_ms(a, b, "outside_engine_s") == pytest.approx(3.95)
+    assert http_added_ms(a, b, "engine_ttft_s") == pytest.approx(-5.0)  # the engine's waits: 75 against 80 ms
 
 
 def test_a_warm_up_sends_one_untimed_request_and_its_failure_raises_naming_it_where_a_load_counts_a_failure():
