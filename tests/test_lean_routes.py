@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 from starlette.routing import Match, Route
 
@@ -33,7 +33,7 @@ def app_with(lean: bool) -> FastAPI:
     app.post("/chat")(chat)
     app.post("/completions")(completion)
     if lean:
-        lean_routes.install(app, {"/chat": chat, "/completions": completion})
+        lean_routes.install(app, [app.router], [chat, completion])
     return app
 
 
@@ -85,6 +85,11 @@ def test_the_lean_routes_come_first_and_the_schema_keeps_the_fastapi_ones():
     app = app_with(True)
     assert [getattr(r, "path", None) for r in app.router.routes[:2]] == ["/chat", "/completions"]
     assert {"/chat", "/completions"} <= set(app.openapi()["paths"])
+
+
+def test_an_endpoint_without_a_post_route_is_refused_naming_it():
+    with pytest.raises(ValueError, match="no POST route for completion"):
+        lean_routes.install(FastAPI(), [APIRouter()], [completion])
 
 
 @pytest.mark.parametrize("content_type, expected", [

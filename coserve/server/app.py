@@ -89,8 +89,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.include_router(responses_api.router)
     app.include_router(fine_tuning_router)
     app.include_router(batches_router)
-    lean_routes.install(app, {"/v1/chat/completions": inference_api.chat_completions,
-                              "/v1/completions": inference_api.completions, "/v1/responses": responses_api.responses})
+    lean_routes.install(app, [inference_api.router, responses_api.router],
+                        [inference_api.chat_completions, inference_api.completions, responses_api.responses])
 
     @app.get("/health")
     async def health():

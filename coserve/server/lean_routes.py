@@ -16,9 +16,10 @@ import typing
 from collections.abc import Callable
 
 import pydantic
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.routing import Route
 
@@ -67,6 +68,12 @@ def lean_route(path: str, endpoint: Callable) -> Route:
     return Route(path, handle, methods=["POST"], name=endpoint.__name__)
 
 
-def install(app: FastAPI, endpoints: dict[str, Callable]) -> None:
-    """Put a lean route for each path's endpoint in front of every other route (its FastAPI route included)."""
-    app.router.routes[:0] = [lean_route(path, endpoint) for path, endpoint in endpoints.items()]
+def install(app: FastAPI, routers: list[APIRouter], endpoints: list[Callable]) -> None:
+    """Put a lean route for each of ``endpoints``, at the path its POST route in ``routers`` has, in front of every
+    other route (that FastAPI route included)."""
+    paths = {r.endpoint: r.path for router in routers for r in router.routes
+             if isinstance(r, APIRoute) and "POST" in r.methods}
+    missing = [e.__name__ for e in endpoints if e not in paths]
+    if missing:
+        raise ValueError(f"lean_routes.install: no POST route for {', '.join(missing)}")
+    app.router.routes[:0] = [lean_route(paths[e], e) for e in endpoints]
