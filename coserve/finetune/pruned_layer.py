@@ -277,10 +277,8 @@ def _plus(t: torch.Tensor, *extras) -> torch.Tensor:
 
 
 def _rope_backward_into(model: DecoderModel, dy: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
-    """The transpose of the rotation ``y = x cos + rotate_half(x) sin``, for ``[n, H, D]`` gradients, into ``out``."""
-    cos, sin = model.rope.tables(positions)
-    ys = dy * sin
-    half = dy.shape[-1] // 2
+    """The transpose of the rotation ``y = x cos + x.roll(D/2) sin_signed`` (``rope.rotate``), for ``[n, H, D]``
+    gradients, into ``out``: ``dy cos + (dy sin_signed).roll(D/2)`` (rolling by half of D is its own inverse)."""
+    cos, sin_signed = model.rope.tables(positions)
     torch.mul(dy, cos, out=out)
-    out[..., :half] += ys[..., half:]
-    out[..., half:] -= ys[..., :half]
+    out += (dy * sin_signed).roll(dy.shape[-1] // 2, -1)

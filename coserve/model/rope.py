@@ -37,7 +37,12 @@ class RotaryEmbedding:
         freqs = torch.outer(positions, inv_freq)  # [P, head_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        sin = emb.sin()
+        half = head_dim // 2
+        # sin with its first half negated: ``rotate_half(x) * sin`` is then ``x.roll(half) * sin_signed``, one
+        # kernel where rotate_half takes four (two slices, a negation, a cat), and bit for bit the same product
+        # (a sign moved between factors is exact)
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device=device, dtype=dtype)
         self.max_positions = max_positions
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
 
@@ -48,20 +53,16 @@ class RotaryEmbedding:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate one of ``q`` or ``k`` (``[T, H, D]``) as ``__call__`` does."""
-        cos, sin = self.tables(positions)
-        return x * cos + _rotate_half(x) * sin
+        cos, sin_signed = self.tables(positions)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed  # HF: x * cos + rotate_half(x) * sin
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[T, 1, D]`` of ``positions``; the last call's are reused while the same
-        ``positions`` tensor comes back (every layer of one forward passes the same one)."""
+        """``(cos, sin_signed)`` ``[T, 1, D]`` of ``positions`` (``sin_signed``: sin with its first half negated);
+        the last call's are reused while the same ``positions`` tensor comes back (every layer of one forward
+        passes the same one)."""
         last = self._last
         if last is not None and last[0] is positions:
             return last[1], last[2]
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        self._last = (positions, cos, sin)
-        return cos, sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        cos, sin_signed = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+        self._last = (positions, cos, sin_signed)
+        return cos, sin_signed

@@ -116,10 +116,16 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 def _accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float = 1.0) -> None:
     """Add ``alpha * left @ right`` into ``param.grad`` in one matmul (a window's share of a LoRA gradient)."""
-    if param.grad is None or left.dtype != param.dtype:
-        _accumulate(param, torch.mm(left, right).mul_(alpha) if alpha != 1.0 else left @ right)
-    else:
+    if param.grad is not None and left.dtype == param.dtype:
         param.grad.addmm_(left.detach(), right.detach(), alpha=alpha)
+        return
+    product = torch.mm(left, right)
+    if alpha != 1.0:
+        product.mul_(alpha)
+    if param.grad is None and not product.requires_grad:  # a fresh tensor of its own: the gradient as it is
+        param.grad = product.to(param.dtype)
+    else:
+        _accumulate(param, product)
 
 
 class TrainableLora(TrainableBypass):
@@ -248,7 +254,9 @@ class TrainableLora(TrainableBypass):
         x = x.to(a.dtype)
         mask = self._mask(layer, module, x.shape[1], x.dtype)
         _accumulate_product(b, dyf.T, xa, self.scaling)  # [out, r]
-        dxa = (dyf @ b.detach()).mul_(self.scaling)  # [T, r]
+        dxa = dyf @ b.detach()  # [T, r]
+        if self.scaling != 1.0:
+            dxa.mul_(self.scaling)
         _accumulate_product(a, dxa.T, x if mask is None else x * mask)  # [r, in]
         if mask is None and out_dtype == dxa.dtype:
             return dy, LowRank(dxa, a.detach())  # the caller adds dxa A into its input gradient in place
