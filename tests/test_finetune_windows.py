@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from coserve.finetune.graph import LayerShape
+from coserve.finetune.graph_pruning import plan_model
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
 from coserve.finetune.pruned_layer import BASE_KEEPS, executor_plan, new_keeps, planned_keeps
@@ -52,16 +54,24 @@ def _windows(rng: random.Random, n: int) -> list[int]:
     return sizes
 
 
+def flops_plan(model, peft_config, max_tokens: int):
+    """The plan for ``max_tokens``-token sequences priced by FLOPs alone (no charge per dispatched operation)."""
+    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size(), context_tokens=max_tokens // 2)
+    return plan_model(shape, peft_config, model.cfg.num_layers, "cheap")
+
+
 def _grads(bypass):
     return [p.grad.detach().clone() for p in bypass.parameters()]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", list(BYPASSES))
-@pytest.mark.parametrize("seed,remat", [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap"), (0, "cheap:none"),
-                                        (1, "cheap:every")])
+@pytest.mark.parametrize("seed,remat", [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap"), (0, "cheap:flops"),
+                                        (0, "cheap:none"), (1, "cheap:every")])
 def test_random_window_schedules_match_whole_sequence_autograd(model_factory, arch, kind, seed, remat):
-    """``cheap`` keeps the plan's tensors; ``cheap:none`` recomputes q, resid, gate and up; ``cheap:every`` keeps them."""
+    """``cheap`` keeps the plan's tensors for these short sequences, as a job plans them (by its longest sequence);
+    ``cheap:flops`` the plan FLOPs alone would pick for them (attention recomputed, gate and up kept); ``cheap:none``
+    recomputes q, resid, gate and up; ``cheap:every`` keeps them."""
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
     rng = random.Random(seed)
     bypass = _bypass(kind, model, seed)
@@ -87,7 +97,9 @@ def test_random_window_schedules_match_whole_sequence_autograd(model_factory, ar
                                    model.cfg.head_dim, model.device, model.dtype)
         state.dropout_seed = n
         if remat.startswith("cheap"):
-            names = {"cheap": planned_keeps(executor_plan(model, bypass.config, "cheap")), "cheap:none": (),
+            longest = max(len(i) for i, _ in seqs)
+            names = {"cheap": planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=longest)),
+                     "cheap:flops": planned_keeps(flops_plan(model, bypass.config, longest)), "cheap:none": (),
                      "cheap:every": BASE_KEEPS}[remat]
             state.keeps = new_keeps(model, len(ids), names)
         for size in _windows(rng, len(ids)):

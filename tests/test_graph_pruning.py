@@ -129,6 +129,25 @@ def test_memory_target_recomputes_what_costs_fewest_flops():
             plan_layer(SHAPE, down, memory_target=bad)
 
 
+def test_a_charge_per_dispatched_operation_keeps_attention_where_launching_ops_is_what_costs():
+    down = LoraConfig(r=16, target_modules=["down_proj"])
+    short = dataclasses.replace(SHAPE, context_tokens=16)  # 32-token sequences
+    flops_only = plan_layer(short, down)
+    assert {"q", "attn.o", "resid"} <= remat(flops_only)  # attention is the fewest FLOPs to recompute
+    # The CPU's charge (2e6 FLOPs an operation, over 32 tokens): recomputing q, attention and the residual dispatches
+    # 2 + 4 + 25 + 2 + 1 operations (q's projection and rotation, attention, the output projection, the add), the
+    # gate projection 2, so the gate goes and attention's output stays.
+    charged = plan_layer(short, down, op_flops=2e6 / 32)
+    assert {"q", "attn.o", "attn.lse", "resid", "up"} <= set(stored(charged)) and "gate" in remat(charged)
+    assert charged.kept_bytes_per_token <= 0.5 * charged.keep_set_bytes_per_token  # the same memory target
+    assert "per operation dispatched" in charged.describe()
+    # 1,024-token sequences: FLOPs decide as they did (the finetuning benchmark's plan on the CPU is unchanged).
+    for peft in (down, LoraConfig(r=16, target_modules=list(TARGET_MODULES)), IA3Config()):
+        assert stored(plan_layer(SHAPE, peft, op_flops=2e6 / 1024)) == stored(plan_layer(SHAPE, peft))
+    with pytest.raises(ValueError, match="op_flops"):
+        plan_layer(SHAPE, down, op_flops=-1.0)
+
+
 def test_first_layer_without_input_gradient_prunes_to_the_bypass():
     plan = plan_layer(SHAPE, LoraConfig(r=16, target_modules=["down_proj"]), need_input_grad=False)
     assert {s.op for s in plan.surviving} == {"mlp_residual", "down_proj.lora_add", "down_proj.lora_scale",

@@ -23,10 +23,13 @@ Pure Python over ``coserve.finetune.graph``. Steps:
    i.e. what a pruned autograd would save), the costly tensors (``LayerGraph.projections``: rotated
    q, attention's output with its log-sum-exp, the residual after attention, gate, up) are
    recomputed instead, with whatever chain of ops leads to them from available tensors: of every
-   subset of them that meets the target, the one adding the fewest FLOPs (``_meet_target``; when
-   none does, the one keeping the fewest bytes). Attention's FLOPs grow with the context
-   (``LayerShape.context_tokens``), so long sequences recompute projections and keep attention's
-   output, short ones recompute attention.
+   subset of them that meets the target, the one costing least (``_meet_target``; when none does,
+   the one keeping the fewest bytes). Its cost is its FLOPs plus ``op_flops`` for each operation the
+   executor dispatches to recompute it (``RECOMPUTE_DISPATCHES``): what the host's time to launch one
+   is worth in FLOPs, per token (the executors pass the device's charge per window divided by the
+   sequence's tokens; 0 prices FLOPs alone). Attention's FLOPs grow with the context (``LayerShape.context_tokens``), so long
+   sequences recompute projections and keep attention's output; short ones recompute attention
+   where FLOPs decide, but a projection (fewer ops) where launching ops is what costs.
    ``all`` stores only the input and K/V and recomputes the rest (what
    ``coserve.finetune.token_windows`` does); ``none`` stores the whole keep set.
 5. Bitmask compression: a stored tensor that every surviving reader needs only the sign of
@@ -48,6 +51,12 @@ DEFAULT_COST_THRESHOLD = 8.0  # FLOPs per output element: elementwise, norms, Ro
 # set's bytes (on Llama shapes at 1,024 tokens: the gate projection for LoRA on down_proj; q and the
 # post-attention residual for LoRA on every linear module).
 DEFAULT_MEMORY_TARGET = 0.5
+# The operations the pruned executor (``coserve.finetune.pruned_layer``) dispatches to recompute one op of each kind
+# in a backward window: a norm's six, the projection and its reshape, the rotation's four; attention recomputed from
+# q, K and V runs its forward under autograd and its backward through autograd (some 25 operations, where its kept
+# output's backward takes one call).
+RECOMPUTE_DISPATCHES = {OpKind.MATMUL_FROZEN: 2, OpKind.MATMUL_TRAINABLE: 2, OpKind.ELEMENTWISE: 1, OpKind.NORM: 6,
+                        OpKind.ROPE: 4, OpKind.ATTENTION: 25, OpKind.ADD: 1, OpKind.ACTIVATION: 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +170,11 @@ def training_flops(graph: LayerGraph, surviving: list[BackwardStep]) -> float:
 
 
 def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_threshold: float,
-                  target_bytes: float | None = None) -> tuple[dict[str, str], list[str]]:
+                  target_bytes: float | None = None, op_flops: float = 0.0) -> tuple[dict[str, str], list[str]]:
     """Algorithm 1, step 2: ``(stored name -> "full" | "bitmask", rematerialised names in forward order)``.
 
-    ``target_bytes``: per token, what pass (b) brings the stored bytes down to (None: no pass (b)).
+    ``target_bytes``: per token, what pass (b) brings the stored bytes down to (None: no pass (b));
+    ``op_flops``: pass (b)'s charge per operation a recomputation dispatches, besides its FLOPs.
     """
     order = [t for op in graph.ops for t in op.outputs if t in keep]  # forward order
     if policy == "all":
@@ -191,13 +201,15 @@ def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_th
             remat.append(t)
             changed = True
     if policy == "cheap" and target_bytes is not None:
-        remat += _meet_target(graph, stored, remat, target_bytes)
+        remat += _meet_target(graph, stored, remat, target_bytes, op_flops)
     return stored, [t for op in graph.ops for t in op.outputs if t in remat]
 
 
-def _meet_target(graph: LayerGraph, stored: dict[str, str], remat: list[str], target: float) -> list[str]:
-    """Pass (b): recompute the subset of ``graph.projections`` with the fewest FLOPs that brings the
-    stored bytes to ``target`` (or, when no subset does, the one storing the fewest bytes).
+def _meet_target(graph: LayerGraph, stored: dict[str, str], remat: list[str], target: float,
+                 op_flops: float = 0.0) -> list[str]:
+    """Pass (b): recompute the subset of ``graph.projections`` costing least (its FLOPs plus ``op_flops``
+    for each operation its recomputation dispatches) that brings the stored bytes to ``target`` (or, when no subset does, the
+    one storing the fewest bytes).
 
     Returns the tensors added to the rematerialised set (the chosen tensors, the intermediates of
     their chains, and their producers' other stored outputs: recomputing attention's output
@@ -217,7 +229,8 @@ def _meet_target(graph: LayerGraph, stored: dict[str, str], remat: list[str], ta
                     break
                 chains += [c for c in chain if c not in chains]
             else:
-                cost = sum(graph.producer(c).flops for c in chains)
+                cost = sum(graph.producer(c).flops + op_flops * RECOMPUTE_DISPATCHES[graph.producer(c).kind]
+                           for c in chains)
                 left = total - sum(_bytes(graph, o, "full") for o in set(dropped))
                 key = (0, cost, left) if left <= target else (1, left, cost)
                 if best is None or key < best[0]:
@@ -292,6 +305,7 @@ class PruningPlan:
     policy: str
     cost_threshold: float  # FLOPs per output element
     memory_target: float  # pass (b): kept bytes as a fraction of keep_set_bytes_per_token, at most
+    op_flops: float  # pass (b): what each dispatched operation of a recomputation costs (host time, FLOPs per token)
     training_flops_per_token: float  # one layer's forward and pruned backward
     recompute_flops_per_token: float  # one layer: what the backward pass spends rematerialising
     element_size: int  # bytes
@@ -318,8 +332,8 @@ class PruningPlan:
     def describe(self) -> str:
         """A readable multi-line summary."""
         how = {"cheap": f"rematerialise ops under {self.cost_threshold:g} FLOPs per output element, then the "
-                        f"costly tensors adding the fewest FLOPs that bring the kept bytes to "
-                        f"{self.memory_target:.0%} of the pruned keep set's",
+                        f"costly tensors adding the fewest FLOPs (and {_num(self.op_flops)} per operation dispatched) "
+                        f"that bring the kept bytes to {self.memory_target:.0%} of the pruned keep set's",
                "all": "store the input and the K/V cache, recompute the rest",
                "none": "store the whole keep set"}[self.policy]
         lines = [f"Pruning plan: {self.title}", f"policy {self.policy!r}: {how}",
@@ -350,7 +364,8 @@ def _num(x: float) -> str:
 
 def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
                cost_threshold: float = DEFAULT_COST_THRESHOLD, need_input_grad: bool = True,
-               num_layers: int = 1, memory_target: float = DEFAULT_MEMORY_TARGET) -> PruningPlan:
+               num_layers: int = 1, memory_target: float = DEFAULT_MEMORY_TARGET, op_flops: float = 0.0
+               ) -> PruningPlan:
     """Differentiate, prune, pick the keep set, rematerialise and compress any ``LayerGraph``."""
     if rematerialize_policy not in POLICIES:
         raise ValueError(f"rematerialize: must be one of {', '.join(POLICIES)}, got {rematerialize_policy!r}")
@@ -358,11 +373,14 @@ def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
         raise ValueError(f"cost_threshold: must be positive, got {cost_threshold!r}")
     if not 0 < memory_target <= 1:
         raise ValueError(f"memory_target: must be in (0, 1], got {memory_target!r}")
+    if not op_flops >= 0:
+        raise ValueError(f"op_flops: must be >= 0, got {op_flops!r}")
     surviving, pruned = prune(graph, differentiate(graph), need_input_grad)
     keep = keep_set(graph, surviving)
     train = training_flops(graph, surviving)
     keep_set_bytes = sum(_bytes(graph, t, how) for t, how in _as_stored(graph, keep).items())
-    stored, remat = rematerialize(graph, keep, rematerialize_policy, cost_threshold, memory_target * keep_set_bytes)
+    stored, remat = rematerialize(graph, keep, rematerialize_policy, cost_threshold, memory_target * keep_set_bytes,
+                                  op_flops)
     readers: dict[str, list[str]] = {}
     for s in surviving:
         for rd in s.reads:
@@ -378,7 +396,7 @@ def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
                       for t in remat]
     keep_all = sum(_bytes(graph, t, "full") for t in graph.activations() if t != graph.output)
     rerun = {r.producer: r.flops for r in rematerialized}  # an op with several outputs runs once
-    return PruningPlan(graph.title, rematerialize_policy, cost_threshold, memory_target, train,
+    return PruningPlan(graph.title, rematerialize_policy, cost_threshold, memory_target, op_flops, train,
                        sum(rerun.values()), graph.element_size, kept,
                        rematerialized, surviving, pruned, sum(k.bytes for k in kept), keep_all, keep_set_bytes,
                        _bytes(graph, graph.output, "full"), num_layers, graph)
@@ -386,20 +404,20 @@ def plan_graph(graph: LayerGraph, rematerialize_policy: str = "cheap",
 
 def plan_layer(shape: LayerShape, peft_config: Any, rematerialize: str = "cheap",
                cost_threshold: float = DEFAULT_COST_THRESHOLD, need_input_grad: bool = True,
-               attention_backward: str = "flash", memory_target: float = DEFAULT_MEMORY_TARGET
-               ) -> PruningPlan:
+               attention_backward: str = "flash", memory_target: float = DEFAULT_MEMORY_TARGET,
+               op_flops: float = 0.0) -> PruningPlan:
     """The plan of one decoder layer (``num_layers`` = 1) with ``peft_config``'s bypasses.
 
     ``peft_config``: a ``LoraConfig`` / ``IA3Config``, or any object with their attributes
     (see ``build_layer_graph``). ``rematerialize``: "cheap" (default), "all" or "none".
     """
     return plan_graph(build_layer_graph(shape, peft_config, attention_backward), rematerialize, cost_threshold,
-                      need_input_grad, memory_target=memory_target)
+                      need_input_grad, memory_target=memory_target, op_flops=op_flops)
 
 
 def plan_model(shape: LayerShape, peft_config: Any, num_layers: int, rematerialize: str = "cheap",
                cost_threshold: float = DEFAULT_COST_THRESHOLD, attention_backward: str = "flash",
-               memory_target: float = DEFAULT_MEMORY_TARGET) -> PruningPlan:
+               memory_target: float = DEFAULT_MEMORY_TARGET, op_flops: float = 0.0) -> PruningPlan:
     """The plan every one of ``num_layers`` layers runs; ``model_*_bytes_per_token`` give the totals.
 
     Every layer keeps its input gradient (the executor runs one plan for all layers); layer 0
@@ -408,6 +426,6 @@ def plan_model(shape: LayerShape, peft_config: Any, num_layers: int, remateriali
     if not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
     plan = plan_layer(shape, peft_config, rematerialize, cost_threshold, attention_backward=attention_backward,
-                      memory_target=memory_target)
+                      memory_target=memory_target, op_flops=op_flops)
     plan.num_layers = num_layers
     return plan

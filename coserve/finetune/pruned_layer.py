@@ -32,16 +32,27 @@ from coserve.peft.trainable import LowRank
 BASE_KEEPS = ("q", "attn.o", "attn.lse", "resid", "gate", "up")
 
 
+# What the host's time to dispatch one operation is worth in FLOPs, by device type (the pruning plan charges it for
+# each operation a backward window's recomputation runs, ``RECOMPUTE_DISPATCHES``, spread over the window's tokens).
+# CPU: measured on a 2-core Xeon, where recomputing q, attention and the residual (34 dispatches) instead of the gate
+# projection (2) cost 0.29 ms more a window on a 24-layer `tiny` at 32 tokens, some 9 us a dispatch, at the 300
+# GFLOP/s its packed GEMMs reach. CUDA: an estimate, not a measurement (some 10 us a launch from Python at 50 TFLOP/s);
+# a GPU session should time it.
+DISPATCH_FLOPS = {"cpu": 2e6, "cuda": 5e8}
+
+
 def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
                   memory_target: float = DEFAULT_MEMORY_TARGET, max_tokens: int = 1024) -> PruningPlan:
     """The graph-pruning plan the executors run for ``model`` with ``peft_config``'s bypasses, for
-    sequences of up to ``max_tokens`` tokens (attention's recompute cost grows with them)."""
-    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size(), context_tokens=max(1, max_tokens // 2))
+    sequences of up to ``max_tokens`` tokens: attention's recompute FLOPs grow with them, and the host's time for
+    each operation a window's recomputation dispatches (``DISPATCH_FLOPS``) is spread over them."""
+    tokens = max(1, max_tokens)
+    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size(), context_tokens=max(1, tokens // 2))
     # Where attention's kept-output backward exists, the plan may keep the output; else the
     # executor recomputes attention from q, K and V in its backward.
     how = "flash" if kept_attention_supported(model.device) else "recompute"
     return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward=how,
-                      memory_target=memory_target)
+                      memory_target=memory_target, op_flops=DISPATCH_FLOPS.get(model.device.type, 0.0) / tokens)
 
 
 def planned_keeps(plan: PruningPlan) -> frozenset[str]:
