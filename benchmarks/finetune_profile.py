@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from coserve.bench.finetune import DEFAULT_ALPACA, packed_sequences
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.job import Example, FinetuneJob
+from coserve.finetune.pruned_layer import executor_plan, planned_keeps
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.model.loader import load_model
 from coserve.model.tokenizer import load_tokenizer
@@ -55,13 +56,17 @@ def main() -> None:
     cfg = FinetuneConfig(output_dir=tempfile.mkdtemp(prefix="coserve-profile-"), batch_size=1, lr=1e-4,
                          max_steps=len(examples), shuffle=False, max_grad_norm=0, lr_scheduler="constant")
     job = FinetuneJob(model, bypass, examples, cfg)
+    # the same job on the plan FLOPs alone would pick (no charge for the host's time per dispatched operation)
+    flops_job = FinetuneJob(model, bypass, examples, cfg)
+    flops_job.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, flops_job.longest_tokens,
+                                   dispatch_flops=0)
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def job_sequence() -> tuple[float, float]:
-        """One sequence through the job in whole windows: (forward s, backward s)."""
+    def job_sequence(job: FinetuneJob = job) -> tuple[float, float]:
+        """One sequence through ``job`` in whole windows: (forward s, backward s)."""
         done, seconds = job.step, {"forward": 0.0, "backward": 0.0}
         while job.step == done:
             kind = job.next_work()
@@ -89,14 +94,19 @@ def main() -> None:
 
     for _ in range(2):  # warm-up: allocator, kernels, autotuning
         job_sequence()
+        job_sequence(flops_job)
         autograd_sequence()
     print(f"{args.model} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"{args.dtype}, LoRA r=16 on {args.targets}, sequences of {args.seq_len} tokens, "
           f"{model.cfg.num_layers} layers, {torch.get_num_threads()} threads")
-    for label, run in (("job, whole windows", job_sequence), ("plain autograd", autograd_sequence)):
+    for j, label in ((job, "job"), (flops_job, "job, FLOPs-only plan")):
+        print(f"  {label}: keeps {', '.join(sorted(planned_keeps(j.plan)))}")
+    timed = (("job, whole windows", job_sequence), ("job, FLOPs-only plan", lambda: job_sequence(flops_job)),
+             ("plain autograd", autograd_sequence))
+    for label, run in timed:
         runs = [run() for _ in range(args.repeats)]
         fw, bw = (statistics.median(r[i] for r in runs) * 1e3 for i in (0, 1))
-        print(f"  {label:<20} forward {fw:8.2f} ms  backward {bw:8.2f} ms  "
+        print(f"  {label:<22} forward {fw:8.2f} ms  backward {bw:8.2f} ms  "
               f"({args.seq_len / ((fw + bw) / 1e3):,.0f} tokens/s)")
 
     if device.type == "cuda":  # where the job waits for the device: the Python lines of its synchronizing calls

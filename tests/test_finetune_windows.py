@@ -7,8 +7,6 @@ import random
 import pytest
 import torch
 
-from coserve.finetune.graph import LayerShape
-from coserve.finetune.graph_pruning import plan_model
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
 from coserve.finetune.pruned_layer import BASE_KEEPS, executor_plan, new_keeps, planned_keeps
@@ -54,12 +52,6 @@ def _windows(rng: random.Random, n: int) -> list[int]:
     return sizes
 
 
-def flops_plan(model, peft_config, max_tokens: int):
-    """The plan for ``max_tokens``-token sequences priced by FLOPs alone (no charge per dispatched operation)."""
-    shape = LayerShape.from_model_config(model.cfg, model.embed.element_size(), context_tokens=max_tokens // 2)
-    return plan_model(shape, peft_config, model.cfg.num_layers, "cheap")
-
-
 def _grads(bypass):
     return [p.grad.detach().clone() for p in bypass.parameters()]
 
@@ -99,7 +91,7 @@ def test_random_window_schedules_match_whole_sequence_autograd(model_factory, ar
         if remat.startswith("cheap"):
             longest = max(len(i) for i, _ in seqs)
             names = {"cheap": planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=longest)),
-                     "cheap:flops": planned_keeps(flops_plan(model, bypass.config, longest)), "cheap:none": (),
+                     "cheap:flops": planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=longest, dispatch_flops=0)), "cheap:none": (),
                      "cheap:every": BASE_KEEPS}[remat]
             state.keeps = new_keeps(model, len(ids), names)
         for size in _windows(rng, len(ids)):

@@ -42,17 +42,21 @@ DISPATCH_FLOPS = {"cpu": 2e6, "cuda": 5e8}
 
 
 def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
-                  memory_target: float = DEFAULT_MEMORY_TARGET, max_tokens: int = 1024) -> PruningPlan:
+                  memory_target: float = DEFAULT_MEMORY_TARGET, max_tokens: int = 1024,
+                  dispatch_flops: float | None = None) -> PruningPlan:
     """The graph-pruning plan the executors run for ``model`` with ``peft_config``'s bypasses, for
     sequences of up to ``max_tokens`` tokens: attention's recompute FLOPs grow with them, and the host's time for
-    each operation a window's recomputation dispatches (``DISPATCH_FLOPS``) is spread over them."""
+    each operation a window's recomputation dispatches (``dispatch_flops``; None: the device's ``DISPATCH_FLOPS``;
+    0 prices FLOPs alone) is spread over them."""
+    if dispatch_flops is None:
+        dispatch_flops = DISPATCH_FLOPS.get(model.device.type, 0.0)
     tokens = max(1, max_tokens)
     shape = LayerShape.from_model_config(model.cfg, model.embed.element_size(), context_tokens=max(1, tokens // 2))
     # Where attention's kept-output backward exists, the plan may keep the output; else the
     # executor recomputes attention from q, K and V in its backward.
     how = "flash" if kept_attention_supported(model.device) else "recompute"
     return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward=how,
-                      memory_target=memory_target, op_flops=DISPATCH_FLOPS.get(model.device.type, 0.0) / tokens)
+                      memory_target=memory_target, op_flops=dispatch_flops / tokens)
 
 
 def planned_keeps(plan: PruningPlan) -> frozenset[str]:
