@@ -652,7 +652,8 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_p
     job = alice.fine_tuning.jobs.create(
         model=BASE, training_file=f.id, validation_file=f.id, suffix="facts", seed=3,
         hyperparameters={"n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": 100},
-        extra_body={"coserve": {"target_modules": ["q_proj", "v_proj", "down_proj"], "r": 8, "eval_steps": 2}})
+        extra_body={"coserve": {"target_modules": ["q_proj", "v_proj", "down_proj"], "r": 8, "eval_steps": 2,
+                                "memory_target": 0.75}})
     assert job.status in ("queued", "running") and job.hyperparameters.n_epochs == 2
     served, errors = [], []
 
@@ -672,6 +673,8 @@ def test_fine_tune_while_chatting_then_serve_the_model(server, alice, bob, tmp_p
     events = alice.fine_tuning.jobs.list_events(job.id, limit=100).data
     steps = [e for e in events if e.type == "metrics"]
     assert len(steps) == 2 * len(CHAT_EXAMPLES) and events[0].message == "The job has successfully completed"
+    started = [e.message for e in events if e.message.startswith("Fine-tuning job started")]
+    assert len(started) == 1 and "(rematerialize cheap, memory target 0.75)" in started[0], started
     checkpoints = alice.fine_tuning.jobs.checkpoints.list(job.id).data
     assert [c.step_number for c in checkpoints][0] == 2 * len(CHAT_EXAMPLES) and len(checkpoints) >= 2
     # the validation file's loss after each epoch, in that step's event and checkpoint
@@ -786,6 +789,9 @@ def test_bad_job_requests(alice):
     cases = [({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
              ({"suffix": "../../etc"}, "suffix"),
              ({"extra_body": {"coserve": {"target_modules": ["nope"]}}}, "coserve.target_modules"),
+             ({"extra_body": {"coserve": {"memory_target": 1.5}}}, "coserve.memory_target"),
+             ({"extra_body": {"coserve": {"memory_target": 0}}}, "coserve.memory_target"),
+             ({"extra_body": {"coserve": {"rematerialize": "none"}}}, "coserve.rematerialize"),
              ({"method": {"type": "dpo"}}, "method.type")]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as e:

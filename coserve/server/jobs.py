@@ -24,7 +24,9 @@ from coserve.finetune.build import make_bypass
 from coserve.finetune.checkpoint import CheckpointSnapshot, write_checkpoint
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.dataset import load_dataset
+from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 from coserve.finetune.job import FinetuneJob, StepRecord
+from coserve.finetune.memory_budget import job_memory
 from coserve.peft import AdapterError
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
@@ -355,7 +357,9 @@ class JobManager:
                              lr_scheduler=opts["lr_scheduler"], warmup_steps=opts["warmup_steps"],
                              weight_decay=opts["weight_decay"], max_grad_norm=opts["max_grad_norm"],
                              max_seq_len=opts["max_seq_len"], seed=job["seed"],
-                             eval_steps=opts.get("eval_steps", 0))  # jobs stored before the option: none
+                             eval_steps=opts.get("eval_steps", 0),  # jobs stored before the option: none
+                             rematerialize=opts.get("rematerialize", "cheap"),
+                             memory_target=opts.get("memory_target", DEFAULT_MEMORY_TARGET))
         found = self.store.latest_checkpoint(job_id)
         if found is not None:
             resume = Path(found[1])
@@ -383,7 +387,10 @@ class JobManager:
         self.store.update_job(job_id, status="running",
                               coserve={**opts, "step": ft.step, "total_steps": ft.total_steps})
         how = f"resumed at step {ft.step}" if resume else "started"
-        self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps")
+        kept = job_memory(ft).activation_bytes / 2**20
+        self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps; a sequence "
+                                     f"keeps up to {kept:.1f} MiB between its forward and backward passes "
+                                     f"(rematerialize {cfg.rematerialize}, memory target {cfg.memory_target:g})")
 
     def _dataset(self, job: dict, param: str, max_seq_len: int):
         """The job's ``param`` file as examples and its load report; a ValueError naming the file and the

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
+
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 INT64 = (-2**63, 2**63 - 1)  # seeds: what a torch generator takes (the server adds the choice's index)
@@ -222,6 +224,10 @@ class CoserveOptions(Body):
     grad_accum: int = Field(1, ge=1)
     max_steps: int = Field(0, ge=0)
     eval_steps: int = Field(10, ge=0)  # with a validation_file: a validation batch every this many steps (0 = off)
+    # what a sequence keeps between its forward and backward passes, as ``coserve finetune`` takes them: more kept,
+    # less recomputed (faster, more memory)
+    rematerialize: Literal["cheap", "all"] = "cheap"
+    memory_target: float = Field(DEFAULT_MEMORY_TARGET, gt=0, le=1)
 
 
 class FineTuningJobRequest(Body):
