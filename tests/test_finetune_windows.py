@@ -90,9 +90,10 @@ def test_random_window_schedules_match_whole_sequence_autograd(model_factory, ar
         state.dropout_seed = n
         if remat.startswith("cheap"):
             longest = max(len(i) for i, _ in seqs)
-            names = {"cheap": planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=longest)),
-                     "cheap:flops": planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=longest, dispatch_flops=0)), "cheap:none": (),
-                     "cheap:every": BASE_KEEPS}[remat]
+            charge = {"cheap": None, "cheap:flops": 0}  # per dispatched operation: the device's, or none
+            names = (planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=longest,
+                                                 dispatch_flops=charge[remat]))
+                     if remat in charge else {"cheap:none": (), "cheap:every": BASE_KEEPS}[remat])
             state.keeps = new_keeps(model, len(ids), names)
         for size in _windows(rng, len(ids)):
             loss += forward_window(model, bypass, state, size, 1.0 / total)

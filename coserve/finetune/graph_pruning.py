@@ -27,9 +27,10 @@ Pure Python over ``coserve.finetune.graph``. Steps:
    the one keeping the fewest bytes). Its cost is its FLOPs plus ``op_flops`` for each operation the
    executor dispatches to recompute it (``RECOMPUTE_DISPATCHES``): what the host's time to launch one
    is worth in FLOPs, per token (the executors pass the device's charge per window divided by the
-   sequence's tokens; 0 prices FLOPs alone). Attention's FLOPs grow with the context (``LayerShape.context_tokens``), so long
-   sequences recompute projections and keep attention's output; short ones recompute attention
-   where FLOPs decide, but a projection (fewer ops) where launching ops is what costs.
+   sequence's tokens; 0 prices FLOPs alone). Attention's FLOPs grow with the context
+   (``LayerShape.context_tokens``), so long sequences recompute projections and keep attention's
+   output; short ones recompute attention where FLOPs decide, but a projection (fewer operations)
+   where launching them is what costs.
    ``all`` stores only the input and K/V and recomputes the rest (what
    ``coserve.finetune.token_windows`` does); ``none`` stores the whole keep set.
 5. Bitmask compression: a stored tensor that every surviving reader needs only the sign of
@@ -208,8 +209,8 @@ def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_th
 def _meet_target(graph: LayerGraph, stored: dict[str, str], remat: list[str], target: float,
                  op_flops: float = 0.0) -> list[str]:
     """Pass (b): recompute the subset of ``graph.projections`` costing least (its FLOPs plus ``op_flops``
-    for each operation its recomputation dispatches) that brings the stored bytes to ``target`` (or, when no subset does, the
-    one storing the fewest bytes).
+    for each operation its recomputation dispatches) that brings the stored bytes to ``target`` (or,
+    when no subset does, the one storing the fewest bytes).
 
     Returns the tensors added to the rematerialised set (the chosen tensors, the intermediates of
     their chains, and their producers' other stored outputs: recomputing attention's output

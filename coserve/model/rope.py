@@ -44,7 +44,7 @@ class RotaryEmbedding:
         # (a sign moved between factors is exact)
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device=device, dtype=dtype)
         self.max_positions = max_positions
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin_signed)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
