@@ -268,3 +268,19 @@ def test_a_pooled_sweep_report_averages_repeated_runs_of_each_policy_and_rate(tm
     out = capsys.readouterr().out
     assert "| 2 | 100% / 95% | 120 (2 runs: 100-140) | - (none holds) | 1.41x (dts) | - |" in out  # 120 / mean(80, 90)
     assert "| coserve | 2 | 95.0% | 30 | 10.0 | 120 | 50% | 2 | 100-140 |" in out
+
+
+def test_every_policys_job_takes_the_memory_target_and_a_bad_one_is_refused(model_factory, tmp_path, capsys):
+    from coserve.bench.serving_run import _make_job
+    from coserve.cli import main
+    from coserve.model.loader import load_model
+    model = model_factory("llama")
+    data = str(_alpaca(tmp_path / "a.json"))
+    m = load_model(model, torch.float32, torch.device("cpu"))
+    job = _make_job(m, load_tokenizer(model), FinetuneSpec(data, max_seq_len=64, memory_target=0.8), str(tmp_path / "j"))
+    assert job.cfg.memory_target == 0.8 and job.plan.memory_target == 0.8
+    default = _make_job(m, load_tokenizer(model), FinetuneSpec(data, max_seq_len=64), str(tmp_path / "k"))
+    assert default.plan.memory_target == 0.5
+    assert main(["bench", "--model", str(model), "--policy", "coserve", "--rate", "1", "--finetune-data", data,
+                 "--finetune-memory-target", "1.5"]) == 2
+    assert "--finetune-memory-target: must be in (0, 1], got 1.5" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from coserve.bench.serving_run import BENCH_POLICIES, FinetuneSpec, RunSpec, run
 from coserve.bench.serving_workload import serving_workload
 from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
+from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 
 
 def add_arguments(p) -> None:
@@ -41,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", default=None, help="ShareGPT-trace JSON: prompt texts and lengths")
     p.add_argument("--finetune-data", default=None, help="dataset for the finetuning job (none: inference only)")
     p.add_argument("--finetune-seq-len", type=int, default=1024)
+    p.add_argument("--finetune-memory-target", type=float, default=DEFAULT_MEMORY_TARGET,
+                   help="the job's --memory-target, in every policy (more kept between a sequence's passes, less "
+                        "recomputed: faster, more memory)")
     add_slo_arguments(p, prefix="coserve: ")
     p.add_argument("--cut-for-arrivals", action=argparse.BooleanOptionalAction, default=True,
                    help="a request arriving during an iteration cuts its finetuning slice short, as in the "
@@ -128,8 +132,10 @@ def run(args) -> int:
     cfg = ModelConfig.from_dir(args.model)
     max_len = args.max_model_len or cfg.max_position_embeddings
     tokenizer = load_tokenizer(Path(args.model))
-    finetune = (FinetuneSpec(args.finetune_data, args.finetune_seq_len, seed=args.seed)
-                if args.finetune_data else None)
+    if not 0 < args.finetune_memory_target <= 1:
+        raise ValueError(f"--finetune-memory-target: must be in (0, 1], got {args.finetune_memory_target}")
+    finetune = (FinetuneSpec(args.finetune_data, args.finetune_seq_len, seed=args.seed,
+                             memory_target=args.finetune_memory_target) if args.finetune_data else None)
     workloads = {rate: serving_workload(tokenizer, max_len, rate, args.duration,
                                         burstiness=args.burstiness if args.arrival == "gamma" else 1.0,
                                         trace=Path(args.trace) if args.trace else None,

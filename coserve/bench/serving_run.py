@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from coserve.bench.metrics import RequestRecord, idle_fraction, summarize
 from coserve.bench.serving_workload import BenchRequest
 from coserve.bench.spawned import run_spawned
+from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 from coserve.scheduler.config import DEFAULT_LOAD_RESERVE_S, DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
 from coserve.scheduler.finetune_work import BACKWARD, FORWARD
 
@@ -39,6 +40,7 @@ class FinetuneSpec:
     lora_r: int = 16
     target_modules: tuple[str, ...] = ("down_proj",)
     seed: int = 0
+    memory_target: float = DEFAULT_MEMORY_TARGET  # what a sequence keeps between its passes (FinetuneConfig's)
 
 
 @dataclass(slots=True)
@@ -96,7 +98,8 @@ def _make_job(model, tokenizer, spec: FinetuneSpec, out_dir: str):
     from coserve.finetune.job import FinetuneJob
     from coserve.peft.config import LoraConfig
 
-    cfg = FinetuneConfig(output_dir=out_dir, epochs=1000, max_seq_len=spec.max_seq_len, seed=spec.seed)
+    cfg = FinetuneConfig(output_dir=out_dir, epochs=1000, max_seq_len=spec.max_seq_len, seed=spec.seed,
+                         memory_target=spec.memory_target)
     examples, _ = load_dataset(spec.data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
     bypass = make_bypass(LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_r, target_modules=list(spec.target_modules)),
                          model, spec.seed)
