@@ -93,6 +93,7 @@ def test_a_short_run_serves_every_request_and_trains(model_factory, tmp_path, po
                    ttft_limit_s=60.0, drain_s=30.0, max_model_len=128, progress=False, cut_for_arrivals=cut)
     row = run_one(spec)
     assert row["cut_for_arrivals"] is cut and row["cut_iterations"] == sum(it["cut"] for it in row["iterations"])
+    assert row["finetune_memory_target"] == 0.5  # the job's (FinetuneSpec's default)
     if not cut:  # nothing watches arrivals: no iteration is cut
         assert row["cut_iterations"] == 0
     assert row["policy"] == policy and row["num_requests"] == len(w.requests) > 0

@@ -305,6 +305,7 @@ def run_one(spec: RunSpec) -> dict:
         "finetune_burst_ms": engine.finetune_burst_ms if engine_policy == "coserve" else None,
         "first_token_slice_ms": engine.first_token_slice_ms if engine_policy == "coserve" else None,  # None: no cap
         "cut_for_arrivals": spec.cut_for_arrivals,
+        "finetune_memory_target": spec.finetune.memory_target if spec.finetune is not None else None,
         "cut_iterations": sum(1 for it in iterations if it["cut"]),
         "batch_invariant": engine.batch_invariant, "fused_finetuning": engine.executor.fuse_finetuning,
         "gemm_tile_rows": engine.model.gemm_tile_rows, "cuda_graphs": engine.executor.graphs is not None,
