@@ -201,3 +201,48 @@ def test_the_first_layer_stops_at_its_lowest_bypass(model_factory, peft, remat):
     for g, r in zip(_grads(bypass), ref):
         assert r.abs().max() > 0
         assert float((g - r).norm() / r.norm()) <= 1e-5
+
+
+def test_the_backward_reads_the_norms_statistics_the_forward_kept(model_factory):
+    """The plan stores each norm's per-row statistic: the forward windows write the very values that
+    ``rms_norm_stats`` gives for the layer's input, and the backward windows dispatch no reduction for them
+    (no ``rsqrt``), with gradients still those of one whole-sequence autograd backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from coserve.model.norm_grad import rms_norm_stats
+
+    class Rsqrts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket is torch.ops.aten.rsqrt
+            return func(*args, **(kwargs or {}))
+
+    model = load_model(model_factory("llama"), torch.float32, torch.device("cpu"))
+    bypass = _bypass("lora-mlp", model, 9)
+    rng = random.Random(9)
+    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(23)]
+    targets = ids[1:] + [IGNORE_INDEX]
+    bypass.zero_grad()
+    (whole_sequence_loss(model, bypass, ids, targets) / 22).backward()
+    ref = _grads(bypass)
+    bypass.zero_grad()
+    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
+                               model.cfg.head_dim, model.device, model.dtype)
+    names = planned_keeps(executor_plan(model, bypass.config, "cheap"))
+    assert {"rms_attn", "rms_mlp"} <= names
+    state.keeps = new_keeps(model, len(ids), names)
+    for size in _windows(rng, len(ids)):
+        forward_window(model, bypass, state, size, 1.0 / 22)
+    for layer, keep in enumerate(state.keeps):
+        assert keep.base["rms_attn"].dtype == torch.float32
+        assert torch.equal(keep.base["rms_attn"], rms_norm_stats(state.layer_inputs[layer], model.cfg.rms_norm_eps)[1])
+    rsqrts = Rsqrts()
+    with rsqrts:
+        while not state.finished:
+            backward_window(model, bypass, state, rng.choice(_windows(rng, len(ids))))
+    assert rsqrts.count == 0
+    for g, r in zip(_grads(bypass), ref):
+        assert float((g - r).norm() / r.norm()) <= 1e-5

@@ -48,12 +48,16 @@ def test_lora_down_proj_keeps_what_its_gradients_read():
     assert not FROZEN_ONLY & set(keep)
     assert {s.wrt for s in plan.pruned} == {f"{m}.W" for m in TARGET_MODULES} | {"attn_norm.w", "mlp_norm.w"}
     cheap = plan_layer(SHAPE, LoraConfig(r=16, target_modules=["down_proj"]), memory_target=1.0)
-    # The down_proj input is cheap to recompute from gate and up (SiLU, multiply); the norms' rms too.
-    assert remat(cheap) == {"mlp_in", "act", "rms_attn", "rms_mlp"}
-    assert set(stored(cheap)) == {"x", "q", "k", "v", "attn.o", "attn.lse", "resid", "gate", "up",
-                                  "down_proj.lora_a"}
+    # The down_proj input is cheap to recompute from gate and up (SiLU, multiply). The norms' per-row statistics are
+    # not: each is a reduction over its row for one float32 a token, so it is stored.
+    assert remat(cheap) == {"mlp_in", "act"}
+    half = plan_layer(dataclasses.replace(SHAPE, element_size=2), LoraConfig(r=16, target_modules=["down_proj"]))
+    for plan in (cheap, half):  # float32 in every dtype, as the executors compute them
+        assert {k.name: k.bytes for k in plan.kept if k.name.startswith("rms")} == {"rms_attn": 4, "rms_mlp": 4}
+    assert set(stored(cheap)) == {"x", "rms_attn", "q", "k", "v", "attn.o", "attn.lse", "resid", "rms_mlp", "gate",
+                                  "up", "down_proj.lora_a"}
     assert not FROZEN_ONLY & (set(stored(cheap)) | remat(cheap))
-    assert cheap.kept_bytes_per_token == 4 * (512 + 512 + 128 + 128 + 512 + 8 + 512 + 1408 + 1408 + 16)
+    assert cheap.kept_bytes_per_token == 4 * (512 + 1 + 512 + 128 + 128 + 512 + 8 + 512 + 1 + 1408 + 1408 + 16)
 
 
 def test_lora_all_linear_modules():
@@ -94,7 +98,7 @@ def test_byte_ordering_and_model_totals():
     assert model.model_kept_bytes_per_token == 6 * cheap.kept_bytes_per_token + 512 * 4
     assert model.model_keep_all_bytes_per_token == 6 * cheap.keep_all_bytes_per_token + 512 * 4
     text = model.describe()
-    assert "mlp_in" in text and "20,576" in text and "6 layer(s)" in text
+    assert "mlp_in" in text and "20,584" in text and "6 layer(s)" in text
 
 
 def test_memory_target_recomputes_what_costs_fewest_flops():
@@ -105,14 +109,15 @@ def test_memory_target_recomputes_what_costs_fewest_flops():
     plan = plan_layer(SHAPE, down)
     assert plan.keep_set_bytes_per_token == plan_layer(SHAPE, down, rematerialize="none").kept_bytes_per_token
     assert plan.keep_set_bytes_per_token == 31848
-    assert set(stored(plan)) == {"x", "k", "v", "q", "attn.o", "attn.lse", "resid", "up", "down_proj.lora_a"}
+    assert set(stored(plan)) == {"x", "rms_attn", "k", "v", "q", "attn.o", "attn.lse", "resid", "rms_mlp", "up",
+                                 "down_proj.lora_a"}
     assert "gate" in remat(plan)
     assert plan.kept_bytes_per_token <= 0.5 * plan.keep_set_bytes_per_token
-    assert plan.kept_bytes_per_token == 4 * (512 + 128 + 128 + 512 + 512 + 8 + 512 + 1408 + 16)
+    assert plan.kept_bytes_per_token == 4 * (512 + 1 + 128 + 128 + 512 + 512 + 8 + 512 + 1 + 1408 + 16)
     assert "50% of the pruned keep set" in plan.describe()
     # Short sequences make attention cheap: then recomputing q, attention and the residual wins.
     short = plan_layer(dataclasses.replace(SHAPE, context_tokens=32), down)
-    assert set(stored(short)) == {"x", "k", "v", "gate", "up", "down_proj.lora_a"}
+    assert set(stored(short)) == {"x", "rms_attn", "k", "v", "rms_mlp", "gate", "up", "down_proj.lora_a"}
     assert {"q", "attn.o", "resid"} <= remat(short)
     # LoRA on every linear module: q and the residual (1.05 MFLOPs) bring it under the target.
     every = plan_layer(SHAPE, LoraConfig(r=16, target_modules=list(TARGET_MODULES)))

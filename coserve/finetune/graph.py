@@ -20,7 +20,8 @@ ReLU 1 per element; RMSNorm 4 per element (square, sum, scale, weight); RoPE 3 p
 (two multiplies, one add); attention ``4*q_size*context`` (QK^T and PV over
 ``LayerShape.context_tokens`` keys) plus 5 per score for the softmax. ``Op.flops_per_element``
 divides by the elements the op writes per token: the recompute time per byte it saves,
-which is what the rematerialisation threshold compares.
+which is what the rematerialisation threshold compares. A norm's per-row statistic alone
+costs a square and a sum per input element for its one element (``Op.recompute_flops_per_element``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ class Op:
     def flops_per_element(self) -> float:
         """Recompute FLOPs per element it writes (the rematerialisation cost)."""
         return self.flops / max(self.output_elements, 1)
+
+    def recompute_flops_per_element(self, tensor: str, input_elements: int) -> float:
+        """What recomputing ``tensor`` (one of ``outputs``) costs per element it holds: the op's average, except
+        for a norm's per-row statistic, a reduction over the ``input_elements`` of its row (a square and a sum
+        each) for one element, so that keeping it (4 bytes a token) spares the backward that reduction."""
+        if self.kind is OpKind.NORM and tensor != self.outputs[0]:
+            return 2.0 * input_elements
+        return self.flops_per_element
 
 
 @dataclass(slots=True)
@@ -162,9 +171,13 @@ class GraphBuilder:
         return self.op(name, kind, inputs, ((out, n),), FLOPS_PER_ELEMENT[fn] * n, fn)
 
     def norm(self, name: str, x: str, out: str, rms: str) -> str:
+        """RMSNorm: ``out`` and the per-row statistic ``rms`` (``rsqrt(mean(x^2) + eps)``, float32 whatever the
+        graph's element size, as the executors compute it)."""
         n = self.tensors[x].elements
-        return self.op(name, OpKind.NORM, (x, self.weight(f"{name}.w")), ((out, n), (rms, 1)),
-                       FLOPS_PER_ELEMENT["norm"] * n)
+        first = self.op(name, OpKind.NORM, (x, self.weight(f"{name}.w")), ((out, n), (rms, 1)),
+                        FLOPS_PER_ELEMENT["norm"] * n)
+        self.set_element_size(rms, 4)
+        return first
 
     def build(self, input: str, output: str, always_kept: tuple[str, ...], required_grads: tuple[str, ...],
               title: str = "", projections: tuple[str, ...] = ()) -> LayerGraph:

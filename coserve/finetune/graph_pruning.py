@@ -15,10 +15,11 @@ Pure Python over ``coserve.finetune.graph``. Steps:
    since earlier windows run those same steps.
 3. The activations read by the surviving steps form the keep set; the layer input and
    the K/V cache are always stored.
-4. Rematerialisation (policy ``cheap``), in two passes. (a) A kept tensor whose producer
-   costs under ``cost_threshold`` FLOPs per output element and whose producer's activation
-   inputs are all in the keep set (stored, or themselves rematerialised: they are recomputed
-   first) is recomputed in the backward pass instead of stored. (b) Then, if the layer still
+4. Rematerialisation (policy ``cheap``), in two passes. (a) A kept tensor whose recomputation
+   costs under ``cost_threshold`` FLOPs per element it holds (``Op.recompute_flops_per_element``:
+   a norm's output is cheap, its per-row statistic a reduction over the row, so it stays stored)
+   and whose producer's activation inputs are all in the keep set (stored, or themselves
+   rematerialised: they are recomputed first) is recomputed in the backward pass instead of stored. (b) Then, if the layer still
    keeps more than ``memory_target`` times the bytes of the pruned keep set (what step 3 stores,
    i.e. what a pruned autograd would save), the costly tensors (``LayerGraph.projections``: rotated
    q, attention's output with its log-sum-exp, the residual after attention, gate, up) are
@@ -53,10 +54,10 @@ DEFAULT_COST_THRESHOLD = 8.0  # FLOPs per output element: elementwise, norms, Ro
 # post-attention residual for LoRA on every linear module).
 DEFAULT_MEMORY_TARGET = 0.5
 # The operations the pruned executor (``coserve.finetune.pruned_layer``) dispatches to recompute one op of each kind
-# in a backward window: a norm's six, the projection and its reshape, the rotation's four; attention recomputed from
-# q, K and V runs its forward under autograd and its backward through autograd (some 25 operations, where its kept
-# output's backward takes one call).
-RECOMPUTE_DISPATCHES = {OpKind.MATMUL_FROZEN: 2, OpKind.MATMUL_TRAINABLE: 2, OpKind.ELEMENTWISE: 1, OpKind.NORM: 6,
+# in a backward window: a norm's two (its statistic is kept: the scale and the weight), the projection and its
+# reshape, the rotation's four; attention recomputed from q, K and V runs its forward under autograd and its backward
+# through autograd (some 25 operations, where its kept output's backward takes one call).
+RECOMPUTE_DISPATCHES = {OpKind.MATMUL_FROZEN: 2, OpKind.MATMUL_TRAINABLE: 2, OpKind.ELEMENTWISE: 1, OpKind.NORM: 2,
                         OpKind.ROPE: 4, OpKind.ATTENTION: 25, OpKind.ADD: 1, OpKind.ACTIVATION: 1}
 
 
@@ -187,7 +188,8 @@ def rematerialize(graph: LayerGraph, keep: dict[str, bool], policy: str, cost_th
         changed = False
         for t in order:
             op = graph.producer(t)
-            if t not in stored or t in graph.always_kept or op.flops_per_element >= cost_threshold:
+            if (t not in stored or t in graph.always_kept
+                    or op.recompute_flops_per_element(t, graph.tensors[op.inputs[0]].elements) >= cost_threshold):
                 continue
             inputs = [i for i in op.inputs if graph.tensors[i].kind is TensorKind.ACTIVATION]
             if not all(i in stored or i in remat or i == graph.input for i in inputs):

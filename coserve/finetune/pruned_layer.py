@@ -28,8 +28,10 @@ from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, byp
 from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
 from coserve.peft.trainable import LowRank
 
-# The base layer's tensors a plan may store or recompute (attention's two outputs go together).
-BASE_KEEPS = ("q", "attn.o", "attn.lse", "resid", "gate", "up")
+# The base layer's tensors a plan may store or recompute (attention's two outputs go together); the norms' per-row
+# statistics (rsqrt(mean(x^2) + eps), float32) by their graph names.
+BASE_KEEPS = ("rms_attn", "q", "attn.o", "attn.lse", "resid", "rms_mlp", "gate", "up")
+_FLOAT32_KEEPS = ("rms_attn", "attn.lse", "rms_mlp")
 
 
 # What the host's time to dispatch one operation is worth in FLOPs, by device type (the pruning plan charges it for
@@ -69,14 +71,14 @@ class LayerKeep:
     """One layer's kept tensors for one sequence, ``[N, ...]``, filled by forward windows."""
 
     num_tokens: int
-    base: dict[str, torch.Tensor]  # stored BASE_KEEPS by name: q [N, Hq, D], attn.o [N, Hq*D],
-    #   attn.lse [N, Hq] float32, resid [N, H], gate/up [N, I]
+    base: dict[str, torch.Tensor]  # stored BASE_KEEPS by name: rms_attn/rms_mlp [N, 1] float32, q [N, Hq, D],
+    #   attn.o [N, Hq*D], attn.lse [N, Hq] float32, resid [N, H], gate/up [N, I]
     bypass: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> [N, r] or [N, out]
 
     def get(self, name: str, a: int, b: int) -> torch.Tensor | None:
         """Rows ``a:b`` of a stored base tensor, or None when the plan recomputes it."""
         t = self.base.get(name)
-        return None if t is None else t[a:b]
+        return t if t is None or (a == 0 and b == self.num_tokens) else t[a:b]  # whole: no slice to dispatch
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.base.values(), *self.bypass.values()]
@@ -85,8 +87,9 @@ class LayerKeep:
 def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[str, ...] = BASE_KEEPS) -> LayerKeep:
     """Room for one layer's ``names`` (a subset of BASE_KEEPS) over ``n`` tokens."""
     c = model.cfg
-    shapes = {"q": (n, c.num_heads, c.head_dim), "attn.o": (n, c.q_size), "attn.lse": (n, c.num_heads),
-              "resid": (n, c.hidden_size), "gate": (n, c.intermediate_size), "up": (n, c.intermediate_size)}
+    shapes = {"rms_attn": (n, 1), "q": (n, c.num_heads, c.head_dim), "attn.o": (n, c.q_size),
+              "attn.lse": (n, c.num_heads), "resid": (n, c.hidden_size), "rms_mlp": (n, 1),
+              "gate": (n, c.intermediate_size), "up": (n, c.intermediate_size)}
     unknown = set(names) - set(shapes)
     if unknown:
         raise ValueError(f"new_layer_keep: unknown tensors {sorted(unknown)}; choose from {', '.join(BASE_KEEPS)}")
@@ -95,7 +98,7 @@ def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[st
     if "attn.o" in names and not kept_attention_supported(model.device):
         raise ValueError(f"new_layer_keep: no kept-output attention backward on {model.device.type}")
     return LayerKeep(n, {k: torch.empty(shapes[k], device=model.device,
-                                        dtype=torch.float32 if k == "attn.lse" else model.dtype)
+                                        dtype=torch.float32 if k in _FLOAT32_KEEPS else model.dtype)
                          for k in BASE_KEEPS if k in names})
 
 
@@ -130,13 +133,16 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
 
     def tap(name: str, value: torch.Tensor) -> None:
         if name in BASE_KEEPS:
-            if name in keep.base:
-                keep.base[name][a:b] = value[first_row:last_row]
-            return
-        if name not in keep.bypass:  # a bypass's own kept tensor, allocated on first sight
-            keep.bypass[name] = torch.empty(keep.num_tokens, value.shape[1], device=value.device,
-                                            dtype=value.dtype)
-        keep.bypass[name][a:b] = value[first_row:last_row]
+            store = keep.base.get(name)
+            if store is None:
+                return
+        else:
+            store = keep.bypass.get(name)
+            if store is None:  # a bypass's own kept tensor, allocated on first sight
+                store = keep.bypass[name] = torch.empty(keep.num_tokens, value.shape[1], device=value.device,
+                                                        dtype=value.dtype)
+        # every row seen is kept in a window of its own (no slice to dispatch); a fused forward's are a part
+        store[a:b] = value if first_row == 0 and last_row == value.shape[0] else value[first_row:last_row]
 
     return tap
 
@@ -166,9 +172,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         return None
     eps = cfg.rms_norm_eps
     q = keep.get("q", a, b)
-    h1 = stats1 = None  # the input norm and its statistics, where recomputed (its backward reads them too)
+    rstd1, stats1 = keep.get("rms_attn", a, b), None  # the input norm's statistic, kept or recomputed
+    h1 = None  # the input norm, where recomputed (its backward reads the statistics too)
     if q is None or _touches(bypass, "q_proj", "k_proj", "v_proj"):
-        stats1 = rms_norm_stats(x, eps)
+        stats1 = _norm_stats(x, rstd1, eps)
         h1 = rms_norm(x, layer.input_norm, eps, stats1)
     if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
         bias = layer.qkv_bias[:cfg.q_size] if layer.qkv_bias is not None else None
@@ -187,9 +194,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         with torch.no_grad():
             resid = x + bypassed_linear(bypass, None, i, "o_proj", o, layer.o, model.linear)
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
-    h2 = stats2 = None
+    rstd2, stats2 = keep.get("rms_mlp", a, b), None
+    h2 = None
     if gate is None or up is None or _touches(bypass, "gate_proj", "up_proj"):
-        stats2 = rms_norm_stats(resid, eps)
+        stats2 = _norm_stats(resid, rstd2, eps)
         h2 = rms_norm(resid, layer.post_norm, eps, stats2)
     inter = cfg.intermediate_size
     with torch.no_grad():
@@ -212,7 +220,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if last == 2:
         return None
     dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u)
-    dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2)
+    dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps))
     dattn = _module_backward(model, bypass, keep, i, "o_proj", o, layer.o, dresid, a, b, need_dx=last > 3)
     if last == 3:
         return None
@@ -239,7 +247,12 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if not need_input_grad:
         return None
     dh1 = _plus(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v)
-    return dresid + rms_norm_backward(dh1, x, layer.input_norm_f32, eps, stats1)
+    return dresid + rms_norm_backward(dh1, x, layer.input_norm_f32, eps, stats1 or _norm_stats(x, rstd1, eps))
+
+
+def _norm_stats(x: torch.Tensor, rstd: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm's statistics over rows ``x``: the forward's kept ``rstd`` where the plan stores it, else recomputed."""
+    return rms_norm_stats(x, eps) if rstd is None else (x.float(), rstd)
 
 
 def _lowest_stage(bypass) -> int:

@@ -200,14 +200,17 @@ class DecoderModel:
 
         Inference passes paged attention as ``attend``; finetuning passes attention over a
         window's cached prefix, and a ``tap`` that stores what its backward will read
-        (``q`` rotated, ``resid`` after attention, ``gate``, ``up``, and each bypassed
-        module's own kept tensor under the module's name). One definition serves both. ``split``: a fused
+        (the two norms' statistics ``rms_attn`` and ``rms_mlp``, ``q`` rotated, ``resid`` after attention,
+        ``gate``, ``up``, and each bypassed module's own kept tensor under the module's name). One definition serves both. ``split``: a fused
         forward's inference rows with their padding (``linear``).
         """
         cfg, i = self.cfg, layer.index
         linear = functools.partial(self.linear, split=split)
         t = x.shape[0]
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        stats = rms_norm_stats(x, cfg.rms_norm_eps)
+        if tap is not None:
+            tap("rms_attn", stats[1])
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps, stats)
         qkv = linear(h, layer.qkv, layer.qkv_bias)
         q0, k0, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = bypass_output(bypass, tap, i, "q_proj", h, q0)
@@ -225,7 +228,10 @@ class DecoderModel:
         x = x + bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, linear)
         if tap is not None:
             tap("resid", x)
-        h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+        stats = rms_norm_stats(x, cfg.rms_norm_eps)
+        if tap is not None:
+            tap("rms_mlp", stats[1])
+        h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps, stats)
         gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate)
         up = bypass_output(bypass, tap, i, "up_proj", h, up)
