@@ -15,26 +15,11 @@ From the repository root; where coserve is not installed (a lent GPU's image), w
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from coserve.finetune.pruned_layer import DISPATCH_FLOPS
-
-
-def seconds(fn, sync, repeats: int = 15) -> float:
-    """The median over ``repeats`` of ``fn()``'s wall time, the device synchronized around each."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from timing import median_seconds
 
 
 def main() -> None:
@@ -61,11 +46,11 @@ def main() -> None:
             y = y * 1.0
         return y
 
-    per_op = seconds(chain, sync) / args.ops
+    per_op = median_seconds(chain, sync) / args.ops
     x = torch.randn(args.rows, args.hidden, device=device, dtype=dtype, generator=g)
     w = torch.randn(args.intermediate, args.hidden, device=device, dtype=dtype, generator=g)
     matmuls = 20
-    gemm = seconds(lambda: [torch.nn.functional.linear(x, w) for _ in range(matmuls)], sync) / matmuls
+    gemm = median_seconds(lambda: [torch.nn.functional.linear(x, w) for _ in range(matmuls)], sync) / matmuls
     rate = 2 * args.rows * args.hidden * args.intermediate / gemm
     print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {args.dtype}, "
           f"{torch.get_num_threads()} threads")

@@ -13,25 +13,12 @@ vocabulary, the worst case for top-p).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from coserve.model.sampling import SamplingRow, sample
-
-
-def _median_ms(fn, repeats: int, sync) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+from timing import median_seconds
 
 
 def _logits(rows: int, vocab: int, zipf: float) -> torch.Tensor:
@@ -71,8 +58,8 @@ def main() -> None:
             torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1).tolist()
 
         settings = [SamplingRow(args.temperature, -1, top_p, None) for _ in range(rows)]
-        ours = _median_ms(lambda: sample(logits, settings, generator), args.repeats, sync)
-        theirs = _median_ms(hf, args.repeats, sync)
+        ours = median_seconds(lambda: sample(logits, settings, generator), sync, args.repeats) * 1e3
+        theirs = median_seconds(hf, sync, args.repeats) * 1e3
         shape = f"zipf {zipf:g}" if zipf else "normal x3"
         print(f"| {shape} | {rows} | {vocab:,} | {top_p:g} | {theirs:.2f} ms | {ours:.2f} ms | {theirs / ours:.1f}x |")
 
