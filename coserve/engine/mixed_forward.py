@@ -66,9 +66,7 @@ class RowSplitBypass:
             bottom, kept = ft.output_keep(layer, module, x[s:e], y[s:e])
         else:
             bottom = ft.output(layer, module, x[s:e], y[s:e])
-        if kept is not None:  # the tap slices rows [split:end]; pad the inference rows' part
-            kept = torch.cat([kept.new_zeros(s, *kept.shape[1:]), kept])
-        return torch.cat([top, bottom, y[e:]]), kept
+        return torch.cat([top, bottom, y[e:]]), kept  # kept: the finetuning rows' only, as the tap stores it
 
 
 @torch.inference_mode(False)  # the finetuning rows' kept tensors must stay usable by autograd later

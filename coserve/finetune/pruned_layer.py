@@ -127,8 +127,9 @@ def window_attend(keep: LayerKeep | None, a: int, b: int, q: torch.Tensor, k: to
 
 
 def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
-    """A ``layer_forward`` tap storing rows ``first_row:first_row + b - a`` of what it sees (rows past them are
-    padding) into ``keep``'s rows ``a:b``."""
+    """A ``layer_forward`` tap storing into ``keep``'s rows ``a:b`` the base tensors' rows ``first_row:first_row
+    + b - a`` (a fused forward's inference rows come first, padding after) and a bypass's kept tensor as it comes:
+    the bypass trains the window's rows only (``Bypass.output_keep``)."""
     last_row = first_row + b - a
 
     def tap(name: str, value: torch.Tensor) -> None:
@@ -136,13 +137,14 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
             store = keep.base.get(name)
             if store is None:
                 return
+            if first_row or last_row != value.shape[0]:  # else every row is the window's: no slice to dispatch
+                value = value[first_row:last_row]
         else:
             store = keep.bypass.get(name)
             if store is None:  # a bypass's own kept tensor, allocated on first sight
                 store = keep.bypass[name] = torch.empty(keep.num_tokens, value.shape[1], device=value.device,
                                                         dtype=value.dtype)
-        # every row seen is kept in a window of its own (no slice to dispatch); a fused forward's are a part
-        store[a:b] = value if first_row == 0 and last_row == value.shape[0] else value[first_row:last_row]
+        store[a:b] = value
 
     return tap
 

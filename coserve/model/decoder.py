@@ -43,7 +43,8 @@ class Bypass(Protocol):
 
     def output_keep(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``output`` plus the tensor its backward will read (only called when a tap is given)."""
+        """``output`` plus the tensor its backward will read, over the rows it trains (only called when a tap is
+        given: every row of ``x`` for a trainable bypass; a co-served forward's finetuning rows, ``RowSplitBypass``)."""
         ...
 
 
