@@ -154,6 +154,7 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
 _STAGES = (("down_proj",), ("gate_proj", "up_proj"), ("o_proj",), ("q_proj", "k_proj", "v_proj"))
 
 
+@torch.no_grad()  # by hand: autograd records nothing (attention recomputed without its kept output turns it back on)
 def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: LayerKeep, x: torch.Tensor,
                    dout: torch.Tensor, positions: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                    dk_acc: torch.Tensor, dv_acc: torch.Tensor, a: int, b: int, need_input_grad: bool = True
@@ -181,8 +182,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         h1 = rms_norm(x, layer.input_norm, eps, stats1)
     if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
         bias = layer.qkv_bias[:cfg.q_size] if layer.qkv_bias is not None else None
-        with torch.no_grad():
-            q = bypass_output(bypass, None, i, "q_proj", h1, model.linear(h1, layer.q_weight, bias))
+        q = bypass_output(bypass, None, i, "q_proj", h1, model.linear(h1, layer.q_weight, bias))
         q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
     if o is None:  # attention, recomputed from q, K and V (under autograd when its backward runs)
@@ -193,8 +193,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         o = attn.detach()
     resid = keep.get("resid", a, b)
     if resid is None:
-        with torch.no_grad():
-            resid = x + bypassed_linear(bypass, None, i, "o_proj", o, layer.o, model.linear)
+        resid = x + bypassed_linear(bypass, None, i, "o_proj", o, layer.o, model.linear)
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     rstd2, stats2 = keep.get("rms_mlp", a, b), None
     h2 = None
@@ -202,11 +201,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         stats2 = _norm_stats(resid, rstd2, eps)
         h2 = rms_norm(resid, layer.post_norm, eps, stats2)
     inter = cfg.intermediate_size
-    with torch.no_grad():
-        if gate is None:
-            gate = bypass_output(bypass, None, i, "gate_proj", h2, model.linear(h2, layer.gate_weight))
-        if up is None:
-            up = bypass_output(bypass, None, i, "up_proj", h2, model.linear(h2, layer.up_weight))
+    if gate is None:
+        gate = bypass_output(bypass, None, i, "gate_proj", h2, model.linear(h2, layer.gate_weight))
+    if up is None:
+        up = bypass_output(bypass, None, i, "up_proj", h2, model.linear(h2, layer.up_weight))
     # MLP: out = resid + down(silu(gate) * up)
     silu = F.silu(gate)
     mlp_in = silu * up if _touches(bypass, "down_proj") else None  # only the down_proj bypass reads it
