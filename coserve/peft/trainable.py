@@ -154,6 +154,7 @@ class TrainableLora(TrainableBypass):
         self.m: dict[tuple[int, str], torch.Tensor] = {}  # DoRA magnitudes
         self.base: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}  # DoRA: W and bias
         self._norms: dict[tuple[int, str], tuple[tuple[int, int], torch.Tensor]] = {}  # DoRA: versions -> norm
+        self._transposed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if config.use_dora and base_weight is None:
             raise ValueError("use_dora: DoRA needs the base model's weights (base_weight)")
         for layer in range(num_layers):
@@ -179,6 +180,18 @@ class TrainableLora(TrainableBypass):
             if key in self.m:
                 out.append((f"{_prefix(*key)}.lora_magnitude_vector", self.m[key]))
         return out
+
+    def _weights_t(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A^T, B^T)`` cut from autograd. Without grad (the finetuning executors' windows) the views are made once
+        per parameter tensor and kept, a dispatched transpose fewer each per call: they share the parameters'
+        storage, so the optimizer's in-place steps show through them. With grad, fresh ones of detached tensors."""
+        a, b = self.a[key], self.b[key]
+        if torch.is_grad_enabled():
+            return a.detach().T, b.detach().T
+        cached = self._transposed.get(key)
+        if cached is None or cached[0] is not a or cached[1] is not b:
+            cached = self._transposed[key] = (a, b, a.T, b.T)
+        return cached[2], cached[3]
 
     def _dora_norm(self, key: tuple[int, str]) -> torch.Tensor:
         """``||W + scaling B A||`` by row (detached; recomputed after A or B changed)."""
@@ -232,17 +245,17 @@ class TrainableLora(TrainableBypass):
         """``y + (dropout(x) A^T) B^T * s``, keeping ``dropout(x) A^T`` ``[T, r]`` for dB (DoRA: the output then
         scaled, also keeping the unscaled output less its bias ``[T, out]`` beside it, for dm)."""
         key = (layer, module)
-        a, b = _frozen(self.a[key]), _frozen(self.b[key])
-        x = x.to(a.dtype)
+        a_t, b_t = self._weights_t(key)
+        x = x.to(a_t.dtype)
         mask = self._mask(layer, module, x.shape[1], x.dtype)
-        xa = (x if mask is None else x * mask) @ a.T
+        xa = (x if mask is None else x * mask) @ a_t
         if key in self.m:
             with torch.no_grad():
-                pre = self._pre(key, y, xa @ b.T * self.scaling)
+                pre = self._pre(key, y, xa @ b_t * self.scaling)
                 return self._dora_out(key, y, pre, self._dora_scale(key)), torch.cat([xa, pre], dim=1)
         if y.dtype == xa.dtype:  # one pass: y + s * (xA^T) B^T
-            return torch.addmm(y, xa, b.T, alpha=self.scaling), xa
-        return y + (xa @ b.T * self.scaling).to(y.dtype), xa
+            return torch.addmm(y, xa, b_t, alpha=self.scaling), xa
+        return y + (xa @ b_t * self.scaling).to(y.dtype), xa
 
     def output_backward(self, layer: int, module: str, x: torch.Tensor, xa: torch.Tensor, dy: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
