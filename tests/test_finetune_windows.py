@@ -6,12 +6,14 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
 from coserve.finetune.pruned_layer import BASE_KEEPS, executor_plan, new_keeps, planned_keeps
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.loader import load_model
+from coserve.model.norm_grad import rms_norm_stats
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import TrainableIA3, TrainableLora
 
@@ -207,9 +209,6 @@ def test_the_backward_reads_the_norms_statistics_the_forward_kept(model_factory)
     """The plan stores each norm's per-row statistic: the forward windows write the very values that
     ``rms_norm_stats`` gives for the layer's input, and the backward windows dispatch no reduction for them
     (no ``rsqrt``), with gradients still those of one whole-sequence autograd backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from coserve.model.norm_grad import rms_norm_stats
 
     class Rsqrts(TorchDispatchMode):
         def __init__(self):

@@ -19,19 +19,19 @@ Pure Python over ``coserve.finetune.graph``. Steps:
    costs under ``cost_threshold`` FLOPs per element it holds (``Op.recompute_flops_per_element``:
    a norm's output is cheap, its per-row statistic a reduction over the row, so it stays stored)
    and whose producer's activation inputs are all in the keep set (stored, or themselves
-   rematerialised: they are recomputed first) is recomputed in the backward pass instead of stored. (b) Then, if the layer still
-   keeps more than ``memory_target`` times the bytes of the pruned keep set (what step 3 stores,
-   i.e. what a pruned autograd would save), the costly tensors (``LayerGraph.projections``: rotated
-   q, attention's output with its log-sum-exp, the residual after attention, gate, up) are
-   recomputed instead, with whatever chain of ops leads to them from available tensors: of every
-   subset of them that meets the target, the one costing least (``_meet_target``; when none does,
-   the one keeping the fewest bytes). Its cost is its FLOPs plus ``op_flops`` for each operation the
-   executor dispatches to recompute it (``RECOMPUTE_DISPATCHES``): what the host's time to launch one
-   is worth in FLOPs, per token (the executors pass the device's charge per window divided by the
-   sequence's tokens; 0 prices FLOPs alone). Attention's FLOPs grow with the context
-   (``LayerShape.context_tokens``), so long sequences recompute projections and keep attention's
-   output; short ones recompute attention where FLOPs decide, but a projection (fewer operations)
-   where launching them is what costs.
+   rematerialised: they are recomputed first) is recomputed in the backward pass instead of
+   stored. (b) Then, if the layer still keeps more than ``memory_target`` times the bytes of the
+   pruned keep set (what step 3 stores, i.e. what a pruned autograd would save), the costly
+   tensors (``LayerGraph.projections``: rotated q, attention's output with its log-sum-exp, the
+   residual after attention, gate, up) are recomputed instead, with whatever chain of ops leads to
+   them from available tensors: of every subset of them that meets the target, the one costing
+   least (``_meet_target``; when none does, the one keeping the fewest bytes). Its cost is its
+   FLOPs plus ``op_flops`` for each operation the executor dispatches to recompute it
+   (``RECOMPUTE_DISPATCHES``): what the host's time to launch one is worth in FLOPs, per token
+   (the executors pass the device's charge per window divided by the sequence's tokens; 0 prices
+   FLOPs alone). Attention's FLOPs grow with the context (``LayerShape.context_tokens``), so long
+   sequences recompute projections and keep attention's output; short ones recompute attention
+   where FLOPs decide, but a projection (fewer operations) where launching them is what costs.
    ``all`` stores only the input and K/V and recomputes the rest (what
    ``coserve.finetune.token_windows`` does); ``none`` stores the whole keep set.
 5. Bitmask compression: a stored tensor that every surviving reader needs only the sign of

@@ -202,8 +202,8 @@ class DecoderModel:
         Inference passes paged attention as ``attend``; finetuning passes attention over a
         window's cached prefix, and a ``tap`` that stores what its backward will read
         (the two norms' statistics ``rms_attn`` and ``rms_mlp``, ``q`` rotated, ``resid`` after attention,
-        ``gate``, ``up``, and each bypassed module's own kept tensor under the module's name). One definition serves both. ``split``: a fused
-        forward's inference rows with their padding (``linear``).
+        ``gate``, ``up``, and each bypassed module's own kept tensor under the module's name). One definition
+        serves both. ``split``: a fused forward's inference rows with their padding (``linear``).
         """
         cfg, i = self.cfg, layer.index
         linear = functools.partial(self.linear, split=split)
