@@ -32,7 +32,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     n, p = _sizes(q, k)
     mask = _allowed(n, p, q.device) if p else None
     out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not p, scale=scale, enable_gqa=True)  # [1, Hq, n, D]
-    return out[0].transpose(0, 1).reshape(n, -1)
+    return _merged_heads(out)
 
 
 def kept_attention_supported(device: torch.device) -> bool:
@@ -52,7 +52,7 @@ def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *_heads_first(q, k, v), 0.0, not p, attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None,
             scale=scale)
-    return out[0].transpose(0, 1).reshape(n, -1), lse[0].transpose(0, 1).float()
+    return _merged_heads(out), _rows_first(lse).float()
 
 
 def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,8 +62,8 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     dL/d(output) ``dout`` ``[n, Hq*D]``, the kept ``out`` and ``lse`` of ``window_attention_lse``."""
     n, p = _sizes(q, k)
     heads, d = q.shape[1], q.shape[2]
-    as_heads = lambda t: t.reshape(n, heads, d).transpose(0, 1).unsqueeze(0)  # noqa: E731
-    lse_h = lse.transpose(0, 1).unsqueeze(0)  # [1, Hq, n]
+    as_heads = lambda t: _split_heads(t, heads, d)  # noqa: E731
+    lse_h = _heads_first(lse)[0]  # [1, Hq, n]
     if q.is_cuda:
         qh, kh, vh = _heads_first(q, *_repeat_kv(q, k, v))
         padded = torch.zeros(1, heads, -(-n // 32) * 32, device=q.device, dtype=torch.float32)
@@ -81,7 +81,7 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             as_heads(dout), *_heads_first(q, k, v), as_heads(out), lse_h, 0.0, not p,
             attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None, scale=scale)
-    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    return _rows_first(dq), _rows_first(dk), _rows_first(dv)
 
 
 def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,9 +108,43 @@ def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
     return n, p
 
 
+# Layouts change by views. Where autograd records nothing (the finetuning windows' passes) each is one
+# ``as_strided`` with the very sizes and strides the transposes and unsqueezes would give (one dispatched operation
+# where they take two or three: a quarter of a backward window's operations were these); under autograd, the
+# transposes, whose backward is plain.
+def _plain(*ts: torch.Tensor) -> bool:
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+
+
 def _heads_first(*ts: torch.Tensor) -> list[torch.Tensor]:
-    """``[L, H, D]`` -> ``[1, H, L, D]`` views."""
-    return [t.transpose(0, 1).unsqueeze(0) for t in ts]
+    """``[L, H, D]`` -> ``[1, H, L, D]`` views (``[L, H]`` -> ``[1, H, L]``)."""
+    if not _plain(*ts):
+        return [t.transpose(0, 1).unsqueeze(0) for t in ts]
+    return [t.as_strided((1, t.shape[1], t.shape[0], *t.shape[2:]),
+                         (t.shape[1] * t.stride(1), t.stride(1), t.stride(0), *t.stride()[2:])) for t in ts]
+
+
+def _rows_first(t: torch.Tensor) -> torch.Tensor:
+    """``[1, H, L, D]`` -> ``[L, H, D]`` (``[1, H, L]`` -> ``[L, H]``), a view."""
+    if not _plain(t):
+        return t[0].transpose(0, 1)
+    return t.as_strided((t.shape[2], t.shape[1], *t.shape[3:]), (t.stride(2), t.stride(1), *t.stride()[3:]))
+
+
+def _merged_heads(t: torch.Tensor) -> torch.Tensor:
+    """``[1, H, L, D]`` -> ``[L, H * D]``: a view where the heads lie side by side in each row (the kernels' output
+    layout), else a copy."""
+    heads, rows, d = t.shape[1], t.shape[2], t.shape[3]
+    if _plain(t) and t.stride(1) == d * t.stride(3):
+        return t.as_strided((rows, heads * d), (t.stride(2), t.stride(3)))
+    return t[0].transpose(0, 1).reshape(rows, -1)
+
+
+def _split_heads(t: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    """``[L, H * D]`` -> ``[1, H, L, D]``, a view."""
+    if not _plain(t):
+        return t.reshape(t.shape[0], heads, d).transpose(0, 1).unsqueeze(0)
+    return t.as_strided((1, heads, t.shape[0], d), (heads * d * t.stride(1), d * t.stride(1), t.stride(0), t.stride(1)))
 
 
 # A forward window's layers (and a backward window's forward and backward) share one mask: the
