@@ -36,6 +36,15 @@ class SequenceState:
     keeps: list | None = None  # per layer LayerKeep under --rematerialize cheap (pruned_layer.py), else None
     dropout_seed: int = 0  # this sequence's LoRA dropout masks (one per job seed, step and sequence)
     eval_only: bool = False  # a validation sequence: forward windows only, no dropout, no gradient
+    rows_positions: tuple[int, int, torch.Tensor] | None = None  # (a, b, positions[a:b]) of the last window
+
+    def positions_of(self, a: int, b: int) -> torch.Tensor:
+        """``positions[a:b]``, the same tensor object while windows keep to the same rows (a backward slice's
+        whole-layer windows): the rotary embedding's tables of the last call are then reused for it."""
+        last = self.rows_positions
+        if last is None or last[0] != a or last[1] != b:
+            last = self.rows_positions = (a, b, self.positions[a:b])
+        return last[2]
 
     @property
     def num_tokens(self) -> int:

@@ -115,11 +115,12 @@ def backward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, n
     a = max(0, b - num_tokens)
     layer = model.layers[i]
     need_input_grad = i > 0  # layer 0's input is the frozen embedding
-    with training_rows(bypass, state, state.positions[a:b]):
+    positions = state.positions_of(a, b)
+    with training_rows(bypass, state, positions):
         if state.keeps is not None:
             dx = pruned_layer.backward_layer(
                 model, layer, bypass, state.keeps[i], state.layer_inputs[i][a:b], state.grad[a:b],
-                state.positions[a:b], state.k[i], state.v[i], state.dk, state.dv, a, b, need_input_grad)
+                positions, state.k[i], state.v[i], state.dk, state.dv, a, b, need_input_grad)
             if dx is not None:
                 state.grad[a:b] = dx
         else:
