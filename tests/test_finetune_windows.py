@@ -58,6 +58,19 @@ def _grads(bypass):
     return [p.grad.detach().clone() for p in bypass.parameters()]
 
 
+def _one_sequence(model, bypass, rng: random.Random, n: int):
+    """A random sequence of ``n`` tokens: a fresh state for it, and the bypass's gradients from one whole-sequence
+    autograd backward of its mean loss (zeroed again after)."""
+    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(n)]
+    targets = ids[1:] + [IGNORE_INDEX]
+    bypass.zero_grad()
+    (whole_sequence_loss(model, bypass, ids, targets) / (n - 1)).backward()
+    ref = _grads(bypass)
+    bypass.zero_grad()
+    return new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
+                              model.cfg.head_dim, model.device, model.dtype), ref
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", list(BYPASSES))
 @pytest.mark.parametrize("seed,remat", [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap"), (0, "cheap:flops"),
@@ -143,20 +156,12 @@ def test_kept_attention_output_backward_matches_autograd_on_the_device(model_fac
     model = load_model(model_factory("llama"), torch.float32, torch.device(device))
     rng = random.Random(3)
     bypass = _bypass(kind, model, 3)
-    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(29)]
-    targets = ids[1:] + [IGNORE_INDEX]
-    bypass.zero_grad()
-    ref_loss = whole_sequence_loss(model, bypass, ids, targets) / 28
-    ref_loss.backward()
-    ref = _grads(bypass)
-    bypass.zero_grad()
-    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
-                               model.cfg.head_dim, model.device, model.dtype)
-    state.keeps = new_keeps(model, len(ids), ("attn.o", "attn.lse"))
-    for size in _windows(rng, len(ids)):
+    state, ref = _one_sequence(model, bypass, rng, 29)
+    state.keeps = new_keeps(model, 29, ("attn.o", "attn.lse"))
+    for size in _windows(rng, 29):
         forward_window(model, bypass, state, size, 1.0 / 28)
     while not state.finished:
-        backward_window(model, bypass, state, rng.choice(_windows(rng, len(ids))))
+        backward_window(model, bypass, state, rng.choice(_windows(rng, 29)))
     for g, r in zip(_grads(bypass), ref):
         assert float((g - r).norm() / r.norm()) <= 1e-5
 
@@ -182,23 +187,16 @@ def test_the_first_layer_stops_at_its_lowest_bypass(model_factory, peft, remat):
         for p in bypass.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=gen))
     rng = random.Random(5)
-    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(21)]
-    targets = ids[1:] + [IGNORE_INDEX]
-    bypass.zero_grad()
-    (whole_sequence_loss(model, bypass, ids, targets) / 20).backward()
-    ref = _grads(bypass)
-    bypass.zero_grad()
-    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
-                               model.cfg.head_dim, model.device, model.dtype)
+    state, ref = _one_sequence(model, bypass, rng, 21)
     if remat == "cheap":
-        state.keeps = new_keeps(model, len(ids), planned_keeps(executor_plan(model, bypass.config, "cheap")))
-    for size in _windows(rng, len(ids)):
+        state.keeps = new_keeps(model, 21, planned_keeps(executor_plan(model, bypass.config, "cheap")))
+    for size in _windows(rng, 21):
         forward_window(model, bypass, state, size, 1.0 / 20)
     before = state.grad.clone()
     while not state.finished:
-        if state.backward_layer == 0 and state.backward_end == len(ids):
+        if state.backward_layer == 0 and state.backward_end == 21:
             before = state.grad.clone()
-        backward_window(model, bypass, state, rng.choice(_windows(rng, len(ids))))
+        backward_window(model, bypass, state, rng.choice(_windows(rng, 21)))
     assert torch.equal(state.grad, before)  # no input gradient was computed for layer 0
     for g, r in zip(_grads(bypass), ref):
         assert r.abs().max() > 0
@@ -222,18 +220,11 @@ def test_the_backward_reads_the_norms_statistics_the_forward_kept(model_factory)
     model = load_model(model_factory("llama"), torch.float32, torch.device("cpu"))
     bypass = _bypass("lora-mlp", model, 9)
     rng = random.Random(9)
-    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(23)]
-    targets = ids[1:] + [IGNORE_INDEX]
-    bypass.zero_grad()
-    (whole_sequence_loss(model, bypass, ids, targets) / 22).backward()
-    ref = _grads(bypass)
-    bypass.zero_grad()
-    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
-                               model.cfg.head_dim, model.device, model.dtype)
+    state, ref = _one_sequence(model, bypass, rng, 23)
     names = planned_keeps(executor_plan(model, bypass.config, "cheap"))
     assert {"rms_attn", "rms_mlp"} <= names
-    state.keeps = new_keeps(model, len(ids), names)
-    for size in _windows(rng, len(ids)):
+    state.keeps = new_keeps(model, 23, names)
+    for size in _windows(rng, 23):
         forward_window(model, bypass, state, size, 1.0 / 22)
     for layer, keep in enumerate(state.keeps):
         assert keep.base["rms_attn"].dtype == torch.float32
@@ -241,7 +232,7 @@ def test_the_backward_reads_the_norms_statistics_the_forward_kept(model_factory)
     rsqrts = Rsqrts()
     with rsqrts:
         while not state.finished:
-            backward_window(model, bypass, state, rng.choice(_windows(rng, len(ids))))
+            backward_window(model, bypass, state, rng.choice(_windows(rng, 23)))
     assert rsqrts.count == 0
     for g, r in zip(_grads(bypass), ref):
         assert float((g - r).norm() / r.norm()) <= 1e-5
