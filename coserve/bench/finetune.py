@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the base model's dtype for both systems (the adapter trains in float32)")
     p.add_argument("--device", default=None, help="cuda when available, else cpu (default)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every measurement, HF PEFT's run first in "
+                   "one round and last in the next, so that a machine's drift falls on both systems; a coserve "
+                   "row's ratios are against its own round's HF PEFT run, and are pooled as medians (default: 1)")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one measurement, as JSON
 
@@ -70,26 +73,20 @@ def run(args) -> int:
     device = str(resolve_device(args.device))
     targets = args.targets or ["down_proj", ALL_LINEAR]
     configs = [_parse_config(c) for c in (args.config or ["cheap:0", "all:0", "cheap:64"])]
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
     rows = []
     for t in targets:
         spec = {"model": args.model, "data": args.data, "seq_len": args.seq_len, "steps": args.steps,
                 "warmup": args.warmup, "targets": t, "r": args.lora_r, "use_dora": args.use_dora,
                 "dtype": args.dtype, "device": device}
-        hf = _spawn({**spec, "system": "hf"})
-        rows.append(hf)
-        for remat, w in configs:
-            co = _spawn({**spec, "system": "coserve", "rematerialize": remat, "window_tokens": w})
-            co["ratio_tokens_per_s"] = co["tokens_per_s"] / hf["tokens_per_s"]
-            co["ratio_kept_to_autograd"] = co["kept_bytes_per_token"] / hf["autograd_bytes_per_token"]
-            co["ratio_peak_rss"] = co["peak_rss_bytes"] / hf["peak_rss_bytes"]
-            if "peak_gpu_bytes" in co and "peak_gpu_bytes" in hf:
-                co["ratio_peak_gpu"] = co["peak_gpu_bytes"] / hf["peak_gpu_bytes"]
-            rows.append(co)
+        for repeat in range(args.repeats):
+            rows += _round(spec, configs, repeat)
     report = {"model": args.model, "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
-              "use_dora": args.use_dora,
+              "use_dora": args.use_dora, "repeats": args.repeats,
               "threads": torch.get_num_threads(),
               "device": device, "device_name": _device_name(device), "dtype": args.dtype,
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "rows": rows, "pooled": pooled_ratios(rows)}
     for r in rows:
         extra = (f" | x{r['ratio_tokens_per_s']:.2f} tok/s, kept/autograd {r['ratio_kept_to_autograd']:.3f}, "
                  f"rss x{r['ratio_peak_rss']:.2f}") if r["system"] == "coserve" else ""
@@ -101,10 +98,57 @@ def run(args) -> int:
         print(f"{r['system']:8s} {targets:20.20s} {setting:>8s}: "
               f"{r['tokens_per_s']:7.1f} tok/s, kept {r['kept_bytes_per_token']:8.0f} B/token, "
               f"peak RSS {r['peak_rss_bytes'] / 2**20:7.1f} MiB{extra}")
+    if args.repeats > 1:
+        for p in report["pooled"]:
+            targets = "all linear" if p["targets"] == ALL_LINEAR else p["targets"]
+            print(f"pooled   {targets:20.20s} {p['setting']:>8s}: x{p['ratio_tokens_per_s_median']:.2f} tok/s "
+                  f"(median of {p['rounds']} rounds, x{p['ratio_tokens_per_s_min']:.2f}-"
+                  f"x{p['ratio_tokens_per_s_max']:.2f})")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def measurement_order(configs: list[tuple[str, int]], repeat: int) -> list[tuple[str, int] | None]:
+    """One round's measurements, None standing for HF PEFT's: first in even rounds, last (the coserve settings
+    reversed) in odd ones, so that over two rounds each system runs as often early as late."""
+    order: list[tuple[str, int] | None] = [None, *configs]
+    return order if repeat % 2 == 0 else order[::-1]
+
+
+def _round(spec: dict, configs: list[tuple[str, int]], repeat: int) -> list[dict]:
+    """HF PEFT's row, then one row per coserve setting with its ratios to that HF PEFT run, all tagged ``repeat``."""
+    results = {}
+    for config in measurement_order(configs, repeat):
+        if config is None:
+            results[None] = _spawn({**spec, "system": "hf"})
+        else:
+            results[config] = _spawn({**spec, "system": "coserve", "rematerialize": config[0],
+                                      "window_tokens": config[1]})
+    hf = results[None]
+    rows = [{**hf, "repeat": repeat}]
+    for config in configs:
+        co = {**results[config], "repeat": repeat}
+        co["ratio_tokens_per_s"] = co["tokens_per_s"] / hf["tokens_per_s"]
+        co["ratio_kept_to_autograd"] = co["kept_bytes_per_token"] / hf["autograd_bytes_per_token"]
+        co["ratio_peak_rss"] = co["peak_rss_bytes"] / hf["peak_rss_bytes"]
+        if "peak_gpu_bytes" in co and "peak_gpu_bytes" in hf:
+            co["ratio_peak_gpu"] = co["peak_gpu_bytes"] / hf["peak_gpu_bytes"]
+        rows.append(co)
+    return rows
+
+
+def pooled_ratios(rows: list[dict]) -> list[dict]:
+    """Per target set and coserve setting, the median, least and greatest tokens/s ratio over the rounds."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r["system"] == "coserve":
+            key = (r["targets"], f"{r['rematerialize']}:{r['window_tokens']}")
+            groups.setdefault(key, []).append(r["ratio_tokens_per_s"])
+    return [{"targets": t, "setting": setting, "rounds": len(ratios),
+             "ratio_tokens_per_s_median": statistics.median(ratios), "ratio_tokens_per_s_min": min(ratios),
+             "ratio_tokens_per_s_max": max(ratios)} for (t, setting), ratios in groups.items()]
 
 
 def _device_name(device: str) -> str:

@@ -1,0 +1,56 @@
+"""``coserve bench-finetune``'s rounds: the systems' order alternates, ratios are taken within a round and pooled.
+
+The workers (a subprocess each, training for real) are replaced by plain rows; the workers themselves run in the
+benchmark, not here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from coserve.bench import finetune as bench
+
+
+def _args(*extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(["--model", "m", "--targets", "down_proj", "--config", "cheap:0", "--config", "all:0",
+                         "--device", "cpu", *extra])
+
+
+def test_rounds_alternate_the_systems_and_pool_the_ratios_taken_within_each(monkeypatch, tmp_path, capsys):
+    calls = []
+    rates = iter([100.0, 150.0, 120.0,  # round 0: HF PEFT first, then the settings as given
+                  130.0, 140.0, 200.0])  # round 1: the settings reversed, HF PEFT last
+
+    def fake_spawn(spec: dict) -> dict:
+        calls.append((spec["system"], spec.get("rematerialize"), spec.get("window_tokens")))
+        row = {"system": spec["system"], "targets": spec["targets"], "tokens_per_s": next(rates),
+               "kept_bytes_per_token": 10.0, "autograd_bytes_per_token": 40.0, "peak_rss_bytes": 2**20}
+        if spec["system"] == "coserve":
+            row.update(rematerialize=spec["rematerialize"], window_tokens=spec["window_tokens"])
+        return row
+
+    monkeypatch.setattr(bench, "_spawn", fake_spawn)
+    out = tmp_path / "r.json"
+    assert bench.run(_args("--repeats", "2", "--out", str(out))) == 0
+    assert calls == [("hf", None, None), ("coserve", "cheap", 0), ("coserve", "all", 0),
+                     ("coserve", "all", 0), ("coserve", "cheap", 0), ("hf", None, None)]
+    report = json.loads(out.read_text())
+    assert report["repeats"] == 2
+    ratios = {(r["repeat"], r["rematerialize"]): r["ratio_tokens_per_s"] for r in report["rows"]
+              if r["system"] == "coserve"}
+    assert ratios == {(0, "cheap"): 1.5, (0, "all"): 1.2, (1, "cheap"): 0.7, (1, "all"): 0.65}
+    pooled = {p["setting"]: p for p in report["pooled"]}
+    assert pooled["cheap:0"]["ratio_tokens_per_s_median"] == pytest.approx(1.1)
+    assert (pooled["all:0"]["ratio_tokens_per_s_min"], pooled["all:0"]["ratio_tokens_per_s_max"]) == (0.65, 1.2)
+    assert pooled["cheap:0"]["rounds"] == 2
+    assert "pooled   down_proj" in capsys.readouterr().out
+
+
+def test_repeats_must_be_positive(monkeypatch):
+    monkeypatch.setattr(bench, "_spawn", lambda spec: pytest.fail("no run for a bad --repeats"))
+    with pytest.raises(ValueError, match="--repeats"):
+        bench.run(_args("--repeats", "0"))
