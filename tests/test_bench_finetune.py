@@ -54,3 +54,35 @@ def test_repeats_must_be_positive(monkeypatch):
     monkeypatch.setattr(bench, "_spawn", lambda spec: pytest.fail("no run for a bad --repeats"))
     with pytest.raises(ValueError, match="--repeats"):
         bench.run(_args("--repeats", "0"))
+
+
+def test_a_setting_may_name_its_memory_target(monkeypatch, tmp_path):
+    specs = []
+
+    def fake_spawn(spec: dict) -> dict:
+        specs.append(spec)
+        row = {"system": spec["system"], "targets": spec["targets"], "tokens_per_s": 100.0,
+               "kept_bytes_per_token": 10.0, "autograd_bytes_per_token": 40.0, "peak_rss_bytes": 2**20}
+        if spec["system"] == "coserve":
+            row.update({k: spec[k] for k in ("rematerialize", "window_tokens", "memory_target") if k in spec})
+        return row
+
+    monkeypatch.setattr(bench, "_spawn", fake_spawn)
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    out = tmp_path / "r.json"
+    args = p.parse_args(["--model", "m", "--targets", "down_proj", "--config", "cheap:0", "--config", "cheap:0:1.0",
+                         "--device", "cpu", "--out", str(out)])
+    assert bench.run(args) == 0
+    coserve = [s for s in specs if s["system"] == "coserve"]
+    assert "memory_target" not in coserve[0] and coserve[1]["memory_target"] == 1.0
+    assert [p["setting"] for p in json.loads(out.read_text())["pooled"]] == ["cheap:0", "cheap:0:1"]
+
+
+@pytest.mark.parametrize("bad", ["cheap:0:0", "cheap:0:1.5", "cheap:0:much", "some:0", "cheap:x"])
+def test_a_bad_setting_is_refused_naming_the_flag(monkeypatch, bad):
+    monkeypatch.setattr(bench, "_spawn", lambda spec: pytest.fail("no run for a bad --config"))
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    with pytest.raises(ValueError, match="--config"):
+        bench.run(p.parse_args(["--model", "m", "--config", bad, "--device", "cpu"]))

@@ -35,9 +35,9 @@ def add_arguments(p) -> None:
                    help="comma-separated target modules; repeat (default: down_proj, and all linear modules)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--use-dora", action="store_true", help="DoRA on both sides (PEFT's use_dora)")
-    p.add_argument("--config", action="append", default=None, metavar="REMAT:WINDOW",
-                   help="coserve settings to measure, e.g. cheap:0 (0 = whole-sequence windows); "
-                        "default: cheap:0, all:0, cheap:64")
+    p.add_argument("--config", action="append", default=None, metavar="REMAT:WINDOW[:MEMORY_TARGET]",
+                   help="coserve settings to measure, e.g. cheap:0 (0 = whole-sequence windows) or cheap:0:1.0 (the "
+                        "plan's memory target, default the job's 0.5); default: cheap:0, all:0, cheap:64")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the base model's dtype for both systems (the adapter trains in float32)")
     p.add_argument("--device", default=None, help="cuda when available, else cpu (default)")
@@ -93,7 +93,7 @@ def run(args) -> int:
         if "peak_gpu_bytes" in r:
             extra += f" | peak GPU {r['peak_gpu_bytes'] / 2**20:.1f} MiB" + (
                 f" (x{r['ratio_peak_gpu']:.2f})" if "ratio_peak_gpu" in r else "")
-        setting = f"{r['rematerialize']}:{r['window_tokens']}" if r["system"] == "coserve" else "-"
+        setting = setting_label(r) if r["system"] == "coserve" else "-"
         targets = "all linear" if r["targets"] == ALL_LINEAR else r["targets"]
         print(f"{r['system']:8s} {targets:20.20s} {setting:>8s}: "
               f"{r['tokens_per_s']:7.1f} tok/s, kept {r['kept_bytes_per_token']:8.0f} B/token, "
@@ -110,22 +110,32 @@ def run(args) -> int:
     return 0
 
 
-def measurement_order(configs: list[tuple[str, int]], repeat: int) -> list[tuple[str, int] | None]:
+Config = tuple[str, int, float | None]  # rematerialize, window tokens (0: whole sequence), memory target (None: default)
+
+
+def setting_label(row: dict) -> str:
+    """A coserve row's ``REMAT:WINDOW[:MEMORY_TARGET]``, as ``--config`` gave it."""
+    label = f"{row['rematerialize']}:{row['window_tokens']}"
+    return label if row.get("memory_target") is None else f"{label}:{row['memory_target']:g}"
+
+
+def measurement_order(configs: list[Config], repeat: int) -> list[Config | None]:
     """One round's measurements, None standing for HF PEFT's: first in even rounds, last (the coserve settings
     reversed) in odd ones, so that over two rounds each system runs as often early as late."""
-    order: list[tuple[str, int] | None] = [None, *configs]
+    order: list[Config | None] = [None, *configs]
     return order if repeat % 2 == 0 else order[::-1]
 
 
-def _round(spec: dict, configs: list[tuple[str, int]], repeat: int) -> list[dict]:
+def _round(spec: dict, configs: list[Config], repeat: int) -> list[dict]:
     """HF PEFT's row, then one row per coserve setting with its ratios to that HF PEFT run, all tagged ``repeat``."""
     results = {}
     for config in measurement_order(configs, repeat):
         if config is None:
             results[None] = _spawn({**spec, "system": "hf"})
         else:
+            memory = {} if config[2] is None else {"memory_target": config[2]}
             results[config] = _spawn({**spec, "system": "coserve", "rematerialize": config[0],
-                                      "window_tokens": config[1]})
+                                      "window_tokens": config[1], **memory})
     hf = results[None]
     rows = [{**hf, "repeat": repeat}]
     for config in configs:
@@ -144,7 +154,7 @@ def pooled_ratios(rows: list[dict]) -> list[dict]:
     groups: dict[tuple[str, str], list[float]] = {}
     for r in rows:
         if r["system"] == "coserve":
-            key = (r["targets"], f"{r['rematerialize']}:{r['window_tokens']}")
+            key = (r["targets"], setting_label(r))
             groups.setdefault(key, []).append(r["ratio_tokens_per_s"])
     return [{"targets": t, "setting": setting, "rounds": len(ratios),
              "ratio_tokens_per_s_median": statistics.median(ratios), "ratio_tokens_per_s_min": min(ratios),
@@ -155,11 +165,20 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
 
 
-def _parse_config(text: str) -> tuple[str, int]:
-    remat, _, window = text.partition(":")
+def _parse_config(text: str) -> Config:
+    remat, _, rest = text.partition(":")
+    window, _, target = rest.partition(":")
     if remat not in ("cheap", "all") or not window.isdigit():
-        raise ValueError(f"--config: expected cheap:N or all:N, got {text!r}")
-    return remat, int(window)
+        raise ValueError(f"--config: expected cheap:N or all:N (optionally :MEMORY_TARGET), got {text!r}")
+    if not target:
+        return remat, int(window), None
+    try:
+        memory = float(target)
+    except ValueError:
+        memory = float("nan")
+    if not 0 < memory <= 1:
+        raise ValueError(f"--config: the memory target of {text!r} must be a number in (0, 1]")
+    return remat, int(window), memory
 
 
 def _spawn(spec: dict) -> dict:
@@ -183,7 +202,7 @@ def _worker(spec: dict) -> dict:
     dtype = getattr(torch, spec.get("dtype", "float32"))
     step_seconds, kept = fn(spec, seqs[:warmup], seqs[warmup:], device, dtype)
     row = {**{k: spec[k] for k in ("system", "targets") if k in spec},
-           **{k: spec[k] for k in ("rematerialize", "window_tokens") if k in spec},
+           **{k: spec[k] for k in ("rematerialize", "window_tokens", "memory_target") if k in spec},
            "tokens_per_s": spec["seq_len"] / statistics.median(step_seconds), "step_seconds": step_seconds,
            "peak_rss_bytes": peak_rss_bytes(), **kept}
     if device.type == "cuda":
@@ -258,9 +277,10 @@ def _run_coserve(spec: dict, warmup: list[list[int]], seqs: list[list[int]], dev
                            base_weight=model.module_weight if dora else None)
     examples = [Example(ids, ids[1:] + [-100]) for ids in warmup + seqs]
     out = tempfile.mkdtemp(prefix="coserve-bench-ft-")
+    memory = {"memory_target": spec["memory_target"]} if spec.get("memory_target") is not None else {}
     cfg = FinetuneConfig(output_dir=out, batch_size=1, lr=1e-4, max_steps=len(examples), shuffle=False,
                          max_grad_norm=0, lr_scheduler="constant", window_tokens=spec["window_tokens"],
-                         rematerialize=spec["rematerialize"])
+                         rematerialize=spec["rematerialize"], **memory)
     job = FinetuneJob(model, bypass, examples, cfg)
 
     def step() -> None:
