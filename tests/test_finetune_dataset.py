@@ -196,6 +196,25 @@ def test_bad_record_names_field(tok, record, field):
         encode_record(record, tok, 512)
 
 
+@pytest.mark.parametrize("record,field", [
+    ({"instruction": "a\udc00", "output": "b"}, "instruction"), ({"instruction": "a", "output": "\ud800"}, "output"),
+    ({"instruction": "a", "input": "\udfff", "output": "b"}, "input"), ({"text": "x\ud800y"}, "text"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\udbff"}]},
+     r"messages\[1\]\.content"),
+])
+def test_a_lone_surrogate_is_named_not_handed_to_the_tokenizer(tok, record, field):
+    """JSON's ``"\\ud800"`` escape decodes to a str the tokenizer refuses with a TypeError naming nothing."""
+    with pytest.raises(ValueError, match=rf"^{field}: holds an unpaired UTF-16 surrogate"):
+        encode_record(record, tok, 512)
+
+
+def test_a_lone_surrogate_line_is_skipped_and_reported(tok, tmp_path):
+    path = write(tmp_path, "s.jsonl", [json.dumps(RECORDS[0]), '{"text": "a \\ud800 b"}', json.dumps(RECORDS[1])])
+    examples, rep = load_dataset(path, tok, 256)
+    assert [e.line for e in examples] == [1, 3] and [n for n, _ in rep.malformed] == [2]
+    assert rep.malformed[0][1].startswith("text: holds an unpaired UTF-16 surrogate")
+
+
 # ---- truncation --------------------------------------------------------------------------------
 
 def test_truncation(tok):

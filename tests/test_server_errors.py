@@ -117,6 +117,47 @@ def test_bodies_that_are_no_json_object_are_400(alice, path, content, content_ty
     error_of(alice.post(path, content=content, headers={"content-type": content_type}), 400)
 
 
+# a JSON string escape of an unpaired UTF-16 surrogate: Python's json decodes it to a str no tokenizer, encoder or
+# SQLite bind takes (these were 500s: the tokenizer's TypeError, the store's UnicodeEncodeError)
+LONE = "\\ud800x"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),  # a lean route
+    (CHAT, {"model": LONE}, "model"),
+    (COMPLETIONS, {"prompt": ["ok", LONE]}, "prompt[1]"),
+    ("/v1/responses", {"model": BASE, "input": LONE}, "input"),
+    (JOBS, {"training_file": LONE}, "training_file"),  # a FastAPI route
+    ("/tokenize", {"model": BASE, "prompt": LONE}, "prompt"),
+    ("/v1/batches", {"input_file_id": LONE, "endpoint": CHAT, "completion_window": "24h"}, "input_file_id"),
+])
+def test_strings_that_are_no_unicode_text_are_400_naming_the_field(server, alice, path, body, param):
+    defaults = {CHAT: {"model": BASE, "messages": HELLO, "max_tokens": 2},
+                COMPLETIONS: {"model": BASE, "prompt": "hi", "max_tokens": 2},
+                JOBS: {"model": BASE, "training_file": "file-000000000000000000000000"}}.get(path, {})
+    raw = json.dumps({**defaults, **body}).replace("\\\\ud800", "\\ud800")  # the escape itself, as a client sends it
+    error = error_of(alice.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+    assert error["param"] == param and error["code"] == "invalid_unicode", error
+    assert error["message"].startswith(f"{param}: ") and "surrogate" in error["message"], error
+    assert_alive(server)
+
+
+def test_paired_surrogate_escapes_and_escaped_backslashes_are_text(alice):
+    raw = json.dumps({"model": BASE, "max_tokens": 2, "messages": [{"role": "user", "content": "\U0001F600 a"}]})
+    assert "\\ud83d\\ude00" in raw  # json.dumps writes the emoji as a pair of escapes
+    assert alice.post(CHAT, content=raw, headers={"content-type": "application/json"}).status_code == 200
+    raw = json.dumps({"model": BASE, "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800 is text"}]})
+    assert alice.post(CHAT, content=raw, headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_a_training_file_line_that_is_no_unicode_text_is_refused_at_upload(alice):
+    lines = chat_jsonl().decode().splitlines()
+    lines[2] = lines[2].replace("What is two", "What is \\udc00 two")
+    error = error_of(alice.post("/v1/files", files={"file": ("t.jsonl", "\n".join(lines).encode()),
+                                                    "purpose": (None, "fine-tune")}), 400)
+    assert "line 3: messages[0].content: " in error["message"] and "surrogate" in error["message"], error
+
+
 def test_values_that_used_to_stop_the_engine(server, alice):
     """A seed torch cannot take, or a positive temperature so small that the logits overflow, stopped the engine
     thread (every later request failed); now the first is a 400 and the second is served."""

@@ -40,6 +40,21 @@ def json_type(value: object) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
+def is_unicode_text(s: str) -> bool:
+    """Whether ``s`` is Unicode text: JSON's ``"\\ud800"`` escape decodes to a lone UTF-16 surrogate, a ``str`` that
+    no tokenizer, UTF-8 encoder or SQLite bind accepts."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+NOT_UNICODE = "holds an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF), which is not Unicode text"
+
+
 def validate_messages(messages: object) -> tuple[list[dict[str, str]], list[bool]]:
     """Checks an OpenAI ``messages`` list.
 
@@ -61,6 +76,8 @@ def validate_messages(messages: object) -> tuple[list[dict[str, str]], list[bool
             raise ValueError(f"messages[{i}].role: {got} is not one of {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content: expected a string, got {json_type(content)}")
+        if not is_unicode_text(content):
+            raise ValueError(f"messages[{i}].content: {NOT_UNICODE}")
         weight = m.get("weight", 1)
         if isinstance(weight, bool) or weight not in (0, 1):
             raise ValueError(f"messages[{i}].weight: expected 0 or 1, got {weight!r}")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from coserve.finetune.chat_format import EmptyCompletionError, encode_chat, json_type
+from coserve.finetune.chat_format import (NOT_UNICODE, EmptyCompletionError, encode_chat, is_unicode_text,
+                                         json_type)
 from coserve.finetune.sequence_state import IGNORE_INDEX
 
 __all__ = ["ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "DatasetError", "DatasetReport", "EmptyCompletionError",
@@ -95,6 +96,8 @@ def _string(record: dict, key: str, optional: bool = False) -> str:
         raise ValueError(f"{key}: missing")
     if not isinstance(value, str):
         raise ValueError(f"{key}: expected a string, got {json_type(value)}")
+    if not is_unicode_text(value):
+        raise ValueError(f"{key}: {NOT_UNICODE}")
     return value
 
 

@@ -12,9 +12,10 @@ from coserve.server.batch_files import ENDPOINTS, parse_batch_jsonl
 from coserve.server.batches import FINISHED
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, found
+from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import BatchRequest
 
-router = APIRouter()
+router = APIRouter(route_class=TextJSONRoute)
 WINDOWS = ("24h",)  # OpenAI's only completion window
 MAX_PAGE = 100
 

@@ -10,12 +10,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, found
+from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import FineTuningJobRequest
 from coserve.server.batch_files import parse_batch_jsonl
 from coserve.server.batches import ACTIVE
 from coserve.server.training_files import PURPOSES, validate_training_jsonl
 
-router = APIRouter()
+router = APIRouter(route_class=TextJSONRoute)
 MAX_PAGE = 100
 MAX_FILES_PAGE = 10_000  # OpenAI's limit for GET /v1/files
 UPLOAD_PURPOSES = (*PURPOSES, "batch")  # batch_output files are the server's own

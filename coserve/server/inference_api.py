@@ -22,6 +22,7 @@ from coserve.server.choices import Choice, Job, events, finish_reason, gather_al
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.generation import TextDelta, on_engine_async
+from coserve.server.json_text import TextJSONRoute
 from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
@@ -29,7 +30,7 @@ from coserve.server.response_format import guided_output
 from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import template_messages, template_tools, tool_plan
 
-router = APIRouter()
+router = APIRouter(route_class=TextJSONRoute)
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)

@@ -3,9 +3,9 @@
 A generation's time before the engine is on its TTFT. FastAPI's per-request machinery (its body reading and
 content-type parsing, dependency solving, routing through nested routers) took 0.4 ms of the 1.2 ms a streamed
 chat spent in the server before the engine on a 2-core Xeon (``docs/benchmark-history.md``). A lean route does
-only what those routes need: it reads the body, parses it as FastAPI does (JSON under a JSON content type,
-validated into the endpoint's own pydantic model, in Python mode), and calls the same endpoint function with
-the server's context. Errors are the same ``APIError`` s FastAPI's would have become (``errors.validation_error``).
+only what those routes need: it reads the body, parses it as FastAPI does (JSON under a JSON content type, its
+strings Unicode text as ``json_text`` checks for every route, validated into the endpoint's own pydantic model, in
+Python mode), and calls the same endpoint function with the server's context. Errors are the same ``APIError`` s FastAPI's would have become (``errors.validation_error``).
 The FastAPI route stays behind it for the OpenAPI schema; the router matches the lean one first.
 """
 
@@ -24,17 +24,9 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from coserve.server.errors import APIError, validation_error
+from coserve.server.json_text import check_text, is_json
 
 WHOLE_BODY_ERROR = [{"loc": ("body",), "msg": "Field required", "type": "missing"}]  # FastAPI's, for no JSON body
-
-
-def is_json(content_type: str | None) -> bool:
-    """Whether FastAPI would parse a body of this content type as JSON (``application/json`` or
-    ``application/...+json``; none at all is not, its content types being strict by default)."""
-    if not content_type:
-        return False
-    main, _, sub = content_type.partition(";")[0].strip().lower().partition("/")
-    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 def parse_body(model: type[pydantic.BaseModel], raw: bytes, content_type: str | None) -> pydantic.BaseModel:
@@ -48,6 +40,7 @@ def parse_body(model: type[pydantic.BaseModel], raw: bytes, content_type: str | 
                                  "ctx": {"error": e.msg}}]) from e
     except UnicodeDecodeError as e:  # bytes that are no UTF-8 text (json.loads decodes them first): FastAPI's answer
         raise APIError(400, "There was an error parsing the body") from e
+    check_text(raw, data)
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:

@@ -30,13 +30,14 @@ from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.inference_api import (make_request, max_tokens_for, messages_chars, off_loop_if_long, render_chat,
                                           sampling_params, submit)
+from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, CustomToolCallInput, FunctionCallInput,
                                      FunctionChoice, FunctionTool, InputMessage, ResponsesCustomTool, ResponsesRequest)
 from coserve.server.response_format import guided_schema
 from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import ToolPlan, tool_plan
 
-router = APIRouter()
+router = APIRouter(route_class=TextJSONRoute)
 # chat fields whose errors name the Responses API's own
 PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
 
