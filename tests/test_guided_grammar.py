@@ -123,3 +123,10 @@ def test_guided_grammar_requests_match_and_leave_others_alone(model_factory):
     assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
     assert outs[1].outputs[0].finish_reason == "stop" and re.fullmatch(LIST_RE, outs[1].outputs[0].text)
     assert outs[2].outputs[0].finish_reason == "stop" and re.fullmatch(r"\((\(\))*\)", outs[2].outputs[0].text)
+
+
+@pytest.mark.parametrize("grammar", ["root ::= " + "(" * 2000 + '"a"' + ")" * 2000,
+                                     "start: " + "(" * 2000 + '"a"' + ")" * 2000])
+def test_a_grammar_nested_too_deeply_is_a_grammar_error(grammar):
+    with pytest.raises(ValueError, match="nests its groups too deeply"):
+        compile_grammar(grammar)

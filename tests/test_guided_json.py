@@ -323,3 +323,14 @@ def test_guided_choice_outputs_exactly_one_of_the_choices(llm):
         SamplingParams(guided_choice=[])
     with pytest.raises(ValueError, match="give one of guided_json, guided_choice, guided_regex and guided_grammar"):
         SamplingParams(guided_choice=["a"], guided_json={"type": "object"})
+
+
+@pytest.mark.parametrize("depth", [450, 3000])
+def test_a_schema_nested_too_deeply_is_a_schema_error(depth):
+    """The compiler recurses per level of subschemas (and the cache's key is the schema's ``repr``): past the
+    interpreter's limit that was a RecursionError (a 500 at the server)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(SchemaError, match="nests too deeply"):
+        compile_schema(schema)

@@ -138,3 +138,12 @@ def test_guided_regex_requests_match_and_leave_others_alone(llm):
     for out, pattern in zip(outs[1:], patterns):
         assert out.outputs[0].finish_reason == "stop"
         assert re.fullmatch(pattern, out.outputs[0].text, re.ASCII), out.outputs[0].text
+
+
+@pytest.mark.parametrize("pattern", ["(" * 2000 + "a" + ")" * 2000, "(a|" * 2000 + "b" + ")" * 2000])
+def test_a_pattern_nested_too_deeply_is_a_regex_error(pattern):
+    """The parser recurses once per group: past the interpreter's limit that was a RecursionError (a 500)."""
+    with pytest.raises(RegexError, match="nests its groups too deeply"):
+        compile_regex(pattern)
+    with pytest.raises(ValueError, match="nests its groups too deeply"):
+        SamplingParams(guided_regex=pattern)

@@ -142,6 +142,31 @@ def test_strings_that_are_no_unicode_text_are_400_naming_the_field(server, alice
     assert_alive(server)
 
 
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {"x": [[[[]]]]}, None),  # not too deep: unknown fields are ignored
+    (CHAT, {"x": json.loads("[" * 900 + "]" * 900)}, None),
+    (JOBS, {"x": "DEEP"}, "body"), (CHAT, {"x": "DEEP"}, "body"),  # deeper than json parses: FastAPI's answer
+    (CHAT, {"guided_regex": "(" * 600 + "a" + ")" * 600}, "guided_regex"),
+    (CHAT, {"guided_grammar": "root ::= " + "(" * 600 + '"a"' + ")" * 600}, "guided_grammar"),
+    (CHAT, {"guided_json": "NESTED"}, "guided_json"),
+])
+def test_bodies_nested_too_deeply_are_400(server, alice, path, body, param):
+    """Nesting that made the parser or a compiler recurse past the interpreter's limit was a 500."""
+    defaults = {CHAT: {"model": BASE, "messages": HELLO, "max_tokens": 2},
+                JOBS: {"model": BASE, "training_file": "file-000000000000000000000000"}}[path]
+    raw = json.dumps({**defaults, **body})
+    raw = raw.replace('"DEEP"', "[" * 5000 + "]" * 5000)
+    raw = raw.replace('"NESTED"', '{"type": "array", "items": ' * 450 + "{}" + "}" * 450)
+    r = alice.post(path, content=raw, headers={"content-type": "application/json"})
+    if param is None:
+        assert r.status_code == 200, r.text[:300]
+    else:
+        error = error_of(r, 400)
+        assert param == "body" and error["message"] == "There was an error parsing the body" or \
+            error["param"] == param and "too deeply" in error["message"], error
+    assert_alive(server)
+
+
 def test_paired_surrogate_escapes_and_escaped_backslashes_are_text(alice):
     raw = json.dumps({"model": BASE, "max_tokens": 2, "messages": [{"role": "user", "content": "\U0001F600 a"}]})
     assert "\\ud83d\\ude00" in raw  # json.dumps writes the emoji as a pair of escapes

@@ -412,7 +412,10 @@ def compile_grammar(grammar: str) -> GrammarMachine:
     grammar is checked at the server, in ``SamplingParams`` and by the engine's guide)."""
     if not isinstance(grammar, str):
         raise GrammarError(f"grammar must be a string, got {type(grammar).__name__}")
-    return _compiled(grammar)
+    try:
+        return _compiled(grammar)
+    except RecursionError:  # the parsers recurse once per level of nesting
+        raise GrammarError("grammar nests its groups too deeply to compile") from None
 
 
 @lru_cache(maxsize=64)

@@ -517,7 +517,10 @@ def compile_regex(pattern: str) -> RegexMachine:
     request's pattern is checked at the server, in ``SamplingParams`` and by the engine's guide)."""
     if not isinstance(pattern, str):
         raise RegexError(f"pattern must be a string, got {type(pattern).__name__}")
-    return _compiled(pattern)
+    try:
+        return _compiled(pattern)
+    except RecursionError:  # the parser and the automaton's builder recurse once per level of nesting
+        raise RegexError("pattern nests its groups too deeply to compile") from None
 
 
 @lru_cache(maxsize=256)

@@ -91,13 +91,19 @@ def compile_schema(schema: Any) -> CompiledSchema:
 
     Tables are shared by the schema's ``repr`` (a request's schema is compiled at the server, in
     ``SamplingParams`` and by the engine's guide); nothing mutates a compiled table."""
-    key = repr(schema)
+    try:
+        key = repr(schema)
+    except RecursionError:
+        raise SchemaError("schema: nests too deeply to compile") from None
     with _LOCK:  # the server's loop and the engine thread both compile
         table = _COMPILED.get(key)
         if table is not None:
             _COMPILED.move_to_end(key)
             return table
-    table = _Compiler(schema).run()
+    try:
+        table = _Compiler(schema).run()
+    except RecursionError:  # the compiler recurses once per level of subschemas
+        raise SchemaError("schema: nests too deeply to compile") from None
     with _LOCK:
         _COMPILED[key] = table
         if len(_COMPILED) > MAX_COMPILED:

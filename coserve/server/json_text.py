@@ -22,24 +22,22 @@ from coserve.server.errors import APIError
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def lone_surrogate_field(data, path: str = "") -> str | None:
+def lone_surrogate_field(data) -> str | None:
     """The name of the first value (or key) in ``data`` that holds a lone surrogate, as ``messages[0].content``
-    (``""`` for a bare string), or None when every string is Unicode text."""
-    if isinstance(data, str):
-        return None if is_unicode_text(data) else path
-    if isinstance(data, dict):
-        for k, v in data.items():
-            name = f"{path}.{k}" if path else str(k)
-            if not is_unicode_text(k):
-                return path or "body"
-            found = lone_surrogate_field(v, name)
-            if found is not None:
-                return found
-    elif isinstance(data, list):
-        for i, v in enumerate(data):
-            found = lone_surrogate_field(v, f"{path}[{i}]")
-            if found is not None:
-                return found
+    (``""`` for a bare string; a key is named by its object), or None when every string is Unicode text. Walked
+    without recursion: a body may nest as deep as the JSON parser allows."""
+    stack: list[tuple[str, object]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not is_unicode_text(value):
+                return path
+        elif isinstance(value, dict):
+            if not all(is_unicode_text(k) for k in value):
+                return path
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
     return None
 
 
@@ -66,7 +64,7 @@ class TextJSONRoute(APIRoute):
                 if raw and _SURROGATE_ESCAPE.search(raw) is not None:
                     try:
                         data = await request.json()
-                    except ValueError:  # not JSON at all: FastAPI's own parse answers that
+                    except (ValueError, RecursionError):  # no JSON at all: FastAPI's own parse answers that
                         data = None
                     check_text(raw, data)
             return await handler(request)

@@ -38,7 +38,8 @@ def parse_body(model: type[pydantic.BaseModel], raw: bytes, content_type: str | 
     except json.JSONDecodeError as e:
         raise validation_error([{"loc": ("body", e.pos), "msg": "JSON decode error", "type": "json_invalid",
                                  "ctx": {"error": e.msg}}]) from e
-    except UnicodeDecodeError as e:  # bytes that are no UTF-8 text (json.loads decodes them first): FastAPI's answer
+    except (UnicodeDecodeError, RecursionError) as e:  # bytes that are no UTF-8 text (json.loads decodes them
+        # first), or arrays and objects nested deeper than the parser recurses: FastAPI's answer
         raise APIError(400, "There was an error parsing the body") from e
     check_text(raw, data)
     try:
