@@ -101,6 +101,20 @@ def test_bad_requests_fail_before_any_work_and_the_engine_keeps_serving(llm):
         engine.add_request([1, 10**9], params)
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
         llm.generate(["fine", "word " * 100], params)
+    # each of these used to reach the model and fail the whole iteration, the running request's token with it
+    vocab = engine.model_config.vocab_size
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{field}: {vocab + 1} is more than the vocabulary"):
+            engine.add_request("hi", SamplingParams(max_tokens=2, **{field: vocab + 1}))
+        with pytest.raises(ValueError, match=rf"^{field} must be"):
+            SamplingParams(**{field: True})
+    with pytest.raises(ValueError, match="^top_k must be"):
+        SamplingParams(top_k=True)
+    with pytest.raises(ValueError, match="^prompt: holds an unpaired UTF-16 surrogate"):  # the tokenizer's TypeError
+        engine.add_request("a \ud800 b", params)
+    for prompts in (None, 5, b"bytes"):
+        with pytest.raises(ValueError, match="^prompts: a string, a list of token ids"):
+            llm.generate(prompts, params)
     assert set(engine.scheduler.requests) == {"ok"}  # nothing half-queued
     done = []
     while engine.has_unfinished_requests():

@@ -98,6 +98,9 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts: a string, a list of token ids, or a list of those; got "
+                             f"{type(prompts).__name__}")
         prompts = list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params",
                              SamplingParams)

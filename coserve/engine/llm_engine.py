@@ -27,6 +27,7 @@ from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import encode, load_tokenizer
 from coserve.peft import (AdapterError, AdapterSlots, IA3Bank, LoraAdapter, LoraBank, ServedAdapter,
                           load_peft_adapter)
+from coserve.finetune.chat_format import NOT_UNICODE, is_unicode_text
 from coserve.finetune.job import FinetuneJob
 from coserve.finetune.memory_budget import job_memory
 from coserve.guided.guide import GuidedDecoding
@@ -268,6 +269,12 @@ class LLMEngine:
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise ValueError(f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        for field in ("logprobs", "prompt_logprobs"):  # the top-N of more than the vocabulary fails its iteration
+            n = getattr(params, field)
+            if n is not None and n > vocab:
+                raise ValueError(f"{field}: {n} is more than the vocabulary's {vocab} tokens")
+        if isinstance(prompt, str) and not is_unicode_text(prompt):  # the tokenizer's TypeError names nothing
+            raise ValueError(f"prompt: {NOT_UNICODE}")
         if isinstance(prompt, str):
             text, token_ids = prompt, encode(self.tokenizer, prompt)
         elif isinstance(prompt, (list, tuple)):

@@ -49,7 +49,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:  # smaller ones overflow the logits (NaN probabilities)
             self.temperature = MIN_TEMPERATURE
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or a non-negative integer, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -60,7 +60,8 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
