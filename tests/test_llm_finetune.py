@@ -49,6 +49,9 @@ def test_cancel_and_bad_config(model_factory, tmp_path):
                                                                               epochs=50))
     job.cancel()
     assert job.wait(timeout=30)["status"] == "cancelled"
+    for schedule in (7, 1.5, True, "random", "random:x"):  # a non-string was an AttributeError
+        with pytest.raises(ValueError, match="^window_schedule: expected 'random:SEED'"):
+            FinetuneConfig(output_dir=str(tmp_path / "o"), window_schedule=schedule)
 
 
 def test_requests_and_jobs_are_charged_to_their_tenants(model_factory, tmp_path):

@@ -77,6 +77,8 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
 
 
-def _is_random_schedule(spec: str) -> bool:
+def _is_random_schedule(spec: object) -> bool:
+    if not isinstance(spec, str):
+        return False
     kind, _, seed = spec.partition(":")
     return kind == "random" and seed.isdigit()
