@@ -49,6 +49,10 @@ def test_cancel_and_bad_config(model_factory, tmp_path):
                                                                               epochs=50))
     job.cancel()
     assert job.wait(timeout=30)["status"] == "cancelled"
+    with pytest.raises(ValueError, match="^r: must be a positive integer"):
+        LoraConfig(r=True)
+    with pytest.raises(ValueError, match=r"^r: a rank-\d+ LoRA on down_proj has [\d,]+ parameters, which cannot"):
+        llm.finetune(_data(tmp_path / "d.jsonl"), LoraConfig(r=2**63), FinetuneConfig(output_dir=str(tmp_path / "o3")))
     for schedule in (7, 1.5, True, "random", "random:x"):  # a non-string was an AttributeError
         with pytest.raises(ValueError, match="^window_schedule: expected 'random:SEED'"):
             FinetuneConfig(output_dir=str(tmp_path / "o"), window_schedule=schedule)

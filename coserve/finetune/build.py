@@ -15,6 +15,11 @@ def make_bypass(peft: LoraConfig | IA3Config, model: DecoderModel, seed: int) ->
     if isinstance(peft, IA3Config):
         return TrainableIA3(peft, shapes, layers, model.device)
     if isinstance(peft, LoraConfig):
-        return TrainableLora(peft, shapes, layers, model.device, torch.Generator().manual_seed(seed),
-                             base_weight=model.module_weight if peft.use_dora else None)
+        try:
+            return TrainableLora(peft, shapes, layers, model.device, torch.Generator().manual_seed(seed),
+                                 base_weight=model.module_weight if peft.use_dora else None)
+        except (RuntimeError, TypeError, OverflowError) as e:  # torch could not allocate A and B of that rank
+            params = layers * sum(peft.r * sum(shapes[m]) for m in peft.target_modules)
+            raise ValueError(f"r: a rank-{peft.r} LoRA on {', '.join(peft.target_modules)} has {params:,} "
+                             f"parameters, which cannot be allocated ({type(e).__name__})") from e
     raise ValueError(f"peft: expected a LoraConfig or IA3Config, got {type(peft).__name__}")

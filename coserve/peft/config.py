@@ -41,7 +41,7 @@ class LoraConfig:
     use_dora: bool = False  # DoRA (PEFT's): a trainable magnitude per output times the direction W + scaling B A
 
     def __post_init__(self) -> None:
-        if not isinstance(self.r, int) or self.r <= 0:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
             raise ValueError(f"r: must be a positive integer, got {self.r!r}")
         if not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
             raise ValueError(f"lora_alpha: must be positive, got {self.lora_alpha!r}")
