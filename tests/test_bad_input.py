@@ -70,8 +70,12 @@ def test_adapter_that_does_not_fit(llm, model_factory, tmp_path):
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(AdapterError, match="target_modules.*lm_head"):
         llm.load_adapter("bad", path)
-    from safetensors.torch import load_file, save_file
     cfg["target_modules"] = ["q_proj"]
+    for alpha in (float("nan"), float("inf"), True, "8"):  # Python's json reads NaN and Infinity: NaN outputs
+        (path / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": alpha}))
+        with pytest.raises(AdapterError, match="'lora_alpha' must be a finite number"):
+            llm.load_adapter("bad", path)
+    from safetensors.torch import load_file, save_file
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     tensors = load_file(str(path / "adapter_model.safetensors"))
     key = next(k for k in tensors if "lora_A" in k)

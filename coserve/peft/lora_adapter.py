@@ -51,8 +51,8 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or rank <= 0:
         raise AdapterError(f"{cfg_file}: field 'r' must be a positive integer, got {rank!r}")
-    if not isinstance(alpha, (int, float)):
-        raise AdapterError(f"{cfg_file}: field 'lora_alpha' must be a number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"{cfg_file}: field 'lora_alpha' must be a finite number, got {alpha!r}")
     if config.get("fan_in_fan_out", False):
         raise AdapterError(f"{cfg_file}: field 'fan_in_fan_out' = {config['fan_in_fan_out']!r} is not supported")
     dora = config.get("use_dora", False)
