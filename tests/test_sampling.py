@@ -162,6 +162,37 @@ def test_a_tiny_positive_temperature_is_floored_not_fatal(llm):
         SamplingParams(temperature=float("inf"))
 
 
+def test_a_row_its_masks_leave_no_token_samples_its_raw_logits():
+    """Every logit -inf drew a token id past the vocabulary (and greedy took token 0, which no mask allowed)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    nothing = torch.zeros(50, dtype=torch.bool)
+    some = torch.zeros(50, dtype=torch.bool)
+    some[[7, 9]] = True
+    for temperature in (0.0, 1.0):
+        rows = [SamplingRow(temperature, -1, 1.0, torch.Generator().manual_seed(1), allowed=nothing),
+                SamplingRow(temperature, -1, 1.0, torch.Generator().manual_seed(1), allowed=some),
+                SamplingRow(temperature, -1, 1.0, torch.Generator().manual_seed(1))]
+        tokens = sample(logits, rows)
+        unmasked = sample(logits[[0]], [SamplingRow(temperature, -1, 1.0, torch.Generator().manual_seed(1))])
+        assert tokens[0] == unmasked[0] and 0 <= tokens[0] < 50
+        assert tokens[1] in (7, 9)
+        assert tokens[2] == sample(logits[[2]], [SamplingRow(temperature, -1, 1.0,
+                                                             torch.Generator().manual_seed(1))])[0]
+
+
+def test_contradictory_constraints_end_their_own_request_not_the_iteration(llm):
+    """allowed_token_ids beside a guide that allows none of them: at a temperature this failed every iteration that
+    carried the request, and its batch-mates with it."""
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = llm.generate("Hello there", plain)[0].token_ids
+    stuck = SamplingParams(max_tokens=6, temperature=1.0, seed=3, allowed_token_ids=[1, 2, 3], guided_regex="[ab]+")
+    outs = llm.generate(["Hello there", "x y"], [plain, stuck])
+    assert outs[0].token_ids == alone and outs[0].outputs[0].finish_reason == "length"
+    assert outs[1].outputs[0].finish_reason in ("stop", "length") and outs[1].error is None
+    assert llm.engine.num_failed_iterations == 0
+
+
 def test_priority_scheduling_changes_the_order_not_the_outputs(llm, model_factory):
     """vLLM's priority policy: a tight engine (one request at a time) serves the most urgent first; greedy outputs
     are those of first-come-first-served; under fcfs a priority is an error, not silently dropped."""

@@ -26,14 +26,21 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None) -> list[int]:
     """One token per row of ``logits`` ``[N, V]``: greedy rows by one argmax; the others filtered together
     (``filtered_probs``) and drawn together (``draw``). One read back for every row. ``logits`` is left as it was
-    (penalised and guided rows are copies)."""
+    (penalised and guided rows are copies). A row whose masks leave it no token at all (a guide, ``allowed_token_ids``
+    and ``min_tokens``' ban that contradict each other) samples from its raw logits, as a guide with no token to
+    offer leaves its request unguided: every logit -inf drew a token id past the vocabulary, which failed the whole
+    iteration (every request in it, and a fused finetuning slice's job)."""
     if any(row.adjust is not None or row.allowed is not None for row in rows):
-        logits = logits.clone()
+        raw, logits = logits, logits.clone()
         for i, row in enumerate(rows):
             if row.adjust is not None:
                 logits[i] = adjust_logits(logits[i], row.adjust)
             if row.allowed is not None:
                 logits[i].masked_fill_(~row.allowed, float("-inf"))
+        left = (logits > float("-inf")).any(dim=-1)
+        if not bool(left.all()):
+            dead = (~left).nonzero().squeeze(1)
+            logits[dead] = raw[dead]
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, row in enumerate(rows) if row.temperature != 0 and row.top_k != 1]
     if drawn:
