@@ -109,3 +109,16 @@ def test_bad_settings_are_refused_naming_the_field(field, value, message):
 def test_a_bias_outside_the_vocabulary_is_refused_before_any_work(llm):
     with pytest.raises(ValueError, match="logit_bias: token id 999999 is outside the vocabulary"):
         llm.generate("x", SamplingParams(logit_bias={999999: 1.0}))
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 5e-324])
+def test_a_repetition_penalty_near_zero_leaves_finite_logits(llm, penalty):
+    """It divided a positive logit to +inf (the penalty is 0 in float32): the probabilities went NaN and the drawn
+    token id past the vocabulary failed every iteration carrying the request."""
+    logits = torch.tensor([3.0, -2.0, 1.0, 0.5])
+    out = adjust_logits(logits, LogitAdjustments(output_ids=[0], prompt_ids=[1, 2], repetition_penalty=penalty))
+    assert torch.isfinite(out).all() and out.argmax() in (0, 2) and out[3] == 0.5  # the unseen token untouched
+    before = llm.engine.num_failed_iterations
+    done = llm.generate("hello hello hello", SamplingParams(max_tokens=4, temperature=1.0, seed=2, ignore_eos=True,
+                                                            repetition_penalty=penalty))[0]
+    assert len(done.token_ids) == 4 and done.error is None and llm.engine.num_failed_iterations == before

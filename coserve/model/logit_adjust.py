@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+# The largest logit an adjustment leaves: still above any model's, and finite after the smallest temperature
+# (``MIN_TEMPERATURE``, 0.01) divides it.
+MAX_LOGIT = 1e30
+
+
 @dataclass(slots=True)
 class LogitAdjustments:
     """One request's adjustments (plain numbers and token ids)."""
@@ -40,6 +45,7 @@ def adjust_logits(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tensor:
         seen = torch.tensor(adj.prompt_ids + adj.output_ids, dtype=torch.long, device=device).unique()
         values = out[seen]
         out[seen] = torch.where(values > 0, values / adj.repetition_penalty, values * adj.repetition_penalty)
+        out.clamp_(max=MAX_LOGIT)  # a penalty near zero divides a logit to +inf: NaN probabilities after softmax
     if (adj.presence_penalty or adj.frequency_penalty) and adj.output_ids:
         counts = torch.bincount(torch.tensor(adj.output_ids, dtype=torch.long, device=device),
                                 minlength=out.shape[0]).to(out.dtype)
