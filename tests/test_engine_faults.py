@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from fastapi.testclient import TestClient
 
+from coserve.engine import executor as executor_module
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
+from coserve.model.sampling import sample
 from coserve.scheduler import SamplingParams
 from coserve.server.app import build_app
 from coserve.server.config import ServerConfig
@@ -91,6 +94,41 @@ def test_a_job_whose_iteration_fails_stops_alone_and_the_requests_beside_it_are_
     while engine.has_running_jobs():
         engine.step()
     assert engine.job_states[second].status == "succeeded"
+
+
+@pytest.mark.parametrize("fault", ["raises", "past the vocabulary"])
+def test_a_request_whose_token_cannot_be_sampled_fails_alone_and_its_iteration_stands(model_factory, tmp_path,
+                                                                                     monkeypatch, fault):
+    """Sampling is the requests' own: when it raises (or draws a token id past the vocabulary, which failed the
+    next forward), each row is sampled alone and only the rows that fail end, with finish_reason "error". The
+    iteration stands: its batch-mates' tokens, and the finetuning job riding in it (an iteration that raises fails
+    its jobs first)."""
+    model_dir = model_factory("llama")
+    prompts = _prompts(4, seed=11)
+    reference = _generate(_engine(model_dir), prompts)
+    engine = _engine(model_dir)
+    job_id = engine.add_finetune_job(_job(engine, tmp_path / "job", max_steps=3))
+    marked = 0.77  # the poisoned request's temperature
+
+    def faulty_sample(logits, rows, generator=None):
+        out = sample(logits, rows, generator)
+        if any(r.temperature == marked for r in rows):
+            if fault == "raises":
+                raise RuntimeError("injected sampling fault")
+            out = [logits.shape[-1] if r.temperature == marked else t for r, t in zip(rows, out)]
+        return out
+    monkeypatch.setattr(executor_module, "sample", faulty_sample)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    poisoned = engine.add_request([7, 8, 9], SamplingParams(max_tokens=12, temperature=marked, ignore_eos=True))
+    outs = _run(engine, [*ids, poisoned])
+    assert outs[poisoned].outputs[0].finish_reason == "error"
+    assert ("injected sampling fault" if fault == "raises" else "outside the vocabulary") in outs[poisoned].error
+    assert [outs[r].token_ids for r in ids] == list(reference.values())
+    assert engine.num_failed_iterations == 0 and engine.scheduler.blocks.block_table(poisoned) == []
+    while engine.has_running_jobs():
+        engine.step()
+    assert engine.job_states[job_id].status == "succeeded"
 
 
 def test_the_server_answers_an_engine_fault_with_a_500_and_serves_on(model_factory, tmp_path):

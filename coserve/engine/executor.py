@@ -126,21 +126,36 @@ class ModelExecutor:
             hidden, sampling = self._verify_drafts(hidden, sampling, result)
         if sampling:
             logits = self.model.logits(hidden)  # [N, V] float32
-            if all(c.params.greedy and not c.params.reads_history for c in sampling):
-                tokens = logits.argmax(dim=-1).tolist()  # what ``sample`` gives such rows, without building them
-            else:
-                rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
-                                    self._generator(c.request_id, c.params.seed),
-                                    _adjustments(c, self.eos_token_ids), self._allowed(c), c.params.min_p)
-                        for c in sampling]
-                tokens = sample(logits, rows, self.default_generator)
-            result.sampled.update({c.request_id: t for c, t in zip(sampling, tokens)})
-            wants = [i for i, c in enumerate(sampling) if c.params.logprobs is not None]
-            if wants:
-                lp = top_logprobs(logits[wants], [tokens[i] for i in wants],
-                                  [sampling[i].params.logprobs for i in wants])
-                for i, (chosen, top) in zip(wants, lp):
-                    result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
+            try:
+                self._sample(logits, sampling, result)
+            except Exception:  # some request's own settings: each row alone, and only the rows that raise fail
+                for i, c in enumerate(sampling):  # (a seeded row that drew before the raise draws anew)
+                    try:
+                        self._sample(logits[i:i + 1], [c], result)
+                    except Exception as e:
+                        result.request_errors[c.request_id] = f"{type(e).__name__}: {e}"
+                        result.sampled.pop(c.request_id, None)
+                        result.logprobs.pop(c.request_id, None)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult) -> None:
+        """The chunks' tokens (and logprobs where asked) from their rows of ``logits``, into ``result``."""
+        if all(c.params.greedy and not c.params.reads_history for c in sampling):
+            tokens = logits.argmax(dim=-1).tolist()  # what ``sample`` gives such rows, without building them
+        else:
+            rows = [SamplingRow(c.params.temperature, c.params.top_k, c.params.top_p,
+                                self._generator(c.request_id, c.params.seed),
+                                _adjustments(c, self.eos_token_ids), self._allowed(c), c.params.min_p)
+                    for c in sampling]
+            tokens = sample(logits, rows, self.default_generator)
+        vocab = logits.shape[-1]
+        if not all(0 <= t < vocab for t in tokens):  # NaN probabilities draw past the end: the next forward fails
+            raise ValueError(f"a sampled token id is outside the vocabulary [0, {vocab}) (non-finite logits)")
+        wants = [i for i, c in enumerate(sampling) if c.params.logprobs is not None]
+        scored = top_logprobs(logits[wants], [tokens[i] for i in wants],
+                              [sampling[i].params.logprobs for i in wants]) if wants else []
+        result.sampled.update({c.request_id: t for c, t in zip(sampling, tokens)})
+        for i, (chosen, top) in zip(wants, scored):
+            result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
 
     def _verify_drafts(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult
                        ) -> tuple[torch.Tensor, list[InferenceChunk]]:

@@ -385,7 +385,7 @@ class LLMEngine:
             outputs.append(self.outputs.output(request, request.is_finished))
             if request.is_finished:
                 self.scheduler.pop_request(request.request_id)
-        for request_id in plan.finished:  # aborted ones produce a final output too
+        for request_id in [*plan.finished, *result.request_errors]:  # aborted and failed ones: a final output too
             request = self.scheduler.pop_request(request_id)
             if request is not None:
                 outputs.append(self.outputs.output(request, True))

@@ -307,6 +307,10 @@ class Scheduler:
                 request.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if not chunk.sample:
                 continue
+            if chunk.request_id in result.request_errors:
+                request.error = result.request_errors[chunk.request_id]
+                self.finish_request(request.request_id, "error")  # the engine sends its final output
+                continue
             token = result.sampled[chunk.request_id]
             self._append(request, token)
             (firsts if len(request.output_token_ids) == 1 else events).append(
