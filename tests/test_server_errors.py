@@ -630,6 +630,39 @@ def test_an_adapter_unloaded_before_its_request_reaches_the_engine(model_factory
         loop.stop()
 
 
+def test_a_closed_stream_leaves_no_output_behind_in_the_engine_loop(model_factory):
+    """A stream closed before its end (a client gone) aborted its request without a listener, so the abort's final
+    output was kept for a ``wait_for`` no one calls: 600 of them after a minute of clients leaving."""
+    from coserve.engine.config import EngineConfig
+    from coserve.engine.engine_loop import EngineLoop
+    from coserve.engine.llm_engine import LLMEngine
+    from coserve.scheduler import SamplingParams
+    from coserve.server.generation import EngineClient
+
+    engine = LLMEngine(EngineConfig(model=str(model_factory("llama")), dtype="float32", device="cpu"))
+    loop = EngineLoop(engine)
+
+    async def leave_early() -> None:
+        client = EngineClient(loop, 8)
+        for i in range(6):
+            request, _ = engine.make_request([1, 2, 3 + i], SamplingParams(max_tokens=64, ignore_eos=True),
+                                             request_id=f"left-{i}")
+            stream = client.submit(request)
+            for _ in range(i % 3):  # closed before its first token, or after one or two
+                await stream.__anext__()
+            await stream.aclose()
+        done, _ = engine.make_request([4, 5], SamplingParams(max_tokens=2), request_id="stays")
+        assert [out async for out in client.submit(done)][-1].finished
+
+    try:
+        asyncio.run(leave_early())
+        loop.wait_until(lambda: not engine.has_unfinished_requests())
+        loop.call(lambda: None)  # the aborts' final outputs have been passed on
+        assert loop.finished == {} and loop.listeners == {} and loop.error is None
+    finally:
+        loop.stop()
+
+
 def test_requests_submitted_but_not_yet_queued_count_against_capacity():
     """Submissions wait for the engine thread before they show in the scheduler's queue: a burst used to pass a
     capacity check of that queue alone, however large."""

@@ -138,10 +138,15 @@ class RequestStream:
         self.client.in_flight -= 1
         loop, engine, rid = self.client.loop, self.client.engine, self.request_id
 
-        def abort() -> None:
-            loop.listeners.pop(rid, None)
+        def abort() -> None:  # on the engine thread, after every output of the iterations before it was passed on
+            if rid in loop.listeners:  # not finished yet: its final output (the abort's) is dropped, not kept for a
+                loop.listeners[rid] = _drop  # ``wait_for`` no one will call (every closed stream leaked one)
             engine.abort_request(rid)
         loop.post(abort)
+
+
+def _drop(out: RequestOutput | BaseException) -> None:
+    """The listener of a request whose stream was closed: what it still produces goes nowhere."""
 
 
 @dataclass(slots=True)
