@@ -86,3 +86,18 @@ def test_a_bad_setting_is_refused_naming_the_flag(monkeypatch, bad):
     bench.add_arguments(p)
     with pytest.raises(ValueError, match="--config"):
         bench.run(p.parse_args(["--model", "m", "--config", bad, "--device", "cpu"]))
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "cannot be read as JSON"),  # no such file: it ran on synthetic text in its place
+    ('{"x": 1}', "must be a JSON array of Alpaca records"),  # was a TypeError in the worker
+    ('[{"instruction": "a", "output": "b"}, {"text": "c"}]', "record 2 is not an Alpaca record"),
+    ('[{"instruction": "a", "output": 5}]', "record 1 is not an Alpaca record"),
+])
+def test_a_data_file_that_is_no_alpaca_array_is_refused_naming_the_flag(monkeypatch, tmp_path, content, says):
+    monkeypatch.setattr(bench, "_spawn", lambda spec: pytest.fail("no run for bad --data"))
+    path = tmp_path / "d.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=f"^--data: {path}.*{says}"):
+        bench.run(_args("--data", str(path)))

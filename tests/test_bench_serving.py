@@ -285,3 +285,14 @@ def test_every_policys_job_takes_the_memory_target_and_a_bad_one_is_refused(mode
     assert main(["bench", "--model", str(model), "--policy", "coserve", "--rate", "1", "--finetune-data", data,
                  "--finetune-memory-target", "1.5"]) == 2
     assert "--finetune-memory-target: must be in (0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_a_bad_finetuning_data_set_is_refused_before_any_run(model_factory, tmp_path, capsys):
+    """It failed in each run's child process, a traceback naming the child rather than the flag."""
+    from coserve.cli import main
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"x": 1}')
+    assert main(["bench", "--model", str(model_factory("llama")), "--policy", "coserve", "--rate", "1",
+                 "--duration", "1", "--finetune-data", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--finetune-data: {bad}: no valid training example" in err and "Traceback" not in err

@@ -49,10 +49,10 @@ def add_arguments(p) -> None:
 
 
 def packed_sequences(tokenizer, path: Path, seq_len: int, count: int) -> list[list[int]]:
-    """``count`` sequences of exactly ``seq_len`` tokens, packed from Alpaca records (or synthetic text)."""
-    if path.is_file():
-        records = json.loads(path.read_text())
-        texts = [f"{r['instruction']}\n{r.get('input', '')}\n{r['output']}" for r in records]
+    """``count`` sequences of exactly ``seq_len`` tokens, packed from Alpaca records (``alpaca_texts``), or from
+    synthetic text where the default data set is absent (``../shared/data`` is not everywhere)."""
+    if path.is_file() or path != DEFAULT_ALPACA:
+        texts = alpaca_texts(path)
     else:
         texts = [f"Example {i}: the scheduler packs tokens into iterations." for i in range(2000)]
     stream: list[int] = []
@@ -65,6 +65,25 @@ def packed_sequences(tokenizer, path: Path, seq_len: int, count: int) -> list[li
     return [stream[i * seq_len:(i + 1) * seq_len] for i in range(count)]
 
 
+def alpaca_texts(path: Path) -> list[str]:
+    """Each record of an Alpaca JSON array as ``instruction \\n input \\n output``; ValueError naming the file and the
+    first record that is not one."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--data: {path} cannot be read as JSON ({e})") from e
+    if not isinstance(records, list) or not records:
+        raise ValueError(f"--data: {path} must be a JSON array of Alpaca records (instruction, input, output)")
+    texts = []
+    for i, r in enumerate(records):
+        if not (isinstance(r, dict) and all(isinstance(r.get(k, ""), str) for k in ("instruction", "input", "output"))
+                and "instruction" in r and "output" in r):
+            raise ValueError(f"--data: {path}: record {i + 1} is not an Alpaca record with string instruction and "
+                             "output")
+        texts.append(f"{r['instruction']}\n{r.get('input', '')}\n{r['output']}")
+    return texts
+
+
 def run(args) -> int:
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
@@ -75,6 +94,8 @@ def run(args) -> int:
     configs = [_parse_config(c) for c in (args.config or ["cheap:0", "all:0", "cheap:64"])]
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
+    if Path(args.data).is_file() or Path(args.data) != DEFAULT_ALPACA:
+        alpaca_texts(Path(args.data))  # a bad file named here, not in a worker's traceback
     rows = []
     for t in targets:
         spec = {"model": args.model, "data": args.data, "seq_len": args.seq_len, "steps": args.steps,

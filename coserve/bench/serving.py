@@ -134,6 +134,12 @@ def run(args) -> int:
     tokenizer = load_tokenizer(Path(args.model))
     if not 0 < args.finetune_memory_target <= 1:
         raise ValueError(f"--finetune-memory-target: must be in (0, 1], got {args.finetune_memory_target}")
+    if args.finetune_data:  # a bad file named here, before any run, not in a child's traceback
+        from coserve.finetune.dataset import DatasetError, load_dataset
+        try:
+            load_dataset(args.finetune_data, tokenizer, args.finetune_seq_len)
+        except DatasetError as e:
+            raise ValueError(f"--finetune-data: {e}") from e
     finetune = (FinetuneSpec(args.finetune_data, args.finetune_seq_len, seed=args.seed,
                              memory_target=args.finetune_memory_target) if args.finetune_data else None)
     workloads = {rate: serving_workload(tokenizer, max_len, rate, args.duration,
