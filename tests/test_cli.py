@@ -45,6 +45,13 @@ def test_bad_input_is_one_clear_line(model_factory, tmp_path):
     assert proc.returncode == 2 and "missing" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_state_directory_that_cannot_be_made_is_named_before_the_model_loads(model_factory, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["serve", "--model", str(model_factory("llama")), "--state-dir", str(blocker / "state")]) == 2
+    assert f"--state-dir: cannot make {blocker / 'state'}" in capsys.readouterr().err
+
+
 def test_bench_generation_runs_on_tiny_settings(model_factory, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench-generation", "--model", str(model_factory("llama")), "--num-requests", "4",

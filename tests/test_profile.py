@@ -89,3 +89,17 @@ def test_the_grid_is_timed_in_shuffled_passes_so_a_drifting_device_does_not_bias
         timed = [0.015 if 14 <= k < 29 else 0.010 for k, p in enumerate(runs) if k >= 12 and p == points[i]]
         assert seconds == sorted(timed)[1] and shape == profiler.IterationRig.shape(points[i])
     assert {s for _, s in samples} == {0.010, 0.015}
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_timing(model_factory, tmp_path, capsys,
+                                                                        monkeypatch):
+    """Its directory was made after the grid was timed (minutes on a CPU), and the error named no flag."""
+    from coserve.engine import profile_command
+
+    monkeypatch.setattr(profile_command, "profile", lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed")))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for flag in ("--out", "--samples"):
+        extra = [flag, str(blocker / "x.json")] + (["--out", str(tmp_path / "ok.json")] if flag == "--samples" else [])
+        assert main(["profile", "--model", str(model_factory("llama")), *extra]) == 2
+        assert f"{flag}: cannot make the directory of {blocker / 'x.json'}" in capsys.readouterr().err

@@ -34,6 +34,13 @@ def run(args) -> int:
     for name in ("points", "repeats", "max_context"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be positive")
+    out = Path(args.out) if args.out else default_profile_path()
+    for flag, path in (("--out", out), ("--samples", Path(args.samples) if args.samples else None)):
+        if path is not None:  # before minutes of timing, not after
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{flag}: cannot make the directory of {path} ({e.strerror or e})") from e
     cfg = ModelConfig.from_dir(args.model)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
     model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
@@ -43,8 +50,6 @@ def run(args) -> int:
     latency, samples = profile(model, key, args.points, args.repeats, args.seed, args.max_context,
                                progress=lambda done, total: bar.update(1), fuse=fuse)
     bar.close()
-    out = Path(args.out) if args.out else default_profile_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
     save_latency_model(out, latency)
     err = latency.heldout_median_abs_pct_error
     print(f"{len(samples)} iterations timed; held-out median absolute error "

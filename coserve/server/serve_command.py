@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
@@ -113,6 +114,10 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
         if not sep or not name or not path:
             raise ValueError(f"--adapter: expected NAME=PATH, got {spec!r}")
         adapters[name] = path
+    try:  # before the model loads, naming the flag
+        Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--state-dir: cannot make {args.state_dir} ({e.strerror or e})") from e
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice: give it together with --tool-call-parser (as vLLM's flags)")
     config = ServerConfig(model=args.model, state_dir=args.state_dir, served_model_name=args.served_model_name,
