@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,6 +39,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self.model_dir = Path(model)
         self._loop: EngineLoop | None = None  # the background engine thread, once a job has started
+        # Held while a ``generate`` steps the engine in its caller's thread: calls from several threads take turns
+        # (each stepped the engine at once, taking the others' outputs: they waited for good), and the background
+        # thread starts only between them.
+        self._stepping = threading.Lock()
 
     def finetune(self, data: str | Path, peft: LoraConfig | IA3Config | None = None,
                  config: FinetuneConfig | None = None, tenant: str = "default",
@@ -68,20 +73,31 @@ class LLM:
 
     def _background(self) -> EngineLoop:
         if self._loop is None:
-            self._loop = EngineLoop(self.engine)
+            with self._stepping:
+                if self._loop is None:
+                    self._loop = EngineLoop(self.engine)
         return self._loop
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def _on_engine(self, fn):
+        """``fn()`` where nothing steps the engine meanwhile: on its thread between iterations once it has one,
+        else between other threads' ``generate`` calls."""
+        if self._loop is None:
+            with self._stepping:
+                if self._loop is None:
+                    return fn()
+        return self._loop.call(fn)
+
     def load_adapter(self, name: str, path: str | Path) -> None:
         """Load a HF PEFT LoRA or IA3 adapter directory to serve under ``name``."""
-        self.engine.load_adapter(name, path)
+        self._on_engine(lambda: self.engine.load_adapter(name, path))
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name``; refused while requests still use it."""
-        self.engine.unload_adapter(name)
+        self._on_engine(lambda: self.engine.unload_adapter(name))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -112,9 +128,16 @@ class LLM:
                 built.append(self.engine.make_request(p, sp, a, tenant=tenant, priority=pr))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
-        if self._loop is not None:  # the engine runs in its thread: hand the requests over and wait
-            self._loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
-            return self._loop.wait_for([r.request_id for r, _ in built])
+        if self._loop is None:
+            with self._stepping:
+                if self._loop is None:
+                    return self._run_here(built, use_tqdm)
+        # the engine runs in its thread (since a job started): hand the requests over and wait
+        self._loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
+        return self._loop.wait_for([r.request_id for r, _ in built])
+
+    def _run_here(self, built: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine in this thread until ``built``'s requests have finished (under ``_stepping``)."""
         order = {}
         for i, (request, text) in enumerate(built):
             self.engine.enqueue(request, text)
