@@ -88,6 +88,13 @@ def test_run_batch_answers_each_request_in_order_as_the_server_would(model_facto
     proc = subprocess.run([sys.executable, "-m", "coserve.cli", "run-batch", "--model", str(model), "-i", str(source),
                            "-o", str(out)], capture_output=True, text=True)
     assert proc.returncode == 2 and "line 1: method: must be 'POST'" in proc.stderr and "Traceback" not in proc.stderr
+    source.write_text(json.dumps(lines[0]) + "\n")  # an output that cannot be written: refused before the batch runs
+    (tmp_path / "a-file").write_text("")
+    capsys.readouterr()
+    assert main(["run-batch", "--model", str(model), "-i", str(source), "-o", str(tmp_path / "a-file" / "r.jsonl"),
+                 "--dtype", "float32", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert "--output-file: cannot make the directory of" in captured.err and "requests" not in captured.out
 
 
 @pytest.mark.parametrize("command", ["bench", "profile", "finetune"])

@@ -41,14 +41,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{source}: {e}") from e
     if args.max_concurrency <= 0:
         raise ValueError(f"--max-concurrency: must be positive, got {args.max_concurrency}")
+    out = Path(args.output_file)
+    try:  # before the batch runs, not after: its answers would be lost
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output-file: cannot make the directory of {out} ({e.strerror or e})") from e
     with tempfile.TemporaryDirectory(prefix="coserve-run-batch-") as scratch:
         if args.state_dir is None:  # nothing of this run outlives it
             args.state_dir = scratch
         config, engine_config = serve_command.configs(args, warn_without_keys=False)
         app = build_app(config, engine_config)
         records = asyncio.run(_run_all(app, lines, args.max_concurrency, engine_config.scheduling_policy))
-    out = Path(args.output_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
     ok = sum(r["response"]["status_code"] < 300 for r in records)
     print(f"coserve run-batch: {len(records)} requests, {ok} answered, {len(records) - ok} errors -> "
