@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from coserve.bench.workload import DEFAULT_SHAREGPT
+from coserve.output_path import prepare_output
 
 DEFAULT_ALPACA = DEFAULT_SHAREGPT.with_name("alpaca_en_demo.json")
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -94,6 +95,7 @@ def run(args) -> int:
     configs = [_parse_config(c) for c in (args.config or ["cheap:0", "all:0", "cheap:64"])]
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
+    prepare_output("--out", args.out)
     if Path(args.data).is_file() or Path(args.data) != DEFAULT_ALPACA:
         alpaca_texts(Path(args.data))  # a bad file named here, not in a worker's traceback
     rows = []
@@ -126,7 +128,6 @@ def run(args) -> int:
                   f"(median of {p['rounds']} rounds, x{p['ratio_tokens_per_s_min']:.2f}-"
                   f"x{p['ratio_tokens_per_s_max']:.2f})")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 

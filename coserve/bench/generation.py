@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from coserve.bench.workload import sharegpt_prompts
+from coserve.output_path import prepare_output
 
 
 def add_arguments(p) -> None:
@@ -29,6 +30,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from coserve import LLM, SamplingParams
 
+    prepare_output("--out", args.out)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.num_requests, 1))
     prompts = sharegpt_prompts(llm.tokenizer, args.num_requests, args.max_prompt_len,
@@ -70,7 +72,6 @@ def run(args) -> int:
             f["decode_ms_per_step"] = 1000 * (f["total_s"] - f["prefill_s"]) / max(1, args.output_len - 1)
     _print(report)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 

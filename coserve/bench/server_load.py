@@ -31,6 +31,7 @@ from coserve.bench.metrics import RequestRecord, percentile_stats, summarize
 from coserve.bench.spawned import run_spawned
 from coserve.bench.workload import DEFAULT_SHAREGPT, fit_length, load_sharegpt
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
+from coserve.output_path import prepare_output
 from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
 from coserve.server.middleware import ACCESS_LOGGER
 
@@ -578,6 +579,7 @@ def run(args) -> int:
         raise ValueError(f"--num-requests: must be positive, got {args.num_requests}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
+    prepare_output("--out", args.out)
     check_client_nice(args.client_nice, client_runs=args.phase != "in-process")
     if args.phase != "in-process":
         check_client_http(args.client_http)
@@ -671,6 +673,5 @@ def run(args) -> int:
                   f"{1000 * wire:.2f} ms in the client and on the wire (p99 "
                   f"{1000 * row['client_and_wire_s']['p99']:.1f}{of_which} ms)")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

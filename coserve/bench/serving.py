@@ -23,6 +23,7 @@ from coserve.bench.serving_workload import serving_workload
 from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
+from coserve.output_path import prepare_output
 
 
 def add_arguments(p) -> None:
@@ -124,6 +125,7 @@ def run(args) -> int:
             raise ValueError(f"--rate: {r} is negative")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
+    prepare_output("--out", args.out)
     for name in ("trace", "prompts", "finetune_data", "latency_model"):
         value = getattr(args, name)
         if value is not None and not Path(value).is_file():

@@ -12,6 +12,7 @@ from coserve.engine.profiler import default_profile_path, latency_key, profile, 
 from coserve.model.batch_invariance import FUSE_CHOICES, plan_fusion
 from coserve.model.config import ModelConfig
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
+from coserve.output_path import prepare_output
 from coserve.scheduler.latency_model import FEATURE_NAMES
 
 
@@ -34,13 +35,8 @@ def run(args) -> int:
     for name in ("points", "repeats", "max_context"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be positive")
-    out = Path(args.out) if args.out else default_profile_path()
-    for flag, path in (("--out", out), ("--samples", Path(args.samples) if args.samples else None)):
-        if path is not None:  # before minutes of timing, not after
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"{flag}: cannot make the directory of {path} ({e.strerror or e})") from e
+    out = prepare_output("--out", args.out or default_profile_path())  # before minutes of timing, not after
+    prepare_output("--samples", args.samples)
     cfg = ModelConfig.from_dir(args.model)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
     model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))

@@ -14,6 +14,7 @@ from coserve.finetune.runner import run_job
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.config import ModelConfig
 from coserve.model.tokenizer import load_tokenizer
+from coserve.output_path import prepare_directory
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.finetune.build import make_bypass
 from coserve.peft.trainable import TrainableBypass, load_trainable
@@ -72,6 +73,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from coserve.finetune.dataset import load_dataset
+    prepare_directory("--output", args.output)  # before any training
     cfg = FinetuneConfig(
         output_dir=args.output, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, lr=args.lr, optimizer=args.optimizer, lr_scheduler=args.lr_scheduler,

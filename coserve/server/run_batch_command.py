@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from coserve.output_path import prepare_output
 from coserve.server import serve_command
 
 
@@ -41,11 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{source}: {e}") from e
     if args.max_concurrency <= 0:
         raise ValueError(f"--max-concurrency: must be positive, got {args.max_concurrency}")
-    out = Path(args.output_file)
-    try:  # before the batch runs, not after: its answers would be lost
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--output-file: cannot make the directory of {out} ({e.strerror or e})") from e
+    out = prepare_output("--output-file", args.output_file)  # before the batch runs: its answers would be lost
     with tempfile.TemporaryDirectory(prefix="coserve-run-batch-") as scratch:
         if args.state_dir is None:  # nothing of this run outlives it
             args.state_dir = scratch

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
+from coserve.output_path import prepare_directory
 from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
 
 DEFAULT_STATE_DIR = "coserve-state"
@@ -114,10 +114,7 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
         if not sep or not name or not path:
             raise ValueError(f"--adapter: expected NAME=PATH, got {spec!r}")
         adapters[name] = path
-    try:  # before the model loads, naming the flag
-        Path(args.state_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--state-dir: cannot make {args.state_dir} ({e.strerror or e})") from e
+    prepare_directory("--state-dir", args.state_dir)  # before the model loads
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice: give it together with --tool-call-parser (as vLLM's flags)")
     config = ServerConfig(model=args.model, state_dir=args.state_dir, served_model_name=args.served_model_name,
