@@ -52,10 +52,10 @@ def add_arguments(p) -> None:
 def packed_sequences(tokenizer, path: Path, seq_len: int, count: int) -> list[list[int]]:
     """``count`` sequences of exactly ``seq_len`` tokens, packed from Alpaca records (``alpaca_texts``), or from
     synthetic text where the default data set is absent (``../shared/data`` is not everywhere)."""
-    if path.is_file() or path != DEFAULT_ALPACA:
-        texts = alpaca_texts(path)
-    else:
+    if _synthetic(path):
         texts = [f"Example {i}: the scheduler packs tokens into iterations." for i in range(2000)]
+    else:
+        texts = alpaca_texts(path)
     stream: list[int] = []
     for text in texts:
         stream.extend(tokenizer(text, verbose=False)["input_ids"] + [tokenizer.eos_token_id])
@@ -64,6 +64,12 @@ def packed_sequences(tokenizer, path: Path, seq_len: int, count: int) -> list[li
     while len(stream) < seq_len * count:
         stream.extend(stream[: seq_len * count - len(stream)])
     return [stream[i * seq_len:(i + 1) * seq_len] for i in range(count)]
+
+
+def _synthetic(path: Path) -> bool:
+    """Whether ``path`` is the default data set and it is absent (then synthetic text stands in; any other path
+    must be a file)."""
+    return path == DEFAULT_ALPACA and not path.is_file()
 
 
 def alpaca_texts(path: Path) -> list[str]:
@@ -96,7 +102,7 @@ def run(args) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
     prepare_output("--out", args.out)
-    if Path(args.data).is_file() or Path(args.data) != DEFAULT_ALPACA:
+    if not _synthetic(Path(args.data)):
         alpaca_texts(Path(args.data))  # a bad file named here, not in a worker's traceback
     rows = []
     for t in targets:

@@ -37,10 +37,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
                 logits[i] = adjust_logits(logits[i], row.adjust)
             if row.allowed is not None:
                 logits[i].masked_fill_(~row.allowed, float("-inf"))
-        left = (logits > float("-inf")).any(dim=-1)
-        if not bool(left.all()):
-            dead = (~left).nonzero().squeeze(1)
-            logits[dead] = raw[dead]
+        left = (logits > float("-inf")).any(dim=-1, keepdim=True)
+        logits = torch.where(left, logits, raw)  # no read-back to find such rows: one select for all of them
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, row in enumerate(rows) if row.temperature != 0 and row.top_k != 1]
     if drawn:
