@@ -198,6 +198,7 @@ def format_row(r: dict) -> str:
 
 
 def write_report(path: Path, args, rows: list[dict]) -> None:
+    """The report so far, written atomically into the directory ``run`` prepared before the first run."""
     import torch
     report = {"model": args.model, "duration_s": args.duration, **slo_settings(args),
               "cut_for_arrivals": args.cut_for_arrivals, "ttft_limit_s": args.ttft_limit_s,
@@ -205,7 +206,6 @@ def write_report(path: Path, args, rows: list[dict]) -> None:
               "command": " ".join(["coserve", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
               "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
               "results": rows}
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(report, indent=1))
     os.replace(tmp, path)
