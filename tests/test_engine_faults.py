@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from coserve.engine import executor as executor_module
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
+from coserve.finetune.runner import run_job
 from coserve.model.sampling import sample
 from coserve.scheduler import SamplingParams
 from coserve.server.app import build_app
@@ -94,6 +95,130 @@ def test_a_job_whose_iteration_fails_stops_alone_and_the_requests_beside_it_are_
     while engine.has_running_jobs():
         engine.step()
     assert engine.job_states[second].status == "succeeded"
+
+
+def _faulty_forward(engine: LLMEngine, when) -> list[bool]:
+    """Make the executor's forward call raise where ``when(plan, fused_window)`` holds; returns, for each forward
+    that raised, whether a finetuning window shared it."""
+    raised = []
+    original = engine.executor._eager_forward
+
+    def eager_forward(plan, result, fused_window, rows):
+        if when(plan, fused_window):
+            raised.append(fused_window is not None)
+            raise RuntimeError("injected forward fault")
+        return original(plan, result, fused_window, rows)
+    engine.executor._eager_forward = eager_forward
+    return raised
+
+
+def _same_adapter(job, solo) -> None:
+    assert job.step == solo.step
+    for a, b in zip(job.bypass.parameters(), solo.bypass.parameters(), strict=True):
+        assert float((a - b).detach().norm() / b.detach().norm()) <= 1e-5
+    assert [r.loss for r in job.log] == pytest.approx([r.loss for r in solo.log], rel=1e-5)
+
+
+def test_a_forward_that_raises_for_a_requests_rows_fails_that_request_alone(model_factory, tmp_path):
+    """A shared forward call that raises is run again in parts: each request's chunk alone, then the finetuning
+    window alone. Only the request whose own rows raise fails; its batch-mates' tokens are exact, and the job that
+    shared the call trains on to the adapter it trains alone."""
+    model_dir = model_factory("llama")
+    prompts = _prompts(6, seed=13)
+    plain = _engine(model_dir)
+    reference = _run(plain, [plain.add_request(p, PARAMS) for p in prompts])
+    solo = _job(plain, tmp_path / "solo")
+    run_job(solo, progress=False)
+    engine = _engine(model_dir)
+    job = _job(engine, tmp_path / "co")
+    job_id = engine.add_finetune_job(job)
+    engine.step()  # the job is under way: its forward windows ride in the requests' iterations
+    poisoned = set()
+    raised = _faulty_forward(engine, lambda plan, window: poisoned & {c.request_id for c in plan.chunks})
+    ids = [engine.add_request(p, PARAMS) for p in prompts]
+    bad_prompt = list(range(20, 31))  # two full KV blocks and more
+    bad = engine.add_request(bad_prompt, PARAMS)
+    poisoned.add(bad)
+    outs = _run(engine, [*ids, bad])
+    assert raised == [True, False], "the shared call, then the request's chunk alone"
+    assert outs[bad].outputs[0].finish_reason == "error" and "injected forward fault" in outs[bad].error
+    assert engine.scheduler.blocks.block_table(bad) == []
+    again = engine.add_request(bad_prompt, PARAMS)  # no block of the failed chunk was cached as computed
+    expected = plain.add_request(bad_prompt, PARAMS)
+    assert _run(engine, [again])[again].token_ids == _run(plain, [expected])[expected].token_ids
+    assert [outs[r].token_ids for r in ids] == [o.token_ids for o in reference.values()]
+    assert all(outs[r].error is None for r in ids) and engine.num_failed_iterations == 1
+    while engine.has_running_jobs():
+        engine.step()
+    assert engine.job_states[job_id].status == "succeeded"
+    _same_adapter(job, solo)
+
+
+def test_forwards_run_again_apart_give_the_same_tokens_and_logprobs(model_factory):
+    """Every batched forward raises (a flaky device): each chunk then runs alone, speculative chunks' draft rows and
+    prompt scoring included, and every token and logprob is what the batched forwards give."""
+    from tests.test_speculative import REPEATING
+    model_dir = model_factory("llama")
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),  # speculated
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True)]
+    prompts = REPEATING + _prompts(3, seed=21)
+
+    def run(faulty: bool):
+        engine = _engine(model_dir, speculative_tokens=4)
+        raised = _faulty_forward(engine, lambda plan, window: faulty and len(plan.chunks) > 1)
+        ids = [engine.add_request(p, params[i % 3]) for i, p in enumerate(prompts)]
+        outs = _run(engine, ids)
+        return [outs[r] for r in ids], engine, raised
+
+    plain, _, _ = run(False)
+    apart, engine, raised = run(True)
+    assert len(raised) == engine.num_failed_iterations > 5 and engine.scheduler.num_draft_tokens > 0
+    for a, b in zip(plain, apart, strict=True):
+        assert b.error is None and a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs and a.prompt_logprobs == b.prompt_logprobs
+
+
+@pytest.mark.parametrize("window_alone", ["raises", "runs"])
+def test_a_shared_forward_that_raises_for_the_jobs_window_fails_the_job_alone(model_factory, tmp_path,
+                                                                            window_alone):
+    """When the finetuning window raises alone too, the job fails alone; when only the shared call raised (a
+    device briefly out of memory), the job trains on to the adapter it trains alone. The requests that shared the
+    call lose nothing either way: each one's chunk runs again alone, exactly."""
+    model_dir = model_factory("llama")
+    prompts = _prompts(8, seed=9)
+    reference = _generate(_engine(model_dir), prompts)
+    solo = _job(_engine(model_dir), tmp_path / "solo")
+    run_job(solo, progress=False)
+    engine = _engine(model_dir)
+    job = _job(engine, tmp_path / "co")
+    job_id = engine.add_finetune_job(job)
+    fused = [0]
+
+    def third_shared_call(plan, window):
+        fused[0] += window is not None and bool(plan.chunks)
+        return window is not None and fused[0] == 3
+    raised = _faulty_forward(engine, third_shared_call)
+    if window_alone == "raises":
+        job_forward = job.forward
+
+        def forward(n):
+            if raised:
+                raise RuntimeError("injected window fault")
+            return job_forward(n)
+        job.forward = forward
+    together = _generate(engine, prompts)
+    assert raised == [True] and engine.num_failed_iterations == 1
+    assert list(together.values()) == list(reference.values())
+    while engine.has_running_jobs():
+        engine.step()
+    state = engine.job_states[job_id]
+    if window_alone == "raises":
+        assert state.status == "failed" and "injected window fault" in state.error
+        assert not (tmp_path / "co" / "adapter_model.safetensors").exists()
+    else:
+        assert state.status == "succeeded"
+        _same_adapter(job, solo)
 
 
 @pytest.mark.parametrize("fault", ["raises", "past the vocabulary"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,8 @@ from coserve.model.sampling import SamplingRow, sample, top_logprobs
 from coserve.peft import AdapterSlots, ServedAdapter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
+
+log = logging.getLogger("coserve.engine")
 
 
 def job_progress(job_id: str, job: FinetuneJob) -> FinetuneProgress:
@@ -115,11 +118,11 @@ class ModelExecutor:
         rows = self.model.padded_rows(t)
         fused = forward is not None and self.fuse_finetuning and t + forward.num_tokens >= BATCH_INVARIANT_ROWS
         sampling = [c for c in plan.chunks if c.sample]
-        hidden = None if fused else self._graphed(plan, rows)  # a decode-only forward: a CUDA graph's replay
-        if hidden is None:
-            hidden = self._eager_forward(plan, result, forward if fused else None, rows)
-        elif len(sampling) < len(plan.chunks):
-            hidden = hidden[torch.tensor([i for i, c in enumerate(plan.chunks) if c.sample], device=hidden.device)]
+        try:
+            hidden = self._rows_forward(plan, result, forward if fused else None, rows)
+        except Exception as e:  # whose fault? each part runs again alone, and only what raises alone fails
+            fused = fused and forward.job_id in result.finetune_losses  # the window had run: the fault came after
+            hidden, sampling = self._forward_apart(plan, result, e)
         if forward is not None and not fused:
             self._forward_alone(forward, result)
         if any(c.num_drafts for c in sampling):  # speculative chunks score every row: verify them apart
@@ -184,6 +187,40 @@ class ModelExecutor:
             result.sampled[c.request_id] = chosen[0]
             result.more_sampled[c.request_id] = chosen[1:accepted + 1]
         return hidden[torch.tensor(keep_rows, dtype=torch.long, device=hidden.device)], rest
+
+    def _rows_forward(self, plan: IterationPlan, result: ExecutionResult, fused_window, rows: int) -> torch.Tensor:
+        """The hidden states of the plan's rows that sample (with ``fused_window`` in the same call, if any)."""
+        hidden = None if fused_window is not None else self._graphed(plan, rows)  # decode only: a graph's replay
+        if hidden is None:
+            return self._eager_forward(plan, result, fused_window, rows)
+        if all(c.sample for c in plan.chunks):
+            return hidden
+        return hidden[torch.tensor([i for i, c in enumerate(plan.chunks) if c.sample], device=hidden.device)]
+
+    def _forward_apart(self, plan: IterationPlan, result: ExecutionResult, error: Exception
+                       ) -> tuple[torch.Tensor | None, list[InferenceChunk]]:
+        """After the iteration's forward raised ``error``: each chunk's forward alone, so that only the requests
+        whose own rows raise fail (``result.request_errors``; the rest of the iteration stands). A row comes out
+        the same in any batch (batch-invariant matmuls, per-sequence attention), and a chunk run again rewrites
+        the same KV slots. Returns the sampling chunks' hidden rows and those chunks, in plan order."""
+        result.forward_error = f"{type(error).__name__}: {error}"
+        log.error("iteration %d: its forward failed (%s); each part runs again alone", plan.step,
+                  result.forward_error, exc_info=error)
+        if self.model.device.type == "cuda" and isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        parts, sampling = [], []
+        for c in plan.chunks:
+            alone = IterationPlan(plan.step, [c], adapters=[c.adapter] if c.adapter is not None else [])
+            try:
+                hidden = self._rows_forward(alone, result, None, self.model.padded_rows(len(c.token_ids)))
+            except Exception as e:
+                result.request_errors[c.request_id] = f"{type(e).__name__}: {e}"
+                result.prompt_logprobs.pop(c.request_id, None)
+                continue
+            if c.sample:
+                parts.append(hidden)
+                sampling.append(c)
+        return (torch.cat(parts) if parts else None), sampling
 
     def _eager_forward(self, plan: IterationPlan, result: ExecutionResult, fused_window, rows: int) -> torch.Tensor:
         """The plan's forward, kernel by kernel (with ``fused_window``, a finetuning forward window, in its matmul

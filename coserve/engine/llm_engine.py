@@ -139,7 +139,7 @@ class LLMEngine:
         self.last_plan: IterationPlan | None = None  # the latest iteration's plan (benchmarks read its token mix)
         self.last_cut = False  # whether the latest iteration cut its finetuning slice short for an arrival
         self._last_step: tuple[float, float] | None = None  # (start, model seconds) of the latest busy iteration
-        self.num_failed_iterations = 0  # iterations whose execution raised (``_iteration_failed``)
+        self.num_failed_iterations = 0  # iterations that raised (``_iteration_failed``; or a forward run apart)
         self.saver = JobSaver()  # finished jobs' adapters, written off the engine thread
 
     # ---- finetuning jobs -----------------------------------------------------
@@ -373,6 +373,8 @@ class LLMEngine:
         except Exception as e:  # what the iteration carried fails; the engine keeps serving
             return self._iteration_failed(plan, e)
         self.last_plan, self.last_cut = plan, result.interrupted
+        if result.forward_error is not None:  # its parts ran again apart (logged): counted, though it stood
+            self.num_failed_iterations += 1
         events = self.scheduler.update(plan, result)
         for progress in result.finetune:
             if progress.phase == DONE and self.job_states[progress.job_id].status == "running":
@@ -394,9 +396,10 @@ class LLMEngine:
         return outputs
 
     def _iteration_failed(self, plan: IterationPlan, error: Exception) -> list[RequestOutput]:
-        """An iteration raised (a device out of memory, a bad adapter, a bug): fail what it carried and go on.
+        """An iteration raised past the executor's own recovery (a forward that raises is run again in parts by
+        the executor, and sampling row by row; what is left: the LM head, a bug): fail what it carried and go on.
 
-        Jobs are the suspects first: a plan with finetuning work fails its jobs (their state is half-advanced)
+        Jobs are the suspects first: a plan with finetuning work fails its jobs (their state may be half-advanced)
         and leaves its requests as they were before it (the scheduler's ``update`` never ran), so the next
         iteration runs their tokens again, rewriting the same KV slots. A plan of requests alone fails them with
         ``finish_reason`` "error". Requests and jobs it did not carry are untouched."""

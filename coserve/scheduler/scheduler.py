@@ -284,7 +284,8 @@ class Scheduler:
                 self.remove_job(progress.job_id)
             else:
                 self.jobs[progress.job_id] = progress
-        if self.latency is not None and plan.shape is not None and result.elapsed_s > 0 and not result.interrupted:
+        if (self.latency is not None and plan.shape is not None and result.elapsed_s > 0 and not result.interrupted
+                and result.forward_error is None):  # (a forward run again in parts is not the plan's time)
             self.latency.observe(plan.shape, result.elapsed_s)  # each kind of iteration corrects its own predictions
         if self.latency is not None and self.config.policy == "coserve":
             if plan.chunks:
@@ -297,6 +298,10 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the iteration ran
+            if chunk.request_id in result.request_errors:  # its chunk failed: its new KV slots are not registered
+                request.error = result.request_errors[chunk.request_id]
+                self.finish_request(request.request_id, "error")  # the engine sends its final output
+                continue
             if chunk.num_drafts:
                 events.append(self._speculated(request, chunk, result))
                 continue
@@ -306,10 +311,6 @@ class Scheduler:
             if chunk.prompt_targets is not None and len(request.prompt_logprobs) == chunk.start:
                 request.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if not chunk.sample:
-                continue
-            if chunk.request_id in result.request_errors:
-                request.error = result.request_errors[chunk.request_id]
-                self.finish_request(request.request_id, "error")  # the engine sends its final output
                 continue
             token = result.sampled[chunk.request_id]
             self._append(request, token)

@@ -72,7 +72,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("coserve_batch_invariant", "1 if an inference row's matmuls round as they would "
                                 "without the rows beside it (co-serving cannot change outputs), else 0",
                                 value=float(state.get("batch_invariant", True)))
-        yield CounterMetricFamily("coserve_failed_iterations", "engine iterations that raised (what they carried "
+        yield CounterMetricFamily("coserve_failed_iterations", "engine iterations that raised (what raised alone "
                                   "failed; the engine served on)", value=state.get("failed_iterations", 0))
         yield CounterMetricFamily("coserve_finetune_tokens", "finetuning tokens through forward and backward",
                                   value=self.rate.total)
