@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -93,8 +94,12 @@ def test_a_non_finite_gradient_with_a_finite_loss_skips_the_step(setup, tmp_path
         grads[-1].view(-1)[0] = float("inf")
         step()
     job._optimizer_step = poisoned
-    run_job(job, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_job(job, progress=False)
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]  # a skipped step is not a misordered one
     assert [r.skipped for r in job.log] == [True, True] and all(math.isfinite(r.loss) for r in job.log)
+    assert job.scheduler.last_epoch == 2  # skipped steps count: lr stays the schedule's at ``step``
     for name, tensor in b.state_dict().items():  # no step was taken
         assert torch.equal(tensor, before[name])
 

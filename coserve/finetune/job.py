@@ -7,6 +7,7 @@ import math
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -278,7 +279,10 @@ class FinetuneJob:
             self.nonfinite_in_a_row = 0
         else:
             self.nonfinite_in_a_row += 1
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped step still counts: lr stays the schedule's at ``step``
+            if not finite:  # (torch warns when no optimizer step has run yet, as if the order were wrong)
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`", UserWarning)
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_at_step = self.tokens_done
