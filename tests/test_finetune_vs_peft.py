@@ -74,7 +74,7 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
         accuracies.append(correct / total)
     state = {n.replace(".default", "").replace("magnitude_vector.weight", "magnitude_vector"): p.detach()
              for n, p in model.named_parameters() if p.requires_grad}  # names as PEFT saves them
