@@ -154,6 +154,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does(alice, model_factory, h
     assert [t for part in streamed for t in part.token_logprobs] == lp.token_logprobs
 
 
+def test_best_of_returns_the_n_candidates_with_the_highest_logprob_per_token(alice):
+    """OpenAI's legacy ``best_of``: ``best_of`` completions per prompt are generated and the ``n`` with the highest
+    mean token logprob return, best first, indexed from 0 per request; usage counts every candidate's tokens. The
+    oracle: the same request with ``n=best_of`` (the same per-choice seeds) and its tokens' logprobs, ranked here."""
+    prompts = ["Hello there", "Once upon"]
+    common = {"model": BASE, "prompt": prompts, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    every = alice.completions.create(n=4, logprobs=0, **common)
+    best = alice.completions.create(n=2, best_of=4, **common)
+    expected = []
+    for p in range(len(prompts)):
+        group = [c for c in every.choices if c.index // 4 == p]
+        mean = {c.index: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in group}
+        assert len(set(mean.values())) == 4, "distinct candidates, so the ranking is the test's"
+        expected += [c.text for c in sorted(group, key=lambda c: -mean[c.index])[:2]]
+    assert [c.text for c in best.choices] == expected
+    assert [c.index for c in best.choices] == [0, 1, 2, 3] and all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens
+    with_logprobs = alice.completions.create(n=1, best_of=4, logprobs=1, **{**common, "prompt": prompts[0]})
+    assert with_logprobs.choices[0].text == expected[0] and len(with_logprobs.choices[0].logprobs.tokens) == 6
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"max_tokens": -1}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"),

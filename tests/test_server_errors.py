@@ -274,7 +274,7 @@ def test_auto_tool_choice_without_a_parser_is_400_naming_the_flags(alice):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "best_of", 3),
+    (COMPLETIONS, "suffix", "end"),
     (CHAT, "functions", [{"name": "f"}]), (CHAT, "function_call", {"name": "f"}),
     (CHAT, "stream_options", {"include_usage": True}),
 ])
@@ -282,8 +282,23 @@ def test_parameters_the_server_cannot_honour_are_400(alice, path, field, value):
     body = {"model": BASE, "max_tokens": 2, field: value,
             **({"messages": HELLO} if path == CHAT else {"prompt": "hi"})}
     assert error_of(alice.post(path, json=body), 400)["param"] == field
-    neutral = {"suffix": None, "best_of": 1, "functions": [], "function_call": "none", "stream_options": None}[field]
+    neutral = {"suffix": None, "functions": [], "function_call": "none", "stream_options": None}[field]
     assert alice.post(path, json={**body, field: neutral}).status_code == 200
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"best_of": 1, "n": 2}, "at least n (2)"),
+    ({"best_of": 3, "stream": True}, "cannot be streamed"),
+    ({"best_of": 3, "use_beam_search": True}, "use_beam_search"),
+    ({"best_of": 0}, None), ({"best_of": 17}, None), ({"best_of": "3"}, None), ({"best_of": True}, None),
+    ({"best_of": 2.0}, None),
+])
+def test_a_best_of_that_cannot_be_honoured_is_400(alice, extra, message):
+    body = {"model": BASE, "prompt": "hi", "max_tokens": 2, **extra}
+    error = error_of(alice.post(COMPLETIONS, json=body), 400)
+    assert error["param"] == "best_of" and (message is None or message in error["message"])
+    same = {**body, "best_of": body.get("n", 1)}  # as many candidates as choices: honoured, streamed or not
+    assert alice.post(COMPLETIONS, json=same).status_code == 200
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -109,6 +110,22 @@ def usage(job: Job) -> dict:
     cached = sum(c.out.num_cached_tokens for c in job.choices if c.index % job.n == 0 and c.out is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def mean_logprob(out: RequestOutput) -> float:
+    """A completion's log probability per token (-inf without a token): OpenAI's ``best_of`` ranks by it."""
+    logprobs = out.outputs[0].logprobs or []
+    return sum(t.logprob for t in logprobs) / len(logprobs) if logprobs else -math.inf
+
+
+def best_choices(choices: list[Choice], best_of: int, n: int) -> list[Choice]:
+    """Of each prompt's ``best_of`` finished candidates (consecutive in ``choices``), the ``n`` with the highest log
+    probability per token, best first (the earlier candidate on a tie)."""
+    kept = []
+    for start in range(0, len(choices), best_of):
+        group = choices[start:start + best_of]
+        kept += sorted(group, key=lambda c: (-mean_logprob(c.out), c.index))[:n]
+    return kept
 
 
 def finish_reason(out: RequestOutput) -> str | None:

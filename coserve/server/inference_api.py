@@ -18,7 +18,8 @@ from coserve.scheduler import Request as EngineRequest
 from coserve.scheduler import SamplingParams
 from coserve.scheduler.plan import TokenLogprobs
 from coserve.server.beam_api import completions_by_beam_search
-from coserve.server.choices import Choice, Job, events, finish_reason, gather_all, new_job, streaming, usage
+from coserve.server.choices import (Choice, Job, best_choices, events, finish_reason, gather_all, new_job, streaming,
+                                    usage)
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.generation import TextDelta, on_engine_async
@@ -34,8 +35,7 @@ router = APIRouter(route_class=TextJSONRoute)
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 INLINE_TOKENIZE_CHARS = 16_384  # prompts up to this many characters (or token ids) are tokenized on the event loop
 # OpenAI fields this server does not implement -> the values that ask for nothing (anything else is a 400)
-UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []),
-               "function_call": (None, "none", "auto")}
+UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "function_call": (None, "none", "auto")}
 
 
 @router.get("/v1/models")
@@ -86,12 +86,24 @@ def reject_unsupported(body: Sampling) -> None:
     """400 for a field that asks for what this server does not do (silently ignoring it would be worse)."""
     for name, accepted in UNSUPPORTED.items():
         value = getattr(body, name, None)
-        if name == "best_of" and value == getattr(body, "n", 1):
-            continue
         if not any(value == a and type(value) is type(a) for a in accepted):
             raise bad_request(f"{name}: is not supported by this server", name, "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+
+
+def candidates_per_prompt(body: CompletionRequest) -> int:
+    """OpenAI's ``best_of`` (``n`` when absent): the completions generated per prompt, of which the ``n`` best return;
+    400 naming it where it asks for less than ``n``, or for more with a stream or beam search."""
+    if body.best_of is None or body.best_of == body.n:
+        return body.n
+    if body.best_of < body.n:
+        raise bad_request(f"best_of: must be at least n ({body.n}), got {body.best_of}", "best_of")
+    if body.stream:
+        raise bad_request("best_of: results cannot be streamed when best_of is more than n", "best_of")
+    if body.use_beam_search:
+        raise bad_request("best_of: not available with use_beam_search (n sets the beams)", "best_of")
+    return body.best_of
 
 
 def check_token_ids(body: Sampling, vocab_size: int) -> None:
@@ -285,8 +297,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     check_token_ids(body, ctx.engine.model_config.vocab_size)
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     guided = guided_output(body)
+    best_of = candidates_per_prompt(body)
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
-    ctx.client.check_capacity((1 if single else len(body.prompt)) * body.n)  # before tokenizing them all
+    ctx.client.check_capacity((1 if single else len(body.prompt)) * best_of)  # before tokenizing them all
     prompts = await off_loop_if_long(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
     if body.use_beam_search:
         if guided:
@@ -294,12 +307,14 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             raise bad_request(f"{field}: not available with use_beam_search", field)
         limit = min(max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt") for ids, _ in prompts)
         return await completions_by_beam_search(ctx, tenant, body, adapter, prompts, limit, make_request)
-    job = new_job(request, f"cmpl-{secrets.token_hex(12)}", body.model, body.n)
+    job = new_job(request, f"cmpl-{secrets.token_hex(12)}", body.model, best_of)
+    ranked = best_of > body.n  # candidates are ranked by their tokens' logprobs: each sampled token's is kept
+    logprobs = 0 if ranked and body.logprobs is None else body.logprobs
     requests = []
     for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
-        for j in range(body.n):
-            params = sampling_params(body, max_tokens, body.logprobs, j, bias, prompt_logprobs=scored, guided=guided)
+        for j in range(best_of):
+            params = sampling_params(body, max_tokens, logprobs, j, bias, prompt_logprobs=scored, guided=guided)
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt", body.priority),
                              text if body.echo else ""))
     submit(ctx, job, requests, body.stream)
@@ -350,13 +365,14 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
 
     await gather_all(job, ctx, request)
     choices = []
-    for c in job.choices:
+    for index, c in enumerate(best_choices(job.choices, best_of, body.n) if ranked else job.choices):
         out = c.out
         choice = choice_json(c, out, c.prefix + out.outputs[0].text, out.outputs[0].logprobs or [], offset_base(c),
                              True)
         if scored is not None:  # the prompt's tokens first, the first of them unscored
             choice["logprobs"] = prompt_and_completion_logprobs(ctx, c.prompt_ids, out.prompt_logprobs,
                                                                 choice["logprobs"])
+        choice["index"] = index
         choices.append(choice)
     return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
             "choices": choices, "usage": usage(job)}

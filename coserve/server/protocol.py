@@ -59,7 +59,7 @@ class CompletionRequest(Sampling):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    best_of: Any = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # candidates per prompt, of which the n best return
     suffix: Any = None
     use_beam_search: bool = False  # vLLM's extension: n beams, the n best completions
     length_penalty: float = 1.0  # vLLM's extension (beam search): scores are logprob sums over length ** this
