@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from coserve.engine import executor as executor_module
@@ -154,9 +155,12 @@ def test_a_forward_that_raises_for_a_requests_rows_fails_that_request_alone(mode
     _same_adapter(job, solo)
 
 
-def test_forwards_run_again_apart_give_the_same_tokens_and_logprobs(model_factory):
-    """Every batched forward raises (a flaky device): each chunk then runs alone, speculative chunks' draft rows and
-    prompt scoring included, and every token and logprob is what the batched forwards give."""
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_forwards_run_again_apart_give_the_same_tokens_and_logprobs(model_factory, device):
+    """Every batched eager forward raises (a flaky device): each chunk then runs alone, speculative chunks' draft rows
+    and prompt scoring included, and every token and logprob is what the batched forwards give (the engine's matmuls
+    are batch-invariant: on CUDA by GEMM tiles where cuBLAS is not; its decode-only iterations replay CUDA graphs)."""
     from tests.test_speculative import REPEATING
     model_dir = model_factory("llama")
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),  # speculated
@@ -165,7 +169,7 @@ def test_forwards_run_again_apart_give_the_same_tokens_and_logprobs(model_factor
     prompts = REPEATING + _prompts(3, seed=21)
 
     def run(faulty: bool):
-        engine = _engine(model_dir, speculative_tokens=4)
+        engine = _engine(model_dir, device=device, speculative_tokens=4)
         raised = _faulty_forward(engine, lambda plan, window: faulty and len(plan.chunks) > 1)
         ids = [engine.add_request(p, params[i % 3]) for i, p in enumerate(prompts)]
         outs = _run(engine, ids)
