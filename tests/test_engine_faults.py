@@ -183,6 +183,50 @@ def test_forwards_run_again_apart_give_the_same_tokens_and_logprobs(model_factor
         assert a.outputs[0].logprobs == b.outputs[0].logprobs and a.prompt_logprobs == b.prompt_logprobs
 
 
+def test_random_forward_faults_fail_only_what_raises_alone(model_factory, tmp_path):
+    """Forward calls raise at random (a tenth of them, batched or alone) while requests with prefix sharing, speculation
+    and logprobs are served beside a finetuning job: every request ends, those that did not fail give the fault-free
+    run's tokens and logprobs, the failed ones name the fault, no KV block is left held, and the job either trains the
+    adapter it trains alone or fails naming the fault."""
+    from tests.test_speculative import REPEATING
+    model_dir = model_factory("llama")
+    rng = random.Random(4)
+    shared = [rng.randrange(5, 200) for _ in range(12)]  # a prefix several prompts share (prefix caching)
+    prompts = REPEATING + [shared + [rng.randrange(5, 200) for _ in range(rng.randint(1, 9))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)]
+
+    def run(fault_rate: float, job_dir):
+        engine = _engine(model_dir, speculative_tokens=3)
+        job = _job(engine, job_dir)
+        job_id = engine.add_finetune_job(job)
+        draws = random.Random(7)
+        raised = _faulty_forward(engine, lambda plan, window: draws.random() < fault_rate)
+        ids = [engine.add_request(p, params[i % 2]) for i, p in enumerate(prompts)]
+        outs = _run(engine, ids)
+        while engine.has_running_jobs():
+            engine.step()
+        assert not engine.scheduler.has_unfinished() and engine.scheduler.blocks.usage == 0
+        return [outs[r] for r in ids], engine.job_states[job_id], job, raised
+
+    clean, clean_state, solo, _ = run(0.0, tmp_path / "clean")
+    assert clean_state.status == "succeeded"
+    faulty, state, job, raised = run(0.1, tmp_path / "faulty")
+    assert len(raised) >= 5
+    failed = [o for o in faulty if o.error is not None]
+    assert failed and len(failed) < len(faulty), "some requests fail alone, the others stand"
+    for a, b in zip(clean, faulty, strict=True):
+        if b.error is not None:
+            assert b.outputs[0].finish_reason == "error" and "injected forward fault" in b.error
+        else:
+            assert (a.token_ids, a.outputs[0].logprobs) == (b.token_ids, b.outputs[0].logprobs)
+    if state.status == "failed":
+        assert "injected forward fault" in state.error
+    else:
+        assert state.status == "succeeded"
+        _same_adapter(job, solo)
+
+
 @pytest.mark.parametrize("window_alone", ["raises", "runs"])
 def test_a_shared_forward_that_raises_for_the_jobs_window_fails_the_job_alone(model_factory, tmp_path,
                                                                             window_alone):
