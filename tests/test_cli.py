@@ -62,6 +62,21 @@ def test_bench_generation_runs_on_tiny_settings(model_factory, tmp_path):
     assert report["identical_outputs"] == 4
 
 
+def test_bench_generation_serves_many_lora_adapters_against_peft(model_factory, tmp_path, capsys):
+    """``--adapters K``: K random PEFT LoRA adapters, requests round-robin over them, against PEFT's mixed adapter
+    batch: the same greedy tokens, and tokens the adapters changed (they are not no-ops)."""
+    out = tmp_path / "bench.json"
+    assert main(["bench-generation", "--model", str(model_factory("llama")), "--num-requests", "6",
+                 "--max-prompt-len", "32", "--output-len", "6", "--adapters", "3", "--lora-rank", "8",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["adapters"] == 3 and report["lora_rank"] == 8 and report["identical_outputs"] == 6
+    assert report["outputs_changed_by_adapters"] >= 3
+    assert main(["bench-generation", "--model", str(model_factory("llama")), "--adapters", "2",
+                 "--lora-targets", "q_proj,lm_head"]) == 2
+    assert "--lora-targets: lm_head" in capsys.readouterr().err
+
+
 def test_run_batch_answers_each_request_in_order_as_the_server_would(model_factory, tmp_path, capsys):
     """vLLM's run-batch: an OpenAI batch file in, one result line per request out (errors included, in order);
     the replies are the engine's own (greedy completions equal LLM.generate's)."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from coserve.bench.lora_adapters import ALL_LINEAR, make_lora_adapters
 from coserve.bench.workload import sharegpt_prompts
 from coserve.output_path import prepare_output
 
@@ -24,24 +26,53 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--sharegpt", default=None, help="ShareGPT trace JSON (default: ../shared/data)")
     p.add_argument("--skip-hf", action="store_true", help="measure coserve only")
+    p.add_argument("--adapters", type=int, default=0,
+                   help="serve this many random LoRA adapters (requests round-robin over them; HF: PEFT's mixed "
+                        "adapter batch, adapter_names); 0 = the base model")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-targets", default=",".join(ALL_LINEAR), help="comma-separated modules the adapters adapt")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
 
 
 def run(args) -> int:
-    from coserve import LLM, SamplingParams
+    from coserve import LLM
 
     prepare_output("--out", args.out)
+    if args.adapters < 0 or args.lora_rank < 1:
+        raise ValueError("--adapters must be >= 0 and --lora-rank >= 1")
+    targets = [t for t in args.lora_targets.split(",") if t]
+    unknown = sorted(set(targets) - set(ALL_LINEAR))
+    if unknown or not targets:
+        raise ValueError(f"--lora-targets: {', '.join(unknown) or 'none given'}; "
+                         f"expected some of {', '.join(ALL_LINEAR)}")
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.num_requests, 1))
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.num_requests, 1),
+              max_loras=max(args.adapters, 1), max_lora_rank=args.lora_rank)
     prompts = sharegpt_prompts(llm.tokenizer, args.num_requests, args.max_prompt_len,
                                Path(args.sharegpt) if args.sharegpt else None)
+    with tempfile.TemporaryDirectory(prefix="coserve-bench-adapters-") as root:
+        adapters = make_lora_adapters(args.model, Path(root), args.adapters, args.lora_rank, targets)
+        for i, path in enumerate(adapters):
+            llm.load_adapter(f"a{i}", path)
+        names = [f"a{i % args.adapters}" for i in range(len(prompts.prompts))] if adapters else None
+        return _measure(args, llm, prompts, names, adapters)
+
+
+def _measure(args, llm, prompts, names: list[str] | None, adapters: list[Path]) -> int:
+    from coserve import SamplingParams
+
     prompt_tokens = sum(len(p) for p in prompts.prompts)
     out_tokens = args.num_requests * args.output_len
     full = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    llm.generate(prompts.prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-    t_prefill = _timed(lambda: llm.generate(prompts.prompts, one))[0]
-    t_full, outs = _timed(lambda: llm.generate(prompts.prompts, full))
+    llm.generate(prompts.prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                 adapter=names[:4] if names else None)  # warm-up
+    t_prefill = _timed(lambda: llm.generate(prompts.prompts, one, adapter=names))[0]
+    t_full, outs = _timed(lambda: llm.generate(prompts.prompts, full, adapter=names))
+    changed = None
+    if names:  # the adapters must matter for the comparison to mean anything: outputs unlike the base model's
+        base = llm.generate(prompts.prompts, full)
+        changed = sum(o.token_ids != b.token_ids for o, b in zip(outs, base))
     figures = {
         "coserve": {"prefill_s": t_prefill, "total_s": t_full,
                     "prefill_tokens_per_s": prompt_tokens / t_prefill,
@@ -49,7 +80,7 @@ def run(args) -> int:
                     "preemptions": llm.engine.scheduler.num_preemptions},
     }
     if not args.skip_hf:
-        hf, hf_tokens, padded = _run_hf(args, prompts.prompts, llm.engine.device)
+        hf, hf_tokens, padded = _run_hf(args, prompts.prompts, llm.engine.device, adapters, names)
         # HF computes every padded position; its per-position rate is reported too, for honesty.
         figures["hf"] = {**hf, "prefill_tokens_per_s": prompt_tokens / hf["prefill_s"],
                          "output_tokens_per_s": out_tokens / hf["total_s"], "padded_prompt_tokens": padded,
@@ -60,6 +91,9 @@ def run(args) -> int:
     report = {
         "model": args.model, "device": str(llm.engine.device), "dtype": args.dtype,
         "num_requests": args.num_requests, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
+        "adapters": args.adapters, "lora_rank": args.lora_rank if adapters else None,
+        "outputs_changed_by_adapters": changed,
+        "lora_targets": args.lora_targets.split(",") if adapters else None,
         "prompt_source": prompts.source, "max_prompt_len": args.max_prompt_len,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
@@ -86,11 +120,20 @@ def _timed(fn):
     return time.perf_counter() - start, value
 
 
-def _run_hf(args, prompts: list[list[int]], device: torch.device) -> tuple[dict, list[list[int]], int]:
-    """One static left-padded batch through ``model.generate``; returns timings and its tokens."""
+def _run_hf(args, prompts: list[list[int]], device: torch.device, adapters: list[Path] = (),
+            names: list[str] | None = None) -> tuple[dict, list[list[int]], int]:
+    """One static left-padded batch through ``model.generate`` (with ``adapters``, a PEFT model holding them all,
+    each row through its own: PEFT's mixed adapter batch); returns timings and its tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    extra = {}
+    if adapters:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name="a0")
+        for i, path in enumerate(adapters[1:], start=1):
+            model.load_adapter(str(path), adapter_name=f"a{i}")
+    model = model.to(device=device, dtype=dtype).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     width = max(len(p) for p in prompts)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -98,9 +141,11 @@ def _run_hf(args, prompts: list[list[int]], device: torch.device) -> tuple[dict,
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
 
     def gen(n: int, rows: slice = slice(None)):
+        if names:
+            extra["adapter_names"] = names[rows]
         with torch.inference_mode():
             return model.generate(input_ids=ids[rows], attention_mask=mask[rows], max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, pad_token_id=pad)
+                                  min_new_tokens=n, do_sample=False, pad_token_id=pad, **extra)
 
     gen(4, slice(0, 4))  # warm-up
     t_prefill = _timed(lambda: gen(1))[0]
@@ -112,7 +157,9 @@ def _run_hf(args, prompts: list[list[int]], device: torch.device) -> tuple[dict,
 def _print(r: dict) -> None:
     print(f"model {r['model']} on {r['device']} {r['dtype']}, {r['threads']} threads; "
           f"{r['num_requests']} requests, {r['prompt_tokens']} prompt tokens ({r['prompt_source']}), "
-          f"{r['output_tokens']} output tokens")
+          f"{r['output_tokens']} output tokens"
+          + (f"; {r['adapters']} LoRA adapters of r={r['lora_rank']} on {','.join(r['lora_targets'])}, requests "
+             "round-robin over them" if r.get("adapters") else ""))
     for name in ("coserve", "hf"):
         if name in r:
             f = r[name]
@@ -126,3 +173,6 @@ def _print(r: dict) -> None:
         print(f"  ratio    prefill {r['ratio']['prefill_tokens_per_s']:.2f}x   "
               f"output {r['ratio']['output_tokens_per_s']:.2f}x   "
               f"identical greedy outputs {r['identical_outputs']}/{r['num_requests']}")
+    if r.get("outputs_changed_by_adapters") is not None:
+        print(f"  the adapters changed {r['outputs_changed_by_adapters']}/{r['num_requests']} greedy outputs "
+              "from the base model's")
