@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# What a lent GPU's first minutes should run, in one call inside a fixed wall-clock budget: every test that needs
+# CUDA (they are skipped on a CPU), then the benchmarks whose GPU figures are missing or old: generation against HF
+# transformers with and without many LoRA adapters (against PEFT's mixed adapter batch), finetuning against HF PEFT,
+# and where a finetuning sequence's time goes (the job against plain autograd). Each step's log is written under OUT
+# as it runs, so a step cut by the budget (or a call cut by its limit) keeps what it printed.
+#
+#   OUT=runs/cuda_checks DATA=../shared/data BUDGET=540 bash benchmarks/cuda_checks.sh
+#
+# Settings (environment): MODEL (created with the small preset if missing), DATA (sharegpt_trace.json,
+# alpaca_en_demo.json), OUT, BUDGET (seconds for the whole script), ADAPTERS (LoRA adapters of the multi-adapter
+# generation run), DEVICE (cuda; cpu runs the same steps here, the CUDA tests then skipping), PY.
+set -u
+MODEL=${MODEL:-models/coserve-small}
+DATA=${DATA:-../shared/data}
+OUT=${OUT:-runs/cuda_checks}
+BUDGET=${BUDGET:-540}
+ADAPTERS=${ADAPTERS:-4}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+
+start=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - start))); }
+say() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$OUT/steps.log"; }
+mkdir -p "$OUT"
+CS="$PY -m coserve.cli"
+# run NAME SECONDS CMD...: the step under a limit of its own and what is left of the budget, its log in OUT/NAME.log
+run() {
+  local name=$1 limit=$2
+  shift 2
+  local budget_left
+  budget_left=$(left)
+  [ "$limit" -gt "$budget_left" ] && limit=$budget_left
+  if [ "$limit" -lt 20 ]; then say "$name: skipped, ${budget_left} s left"; return; fi
+  say "$name (up to $limit s)"
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  say "$name: exit $? ($(tail -c 300 "$OUT/$name.log" | tr '\n' ' ' | cut -c1-200))"
+}
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+  | tee -a "$OUT/steps.log"
+$PY -c "import torch, platform; print(platform.python_version(), torch.__version__,
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" | tee -a "$OUT/steps.log"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/steps.log"
+[ -f "$MODEL/config.json" ] || $CS create-model "$MODEL" --preset small > /dev/null || exit 1
+
+run cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_decode_graphs.py tests/test_decode_attention.py \
+  tests/test_batch_invariance.py tests/test_finetune_windows.py tests/test_engine_faults.py tests/test_sampling.py \
+  tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own
+run generation_lora 150 $CS bench-generation --model "$MODEL" --device "$DEVICE" --adapters "$ADAPTERS" \
+  --sharegpt "$DATA/sharegpt_trace.json" --out "$OUT/generation_lora.json"
+run generation_base 90 $CS bench-generation --model "$MODEL" --device "$DEVICE" \
+  --sharegpt "$DATA/sharegpt_trace.json" --out "$OUT/generation_base.json"
+run finetune_profile 120 $PY benchmarks/finetune_profile.py --model "$MODEL" --device "$DEVICE" \
+  --data "$DATA/alpaca_en_demo.json" --repeats 3
+run bench_finetune 180 $CS bench-finetune --model "$MODEL" --device "$DEVICE" --data "$DATA/alpaca_en_demo.json" \
+  --config cheap:0 --out "$OUT/bench_finetune.json"
+say "done"
