@@ -103,9 +103,12 @@ def main() -> None:
         print(f"  {label}: keeps {', '.join(sorted(planned_keeps(j.plan)))}")
     timed = (("job, whole windows", job_sequence), ("job, FLOPs-only plan", lambda: job_sequence(flops_job)),
              ("plain autograd", autograd_sequence))
-    for label, run in timed:
-        runs = [run() for _ in range(args.repeats)]
-        fw, bw = (statistics.median(r[i] for r in runs) * 1e3 for i in (0, 1))
+    runs = {label: [] for label, _ in timed}
+    for _ in range(args.repeats):  # the paths in turn, so that a machine whose speed drifts slows each alike
+        for label, run in timed:
+            runs[label].append(run())
+    for label, _ in timed:
+        fw, bw = (statistics.median(r[i] for r in runs[label]) * 1e3 for i in (0, 1))
         print(f"  {label:<22} forward {fw:8.2f} ms  backward {bw:8.2f} ms  "
               f"({args.seq_len / ((fw + bw) / 1e3):,.0f} tokens/s)")
 
