@@ -18,6 +18,8 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 # Latency profiles the engines make (a brief one when none fits) go to a scratch file, not the user's cache.
 os.environ["COSERVE_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="coserve-test-"), "latency.json")
+# The packed-GEMM backend this machine was timed to run best is kept in a scratch file too (model/gemm_choice.py).
+os.environ["COSERVE_GEMMS_FILE"] = os.path.join(os.path.dirname(os.environ["COSERVE_PROFILE"]), "gemms.json")
 
 ARCHS = ("llama", "qwen2", "mistral")
 _GEMM_ENV = {k: os.environ.get(k) for k in ("MKL_CBWR", "COSERVE_STRICT_GEMMS", "COSERVE_MKL_CBWR_ORIGINAL")}

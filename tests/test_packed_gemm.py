@@ -4,6 +4,8 @@ uses them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,46 @@ def test_the_process_picks_a_backend_once_and_the_environment_can_name_it(monkey
         gemm_backend(cpu, torch.float32)
     with pytest.raises(ValueError, match="backend"):
         PackedWeights("blas")
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch, tmp_path):
+    """``_timed_choice`` with no answer yet in this process, keeping its answers in a file of this test's own."""
+    if not all(b.available() for b in packed_gemm._BACKENDS.values()):
+        pytest.skip("needs both packed GEMM backends")
+    monkeypatch.setenv("COSERVE_GEMMS_FILE", str(tmp_path / "gemms.json"))
+    packed_gemm._timed_choice.cache_clear()
+    yield tmp_path / "gemms.json"
+    packed_gemm._timed_choice.cache_clear()
+
+
+def test_the_timed_choice_is_kept_for_the_machine_so_every_process_agrees(monkeypatch, fresh_choice):
+    """The first process times the backends and keeps its answer; later ones (here: the cache cleared) read it even
+    where their own timing would say otherwise. A different thread count is another machine key, timed anew; a
+    corrupt file is timed over; a file that cannot be written leaves the timed answer standing."""
+    timings = {"mkl": 2.0, "onednn": 1.0}
+    monkeypatch.setattr(packed_gemm, "_timings", lambda backends: dict(timings))
+    assert packed_gemm._timed_choice() == "onednn"
+    kept = json.loads(fresh_choice.read_text())
+    assert [entry["backend"] for entry in kept.values()] == ["onednn"]
+    assert "threads=" in next(iter(kept)) and "MKL_CBWR=" in next(iter(kept))
+    timings.update(mkl=1.0, onednn=2.0)  # a later process whose own timing favours MKL
+    packed_gemm._timed_choice.cache_clear()
+    assert packed_gemm._timed_choice() == "onednn"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        packed_gemm._timed_choice.cache_clear()
+        assert packed_gemm._timed_choice() == "mkl"  # timed for this key, kept beside the other
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(e["backend"] for e in json.loads(fresh_choice.read_text()).values()) == ["mkl", "onednn"]
+    fresh_choice.write_text("{not json")
+    packed_gemm._timed_choice.cache_clear()
+    assert packed_gemm._timed_choice() == "mkl" and json.loads(fresh_choice.read_text())
+    monkeypatch.setenv("COSERVE_GEMMS_FILE", str(fresh_choice.parent))  # a directory: cannot be written as a file
+    packed_gemm._timed_choice.cache_clear()
+    assert packed_gemm._timed_choice() == "mkl"
 
 
 def test_the_faster_backend_wins_but_a_close_race_keeps_mkl():

@@ -13,8 +13,8 @@ libraries in a CPU build of torch can pack a weight once and multiply any number
   slower path: the gate/up weight at 4 rows 38 (MKL packed) -> 152 GFLOP/s, 64 rows 161 -> 223, 1,024 rows 180 ->
   221; the LM head (512 -> 8,192) at 64 rows 104 -> 209.
 
-``gemm_backend`` picks one per process by timing both on the matmul shapes of a small model (``COSERVE_GEMMS``:
-``mkl``, ``onednn`` or ``plain`` decides instead). A pack takes about as much memory as its weight.
+``gemm_backend`` picks one per machine by timing both on the matmul shapes of a small model, and keeps the answer
+for later processes (``gemm_choice.py``; ``COSERVE_GEMMS``: ``mkl``, ``onednn`` or ``plain`` decides instead). A pack takes about as much memory as its weight.
 
 Results are not bit-identical to ``F.linear``'s (other kernels), but a row's result still does not depend on the
 rows beside it in calls of 2 rows or more (MKL in its strict mode; oneDNN as it is): ``batch_invariance.py``
@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from coserve.model import gemm_choice
 
 GEMM_BACKENDS = ("mkl", "onednn")
 # A backend is chosen over MKL's only when it is this much faster on the timed shapes (so that a machine where
@@ -80,7 +82,8 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 def gemm_backend(device: torch.device, dtype: torch.dtype) -> str | None:
     """The GEMM library that frozen weights on ``device`` in ``dtype`` run packed in (``GEMM_BACKENDS``), or None
     (plain ``F.linear``): ``$COSERVE_GEMMS`` if set (``mkl``, ``onednn``, ``plain``; ``auto`` the default), else
-    the faster of the two on this machine (timed once per process, MKL unless oneDNN wins by ``SWITCH_SPEEDUP``)."""
+    the faster of the two on this machine (timed by its first process and kept, ``gemm_choice.py``; MKL unless
+    oneDNN wins by ``SWITCH_SPEEDUP``)."""
     if not packing_available(device, dtype):
         return None
     setting = (os.environ.get("COSERVE_GEMMS") or "auto").strip().lower()
@@ -97,9 +100,18 @@ def gemm_backend(device: torch.device, dtype: torch.dtype) -> str | None:
 
 @functools.cache
 def _timed_choice() -> str:
-    """The available backend ``_pick`` takes after ``_timings`` (once per process)."""
+    """The available backend ``_pick`` takes after ``_timings``: once per machine, kept on disk (``gemm_choice.py``),
+    then once per process."""
     backends = [b for b in _BACKENDS.values() if b.available()]
-    return backends[0].name if len(backends) == 1 else _pick(_timings(backends))
+    if len(backends) == 1:
+        return backends[0].name
+    saved = gemm_choice.saved_choice([b.name for b in backends])
+    if saved is not None:
+        return saved
+    seconds = _timings(backends)
+    choice = _pick(seconds)
+    gemm_choice.save_choice(choice, seconds)
+    return choice
 
 
 def _pick(seconds: dict[str, float]) -> str:
