@@ -93,7 +93,7 @@ def _measure(args, llm, prompts, names: list[str] | None, adapters: list[Path]) 
         "num_requests": args.num_requests, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "adapters": args.adapters, "lora_rank": args.lora_rank if adapters else None,
         "outputs_changed_by_adapters": changed,
-        "lora_targets": args.lora_targets.split(",") if adapters else None,
+        "lora_targets": [t for t in args.lora_targets.split(",") if t] if adapters else None,
         "prompt_source": prompts.source, "max_prompt_len": args.max_prompt_len,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
@@ -120,7 +120,7 @@ def _timed(fn):
     return time.perf_counter() - start, value
 
 
-def _run_hf(args, prompts: list[list[int]], device: torch.device, adapters: list[Path] = (),
+def _run_hf(args, prompts: list[list[int]], device: torch.device, adapters: list[Path] | None = None,
             names: list[str] | None = None) -> tuple[dict, list[list[int]], int]:
     """One static left-padded batch through ``model.generate`` (with ``adapters``, a PEFT model holding them all,
     each row through its own: PEFT's mixed adapter batch); returns timings and its tokens."""
