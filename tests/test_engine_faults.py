@@ -360,4 +360,4 @@ def test_a_fault_in_the_engines_bookkeeping_fails_what_it_held_and_the_server_se
         faults[0] = engine_loop.MAX_FAULTS  # faults that keep coming (the first counts too) stop the loop
         codes = [http.post("/v1/completions", json=body).status_code for _ in range(engine_loop.MAX_FAULTS - 1)]
         assert codes == [500] * (engine_loop.MAX_FAULTS - 2) + [503]
-        assert http.get("/health").status_code == 503
+        assert http.get("/health").status_code == 503 and http.head("/health").status_code == 503

@@ -76,6 +76,12 @@ def assert_alive(server) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_health_answers_head_as_get_without_a_key(server):
+    """A load balancer's check may send HEAD; it needs no key, as GET does."""
+    r = httpx.head(f"{server.url}/health")
+    assert r.status_code == 200 and r.content == b""
+
+
 # ---- wrong JSON ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path, body, param", [
     (CHAT, {"n": "2"}, "n"),

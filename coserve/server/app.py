@@ -92,7 +92,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     lean_routes.install(app, [inference_api.router, responses_api.router],
                         [inference_api.chat_completions, inference_api.completions, responses_api.responses])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD too: what some load balancers' checks send
     async def health():
         if loop.error is not None:
             return Response(status_code=503, content=f"engine stopped: {loop.error!r}")
