@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -125,16 +126,16 @@ class LLM:
         built = []
         for i, (p, sp, a, pr) in enumerate(zip(prompts, params, adapters, priorities)):
             try:
-                built.append(self.engine.make_request(p, sp, a, tenant=tenant, priority=pr))
+                built += [self.engine.make_request(p, one, a, tenant=tenant, priority=pr) for one in sequences(sp)]
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
         if self._loop is None:
             with self._stepping:
                 if self._loop is None:
-                    return self._run_here(built, use_tqdm)
+                    return merge_sequences(self._run_here(built, use_tqdm), [sp.n for sp in params])
         # the engine runs in its thread (since a job started): hand the requests over and wait
         self._loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
-        return self._loop.wait_for([r.request_id for r, _ in built])
+        return merge_sequences(self._loop.wait_for([r.request_id for r, _ in built]), [sp.n for sp in params])
 
     def _run_here(self, built: list, use_tqdm: bool) -> list[RequestOutput]:
         """Step the engine in this thread until ``built``'s requests have finished (under ``_stepping``)."""
@@ -180,6 +181,30 @@ class LLM:
         # The template already holds the special tokens: tokenize without adding more.
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         return self.generate(ids, sampling_params, adapter)
+
+
+def sequences(params: SamplingParams) -> list[SamplingParams]:
+    """vLLM's ``n``: one request's settings per sequence, each drawing from ``seed + i`` where a seed is given (as
+    the server's ``n`` choices do), so that a sequence's tokens do not depend on how many were asked for."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63)
+            for i in range(params.n)]
+
+
+def merge_sequences(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
+    """One RequestOutput per prompt from its ``n`` requests' (consecutive in ``outputs``), as vLLM returns them:
+    ``outputs[i]`` is sequence ``i``; an error is the first sequence's that failed."""
+    if all(n == 1 for n in counts):
+        return outputs
+    merged, at = [], 0
+    for n in counts:
+        group, at = outputs[at:at + n], at + n
+        first = group[0]
+        merged.append(replace(first, outputs=[replace(o.outputs[0], index=i) for i, o in enumerate(group)],
+                              num_preemptions=sum(o.num_preemptions for o in group),
+                              error=next((o.error for o in group if o.error is not None), None)))
+    return merged
 
 
 def _per_prompt(value, n: int, name: str, kind) -> list:

@@ -256,6 +256,8 @@ class LLMEngine:
         error under fcfs, as in vLLM, rather than silently ignored)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:  # one sequence per engine request: LLM.generate (or the server) makes n of them
+            raise ValueError(f"n: {params.n} sequences need {params.n} requests (LLM.generate makes them)")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         if priority and self.config.scheduling_policy != "priority":

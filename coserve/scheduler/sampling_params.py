@@ -15,6 +15,7 @@ class SamplingParams:
     """Sampling settings for one request; validated on construction, errors name the field."""
 
     max_tokens: int = 16  # tokens to generate at most
+    n: int = 1  # vLLM's: sequences generated for the prompt (``LLM.generate`` runs each as a request, seed + i)
     temperature: float = 1.0  # 0 = greedy
     top_k: int = -1  # keep the k most likely tokens; -1 or 0 = all
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
@@ -43,6 +44,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n <= 0:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.temperature >= 0 or self.temperature == float("inf"):
