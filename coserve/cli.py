@@ -59,6 +59,7 @@ def _add_generate(sub) -> None:
                    help="load a PEFT LoRA or IA3 adapter; the prompts use it (or the one named by --use)")
     p.add_argument("--use", default=None, metavar="NAME", help="which loaded adapter the prompts use")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--n", type=int, default=1, help="sequences per prompt (the i-th drawn from seed + i)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -72,7 +73,7 @@ def _add_generate(sub) -> None:
 
 def _generate(args) -> int:
     from coserve import LLM, SamplingParams
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     names = []
@@ -90,11 +91,14 @@ def _generate(args) -> int:
     elapsed = time.perf_counter() - start
     for out in outs:
         print(f"--- prompt: {out.prompt!r}  (adapter: {use or 'none'})")
-        print(out.text)
-        print(f"[{len(out.token_ids)} tokens, finish: {out.outputs[0].finish_reason}]")
-    total = sum(len(o.token_ids) for o in outs)
+        for seq in out.outputs:
+            if len(out.outputs) > 1:
+                print(f"[sequence {seq.index}]")
+            print(seq.text)
+            print(f"[{len(seq.token_ids)} tokens, finish: {seq.finish_reason}]")
+    total = sum(len(seq.token_ids) for o in outs for seq in o.outputs)
     engine = llm.engine
-    print(f"{len(outs)} requests, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s) "
+    print(f"{len(outs) * params.n} requests, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s) "
           f"on {engine.device} {str(engine.dtype).removeprefix('torch.')}")
     return 0
 

@@ -21,6 +21,10 @@ def test_create_model_then_generate(tmp_path, capsys):
                  "--max-tokens", "5", "--ignore-eos"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- prompt:") == 2 and "2 requests, 10 tokens" in out
+    assert main(["generate", "--model", str(model), "--prompt", "Hello", "--n", "3", "--temperature", "1",
+                 "--seed", "4", "--max-tokens", "5", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- prompt:") == 1 and out.count("[sequence ") == 3 and "3 requests, 15 tokens" in out
 
 
 @pytest.mark.parametrize("kind", ["lora", "ia3"])
