@@ -55,10 +55,10 @@ def run(args) -> int:
         for i, path in enumerate(adapters):
             llm.load_adapter(f"a{i}", path)
         names = [f"a{i % args.adapters}" for i in range(len(prompts.prompts))] if adapters else None
-        return _measure(args, llm, prompts, names, adapters)
+        return _measure(args, llm, prompts, names, adapters, targets)
 
 
-def _measure(args, llm, prompts, names: list[str] | None, adapters: list[Path]) -> int:
+def _measure(args, llm, prompts, names: list[str] | None, adapters: list[Path], targets: list[str]) -> int:
     from coserve import SamplingParams
 
     prompt_tokens = sum(len(p) for p in prompts.prompts)
@@ -93,7 +93,7 @@ def _measure(args, llm, prompts, names: list[str] | None, adapters: list[Path]) 
         "num_requests": args.num_requests, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "adapters": args.adapters, "lora_rank": args.lora_rank if adapters else None,
         "outputs_changed_by_adapters": changed,
-        "lora_targets": [t for t in args.lora_targets.split(",") if t] if adapters else None,
+        "lora_targets": targets if adapters else None,
         "prompt_source": prompts.source, "max_prompt_len": args.max_prompt_len,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",

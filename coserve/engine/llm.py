@@ -21,6 +21,7 @@ from coserve.peft.config import IA3Config, LoraConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import RequestOutput
 from coserve.scheduler import SamplingParams
+from coserve.scheduler.sampling_params import sequence_seed
 
 Prompt = str | list[int]
 
@@ -188,8 +189,7 @@ def sequences(params: SamplingParams) -> list[SamplingParams]:
     the server's ``n`` choices do), so that a sequence's tokens do not depend on how many were asked for."""
     if params.n == 1:
         return [params]
-    return [replace(params, n=1, seed=None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63)
-            for i in range(params.n)]
+    return [replace(params, n=1, seed=sequence_seed(params.seed, i)) for i in range(params.n)]
 
 
 def merge_sequences(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:

@@ -10,6 +10,12 @@ from coserve.guided.compilers import COMPILERS
 MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (as vLLM does)
 
 
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's ``index``-th sequence (``n`` choices, ``best_of`` candidates): ``seed + index``,
+    wrapping within int64 (what a torch generator takes); None stays None."""
+    return None if seed is None else (seed + index + 2**63) % 2**64 - 2**63
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling settings for one request; validated on construction, errors name the field."""

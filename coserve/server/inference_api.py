@@ -16,6 +16,7 @@ from coserve.model.tokenizer import encode
 from coserve.peft import AdapterError
 from coserve.scheduler import Request as EngineRequest
 from coserve.scheduler import SamplingParams
+from coserve.scheduler.sampling_params import sequence_seed
 from coserve.scheduler.plan import TokenLogprobs
 from coserve.server.beam_api import completions_by_beam_search
 from coserve.server.choices import (Choice, Job, best_choices, events, finish_reason, gather_all, new_job, streaming,
@@ -137,7 +138,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
     if any(not s for s in stops):
         raise bad_request("stop: sequences must be non-empty", "stop")
-    seed = None if body.seed is None else (body.seed + index + 2**63) % 2**64 - 2**63  # int64, wrapping
+    seed = sequence_seed(body.seed, index)
     temperature = 1.0 if body.temperature is None else body.temperature  # SamplingParams floors tiny ones
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens: {body.min_tokens} is more than the {max_tokens} tokens it may generate",
