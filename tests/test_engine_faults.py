@@ -269,6 +269,84 @@ def test_a_shared_forward_that_raises_for_the_jobs_window_fails_the_job_alone(mo
         _same_adapter(job, solo)
 
 
+def test_an_lm_head_call_that_raises_runs_again_per_request_with_the_same_tokens_and_logprobs(model_factory,
+                                                                                             tmp_path):
+    """Every batched LM-head call raises (a device out of memory for the whole batch's logits), beside a finetuning
+    job, with n-gram speculation, logprobs and seeded sampling: each request's rows then go through it alone, padded
+    so that they round as in the batch, and every token and logprob is the fault-free run's. The job, which has no
+    part in the LM head's call, trains on to the adapter it trains alone (before, such a fault failed it first)."""
+    from tests.test_speculative import REPEATING
+    model_dir = model_factory("llama")
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True, logprobs=1)]
+    prompts = REPEATING + _prompts(4, seed=23)
+    solo = _job(_engine(model_dir), tmp_path / "solo")
+    run_job(solo, progress=False)
+
+    def run(faulty: bool):
+        engine = _engine(model_dir, speculative_tokens=4)
+        job = _job(engine, tmp_path / f"job-{faulty}")
+        job_id = engine.add_finetune_job(job)
+        batched = []
+        logits = engine.executor._logits
+
+        def faulty_logits(hidden, min_rows):
+            if faulty and min_rows == 1 and hidden.shape[0] > 1:  # the batched call (alone, calls are padded)
+                batched.append(hidden.shape[0])
+                raise RuntimeError("injected LM head fault")
+            return logits(hidden, min_rows)
+        engine.executor._logits = faulty_logits
+        ids = [engine.add_request(p, params[i % 3]) for i, p in enumerate(prompts)]
+        outs = _run(engine, ids)
+        while engine.has_running_jobs():
+            engine.step()
+        assert engine.job_states[job_id].status == "succeeded"
+        return [outs[r] for r in ids], engine, job, batched
+
+    plain, _, _, _ = run(False)
+    apart, engine, job, batched = run(True)
+    assert len(batched) == engine.num_failed_iterations > 5 and engine.scheduler.num_draft_tokens > 0
+    for a, b in zip(plain, apart, strict=True):
+        assert b.error is None and a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    _same_adapter(job, solo)
+
+
+def test_a_request_whose_lm_head_rows_raise_fails_alone_beside_a_job(model_factory, tmp_path):
+    """Where one request's rows raise in the LM head even alone, it ends with finish_reason "error" naming the fault;
+    its batch-mates' tokens are exact, its KV blocks are freed, and the job riding in the same iterations succeeds
+    with the adapter it trains alone."""
+    model_dir = model_factory("llama")
+    prompts = _prompts(5, seed=17)
+    plain = _engine(model_dir)
+    reference = _run(plain, [plain.add_request(p, PARAMS) for p in prompts])
+    solo = _job(plain, tmp_path / "solo")
+    run_job(solo, progress=False)
+    engine = _engine(model_dir)
+    job = _job(engine, tmp_path / "co")
+    job_id = engine.add_finetune_job(job)
+    engine.step()
+    poisoned = set()
+    tokens = engine.executor._tokens
+
+    def faulty_tokens(hidden, sampling, result, min_rows):
+        if poisoned & {c.request_id for c in sampling}:
+            raise RuntimeError("injected LM head fault")
+        return tokens(hidden, sampling, result, min_rows)
+    engine.executor._tokens = faulty_tokens
+    ids = [engine.add_request(p, PARAMS) for p in prompts]
+    bad = engine.add_request([9, 8, 7, 6], PARAMS)
+    poisoned.add(bad)
+    outs = _run(engine, [*ids, bad])
+    assert outs[bad].outputs[0].finish_reason == "error" and "injected LM head fault" in outs[bad].error
+    assert engine.scheduler.blocks.block_table(bad) == [] and engine.num_failed_iterations == 1
+    assert [outs[r].token_ids for r in ids] == [o.token_ids for o in reference.values()]
+    while engine.has_running_jobs():
+        engine.step()
+    assert engine.job_states[job_id].status == "succeeded"
+    _same_adapter(job, solo)
+
+
 @pytest.mark.parametrize("fault", ["raises", "past the vocabulary"])
 def test_a_request_whose_token_cannot_be_sampled_fails_alone_and_its_iteration_stands(model_factory, tmp_path,
                                                                                      monkeypatch, fault):

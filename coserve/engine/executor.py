@@ -125,20 +125,63 @@ class ModelExecutor:
             hidden, sampling = self._forward_apart(plan, result, e)
         if forward is not None and not fused:
             self._forward_alone(forward, result)
-        if any(c.num_drafts for c in sampling):  # speculative chunks score every row: verify them apart
-            hidden, sampling = self._verify_drafts(hidden, sampling, result)
         if sampling:
-            logits = self.model.logits(hidden)  # [N, V] float32
             try:
-                self._sample(logits, sampling, result)
-            except Exception:  # some request's own settings: each row alone, and only the rows that raise fail
-                for i, c in enumerate(sampling):  # (a seeded row that drew before the raise draws anew)
-                    try:
-                        self._sample(logits[i:i + 1], [c], result)
-                    except Exception as e:
-                        result.request_errors[c.request_id] = f"{type(e).__name__}: {e}"
-                        result.sampled.pop(c.request_id, None)
-                        result.logprobs.pop(c.request_id, None)
+                self._tokens(hidden, sampling, result, min_rows=1)
+            except Exception as e:  # the LM head's call (a device out of memory): each chunk's rows alone
+                self._tokens_apart(hidden, sampling, result, e)
+
+    def _tokens(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult,
+                min_rows: int) -> None:
+        """The sampling chunks' new tokens from their hidden rows: speculative chunks' drafts verified, the rest
+        sampled (``min_rows``: the LM head's calls are padded to at least that many rows)."""
+        if any(c.num_drafts for c in sampling):  # speculative chunks score every row: verify them apart
+            hidden, sampling = self._verify_drafts(hidden, sampling, result, min_rows)
+        if not sampling:
+            return
+        logits = self._logits(hidden, min_rows)  # [N, V] float32
+        try:
+            self._sample(logits, sampling, result)
+        except Exception:  # some request's own settings: each row alone, and only the rows that raise fail
+            for i, c in enumerate(sampling):  # (a seeded row that drew before the raise draws anew)
+                try:
+                    self._sample(logits[i:i + 1], [c], result)
+                except Exception as e:
+                    self._fail_request(c, result, e)
+
+    def _tokens_apart(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult,
+                      error: Exception) -> None:
+        """After the LM head's batched call raised ``error``: each chunk's rows through it alone, so that only the
+        requests whose own rows raise fail. A chunk's rows are padded to the two rows past which the engine's
+        GEMMs round a row alike in any call (``batch_invariance.py``), so its tokens and logprobs are the batch's."""
+        result.forward_error = f"{type(error).__name__}: {error}"
+        log.error("iteration's LM head failed (%s); each request's rows run again alone", result.forward_error,
+                  exc_info=error)
+        if self.model.device.type == "cuda" and isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        row = 0
+        for c in sampling:
+            n = 1 + c.num_drafts
+            try:
+                self._tokens(hidden[row:row + n], [c], result, min_rows=min(2, hidden.shape[0]))
+            except Exception as e:
+                self._fail_request(c, result, e)
+            row += n
+
+    def _logits(self, hidden: torch.Tensor, min_rows: int) -> torch.Tensor:
+        """The LM head's logits for ``hidden``, in a call of at least ``min_rows`` rows (the first row repeated)."""
+        n = hidden.shape[0]
+        if n >= min_rows:
+            return self.model.logits(hidden)
+        return self.model.logits(torch.cat([hidden, hidden[:1].expand(min_rows - n, -1)]))[:n]
+
+    @staticmethod
+    def _fail_request(chunk: InferenceChunk, result: ExecutionResult, error: Exception) -> None:
+        """``chunk``'s request ends with ``error``; whatever the iteration had produced for it is dropped."""
+        result.request_errors[chunk.request_id] = f"{type(error).__name__}: {error}"
+        result.sampled.pop(chunk.request_id, None)
+        result.more_sampled.pop(chunk.request_id, None)
+        result.logprobs.pop(chunk.request_id, None)
 
     def _sample(self, logits: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult) -> None:
         """The chunks' tokens (and logprobs where asked) from their rows of ``logits``, into ``result``."""
@@ -160,8 +203,8 @@ class ModelExecutor:
         for i, (chosen, top) in zip(wants, scored):
             result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
 
-    def _verify_drafts(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult
-                       ) -> tuple[torch.Tensor, list[InferenceChunk]]:
+    def _verify_drafts(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult,
+                       min_rows: int = 1) -> tuple[torch.Tensor, list[InferenceChunk]]:
         """Greedy verification of speculative chunks (their rows come first-to-last in ``hidden``): the model's
         token at every row; the drafts it agrees with, in order, and its token after the last of them, are the
         request's new tokens. Returns the other chunks' rows and chunks, to be sampled as usual."""
@@ -176,7 +219,7 @@ class ModelExecutor:
             row += n
         rows = [r for _, start, n in spans for r in range(start, start + n)]
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        chosen_all = self.model.logits(hidden[index]).argmax(dim=-1).tolist()  # one LM-head call for every draft
+        chosen_all = self._logits(hidden[index], min_rows).argmax(dim=-1).tolist()  # one LM-head call for every draft
         at = 0
         for c, _, n in spans:
             chosen = chosen_all[at:at + n]

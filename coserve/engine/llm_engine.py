@@ -398,8 +398,9 @@ class LLMEngine:
         return outputs
 
     def _iteration_failed(self, plan: IterationPlan, error: Exception) -> list[RequestOutput]:
-        """An iteration raised past the executor's own recovery (a forward that raises is run again in parts by
-        the executor, and sampling row by row; what is left: the LM head, a bug): fail what it carried and go on.
+        """An iteration raised past the executor's own recovery (a forward or an LM head call that raises is run
+        again in parts by the executor, and sampling row by row; what is left is a bug): fail what it carried and
+        go on.
 
         Jobs are the suspects first: a plan with finetuning work fails its jobs (their state may be half-advanced)
         and leaves its requests as they were before it (the scheduler's ``update`` never ran), so the next

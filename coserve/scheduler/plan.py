@@ -76,6 +76,6 @@ class ExecutionResult:
     finetune_errors: dict[str, str] = field(default_factory=dict)  # job id -> why it stopped (reported DONE)
     request_errors: dict[str, str] = field(default_factory=dict)  # request id -> why its chunk failed alone (its
     #   forward or its sampling raised; the rest of the iteration stands, the request ends with finish_reason "error")
-    forward_error: str | None = None  # the iteration's forward raised this: its parts ran again apart (the executor's
-    #   ``_forward_apart``), and only what raised alone failed
+    forward_error: str | None = None  # the iteration's forward or LM head raised this: its parts ran again apart (the
+    #   executor's ``_forward_apart`` and ``_tokens_apart``), and only what raised alone failed
     interrupted: bool = False  # its finetuning slice stopped early for a new request (elapsed_s is not the plan's)
