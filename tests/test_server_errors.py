@@ -220,7 +220,8 @@ VALID_BODIES = {
     JOBS: {"model": BASE, "training_file": "FILE", "suffix": "s", "seed": 1,
            "hyperparameters": {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
            "method": {"type": "supervised"}, "coserve": {"r": 4, "max_steps": 1, "target_modules": ["q_proj"]}},
-    "/tokenize": {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True},
+    "/tokenize": {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True,
+                  "chat_template_kwargs": {"enable_thinking": False}},
 }
 
 
@@ -372,6 +373,35 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_requests(server, alice):
     # Relative to the big request's own time, not a fixed bound (a loaded machine slows both): behind the
     # tokenizer on the event loop, /health would wait out most of it
     assert waited < 0.25 * done[1], f"/health waited {waited:.2f} s of the big request's {done[1]:.2f} s"
+
+
+def test_chat_and_tokenize_take_vllms_chat_template_options(alice, model_factory):
+    """``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` render as HF's
+    ``apply_chat_template`` renders them (the oracle); a continued reply is the greedy continuation of exactly
+    that prompt (the completions API on its ids); options that cannot apply are 400s naming the field."""
+    from coserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_factory("llama"))
+    prefixed = HELLO + [{"role": "assistant", "content": "Well, the"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    text = tokenizer.apply_chat_template(prefixed, tokenize=False, continue_final_message=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert alice.post("/tokenize", json={"model": BASE, "messages": prefixed, **options}).json()["tokens"] == ids
+    closed = alice.post("/tokenize", json={"model": BASE, "messages": HELLO, "add_generation_prompt": False}).json()
+    assert closed["tokens"] == tokenizer(tokenizer.apply_chat_template(HELLO, tokenize=False),
+                                         add_special_tokens=False)["input_ids"]
+    greedy = {"model": BASE, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    chat = alice.post(CHAT, json={**greedy, "messages": prefixed, **options,
+                                  "chat_template_kwargs": {"enable_thinking": False}}).json()
+    plain = alice.post(COMPLETIONS, json={**greedy, "prompt": ids}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    for body, param in [({"continue_final_message": True}, "continue_final_message"),
+                        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+                        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+                        ({"add_generation_prompt": "yes"}, "add_generation_prompt")]:
+        for path, extra in [(CHAT, greedy), ("/tokenize", {"model": BASE})]:
+            assert error_of(alice.post(path, json={**extra, "messages": prefixed, **body}), 400)["param"] == param
 
 
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from coserve.finetune.build import make_bypass
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.dataset import load_dataset
 from coserve.finetune.job import FinetuneJob
+from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import RequestOutput
@@ -166,19 +167,25 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             adapter: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+             adapter: str | None | Sequence[str | None] = None, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the model's chat template.
 
-        ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts) or a list of them.
+        ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts) or a list of them. As vLLM's
+        ``LLM.chat``: ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message
+        instead of opening a new turn; ``chat_template_kwargs`` are more variables for the template.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for i, conv in enumerate(conversations):
             try:
-                prompts.append(self.tokenizer.apply_chat_template(conv, add_generation_prompt=True,
-                                                                  tokenize=False))
-            except Exception as e:  # jinja and transformers raise many kinds
-                raise ValueError(f"messages[{i}]: the chat template cannot render it ({e})") from e
+                prompts.append(render_conversation(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                                                   continue_final_message=continue_final_message,
+                                                   chat_template_kwargs=chat_template_kwargs))
+            except ChatPromptError as e:
+                if e.param != "messages":
+                    raise
+                raise ValueError(f"messages[{i}]: the chat template cannot render it ({e.__cause__})") from e
         # The template already holds the special tokens: tokenize without adding more.
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         return self.generate(ids, sampling_params, adapter)

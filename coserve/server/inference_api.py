@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from coserve.engine.outputs import RequestOutput
+from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.model.tokenizer import encode
 from coserve.peft import AdapterError
 from coserve.scheduler import Request as EngineRequest
@@ -380,14 +381,16 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------------------
-def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
+def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
     tokenizer = ctx.engine.tokenizer
     messages = template_messages(body.messages, tokenizer.chat_template or "")
     try:
-        text = tokenizer.apply_chat_template(messages, tools=template_tools(getattr(body, "tools", None)),
-                                             add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # jinja raises its own kinds for a template that rejects the conversation
-        raise bad_request(f"messages: the model's chat template cannot render them ({e})", "messages") from e
+        text = render_conversation(tokenizer, messages, tools=template_tools(getattr(body, "tools", None)),
+                                   add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message,
+                                   chat_template_kwargs=body.chat_template_kwargs)
+    except ChatPromptError as e:
+        raise bad_request(str(e), e.param) from e
     return encode(tokenizer, text, add_special_tokens=False)
 
 

@@ -154,7 +154,15 @@ class ChatMessage(Body):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
-class ChatCompletionRequest(Sampling):
+class ChatTemplateOptions(Body):
+    """vLLM's controls over the chat template's rendering (``coserve/model/chat_prompt.py``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(Sampling, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -167,8 +175,9 @@ class ChatCompletionRequest(Sampling):
     function_call: Any = None
 
 
-class TokenizeRequest(Body):
-    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered with the model's chat template."""
+class TokenizeRequest(ChatTemplateOptions):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered with the model's chat template (and its
+    options, as the chat API takes them)."""
 
     model: str
     prompt: str | None = None
