@@ -82,6 +82,13 @@ def test_health_answers_head_as_get_without_a_key(server):
     assert r.status_code == 200 and r.content == b""
 
 
+def test_version_says_which_build_answers_without_a_key(server):
+    """vLLM's ``GET /version``."""
+    import coserve
+
+    assert httpx.get(f"{server.url}/version").json() == {"version": coserve.__version__}
+
+
 # ---- wrong JSON ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path, body, param", [
     (CHAT, {"n": "2"}, "n"),

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from coserve import __version__
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
@@ -82,7 +83,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             store.close()
             sys.setswitchinterval(switch)
 
-    app = FastAPI(title="coserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="coserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.coserve = ctx
     errors.install(app)
     app.include_router(inference_api.router)
@@ -97,6 +98,10 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         if loop.error is not None:
             return Response(status_code=503, content=f"engine stopped: {loop.error!r}")
         return Response(status_code=200)
+
+    @app.get("/version")  # vLLM's: which server build answers (no key, as /health)
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus(request: Request):

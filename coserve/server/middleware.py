@@ -18,7 +18,7 @@ from coserve.server.metrics import ServerMetrics
 log = logging.getLogger("coserve.server")
 ACCESS_LOGGER = "coserve.access"  # one JSON object per request, at INFO
 access_log = logging.getLogger(ACCESS_LOGGER)
-OPEN_PATHS = ("/health", "/metrics")  # no key needed
+OPEN_PATHS = ("/health", "/metrics", "/version")  # no key needed
 INTERNAL_TENANT = "coserve.tenant"  # a scope key of the server's own in-process calls (batches): their tenant.
 # A request from the network cannot set it: its scope is built by the HTTP server from the wire.
 UPLOAD_PATHS = ("/v1/files",)
