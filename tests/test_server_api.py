@@ -108,6 +108,34 @@ def test_chat_streamed_equals_whole_with_usage(alice):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_count_each_choice_as_it_streams(alice, route):
+    """vLLM's ``stream_options.continuous_usage_stats``: with ``include_usage``, every chunk carries its choice's
+    counts so far, from 0 on the first chunk to the choice's own total; the final usage chunk sums the choices.
+    Without ``include_usage`` no chunk carries usage, as vLLM does."""
+    def stream(options):
+        kwargs = {"model": BASE, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2, "stream": True,
+                  "stream_options": options}
+        if route == "chat":
+            return list(alice.chat.completions.create(messages=HELLO, **kwargs))
+        return list(alice.completions.create(prompt="Hello there", **kwargs))
+
+    chunks = stream({"include_usage": True, "continuous_usage_stats": True})
+    total = chunks[-1].usage
+    assert not chunks[-1].choices and total.completion_tokens == 12
+    counts = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        assert c.usage.prompt_tokens == total.prompt_tokens
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        counts[choice.index].append(c.usage.completion_tokens)
+    for seen in counts.values():
+        assert seen == sorted(seen) and seen[-1] == 6
+    if route == "chat":
+        assert counts[0][0] == counts[1][0] == 0  # the role chunks, before any token
+    assert all(c.usage is None for c in stream({"continuous_usage_stats": True}))
+
+
 def test_stop_n_seed_and_logprobs(alice):
     base = alice.chat.completions.create(model=BASE, messages=HELLO, max_tokens=12, temperature=0)
     text = base.choices[0].message.content

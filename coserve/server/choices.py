@@ -17,6 +17,7 @@ from coserve.engine.outputs import RequestOutput
 from coserve.server.context import ServerContext
 from coserve.server.errors import APIError
 from coserve.server.generation import RequestStream, TextDelta
+from coserve.server.protocol import StreamOptions
 
 
 @dataclass(slots=True)
@@ -156,10 +157,30 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage: bool) -> AsyncIterator[str]:
+def choice_usage(choice: Choice) -> dict:
+    """vLLM's ``continuous_usage_stats``: a choice's counts so far, on each of its stream's chunks."""
+    completion = len(choice.out.outputs[0].token_ids) if choice.out is not None else 0
+    return {"prompt_tokens": len(choice.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(choice.prompt_ids) + completion}
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """``(include_usage, continuous)`` of a request's ``stream_options``: the usage chunk before ``[DONE]``, and
+    vLLM's usage on every chunk (which needs ``include_usage`` too, as vLLM's does)."""
+    include = bool(options and options.include_usage)
+    return include, include and options.continuous_usage_stats
+
+
+async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage: bool,
+                 continuous_usage: bool = False) -> AsyncIterator[str]:
     """Server-sent events for every choice's new text, interleaved as tokens arrive, then ``[DONE]``. Several
     choices are read by a task each into one queue; a single choice (the common case) is read directly, which
-    spares each streamed token two task switches on the event loop."""
+    spares each streamed token two task switches on the event loop. ``continuous_usage``: each chunk carries its
+    choice's token counts so far."""
+    def event(choice: Choice, body: dict) -> str:
+        if continuous_usage:
+            body["usage"] = choice_usage(choice)
+        return sse(body)
     async def read(choice: Choice) -> tuple[Choice, RequestOutput | BaseException]:
         """The choice's next output, or the error that ended it."""
         try:
@@ -189,7 +210,7 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
         for c in job.choices:
             first = chunk(c, None)
             if first is not None:
-                yield sse(first)
+                yield event(c, first)
         while open_choices:
             choice, out = await next_output()
             if isinstance(out, BaseException):
@@ -200,10 +221,10 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
             body = chunk(choice, out)
             if body is not None:
                 choice.sent_text()
-                yield sse(body)
+                yield event(choice, body)
             if out.finished:
                 open_choices -= 1
-                yield sse(last_chunk(choice, out))
+                yield event(choice, last_chunk(choice, out))
         else:
             if include_usage:
                 yield sse({"id": job.ident, "object": _object(job), "created": job.created, "model": job.model,

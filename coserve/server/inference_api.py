@@ -20,8 +20,8 @@ from coserve.scheduler import SamplingParams
 from coserve.scheduler.sampling_params import sequence_seed
 from coserve.scheduler.plan import TokenLogprobs
 from coserve.server.beam_api import completions_by_beam_search
-from coserve.server.choices import (Choice, Job, best_choices, events, finish_reason, gather_all, new_job, streaming,
-                                    usage)
+from coserve.server.choices import (Choice, Job, best_choices, events, finish_reason, gather_all, new_job,
+                                    stream_usage, streaming, usage)
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.generation import TextDelta, on_engine_async
@@ -362,8 +362,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
                     "choices": [{"index": c.index, "text": "", "logprobs": None, "finish_reason": finish_reason(out),
                                  "stop_reason": out.outputs[0].stop_reason}]}
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming(events(job, ctx, chunk, last, include), job, ctx)
+        return streaming(events(job, ctx, chunk, last, *stream_usage(body.stream_options)), job, ctx)
 
     await gather_all(job, ctx, request)
     choices = []
@@ -456,8 +455,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         # a list of calls (required, or read from free text): each choice's stream of them
         calls = [ToolCallStream(tools.auto) if tools is not None and tools.listed else None for _ in range(body.n)]
         safe = [""] * body.n  # each choice's text that no stop string can still cut
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming(events(job, ctx, chunk, last, include), job, ctx)
+        return streaming(events(job, ctx, chunk, last, *stream_usage(body.stream_options)), job, ctx)
 
     await gather_all(job, ctx, request)
     choices = []

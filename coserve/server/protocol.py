@@ -20,6 +20,7 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's counts so far
 
 
 class Sampling(Body):
