@@ -71,7 +71,30 @@ def test_stop_strings_keep_or_cut_and_wait_for_min_tokens(llm):
 
 @pytest.mark.parametrize("bad, message", [(dict(min_p=1.5), "min_p"),
                                           (dict(min_tokens=30, max_tokens=10), "min_tokens"),
-                                          (dict(allowed_token_ids=[]), "allowed_token_ids")])
+                                          (dict(allowed_token_ids=[]), "allowed_token_ids"),
+                                          (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+                                          (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+                                          (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens")])
 def test_bad_extras_name_the_field(bad, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**bad)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's ``truncate_prompt_tokens``: the request is the one its prompt's last k tokens make, for token-id and
+    text prompts; -1 keeps as much as the context holds (a longer prompt still leaves no room to generate, as in
+    vLLM); more than the context is refused, naming the field."""
+    greedy = dict(max_tokens=5, temperature=0, ignore_eos=True)
+    ids = list(range(10, 40))
+    cut = llm.generate([ids], SamplingParams(truncate_prompt_tokens=7, **greedy))[0]
+    assert cut.prompt_token_ids == ids[-7:]
+    assert cut.token_ids == llm.generate([ids[-7:]], SamplingParams(**greedy))[0].token_ids
+    text = "one two three four five six seven eight nine ten"
+    whole = llm.tokenizer(text)["input_ids"]
+    assert llm.generate(text, SamplingParams(truncate_prompt_tokens=3, **greedy))[0].prompt_token_ids == whole[-3:]
+    assert llm.generate([ids], SamplingParams(truncate_prompt_tokens=100, **greedy))[0].prompt_token_ids == ids
+    limit = llm.engine.max_model_len
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate([ids], SamplingParams(truncate_prompt_tokens=limit + 1, **greedy))
+    with pytest.raises(ValueError, match="no room to generate"):
+        llm.generate([[11] * (limit + 5)], SamplingParams(truncate_prompt_tokens=-1, **greedy))

@@ -411,6 +411,30 @@ def test_chat_and_tokenize_take_vllms_chat_template_options(alice, model_factory
             assert error_of(alice.post(path, json={**extra, "messages": prefixed, **body}), 400)["param"] == param
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_on_both_routes(alice):
+    """vLLM's ``truncate_prompt_tokens``: a completion is the one the prompt's last k tokens give (echoed as their
+    text), a chat's prompt is its rendered messages' last k tokens; a prompt over the context fits once cut; 0 and
+    more than the context are 400s naming the field."""
+    ids = list(range(20, 60))
+    greedy = {"model": BASE, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    cut = alice.post(COMPLETIONS, json={**greedy, "prompt": ids, "truncate_prompt_tokens": 6, "echo": True}).json()
+    plain = alice.post(COMPLETIONS, json={**greedy, "prompt": ids[-6:], "echo": True}).json()
+    assert cut["usage"]["prompt_tokens"] == 6 and cut["choices"][0]["text"] == plain["choices"][0]["text"]
+    chat = alice.post(CHAT, json={**greedy, "messages": HELLO, "truncate_prompt_tokens": 3}).json()
+    rendered = alice.post("/tokenize", json={"model": BASE, "messages": HELLO}).json()["tokens"]
+    assert chat["usage"]["prompt_tokens"] == 3
+    alone = alice.post(COMPLETIONS, json={**greedy, "prompt": rendered[-3:]}).json()
+    assert chat["choices"][0]["message"]["content"] == alone["choices"][0]["text"]
+    too_long = {**greedy, "prompt": [21] * 5000}
+    assert error_of(alice.post(COMPLETIONS, json=too_long), 400)["code"] == "context_length_exceeded"
+    assert alice.post(COMPLETIONS, json={**too_long, "truncate_prompt_tokens": 16}).json()["usage"][
+        "prompt_tokens"] == 16
+    for bad in (0, -2, 10**6, "4"):
+        for path, extra in [(COMPLETIONS, {"prompt": ids}), (CHAT, {"messages": HELLO})]:
+            body = {**greedy, **extra, "truncate_prompt_tokens": bad}
+            assert error_of(alice.post(path, json=body), 400)["param"] == "truncate_prompt_tokens"
+
+
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------
 @pytest.mark.parametrize("path", [
     "/v1/files?limit=abc", "/v1/files?limit=0", "/v1/files?order=sideways", "/v1/files?after=file-x",

@@ -35,6 +35,7 @@ from coserve.guided.vocab import token_bytes
 from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from coserve.scheduler.finetune_work import DONE
 from coserve.scheduler.plan import IterationPlan
+from coserve.scheduler.sampling_params import truncated_prompt
 from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.latency_model import load_model as load_latency
 
@@ -288,6 +289,9 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt: is empty")
+        kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        if len(kept) < len(token_ids):
+            text, token_ids = None, kept  # the text is no longer the tokens'
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_model_len}")

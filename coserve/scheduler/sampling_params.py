@@ -16,6 +16,18 @@ def sequence_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index + 2**63) % 2**64 - 2**63
 
 
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the model's context, as vLLM reads
+    it); None keeps it whole. ValueError naming the field where ``keep`` is more than the context."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens: {keep} is more than the model's context of {max_model_len} "
+                         f"tokens")
+    return ids[-keep:]
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling settings for one request; validated on construction, errors name the field."""
@@ -46,6 +58,8 @@ class SamplingParams:
     guided_choice: list[str] | None = None  # vLLM's: the output is exactly one of these strings; None = free text
     guided_regex: str | None = None  # vLLM's: the whole output matches this regular expression; None = free text
     guided_grammar: str | None = None  # vLLM's: the whole output matches this GBNF or Lark grammar; None = free text
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens are used (-1: as many as
+    #   the model's context holds); None = the whole prompt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +106,9 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or not (keep == -1 or keep >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or a positive integer, got {keep!r}")
         given = [f for f in COMPILERS if getattr(self, f) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[-1]}: give one of guided_json, guided_choice, guided_regex and guided_grammar, "

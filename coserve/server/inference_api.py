@@ -17,7 +17,7 @@ from coserve.model.tokenizer import encode
 from coserve.peft import AdapterError
 from coserve.scheduler import Request as EngineRequest
 from coserve.scheduler import SamplingParams
-from coserve.scheduler.sampling_params import sequence_seed
+from coserve.scheduler.sampling_params import sequence_seed, truncated_prompt
 from coserve.scheduler.plan import TokenLogprobs
 from coserve.server.beam_api import completions_by_beam_search
 from coserve.server.choices import (Choice, Job, best_choices, events, finish_reason, gather_all, new_job,
@@ -168,6 +168,18 @@ def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param
     return asked
 
 
+def truncate(ctx: ServerContext, body: Sampling, ids: list[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (``truncated_prompt``), before any check of its
+    length against the context."""
+    if body.truncate_prompt_tokens == 0:
+        raise bad_request("truncate_prompt_tokens: must be -1 (the model's context) or a positive number of tokens",
+                          "truncate_prompt_tokens")
+    try:
+        return truncated_prompt(ids, body.truncate_prompt_tokens, ctx.engine.max_model_len)
+    except ValueError as e:
+        raise bad_request(str(e), "truncate_prompt_tokens") from e
+
+
 def make_request(ctx: ServerContext, tenant: str, ids: list[int], params: SamplingParams, adapter: str | None,
                  prompt_param: str, priority: int = 0) -> EngineRequest:
     """A validated engine request (400 naming the field when it is not)."""
@@ -303,6 +315,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     ctx.client.check_capacity((1 if single else len(body.prompt)) * best_of)  # before tokenizing them all
     prompts = await off_loop_if_long(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
+    if body.truncate_prompt_tokens is not None:  # the echoed text is the kept tokens'
+        prompts = [(kept, text if len(kept) == len(ids) else ctx.engine.tokenizer.decode(kept))
+                   for ids, text in prompts for kept in [truncate(ctx, body, ids)]]
     if body.use_beam_search:
         if guided:
             field = "structured_outputs" if body.structured_outputs is not None else next(iter(guided))
@@ -398,7 +413,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     tenant = tenant_of(request)
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
-    ids = await off_loop_if_long(messages_chars(body.messages), render_chat, ctx, body)
+    ids = truncate(ctx, body, await off_loop_if_long(messages_chars(body.messages), render_chat, ctx, body))
     asked, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                     else (body.max_tokens, "max_tokens"))
     max_tokens = max_tokens_for(ctx, len(ids), asked, param, "messages")

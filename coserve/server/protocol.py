@@ -53,6 +53,7 @@ class Sampling(Body):
     structured_outputs: Any = None  # vLLM's newer form: {"json": ...}, {"choice": ...}, {"regex": ...}, {"grammar": ...}
     guided_regex: Any = None  # vLLM's extension: the whole output matches this regular expression
     guided_grammar: Any = None  # vLLM's extension: the whole output matches this GBNF or Lark grammar
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's extension: only the prompt's last k tokens
 
 
 class CompletionRequest(Sampling):
