@@ -28,14 +28,15 @@ def _sequences(tokenizer, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("skip", [True, False])  # vLLM's skip_special_tokens
 def test_the_text_at_every_token_is_the_full_decode_or_a_prefix_short_of_an_unfinished_character(
-        model_factory, arch):
+        model_factory, arch, skip):
     tokenizer = load_tokenizer(model_factory(arch))
     pending_seen = 0
     for ids in _sequences(tokenizer, seed=3):
-        inc = IncrementalText(tokenizer)
+        inc = IncrementalText(tokenizer, skip_special_tokens=skip)
         for n in range(1, len(ids) + 1):
-            full = tokenizer.decode(ids[:n], skip_special_tokens=True)
+            full = tokenizer.decode(ids[:n], skip_special_tokens=skip)
             text = inc.text(ids[:n])
             assert full.startswith(text)
             if text != full:

@@ -98,3 +98,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
         llm.generate([ids], SamplingParams(truncate_prompt_tokens=limit + 1, **greedy))
     with pytest.raises(ValueError, match="no room to generate"):
         llm.generate([[11] * (limit + 5)], SamplingParams(truncate_prompt_tokens=-1, **greedy))
+
+
+def test_skip_special_tokens_false_writes_them_into_the_text(llm):
+    """vLLM's ``skip_special_tokens``: by default special tokens are left out of the text; with False the text is
+    ``decode(ids, skip_special_tokens=False)`` (a stop string may then match one)."""
+    special = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    forced = dict(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={special: 100.0})
+    out = llm.generate("Hi", SamplingParams(**forced))[0]
+    assert out.token_ids == [special] * 6 and out.text == ""
+    kept = llm.generate("Hi", SamplingParams(skip_special_tokens=False, **forced))[0]
+    assert kept.text == llm.tokenizer.decode(kept.token_ids, skip_special_tokens=False) == "<|im_start|>" * 6
+    cut = llm.generate("Hi", SamplingParams(skip_special_tokens=False, stop=["|><|im"], **forced))[0]
+    assert cut.text == "<|im_start" and cut.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens="no")

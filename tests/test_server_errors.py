@@ -435,6 +435,25 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_on_both_routes(ali
             assert error_of(alice.post(path, json=body), 400)["param"] == "truncate_prompt_tokens"
 
 
+def test_skip_special_tokens_false_streams_them_as_it_returns_them(alice, model_factory):
+    """vLLM's ``skip_special_tokens`` on the server: False writes special tokens into the text, whole and
+    streamed alike; True (the default) leaves them out."""
+    from coserve.model.tokenizer import load_tokenizer
+
+    special = load_tokenizer(model_factory("llama")).convert_tokens_to_ids("<|im_start|>")
+    body = {"model": BASE, "messages": HELLO, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(special): 100}}
+    assert alice.post(CHAT, json=body).json()["choices"][0]["message"]["content"] == ""
+    whole = alice.post(CHAT, json={**body, "skip_special_tokens": False}).json()["choices"][0]["message"]["content"]
+    assert whole == "<|im_start|>" * 3
+    with alice.stream("POST", CHAT, json={**body, "skip_special_tokens": False, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole
+    text = alice.post(COMPLETIONS, json={**body, "prompt": "x", "skip_special_tokens": False}).json()
+    assert text["choices"][0]["text"] == whole
+    assert error_of(alice.post(CHAT, json={**body, "skip_special_tokens": "no"}), 400)["param"] == "skip_special_tokens"
+
+
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------
 @pytest.mark.parametrize("path", [
     "/v1/files?limit=abc", "/v1/files?limit=0", "/v1/files?order=sideways", "/v1/files?after=file-x",

@@ -30,7 +30,8 @@ class OutputProcessor:
 
     def add(self, request: Request, prompt: str | None) -> None:
         self._texts[request.request_id] = _RequestText(
-            prompt, [] if request.params.logprobs is not None else None, IncrementalText(self.tokenizer))
+            prompt, [] if request.params.logprobs is not None else None,
+            IncrementalText(self.tokenizer, request.params.skip_special_tokens))
 
     def process(self, request: Request, event: TokenEvent) -> bool:
         """Record one new token; returns True when a stop string has just ended the request."""

@@ -58,6 +58,8 @@ class SamplingParams:
     guided_choice: list[str] | None = None  # vLLM's: the output is exactly one of these strings; None = free text
     guided_regex: str | None = None  # vLLM's: the whole output matches this regular expression; None = free text
     guided_grammar: str | None = None  # vLLM's: the whole output matches this GBNF or Lark grammar; None = free text
+    skip_special_tokens: bool = True  # vLLM's: the text leaves special tokens out (False: written as the tokenizer
+    #   writes them, e.g. "<|im_end|>")
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens are used (-1: as many as
     #   the model's context holds); None = the whole prompt
 
@@ -106,6 +108,8 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         keep = self.truncate_prompt_tokens
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or not (keep == -1 or keep >= 1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 or a positive integer, got {keep!r}")

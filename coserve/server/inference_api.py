@@ -151,7 +151,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
                           logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, **(guided or {}),
                           min_p=body.min_p, min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
                           include_stop_str_in_output=body.include_stop_str_in_output,
-                          allowed_token_ids=body.allowed_token_ids)
+                          allowed_token_ids=body.allowed_token_ids, skip_special_tokens=body.skip_special_tokens)
 
 
 def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param: str, prompt_param: str) -> int:
