@@ -392,3 +392,21 @@ def test_an_interleaved_run_sends_alternate_requests_through_http_and_in_process
     assert http_extra["elapsed_s"] == in_extra["elapsed_s"] and in_extra["job_status"] in ("running", "succeeded")
     row = phase_row("http (interleaved)", http_records, http_extra, spec)
     assert row["num_failed"] == 0 and row["num_split"] == 2 and row["client_cpu_ms_per_request"] > 0
+
+
+def test_lora_modules_take_vllms_forms_beside_adapter(tmp_path):
+    """``--lora-modules`` as vLLM takes it (NAME=PATH or a JSON object, several after one flag) serves the same
+    adapters as ``--adapter``; a malformed one, or a name given twice, is refused naming the flag."""
+    from coserve.server.serve_command import add_arguments, configs, served_adapters
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--state-dir", str(tmp_path / "state"), "--adapter", "a=/p/a",
+                              "--lora-modules", "b=/p/b", '{"name": "c", "path": "/p/c", "base_model_name": "m"}'])
+    config, _ = configs(args, warn_without_keys=False)
+    assert config.adapters == {"a": "/p/a", "b": "/p/b", "c": "/p/c"}
+    for specs, message in [(["b"], "--lora-modules: expected NAME=PATH"),
+                           (['{"name": "b"}'], "--lora-modules: expected"),
+                           (["{nope"], "--lora-modules: .* is not JSON"),
+                           (["a=/other"], "--lora-modules: the adapter name 'a' is given twice")]:
+        with pytest.raises(ValueError, match=message):
+            served_adapters(["a=/p/a"], specs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -20,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "directory's name)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="a PEFT adapter (LoRA or IA3) every tenant may use (repeatable)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="SPEC",
+                   help="vLLM's form of --adapter: NAME=PATH or a JSON object {\"name\": ..., \"path\": ...}, "
+                        "one or more")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     keys = p.add_mutually_exclusive_group()
@@ -94,6 +98,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_adapters(adapter: list[str], lora_modules: list[str]) -> dict[str, str]:
+    """``name -> path`` from ``--adapter NAME=PATH`` and vLLM's ``--lora-modules`` (``NAME=PATH`` or JSON with
+    ``name`` and ``path``); ValueError naming the flag for a malformed one or a name given twice."""
+    adapters: dict[str, str] = {}
+    for flag, specs in (("--adapter", adapter), ("--lora-modules", lora_modules)):
+        for spec in specs:
+            if flag == "--lora-modules" and spec.lstrip().startswith("{"):
+                try:
+                    entry = json.loads(spec)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--lora-modules: {spec!r} is not JSON ({e})") from None
+                name, path = (entry.get("name"), entry.get("path")) if isinstance(entry, dict) else (None, None)
+                if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                    raise ValueError(f'--lora-modules: expected {{"name": ..., "path": ...}}, got {spec!r}')
+            else:
+                name, sep, path = spec.partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"{flag}: expected NAME=PATH, got {spec!r}")
+            if name in adapters:
+                raise ValueError(f"{flag}: the adapter name {name!r} is given twice")
+            adapters[name] = path
+    return adapters
+
+
 def configs(args: argparse.Namespace, warn_without_keys: bool = True):
     """``(ServerConfig, EngineConfig)`` from the flags; ValueError naming a bad one."""
     from coserve.engine.config import EngineConfig
@@ -108,12 +136,7 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                              "(or --no-auth to serve without keys)")
         if warn_without_keys:
             log.warning("serving without API keys: anyone who can reach %s:%d may use it", args.host, args.port)
-    adapters = {}
-    for spec in args.adapter:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--adapter: expected NAME=PATH, got {spec!r}")
-        adapters[name] = path
+    adapters = served_adapters(args.adapter, args.lora_modules)
     prepare_directory("--state-dir", args.state_dir)  # before the model loads
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice: give it together with --tool-call-parser (as vLLM's flags)")
