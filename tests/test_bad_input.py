@@ -134,3 +134,20 @@ def test_abort_returns_a_final_output(llm):
     engine.abort_request("gone")
     outs = engine.step()
     assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("gone", True, "abort")]
+
+
+def test_a_rank_too_large_to_allocate_names_r_and_other_faults_stay_themselves(llm, monkeypatch):
+    """``make_bypass``: torch failing to allocate a LoRA of that rank is a ValueError naming ``r``; any other
+    RuntimeError while building it is not dressed up as one."""
+    from coserve.finetune import build
+    from coserve.peft.config import LoraConfig
+
+    model = llm.engine.model
+    with pytest.raises(ValueError, match=r"^r: a rank-\d+ LoRA on q_proj .* cannot be allocated"):
+        build.make_bypass(LoraConfig(r=10**12, lora_alpha=16, target_modules=["q_proj"]), model, 0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an unrelated fault")
+    monkeypatch.setattr(build, "TrainableLora", broken)
+    with pytest.raises(RuntimeError, match="an unrelated fault"):
+        build.make_bypass(LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"]), model, 0)
