@@ -20,6 +20,10 @@ from coserve.server.config import ServerConfig
 from tests.test_coserving import _engine, _generate, _job
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# Tests that count forward calls a finetuning window shares: a TPOT target no iteration here comes near, so the
+# window's size is the token budget's, not what the latency model allows on a machine that happens to be slow
+# (a small window runs in calls of its own: ``ModelExecutor._inference``)
+SHARED = {"slo_tpot_ms": 60_000.0}
 
 
 def _prompts(n: int, seed: int = 5) -> list[list[int]]:
@@ -130,7 +134,7 @@ def test_a_forward_that_raises_for_a_requests_rows_fails_that_request_alone(mode
     reference = _run(plain, [plain.add_request(p, PARAMS) for p in prompts])
     solo = _job(plain, tmp_path / "solo")
     run_job(solo, progress=False)
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, **SHARED)
     job = _job(engine, tmp_path / "co")
     job_id = engine.add_finetune_job(job)
     engine.step()  # the job is under way: its forward windows ride in the requests' iterations
@@ -238,7 +242,7 @@ def test_a_shared_forward_that_raises_for_the_jobs_window_fails_the_job_alone(mo
     reference = _generate(_engine(model_dir), prompts)
     solo = _job(_engine(model_dir), tmp_path / "solo")
     run_job(solo, progress=False)
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, **SHARED)
     job = _job(engine, tmp_path / "co")
     job_id = engine.add_finetune_job(job)
     fused = [0]
