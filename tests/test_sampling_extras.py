@@ -113,3 +113,45 @@ def test_skip_special_tokens_false_writes_them_into_the_text(llm):
     assert cut.text == "<|im_start" and cut.outputs[0].finish_reason == "stop"
     with pytest.raises(ValueError, match="skip_special_tokens"):
         SamplingParams(skip_special_tokens="no")
+
+
+def test_bad_word_bans_are_hfs_no_bad_words_processor_over_the_output():
+    """The tokens ``bad_word_bans`` bans are those HF's ``NoBadWordsLogitsProcessor`` sets to -inf, given the output
+    so far (random word sequences of 1-3 tokens that often end the output)."""
+    from transformers import NoBadWordsLogitsProcessor
+
+    from coserve.model.logit_adjust import bad_word_bans
+    rng = torch.Generator().manual_seed(3)
+    vocab, eos = 12, 11
+    for _ in range(200):
+        output = torch.randint(0, eos, (int(torch.randint(1, 6, (1,), generator=rng)),), generator=rng).tolist()
+        words = [torch.randint(0, eos, (int(torch.randint(1, 4, (1,), generator=rng)),), generator=rng).tolist()
+                 for _ in range(3)]
+        words.append(output[-1:] + [5])  # one that the output's last token begins
+        hf = NoBadWordsLogitsProcessor(words, eos_token_id=eos)(torch.tensor([output]), torch.zeros(1, vocab))[0]
+        assert set(bad_word_bans(words, output)) == set(torch.nonzero(hf == float("-inf")).flatten().tolist())
+
+
+def test_bad_words_are_never_written_and_the_output_before_them_stands(llm):
+    """vLLM's ``bad_words``: a word the free greedy output writes (one token, then two) is never written; up to
+    where it was, the output is the free one's. Blank words are refused, naming the field."""
+    from coserve.model.logit_adjust import bad_word_ids
+    tok = llm.tokenizer
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    free = llm.generate("Once upon a time", SamplingParams(**greedy))[0].token_ids
+
+    def word_of(span: list[int]) -> str | None:
+        """The span's text, where the tokenizer splits that text back into exactly the span (bare or spaced)."""
+        text = tok.decode(span)
+        return text if text.strip() and span in bad_word_ids(tok, [text]) else None
+
+    for width in (1, 2):
+        at, word = next((i, w) for i in range(len(free) - width + 1)
+                        for w in [word_of(free[i:i + width])] if w is not None)
+        banned = free[at:at + width]
+        out = llm.generate("Once upon a time", SamplingParams(bad_words=[word], **greedy))[0].token_ids
+        assert out[:at + width - 1] == free[:at + width - 1] and out[at + width - 1] != banned[-1]
+        spans = {tuple(s) for s in bad_word_ids(tok, [word])}
+        assert not any(tuple(out[i:i + len(s)]) in spans for s in spans for i in range(len(out)))
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])

@@ -454,6 +454,28 @@ def test_skip_special_tokens_false_streams_them_as_it_returns_them(alice, model_
     assert error_of(alice.post(CHAT, json={**body, "skip_special_tokens": "no"}), 400)["param"] == "skip_special_tokens"
 
 
+def test_bad_words_reach_the_engine_from_both_routes(alice, model_factory):
+    """vLLM's ``bad_words``: a one-token word that ``logit_bias`` would force is never written; a blank word is a 400
+    naming the field."""
+    from coserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_factory("llama"))
+    word, token = next((w, ids[0]) for w in ("the", "a", "hello", "x", "e")
+                       for ids in [tokenizer.encode(w, add_special_tokens=False)] if len(ids) == 1)
+    body = {"model": BASE, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {str(token): 100},
+            "logprobs": 0, "prompt": "hi"}
+    forced = alice.post(COMPLETIONS, json=body).json()["choices"][0]
+    assert forced["text"] == tokenizer.decode([token] * 4)
+    kept_out = alice.post(COMPLETIONS, json={**body, "bad_words": [word]}).json()["choices"][0]
+    assert word not in kept_out["logprobs"]["tokens"]
+    chat = {"model": BASE, "messages": HELLO, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(token): 100}, "logprobs": True}
+    content = alice.post(CHAT, json={**chat, "bad_words": [word]}).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and word not in [t["token"] for t in content]
+    for path, extra in [(COMPLETIONS, body), (CHAT, chat)]:
+        assert error_of(alice.post(path, json={**extra, "bad_words": [" "]}), 400)["param"] == "bad_words"
+
+
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------
 @pytest.mark.parametrize("path", [
     "/v1/files?limit=abc", "/v1/files?limit=0", "/v1/files?order=sideways", "/v1/files?after=file-x",

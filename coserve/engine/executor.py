@@ -16,7 +16,7 @@ from coserve.model.attention import PagedKVCache
 from coserve.model.decode_graphs import DecodeGraphs
 from coserve.model.decoder import BATCH_INVARIANT_ROWS, DecoderModel
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
-from coserve.model.logit_adjust import LogitAdjustments
+from coserve.model.logit_adjust import LogitAdjustments, bad_word_bans
 from coserve.model.sampling import SamplingRow, sample, top_logprobs
 from coserve.peft import AdapterSlots, ServedAdapter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
@@ -346,8 +346,8 @@ def _adjustments(chunk: InferenceChunk, eos_ids: frozenset[int]) -> LogitAdjustm
         return None
     p = chunk.params
     prompt_ids, output_ids = chunk.history
-    banned = []
+    banned = bad_word_bans(p.bad_words_token_ids, output_ids) if p.bad_words_token_ids else []
     if len(output_ids) < p.min_tokens:
-        banned = list(p.stop_token_ids) + ([] if p.ignore_eos or p.guided else sorted(eos_ids))
+        banned += list(p.stop_token_ids) + ([] if p.ignore_eos or p.guided else sorted(eos_ids))
     return LogitAdjustments(output_ids, prompt_ids, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
                             p.logit_bias, banned, p.allowed_token_ids)

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from coserve.kvcache import BlockManager
 from coserve.model.attention import PagedKVCache
 from coserve.model.batch_invariance import plan_fusion
 from coserve.model.config import ModelConfig
+from coserve.model.logit_adjust import bad_word_ids
 from coserve.model.decode_graphs import DecodeGraphs
 from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.tokenizer import encode, load_tokenizer
@@ -289,6 +290,8 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt: is empty")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = replace(params, bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words))
         kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(token_ids):
             text, token_ids = None, kept  # the text is no longer the tokens'

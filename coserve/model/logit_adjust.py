@@ -3,8 +3,8 @@
 In this order: ``logit_bias`` added; ``repetition_penalty`` (HF's and vLLM's: the logit of every token in the
 prompt or the output so far divided by it where positive, multiplied where negative); then OpenAI's
 ``frequency_penalty`` times how often a token has been generated and ``presence_penalty`` once if it has,
-subtracted; then vLLM's masks: tokens outside ``allowed_token_ids``, and until ``min_tokens`` are out the
-end-of-sequence and stop tokens, set to -inf. Temperature, min-p, top-k and top-p come after. Reported
+subtracted; then vLLM's masks: tokens outside ``allowed_token_ids``, the tokens that would complete one of the
+``bad_words``, and until ``min_tokens`` are out the end-of-sequence and stop tokens, set to -inf. Temperature, min-p, top-k and top-p come after. Reported
 logprobs stay those of the raw logits.
 """
 
@@ -32,6 +32,31 @@ class LogitAdjustments:
     logit_bias: dict[int, float] = field(default_factory=dict)
     banned: list[int] = field(default_factory=list)  # tokens it may not sample now (min_tokens: end-of-sequence)
     allowed: list[int] | None = None  # the only tokens it may sample (allowed_token_ids), or None
+
+
+def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences: each word as the tokenizer splits it at the start of a text, and
+    again after a space where that splits it into as many tokens, the first of them another (a word inside a text
+    is usually such a spaced token)."""
+    sequences = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            sequences.append(spaced)
+    return sequences
+
+
+def bad_word_bans(sequences: list[list[int]], output_ids: list[int]) -> list[int]:
+    """The tokens ``sequences`` ban next: each one's last token where the output so far ends with the rest of it
+    (a one-token word always), as HF's ``NoBadWordsLogitsProcessor`` over the output does."""
+    banned = []
+    for seq in sequences:
+        head = len(seq) - 1
+        if head == 0 or (len(output_ids) >= head and output_ids[len(output_ids) - head:] == seq[:-1]):
+            banned.append(seq[-1])
+    return banned
 
 
 def adjust_logits(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tensor:

@@ -58,6 +58,9 @@ class SamplingParams:
     guided_choice: list[str] | None = None  # vLLM's: the output is exactly one of these strings; None = free text
     guided_regex: str | None = None  # vLLM's: the whole output matches this regular expression; None = free text
     guided_grammar: str | None = None  # vLLM's: the whole output matches this GBNF or Lark grammar; None = free text
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words it may not write (each as the tokenizer
+    #   splits it, with and without a leading space: the last token is banned where the output ends with the rest)
+    bad_words_token_ids: list[list[int]] | None = None  # the engine's: ``bad_words`` tokenized (``bad_word_ids``)
     skip_special_tokens: bool = True  # vLLM's: the text leaves special tokens out (False: written as the tokenizer
     #   writes them, e.g. "<|im_end|>")
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens are used (-1: as many as
@@ -108,6 +111,8 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         keep = self.truncate_prompt_tokens
@@ -134,7 +139,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether logits are penalised or biased before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
+                    or self.bad_words_token_ids)
 
     @property
     def reads_history(self) -> bool:

@@ -139,6 +139,8 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
     if any(not s for s in stops):
         raise bad_request("stop: sequences must be non-empty", "stop")
+    if body.bad_words is not None and any(not w.strip() for w in body.bad_words):
+        raise bad_request("bad_words: words must be non-blank strings", "bad_words")
     seed = sequence_seed(body.seed, index)
     temperature = 1.0 if body.temperature is None else body.temperature  # SamplingParams floors tiny ones
     if body.min_tokens > max_tokens:
@@ -151,7 +153,8 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
                           logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, **(guided or {}),
                           min_p=body.min_p, min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
                           include_stop_str_in_output=body.include_stop_str_in_output,
-                          allowed_token_ids=body.allowed_token_ids, skip_special_tokens=body.skip_special_tokens)
+                          allowed_token_ids=body.allowed_token_ids, skip_special_tokens=body.skip_special_tokens,
+                          bad_words=list(body.bad_words or []))
 
 
 def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param: str, prompt_param: str) -> int:

@@ -55,6 +55,7 @@ class Sampling(Body):
     guided_grammar: Any = None  # vLLM's extension: the whole output matches this GBNF or Lark grammar
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's extension: only the prompt's last k tokens
     skip_special_tokens: bool = True  # vLLM's extension: False writes special tokens into the text
+    bad_words: list[str] | None = None  # vLLM's extension: words it may not write
 
 
 class CompletionRequest(Sampling):
