@@ -19,6 +19,8 @@ def _check_against_hf(hf, prompt: list[int], prompt_logprobs, n: int) -> None:
         row = ref[i - 1]
         assert lp.token_id == prompt[i]
         assert lp.logprob == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        chosen = row[prompt[i]]  # vLLM's rank: the tokens at least as likely (within HF's rounding of them)
+        assert int((row > chosen + 1e-4).sum()) + 1 <= lp.rank <= int((row >= chosen - 1e-4).sum())
         assert list(lp.top) == row.topk(n).indices.tolist()
         assert list(lp.top.values()) == pytest.approx(row.topk(n).values.tolist(), abs=1e-4)
 

@@ -130,6 +130,7 @@ def test_logprobs_match_a_log_softmax_of_hf_logits(llm, model_factory, hf_model_
         assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
         assert list(lp.top) == row.topk(3).indices.tolist()
         assert max(lp.top.values()) == pytest.approx(lp.logprob, abs=1e-6)  # greedy picked the top one
+        assert lp.rank == 1  # vLLM's rank of the likeliest
 
 
 def test_chat_renders_the_template_once(llm):

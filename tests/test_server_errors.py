@@ -476,6 +476,35 @@ def test_bad_words_reach_the_engine_from_both_routes(alice, model_factory):
         assert error_of(alice.post(path, json={**extra, "bad_words": [" "]}), 400)["param"] == "bad_words"
 
 
+def test_prompt_logprobs_in_vllms_form_on_both_routes(alice):
+    """vLLM's ``prompt_logprobs``: per prompt token after the first, the token's own logprob and rank, then the
+    top N, keyed by token id; the logprobs are the echoed prompt's (tested against HF elsewhere); a top-N
+    token's rank is its place, and the token's own rank agrees with them. Not with ``stream``: a 400."""
+    ids = [5, 17, 29, 41, 53, 65, 77]
+    base = {"model": BASE, "max_tokens": 2, "temperature": 0}
+    echoed = alice.post(COMPLETIONS, json={**base, "prompt": ids, "echo": True, "logprobs": 2}).json()["choices"][0]
+    both = alice.post(COMPLETIONS, json={**base, "prompt": ids, "echo": True, "logprobs": 2,
+                                         "prompt_logprobs": 3}).json()["choices"][0]
+    assert both["logprobs"] == echoed["logprobs"]  # the echo's top-2 stays 2 though 3 were scored
+    scored = both["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for i, entry in enumerate(scored[1:], start=1):
+        first, *top = entry.items()
+        assert first[0] == str(ids[i]) and first[1]["logprob"] == echoed["logprobs"]["token_logprobs"][i]
+        own = first[1]["rank"]  # the top 3 less the token itself where it is one of them
+        assert [v["rank"] for _, v in top] == ([1, 2, 3] if len(top) == 3 else [r for r in (1, 2, 3) if r != own])
+        assert own > sum(v["logprob"] > first[1]["logprob"] for _, v in top)
+        assert all(isinstance(v["decoded_token"], str) for v in entry.values())
+    chat = alice.post(CHAT, json={**base, "messages": HELLO, "prompt_logprobs": 1, "n": 2}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert "prompt_logprobs" not in alice.post(CHAT, json={**base, "messages": HELLO}).json()
+    for path, extra in [(COMPLETIONS, {"prompt": ids}), (CHAT, {"messages": HELLO})]:
+        r = alice.post(path, json={**base, **extra, "prompt_logprobs": 1, "stream": True})
+        assert error_of(r, 400)["param"] == "prompt_logprobs"
+        assert error_of(alice.post(path, json={**base, **extra, "prompt_logprobs": 21}), 400)["param"] == \
+            "prompt_logprobs"
+
+
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------
 @pytest.mark.parametrize("path", [
     "/v1/files?limit=abc", "/v1/files?limit=0", "/v1/files?order=sideways", "/v1/files?after=file-x",

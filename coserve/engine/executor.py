@@ -200,8 +200,8 @@ class ModelExecutor:
         scored = top_logprobs(logits[wants], [tokens[i] for i in wants],
                               [sampling[i].params.logprobs for i in wants]) if wants else []
         result.sampled.update({c.request_id: t for c, t in zip(sampling, tokens)})
-        for i, (chosen, top) in zip(wants, scored):
-            result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top)
+        for i, (chosen, rank, top) in zip(wants, scored):
+            result.logprobs[sampling[i].request_id] = TokenLogprobs(tokens[i], chosen, top, rank)
 
     def _verify_drafts(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult,
                        min_rows: int = 1) -> tuple[torch.Tensor, list[InferenceChunk]]:
@@ -298,7 +298,7 @@ class ModelExecutor:
             n = len(chunk.prompt_targets)
             logits = self.model.logits(hidden[seq.start:seq.start + n])
             scored = top_logprobs(logits, chunk.prompt_targets, [chunk.params.prompt_logprobs] * n)
-            result.prompt_logprobs[chunk.request_id] = [TokenLogprobs(t, lp, top) for t, (lp, top)
+            result.prompt_logprobs[chunk.request_id] = [TokenLogprobs(t, lp, top, rank) for t, (lp, rank, top)
                                                         in zip(chunk.prompt_targets, scored)]
 
     def _forward_batch(self, plan: IterationPlan):

@@ -134,15 +134,18 @@ def _dropped(mass: torch.Tensor, probs: torch.Tensor, limit: torch.Tensor) -> to
 
 
 def top_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]
-                 ) -> list[tuple[float, dict[int, float]]]:
-    """The sampled tokens' log-probabilities under the raw logits, and each row's top-N."""
+                 ) -> list[tuple[float, int, dict[int, float]]]:
+    """The sampled tokens' log-probabilities under the raw logits, their ranks (vLLM's: how many tokens are at
+    least as likely, the token itself included, so 1 is the likeliest), and each row's top-N."""
     logp = logits.log_softmax(-1)  # [N, V]
-    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen_col = logp.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
+    ranks = (logp >= chosen_col).sum(1).tolist()
+    chosen = chosen_col.squeeze(1).tolist()
     out = []
     for i, n in enumerate(num_top):
         top: dict[int, float] = {}
         if n > 0:
             values, ids = logp[i].topk(n)
             top = dict(zip(ids.tolist(), values.tolist()))
-        out.append((chosen[i], top))
+        out.append((chosen[i], ranks[i], top))
     return out

@@ -60,6 +60,7 @@ class TokenLogprobs:
     token_id: int  # the sampled token
     logprob: float  # its log-probability
     top: dict[int, float] = field(default_factory=dict)  # the N most likely tokens and theirs
+    rank: int | None = None  # vLLM's: how many tokens are at least as likely (1: the likeliest); None where not scored
 
 
 @dataclass(slots=True)

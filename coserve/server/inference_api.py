@@ -239,16 +239,45 @@ def completion_logprobs(ctx: ServerContext, items: list[TokenLogprobs], offset: 
 
 
 def prompt_and_completion_logprobs(ctx: ServerContext, prompt_ids: list[int],
-                                   prompt_logprobs: list[TokenLogprobs | None], completion: dict) -> dict:
-    """The completions API's logprobs of an echoed prompt followed by those of its completion."""
+                                   prompt_logprobs: list[TokenLogprobs | None], completion: dict, num_top: int) -> dict:
+    """The completions API's logprobs of an echoed prompt (its top ``num_top``) followed by those of its
+    completion."""
     tokens = [token_text(ctx, t) for t in prompt_ids]
     offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
     return {"tokens": tokens + completion["tokens"],
             "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_logprobs]
             + completion["token_logprobs"],
-            "top_logprobs": [None if lp is None else {token_text(ctx, i): v for i, v in lp.top.items()}
+            "top_logprobs": [None if lp is None else {token_text(ctx, i): v for i, v in
+                                                      itertools.islice(lp.top.items(), num_top)}
                              for lp in prompt_logprobs] + completion["top_logprobs"],
             "text_offset": offsets + completion["text_offset"]}
+
+
+def vllm_prompt_logprobs(ctx: ServerContext, prompt_logprobs: list[TokenLogprobs | None], num_top: int
+                         ) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: None for the first token (nothing predicts it), then for each token
+    ``{token id: {"logprob", "rank", "decoded_token"}}``, the token itself first, then the top ``num_top``."""
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(ctx, token_id)}
+    out: list[dict | None] = []
+    for lp in prompt_logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        scored = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+        for rank, (i, v) in enumerate(itertools.islice(lp.top.items(), num_top), start=1):
+            scored.setdefault(str(i), entry(i, v, rank))
+        out.append(scored)
+    return out
+
+
+def prompt_scoring(body: Sampling, echoed: int | None = None) -> int | None:
+    """The top-N the engine scores each prompt token with: vLLM's ``prompt_logprobs`` and an echoed prompt's
+    ``logprobs`` (``echoed``), the larger; None for neither. vLLM's is refused with ``stream``, as vLLM does."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs: not available with stream", "prompt_logprobs")
+    asked = [n for n in (body.prompt_logprobs, echoed) if n is not None]
+    return max(asked) if asked else None
 
 
 def new_logprobs(choice: Choice, out: RequestOutput) -> list[TokenLogprobs]:
@@ -311,6 +340,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
     scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's tokens are scored too
+    prompt_top = prompt_scoring(body, scored)
     check_token_ids(body, ctx.engine.model_config.vocab_size)
     bias = logit_bias(body, ctx.engine.model_config.vocab_size)
     guided = guided_output(body)
@@ -334,7 +364,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     for ids, text in prompts:
         max_tokens = max_tokens_for(ctx, len(ids), body.max_tokens, "max_tokens", "prompt")
         for j in range(best_of):
-            params = sampling_params(body, max_tokens, logprobs, j, bias, prompt_logprobs=scored, guided=guided)
+            params = sampling_params(body, max_tokens, logprobs, j, bias, prompt_logprobs=prompt_top, guided=guided)
             requests.append((make_request(ctx, tenant, ids, params, adapter, "prompt", body.priority),
                              text if body.echo else ""))
     submit(ctx, job, requests, body.stream)
@@ -372,7 +402,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             choice = choice_json(c, out, prefix + text, logprobs, offset, False)
             if prefix and scored is not None:
                 choice["logprobs"] = prompt_and_completion_logprobs(ctx, c.prompt_ids, out.prompt_logprobs,
-                                                                    choice["logprobs"])
+                                                                    choice["logprobs"], scored)
             return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
                     "choices": [choice]}
 
@@ -390,7 +420,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
                              True)
         if scored is not None:  # the prompt's tokens first, the first of them unscored
             choice["logprobs"] = prompt_and_completion_logprobs(ctx, c.prompt_ids, out.prompt_logprobs,
-                                                                choice["logprobs"])
+                                                                choice["logprobs"], scored)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(ctx, out.prompt_logprobs, body.prompt_logprobs)
         choice["index"] = index
         choices.append(choice)
     return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
@@ -428,8 +460,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     tools = tool_plan(body, ctx.config.tool_call_parser)
     guided = tools.guide() if tools is not None and not tools.auto else guided_output(body)
     ctx.client.check_capacity(body.n)
+    prompt_top = prompt_scoring(body)
     job = new_job(request, f"chatcmpl-{secrets.token_hex(12)}", body.model, body.n)
-    params = [sampling_params(body, max_tokens, num_top, j, bias, guided=guided)
+    params = [sampling_params(body, max_tokens, num_top, j, bias, prompt_logprobs=prompt_top, guided=guided)
               for j in range(body.n)]
     submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages", body.priority), "") for p in params],
            body.stream)
@@ -487,8 +520,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                         "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [])}
                                      if body.logprobs else None),
                         "finish_reason": reason, "stop_reason": c.out.outputs[0].stop_reason})
-    return {"id": job.ident, "object": "chat.completion", "created": job.created, "model": job.model,
-            "choices": choices, "usage": usage(job)}
+    reply = {"id": job.ident, "object": "chat.completion", "created": job.created, "model": job.model,
+             "choices": choices, "usage": usage(job)}
+    if body.prompt_logprobs is not None:  # vLLM's: once, for the prompt every choice shares
+        reply["prompt_logprobs"] = vllm_prompt_logprobs(ctx, job.choices[0].out.prompt_logprobs, body.prompt_logprobs)
+    return reply
 
 
 # ---- vLLM's runtime LoRA loading ---------------------------------------------------------------------------
