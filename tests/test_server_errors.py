@@ -505,6 +505,33 @@ def test_prompt_logprobs_in_vllms_form_on_both_routes(alice):
             "prompt_logprobs"
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_by_its_id(alice, model_factory):
+    """vLLM's ``return_tokens_as_token_ids`` (what RL trainers read exact tokens from): logprobs name tokens
+    ``"token_id:N"``; the ids are the prompt's and those whose text is the reply's; nothing else changes."""
+    from coserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_factory("llama"))
+    ids = [5, 17, 29, 41]
+    body = {"model": BASE, "prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "echo": True,
+            "logprobs": 2}
+    named = alice.post(COMPLETIONS, json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    plain = alice.post(COMPLETIONS, json=body).json()["choices"][0]
+    tokens = named["logprobs"]["tokens"]
+    assert tokens[:4] == [f"token_id:{i}" for i in ids] and all(t.startswith("token_id:") for t in tokens)
+    made = [int(t.split(":")[1]) for t in tokens[4:]]
+    assert plain["text"] == tokenizer.decode(ids) + tokenizer.decode(made, skip_special_tokens=True)
+    for key in ("token_logprobs", "text_offset"):
+        assert named["logprobs"][key] == plain["logprobs"][key]
+    assert all(k.startswith("token_id:") for top in named["logprobs"]["top_logprobs"][1:] for k in top)
+    chat = {"model": BASE, "messages": HELLO, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    reply = alice.post(CHAT, json=chat).json()["choices"][0]
+    content = reply["logprobs"]["content"]
+    assert tokenizer.decode([int(t["token"].split(":")[1]) for t in content], skip_special_tokens=True) == \
+        reply["message"]["content"]
+    assert all(x["token"].startswith("token_id:") for t in content for x in t["top_logprobs"])
+
+
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------
 @pytest.mark.parametrize("path", [
     "/v1/files?limit=abc", "/v1/files?limit=0", "/v1/files?order=sideways", "/v1/files?after=file-x",

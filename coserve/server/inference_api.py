@@ -218,36 +218,43 @@ def token_text(ctx: ServerContext, token_id: int) -> str:
     return ctx.engine.tokenizer.decode([token_id])
 
 
-def chat_logprobs(ctx: ServerContext, items: list[TokenLogprobs]) -> list[dict]:
+def token_name(ctx: ServerContext, token_id: int, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or with vLLM's ``return_tokens_as_token_ids`` ``"token_id:N"`` (which
+    tells apart tokens of the same text, and names those whose bytes are no whole character)."""
+    return f"token_id:{token_id}" if as_ids else token_text(ctx, token_id)
+
+
+def chat_logprobs(ctx: ServerContext, items: list[TokenLogprobs], as_ids: bool = False) -> list[dict]:
     def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(ctx, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        name = token_name(ctx, token_id, as_ids)
+        return {"token": name, "logprob": logprob, "bytes": list(name.encode())}
     return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top.items()]}
             for t in items]
 
 
-def completion_logprobs(ctx: ServerContext, items: list[TokenLogprobs], offset: int) -> dict:
+def completion_logprobs(ctx: ServerContext, items: list[TokenLogprobs], offset: int, as_ids: bool = False) -> dict:
+    """The completions API's logprobs; ``text_offset`` counts the tokens' texts whatever names them."""
     tokens, offsets = [], []
     for t in items:
         offsets.append(offset)
-        text = token_text(ctx, t.token_id)
-        tokens.append(text)
-        offset += len(text)
+        tokens.append(token_name(ctx, t.token_id, as_ids))
+        offset += len(token_text(ctx, t.token_id))
     return {"tokens": tokens, "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [{token_text(ctx, i): lp for i, lp in t.top.items()} for t in items],
+            "top_logprobs": [{token_name(ctx, i, as_ids): lp for i, lp in t.top.items()} for t in items],
             "text_offset": offsets}
 
 
 def prompt_and_completion_logprobs(ctx: ServerContext, prompt_ids: list[int],
-                                   prompt_logprobs: list[TokenLogprobs | None], completion: dict, num_top: int) -> dict:
+                                   prompt_logprobs: list[TokenLogprobs | None], completion: dict, num_top: int,
+                                   as_ids: bool = False) -> dict:
     """The completions API's logprobs of an echoed prompt (its top ``num_top``) followed by those of its
     completion."""
-    tokens = [token_text(ctx, t) for t in prompt_ids]
-    offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
-    return {"tokens": tokens + completion["tokens"],
+    texts = [token_text(ctx, t) for t in prompt_ids]
+    offsets = [0, *itertools.accumulate(len(t) for t in texts[:-1])]
+    return {"tokens": [token_name(ctx, t, as_ids) for t in prompt_ids] + completion["tokens"],
             "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_logprobs]
             + completion["token_logprobs"],
-            "top_logprobs": [None if lp is None else {token_text(ctx, i): v for i, v in
+            "top_logprobs": [None if lp is None else {token_name(ctx, i, as_ids): v for i, v in
                                                       itertools.islice(lp.top.items(), num_top)}
                              for lp in prompt_logprobs] + completion["top_logprobs"],
             "text_offset": offsets + completion["text_offset"]}
@@ -380,7 +387,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
     def choice_json(c: Choice, out: RequestOutput, text: str, logprobs: list[TokenLogprobs], offset: int,
                     finished: bool) -> dict:
         return {"index": c.index, "text": text,
-                "logprobs": completion_logprobs(ctx, logprobs, offset) if body.logprobs is not None else None,
+                "logprobs": (completion_logprobs(ctx, logprobs, offset, body.return_tokens_as_token_ids)
+                             if body.logprobs is not None else None),
                 "finish_reason": finish_reason(out) if finished else None,
                 "stop_reason": out.outputs[0].stop_reason if finished else None}
 
@@ -402,7 +410,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
             choice = choice_json(c, out, prefix + text, logprobs, offset, False)
             if prefix and scored is not None:
                 choice["logprobs"] = prompt_and_completion_logprobs(ctx, c.prompt_ids, out.prompt_logprobs,
-                                                                    choice["logprobs"], scored)
+                                                                    choice["logprobs"], scored,
+                                                                    body.return_tokens_as_token_ids)
             return {"id": job.ident, "object": "text_completion", "created": job.created, "model": job.model,
                     "choices": [choice]}
 
@@ -420,7 +429,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
                              True)
         if scored is not None:  # the prompt's tokens first, the first of them unscored
             choice["logprobs"] = prompt_and_completion_logprobs(ctx, c.prompt_ids, out.prompt_logprobs,
-                                                                choice["logprobs"], scored)
+                                                                choice["logprobs"], scored,
+                                                                body.return_tokens_as_token_ids)
         if body.prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(ctx, out.prompt_logprobs, body.prompt_logprobs)
         choice["index"] = index
@@ -490,7 +500,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 return None
             return {**head(c), "choices": [{
                 "index": c.index, "delta": delta or {"content": ""},
-                "logprobs": {"content": chat_logprobs(ctx, logprobs)} if body.logprobs else None,
+                "logprobs": ({"content": chat_logprobs(ctx, logprobs, body.return_tokens_as_token_ids)}
+                             if body.logprobs else None),
                 "finish_reason": None}]}
 
         def last(c: Choice, out: RequestOutput) -> dict:
@@ -517,7 +528,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         if made:
             message, reason = {"role": "assistant", "content": content, "tool_calls": made}, "tool_calls"
         choices.append({"index": c.index, "message": message,
-                        "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [])}
+                        "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [],
+                                                               body.return_tokens_as_token_ids)}
                                      if body.logprobs else None),
                         "finish_reason": reason, "stop_reason": c.out.outputs[0].stop_reason})
     reply = {"id": job.ident, "object": "chat.completion", "created": job.created, "model": job.model,

@@ -56,6 +56,7 @@ class Sampling(Body):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's extension: only the prompt's last k tokens
     skip_special_tokens: bool = True  # vLLM's extension: False writes special tokens into the text
     bad_words: list[str] | None = None  # vLLM's extension: words it may not write
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:N"
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension: each prompt token's
     #   logprob and rank, and the top-N's, in vLLM's form (not streamed)
 
