@@ -4,9 +4,9 @@ Decoding the whole output at every step costs O(length) per request per step (me
 preset, 64 requests of up to 64 tokens: 1.45 ms of an 8.4 ms decode step, through transformers' ``decode``).
 ``tokenizers``' ``DecodeStream`` turns each new token into the text it completes, in Rust, in about a
 microsecond, holding back bytes that do not yet form a whole UTF-8 character. Its text is always a prefix of
-``tokenizer.decode(ids, skip_special_tokens=...)`` (the request's setting) and equal to it except while such bytes are pending
-(tested against the full decode at every token); where the text must be exact (at the end, and for stop
-strings while bytes are pending) the full decode is used.
+``tokenizer.decode(ids, skip_special_tokens=...)`` (the request's setting) and equal to it except while such
+bytes are pending (tested against the full decode at every token); where the text must be exact (at the end,
+and for stop strings while bytes are pending) the full decode is used.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 In this order: ``logit_bias`` added; ``repetition_penalty`` (HF's and vLLM's: the logit of every token in the
 prompt or the output so far divided by it where positive, multiplied where negative); then OpenAI's
 ``frequency_penalty`` times how often a token has been generated and ``presence_penalty`` once if it has,
-subtracted; then vLLM's masks: tokens outside ``allowed_token_ids``, the tokens that would complete one of the
-``bad_words``, and until ``min_tokens`` are out the end-of-sequence and stop tokens, set to -inf. Temperature, min-p, top-k and top-p come after. Reported
-logprobs stay those of the raw logits.
+subtracted; then vLLM's masks: tokens outside ``allowed_token_ids``, the tokens that would complete one of
+the ``bad_words``, and until ``min_tokens`` are out the end-of-sequence and stop tokens, set to -inf.
+Temperature, min-p, top-k and top-p come after. Reported logprobs stay those of the raw logits.
 """
 
 from __future__ import annotations

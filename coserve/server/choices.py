@@ -181,6 +181,7 @@ async def events(job: Job, ctx: ServerContext, chunk, last_chunk, include_usage:
         if continuous_usage:
             body["usage"] = choice_usage(choice)
         return sse(body)
+
     async def read(choice: Choice) -> tuple[Choice, RequestOutput | BaseException]:
         """The choice's next output, or the error that ended it."""
         try:
