@@ -155,3 +155,5 @@ def test_bad_words_are_never_written_and_the_output_before_them_stands(llm):
         assert not any(tuple(out[i:i + len(s)]) in spans for s in spans for i in range(len(out)))
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=["  "])
+    with pytest.raises(ValueError, match="bad_words_token_ids: token id 1000000000 is outside the vocabulary"):
+        llm.generate("x", SamplingParams(bad_words_token_ids=[[10**9]]))

@@ -268,9 +268,12 @@ class LLMEngine:
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter: {adapter!r} is not loaded (loaded: {sorted(self.adapters)})")
         vocab = self.model_config.vocab_size
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = replace(params, bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words))
         for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
-                           ("stop_token_ids", params.stop_token_ids)):
-            outside = [t for t in ids if t >= vocab]
+                           ("stop_token_ids", params.stop_token_ids),
+                           ("bad_words_token_ids", [t for s in params.bad_words_token_ids or () for t in s])):
+            outside = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
             if outside:
                 raise ValueError(f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         for field in ("logprobs", "prompt_logprobs"):  # the top-N of more than the vocabulary fails its iteration
@@ -290,8 +293,6 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt: is empty")
-        if params.bad_words and params.bad_words_token_ids is None:
-            params = replace(params, bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words))
         kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(token_ids):
             text, token_ids = None, kept  # the text is no longer the tokens'
