@@ -138,12 +138,17 @@ def test_a_forward_that_raises_for_a_requests_rows_fails_that_request_alone(mode
     job = _job(engine, tmp_path / "co")
     job_id = engine.add_finetune_job(job)
     engine.step()  # the job is under way: its forward windows ride in the requests' iterations
+    for _ in range(200):  # to a forward window's start (how far the first step went is the machine's speed's)
+        if job.next_work() == "forward" and job.pending_tokens() >= 8:
+            break
+        engine.step()
+    assert job.next_work() == "forward"
     poisoned = set()
     raised = _faulty_forward(engine, lambda plan, window: poisoned & {c.request_id for c in plan.chunks})
-    ids = [engine.add_request(p, PARAMS) for p in prompts]
     bad_prompt = list(range(20, 31))  # two full KV blocks and more
-    bad = engine.add_request(bad_prompt, PARAMS)
+    bad = engine.add_request(bad_prompt, PARAMS)  # first: its chunk rides with the job's next forward window
     poisoned.add(bad)
+    ids = [engine.add_request(p, PARAMS) for p in prompts]
     outs = _run(engine, [*ids, bad])
     assert raised == [True, False], "the shared call, then the request's chunk alone"
     assert outs[bad].outputs[0].finish_reason == "error" and "injected forward fault" in outs[bad].error

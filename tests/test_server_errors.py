@@ -532,6 +532,25 @@ def test_return_tokens_as_token_ids_names_each_logprob_by_its_id(alice, model_fa
     assert all(x["token"].startswith("token_id:") for t in content for x in t["top_logprobs"])
 
 
+def test_chat_echo_begins_the_reply_with_the_continued_message(alice):
+    """vLLM's chat ``echo``: with the last message the assistant's (as ``continue_final_message`` continues it), the
+    reply is that message's text and then the new text, whole and streamed; with the last message a user's, echo
+    adds nothing."""
+    prefixed = HELLO + [{"role": "assistant", "content": "Well, the"}]
+    body = {"model": BASE, "messages": prefixed, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = alice.post(CHAT, json=body).json()["choices"][0]["message"]["content"]
+    echoed = alice.post(CHAT, json={**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Well, the" + plain
+    with alice.stream("POST", CHAT, json={**body, "echo": True, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Well, the"}
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == echoed
+    user_last = {"model": BASE, "messages": HELLO, "max_tokens": 3, "temperature": 0}
+    assert alice.post(CHAT, json={**user_last, "echo": True}).json()["choices"][0]["message"] == \
+        alice.post(CHAT, json=user_last).json()["choices"][0]["message"]
+
+
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------
 @pytest.mark.parametrize("path", [
     "/v1/files?limit=abc", "/v1/files?limit=0", "/v1/files?order=sideways", "/v1/files?after=file-x",

@@ -453,12 +453,22 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeReques
     return encode(tokenizer, text, add_special_tokens=False)
 
 
+def echo_of(body: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's text where it is the assistant's (as with
+    ``continue_final_message``), which the reply then begins with; else nothing."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant":
+        return ""
+    return "".join(p.text for p in last.content) if isinstance(last.content, list) else last.content or ""
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: ServerContext = Depends(context)):
     tenant = tenant_of(request)
     reject_unsupported(body)
     adapter = await ctx.models.resolve(tenant, body.model)
     ids = truncate(ctx, body, await off_loop_if_long(messages_chars(body.messages), render_chat, ctx, body))
+    echoed = echo_of(body)
     asked, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                     else (body.max_tokens, "max_tokens"))
     max_tokens = max_tokens_for(ctx, len(ids), asked, param, "messages")
@@ -483,7 +493,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
 
         def chunk(c: Choice, out: RequestOutput | None):
             if out is None:
-                delta = {"role": "assistant", "content": ""}
+                delta = {"role": "assistant", "content": echoed}
                 if tools is not None and tools.function is not None:  # the call first; its arguments as they come
                     delta = {"role": "assistant", "content": None, "tool_calls": [tools.head()]}
                 return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
@@ -523,10 +533,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     choices = []
     for c in job.choices:
         text, reason = c.out.outputs[0].text, finish_reason(c.out)
-        message = {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": echoed + text}
         content, made = tools.reply(text) if tools is not None and reason == "stop" else (text, [])
         if made:
-            message, reason = {"role": "assistant", "content": content, "tool_calls": made}, "tool_calls"
+            message = {"role": "assistant", "content": echoed + (content or "") if echoed else content,
+                       "tool_calls": made}
+            reason = "tool_calls"
         choices.append({"index": c.index, "message": message,
                         "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [],
                                                                body.return_tokens_as_token_ids)}

@@ -178,6 +178,7 @@ class ChatCompletionRequest(Sampling, ChatTemplateOptions):
     tools: list[Annotated[Tool | CustomTool, Field(discriminator="type")]] | None = None  # coserve/server/tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | NamedCustomChoice | None = None
     parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's extension: the reply begins with the last message where it is the assistant's
     functions: Any = None
     function_call: Any = None
 
