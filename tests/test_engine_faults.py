@@ -20,10 +20,11 @@ from coserve.server.config import ServerConfig
 from tests.test_coserving import _engine, _generate, _job
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-# Tests that count forward calls a finetuning window shares: a TPOT target no iteration here comes near, so the
-# window's size is the token budget's, not what the latency model allows on a machine that happens to be slow
-# (a small window runs in calls of its own: ``ModelExecutor._inference``)
-SHARED = {"slo_tpot_ms": 60_000.0}
+# Tests that count forward calls a finetuning window shares: a TPOT target no iteration here comes near, a slice in
+# every iteration and no cap on one beside a first token, so the window's size is the token budget's, not what the
+# latency model allows on a machine that happens to be slow (a small window runs in calls of its own:
+# ``ModelExecutor._inference``)
+SHARED = {"slo_tpot_ms": 60_000.0, "finetune_burst_ms": 0.0, "first_token_slice_ms": float("inf")}
 
 
 def _prompts(n: int, seed: int = 5) -> list[list[int]]:
