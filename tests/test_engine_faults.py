@@ -125,19 +125,25 @@ def _same_adapter(job, solo) -> None:
     assert [r.loss for r in job.log] == pytest.approx([r.loss for r in solo.log], rel=1e-5)
 
 
+def _beside_a_job(model_dir, tmp_path, prompts: list[list[int]], **engine_kw):
+    """The fault-free reference: ``(outputs of prompts on a plain engine, a job run alone to its end, an engine
+    co-serving the same job (unstarted), that job, its id)``."""
+    plain = _engine(model_dir)
+    reference = _run(plain, [plain.add_request(p, PARAMS) for p in prompts])
+    solo = _job(plain, tmp_path / "solo")
+    run_job(solo, progress=False)
+    engine = _engine(model_dir, **engine_kw)
+    job = _job(engine, tmp_path / "co")
+    return reference, solo, engine, job, engine.add_finetune_job(job)
+
+
 def test_a_forward_that_raises_for_a_requests_rows_fails_that_request_alone(model_factory, tmp_path):
     """A shared forward call that raises is run again in parts: each request's chunk alone, then the finetuning
     window alone. Only the request whose own rows raise fails; its batch-mates' tokens are exact, and the job that
     shared the call trains on to the adapter it trains alone."""
     model_dir = model_factory("llama")
     prompts = _prompts(6, seed=13)
-    plain = _engine(model_dir)
-    reference = _run(plain, [plain.add_request(p, PARAMS) for p in prompts])
-    solo = _job(plain, tmp_path / "solo")
-    run_job(solo, progress=False)
-    engine = _engine(model_dir, **SHARED)
-    job = _job(engine, tmp_path / "co")
-    job_id = engine.add_finetune_job(job)
+    reference, solo, engine, job, job_id = _beside_a_job(model_dir, tmp_path, prompts, **SHARED)
     engine.step()  # the job is under way: its forward windows ride in the requests' iterations
     for _ in range(200):  # to a forward window's start (how far the first step went is the machine's speed's)
         if job.next_work() == "forward" and job.pending_tokens() >= 8:
@@ -155,6 +161,7 @@ def test_a_forward_that_raises_for_a_requests_rows_fails_that_request_alone(mode
     assert outs[bad].outputs[0].finish_reason == "error" and "injected forward fault" in outs[bad].error
     assert engine.scheduler.blocks.block_table(bad) == []
     again = engine.add_request(bad_prompt, PARAMS)  # no block of the failed chunk was cached as computed
+    plain = _engine(model_dir)
     expected = plain.add_request(bad_prompt, PARAMS)
     assert _run(engine, [again])[again].token_ids == _run(plain, [expected])[expected].token_ids
     assert [outs[r].token_ids for r in ids] == [o.token_ids for o in reference.values()]
@@ -328,13 +335,7 @@ def test_a_request_whose_lm_head_rows_raise_fails_alone_beside_a_job(model_facto
     with the adapter it trains alone."""
     model_dir = model_factory("llama")
     prompts = _prompts(5, seed=17)
-    plain = _engine(model_dir)
-    reference = _run(plain, [plain.add_request(p, PARAMS) for p in prompts])
-    solo = _job(plain, tmp_path / "solo")
-    run_job(solo, progress=False)
-    engine = _engine(model_dir)
-    job = _job(engine, tmp_path / "co")
-    job_id = engine.add_finetune_job(job)
+    reference, solo, engine, job, job_id = _beside_a_job(model_dir, tmp_path, prompts)
     engine.step()
     poisoned = set()
     tokens = engine.executor._tokens
