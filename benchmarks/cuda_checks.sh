@@ -11,20 +11,11 @@
 # alpaca_en_demo.json), OUT, BUDGET (seconds for the whole script), ADAPTERS (LoRA adapters of the multi-adapter
 # generation run), DEVICE (cuda; cpu runs the same steps here, the CUDA tests then skipping), PY.
 set -u
-MODEL=${MODEL:-models/coserve-small}
-DATA=${DATA:-../shared/data}
 OUT=${OUT:-runs/cuda_checks}
 BUDGET=${BUDGET:-540}
 ADAPTERS=${ADAPTERS:-4}
 DEVICE=${DEVICE:-cuda}
-PY=${PY:-python3}
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-
-start=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - start))); }
-say() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$OUT/steps.log"; }
-mkdir -p "$OUT"
-CS="$PY -m coserve.cli"
+. "$(dirname "$0")/budget.sh"
 # run NAME SECONDS CMD...: the step under a limit of its own and what is left of the budget, its log in OUT/NAME.log
 run() {
   local name=$1 limit=$2

@@ -12,21 +12,12 @@
 # 250 requests at 5 req/s with its server's start, so N=500 needs some 260 s; 200 requests took 195 s in all
 # with a model already made. The rate-0 step takes 40-90 s.
 set -u
-MODEL=${MODEL:-models/coserve-small}
-DATA=${DATA:-../shared/data}
 OUT=${OUT:-runs/cuda_server}
 BUDGET=${BUDGET:-420}
 N=${N:-500}
 RATE=${RATE:-5}
 N0=${N0:-60}
-PY=${PY:-python3}
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-
-start=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - start))); }
-say() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$OUT/steps.log"; }
-mkdir -p "$OUT"
-CS="$PY -m coserve.cli"
+. "$(dirname "$0")/budget.sh"
 
 say "machine"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1

@@ -18,8 +18,6 @@
 # process), so BUDGET=555 covered the profile and 13 runs; a run ends once its requests are done, so the 15 s drain
 # costs only where some are still decoding. The rates here suit `small` float32 on an H100 or H200.
 set -u
-MODEL=${MODEL:-models/coserve-small}
-DATA=${DATA:-../shared/data}
 OUT=${OUT:-runs/cuda_sweep}
 BUDGET=${BUDGET:-570}
 DUR=${DUR:-15}
@@ -37,14 +35,7 @@ FT_SEQ_LEN=${FT_SEQ_LEN:-1024}
 TEST_ARGS=${TEST_ARGS:-tests/test_decode_graphs.py tests/test_decode_attention.py tests/test_batch_invariance.py
 tests/test_finetune_windows.py tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own
 tests/test_sampling.py::test_sampling_on_cuda_filters_as_on_cpu_and_draws_within_the_filter}
-PY=${PY:-python3}
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-
-start=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - start))); }
-say() { echo "[$(($(date +%s) - start)) s] $*"; }
-mkdir -p "$OUT"
-CS="$PY -m coserve.cli"
+. "$(dirname "$0")/budget.sh"
 
 say "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
