@@ -14,7 +14,8 @@ libraries in a CPU build of torch can pack a weight once and multiply any number
   221; the LM head (512 -> 8,192) at 64 rows 104 -> 209.
 
 ``gemm_backend`` picks one per machine by timing both on the matmul shapes of a small model, and keeps the answer
-for later processes (``gemm_choice.py``; ``COSERVE_GEMMS``: ``mkl``, ``onednn`` or ``plain`` decides instead). A pack takes about as much memory as its weight.
+for later processes (``gemm_choice.py``; ``COSERVE_GEMMS``: ``mkl``, ``onednn`` or ``plain`` decides instead). A
+pack takes about as much memory as its weight.
 
 Results are not bit-identical to ``F.linear``'s (other kernels), but a row's result still does not depend on the
 rows beside it in calls of 2 rows or more (MKL in its strict mode; oneDNN as it is): ``batch_invariance.py``
