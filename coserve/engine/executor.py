@@ -179,9 +179,8 @@ class ModelExecutor:
     def _fail_request(chunk: InferenceChunk, result: ExecutionResult, error: Exception) -> None:
         """``chunk``'s request ends with ``error``; whatever the iteration had produced for it is dropped."""
         result.request_errors[chunk.request_id] = f"{type(error).__name__}: {error}"
-        result.sampled.pop(chunk.request_id, None)
-        result.more_sampled.pop(chunk.request_id, None)
-        result.logprobs.pop(chunk.request_id, None)
+        for produced in (result.sampled, result.more_sampled, result.logprobs, result.prompt_logprobs):
+            produced.pop(chunk.request_id, None)
 
     def _sample(self, logits: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult) -> None:
         """The chunks' tokens (and logprobs where asked) from their rows of ``logits``, into ``result``."""
@@ -257,8 +256,7 @@ class ModelExecutor:
             try:
                 hidden = self._rows_forward(alone, result, None, self.model.padded_rows(len(c.token_ids)))
             except Exception as e:
-                result.request_errors[c.request_id] = f"{type(e).__name__}: {e}"
-                result.prompt_logprobs.pop(c.request_id, None)
+                self._fail_request(c, result, e)
                 continue
             if c.sample:
                 parts.append(hidden)
