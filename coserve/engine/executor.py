@@ -21,6 +21,7 @@ from coserve.model.sampling import SamplingRow, sample, top_logprobs
 from coserve.peft import AdapterSlots, ServedAdapter
 from coserve.scheduler.finetune_work import BACKWARD, DONE, FORWARD, FinetuneProgress
 from coserve.scheduler.plan import ExecutionResult, InferenceChunk, IterationPlan, TokenLogprobs
+from coserve.scheduler.pooling_params import PoolingParams
 
 log = logging.getLogger("coserve.engine")
 
@@ -125,11 +126,28 @@ class ModelExecutor:
             hidden, sampling = self._forward_apart(plan, result, e)
         if forward is not None and not fused:
             self._forward_alone(forward, result)
+        if any(c.pooling is not None for c in sampling):
+            hidden, sampling = self._pool(hidden, sampling, result)
         if sampling:
             try:
                 self._tokens(hidden, sampling, result, min_rows=1)
             except Exception as e:  # the LM head's call (a device out of memory): each chunk's rows alone
                 self._tokens_apart(hidden, sampling, result, e)
+
+    @staticmethod
+    def _pool(hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult
+              ) -> tuple[torch.Tensor, list[InferenceChunk]]:
+        """Embedding requests' results from their chunks' last rows (``pooled``); returns the other chunks' rows and
+        chunks, to be sampled as usual (an embedding chunk has one row: it never carries drafts)."""
+        keep_rows, rest, row = [], [], 0
+        for c in sampling:
+            if c.pooling is not None:
+                result.embeddings[c.request_id] = pooled(hidden[row], c.pooling)
+            else:
+                keep_rows.extend(range(row, row + 1 + c.num_drafts))
+                rest.append(c)
+            row += 1 + c.num_drafts
+        return hidden[torch.tensor(keep_rows, dtype=torch.long, device=hidden.device)], rest
 
     def _tokens(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult,
                 min_rows: int) -> None:
@@ -179,7 +197,8 @@ class ModelExecutor:
     def _fail_request(chunk: InferenceChunk, result: ExecutionResult, error: Exception) -> None:
         """``chunk``'s request ends with ``error``; whatever the iteration had produced for it is dropped."""
         result.request_errors[chunk.request_id] = f"{type(error).__name__}: {error}"
-        for produced in (result.sampled, result.more_sampled, result.logprobs, result.prompt_logprobs):
+        for produced in (result.sampled, result.more_sampled, result.logprobs, result.prompt_logprobs,
+                         result.embeddings):
             produced.pop(chunk.request_id, None)
 
     def _sample(self, logits: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult) -> None:
@@ -335,6 +354,17 @@ class ModelExecutor:
             gen = torch.Generator(device=self.model.device).manual_seed(seed)
             self.generators[request_id] = gen
         return gen
+
+
+def pooled(row: torch.Tensor, params: PoolingParams) -> list[float]:
+    """A final hidden state as an embedding: float32, cut to ``params.dimensions``, divided by its L2 norm where
+    ``params.normalize`` (as ``F.normalize``: a zero vector stays zero)."""
+    v = row.float()
+    if params.dimensions is not None:
+        v = v[:params.dimensions]
+    if params.normalize:
+        v = torch.nn.functional.normalize(v, dim=0)
+    return v.tolist()
 
 
 def _adjustments(chunk: InferenceChunk, eos_ids: frozenset[int]) -> LogitAdjustments | None:

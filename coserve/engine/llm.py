@@ -20,8 +20,8 @@ from coserve.finetune.job import FinetuneJob
 from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.engine.llm_engine import LLMEngine
-from coserve.engine.outputs import RequestOutput
-from coserve.scheduler import SamplingParams
+from coserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from coserve.scheduler import PoolingParams, SamplingParams
 from coserve.scheduler.sampling_params import sequence_seed
 
 Prompt = str | list[int]
@@ -114,13 +114,7 @@ class LLM:
         ``scheduling_policy="priority"``) are one for all or one per prompt. Every prompt is validated
         before any work starts. ``tenant``: whose requests they are.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts: a string, a list of token ids, or a list of those; got "
-                             f"{type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params",
                              SamplingParams)
         adapters = _per_prompt(adapter, len(prompts), "adapter", (str, type(None)))
@@ -131,13 +125,44 @@ class LLM:
                 built += [self.engine.make_request(p, one, a, tenant=tenant, priority=pr) for one in sequences(sp)]
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
+        return merge_sequences(self._run(built, use_tqdm), [sp.n for sp in params])
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False, tenant: str = "default",
+              priority: int | Sequence[int] = 0) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: each prompt's embedding, in prompt order: its last token's final hidden state
+        (after the model's last norm), L2-normalized (``PoolingParams``: ``dimensions``, ``normalize``,
+        ``truncate_prompt_tokens``). Embedding requests share the engine's iterations with generation and finetuning,
+        and a prompt's embedding does not depend on what runs beside it. ``adapter``: a loaded LoRA or IA3 adapter
+        (one for all or one per prompt). Raises RuntimeError naming the prompt whose iteration failed."""
+        prompts = _prompt_list(prompts)
+        params = _per_prompt(pooling_params or PoolingParams(), len(prompts), "pooling_params", PoolingParams)
+        adapters = _per_prompt(adapter, len(prompts), "adapter", (str, type(None)))
+        priorities = _per_prompt(priority, len(prompts), "priority", int)
+        built = []
+        for i, (p, pp, a, pr) in enumerate(zip(prompts, params, adapters, priorities)):
+            try:
+                built.append(self.engine.make_request(p, pp, a, tenant=tenant, priority=pr))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from e
+        results = []
+        for i, out in enumerate(self._run(built, use_tqdm)):
+            if out.embedding is None:
+                raise RuntimeError(f"prompts[{i}]: the engine failed while embedding it ({out.error})")
+            results.append(EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding),
+                                                  True, out.num_cached_tokens))
+        return results
+
+    def _run(self, built: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Run requests built by ``make_request`` to their ends; their final outputs in order."""
         if self._loop is None:
             with self._stepping:
                 if self._loop is None:
-                    return merge_sequences(self._run_here(built, use_tqdm), [sp.n for sp in params])
+                    return self._run_here(built, use_tqdm)
         # the engine runs in its thread (since a job started): hand the requests over and wait
         self._loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
-        return merge_sequences(self._loop.wait_for([r.request_id for r, _ in built]), [sp.n for sp in params])
+        return self._loop.wait_for([r.request_id for r, _ in built])
 
     def _run_here(self, built: list, use_tqdm: bool) -> list[RequestOutput]:
         """Step the engine in this thread until ``built``'s requests have finished (under ``_stepping``)."""
@@ -212,6 +237,16 @@ def merge_sequences(outputs: list[RequestOutput], counts: list[int]) -> list[Req
                               num_preemptions=sum(o.num_preemptions for o in group),
                               error=next((o.error for o in group if o.error is not None), None)))
     return merged
+
+
+def _prompt_list(prompts) -> list[Prompt]:
+    """One prompt (a string or a list of token ids) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                    and all(isinstance(t, int) for t in prompts)):
+        prompts = [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts: a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _per_prompt(value, n: int, name: str, kind) -> list:

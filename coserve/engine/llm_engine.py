@@ -33,7 +33,7 @@ from coserve.finetune.job import FinetuneJob
 from coserve.finetune.memory_budget import job_memory
 from coserve.guided.guide import GuidedDecoding
 from coserve.guided.vocab import token_bytes
-from coserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from coserve.scheduler import PoolingParams, Request, SamplingParams, Scheduler, SchedulerConfig
 from coserve.scheduler.finetune_work import DONE
 from coserve.scheduler.plan import IterationPlan
 from coserve.scheduler.sampling_params import truncated_prompt
@@ -250,14 +250,22 @@ class LLMEngine:
         del self.adapters[name]
 
     # ---- requests ------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
+    def make_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams, adapter: str | None = None,
                      request_id: str | None = None, tenant: str = "default",
                      priority: int = 0) -> tuple[Request, str | None]:
         """Validate and tokenize one request without queueing it; raises ValueError naming the field.
         ``priority``: lower is served first under the priority scheduling policy (any value but 0 is an
-        error under fcfs, as in vLLM, rather than silently ignored)."""
+        error under fcfs, as in vLLM, rather than silently ignored). With ``PoolingParams`` it is an embedding
+        request: its output is the prompt's embedding (``RequestOutput.embedding``), and no token is generated."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:  # it runs as a prompt whose one token is never sampled
+            params = SamplingParams(max_tokens=1, temperature=0.0,
+                                    truncate_prompt_tokens=pooling.truncate_prompt_tokens)
+            if pooling.dimensions is not None and pooling.dimensions > self.model_config.hidden_size:
+                raise ValueError(f"dimensions: {pooling.dimensions} is more than the model's "
+                                 f"{self.model_config.hidden_size}")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         if params.n != 1:  # one sequence per engine request: LLM.generate (or the server) makes n of them
             raise ValueError(f"n: {params.n} sequences need {params.n} requests (LLM.generate makes them)")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -296,11 +304,13 @@ class LLMEngine:
         kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(token_ids):
             text, token_ids = None, kept  # the text is no longer the tokens'
-        if len(token_ids) >= self.max_model_len:
+        if pooling is not None and len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens are more than max_model_len={self.max_model_len}")
+        if pooling is None and len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_model_len}")
         capacity = self.scheduler.blocks.num_blocks * self.scheduler.blocks.block_size
-        need = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        need = len(token_ids) if pooling is not None else min(len(token_ids) + params.max_tokens, self.max_model_len)
         if need > capacity:
             raise ValueError(f"prompt: {len(token_ids)} tokens plus max_tokens={params.max_tokens} need "
                              f"{need} KV slots; the whole cache holds {capacity}")
@@ -309,7 +319,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {rid!r} is already in use")
         request = Request(rid, list(token_ids), params, adapter, self.eos_token_ids, time.monotonic(), tenant=tenant,
                           cache_salt=f"{tenant}\x00{adapter}\x00{self._adapter_installs.get(adapter, '')}",
-                          priority=priority)
+                          priority=priority, pooling=pooling)
         return request, text
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,

@@ -75,7 +75,7 @@ class OutputProcessor:
                            else None)
         return RequestOutput(request.request_id, state.prompt, list(request.prompt_token_ids),
                              [completion], finished, request.num_preemptions, request.error, prompt_logprobs,
-                             request.num_cached_tokens)
+                             request.num_cached_tokens, request.embedding)
 
     @staticmethod
     def _text(request: Request, state: _RequestText, exact: bool) -> str:

@@ -33,6 +33,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then each one's, as far as computed
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (when first admitted)
+    embedding: list[float] | None = None  # an embedding request's (``PoolingParams``), once finished
 
     @property
     def text(self) -> str:
@@ -43,3 +44,21 @@ class RequestOutput:
     def token_ids(self) -> list[int]:
         """The first (only) completion's token ids."""
         return self.outputs[0].token_ids
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (the vLLM ``EmbeddingRequestOutput`` shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from coserve.scheduler.finetune_work import FinetuneProgress, FinetuneWork
 from coserve.scheduler.latency_model import IterationShape
+from coserve.scheduler.pooling_params import PoolingParams
 from coserve.scheduler.sampling_params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class InferenceChunk:
     # speculative decoding: the chunk's tokens after the first are drafts; every row is scored (greedy) and the
     # drafts the model agrees with are kept, with one more token after them
     num_drafts: int = 0
+    # an embedding request's last prompt chunk (with ``sample``): its last row is pooled into the embedding instead
+    pooling: PoolingParams | None = None
 
     @property
     def end(self) -> int:
@@ -71,6 +74,7 @@ class ExecutionResult:
     more_sampled: dict[str, list[int]] = field(default_factory=dict)  # speculative chunks: tokens after the first
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # chunk's prompt_targets scored
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # request id -> its embedding (pooling chunks)
     elapsed_s: float = 0.0  # wall time of the iteration's model work
     finetune: list[FinetuneProgress] = field(default_factory=list)  # jobs the iteration advanced, after it
     finetune_losses: dict[str, float] = field(default_factory=dict)  # job id -> loss of its forward window

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from coserve.scheduler.pooling_params import PoolingParams
 from coserve.scheduler.sampling_params import SamplingParams
 
 
@@ -43,6 +44,9 @@ class Request:
     num_registered_blocks: int = 0  # its first blocks already registered in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted
     priority: int = 0  # under the priority scheduling policy: lower goes first (vLLM's); ignored by fcfs
+    pooling: PoolingParams | None = None  # an embedding request: its prompt's last hidden state is its output (it
+    #   ends when the prompt is computed, with no token sampled)
+    embedding: list[float] | None = None  # an embedding request's result, once its prompt is computed
 
     @property
     def num_tokens(self) -> int:

@@ -312,6 +312,9 @@ class Scheduler:
                 request.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if not chunk.sample:
                 continue
+            if chunk.pooling is not None:  # an embedding: the prompt is computed, and that is all it asked for
+                firsts.append(self._pooled(request, result.embeddings[chunk.request_id]))
+                continue
             token = result.sampled[chunk.request_id]
             self._append(request, token)
             (firsts if len(request.output_token_ids) == 1 else events).append(
@@ -331,6 +334,14 @@ class Scheduler:
             self._finish(request, reason)
             if self.config.policy == "coserve":
                 self.tpot.observe_tpot(request, self.clock())
+
+    def _pooled(self, request: Request, embedding: list[float]) -> TokenEvent:
+        """An embedding request's end: its embedding kept, the request finished (its blocks freed) with no token."""
+        request.embedding = embedding
+        request.first_token_time = self.clock()
+        self.running.remove(request)
+        self._finish(request, "stop")
+        return TokenEvent(request.request_id, None, None, True, "stop")
 
     def _speculated(self, request: Request, chunk: InferenceChunk, result: ExecutionResult) -> TokenEvent:
         """A speculative chunk's outcome: the drafts the model agreed with and the token after them, appended one by
@@ -457,7 +468,7 @@ class Scheduler:
             request_id=request.request_id, start=start, token_ids=request.token_ids(start, start + n) + list(drafts),
             block_table=self.blocks.block_table(request.request_id), adapter=request.adapter,
             sample=sample, params=request.params, num_output_tokens=len(request.output_token_ids), history=history,
-            prompt_targets=targets, num_drafts=len(drafts))
+            prompt_targets=targets, num_drafts=len(drafts), pooling=request.pooling if sample else None)
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.request_id)
