@@ -23,6 +23,7 @@ _EXPORTS = {
     "RequestOutput": "coserve.engine.outputs",
     "CompletionOutput": "coserve.engine.outputs",
     "SamplingParams": "coserve.scheduler.sampling_params",
+    "PoolingParams": "coserve.scheduler.pooling_params",
     "BeamSearchParams": "coserve.engine.beam_search",
     "FinetuneConfig": "coserve.finetune.config",
     "LoraConfig": "coserve.peft.config",
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from coserve.engine.outputs import CompletionOutput, RequestOutput
     from coserve.finetune.config import FinetuneConfig
     from coserve.peft.config import IA3Config, LoraConfig
+    from coserve.scheduler.pooling_params import PoolingParams
     from coserve.scheduler.sampling_params import SamplingParams
 
 

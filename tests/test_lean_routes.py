@@ -109,7 +109,7 @@ def test_the_server_answers_its_generation_routes_on_the_lean_path(model_factory
     model_dir = model_factory("llama")
     app = build_app(ServerConfig(model=str(model_dir), state_dir=str(tmp_path / "state")),
                     EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_kv_blocks=32, block_size=4))
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"):
         scope = {"type": "http", "path": path, "method": "POST", "root_path": ""}
         first = next(r for r in app.router.routes if r.matches(scope)[0] == Match.FULL)
         assert type(first) is Route and first.path == path

@@ -107,7 +107,7 @@ def test_bad_batches_are_4xx_naming_the_field_or_line(server):
                                              b'{"role": "assistant", "content": "b"}]}\n'), purpose="fine-tune")
     for kwargs, param in (({"input_file_id": tuning.id}, "input_file_id"),
                           ({"endpoint": "/v1/completions"}, "input_file_id"),
-                          ({"endpoint": "/v1/embeddings"}, "endpoint"),
+                          ({"endpoint": "/v1/moderations"}, "endpoint"),
                           ({"completion_window": "1h"}, "completion_window")):
         with pytest.raises(openai.BadRequestError) as e:
             c.batches.create(**{"input_file_id": good.id, "endpoint": "/v1/chat/completions",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from coserve.server.jsonl_file import parse_jsonl
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 MAX_REQUESTS = 50_000  # OpenAI's limit per batch
 
 

@@ -316,12 +316,13 @@ def prompt_chars(prompt) -> int:
     return sum(len(p) for p in prompt if isinstance(p, (str, list)))
 
 
-def completion_prompts(ctx: ServerContext, prompt) -> list[tuple[list[int], str]]:
-    """Each prompt as (token ids, text): a string, strings, token ids, or lists of token ids."""
+def completion_prompts(ctx: ServerContext, prompt, param: str = "prompt") -> list[tuple[list[int], str]]:
+    """Each prompt as (token ids, text): a string, strings, token ids, or lists of token ids (errors name
+    ``param``)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise bad_request("prompt: is empty", "prompt")
+        raise bad_request(f"{param}: is empty", param)
     if isinstance(prompt[0], int):
         prompt = [prompt]
     out = []
@@ -333,10 +334,10 @@ def completion_prompts(ctx: ServerContext, prompt) -> list[tuple[list[int], str]
             ids = list(p)
             vocab = ctx.engine.model_config.vocab_size
             if any(not 0 <= t < vocab for t in ids):
-                raise bad_request(f"prompt[{i}]: token ids must be in [0, {vocab})", "prompt")
+                raise bad_request(f"{param}[{i}]: token ids must be in [0, {vocab})", param)
             text = ctx.engine.tokenizer.decode(ids)
         if not ids:
-            raise bad_request(f"prompt[{i}]: is empty", "prompt")
+            raise bad_request(f"{param}[{i}]: is empty", param)
         out.append((ids, text))
     return out
 

@@ -193,6 +193,23 @@ class TokenizeRequest(ChatTemplateOptions):
     add_special_tokens: bool = True  # prompt only: as the completions API tokenizes it
 
 
+class EmbeddingRequest(ChatTemplateOptions):
+    """OpenAI's ``POST /v1/embeddings``, with vLLM's extensions: chat ``messages`` instead of ``input`` (rendered with
+    the chat template, without a generation prompt unless asked), ``truncate_prompt_tokens``, ``normalize``,
+    ``priority``."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    add_generation_prompt: bool = False  # vLLM's default for embedding a conversation
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's extension: only the prompt's last k tokens
+    normalize: bool = True  # vLLM's extension: False returns the hidden state as it is
+    priority: int = Field(0, ge=INT64[0], le=INT64[1])  # vLLM's: lower first under --scheduling-policy priority
+
+
 class DetokenizeRequest(Body):
     model: str
     tokens: list[int]
