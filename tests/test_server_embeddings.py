@@ -131,3 +131,47 @@ def test_a_batch_of_embeddings_gives_the_single_requests_embeddings(client):
     single = client.embeddings.create(model=BASE, input=TEXTS, encoding_format="float")
     assert [r["custom_id"] for r in out] == [x["custom_id"] for x in lines]
     assert [r["response"]["body"]["data"][0]["embedding"] for r in out] == [d.embedding for d in single.data]
+
+
+def _post(served, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{served[0].url}{path}", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": BASE, **body}, timeout=60)
+
+
+def test_score_and_rerank_are_the_cosine_similarities_of_the_embeddings(served, client):
+    vectors = [torch.tensor(d.embedding, dtype=torch.float64)
+               for d in client.embeddings.create(model=BASE, input=TEXTS, encoding_format="float").data]
+    one_to_many = _post(served, "/score", {"text_1": TEXTS[0], "text_2": TEXTS})
+    assert one_to_many.status_code == 200, one_to_many.text
+    want = [float(vectors[0] @ v) for v in vectors]
+    assert [d["score"] for d in one_to_many.json()["data"]] == pytest.approx(want, abs=1e-12)
+    assert one_to_many.json()["data"][0]["score"] == pytest.approx(1.0, abs=1e-6)  # a text with itself
+    pairwise = _post(served, "/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()
+    assert [d["index"] for d in pairwise["data"]] == [0, 1]
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        [float(vectors[0] @ vectors[1]), float(vectors[1] @ vectors[2])], abs=1e-12)
+    ranked = _post(served, "/v1/rerank", {"query": TEXTS[1], "documents": TEXTS, "top_n": 2})
+    assert ranked.status_code == 200, ranked.text
+    order = sorted(range(3), key=lambda i: -float(vectors[1] @ vectors[i]))[:2]
+    results = ranked.json()["results"]
+    assert [r["index"] for r in results] == order and order[0] == 1  # the query itself is the best match
+    assert [r["document"]["text"] for r in results] == [TEXTS[i] for i in order]
+    assert results[1]["relevance_score"] == pytest.approx(float(vectors[1] @ vectors[order[1]]), abs=1e-12)
+    assert len(_post(served, "/rerank", {"query": "a", "documents": TEXTS}).json()["results"]) == 3  # top_n 0: all
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
+    ("/score", {"text_1": [], "text_2": "a"}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": ["a", ""]}, "text_2"),
+    ("/score", {"text_1": "a"}, "text_2"),
+    ("/rerank", {"query": "", "documents": ["a"]}, "query"),
+    ("/rerank", {"query": "a", "documents": []}, "documents"),
+    ("/rerank", {"query": "a", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "a", "documents": ["a"] * 6}, "documents"),
+    ("/v1/rerank", {"query": "a", "documents": ["a"], "model": "nope"}, "model"),
+])
+def test_bad_score_and_rerank_requests_name_their_field(served, path, body, param):
+    reply = _post(served, path, body)
+    assert 400 <= reply.status_code < 500, reply.text
+    assert reply.json()["error"]["param"] == param, reply.text

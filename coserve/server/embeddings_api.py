@@ -10,7 +10,7 @@ import struct
 from fastapi import APIRouter, Depends, Request
 
 from coserve.scheduler import PoolingParams
-from coserve.server.choices import gather_all, new_job
+from coserve.server.choices import Job, gather_all, new_job
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request
 from coserve.server.inference_api import (completion_prompts, make_request, messages_chars, off_loop_if_long,
@@ -50,38 +50,64 @@ def check_dimensions(ctx: ServerContext, body: EmbeddingRequest) -> None:
         raise bad_request(f"dimensions: {body.dimensions} is more than this model's {hidden}", "dimensions")
 
 
-@router.post("/v1/embeddings")
-async def embeddings(body: EmbeddingRequest, request: Request, ctx: ServerContext = Depends(context)):
-    tenant = tenant_of(request)
-    adapter = await ctx.models.resolve(tenant, body.model)
-    check_dimensions(ctx, body)
-    count = num_inputs(body)
-    if count > min(MAX_INPUTS, ctx.client.max_waiting_requests):
-        raise APIError(400, f"input: {count} inputs in one request; this server takes at most "
-                       f"{min(MAX_INPUTS, ctx.client.max_waiting_requests)}", "input", "too_many_inputs")
-    ctx.client.check_capacity(count)  # before tokenizing them all
-    if body.messages is not None:
-        prompts = [await off_loop_if_long(messages_chars(body.messages), render_chat, ctx, body)]
-        param = "messages"
-    else:
-        prompts = [ids for ids, _ in await off_loop_if_long(prompt_chars(body.input), completion_prompts, ctx,
-                                                            body.input, "input")]
-        param = "input"
-    if body.truncate_prompt_tokens is not None:
-        prompts = [truncate(ctx, body, ids) for ids in prompts]
+async def tokenized(ctx: ServerContext, texts, param: str, truncate_body) -> list[list[int]]:
+    """``texts`` (a string, strings, token ids or lists of them) as token-id lists, each cut to
+    ``truncate_body.truncate_prompt_tokens`` where that is set; 400 naming ``param`` for an empty one or one longer
+    than the context (an embedding needs no room to generate: the whole context may be used)."""
+    prompts = [ids for ids, _ in await off_loop_if_long(prompt_chars(texts), completion_prompts, ctx, texts, param)]
+    if truncate_body.truncate_prompt_tokens is not None:
+        prompts = [truncate(ctx, truncate_body, ids) for ids in prompts]
+    check_lengths(ctx, prompts, param)
+    return prompts
+
+
+def check_lengths(ctx: ServerContext, prompts: list[list[int]], param: str) -> None:
     limit = ctx.engine.max_model_len
     for i, ids in enumerate(prompts):
         if len(ids) > limit:
             raise APIError(400, f"{param}[{i}]: {len(ids)} tokens; this model's maximum context length is {limit} "
                            f"tokens", param, "context_length_exceeded")
-    params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
-    requests = [make_request(ctx, tenant, ids, params, adapter, param, body.priority) for ids in prompts]
-    job = new_job(request, f"embd-{secrets.token_hex(12)}", body.model)
+
+
+def check_count(ctx: ServerContext, count: int, param: str) -> None:
+    """At most ``MAX_INPUTS`` (and what the server queues) in one request (400 naming ``param``), and room in the
+    queue now (503)."""
+    limit = min(MAX_INPUTS, ctx.client.max_waiting_requests)
+    if count > limit:
+        raise APIError(400, f"{param}: {count} inputs in one request; this server takes at most {limit}", param,
+                       "too_many_inputs")
+    ctx.client.check_capacity(count)
+
+
+async def embed_all(ctx: ServerContext, request: Request, job: Job, tenant: str, adapter: str | None,
+                    prompts: list[list[int]], params: PoolingParams, param: str, priority: int) -> list[list[float]]:
+    """Every prompt's embedding, computed in the engine as ``job``'s choices (in order)."""
+    requests = [make_request(ctx, tenant, ids, params, adapter, param, priority) for ids in prompts]
     submit(ctx, job, [(r, "") for r in requests], streamed=False)
     await gather_all(job, ctx, request)
-    tokens = sum(len(c.prompt_ids) for c in job.choices)
+    return [c.out.embedding for c in job.choices]
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request, ctx: ServerContext = Depends(context)):
+    tenant = tenant_of(request)
+    adapter = await ctx.models.resolve(tenant, body.model)
+    check_dimensions(ctx, body)
+    check_count(ctx, num_inputs(body), "input")  # before tokenizing them all
+    if body.messages is not None:
+        param = "messages"
+        prompts = [await off_loop_if_long(messages_chars(body.messages), render_chat, ctx, body)]
+        if body.truncate_prompt_tokens is not None:
+            prompts = [truncate(ctx, body, prompts[0])]
+        check_lengths(ctx, prompts, param)
+    else:
+        param = "input"
+        prompts = await tokenized(ctx, body.input, param, body)
+    job = new_job(request, f"embd-{secrets.token_hex(12)}", body.model)
+    vectors = await embed_all(ctx, request, job, tenant, adapter, prompts,
+                              PoolingParams(dimensions=body.dimensions, normalize=body.normalize), param, body.priority)
+    tokens = sum(len(ids) for ids in prompts)
     return {"id": job.ident, "object": "list", "created": job.created, "model": body.model,
-            "data": [{"object": "embedding", "index": c.index, "embedding": encoded(c.out.embedding,
-                                                                                     body.encoding_format)}
-                     for c in job.choices],
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v, body.encoding_format)}
+                     for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

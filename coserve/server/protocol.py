@@ -210,6 +210,27 @@ class EmbeddingRequest(ChatTemplateOptions):
     priority: int = Field(0, ge=INT64[0], le=INT64[1])  # vLLM's: lower first under --scheduling-policy priority
 
 
+class ScoreRequest(Body):
+    """vLLM's ``POST /score``: the similarity of each pair of ``text_1`` and ``text_2`` (one with many, or pairwise)."""
+
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    priority: int = Field(0, ge=INT64[0], le=INT64[1])
+
+
+class RerankRequest(Body):
+    """vLLM's (and Jina's and Cohere's) ``POST /rerank``: ``documents`` ranked by their similarity to ``query``."""
+
+    model: str
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int = Field(0, ge=0)  # the best this many; 0 = all (vLLM's default)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    priority: int = Field(0, ge=INT64[0], le=INT64[1])
+
+
 class DetokenizeRequest(Body):
     model: str
     tokens: list[int]
