@@ -13,10 +13,8 @@ from coserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.finetune_handle import FinetuneHandle
-from coserve.finetune.build import make_bypass
+from coserve.finetune.build import load_training, make_bypass, new_job
 from coserve.finetune.config import FinetuneConfig
-from coserve.finetune.dataset import load_dataset
-from coserve.finetune.job import FinetuneJob
 from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.engine.llm_engine import LLMEngine
@@ -52,7 +50,8 @@ class LLM:
                  validation: str | Path | None = None) -> FinetuneHandle:
         """Start a finetuning job co-served with ``generate`` calls (the engine then runs in a background thread).
 
-        ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``);
+        ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``; with
+        ``config.method="dpo"``, preference pairs: OpenAI's DPO records or TRL's prompt/chosen/rejected);
         ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config; ``config``: FinetuneConfig
         (``output_dir`` is required). The adapter is written to ``output_dir`` when the job ends.
         ``tenant``: whose job it is (the Virtual Token Counter shares the engine among tenants).
@@ -64,12 +63,12 @@ class LLM:
         if self.engine.config.policy == "inference-only":
             raise ValueError("policy: this LLM was made with policy='inference-only', which never runs finetuning")
         model = self.engine.model
-        examples, report = load_dataset(data, self.tokenizer, config.max_seq_len, config.train_on_prompt)
-        held_out = None if validation is None else load_dataset(validation, self.tokenizer, config.max_seq_len,
-                                                                 config.train_on_prompt)[0]
+        if validation is not None and config.method == "dpo":
+            raise ValueError("validation: a DPO job takes no validation data (not supported yet)")
+        examples, report = load_training(data, self.tokenizer, config)
+        held_out = None if validation is None else load_training(validation, self.tokenizer, config)[0]
         bypass = make_bypass(peft or LoraConfig(), model, config.seed)
-        job = FinetuneJob(model, bypass, examples, config, base_model=str(self.model_dir.resolve()),
-                          validation=held_out)
+        job = new_job(model, bypass, examples, config, base_model=str(self.model_dir.resolve()), validation=held_out)
         loop = self._background()
         job_id = loop.call(lambda: self.engine.add_finetune_job(job, tenant=tenant))
         return FinetuneHandle(self, job_id, Path(config.output_dir), report.summary())

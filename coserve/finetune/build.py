@@ -1,9 +1,15 @@
-"""A new trainable bypass from a PEFT config (shared by ``coserve finetune`` and ``LLM.finetune``)."""
+"""A new job's parts from its configuration: the trainable bypass from a PEFT config, the training data and the
+job for its method (shared by ``coserve finetune``, ``LLM.finetune`` and the server)."""
 
 from __future__ import annotations
 
 import torch
 
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.dataset import DatasetReport, load_dataset
+from coserve.finetune.job import FinetuneJob
+from coserve.finetune.preference import load_preference_dataset
+from coserve.finetune.preference_job import PreferenceJob
 from coserve.model.decoder import DecoderModel
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora
@@ -31,3 +37,21 @@ def _allocation_failed(error: RuntimeError) -> bool:
     """Whether torch could not make a tensor that large (out of memory, or a size past its arithmetic)."""
     text = str(error).lower()
     return isinstance(error, torch.OutOfMemoryError) or "allocat" in text or "overflow" in text
+
+
+def load_training(path, tokenizer, cfg: FinetuneConfig) -> tuple[list, DatasetReport]:
+    """A data file as ``cfg.method`` trains on it: sequences (sft) or preference pairs (dpo, ``preference.py``)."""
+    if cfg.method == "dpo":
+        return load_preference_dataset(path, tokenizer, cfg.max_seq_len)
+    return load_dataset(path, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
+
+
+def new_job(model: DecoderModel, bypass: TrainableBypass, examples: list, cfg: FinetuneConfig, base_model: str = "",
+            resume_from=None, validation: list | None = None) -> FinetuneJob:
+    """The job for ``cfg.method``: a ``FinetuneJob`` (sft) or a ``PreferenceJob`` (dpo, which takes no validation
+    set yet: a ValueError naming it)."""
+    if cfg.method == "dpo":
+        if validation:
+            raise ValueError("validation: a DPO job takes no validation data (not supported yet)")
+        return PreferenceJob(model, bypass, examples, cfg, base_model, resume_from)
+    return FinetuneJob(model, bypass, examples, cfg, base_model, resume_from, validation)

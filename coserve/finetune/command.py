@@ -16,14 +16,19 @@ from coserve.model.config import ModelConfig
 from coserve.model.tokenizer import load_tokenizer
 from coserve.output_path import prepare_directory
 from coserve.peft.config import IA3Config, LoraConfig
-from coserve.finetune.build import make_bypass
+from coserve.finetune.build import load_training, make_bypass, new_job
 from coserve.peft.trainable import TrainableBypass, load_trainable
 
 
 def add_arguments(p) -> None:
     d = FinetuneConfig(output_dir="-")
     p.add_argument("--model", required=True)
-    p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records")
+    p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records (with "
+                   "--method dpo: preference pairs, OpenAI's DPO records or TRL's prompt/chosen/rejected)")
+    p.add_argument("--method", default=d.method, choices=["sft", "dpo"],
+                   help="sft: cross-entropy on the completions; dpo: Direct Preference Optimization on preference "
+                        "pairs against the base model")
+    p.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO's beta (--method dpo)")
     p.add_argument("--save-steps", type=int, default=0, help="every this many steps, a resumable checkpoint in "
                    "OUTPUT/checkpoint-STEP (HF Trainer's layout; --init-adapter resumes from one); 0 = only the end")
     p.add_argument("--save-total-limit", type=int, default=0, help="keep only the newest this many checkpoint-STEP "
@@ -72,7 +77,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from coserve.finetune.dataset import load_dataset
+    if args.validation_data and args.method == "dpo":  # before anything is written
+        raise ValueError("--validation-data: a DPO job takes no validation data (not supported yet)")
     prepare_directory("--output", args.output)  # before any training
     cfg = FinetuneConfig(
         output_dir=args.output, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
@@ -82,28 +88,28 @@ def run(args) -> int:
         window_tokens=args.window_tokens, window_schedule=args.window_schedule,
         rematerialize=args.rematerialize, memory_target=args.memory_target,
         train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps, save_steps=args.save_steps,
-        save_total_limit=args.save_total_limit)
+        save_total_limit=args.save_total_limit, method=args.method, dpo_beta=args.dpo_beta)
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)
-    examples, report = load_dataset(args.data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
+    examples, report = load_training(args.data, tokenizer, cfg)
     print(report.summary())
     validation = None
     if args.validation_data:
-        validation, vreport = load_dataset(args.validation_data, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
+        validation, vreport = load_training(args.validation_data, tokenizer, cfg)
         print(f"validation: {vreport.summary()}")
     device = resolve_device(args.device)
     # RoPE positions for every training position, also past the checkpoint's nominal context.
     model = load_model(args.model, resolve_dtype(args.dtype, model_cfg), device,
                        max_positions=max(model_cfg.max_position_embeddings, cfg.max_seq_len))
     bypass = _bypass(args, model, device, cfg.seed)
-    job = FinetuneJob(model, bypass, examples, cfg, base_model=str(Path(args.model).resolve()),
-                      resume_from=Path(args.init_adapter) if args.init_adapter else None, validation=validation)
+    job = new_job(model, bypass, examples, cfg, base_model=str(Path(args.model).resolve()),
+                  resume_from=Path(args.init_adapter) if args.init_adapter else None, validation=validation)
     run_job(job, progress=not args.no_progress)
     last = job.log[-1] if job.log else None
     print(f"trained {job.step} steps; last loss {last.loss:.4f}; adapter in {cfg.output_dir}" if last
           else f"nothing to train; adapter in {cfg.output_dir}")
     if args.memory_report:
-        _memory_report(args.memory_report, job, examples)
+        _memory_report(args.memory_report, job, job.examples)
     return 0
 
 

@@ -9,6 +9,7 @@ from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REMATERIALIZE = ("cheap", "all")
+METHODS = ("sft", "dpo")  # supervised (cross-entropy on the completions), or DPO on preference pairs
 
 
 @dataclass(slots=True)
@@ -40,6 +41,9 @@ class FinetuneConfig:
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
     save_steps: int = 0  # HF Trainer's: every this many steps, a resumable checkpoint in output_dir/checkpoint-STEP
     save_total_limit: int = 0  # HF Trainer's: keep only the newest this many of those (0 = all)
+    method: str = "sft"  # sft, or dpo: Direct Preference Optimization on preference pairs (preference.py), the base
+    #   model (the adapter off) as the reference
+    dpo_beta: float = 0.1  # DPO's beta: how far the policy may move from the reference (TRL's and OpenAI's default)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "max_nonfinite_steps"):
@@ -63,6 +67,13 @@ class FinetuneConfig:
             raise ValueError(f"window_schedule: expected 'random:SEED', got {self.window_schedule!r}")
         if self.window_schedule and self.window_tokens:
             raise ValueError("window_schedule: give either window_tokens or window_schedule, not both")
+        _choice("method", self.method, METHODS)
+        if (not isinstance(self.dpo_beta, (int, float)) or isinstance(self.dpo_beta, bool)
+                or not 0 < self.dpo_beta < float("inf")):
+            raise ValueError(f"dpo_beta: must be a positive number, got {self.dpo_beta!r}")
+        if self.method == "dpo" and self.train_on_prompt:
+            raise ValueError("train_on_prompt: DPO compares the completions' log-probabilities; the prompt carries no "
+                             "loss")
         if not self.output_dir:
             raise ValueError("output_dir: is required")
 

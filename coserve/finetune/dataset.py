@@ -28,7 +28,7 @@ from coserve.finetune.chat_format import (NOT_UNICODE, EmptyCompletionError, enc
 from coserve.finetune.sequence_state import IGNORE_INDEX
 
 __all__ = ["ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "DatasetError", "DatasetReport", "EmptyCompletionError",
-           "IGNORE_INDEX", "TrainingExample", "encode_record", "load_dataset"]
+           "IGNORE_INDEX", "TrainingExample", "encode_record", "load_dataset", "load_records"]
 
 ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides further "
                  "context. Write a response that appropriately completes the request.\n\n"
@@ -151,6 +151,12 @@ def encode_record(record: dict, tokenizer: PreTrainedTokenizerBase, max_seq_len:
     else:
         keys = ", ".join(map(repr, list(record)[:8])) or "none"
         raise ValueError(f"record: no 'text', 'instruction'/'output' or 'messages' field (fields: {keys})")
+    return example_of(ids, mask, max_seq_len)
+
+
+def example_of(ids: list[int], mask: list[bool], max_seq_len: int) -> tuple[TrainingExample, bool]:
+    """A sequence's ids and loss mask as ``(example, was_truncated)``: cut to ``max_seq_len``, each loss token the
+    target of the position before it; ``EmptyCompletionError`` when no loss token is left."""
     truncated = len(ids) > max_seq_len
     ids, mask = ids[:max_seq_len], mask[:max_seq_len]
     targets = [IGNORE_INDEX] * len(ids)
@@ -202,19 +208,26 @@ def load_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, max_seq_l
     records without a loss token in ``report.empty_completion``. Raises :class:`DatasetError`
     naming the file when it is missing or unreadable or holds no valid example.
     """
+    return load_records(path, max_seq_len,
+                        lambda record: encode_record(record, tokenizer, max_seq_len, train_on_prompt))
+
+
+def load_records(path: str | Path, max_seq_len: int, encode) -> tuple[list, DatasetReport]:
+    """``load_dataset``'s reading and reporting, each record turned into an item by ``encode(record) -> (item,
+    was_truncated)`` (an item has a ``line``; ``encode`` raises as ``encode_record`` does)."""
     path = Path(path)
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len must be at least 2, got {max_seq_len}")
     json_array, records = _read_records(path)
     report = DatasetReport(path=str(path), num_records=len(records), num_examples=0,
                            max_seq_len=max_seq_len, json_array=json_array)
-    examples: list[TrainingExample] = []
+    examples = []
     for line, record, error in records:
         if error is not None:
             report.malformed.append((line, error))
             continue
         try:
-            example, truncated = encode_record(record, tokenizer, max_seq_len, train_on_prompt)
+            example, truncated = encode(record)
         except EmptyCompletionError:
             report.empty_completion.append(line)
             continue

@@ -54,6 +54,8 @@ class StepRecord:
     valid_accuracy: float | None = None  # the same over the validation set after this step
     valid_batch_loss: float | None = None  # mean loss per target token of a validation batch (eval_steps)
     valid_batch_accuracy: float | None = None  # its token accuracy
+    reward_accuracy: float | None = None  # DPO: the step's pairs whose chosen completion gained on the rejected one
+    reward_margin: float | None = None  # DPO: their mean margin, beta * (chosen's log-ratio - rejected's)
 
 
 class FinetuneJob:
@@ -79,7 +81,7 @@ class FinetuneJob:
             raise ValueError(f"examples: a sequence has {longest} tokens; the model was loaded with positions "
                              f"for {model.rope.max_positions} (lower max_seq_len or load it with more)")
         self.per_step = cfg.batch_size * cfg.grad_accum
-        self.steps_per_epoch = math.ceil(len(self.examples) / self.per_step)
+        self.steps_per_epoch = math.ceil(self.num_units / self.per_step)
         self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.epochs
         self.optimizer = make_optimizer(bypass.parameters(), cfg)
         self.scheduler = make_scheduler(self.optimizer, cfg, self.total_steps)
@@ -120,6 +122,16 @@ class FinetuneJob:
         """The longest sequence the job runs (training or validation)."""
         return max(len(e.token_ids) for e in [*self.examples, *self.validation])
 
+    @property
+    def held_tokens(self) -> int:
+        """The most tokens whose activations the job keeps at once (one sequence in flight: the longest)."""
+        return self.longest_tokens
+
+    @property
+    def num_units(self) -> int:
+        """What a mini-batch counts and an epoch orders: training sequences."""
+        return len(self.examples)
+
     def next_work(self) -> str | None:
         """``"forward"``, ``"backward"`` or None when the job is done."""
         if self.done:
@@ -142,7 +154,7 @@ class FinetuneJob:
         """One forward window of up to ``num_tokens`` tokens through every layer; returns its scaled loss."""
         if self.next_work() != "forward":
             raise ValueError("forward: the current sequence is not in its forward phase")
-        loss = forward_window(self.model, self.bypass, self._seq, num_tokens, self._loss_scale())
+        loss = forward_window(self.model, self._window_bypass(), self._seq, num_tokens, self._loss_scale())
         self._account_forward(loss)
         return loss
 
@@ -153,7 +165,7 @@ class FinetuneJob:
         """
         if self.next_work() != "forward":
             raise ValueError("forward_slice: the current sequence is not in its forward phase")
-        return FinetuneSlice(self.bypass, self._seq, num_tokens, self._loss_scale())
+        return FinetuneSlice(self._window_bypass(), self._seq, num_tokens, self._loss_scale())
 
     def forward_ran(self, loss: float) -> None:
         """Account the loss of a window run from ``forward_slice``."""
@@ -223,15 +235,23 @@ class FinetuneJob:
             self.tokens_done += self._seq.num_tokens
             self.kept_bytes_per_token = self._seq.kept_bytes() / self._seq.num_tokens
             self._seq = None
-            if self._next_in_batch == len(self._batch):
+            if self._batch_finished():
                 self._optimizer_step()
 
     # ---- internals -----------------------------------------------------------
+    def _window_bypass(self):
+        """The bypass the current sequence's forward windows run through."""
+        return self.bypass
+
+    def _batch_finished(self) -> bool:
+        """Whether the sequence whose backward pass just ended was the mini-batch's last."""
+        return self._next_in_batch == len(self._batch)
+
     def _order(self, epoch: int) -> list[int]:
         """The epoch's order of the examples (shuffled once per epoch, not at every step: with small batches the
         shuffle of a large dataset cost more than a step of a small model)."""
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            order = list(range(len(self.examples)))
+            order = list(range(self.num_units))
             if self.cfg.shuffle:
                 random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
             self._epoch_order = (epoch, order)
@@ -286,9 +306,7 @@ class FinetuneJob:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_at_step = self.tokens_done
-        tokens = sum(len(self.examples[i].token_ids) for i in self._batch)
-        record = StepRecord(self.step, self._batch_loss, lr, tokens, time.perf_counter() - self._start,
-                            skipped=not finite, accuracy=self._batch_correct / max(1, self._batch_targets))
+        record = self._step_record(lr, finite)
         if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
             self.log.append(record)
             self._append_log(record)
@@ -302,6 +320,12 @@ class FinetuneJob:
             self._eval_targets = _targets(self.validation[i] for i in queue)
         else:
             self._publish(record)
+
+    def _step_record(self, lr: float, finite: bool) -> StepRecord:
+        """The log line of the optimizer step just taken."""
+        tokens = sum(len(self.examples[i].token_ids) for i in self._batch)
+        return StepRecord(self.step, self._batch_loss, lr, tokens, time.perf_counter() - self._start,
+                          skipped=not finite, accuracy=self._batch_correct / max(1, self._batch_targets))
 
     def _validation_after_step(self) -> list[int]:
         """The validation sequences to run after this step: all of them after an epoch's (and the last) step,
@@ -348,6 +372,9 @@ class FinetuneJob:
         if record.valid_batch_loss is not None:
             line["valid_batch_loss"] = record.valid_batch_loss
             line["valid_batch_mean_token_accuracy"] = record.valid_batch_accuracy
+        if record.reward_accuracy is not None:
+            line["reward_accuracy"] = record.reward_accuracy
+            line["reward_margin"] = record.reward_margin
         with open(self.output_dir / LOG_FILE, "a") as f:
             f.write(json.dumps(line) + "\n")
 

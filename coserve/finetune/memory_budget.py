@@ -2,7 +2,7 @@
 
 The adapter's weights, their gradients and the optimizer's state (two moments for AdamW, none for
 plain SGD), plus the tensors the graph-pruning plan keeps between a sequence's forward and backward
-passes for the longest sequence of the job (one sequence is in flight at a time).
+passes for the most tokens the job holds at once (its longest sequence; a DPO pair's two sequences).
 """
 
 from __future__ import annotations
@@ -29,5 +29,4 @@ def job_memory(job) -> JobMemory:
     params = job.bypass.parameters()
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     copies = 2 + OPTIMIZER_STATES[job.cfg.optimizer]  # weights, gradients, optimizer state
-    longest = job.longest_tokens
-    return JobMemory(weight_bytes * copies, int(job.plan.model_kept_bytes_per_token * longest))
+    return JobMemory(weight_bytes * copies, int(job.plan.model_kept_bytes_per_token * job.held_tokens))

@@ -1,0 +1,159 @@
+"""A DPO job (Direct Preference Optimization, Rafailov et al. 2023): the finetuning job's windows over preference
+pairs, each pair's loss ``-log sigmoid(beta * ((lc - rc) - (lr - rr)))``, where ``lc``/``lr`` are the chosen and
+rejected completions' summed log-probabilities under the adapter and ``rc``/``rr`` under the base model (the
+reference: the adapter off).
+
+A pair runs as up to six sequences of windows, one at a time, each an ordinary forward or backward pass that the
+engine interleaves with inference as it does any job's: the two reference forwards (no gradient; their
+log-probabilities are kept per pair, so later epochs skip them), the chosen and the rejected forward, then the two
+backward passes. A forward window stores the gradient of its tokens' cross-entropy (the negated log-probability) at
+the last layer's output; the loss depends on the pair's log-probabilities only through their sums, so once both
+forwards are done the stored gradients are scaled by ``dL/d(-lc)`` and ``dL/d(-lr)``, and the backward passes give
+the exact gradient of the mini-batch's mean DPO loss.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.job import Example, FinetuneJob, StepRecord, _targets
+from coserve.finetune.preference import PreferencePair
+from coserve.finetune.pruned_layer import new_keeps, planned_keeps
+from coserve.model.decoder import DecoderModel
+from coserve.peft.dropout import mix_seed
+from coserve.peft.trainable import TrainableBypass
+
+CHOSEN, REJECTED = "chosen", "rejected"
+
+
+class NoBypass:
+    """The reference model's bypass: none (every module runs as the frozen base)."""
+
+    modules = frozenset()
+
+
+NO_BYPASS = NoBypass()
+
+
+def dpo_terms(beta: float, chosen: float, rejected: float, ref_chosen: float, ref_rejected: float
+              ) -> tuple[float, float, float]:
+    """``(loss, margin, weight)`` of one pair from its summed log-probabilities: ``margin = beta * ((chosen -
+    ref_chosen) - (rejected - ref_rejected))``, ``loss = -log sigmoid(margin)`` and ``weight = beta *
+    sigmoid(-margin)``, the loss's derivative with respect to the rejected log-probability (and minus that with
+    respect to the chosen one)."""
+    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+    loss = max(-margin, 0.0) + math.log1p(math.exp(-abs(margin)))  # softplus(-margin), without overflow
+    e = math.exp(-abs(margin))
+    sig = e / (1.0 + e) if margin >= 0 else 1.0 / (1.0 + e)  # sigmoid(-margin)
+    return loss, margin, beta * sig
+
+
+class PreferenceJob(FinetuneJob):
+    """``FinetuneJob`` over preference pairs with the DPO loss; mini-batches count pairs (``batch_size`` pairs a
+    micro-batch). No validation set (the loss needs pairs)."""
+
+    def __init__(self, model: DecoderModel, bypass: TrainableBypass, pairs: list[PreferencePair],
+                 cfg: FinetuneConfig, base_model: str = "", resume_from=None) -> None:
+        if not pairs:
+            raise ValueError("examples: the job has no preference pairs")
+        flat = [e for p in pairs for e in (p.chosen, p.rejected)]  # pair u: examples 2u and 2u + 1
+        super().__init__(model, bypass, flat, cfg, base_model, resume_from)
+        self._ref: dict[int, tuple[float, float]] = {}  # pair -> reference log-probabilities (chosen, rejected)
+        self._tasks: list[tuple[str, str]] = []  # the current pair's (role, kind) still to run
+        self._role = ""  # the current sequence's: "ref_chosen", "ref_rejected", "chosen" or "rejected"
+        self._pair = -1
+        self._ref_logps = [0.0, 0.0]  # the current pair's reference log-probabilities as they come
+        self._policy: dict[str, tuple] = {}  # role -> (its sequence state, its log-probability)
+        self._margins: list[float] = []  # of the step's pairs so far
+
+    @property
+    def num_units(self) -> int:
+        return len(self.examples) // 2
+
+    @property
+    def held_tokens(self) -> int:
+        """A pair's chosen and rejected sequences are held together between their forward and backward passes."""
+        return max(len(self.examples[2 * u].token_ids) + len(self.examples[2 * u + 1].token_ids)
+                   for u in range(self.num_units))
+
+    # ---- the pair's sequences ----------------------------------------------------
+    def _start_sequence(self) -> None:
+        if not self._tasks:
+            self._start_pair()
+        role, kind = self._tasks.pop(0)
+        self._role = role
+        if kind == "backward":  # (popped: once its backward ends, nothing holds the sequence's tensors)
+            self._seq = self._policy.pop(role)[0]
+            return
+        example = self._example(role)
+        self._seq = self._sequence(example)
+        if role.startswith("ref_"):
+            self._seq.eval_only = True  # no dropout, no gradient stored
+            return
+        self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, 2 * self._next_in_batch - (role == CHOSEN))
+        if self.cfg.rematerialize == "cheap":
+            self._seq.keeps = new_keeps(self.model, len(example.token_ids), planned_keeps(self.plan))
+
+    def _start_pair(self) -> None:
+        if self._next_in_batch == len(self._batch):  # a new optimizer step: pick its pairs
+            epoch, offset = divmod(self.step, self.steps_per_epoch)
+            self._batch = self._order(epoch)[offset * self.per_step:(offset + 1) * self.per_step]
+            self._next_in_batch = 0
+            self._batch_loss = 0.0
+            self._batch_targets = _targets(self.examples[2 * u + k] for u in self._batch for k in (0, 1))
+            self._batch_correct = 0
+            self._margins = []
+        self._pair = self._batch[self._next_in_batch]
+        self._next_in_batch += 1
+        refs = [] if self._pair in self._ref else [("ref_chosen", "forward"), ("ref_rejected", "forward")]
+        self._tasks = refs + [(CHOSEN, "forward"), (REJECTED, "forward"), (CHOSEN, "backward"),
+                              (REJECTED, "backward")]
+
+    def _example(self, role: str) -> Example:
+        return self.examples[2 * self._pair + (role.endswith(REJECTED))]
+
+    def _window_bypass(self):
+        return NO_BYPASS if self._role.startswith("ref_") else self.bypass
+
+    def _loss_scale(self) -> float:
+        return 1.0  # a sequence's loss is its summed cross-entropy: minus its log-probability
+
+    def _account_forward(self, loss: float) -> None:
+        seq = self._seq
+        if not seq.forward_finished:
+            return
+        logp = -seq.loss_sum
+        if self._role.startswith("ref_"):
+            self._ref_logps[self._role == "ref_rejected"] = logp
+            if self._role == "ref_rejected":
+                self._ref[self._pair] = (self._ref_logps[0], self._ref_logps[1])
+            self._seq = None
+            return
+        self._policy[self._role] = (seq, logp)
+        self._batch_correct += seq.correct
+        self._seq = None
+        if self._role == REJECTED:
+            self._weigh_pair()
+
+    def _weigh_pair(self) -> None:
+        """Both forwards are done: the pair's loss, and its stored head gradients scaled to the DPO loss's."""
+        (chosen, lc), (rejected, lr) = self._policy[CHOSEN], self._policy[REJECTED]
+        loss, margin, weight = dpo_terms(self.cfg.dpo_beta, lc, lr, *self._ref[self._pair])
+        n = len(self._batch)  # the step's loss is the mean over its pairs
+        chosen.grad.mul_(weight / n)  # dL/d(-lc) = beta * sigmoid(-margin)
+        rejected.grad.mul_(-weight / n)
+        self._batch_loss += loss / n
+        self._margins.append(margin)
+
+    def _batch_finished(self) -> bool:
+        return not self._tasks and self._next_in_batch == len(self._batch)
+
+    def _step_record(self, lr: float, finite: bool) -> StepRecord:
+        tokens = sum(len(self.examples[2 * u + k].token_ids) for u in self._batch for k in (0, 1))
+        margins = self._margins
+        return StepRecord(self.step, self._batch_loss, lr, tokens, time.perf_counter() - self._start,
+                          skipped=not finite, accuracy=self._batch_correct / max(1, self._batch_targets),
+                          reward_accuracy=sum(m > 0 for m in margins) / max(1, len(margins)),
+                          reward_margin=sum(margins) / max(1, len(margins)))

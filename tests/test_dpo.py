@@ -1,0 +1,235 @@
+"""DPO (``method="dpo"``): preference data in OpenAI's and TRL's formats, and the job's gradients, losses and adapter
+against one plain autograd DPO step (reference log-probabilities from the base model), in any window schedule and
+co-served with inference."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coserve import LLM, FinetuneConfig, LoraConfig, SamplingParams
+from coserve.finetune.build import load_training, new_job
+from coserve.finetune.dataset import DatasetError
+from coserve.finetune.preference import encode_preference_record
+from coserve.finetune.preference_job import NO_BYPASS, PreferenceJob, dpo_terms
+from coserve.finetune.reference import whole_sequence_loss
+from coserve.finetune.runner import WindowSizes
+from coserve.finetune.sequence_state import IGNORE_INDEX
+from coserve.model.loader import load_model
+from coserve.model.tokenizer import load_tokenizer
+from coserve.peft.config import IA3Config
+from coserve.peft.trainable import TrainableIA3, TrainableLora
+
+WORDS = ["cats", "dogs", "birds", "fish", "owls", "bees"]
+
+
+def _openai(word: str) -> dict:
+    return {"input": {"messages": [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": f"Tell me about {word}."}]},
+            "preferred_output": [{"role": "assistant", "content": f"{word.title()} are wonderful animals."}],
+            "non_preferred_output": [{"role": "assistant", "content": "No."}]}
+
+
+def _write(path, records) -> str:
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def _bypass(model, kind: str, seed: int = 0):
+    """A bypass away from its initialisation, so that the policy differs from the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "ia3":
+        bypass = TrainableIA3(IA3Config(), model.module_shapes(), model.cfg.num_layers, model.device)
+        with torch.no_grad():
+            for p in bypass.parameters():
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+        return bypass
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, gen)
+    with torch.no_grad():
+        for p in bypass.parameters():
+            if p.shape[1] == cfg.r:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return bypass
+
+
+def _oracle(model, bypass, pairs, beta: float) -> tuple[float, list[torch.Tensor]]:
+    """The mean DPO loss of ``pairs`` and its gradients, by one plain autograd backward."""
+    losses = []
+    for pair in pairs:
+        logps = []
+        for ex in (pair.chosen, pair.rejected):
+            logp = -whole_sequence_loss(model, bypass, ex.token_ids, ex.targets, dropout_seed=None)
+            with torch.no_grad():
+                ref = -whole_sequence_loss(model, NO_BYPASS, ex.token_ids, ex.targets, dropout_seed=None)
+            logps.append(logp - ref)
+        losses.append(-F.logsigmoid(beta * (logps[0] - logps[1])))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in bypass.parameters()]
+    bypass.zero_grad()
+    return float(loss), grads
+
+
+@pytest.mark.parametrize("kind, schedule", [("lora", ""), ("lora", "random:5"), ("ia3", "random:9")])
+def test_a_dpo_step_matches_plain_autograd(model_factory, tmp_path, kind, schedule):
+    model_dir = model_factory("llama")
+    model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", dpo_beta=0.5, batch_size=2, grad_accum=2,
+                         max_steps=1, shuffle=False, window_schedule=schedule, lr=1e-3,
+                         max_grad_norm=0)
+    pairs, report = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS[:4]]), tokenizer, cfg)
+    assert report.num_examples == 4
+    bypass = _bypass(model, kind)
+    want_loss, want = _oracle(model, bypass, pairs, cfg.dpo_beta)
+    job = new_job(model, bypass, pairs, cfg)
+    assert isinstance(job, PreferenceJob) and job.total_steps == 1 and job.held_tokens == max(
+        len(p.chosen.token_ids) + len(p.rejected.token_ids) for p in pairs)
+    got = []
+    job.optimizer.step = lambda: got.extend(p.grad.detach().clone() for p in bypass.parameters())
+    sizes = WindowSizes(cfg)
+    while (kind_ := job.next_work()) is not None:
+        (job.forward if kind_ == "forward" else job.backward)(sizes.next(job.pending_tokens()))
+    assert job.log[0].loss == pytest.approx(want_loss, rel=1e-5)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-6 * float(w.abs().max())), float((g - w).abs().max())
+    assert 0 <= job.log[0].reward_accuracy <= 1
+    line = json.loads((tmp_path / "out" / "training_log.jsonl").read_text().splitlines()[0])
+    assert line["reward_margin"] == pytest.approx(job.log[0].reward_margin) and "reward_accuracy" in line
+
+
+def test_dpo_trains_toward_the_preferred_completions_and_keeps_the_reference(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", batch_size=2, epochs=4, lr=2e-2)
+    pairs, _ = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS[:4]]), tokenizer, cfg)
+    bypass = TrainableLora(LoraConfig(r=4, lora_alpha=8), model.module_shapes(), model.cfg.num_layers, model.device,
+                           torch.Generator().manual_seed(0))
+    job = new_job(model, bypass, pairs, cfg)
+    references = []
+    made = job._sequence
+    job._sequence = lambda ex: (references.append(1) if job._role.startswith("ref_") else None) or made(ex)
+    sizes = WindowSizes(cfg)
+    while (kind := job.next_work()) is not None:
+        (job.forward if kind == "forward" else job.backward)(sizes.next(job.pending_tokens()))
+    assert len(references) == 2 * len(pairs)  # each pair's reference once: later epochs reuse them
+    assert job.log[0].loss == pytest.approx(math.log(2), abs=1e-6)  # B = 0: the policy is the reference
+    assert job.log[-1].loss < 0.5 * math.log(2) and job.log[-1].reward_accuracy == 1.0
+
+
+def test_a_co_served_dpo_job_trains_the_adapter_of_the_job_alone(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    data = _write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS])
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "down_proj"])
+
+    def config(name):
+        return FinetuneConfig(output_dir=str(tmp_path / name), method="dpo", batch_size=2, max_steps=3, lr=1e-2,
+                              seed=3)
+
+    alone = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    assert alone.finetune(data, peft, config("alone")).wait(timeout=120)["status"] == "succeeded"
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=128, block_size=4, max_num_batched_tokens=24)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    before = llm.generate([[5, 6, 7, 8], [9, 10, 11]], params)
+    job = llm.finetune(data, peft, config("coserved"))
+    during = llm.generate([[5, 6, 7, 8], [9, 10, 11]] * 2, params)  # windows share these iterations
+    assert job.wait(timeout=120)["status"] == "succeeded"
+    assert [o.token_ids for o in during] == [o.token_ids for o in before] * 2
+    from safetensors.torch import load_file
+    a, b = (load_file(str(tmp_path / n / "adapter_model.safetensors")) for n in ("alone", "coserved"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-7), key
+
+
+def test_preference_records_in_each_format(model_factory):
+    tokenizer = load_tokenizer(model_factory("llama"))
+    pair, _ = encode_preference_record(_openai("cats"), tokenizer, 256)
+    prompt = tokenizer.apply_chat_template(_openai("cats")["input"]["messages"], tokenize=False,
+                                           add_generation_prompt=True)
+    n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    for ex, text in ((pair.chosen, "Cats are wonderful animals."), (pair.rejected, "No.")):
+        loss_ids = [t for t in ex.targets if t != IGNORE_INDEX]
+        assert all(t == IGNORE_INDEX for t in ex.targets[:n - 1])  # no loss on the prompt
+        assert tokenizer.decode(loss_ids, skip_special_tokens=True) == text
+    trl = {"prompt": _openai("cats")["input"]["messages"], "chosen": _openai("cats")["preferred_output"],
+           "rejected": _openai("cats")["non_preferred_output"]}
+    assert encode_preference_record(trl, tokenizer, 256)[0] == pair
+    plain, _ = encode_preference_record({"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}, tokenizer, 256)
+    prompt_ids = tokenizer("Q: 2+2?\nA:")["input_ids"]
+    assert plain.chosen.token_ids == prompt_ids + tokenizer(" 4", add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id]
+    assert [t for t in plain.rejected.targets if t != IGNORE_INDEX] == tokenizer(
+        " 5", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"input": {"messages": [{"role": "user", "content": "x"}]}, "preferred_output": [],
+      "non_preferred_output": [{"role": "assistant", "content": "y"}]},
+     "preferred_output: expected an array of one assistant message, got 0 messages"),
+    ({"input": {"messages": [{"role": "robot", "content": "x"}]},
+      "preferred_output": [{"role": "assistant", "content": "y"}],
+      "non_preferred_output": [{"role": "assistant", "content": "z"}]},
+     "input.messages[0].role: 'robot' is not one of system, user, assistant"),
+    ({"input": "x", "preferred_output": [], "non_preferred_output": []}, "input: expected an object with messages"),
+    ({"input": {"messages": [{"role": "user", "content": "x"}]},
+      "preferred_output": [{"role": "user", "content": "y"}],
+      "non_preferred_output": [{"role": "assistant", "content": "z"}]},
+     "preferred_output[0].role: expected 'assistant', got 'user'"),
+    ({"prompt": "x", "chosen": 5, "rejected": "z"}, "chosen: expected a string, got number"),
+    ({"prompt": "x", "chosen": "y"}, "record: no 'input'"),
+])
+def test_bad_preference_records_name_their_field(model_factory, record, message):
+    with pytest.raises(ValueError) as e:
+        encode_preference_record(record, load_tokenizer(model_factory("llama")), 256)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_preference_file_reports_bad_lines_and_bad_configs_are_refused(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    tokenizer = load_tokenizer(model_dir)
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "o"), method="dpo")
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(_openai("cats")) + "\nnot json\n" + json.dumps({"text": "sft"}) + "\n")
+    pairs, report = load_training(path, tokenizer, cfg)
+    assert len(pairs) == 1 and [n for n, _ in report.malformed] == [2, 3]
+    with pytest.raises(DatasetError, match="no valid training example"):
+        load_training(_write(tmp_path / "sft.jsonl", [{"text": "hello"}]), tokenizer, cfg)
+    for kwargs, field in (({"method": "ppo"}, "method"), ({"method": "dpo", "dpo_beta": 0}, "dpo_beta"),
+                          ({"method": "dpo", "train_on_prompt": True}, "train_on_prompt")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            FinetuneConfig(output_dir="o", **kwargs)
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=32, block_size=4)
+    with pytest.raises(ValueError, match="^validation: a DPO job takes no validation data"):
+        llm.finetune(path, config=cfg, validation=path)
+    loss, margin, weight = dpo_terms(0.1, -10.0, -12.0, -11.0, -11.0)  # chosen gained 1, rejected lost 1
+    assert margin == pytest.approx(0.2) and loss == pytest.approx(-math.log(1 / (1 + math.exp(-0.2))))
+    assert weight == pytest.approx(0.1 / (1 + math.exp(0.2)))
+    assert dpo_terms(1.0, 0.0, 2000.0, 0.0, 0.0)[0] == pytest.approx(2000.0)  # no overflow either way
+    assert dpo_terms(1.0, 2000.0, 0.0, 0.0, 0.0)[2] == 0.0 and dpo_terms(1.0, 0.0, 2000.0, 0.0, 0.0)[2] == 1.0
+
+
+def test_the_cli_trains_a_dpo_adapter_that_peft_loads(model_factory, tmp_path, capsys):
+    from coserve.cli import main
+    from peft_helpers import peft_model
+    model_dir = model_factory("qwen2")
+    data = _write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS[:3]]
+                  + [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}])
+    out = tmp_path / "adapter"
+    assert main(["finetune", "--model", str(model_dir), "--data", data, "--output", str(out), "--method", "dpo",
+                 "--dpo-beta", "0.2", "--max-steps", "2", "--batch-size", "2", "--lora-r", "4", "--lr", "0.05",
+                 "--memory-report", str(tmp_path / "mem.json"), "--no-progress"]) == 0
+    assert "4 examples" in capsys.readouterr().out
+    log = [json.loads(x) for x in (out / "training_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2] and all("reward_margin" in x for x in log)
+    peft_model(model_dir, out)  # a PEFT adapter directory
+    assert json.loads((tmp_path / "mem.json").read_text())["kept_bytes_per_token"] > 0
+    assert main(["finetune", "--model", str(model_dir), "--data", data, "--output", str(tmp_path / "o2"),
+                 "--method", "dpo", "--validation-data", data]) == 2
+    assert "--validation-data: a DPO job takes no validation data" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()
