@@ -233,3 +233,57 @@ def test_the_cli_trains_a_dpo_adapter_that_peft_loads(model_factory, tmp_path, c
                  "--method", "dpo", "--validation-data", data]) == 2
     assert "--validation-data: a DPO job takes no validation data" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists()
+
+
+def _peft_dpo(model_dir, adapter_dir, pairs, cfg: FinetuneConfig, steps: int):
+    """HF PEFT as TRL's DPOTrainer runs it without a reference model: the reference is the adapter disabled."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+                                      str(adapter_dir), is_trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = get_linear_schedule_with_warmup(opt, cfg.warmup_steps, steps)
+
+    def logp(ex):
+        logits = model(input_ids=torch.tensor([ex.token_ids])).logits[0]
+        return -F.cross_entropy(logits, torch.tensor(ex.targets), ignore_index=IGNORE_INDEX, reduction="sum")
+
+    losses = []
+    for step in range(steps):
+        batch = pairs[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        loss = 0
+        for pair in batch:
+            with torch.no_grad(), model.disable_adapter():
+                refs = [logp(pair.chosen), logp(pair.rejected)]
+            margin = cfg.dpo_beta * ((logp(pair.chosen) - refs[0]) - (logp(pair.rejected) - refs[1]))
+            loss = loss - F.logsigmoid(margin) / len(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n.replace(".default", ""): p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_dpo_training_matches_hf_peft(model_factory, tmp_path):
+    from coserve.finetune.runner import run_job
+    from coserve.peft.trainable import load_trainable
+    from peft_helpers import make_lora_adapter
+    model_dir = model_factory("llama")
+    start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "v_proj", "down_proj"])
+    model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", dpo_beta=0.3, batch_size=2, lr=0.01,
+                         warmup_steps=1, weight_decay=0.01, shuffle=False, window_schedule="random:11")
+    pairs, _ = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS]), tokenizer, cfg)
+    bypass = load_trainable(start, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
+    job = new_job(model, bypass, pairs, cfg)
+    run_job(job, progress=False)
+    ref_losses, ref_state = _peft_dpo(model_dir, start, pairs, cfg, 3)
+    assert [r.loss for r in job.log] == pytest.approx(ref_losses, abs=1e-5)
+    ours = bypass.state_dict()
+    assert set(ours) == set(ref_state)
+    for name, ref in ref_state.items():
+        assert float((ours[name] - ref).norm() / ref.norm()) <= 1e-4, name
