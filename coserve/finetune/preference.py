@@ -95,10 +95,16 @@ def _plain_pair(record: dict, tokenizer: PreTrainedTokenizerBase, max_seq_len: i
     return PreferencePair(*examples), truncated
 
 
-def encode_preference_record(record: object, tokenizer: PreTrainedTokenizerBase,
-                             max_seq_len: int) -> tuple[PreferencePair, bool]:
-    """One record as ``(pair, either sequence was truncated)``; ``ValueError`` naming the field for a bad record
-    (``EmptyCompletionError`` where a completion is empty or cut off entirely)."""
+def is_preference_record(record: object) -> bool:
+    """Whether ``record`` has the fields of a preference record (in any of the formats)."""
+    return isinstance(record, dict) and (any(k in record for k in ("input", "preferred_output",
+                                                                   "non_preferred_output"))
+                                         or all(k in record for k in ("prompt", "chosen", "rejected")))
+
+
+def preference_messages(record: object) -> tuple[list[dict], list[dict]] | None:
+    """A chat-form preference record checked, as ``(prompt messages, [chosen message, rejected message])``; None
+    for TRL's standard (text) form; ``ValueError`` naming the field for a bad one."""
     if not isinstance(record, dict):
         raise ValueError(f"record: expected a JSON object, got {json_type(record)}")
     if any(k in record for k in ("input", "preferred_output", "non_preferred_output")):
@@ -106,16 +112,27 @@ def encode_preference_record(record: object, tokenizer: PreTrainedTokenizerBase,
         if not isinstance(source, dict):
             raise ValueError(f"input: expected an object with messages, got {json_type(source)}")
         prompt = _prompt_messages(source.get("messages"), "input.messages")
-        outputs = [_completion_message(record.get(k), k) for k in ("preferred_output", "non_preferred_output")]
-    elif all(k in record for k in ("prompt", "chosen", "rejected")):
+        return prompt, [_completion_message(record.get(k), k) for k in ("preferred_output", "non_preferred_output")]
+    if all(k in record for k in ("prompt", "chosen", "rejected")):
         if isinstance(record["prompt"], str):
-            return _plain_pair(record, tokenizer, max_seq_len)
-        prompt = _prompt_messages(record["prompt"], "prompt")
-        outputs = [_completion_message(record[k], k) for k in ("chosen", "rejected")]
-    else:
-        keys = ", ".join(map(repr, list(record)[:8])) or "none"
-        raise ValueError(f"record: no 'input'/'preferred_output'/'non_preferred_output' or 'prompt'/'chosen'/"
-                         f"'rejected' fields (fields: {keys})")
+            for key in ("prompt", "chosen", "rejected"):
+                _text(record, key)
+            return None
+        return _prompt_messages(record["prompt"], "prompt"), [_completion_message(record[k], k)
+                                                              for k in ("chosen", "rejected")]
+    keys = ", ".join(map(repr, list(record)[:8])) or "none"
+    raise ValueError(f"record: no 'input'/'preferred_output'/'non_preferred_output' or 'prompt'/'chosen'/"
+                     f"'rejected' fields (fields: {keys})")
+
+
+def encode_preference_record(record: object, tokenizer: PreTrainedTokenizerBase,
+                             max_seq_len: int) -> tuple[PreferencePair, bool]:
+    """One record as ``(pair, either sequence was truncated)``; ``ValueError`` naming the field for a bad record
+    (``EmptyCompletionError`` where a completion is empty or cut off entirely)."""
+    checked = preference_messages(record)
+    if checked is None:
+        return _plain_pair(record, tokenizer, max_seq_len)
+    prompt, outputs = checked
     examples, truncated = [], False
     for output in outputs:
         example, cut = encode_record({"messages": prompt + [output]}, tokenizer, max_seq_len)

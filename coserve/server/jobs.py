@@ -20,10 +20,9 @@ from pathlib import Path
 
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import FinetuneMemoryError
-from coserve.finetune.build import make_bypass
+from coserve.finetune.build import load_training, make_bypass, new_job
 from coserve.finetune.checkpoint import CheckpointSnapshot, write_checkpoint
 from coserve.finetune.config import FinetuneConfig
-from coserve.finetune.dataset import load_dataset
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.finetune.memory_budget import job_memory
@@ -34,15 +33,16 @@ from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import checkpoint_name, fine_tuned_name
-from coserve.server.protocol import CoserveOptions, FineTuningJobRequest, Hyperparameters
+from coserve.server.protocol import CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters
 from coserve.server.store import Store
 
 log = logging.getLogger("coserve.server")
 POLL_S = 0.25  # the watcher looks at running jobs this often
 DEFAULT_MAX_SEQ_LEN = 1024  # training sequences are cut here unless the job asks otherwise (or the context is shorter)
 BASE_LR = 1e-4  # learning_rate_multiplier scales this
-AUTO = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 1.0}  # what "auto" resolves to
-LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier": (1e-4, 100.0)}
+AUTO = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 1.0, "beta": 0.1}  # what "auto" resolves to
+LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier": (1e-4, 100.0),
+          "beta": (1e-3, 2.0)}  # (beta: DPO's, OpenAI's range)
 ACTIVE = ("validating_files", "queued", "running")
 HOLDS_FILES = (*ACTIVE, "paused")  # jobs whose files must stay (a paused job reads them again when resumed)
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -52,6 +52,8 @@ _SHOW = 5  # bad data lines named in a job's error
 def step_metrics(rec: StepRecord) -> dict:
     """An optimizer step's metrics under OpenAI's names (the validation set runs whole: ``full_valid_*``)."""
     metrics = {"step": rec.step, "train_loss": rec.loss, "train_mean_token_accuracy": rec.accuracy}
+    if rec.reward_accuracy is not None:  # a DPO step's
+        metrics["train_reward_accuracy"], metrics["train_reward_margin"] = rec.reward_accuracy, rec.reward_margin
     if rec.valid_batch_loss is not None:  # a validation batch (eval_steps)
         metrics["valid_loss"] = rec.valid_batch_loss
         metrics["valid_mean_token_accuracy"] = rec.valid_batch_accuracy
@@ -165,7 +167,11 @@ class JobManager:
                 raise bad_request(f"{param}: file {file_id} has purpose '{f['purpose']}', not 'fine-tune'", param)
         if body.suffix is not None and not SUFFIX.fullmatch(body.suffix):
             raise bad_request("suffix: 1-64 letters, digits, '.', '_' or '-'", "suffix")
-        hyper = self._hyperparameters(body)
+        method = body.method.type if body.method is not None else "supervised"
+        hyper = self._hyperparameters(body, method)
+        if method == "dpo" and body.validation_file is not None:
+            raise bad_request("validation_file: a DPO job takes no validation file (not supported yet)",
+                              "validation_file")
         options = body.coserve or CoserveOptions()
         peft = self._peft(options)
         if options.max_seq_len is None:
@@ -185,7 +191,7 @@ class JobManager:
             "hyperparameters": hyper, "trained_tokens": None, "error": None, "seed": seed,
             "user_provided_suffix": body.suffix, "estimated_finish": None, "integrations": [],
             "metadata": body.metadata,
-            "method": {"type": "supervised", "supervised": {"hyperparameters": dict(hyper)}},
+            "method": {"type": method, method: {"hyperparameters": dict(hyper)}},
             "coserve": {**options.model_dump(), "peft_config": peft, "step": 0, "total_steps": None},
         }
         self.store.add_job(tenant, job)
@@ -278,18 +284,25 @@ class JobManager:
         write_checkpoint(path, snap)
         self._record_checkpoint(r, step, path)
 
-    def _hyperparameters(self, body: FineTuningJobRequest) -> dict:
+    def _hyperparameters(self, body: FineTuningJobRequest, method: str) -> dict:
+        """The job's hyperparameters ("auto" resolved), from the top level or the method's object (not both);
+        a DPO job's include ``beta``."""
         given = body.hyperparameters
         prefix = "hyperparameters"
-        if body.method is not None and body.method.supervised and body.method.supervised.hyperparameters:
+        inner = getattr(body.method, method, None) if body.method is not None else None
+        if method == "dpo" and body.method.supervised is not None:
+            raise bad_request("method.supervised: the method is dpo (give method.dpo)", "method.supervised")
+        if inner is not None and inner.hyperparameters:
             if given is not None:
-                raise bad_request("hyperparameters: give them in method.supervised.hyperparameters or at the top "
+                raise bad_request(f"hyperparameters: give them in method.{method}.hyperparameters or at the top "
                                   "level, not both", "hyperparameters")
-            given, prefix = body.method.supervised.hyperparameters, "method.supervised.hyperparameters"
-        given = given or Hyperparameters()
+            given, prefix = inner.hyperparameters, f"method.{method}.hyperparameters"
+        given = given or (DpoHyperparameters() if method == "dpo" else Hyperparameters())
         out = {}
         for name, (low, high) in LIMITS.items():
-            value = getattr(given, name)
+            if name == "beta" and method != "dpo":
+                continue
+            value = getattr(given, name, "auto")
             if value == "auto":
                 value = AUTO[name]
             if not low <= value <= high:
@@ -348,9 +361,8 @@ class JobManager:
     def _start(self, tenant: str, job: dict) -> None:
         job_id, opts, hyper = job["id"], job["coserve"], job["hyperparameters"]
         model = self.engine.model
-        examples, report = self._dataset(job, "training_file", opts["max_seq_len"])
-        validation = self._dataset(job, "validation_file", opts["max_seq_len"])[0] if job["validation_file"] else None
         out = self.jobs_dir / job_id
+        method = job.get("method", {}).get("type", "supervised")  # jobs stored before DPO: supervised
         cfg = FinetuneConfig(output_dir=str(out / "model"), epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
                              batch_size=hyper["batch_size"], grad_accum=opts["grad_accum"],
                              lr=BASE_LR * hyper["learning_rate_multiplier"], optimizer=opts["optimizer"],
@@ -359,7 +371,10 @@ class JobManager:
                              max_seq_len=opts["max_seq_len"], seed=job["seed"],
                              eval_steps=opts.get("eval_steps", 0),  # jobs stored before the option: none
                              rematerialize=opts.get("rematerialize", "cheap"),
-                             memory_target=opts.get("memory_target", DEFAULT_MEMORY_TARGET))
+                             memory_target=opts.get("memory_target", DEFAULT_MEMORY_TARGET),
+                             method="dpo" if method == "dpo" else "sft", dpo_beta=hyper.get("beta", AUTO["beta"]))
+        examples, report = self._dataset(job, "training_file", cfg)
+        validation = self._dataset(job, "validation_file", cfg)[0] if job["validation_file"] else None
         found = self.store.latest_checkpoint(job_id)
         if found is not None:
             resume = Path(found[1])
@@ -370,8 +385,8 @@ class JobManager:
             p = dict(opts["peft_config"])
             kind = p.pop("peft")
             bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
-        ft = FinetuneJob(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume,
-                         validation=validation)
+        ft = new_job(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume,
+                     validation=validation)
         name = fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id)
         r = Running(job_id, tenant, name, self.config.checkpoint_steps or ft.steps_per_epoch, ft,
                     tokens=ft.tokens_done)  # a resumed job's tokens so far are counted already
@@ -388,17 +403,18 @@ class JobManager:
                               coserve={**opts, "step": ft.step, "total_steps": ft.total_steps})
         how = f"resumed at step {ft.step}" if resume else "started"
         kept = job_memory(ft).activation_bytes / 2**20
-        self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps; a sequence "
+        held = "a preference pair (two sequences)" if cfg.method == "dpo" else "a sequence"
+        self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps; {held} "
                                      f"keeps up to {kept:.1f} MiB between its forward and backward passes "
                                      f"(rematerialize {cfg.rematerialize}, memory target {cfg.memory_target:g})")
 
-    def _dataset(self, job: dict, param: str, max_seq_len: int):
-        """The job's ``param`` file as examples and its load report; a ValueError naming the file and the
-        lines when any example cannot be used."""
+    def _dataset(self, job: dict, param: str, cfg: FinetuneConfig):
+        """The job's ``param`` file as ``cfg.method`` trains on it (sequences, or preference pairs) and its load
+        report; a ValueError naming the file and the lines when any example cannot be used."""
         file_id = job[param]
-        examples, report = load_dataset(self.store.file_path(file_id), self.engine.tokenizer, max_seq_len)
-        bad = report.malformed + [(n, "every assistant message is empty or has weight 0")
-                                  for n in report.empty_completion]
+        examples, report = load_training(self.store.file_path(file_id), self.engine.tokenizer, cfg)
+        empty = "a completion is empty" if cfg.method == "dpo" else "every assistant message is empty or has weight 0"
+        bad = report.malformed + [(n, empty) for n in report.empty_completion]
         if bad:
             named = "; ".join(f"line {n}: {why}" for n, why in sorted(bad)[:_SHOW])
             raise ValueError(f"{param} {file_id}: {len(bad)} example(s) cannot be used: {named}")

@@ -255,9 +255,18 @@ class Supervised(Body):
     hyperparameters: Hyperparameters | None = None
 
 
+class DpoHyperparameters(Hyperparameters):
+    beta: float | Literal["auto"] = "auto"
+
+
+class Dpo(Body):
+    hyperparameters: DpoHyperparameters | None = None
+
+
 class Method(Body):
-    type: Literal["supervised"]
+    type: Literal["supervised", "dpo"]
     supervised: Supervised | None = None
+    dpo: Dpo | None = None  # OpenAI's Direct Preference Optimization: the training file holds preference pairs
 
 
 class CoserveOptions(Body):
