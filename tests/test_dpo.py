@@ -287,3 +287,36 @@ def test_dpo_training_matches_hf_peft(model_factory, tmp_path):
     assert set(ours) == set(ref_state)
     for name, ref in ref_state.items():
         assert float((ours[name] - ref).norm() / ref.norm()) <= 1e-4, name
+
+
+def test_a_resumed_dpo_job_continues_exactly(model_factory, tmp_path):
+    from coserve.finetune.runner import run_job
+    from coserve.peft.trainable import load_trainable
+    model_dir = model_factory("llama")
+    model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
+
+    def cfg(out):
+        return FinetuneConfig(output_dir=str(tmp_path / out), method="dpo", batch_size=2, max_steps=4, lr=1e-2,
+                              seed=3, window_tokens=7, lr_scheduler="cosine", warmup_steps=1)
+
+    pairs, _ = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS]), tokenizer, cfg("x"))
+
+    def bypass():
+        return _bypass(model, "lora")
+
+    whole = bypass()
+    uninterrupted = new_job(model, whole, pairs, cfg("whole"))
+    run_job(uninterrupted, progress=False)
+    half = new_job(model, bypass(), pairs, cfg("half"))
+    while half.step < 2:
+        kind = half.next_work()
+        (half.forward if kind == "forward" else half.backward)(7)
+    half.forward(7)  # into step 3's first pair: a checkpoint now is still step 2's
+    half.save()
+    resumed_bypass = load_trainable(tmp_path / "half", model.module_shapes(), model.cfg.num_layers, model.device)
+    resumed = new_job(model, resumed_bypass, pairs, cfg("rest"), resume_from=tmp_path / "half")
+    assert resumed.step == 2
+    run_job(resumed, progress=False)
+    assert [r.loss for r in resumed.log] == pytest.approx([r.loss for r in uninterrupted.log[2:]], rel=1e-5)
+    for name, tensor in whole.state_dict().items():
+        torch.testing.assert_close(resumed_bypass.state_dict()[name], tensor, rtol=1e-5, atol=1e-7)
