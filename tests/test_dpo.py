@@ -204,9 +204,6 @@ def test_a_preference_file_reports_bad_lines_and_bad_configs_are_refused(model_f
                           ({"method": "dpo", "train_on_prompt": True}, "train_on_prompt")):
         with pytest.raises(ValueError, match=f"^{field}:"):
             FinetuneConfig(output_dir="o", **kwargs)
-    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=32, block_size=4)
-    with pytest.raises(ValueError, match="^validation: a DPO job takes no validation data"):
-        llm.finetune(path, config=cfg, validation=path)
     loss, margin, weight = dpo_terms(0.1, -10.0, -12.0, -11.0, -11.0)  # chosen gained 1, rejected lost 1
     assert margin == pytest.approx(0.2) and loss == pytest.approx(-math.log(1 / (1 + math.exp(-0.2))))
     assert weight == pytest.approx(0.1 / (1 + math.exp(0.2)))
@@ -230,9 +227,10 @@ def test_the_cli_trains_a_dpo_adapter_that_peft_loads(model_factory, tmp_path, c
     peft_model(model_dir, out)  # a PEFT adapter directory
     assert json.loads((tmp_path / "mem.json").read_text())["kept_bytes_per_token"] > 0
     assert main(["finetune", "--model", str(model_dir), "--data", data, "--output", str(tmp_path / "o2"),
-                 "--method", "dpo", "--validation-data", data]) == 2
-    assert "--validation-data: a DPO job takes no validation data" in capsys.readouterr().err
-    assert not (tmp_path / "o2").exists()
+                 "--method", "dpo", "--validation-data", data, "--max-steps", "1", "--no-progress"]) == 0
+    assert "validation: 4 examples" in capsys.readouterr().out
+    line = json.loads((tmp_path / "o2" / "training_log.jsonl").read_text())
+    assert line["valid_loss"] > 0 and 0 <= line["valid_mean_token_accuracy"] <= 1
 
 
 def _peft_dpo(model_dir, adapter_dir, pairs, cfg: FinetuneConfig, steps: int):
@@ -320,3 +318,31 @@ def test_a_resumed_dpo_job_continues_exactly(model_factory, tmp_path):
     assert [r.loss for r in resumed.log] == pytest.approx([r.loss for r in uninterrupted.log[2:]], rel=1e-5)
     for name, tensor in whole.state_dict().items():
         torch.testing.assert_close(resumed_bypass.state_dict()[name], tensor, rtol=1e-5, atol=1e-7)
+
+
+def test_validation_pairs_give_the_mean_dpo_loss_of_the_adapter_after_the_step(model_factory, tmp_path):
+    from coserve.finetune.runner import run_job
+    model_dir = model_factory("llama")
+    model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", dpo_beta=0.4, batch_size=2, epochs=2,
+                         lr=2e-2, eval_steps=1, window_tokens=6)
+    pairs, _ = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS[:4]]), tokenizer, cfg)
+    held_out, _ = load_training(_write(tmp_path / "v.jsonl", [_openai(w) for w in WORDS[4:]]), tokenizer, cfg)
+    bypass = _bypass(model, "lora")
+    job = new_job(model, bypass, pairs, cfg, validation=held_out)
+    run_job(job, progress=False)
+    assert [r.valid_loss is not None for r in job.log] == [False, True, False, True]  # each epoch's end
+    assert all(r.valid_batch_loss is not None for r in job.log if r.valid_loss is None)  # eval_steps=1 between
+    with torch.no_grad():
+        want, _ = _oracle_loss(model, bypass, held_out, cfg.dpo_beta)
+    assert job.log[-1].valid_loss == pytest.approx(want, rel=1e-5)
+    assert job.log[-1].valid_loss != pytest.approx(job.log[1].valid_loss, rel=1e-3)  # the adapter moved
+
+
+def _oracle_loss(model, bypass, pairs, beta: float) -> tuple[float, None]:
+    losses = []
+    for pair in pairs:
+        logps = [-whole_sequence_loss(model, b, ex.token_ids, ex.targets, dropout_seed=None)
+                 for ex in (pair.chosen, pair.rejected) for b in (bypass, NO_BYPASS)]
+        losses.append(-F.logsigmoid(beta * ((logps[0] - logps[1]) - (logps[2] - logps[3]))))
+    return float(torch.stack(losses).mean()), None

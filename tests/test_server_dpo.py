@@ -43,8 +43,9 @@ def _upload(client, data: bytes):
 
 def test_a_dpo_job_trains_a_servable_model_while_chat_is_served(client):
     training = _upload(client, _jsonl(_pair(w) for w in ("cats", "dogs", "owls", "bees")))
+    held_out = _upload(client, _jsonl(_pair(w) for w in ("ants", "frogs")))
     job = client.fine_tuning.jobs.create(
-        model=BASE, training_file=training.id, suffix="prefs",
+        model=BASE, training_file=training.id, validation_file=held_out.id, suffix="prefs",
         method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 2, "batch_size": 2,
                                                              "learning_rate_multiplier": 100}}})
     assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.2
@@ -59,6 +60,7 @@ def test_a_dpo_job_trains_a_servable_model_while_chat_is_served(client):
     metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
     assert sorted(m["step"] for m in metrics) == [1, 2, 3, 4]
     assert all("train_reward_accuracy" in m and "train_reward_margin" in m for m in metrics)
+    assert sorted(m["step"] for m in metrics if "full_valid_loss" in m) == [2, 4]  # each epoch's end
     tuned = client.chat.completions.create(model=done.fine_tuned_model, messages=messages, max_tokens=6,
                                            temperature=0)
     assert tuned.model == done.fine_tuned_model and tuned.usage.completion_tokens > 0
@@ -67,7 +69,6 @@ def test_a_dpo_job_trains_a_servable_model_while_chat_is_served(client):
 @pytest.mark.parametrize("method, extra, param", [
     ({"type": "dpo", "dpo": {"hyperparameters": {"beta": 5}}}, {}, "method.dpo.hyperparameters.beta"),
     ({"type": "dpo", "supervised": {}}, {}, "method.supervised"),
-    ({"type": "dpo"}, {"validation_file": "same"}, "validation_file"),
     ({"type": "reinforcement"}, {}, "method.type"),
 ])
 def test_bad_dpo_jobs_are_refused_naming_the_field(client, method, extra, param):

@@ -63,8 +63,6 @@ class LLM:
         if self.engine.config.policy == "inference-only":
             raise ValueError("policy: this LLM was made with policy='inference-only', which never runs finetuning")
         model = self.engine.model
-        if validation is not None and config.method == "dpo":
-            raise ValueError("validation: a DPO job takes no validation data (not supported yet)")
         examples, report = load_training(data, self.tokenizer, config)
         held_out = None if validation is None else load_training(validation, self.tokenizer, config)[0]
         bypass = make_bypass(peft or LoraConfig(), model, config.seed)

@@ -48,10 +48,8 @@ def load_training(path, tokenizer, cfg: FinetuneConfig) -> tuple[list, DatasetRe
 
 def new_job(model: DecoderModel, bypass: TrainableBypass, examples: list, cfg: FinetuneConfig, base_model: str = "",
             resume_from=None, validation: list | None = None) -> FinetuneJob:
-    """The job for ``cfg.method``: a ``FinetuneJob`` (sft) or a ``PreferenceJob`` (dpo, which takes no validation
-    set yet: a ValueError naming it)."""
+    """The job for ``cfg.method``: a ``FinetuneJob`` (sft) or a ``PreferenceJob`` (dpo: ``examples`` and
+    ``validation`` are preference pairs)."""
     if cfg.method == "dpo":
-        if validation:
-            raise ValueError("validation: a DPO job takes no validation data (not supported yet)")
-        return PreferenceJob(model, bypass, examples, cfg, base_model, resume_from)
+        return PreferenceJob(model, bypass, examples, cfg, base_model, resume_from, validation)
     return FinetuneJob(model, bypass, examples, cfg, base_model, resume_from, validation)

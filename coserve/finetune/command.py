@@ -77,8 +77,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    if args.validation_data and args.method == "dpo":  # before anything is written
-        raise ValueError("--validation-data: a DPO job takes no validation data (not supported yet)")
     prepare_directory("--output", args.output)  # before any training
     cfg = FinetuneConfig(
         output_dir=args.output, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,

@@ -183,13 +183,17 @@ class FinetuneJob:
             self._eval_correct += seq.correct
             self._seq = None
             if not self._eval_queue:
-                record, self._pending = self._pending, None
-                accuracy = self._eval_correct / max(1, self._eval_targets)
-                if self._eval_whole:
-                    record.valid_loss, record.valid_accuracy = self._eval_loss, accuracy
-                else:
-                    record.valid_batch_loss, record.valid_batch_accuracy = self._eval_loss, accuracy
-                self._publish(record)
+                self._finish_validation()
+
+    def _finish_validation(self) -> None:
+        """The validation pass after a step is done: the step's record is published with its validation loss."""
+        record, self._pending = self._pending, None
+        accuracy = self._eval_correct / max(1, self._eval_targets)
+        if self._eval_whole:
+            record.valid_loss, record.valid_accuracy = self._eval_loss, accuracy
+        else:
+            record.valid_batch_loss, record.valid_batch_accuracy = self._eval_loss, accuracy
+        self._publish(record)
 
     def stop_validation(self) -> None:
         """Publish a step whose validation pass is under way without its validation loss (the job is being
@@ -317,7 +321,7 @@ class FinetuneJob:
             self._pending = record  # published with its validation loss
             self._eval_queue = queue
             self._eval_loss, self._eval_correct = 0.0, 0
-            self._eval_targets = _targets(self.validation[i] for i in queue)
+            self._eval_targets = self._validation_targets(queue)
         else:
             self._publish(record)
 
@@ -327,10 +331,19 @@ class FinetuneJob:
         return StepRecord(self.step, self._batch_loss, lr, tokens, time.perf_counter() - self._start,
                           skipped=not finite, accuracy=self._batch_correct / max(1, self._batch_targets))
 
+    @property
+    def num_validation_units(self) -> int:
+        """What a validation pass counts: validation sequences."""
+        return len(self.validation)
+
+    def _validation_targets(self, queue: list[int]) -> int:
+        """Target tokens of the validation units in ``queue``."""
+        return _targets(self.validation[i] for i in queue)
+
     def _validation_after_step(self) -> list[int]:
-        """The validation sequences to run after this step: all of them after an epoch's (and the last) step,
+        """The validation units to run after this step: all of them after an epoch's (and the last) step,
         the next batch every ``eval_steps`` steps, else none."""
-        n = len(self.validation)
+        n = self.num_validation_units
         if not n:
             return []
         self._eval_whole = self.step % self.steps_per_epoch == 0 or self.step >= self.total_steps

@@ -52,49 +52,57 @@ def dpo_terms(beta: float, chosen: float, rejected: float, ref_chosen: float, re
 
 class PreferenceJob(FinetuneJob):
     """``FinetuneJob`` over preference pairs with the DPO loss; mini-batches count pairs (``batch_size`` pairs a
-    micro-batch). No validation set (the loss needs pairs)."""
+    micro-batch). ``validation`` pairs run as the training job runs validation sequences (after each epoch, the
+    last step, and with ``eval_steps``): forward passes only, without dropout, for their mean DPO loss."""
 
     def __init__(self, model: DecoderModel, bypass: TrainableBypass, pairs: list[PreferencePair],
-                 cfg: FinetuneConfig, base_model: str = "", resume_from=None) -> None:
+                 cfg: FinetuneConfig, base_model: str = "", resume_from=None,
+                 validation: list[PreferencePair] | None = None) -> None:
         if not pairs:
             raise ValueError("examples: the job has no preference pairs")
         flat = [e for p in pairs for e in (p.chosen, p.rejected)]  # pair u: examples 2u and 2u + 1
-        super().__init__(model, bypass, flat, cfg, base_model, resume_from)
-        self._ref: dict[int, tuple[float, float]] = {}  # pair -> reference log-probabilities (chosen, rejected)
+        held_out = [e for p in validation or () for e in (p.chosen, p.rejected)]
+        super().__init__(model, bypass, flat, cfg, base_model, resume_from, held_out)
+        self._refs: dict[bool, dict[int, tuple[float, float]]] = {False: {}, True: {}}  # (validation?) -> pair ->
+        #   its reference log-probabilities (chosen, rejected)
+        self._eval = False  # the current pair is a validation pair
+        self._pair = -1
         self._tasks: list[tuple[str, str]] = []  # the current pair's (role, kind) still to run
         self._role = ""  # the current sequence's: "ref_chosen", "ref_rejected", "chosen" or "rejected"
-        self._pair = -1
         self._ref_logps = [0.0, 0.0]  # the current pair's reference log-probabilities as they come
-        self._policy: dict[str, tuple] = {}  # role -> (its sequence state, its log-probability)
+        self._policy: dict[str, tuple] = {}  # role -> (its sequence state, or None in validation; its log-prob)
         self._margins: list[float] = []  # of the step's pairs so far
+        self._eval_pairs = 0  # pairs of the validation pass under way
 
     @property
     def num_units(self) -> int:
         return len(self.examples) // 2
 
     @property
+    def num_validation_units(self) -> int:
+        return len(self.validation) // 2
+
+    @property
     def held_tokens(self) -> int:
-        """A pair's chosen and rejected sequences are held together between their forward and backward passes."""
-        return max(len(self.examples[2 * u].token_ids) + len(self.examples[2 * u + 1].token_ids)
-                   for u in range(self.num_units))
+        """A training pair's chosen and rejected sequences are held together between their forward and backward
+        passes (a validation sequence only during its forward pass)."""
+        pairs = max(len(self.examples[2 * u].token_ids) + len(self.examples[2 * u + 1].token_ids)
+                    for u in range(self.num_units))
+        return max(pairs, self.longest_tokens)
 
     # ---- the pair's sequences ----------------------------------------------------
     def _start_sequence(self) -> None:
         if not self._tasks:
             self._start_pair()
-        role, kind = self._tasks.pop(0)
-        self._role = role
-        if kind == "backward":  # (popped: once its backward ends, nothing holds the sequence's tensors)
-            self._seq = self._policy.pop(role)[0]
-            return
-        example = self._example(role)
-        self._seq = self._sequence(example)
-        if role.startswith("ref_"):
-            self._seq.eval_only = True  # no dropout, no gradient stored
-            return
-        self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, 2 * self._next_in_batch - (role == CHOSEN))
-        if self.cfg.rematerialize == "cheap":
-            self._seq.keeps = new_keeps(self.model, len(example.token_ids), planned_keeps(self.plan))
+        self._next_task()
+
+    def _start_eval_sequence(self) -> None:
+        if not self._tasks:  # the next validation pair (it leaves the queue when its last sequence starts)
+            self._eval, self._pair = True, self._eval_queue[0]
+            self._tasks = self._ref_tasks() + [(CHOSEN, "forward"), (REJECTED, "forward")]
+        self._next_task()
+        if not self._tasks:
+            self._eval_queue.pop(0)
 
     def _start_pair(self) -> None:
         if self._next_in_batch == len(self._batch):  # a new optimizer step: pick its pairs
@@ -105,14 +113,30 @@ class PreferenceJob(FinetuneJob):
             self._batch_targets = _targets(self.examples[2 * u + k] for u in self._batch for k in (0, 1))
             self._batch_correct = 0
             self._margins = []
-        self._pair = self._batch[self._next_in_batch]
+        self._eval, self._pair = False, self._batch[self._next_in_batch]
         self._next_in_batch += 1
-        refs = [] if self._pair in self._ref else [("ref_chosen", "forward"), ("ref_rejected", "forward")]
-        self._tasks = refs + [(CHOSEN, "forward"), (REJECTED, "forward"), (CHOSEN, "backward"),
-                              (REJECTED, "backward")]
+        self._tasks = self._ref_tasks() + [(CHOSEN, "forward"), (REJECTED, "forward"), (CHOSEN, "backward"),
+                                           (REJECTED, "backward")]
 
-    def _example(self, role: str) -> Example:
-        return self.examples[2 * self._pair + (role.endswith(REJECTED))]
+    def _ref_tasks(self) -> list[tuple[str, str]]:
+        """The current pair's reference forwards, unless an earlier epoch (or validation pass) ran them."""
+        return [] if self._pair in self._refs[self._eval] else [("ref_chosen", "forward"), ("ref_rejected", "forward")]
+
+    def _next_task(self) -> None:
+        role, kind = self._tasks.pop(0)
+        self._role = role
+        if kind == "backward":  # (popped: once its backward ends, nothing holds the sequence's tensors)
+            self._seq = self._policy.pop(role)[0]
+            return
+        source = self.validation if self._eval else self.examples
+        example = source[2 * self._pair + role.endswith(REJECTED)]
+        self._seq = self._sequence(example)
+        if self._eval or role.startswith("ref_"):
+            self._seq.eval_only = True  # no dropout, no gradient stored
+            return
+        self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, 2 * self._next_in_batch - (role == CHOSEN))
+        if self.cfg.rematerialize == "cheap":
+            self._seq.keeps = new_keeps(self.model, len(example.token_ids), planned_keeps(self.plan))
 
     def _window_bypass(self):
         return NO_BYPASS if self._role.startswith("ref_") else self.bypass
@@ -124,23 +148,33 @@ class PreferenceJob(FinetuneJob):
         seq = self._seq
         if not seq.forward_finished:
             return
-        logp = -seq.loss_sum
-        if self._role.startswith("ref_"):
-            self._ref_logps[self._role == "ref_rejected"] = logp
-            if self._role == "ref_rejected":
-                self._ref[self._pair] = (self._ref_logps[0], self._ref_logps[1])
-            self._seq = None
-            return
-        self._policy[self._role] = (seq, logp)
-        self._batch_correct += seq.correct
+        logp, role = -seq.loss_sum, self._role
         self._seq = None
-        if self._role == REJECTED:
+        if role.startswith("ref_"):
+            self._ref_logps[role == "ref_rejected"] = logp
+            if role == "ref_rejected":
+                self._refs[self._eval][self._pair] = (self._ref_logps[0], self._ref_logps[1])
+            return
+        if self._eval:
+            self._eval_correct += seq.correct
+            self._policy[role] = (None, logp)
+            if role == REJECTED:
+                pair_loss, _, _ = dpo_terms(self.cfg.dpo_beta, self._policy.pop(CHOSEN)[1], logp,
+                                            *self._refs[True][self._pair])
+                self._policy.clear()
+                self._eval_loss += pair_loss / max(1, self._eval_pairs)
+                if not self._eval_queue:
+                    self._finish_validation()
+            return
+        self._policy[role] = (seq, logp)
+        self._batch_correct += seq.correct
+        if role == REJECTED:
             self._weigh_pair()
 
     def _weigh_pair(self) -> None:
         """Both forwards are done: the pair's loss, and its stored head gradients scaled to the DPO loss's."""
         (chosen, lc), (rejected, lr) = self._policy[CHOSEN], self._policy[REJECTED]
-        loss, margin, weight = dpo_terms(self.cfg.dpo_beta, lc, lr, *self._ref[self._pair])
+        loss, margin, weight = dpo_terms(self.cfg.dpo_beta, lc, lr, *self._refs[False][self._pair])
         n = len(self._batch)  # the step's loss is the mean over its pairs
         chosen.grad.mul_(weight / n)  # dL/d(-lc) = beta * sigmoid(-margin)
         rejected.grad.mul_(-weight / n)
@@ -149,6 +183,19 @@ class PreferenceJob(FinetuneJob):
 
     def _batch_finished(self) -> bool:
         return not self._tasks and self._next_in_batch == len(self._batch)
+
+    def _validation_after_step(self) -> list[int]:
+        queue = super()._validation_after_step()
+        self._eval_pairs = len(queue)
+        return queue
+
+    def _validation_targets(self, queue: list[int]) -> int:
+        return _targets(self.validation[2 * v + k] for v in queue for k in (0, 1))
+
+    def stop_validation(self) -> None:
+        if self._pending is not None and self._eval:  # the validation pair under way is dropped with the pass
+            self._tasks, self._policy = [], {}
+        super().stop_validation()
 
     def _step_record(self, lr: float, finite: bool) -> StepRecord:
         tokens = sum(len(self.examples[2 * u + k].token_ids) for u in self._batch for k in (0, 1))

@@ -169,9 +169,6 @@ class JobManager:
             raise bad_request("suffix: 1-64 letters, digits, '.', '_' or '-'", "suffix")
         method = body.method.type if body.method is not None else "supervised"
         hyper = self._hyperparameters(body, method)
-        if method == "dpo" and body.validation_file is not None:
-            raise bad_request("validation_file: a DPO job takes no validation file (not supported yet)",
-                              "validation_file")
         options = body.coserve or CoserveOptions()
         peft = self._peft(options)
         if options.max_seq_len is None:
