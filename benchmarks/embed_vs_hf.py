@@ -1,6 +1,7 @@
 """Embedding throughput: ``LLM.embed`` (the engine's continuous batching and chunked prefill) against HF
-transformers' ``AutoModel`` run as embedding libraries run a decoder (batches padded on the right, the last real
-token's final hidden state, L2-normalized), the same model and texts; checks that the two agree.
+transformers' ``AutoModel`` run as embedding libraries run a decoder (batches of similar lengths padded on the right,
+the last real token's final hidden state, L2-normalized), the same model and texts; checks that the two agree. The
+engine's prefix cache is off (the rounds embed the same texts again).
 
     python benchmarks/embed_vs_hf.py --model models/coserve-small [--texts 256] [--hf-batch 16] [--rounds 2]
 
@@ -29,16 +30,20 @@ def texts_from_alpaca(path: Path, count: int) -> list[str]:
 
 
 def hf_embed(model, ids: list[list[int]], batch: int, pad: int) -> list[torch.Tensor]:
-    out = []
+    """Batches of similar lengths (sorted, as sentence-transformers batches them), in the texts' order."""
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    out: list[torch.Tensor | None] = [None] * len(ids)
     with torch.inference_mode():
         for start in range(0, len(ids), batch):
-            group = ids[start:start + batch]
+            rows = order[start:start + batch]
+            group = [ids[i] for i in rows]
             width = max(len(x) for x in group)
             input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in group])
             mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in group])
             hidden = model(input_ids=input_ids, attention_mask=mask).last_hidden_state
             last = hidden[torch.arange(len(group)), mask.sum(1) - 1]
-            out.extend(torch.nn.functional.normalize(last.float(), dim=-1))
+            for i, v in zip(rows, torch.nn.functional.normalize(last.float(), dim=-1)):
+                out[i] = v
     return out
 
 
@@ -52,7 +57,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     from transformers import AutoModel
-    llm = LLM(args.model, dtype="float32", device="cpu")
+    llm = LLM(args.model, dtype="float32", device="cpu", enable_prefix_caching=False)  # rounds repeat the texts
     hf = AutoModel.from_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = llm.tokenizer
     ids = [tokenizer(t)["input_ids"][:args.max_tokens] for t in texts_from_alpaca(Path(args.data), args.texts)]
