@@ -3,8 +3,6 @@ PEFT, the same bit for bit whatever runs beside it (generation, a finetuning job
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.scheduler import PoolingParams
 from peft_helpers import make_lora_adapter, peft_model
+from test_llm_finetune import _data
 
 PROMPTS = [[(7 * i + 3) % 200 + 5 for i in range(40)], [(11 * i + 1) % 190 + 5 for i in range(23)], [9]]
 
@@ -63,13 +62,6 @@ def test_an_adapters_embedding_matches_hf_peft(model_factory, tmp_path):
     assert not torch.allclose(torch.tensor(llm.embed(PROMPTS[0])[0].outputs.embedding), tuned, atol=1e-3)
 
 
-def _data(path, n=8):
-    rows = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(str(j) for j in range(i + 3))}
-            for i in range(n)]
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
-
-
 def test_embeddings_are_the_same_beside_generation_and_a_finetuning_job(model_factory, tmp_path):
     llm = LLM(model_factory("llama"), dtype="float32", device="cpu", num_kv_blocks=128, block_size=4,
               max_num_batched_tokens=32)
@@ -85,7 +77,7 @@ def test_embeddings_are_the_same_beside_generation_and_a_finetuning_job(model_fa
     assert [done[r].embedding for r in emb] == alone  # bit for bit
     assert all(done[r].embedding is None and len(done[r].token_ids) == 12 for r in gen)
     assert all(done[r].token_ids == [] and done[r].outputs[0].finish_reason == "stop" for r in emb)
-    job = llm.finetune(_data(tmp_path / "d.jsonl"), LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]),
+    job = llm.finetune(_data(tmp_path / "d.jsonl", n=8), LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]),
                        FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=4, batch_size=2, lr=5e-2))
     during = [o.outputs.embedding for o in llm.embed(PROMPTS)]  # the engine runs the job in its thread meanwhile
     assert job.wait(timeout=120)["status"] == "succeeded"

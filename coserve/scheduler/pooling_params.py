@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coserve.scheduler.sampling_params import check_truncate_prompt_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class PoolingParams:
@@ -21,6 +23,4 @@ class PoolingParams:
             raise ValueError(f"dimensions must be None or a positive integer, got {d!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be True or False, got {self.normalize!r}")
-        keep = self.truncate_prompt_tokens
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or not (keep == -1 or keep >= 1)):
-            raise ValueError(f"truncate_prompt_tokens must be None, -1 or a positive integer, got {keep!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)

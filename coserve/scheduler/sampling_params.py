@@ -28,6 +28,12 @@ def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> li
     return ids[-keep:]
 
 
+def check_truncate_prompt_tokens(keep: object) -> None:
+    """``truncate_prompt_tokens`` is None, -1 or a positive integer (a ValueError naming it otherwise)."""
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or not (keep == -1 or keep >= 1)):
+        raise ValueError(f"truncate_prompt_tokens must be None, -1 or a positive integer, got {keep!r}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling settings for one request; validated on construction, errors name the field."""
@@ -115,9 +121,7 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
-        keep = self.truncate_prompt_tokens
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or not (keep == -1 or keep >= 1)):
-            raise ValueError(f"truncate_prompt_tokens must be None, -1 or a positive integer, got {keep!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         given = [f for f in COMPILERS if getattr(self, f) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[-1]}: give one of guided_json, guided_choice, guided_regex and guided_grammar, "
