@@ -18,7 +18,7 @@ import math
 import time
 
 from coserve.finetune.config import FinetuneConfig
-from coserve.finetune.job import Example, FinetuneJob, StepRecord, _targets
+from coserve.finetune.job import FinetuneJob, StepRecord, _targets
 from coserve.finetune.preference import PreferencePair
 from coserve.finetune.pruned_layer import new_keeps, planned_keeps
 from coserve.model.decoder import DecoderModel

@@ -41,7 +41,7 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[
 async def similarities(ctx: ServerContext, request: Request, body, ident: str, queries: list[str], texts: list[str],
                        params: tuple[str, str]) -> tuple[object, list[float], int]:
     """The scores of ``queries`` (one, or one per text) against ``texts``: the job, the scores and the tokens
-    embedded. Each distinct text is embedded once."""
+    embedded (a single query once, however many texts)."""
     tenant = tenant_of(request)
     adapter = await ctx.models.resolve(tenant, body.model)
     check_count(ctx, len(queries) + len(texts), params[1])
