@@ -268,7 +268,7 @@ class FinetuneJob:
             self._batch = order[offset * self.per_step:(offset + 1) * self.per_step]
             self._next_in_batch = 0
             self._batch_loss = 0.0
-            self._batch_targets = _targets(self.examples[i] for i in self._batch)
+            self._batch_targets = target_tokens(self.examples[i] for i in self._batch)
             self._batch_correct = 0
         ex = self.examples[self._batch[self._next_in_batch]]
         self._next_in_batch += 1
@@ -338,7 +338,7 @@ class FinetuneJob:
 
     def _validation_targets(self, queue: list[int]) -> int:
         """Target tokens of the validation units in ``queue``."""
-        return _targets(self.validation[i] for i in queue)
+        return target_tokens(self.validation[i] for i in queue)
 
     def _validation_after_step(self) -> list[int]:
         """The validation units to run after this step: all of them after an epoch's (and the last) step,
@@ -414,7 +414,7 @@ class FinetuneJob:
         self.tokens_done = self.tokens_at_step = int(saved.get("tokens", 0))  # trained before the checkpoint
 
 
-def _targets(examples) -> int:
+def target_tokens(examples) -> int:
     """Target tokens of ``examples`` (positions with a loss)."""
     return sum(sum(t != IGNORE_INDEX for t in e.targets) for e in examples)
 

@@ -18,7 +18,7 @@ import math
 import time
 
 from coserve.finetune.config import FinetuneConfig
-from coserve.finetune.job import FinetuneJob, StepRecord, _targets
+from coserve.finetune.job import FinetuneJob, StepRecord, target_tokens
 from coserve.finetune.preference import PreferencePair
 from coserve.finetune.pruned_layer import new_keeps, planned_keeps
 from coserve.model.decoder import DecoderModel
@@ -110,7 +110,7 @@ class PreferenceJob(FinetuneJob):
             self._batch = self._order(epoch)[offset * self.per_step:(offset + 1) * self.per_step]
             self._next_in_batch = 0
             self._batch_loss = 0.0
-            self._batch_targets = _targets(self.examples[2 * u + k] for u in self._batch for k in (0, 1))
+            self._batch_targets = target_tokens(self.examples[2 * u + k] for u in self._batch for k in (0, 1))
             self._batch_correct = 0
             self._margins = []
         self._eval, self._pair = False, self._batch[self._next_in_batch]
@@ -190,7 +190,7 @@ class PreferenceJob(FinetuneJob):
         return queue
 
     def _validation_targets(self, queue: list[int]) -> int:
-        return _targets(self.validation[2 * v + k] for v in queue for k in (0, 1))
+        return target_tokens(self.validation[2 * v + k] for v in queue for k in (0, 1))
 
     def stop_validation(self) -> None:
         if self._pending is not None and self._eval:  # the validation pair under way is dropped with the pass
