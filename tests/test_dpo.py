@@ -57,8 +57,18 @@ def _bypass(model, kind: str, seed: int = 0):
     return bypass
 
 
-def _oracle(model, bypass, pairs, beta: float) -> tuple[float, list[torch.Tensor]]:
-    """The mean DPO loss of ``pairs`` and its gradients, by one plain autograd backward."""
+def _trl_loss(z: torch.Tensor, beta: float, loss_type: str = "sigmoid", eps: float = 0.0) -> torch.Tensor:
+    """TRL's DPOTrainer losses of the log-ratio difference ``z``."""
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * z)
+    if loss_type == "ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    return -F.logsigmoid(beta * z) * (1 - eps) - F.logsigmoid(-beta * z) * eps
+
+
+def _oracle(model, bypass, pairs, beta: float, loss_type: str = "sigmoid", eps: float = 0.0
+            ) -> tuple[float, list[torch.Tensor]]:
+    """The mean DPO loss of ``pairs`` and its gradients, by one plain autograd backward (IPO on per-token means)."""
     losses = []
     for pair in pairs:
         logps = []
@@ -66,8 +76,9 @@ def _oracle(model, bypass, pairs, beta: float) -> tuple[float, list[torch.Tensor
             logp = -whole_sequence_loss(model, bypass, ex.token_ids, ex.targets, dropout_seed=None)
             with torch.no_grad():
                 ref = -whole_sequence_loss(model, NO_BYPASS, ex.token_ids, ex.targets, dropout_seed=None)
-            logps.append(logp - ref)
-        losses.append(-F.logsigmoid(beta * (logps[0] - logps[1])))
+            n = sum(t != IGNORE_INDEX for t in ex.targets) if loss_type == "ipo" else 1
+            logps.append((logp - ref) / n)
+        losses.append(_trl_loss(logps[0] - logps[1], beta, loss_type, eps))
     loss = torch.stack(losses).mean()
     loss.backward()
     grads = [p.grad.detach().clone() for p in bypass.parameters()]
@@ -75,17 +86,22 @@ def _oracle(model, bypass, pairs, beta: float) -> tuple[float, list[torch.Tensor
     return float(loss), grads
 
 
-@pytest.mark.parametrize("kind, schedule", [("lora", ""), ("lora", "random:5"), ("ia3", "random:9")])
-def test_a_dpo_step_matches_plain_autograd(model_factory, tmp_path, kind, schedule):
+@pytest.mark.parametrize("kind, schedule, loss_type, eps, beta", [
+    ("lora", "", "sigmoid", 0.0, 0.5), ("lora", "random:5", "sigmoid", 0.0, 0.5),
+    ("ia3", "random:9", "sigmoid", 0.0, 0.5),
+    ("lora", "random:2", "sigmoid", 0.2, 0.5), ("lora", "random:4", "hinge", 0.0, 0.02),
+    ("lora", "random:6", "ipo", 0.0, 0.5)])
+def test_a_dpo_step_matches_plain_autograd(model_factory, tmp_path, kind, schedule, loss_type, eps, beta):
     model_dir = model_factory("llama")
     model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
-    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", dpo_beta=0.5, batch_size=2, grad_accum=2,
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", dpo_beta=beta, batch_size=2, grad_accum=2,
                          max_steps=1, shuffle=False, window_schedule=schedule, lr=1e-3,
-                         max_grad_norm=0)
+                         max_grad_norm=0, dpo_loss=loss_type, dpo_label_smoothing=eps)
     pairs, report = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS[:4]]), tokenizer, cfg)
     assert report.num_examples == 4
     bypass = _bypass(model, kind)
-    want_loss, want = _oracle(model, bypass, pairs, cfg.dpo_beta)
+    want_loss, want = _oracle(model, bypass, pairs, cfg.dpo_beta, loss_type, eps)
+    assert max(float(w.abs().max()) for w in want) > 0  # (a hinge past every pair's margin would have none)
     job = new_job(model, bypass, pairs, cfg)
     assert isinstance(job, PreferenceJob) and job.total_steps == 1 and job.held_tokens == max(
         len(p.chosen.token_ids) + len(p.rejected.token_ids) for p in pairs)
@@ -204,11 +220,18 @@ def test_a_preference_file_reports_bad_lines_and_bad_configs_are_refused(model_f
                           ({"method": "dpo", "train_on_prompt": True}, "train_on_prompt")):
         with pytest.raises(ValueError, match=f"^{field}:"):
             FinetuneConfig(output_dir="o", **kwargs)
-    loss, margin, weight = dpo_terms(0.1, -10.0, -12.0, -11.0, -11.0)  # chosen gained 1, rejected lost 1
+    loss, margin, slope = dpo_terms(0.1, -10.0, -12.0, -11.0, -11.0)  # chosen gained 1, rejected lost 1
     assert margin == pytest.approx(0.2) and loss == pytest.approx(-math.log(1 / (1 + math.exp(-0.2))))
-    assert weight == pytest.approx(0.1 / (1 + math.exp(0.2)))
+    assert slope == pytest.approx(-0.1 / (1 + math.exp(0.2)))
     assert dpo_terms(1.0, 0.0, 2000.0, 0.0, 0.0)[0] == pytest.approx(2000.0)  # no overflow either way
-    assert dpo_terms(1.0, 2000.0, 0.0, 0.0, 0.0)[2] == 0.0 and dpo_terms(1.0, 0.0, 2000.0, 0.0, 0.0)[2] == 1.0
+    assert dpo_terms(1.0, 2000.0, 0.0, 0.0, 0.0)[2] == 0.0 and dpo_terms(1.0, 0.0, 2000.0, 0.0, 0.0)[2] == -1.0
+    assert dpo_terms(0.5, 3.0, 0.0, 0.0, 0.0, "hinge")[::2] == (0.0, 0.0)  # past the hinge: no loss, no gradient
+    assert dpo_terms(0.5, 1.0, 0.0, 0.0, 0.0, "hinge")[::2] == (0.5, -0.5)
+    assert dpo_terms(0.5, 1.0, 0.0, 0.0, 0.0, "ipo")[::2] == (0.0, 0.0)  # z = 1 / (2 beta): IPO's target
+    for kwargs, field in (({"dpo_loss": "kto"}, "dpo_loss"), ({"dpo_label_smoothing": 0.5}, "dpo_label_smoothing"),
+                          ({"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            FinetuneConfig(output_dir="o", method="dpo", **kwargs)
 
 
 def test_the_cli_trains_a_dpo_adapter_that_peft_loads(model_factory, tmp_path, capsys):
@@ -219,7 +242,7 @@ def test_the_cli_trains_a_dpo_adapter_that_peft_loads(model_factory, tmp_path, c
                   + [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}])
     out = tmp_path / "adapter"
     assert main(["finetune", "--model", str(model_dir), "--data", data, "--output", str(out), "--method", "dpo",
-                 "--dpo-beta", "0.2", "--max-steps", "2", "--batch-size", "2", "--lora-r", "4", "--lr", "0.05",
+                 "--dpo-beta", "0.2", "--dpo-loss", "ipo", "--max-steps", "2", "--batch-size", "2", "--lora-r", "4", "--lr", "0.05",
                  "--memory-report", str(tmp_path / "mem.json"), "--no-progress"]) == 0
     assert "4 examples" in capsys.readouterr().out
     log = [json.loads(x) for x in (out / "training_log.jsonl").read_text().splitlines()]

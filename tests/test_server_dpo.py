@@ -70,6 +70,9 @@ def test_a_dpo_job_trains_a_servable_model_while_chat_is_served(client):
     ({"type": "dpo", "dpo": {"hyperparameters": {"beta": 5}}}, {}, "method.dpo.hyperparameters.beta"),
     ({"type": "dpo", "supervised": {}}, {}, "method.supervised"),
     ({"type": "reinforcement"}, {}, "method.type"),
+    ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}}},
+     "coserve.dpo_label_smoothing"),
+    ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "kto"}}}, "coserve.dpo_loss"),
 ])
 def test_bad_dpo_jobs_are_refused_naming_the_field(client, method, extra, param):
     training = _upload(client, _jsonl([_pair("cats")]))

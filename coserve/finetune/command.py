@@ -29,6 +29,10 @@ def add_arguments(p) -> None:
                    help="sft: cross-entropy on the completions; dpo: Direct Preference Optimization on preference "
                         "pairs against the base model")
     p.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO's beta (--method dpo)")
+    p.add_argument("--dpo-loss", default=d.dpo_loss, choices=["sigmoid", "hinge", "ipo"],
+                   help="TRL's loss_type (--method dpo): sigmoid (DPO), hinge (SLiC) or ipo (IPO)")
+    p.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
+                   help="sigmoid loss: the chance a preference is flipped (cDPO), in [0, 0.5)")
     p.add_argument("--save-steps", type=int, default=0, help="every this many steps, a resumable checkpoint in "
                    "OUTPUT/checkpoint-STEP (HF Trainer's layout; --init-adapter resumes from one); 0 = only the end")
     p.add_argument("--save-total-limit", type=int, default=0, help="keep only the newest this many checkpoint-STEP "
@@ -86,7 +90,8 @@ def run(args) -> int:
         window_tokens=args.window_tokens, window_schedule=args.window_schedule,
         rematerialize=args.rematerialize, memory_target=args.memory_target,
         train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps, save_steps=args.save_steps,
-        save_total_limit=args.save_total_limit, method=args.method, dpo_beta=args.dpo_beta)
+        save_total_limit=args.save_total_limit, method=args.method, dpo_beta=args.dpo_beta,
+        dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing)
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     examples, report = load_training(args.data, tokenizer, cfg)

@@ -10,6 +10,7 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REMATERIALIZE = ("cheap", "all")
 METHODS = ("sft", "dpo")  # supervised (cross-entropy on the completions), or DPO on preference pairs
+DPO_LOSSES = ("sigmoid", "hinge", "ipo")  # TRL's loss_type names (preference_job.dpo_terms)
 
 
 @dataclass(slots=True)
@@ -44,6 +45,8 @@ class FinetuneConfig:
     method: str = "sft"  # sft, or dpo: Direct Preference Optimization on preference pairs (preference.py), the base
     #   model (the adapter off) as the reference
     dpo_beta: float = 0.1  # DPO's beta: how far the policy may move from the reference (TRL's and OpenAI's default)
+    dpo_loss: str = "sigmoid"  # TRL's loss_type: sigmoid (DPO), hinge (SLiC) or ipo (IPO, on per-token mean log-probs)
+    dpo_label_smoothing: float = 0.0  # sigmoid only: the chance a pair's preference is flipped (cDPO), in [0, 0.5)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "max_nonfinite_steps"):
@@ -71,6 +74,12 @@ class FinetuneConfig:
         if (not isinstance(self.dpo_beta, (int, float)) or isinstance(self.dpo_beta, bool)
                 or not 0 < self.dpo_beta < float("inf")):
             raise ValueError(f"dpo_beta: must be a positive number, got {self.dpo_beta!r}")
+        _choice("dpo_loss", self.dpo_loss, DPO_LOSSES)
+        eps = self.dpo_label_smoothing
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < 0.5:
+            raise ValueError(f"dpo_label_smoothing: must be in [0, 0.5), got {eps!r}")
+        if eps and self.dpo_loss != "sigmoid":
+            raise ValueError(f"dpo_label_smoothing: only the sigmoid loss smooths labels (dpo_loss is {self.dpo_loss})")
         if self.method == "dpo" and self.train_on_prompt:
             raise ValueError("train_on_prompt: DPO compares the completions' log-probabilities; the prompt carries no "
                              "loss")

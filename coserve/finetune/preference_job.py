@@ -9,7 +9,8 @@ log-probabilities are kept per pair, so later epochs skip them), the chosen and 
 backward passes. A forward window stores the gradient of its tokens' cross-entropy (the negated log-probability) at
 the last layer's output; the loss depends on the pair's log-probabilities only through their sums, so once both
 forwards are done the stored gradients are scaled by ``dL/d(-lc)`` and ``dL/d(-lr)``, and the backward passes give
-the exact gradient of the mini-batch's mean DPO loss.
+the exact gradient of the mini-batch's mean DPO loss. TRL's hinge and IPO losses, and the sigmoid loss with label
+smoothing, differ only in that scale (``dpo_terms``).
 """
 
 from __future__ import annotations
@@ -37,17 +38,38 @@ class NoBypass:
 NO_BYPASS = NoBypass()
 
 
-def dpo_terms(beta: float, chosen: float, rejected: float, ref_chosen: float, ref_rejected: float
-              ) -> tuple[float, float, float]:
-    """``(loss, margin, weight)`` of one pair from its summed log-probabilities: ``margin = beta * ((chosen -
-    ref_chosen) - (rejected - ref_rejected))``, ``loss = -log sigmoid(margin)`` and ``weight = beta *
-    sigmoid(-margin)``, the loss's derivative with respect to the rejected log-probability (and minus that with
-    respect to the chosen one)."""
-    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
-    loss = max(-margin, 0.0) + math.log1p(math.exp(-abs(margin)))  # softplus(-margin), without overflow
-    e = math.exp(-abs(margin))
-    sig = e / (1.0 + e) if margin >= 0 else 1.0 / (1.0 + e)  # sigmoid(-margin)
-    return loss, margin, beta * sig
+def _log_sigmoid(x: float) -> float:
+    return -(max(-x, 0.0) + math.log1p(math.exp(-abs(x))))  # -softplus(-x), without overflow
+
+
+def _sigmoid(x: float) -> float:
+    e = math.exp(-abs(x))
+    return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
+
+
+def dpo_terms(beta: float, chosen: float, rejected: float, ref_chosen: float, ref_rejected: float,
+              loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> tuple[float, float, float]:
+    """``(loss, margin, slope)`` of one pair from its log-probabilities (TRL's ``DPOTrainer`` losses): with ``z =
+    (chosen - ref_chosen) - (rejected - ref_rejected)``, ``margin = beta * z`` and ``slope = dloss/dz``:
+
+    - ``sigmoid`` (DPO): ``-(1 - e) log sigmoid(beta z) - e log sigmoid(-beta z)``, ``e`` the label smoothing;
+    - ``hinge`` (SLiC): ``max(0, 1 - beta z)``;
+    - ``ipo`` (IPO): ``(z - 1 / (2 beta))^2`` (its log-probabilities are per-token means: the caller's part).
+    """
+    z = (chosen - ref_chosen) - (rejected - ref_rejected)
+    margin = beta * z
+    if loss_type == "sigmoid":
+        eps = label_smoothing
+        loss = -(1 - eps) * _log_sigmoid(margin) - eps * _log_sigmoid(-margin)
+        slope = beta * (eps * _sigmoid(margin) - (1 - eps) * _sigmoid(-margin))
+    elif loss_type == "hinge":
+        loss, slope = max(0.0, 1.0 - margin), (-beta if margin < 1.0 else 0.0)
+    elif loss_type == "ipo":
+        gap = z - 1.0 / (2.0 * beta)
+        loss, slope = gap * gap, 2.0 * gap
+    else:
+        raise ValueError(f"dpo_loss: {loss_type!r} is not one of sigmoid, hinge, ipo")
+    return loss, margin, slope
 
 
 class PreferenceJob(FinetuneJob):
@@ -157,10 +179,10 @@ class PreferenceJob(FinetuneJob):
             return
         if self._eval:
             self._eval_correct += seq.correct
-            self._policy[role] = (None, logp)
+            self._policy[role] = (seq.num_targets, logp)
             if role == REJECTED:
-                pair_loss, _, _ = dpo_terms(self.cfg.dpo_beta, self._policy.pop(CHOSEN)[1], logp,
-                                            *self._refs[True][self._pair])
+                chosen_targets, lc = self._policy.pop(CHOSEN)
+                pair_loss = self._pair_terms(lc, logp, (chosen_targets, seq.num_targets))[0]
                 self._policy.clear()
                 self._eval_loss += pair_loss / max(1, self._eval_pairs)
                 if not self._eval_queue:
@@ -171,13 +193,22 @@ class PreferenceJob(FinetuneJob):
         if role == REJECTED:
             self._weigh_pair()
 
+    def _pair_terms(self, lc: float, lr: float, counts: tuple[int, int]) -> tuple[float, float, float, float]:
+        """``(loss, margin, dL/d lc, dL/d lr)`` of the current pair from its summed log-probabilities (IPO's are
+        per-token means: ``counts`` are the two completions' target tokens)."""
+        rc, rr = self._refs[self._eval][self._pair]
+        scale = (1.0 / counts[0], 1.0 / counts[1]) if self.cfg.dpo_loss == "ipo" else (1.0, 1.0)
+        loss, margin, slope = dpo_terms(self.cfg.dpo_beta, lc * scale[0], lr * scale[1], rc * scale[0], rr * scale[1],
+                                        self.cfg.dpo_loss, self.cfg.dpo_label_smoothing)
+        return loss, margin, slope * scale[0], -slope * scale[1]
+
     def _weigh_pair(self) -> None:
         """Both forwards are done: the pair's loss, and its stored head gradients scaled to the DPO loss's."""
         (chosen, lc), (rejected, lr) = self._policy[CHOSEN], self._policy[REJECTED]
-        loss, margin, weight = dpo_terms(self.cfg.dpo_beta, lc, lr, *self._refs[False][self._pair])
+        loss, margin, d_chosen, d_rejected = self._pair_terms(lc, lr, (chosen.num_targets, rejected.num_targets))
         n = len(self._batch)  # the step's loss is the mean over its pairs
-        chosen.grad.mul_(weight / n)  # dL/d(-lc) = beta * sigmoid(-margin)
-        rejected.grad.mul_(-weight / n)
+        chosen.grad.mul_(-d_chosen / n)  # the stored gradients are of the cross-entropy, -lc and -lr
+        rejected.grad.mul_(-d_rejected / n)
         self._batch_loss += loss / n
         self._margins.append(margin)
 

@@ -170,6 +170,9 @@ class JobManager:
         method = body.method.type if body.method is not None else "supervised"
         hyper = self._hyperparameters(body, method)
         options = body.coserve or CoserveOptions()
+        if options.dpo_label_smoothing and options.dpo_loss != "sigmoid":
+            raise bad_request("coserve.dpo_label_smoothing: only the sigmoid loss smooths labels",
+                              "coserve.dpo_label_smoothing")
         peft = self._peft(options)
         if options.max_seq_len is None:
             options.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, self.engine.max_model_len)
@@ -369,7 +372,9 @@ class JobManager:
                              eval_steps=opts.get("eval_steps", 0),  # jobs stored before the option: none
                              rematerialize=opts.get("rematerialize", "cheap"),
                              memory_target=opts.get("memory_target", DEFAULT_MEMORY_TARGET),
-                             method="dpo" if method == "dpo" else "sft", dpo_beta=hyper.get("beta", AUTO["beta"]))
+                             method="dpo" if method == "dpo" else "sft", dpo_beta=hyper.get("beta", AUTO["beta"]),
+                             dpo_loss=opts.get("dpo_loss", "sigmoid"),
+                             dpo_label_smoothing=opts.get("dpo_label_smoothing", 0.0))
         examples, report = self._dataset(job, "training_file", cfg)
         validation = self._dataset(job, "validation_file", cfg)[0] if job["validation_file"] else None
         found = self.store.latest_checkpoint(job_id)

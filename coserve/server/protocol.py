@@ -292,6 +292,8 @@ class CoserveOptions(Body):
     # less recomputed (faster, more memory)
     rematerialize: Literal["cheap", "all"] = "cheap"
     memory_target: float = Field(DEFAULT_MEMORY_TARGET, gt=0, le=1)
+    dpo_loss: Literal["sigmoid", "hinge", "ipo"] = "sigmoid"  # a DPO job's loss (TRL's loss_type)
+    dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # a DPO job's, with the sigmoid loss (cDPO)
 
 
 class FineTuningJobRequest(Body):
