@@ -157,3 +157,15 @@ def test_bad_words_are_never_written_and_the_output_before_them_stands(llm):
         SamplingParams(bad_words=["  "])
     with pytest.raises(ValueError, match="bad_words_token_ids: token id 1000000000 is outside the vocabulary"):
         llm.generate("x", SamplingParams(bad_words_token_ids=[[10**9]]))
+
+
+def test_bad_words_are_tokenized_once_for_n_sequences_and_repeated_requests(llm, monkeypatch):
+    import coserve.engine.llm_engine as llm_engine
+    calls = []
+    real = llm_engine.bad_word_ids
+    monkeypatch.setattr(llm_engine, "bad_word_ids", lambda tok, words: calls.append(list(words)) or real(tok, words))
+    params = SamplingParams(max_tokens=4, n=3, seed=1, bad_words=["upon", "zebra crossing"])
+    first = llm.generate(["Once upon a time", "A tale"], params)
+    again = llm.generate(["Once upon a time"], params)
+    assert calls == [["upon", "zebra crossing"]]  # six sequences, then three more: one tokenization
+    assert [o.token_ids for o in again[0].outputs] == [o.token_ids for o in first[0].outputs]

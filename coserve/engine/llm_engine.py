@@ -41,6 +41,7 @@ from coserve.scheduler.latency_model import LatencyModel
 from coserve.scheduler.latency_model import load_model as load_latency
 
 log = logging.getLogger("coserve.engine")
+BAD_WORDS_KEPT = 256  # distinct bad_words lists whose token ids the engine keeps
 BRIEF_PROFILE_POINTS = 25  # iterations timed when a coserve engine has no latency profile (11 features to fit)
 BRIEF_PROFILE_CONTEXT = 512  # longest context they use
 
@@ -136,6 +137,8 @@ class LLMEngine:
                 self.executor.graphs = None
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}  # bad_words -> their token ids (``n`` sequences
+        #   and repeated requests tokenize them once)
         self._job_ids = itertools.count()
         self.job_states: dict[str, JobState] = {}  # every finetuning job this engine was given, by id
         self.last_plan: IterationPlan | None = None  # the latest iteration's plan (benchmarks read its token mix)
@@ -277,7 +280,12 @@ class LLMEngine:
             raise ValueError(f"adapter: {adapter!r} is not loaded (loaded: {sorted(self.adapters)})")
         vocab = self.model_config.vocab_size
         if params.bad_words and params.bad_words_token_ids is None:
-            params = replace(params, bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words))
+            key = tuple(params.bad_words)
+            if key not in self._bad_words:
+                if len(self._bad_words) >= BAD_WORDS_KEPT:
+                    self._bad_words.clear()
+                self._bad_words[key] = bad_word_ids(self.tokenizer, params.bad_words)
+            params = replace(params, bad_words_token_ids=self._bad_words[key])
         for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
                            ("stop_token_ids", params.stop_token_ids),
                            ("bad_words_token_ids", [t for s in params.bad_words_token_ids or () for t in s])):

@@ -54,7 +54,8 @@ async def tokenized(ctx: ServerContext, texts, param: str, truncate_body) -> lis
     """``texts`` (a string, strings, token ids or lists of them) as token-id lists, each cut to
     ``truncate_body.truncate_prompt_tokens`` where that is set; 400 naming ``param`` for an empty one or one longer
     than the context (an embedding needs no room to generate: the whole context may be used)."""
-    prompts = [ids for ids, _ in await off_loop_if_long(prompt_chars(texts), completion_prompts, ctx, texts, param)]
+    prompts = [ids for ids, _ in await off_loop_if_long(prompt_chars(texts), completion_prompts, ctx, texts, param,
+                                                        False)]
     if truncate_body.truncate_prompt_tokens is not None:
         prompts = [truncate(ctx, truncate_body, ids) for ids in prompts]
     check_lengths(ctx, prompts, param)

@@ -316,9 +316,10 @@ def prompt_chars(prompt) -> int:
     return sum(len(p) for p in prompt if isinstance(p, (str, list)))
 
 
-def completion_prompts(ctx: ServerContext, prompt, param: str = "prompt") -> list[tuple[list[int], str]]:
+def completion_prompts(ctx: ServerContext, prompt, param: str = "prompt", with_text: bool = True
+                       ) -> list[tuple[list[int], str]]:
     """Each prompt as (token ids, text): a string, strings, token ids, or lists of token ids (errors name
-    ``param``)."""
+    ``param``; token ids are decoded for their text unless ``with_text`` is False, where the text is "")."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -335,7 +336,7 @@ def completion_prompts(ctx: ServerContext, prompt, param: str = "prompt") -> lis
             vocab = ctx.engine.model_config.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise bad_request(f"{param}[{i}]: token ids must be in [0, {vocab})", param)
-            text = ctx.engine.tokenizer.decode(ids)
+            text = ctx.engine.tokenizer.decode(ids) if with_text else ""
         if not ids:
             raise bad_request(f"{param}[{i}]: is empty", param)
         out.append((ids, text))
