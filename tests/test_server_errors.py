@@ -549,6 +549,19 @@ def test_chat_echo_begins_the_reply_with_the_continued_message(alice):
     user_last = {"model": BASE, "messages": HELLO, "max_tokens": 3, "temperature": 0}
     assert alice.post(CHAT, json={**user_last, "echo": True}).json()["choices"][0]["message"] == \
         alice.post(CHAT, json=user_last).json()["choices"][0]["message"]
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}}  # (a random model writes an unknown key on and on otherwise)
+    named = {**body, "echo": True, "max_tokens": 40, "ignore_eos": False, "tools": [tool],
+             "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
+    whole = alice.post(CHAT, json=named).json()["choices"][0]["message"]
+    assert whole["content"] == "Well, the" and whole["tool_calls"][0]["function"]["name"] == "lookup"
+    with alice.stream("POST", CHAT, json={**named, "stream": True}) as s:  # the echo rides in the role chunk too
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+    assert "".join(call["function"].get("arguments") or "" for d in deltas for call in d.get("tool_calls") or []) \
+        == whole["tool_calls"][0]["function"]["arguments"]
 
 
 # ---- query parameters, paths, uploads ----------------------------------------------------------------------

@@ -497,7 +497,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
             if out is None:
                 delta = {"role": "assistant", "content": echoed}
                 if tools is not None and tools.function is not None:  # the call first; its arguments as they come
-                    delta = {"role": "assistant", "content": None, "tool_calls": [tools.head()]}
+                    delta = {"role": "assistant", "content": echoed or None, "tool_calls": [tools.head()]}
                 return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                 "finish_reason": None}]}
             if calls[c.index] is not None:  # text until a call may begin, then the calls as they are written
