@@ -66,7 +66,7 @@ def _trl_loss(z: torch.Tensor, beta: float, loss_type: str = "sigmoid", eps: flo
     return -F.logsigmoid(beta * z) * (1 - eps) - F.logsigmoid(-beta * z) * eps
 
 
-def _oracle(model, bypass, pairs, beta: float, loss_type: str = "sigmoid", eps: float = 0.0
+def _oracle(model, bypass, pairs, beta: float, loss_type: str = "sigmoid", eps: float = 0.0, reference=NO_BYPASS
             ) -> tuple[float, list[torch.Tensor]]:
     """The mean DPO loss of ``pairs`` and its gradients, by one plain autograd backward (IPO on per-token means)."""
     losses = []
@@ -75,7 +75,7 @@ def _oracle(model, bypass, pairs, beta: float, loss_type: str = "sigmoid", eps: 
         for ex in (pair.chosen, pair.rejected):
             logp = -whole_sequence_loss(model, bypass, ex.token_ids, ex.targets, dropout_seed=None)
             with torch.no_grad():
-                ref = -whole_sequence_loss(model, NO_BYPASS, ex.token_ids, ex.targets, dropout_seed=None)
+                ref = -whole_sequence_loss(model, reference, ex.token_ids, ex.targets, dropout_seed=None)
             n = sum(t != IGNORE_INDEX for t in ex.targets) if loss_type == "ipo" else 1
             logps.append((logp - ref) / n)
         losses.append(_trl_loss(logps[0] - logps[1], beta, loss_type, eps))
@@ -369,3 +369,40 @@ def _oracle_loss(model, bypass, pairs, beta: float) -> tuple[float, None]:
                  for ex in (pair.chosen, pair.rejected) for b in (bypass, NO_BYPASS)]
         losses.append(-F.logsigmoid(beta * ((logps[0] - logps[1]) - (logps[2] - logps[3]))))
     return float(torch.stack(losses).mean()), None
+
+
+def test_a_reference_adapter_is_the_reference_and_where_the_job_starts(model_factory, tmp_path):
+    from coserve.finetune.build import starting_bypass
+    from coserve.finetune.runner import run_job
+    from coserve.peft.trainable import load_trainable
+    from peft_helpers import make_lora_adapter
+    model_dir = model_factory("llama")
+    model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
+    sft = make_lora_adapter(model_dir, tmp_path / "sft", seed=7, r=4, lora_alpha=8,
+                            target_modules=["v_proj", "up_proj"])
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", dpo_beta=0.5, batch_size=2, max_steps=1,
+                         shuffle=False, lr=1e-3, max_grad_norm=0, window_schedule="random:8", dpo_reference=str(sft))
+    pairs, _ = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS[:2]]), tokenizer, cfg)
+    bypass = _bypass(model, "lora")  # a policy away from the reference
+    reference = load_trainable(sft, model.module_shapes(), model.cfg.num_layers, model.device)
+    want_loss, want = _oracle(model, bypass, pairs, cfg.dpo_beta, reference=reference)
+    _, from_base = _oracle(model, bypass, pairs, cfg.dpo_beta)
+    job = new_job(model, bypass, pairs, cfg)
+    got = []
+    job.optimizer.step = lambda: got.extend(p.grad.detach().clone() for p in bypass.parameters())
+    run_job(job, progress=False)
+    assert job.log[0].loss == pytest.approx(want_loss, rel=1e-4)  # (float32 sums of a long rejected completion)
+    for g, w, b in zip(got, want, from_base):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-6 * float(w.abs().max()))
+    assert not all(torch.allclose(w, b) for w, b in zip(want, from_base))  # the reference made a difference
+    started = starting_bypass(None, model, cfg)  # a new job starts from the reference: its first loss is log 2
+    job = new_job(model, started, pairs, FinetuneConfig(**{**{k: getattr(cfg, k) for k in cfg.__slots__},
+                                                           "output_dir": str(tmp_path / "out2")}))
+    run_job(job, progress=False)
+    # (the policy's forward keeps what its backward reads and the reference's does not: float32 sums 1e-5 apart)
+    assert job.log[0].loss == pytest.approx(math.log(2), abs=1e-4)
+    assert json.loads((tmp_path / "out2" / "adapter_config.json").read_text())["r"] == 4
+    with pytest.raises(ValueError, match="^peft: a DPO job on a reference adapter"):
+        starting_bypass(LoraConfig(), model, cfg)
+    with pytest.raises(ValueError, match="^dpo_reference: a reference adapter is for method dpo"):
+        FinetuneConfig(output_dir="o", dpo_reference=str(sft))

@@ -13,7 +13,7 @@ from coserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.finetune_handle import FinetuneHandle
-from coserve.finetune.build import load_training, make_bypass, new_job
+from coserve.finetune.build import load_training, new_job, starting_bypass
 from coserve.finetune.config import FinetuneConfig
 from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.peft.config import IA3Config, LoraConfig
@@ -52,7 +52,8 @@ class LLM:
 
         ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``; with
         ``config.method="dpo"``, preference pairs: OpenAI's DPO records or TRL's prompt/chosen/rejected);
-        ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config; ``config``: FinetuneConfig
+        ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config (none with ``config.dpo_reference``: DPO
+        then trains a copy of that adapter); ``config``: FinetuneConfig
         (``output_dir`` is required). The adapter is written to ``output_dir`` when the job ends.
         ``tenant``: whose job it is (the Virtual Token Counter shares the engine among tenants).
         ``validation``: a file of the same formats whose mean loss per target token is logged
@@ -65,7 +66,7 @@ class LLM:
         model = self.engine.model
         examples, report = load_training(data, self.tokenizer, config)
         held_out = None if validation is None else load_training(validation, self.tokenizer, config)[0]
-        bypass = make_bypass(peft or LoraConfig(), model, config.seed)
+        bypass = starting_bypass(peft, model, config)
         job = new_job(model, bypass, examples, config, base_model=str(self.model_dir.resolve()), validation=held_out)
         loop = self._background()
         job_id = loop.call(lambda: self.engine.add_finetune_job(job, tenant=tenant))

@@ -12,7 +12,7 @@ from coserve.finetune.preference import load_preference_dataset
 from coserve.finetune.preference_job import PreferenceJob
 from coserve.model.decoder import DecoderModel
 from coserve.peft.config import IA3Config, LoraConfig
-from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora
+from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora, load_trainable
 
 
 def make_bypass(peft: LoraConfig | IA3Config, model: DecoderModel, seed: int) -> TrainableBypass:
@@ -37,6 +37,18 @@ def _allocation_failed(error: RuntimeError) -> bool:
     """Whether torch could not make a tensor that large (out of memory, or a size past its arithmetic)."""
     text = str(error).lower()
     return isinstance(error, torch.OutOfMemoryError) or "allocat" in text or "overflow" in text
+
+
+def starting_bypass(peft: LoraConfig | IA3Config | None, model: DecoderModel, cfg: FinetuneConfig) -> TrainableBypass:
+    """A new job's trainable bypass: ``peft``'s fresh one (LoRA r=16 on down_proj by default), or for DPO on a
+    reference adapter a trainable copy of that adapter (``peft`` must then be None: the adapter decides)."""
+    if cfg.dpo_reference:
+        if peft is not None:
+            raise ValueError("peft: a DPO job on a reference adapter trains a copy of that adapter (give no peft "
+                             "config)")
+        return load_trainable(cfg.dpo_reference, model.module_shapes(), model.cfg.num_layers, model.device,
+                              model.module_weight)
+    return make_bypass(peft or LoraConfig(), model, cfg.seed)
 
 
 def load_training(path, tokenizer, cfg: FinetuneConfig) -> tuple[list, DatasetReport]:

@@ -16,7 +16,7 @@ from coserve.model.config import ModelConfig
 from coserve.model.tokenizer import load_tokenizer
 from coserve.output_path import prepare_directory
 from coserve.peft.config import IA3Config, LoraConfig
-from coserve.finetune.build import load_training, make_bypass, new_job
+from coserve.finetune.build import load_training, make_bypass, new_job, starting_bypass
 from coserve.peft.trainable import TrainableBypass, load_trainable
 
 
@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
                    help="TRL's loss_type (--method dpo): sigmoid (DPO), hinge (SLiC) or ipo (IPO)")
     p.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
                    help="sigmoid loss: the chance a preference is flipped (cDPO), in [0, 0.5)")
+    p.add_argument("--dpo-reference", default=d.dpo_reference, metavar="DIR",
+                   help="an adapter directory as DPO's frozen reference; the job trains a copy of it (its --peft "
+                        "and --lora-* options are the adapter's), or resumes --init-adapter against it")
     p.add_argument("--save-steps", type=int, default=0, help="every this many steps, a resumable checkpoint in "
                    "OUTPUT/checkpoint-STEP (HF Trainer's layout; --init-adapter resumes from one); 0 = only the end")
     p.add_argument("--save-total-limit", type=int, default=0, help="keep only the newest this many checkpoint-STEP "
@@ -91,7 +94,7 @@ def run(args) -> int:
         rematerialize=args.rematerialize, memory_target=args.memory_target,
         train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps, save_steps=args.save_steps,
         save_total_limit=args.save_total_limit, method=args.method, dpo_beta=args.dpo_beta,
-        dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing)
+        dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing, dpo_reference=args.dpo_reference)
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     examples, report = load_training(args.data, tokenizer, cfg)
@@ -104,7 +107,7 @@ def run(args) -> int:
     # RoPE positions for every training position, also past the checkpoint's nominal context.
     model = load_model(args.model, resolve_dtype(args.dtype, model_cfg), device,
                        max_positions=max(model_cfg.max_position_embeddings, cfg.max_seq_len))
-    bypass = _bypass(args, model, device, cfg.seed)
+    bypass = _bypass(args, model, device, cfg)
     job = new_job(model, bypass, examples, cfg, base_model=str(Path(args.model).resolve()),
                   resume_from=Path(args.init_adapter) if args.init_adapter else None, validation=validation)
     run_job(job, progress=not args.no_progress)
@@ -116,19 +119,21 @@ def run(args) -> int:
     return 0
 
 
-def _bypass(args, model, device: torch.device, seed: int) -> TrainableBypass:
+def _bypass(args, model, device: torch.device, cfg: FinetuneConfig) -> TrainableBypass:
     shapes, layers = model.module_shapes(), model.cfg.num_layers
     if args.init_adapter:
         return load_trainable(args.init_adapter, shapes, layers, device, model.module_weight)
+    if cfg.dpo_reference:
+        return starting_bypass(None, model, cfg)
     targets = args.target_modules.split(",") if args.target_modules else None
     if args.peft == "ia3":
-        cfg = IA3Config(**({"target_modules": targets,
-                            "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets else {}))
+        peft = IA3Config(**({"target_modules": targets,
+                             "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets else {}))
     else:
-        cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                         use_rslora=args.use_rslora, use_dora=args.use_dora,
-                         **({"target_modules": targets} if targets else {}))
-    return make_bypass(cfg, model, seed)
+        peft = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                          use_rslora=args.use_rslora, use_dora=args.use_dora,
+                          **({"target_modules": targets} if targets else {}))
+    return make_bypass(peft, model, cfg.seed)
 
 
 def _memory_report(path: str, job: FinetuneJob, examples) -> None:

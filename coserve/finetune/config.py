@@ -47,6 +47,8 @@ class FinetuneConfig:
     dpo_beta: float = 0.1  # DPO's beta: how far the policy may move from the reference (TRL's and OpenAI's default)
     dpo_loss: str = "sigmoid"  # TRL's loss_type: sigmoid (DPO), hinge (SLiC) or ipo (IPO, on per-token mean log-probs)
     dpo_label_smoothing: float = 0.0  # sigmoid only: the chance a pair's preference is flipped (cDPO), in [0, 0.5)
+    dpo_reference: str = ""  # an adapter directory (HF PEFT) as DPO's reference, frozen, and where a new job's adapter
+    #   starts (DPO after supervised finetuning, as TRL runs an SFT adapter as both); "" = the base model
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "max_nonfinite_steps"):
@@ -80,6 +82,10 @@ class FinetuneConfig:
             raise ValueError(f"dpo_label_smoothing: must be in [0, 0.5), got {eps!r}")
         if eps and self.dpo_loss != "sigmoid":
             raise ValueError(f"dpo_label_smoothing: only the sigmoid loss smooths labels (dpo_loss is {self.dpo_loss})")
+        if not isinstance(self.dpo_reference, str):
+            raise ValueError(f"dpo_reference: must be an adapter directory's path, got {self.dpo_reference!r}")
+        if self.dpo_reference and self.method != "dpo":
+            raise ValueError("dpo_reference: a reference adapter is for method dpo")
         if self.method == "dpo" and self.train_on_prompt:
             raise ValueError("train_on_prompt: DPO compares the completions' log-probabilities; the prompt carries no "
                              "loss")

@@ -1,7 +1,7 @@
 """A DPO job (Direct Preference Optimization, Rafailov et al. 2023): the finetuning job's windows over preference
 pairs, each pair's loss ``-log sigmoid(beta * ((lc - rc) - (lr - rr)))``, where ``lc``/``lr`` are the chosen and
-rejected completions' summed log-probabilities under the adapter and ``rc``/``rr`` under the base model (the
-reference: the adapter off).
+rejected completions' summed log-probabilities under the adapter and ``rc``/``rr`` under the reference: the base
+model (the adapter off), or a frozen adapter (``dpo_reference``, e.g. the supervised adapter DPO starts from).
 
 A pair runs as up to six sequences of windows, one at a time, each an ordinary forward or backward pass that the
 engine interleaves with inference as it does any job's: the two reference forwards (no gradient; their
@@ -24,7 +24,7 @@ from coserve.finetune.preference import PreferencePair
 from coserve.finetune.pruned_layer import new_keeps, planned_keeps
 from coserve.model.decoder import DecoderModel
 from coserve.peft.dropout import mix_seed
-from coserve.peft.trainable import TrainableBypass
+from coserve.peft.trainable import TrainableBypass, load_trainable
 
 CHOSEN, REJECTED = "chosen", "rejected"
 
@@ -36,6 +36,14 @@ class NoBypass:
 
 
 NO_BYPASS = NoBypass()
+
+
+def reference_adapter(model: DecoderModel, path: str) -> TrainableBypass:
+    """The adapter directory ``path`` as a frozen reference bypass (its forward windows run without dropout)."""
+    reference = load_trainable(path, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference
 
 
 def _log_sigmoid(x: float) -> float:
@@ -85,6 +93,7 @@ class PreferenceJob(FinetuneJob):
         flat = [e for p in pairs for e in (p.chosen, p.rejected)]  # pair u: examples 2u and 2u + 1
         held_out = [e for p in validation or () for e in (p.chosen, p.rejected)]
         super().__init__(model, bypass, flat, cfg, base_model, resume_from, held_out)
+        self.reference = NO_BYPASS if not cfg.dpo_reference else reference_adapter(model, cfg.dpo_reference)
         self._refs: dict[bool, dict[int, tuple[float, float]]] = {False: {}, True: {}}  # (validation?) -> pair ->
         #   its reference log-probabilities (chosen, rejected)
         self._eval = False  # the current pair is a validation pair
@@ -161,7 +170,7 @@ class PreferenceJob(FinetuneJob):
             self._seq.keeps = new_keeps(self.model, len(example.token_ids), planned_keeps(self.plan))
 
     def _window_bypass(self):
-        return NO_BYPASS if self._role.startswith("ref_") else self.bypass
+        return self.reference if self._role.startswith("ref_") else self.bypass
 
     def _loss_scale(self) -> float:
         return 1.0  # a sequence's loss is its summed cross-entropy: minus its log-probability
