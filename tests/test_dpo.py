@@ -242,7 +242,8 @@ def test_the_cli_trains_a_dpo_adapter_that_peft_loads(model_factory, tmp_path, c
                   + [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}])
     out = tmp_path / "adapter"
     assert main(["finetune", "--model", str(model_dir), "--data", data, "--output", str(out), "--method", "dpo",
-                 "--dpo-beta", "0.2", "--dpo-loss", "ipo", "--max-steps", "2", "--batch-size", "2", "--lora-r", "4", "--lr", "0.05",
+                 "--dpo-beta", "0.2", "--dpo-loss", "ipo", "--max-steps", "2", "--batch-size", "2", "--lora-r", "4",
+                 "--lr", "0.05",
                  "--memory-report", str(tmp_path / "mem.json"), "--no-progress"]) == 0
     assert "4 examples" in capsys.readouterr().out
     log = [json.loads(x) for x in (out / "training_log.jsonl").read_text().splitlines()]

@@ -39,7 +39,8 @@ def _allocation_failed(error: RuntimeError) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "allocat" in text or "overflow" in text
 
 
-def starting_bypass(peft: LoraConfig | IA3Config | None, model: DecoderModel, cfg: FinetuneConfig) -> TrainableBypass:
+def starting_bypass(peft: LoraConfig | IA3Config | None, model: DecoderModel,
+                    cfg: FinetuneConfig) -> TrainableBypass:
     """A new job's trainable bypass: ``peft``'s fresh one (LoRA r=16 on down_proj by default), or for DPO on a
     reference adapter a trainable copy of that adapter (``peft`` must then be None: the adapter decides)."""
     if cfg.dpo_reference:

@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
                    "--method dpo: preference pairs, OpenAI's DPO records or TRL's prompt/chosen/rejected)")
     p.add_argument("--method", default=d.method, choices=["sft", "dpo"],
                    help="sft: cross-entropy on the completions; dpo: Direct Preference Optimization on preference "
-                        "pairs against the base model")
+                        "pairs against the base model (or --dpo-reference)")
     p.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO's beta (--method dpo)")
     p.add_argument("--dpo-loss", default=d.dpo_loss, choices=["sigmoid", "hinge", "ipo"],
                    help="TRL's loss_type (--method dpo): sigmoid (DPO), hinge (SLiC) or ipo (IPO)")
