@@ -83,3 +83,33 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+class PeftTraining:
+    """HF PEFT trained in a plain torch loop, the oracle of coserve's optimizer steps: the adapter loaded trainable,
+    SGD or AdamW and a linear warm-up schedule as ``cfg`` (a ``FinetuneConfig``) has them for ``steps`` steps."""
+
+    def __init__(self, model_dir: Path, adapter_dir: Path, cfg, steps: int) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        kind = torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
+        self.opt = kind(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.sched = get_linear_schedule_with_warmup(self.opt, cfg.warmup_steps, steps)
+        self.max_grad_norm = cfg.max_grad_norm
+
+    def step(self, loss: torch.Tensor) -> float:
+        """One optimizer step on ``loss`` (clipped, then scheduled); returns the loss."""
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The trained adapter's tensors under the names PEFT saves them with."""
+        return {n.replace(".default", "").replace("magnitude_vector.weight", "magnitude_vector"): p.detach()
+                for n, p in self.model.named_parameters() if p.requires_grad}

@@ -259,16 +259,11 @@ def test_the_cli_trains_a_dpo_adapter_that_peft_loads(model_factory, tmp_path, c
 
 def _peft_dpo(model_dir, adapter_dir, pairs, cfg: FinetuneConfig, steps: int):
     """HF PEFT as TRL's DPOTrainer runs it without a reference model: the reference is the adapter disabled."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
-                                      str(adapter_dir), is_trainable=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = get_linear_schedule_with_warmup(opt, cfg.warmup_steps, steps)
+    from peft_helpers import PeftTraining
+    peft = PeftTraining(model_dir, adapter_dir, cfg, steps)
 
     def logp(ex):
-        logits = model(input_ids=torch.tensor([ex.token_ids])).logits[0]
+        logits = peft.model(input_ids=torch.tensor([ex.token_ids])).logits[0]
         return -F.cross_entropy(logits, torch.tensor(ex.targets), ignore_index=IGNORE_INDEX, reduction="sum")
 
     losses = []
@@ -276,17 +271,12 @@ def _peft_dpo(model_dir, adapter_dir, pairs, cfg: FinetuneConfig, steps: int):
         batch = pairs[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         loss = 0
         for pair in batch:
-            with torch.no_grad(), model.disable_adapter():
+            with torch.no_grad(), peft.model.disable_adapter():
                 refs = [logp(pair.chosen), logp(pair.rejected)]
             margin = cfg.dpo_beta * ((logp(pair.chosen) - refs[0]) - (logp(pair.rejected) - refs[1]))
             loss = loss - F.logsigmoid(margin) / len(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n.replace(".default", ""): p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        losses.append(peft.step(loss))
+    return losses, peft.state()
 
 
 def test_dpo_training_matches_hf_peft(model_factory, tmp_path):

@@ -15,7 +15,7 @@ from coserve.finetune.runner import run_job
 from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.model.loader import load_model
 from coserve.peft.trainable import load_trainable
-from peft_helpers import make_dora_adapter, make_ia3_adapter, make_lora_adapter
+from peft_helpers import PeftTraining, make_dora_adapter, make_ia3_adapter, make_lora_adapter
 
 
 def _examples(vocab: int, n: int, seed: int) -> list[Example]:
@@ -49,36 +49,20 @@ def _greedy_halves(model_dir, adapter_dir, examples: list[Example]) -> list[Exam
 
 
 def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: int):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    else:
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = get_linear_schedule_with_warmup(opt, cfg.warmup_steps, steps)
+    peft = PeftTraining(model_dir, adapter_dir, cfg, steps)
     losses, accuracies = [], []
     for step in range(steps):
         batch = examples[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         total = sum(sum(t != IGNORE_INDEX for t in e.targets) for e in batch)
         loss, correct = 0, 0
         for e in batch:
-            logits = model(input_ids=torch.tensor([e.token_ids])).logits[0]
+            logits = peft.model(input_ids=torch.tensor([e.token_ids])).logits[0]
             targets = torch.tensor(e.targets)
             loss = loss + F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / total
             correct += int((logits.argmax(-1) == targets).sum())  # IGNORE_INDEX is never an argmax
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(peft.step(loss))
         accuracies.append(correct / total)
-    state = {n.replace(".default", "").replace("magnitude_vector.weight", "magnitude_vector"): p.detach()
-             for n, p in model.named_parameters() if p.requires_grad}  # names as PEFT saves them
-    return losses, accuracies, state
+    return losses, accuracies, peft.state()
 
 
 @pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-5), ("adamw", 1e-4)])
