@@ -101,7 +101,8 @@ class PreferenceJob(FinetuneJob):
         self._tasks: list[tuple[str, str]] = []  # the current pair's (role, kind) still to run
         self._role = ""  # the current sequence's: "ref_chosen", "ref_rejected", "chosen" or "rejected"
         self._ref_logps = [0.0, 0.0]  # the current pair's reference log-probabilities as they come
-        self._policy: dict[str, tuple] = {}  # role -> (its sequence state, or None in validation; its log-prob)
+        self._policy: dict[str, tuple] = {}  # role -> (its sequence state, or in validation its target tokens;
+        #   its log-probability)
         self._margins: list[float] = []  # of the step's pairs so far
         self._eval_pairs = 0  # pairs of the validation pass under way
 
@@ -188,14 +189,14 @@ class PreferenceJob(FinetuneJob):
             return
         if self._eval:
             self._eval_correct += seq.correct
-            self._policy[role] = (seq.num_targets, logp)
-            if role == REJECTED:
-                chosen_targets, lc = self._policy.pop(CHOSEN)
-                pair_loss = self._pair_terms(lc, logp, (chosen_targets, seq.num_targets))[0]
-                self._policy.clear()
-                self._eval_loss += pair_loss / max(1, self._eval_pairs)
-                if not self._eval_queue:
-                    self._finish_validation()
+            if role == CHOSEN:
+                self._policy[CHOSEN] = (seq.num_targets, logp)
+                return
+            chosen_targets, lc = self._policy.pop(CHOSEN)
+            pair_loss = self._pair_terms(lc, logp, (chosen_targets, seq.num_targets))[0]
+            self._eval_loss += pair_loss / max(1, self._eval_pairs)
+            if not self._eval_queue:
+                self._finish_validation()
             return
         self._policy[role] = (seq, logp)
         self._batch_correct += seq.correct
