@@ -139,14 +139,18 @@ class ModelExecutor:
               ) -> tuple[torch.Tensor, list[InferenceChunk]]:
         """Embedding requests' results from their chunks' last rows (``pooled``); returns the other chunks' rows and
         chunks, to be sampled as usual (an embedding chunk has one row: it never carries drafts)."""
-        keep_rows, rest, row = [], [], 0
+        keep_rows, rest, pooling, row = [], [], [], 0
         for c in sampling:
             if c.pooling is not None:
-                result.embeddings[c.request_id] = pooled(hidden[row], c.pooling)
+                pooling.append((row, c))
             else:
                 keep_rows.extend(range(row, row + 1 + c.num_drafts))
                 rest.append(c)
             row += 1 + c.num_drafts
+        index = torch.tensor([r for r, _ in pooling], dtype=torch.long, device=hidden.device)
+        rows = hidden[index].float().cpu()  # one copy from the device for every embedding of the iteration
+        for v, (_, c) in zip(rows, pooling):
+            result.embeddings[c.request_id] = pooled(v, c.pooling)
         return hidden[torch.tensor(keep_rows, dtype=torch.long, device=hidden.device)], rest
 
     def _tokens(self, hidden: torch.Tensor, sampling: list[InferenceChunk], result: ExecutionResult,
