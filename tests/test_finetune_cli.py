@@ -120,3 +120,53 @@ def test_save_steps_writes_resumable_numbered_checkpoints(model_factory, tmp_pat
     capsys.readouterr()
     assert main(["finetune", *common, "--output", str(tmp_path / "x"), "--save-steps", "-1"]) == 2
     assert "save_steps: must be a non-negative integer" in capsys.readouterr().err
+
+
+def test_start_adapter_trains_on_from_a_finished_adapter_as_peft_does(model_factory, tmp_path, capsys):
+    """``--start-adapter``: the job trains a copy of a finished adapter (its own config: r 4 on v/up_proj, not the
+    CLI's defaults) with a fresh optimizer and schedule; one SGD step equals HF PEFT's on that adapter loaded
+    trainable (loss and adapter)."""
+    import torch.nn.functional as F
+
+    from coserve.finetune.build import load_training, starting_bypass
+    from coserve.finetune.config import FinetuneConfig
+    from coserve.finetune.sequence_state import IGNORE_INDEX
+    from coserve.model.loader import load_model
+    from coserve.model.tokenizer import load_tokenizer
+    from coserve.peft.config import LoraConfig
+    from coserve.peft.trainable import load_trainable
+    from peft_helpers import PeftTraining, make_lora_adapter
+    model_dir = model_factory("llama")
+    start = make_lora_adapter(model_dir, tmp_path / "start", seed=4, r=4, lora_alpha=8,
+                              target_modules=["v_proj", "up_proj"])
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    out = tmp_path / "more"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(out),
+                 "--start-adapter", str(start), "--optimizer", "sgd", "--lr", "0.1", "--batch-size", "4",
+                 "--max-steps", "1", "--no-shuffle", "--window-schedule", "random:5", "--no-progress"]) == 0
+    log = [json.loads(x) for x in (out / "training_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1]  # a new job's first step, not a resume
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+
+    cfg = FinetuneConfig(output_dir="-", optimizer="sgd", lr=0.1, batch_size=4)
+    examples, _ = load_training(data, load_tokenizer(model_dir), cfg)
+    peft = PeftTraining(model_dir, start, cfg, steps=1)
+    total = sum(t != IGNORE_INDEX for e in examples for t in e.targets)
+    loss = sum(F.cross_entropy(peft.model(input_ids=torch.tensor([e.token_ids])).logits[0], torch.tensor(e.targets),
+                               ignore_index=IGNORE_INDEX, reduction="sum") for e in examples) / total
+    assert log[0]["loss"] == pytest.approx(peft.step(loss), rel=1e-5)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    ours = load_trainable(out, model.module_shapes(), model.cfg.num_layers, model.device).state_dict()
+    before = load_trainable(start, model.module_shapes(), model.cfg.num_layers, model.device).state_dict()
+    for name, ref in peft.state().items():
+        assert not torch.equal(ours[name], before[name])  # trained
+        assert (ours[name] - ref).norm() / ref.norm() <= 1e-5, name
+
+    with pytest.raises(ValueError, match=r"^peft: a job from an adapter \(start_adapter\)"):
+        starting_bypass(LoraConfig(), model, FinetuneConfig(output_dir="o", start_adapter=str(start)))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a resume and a new start are two different things
+        main(["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(tmp_path / "x"),
+              "--start-adapter", str(start), "--init-adapter", str(start)])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -52,8 +52,8 @@ class LLM:
 
         ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``; with
         ``config.method="dpo"``, preference pairs: OpenAI's DPO records or TRL's prompt/chosen/rejected);
-        ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config (none with ``config.dpo_reference``: DPO
-        then trains a copy of that adapter); ``config``: FinetuneConfig
+        ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config (none with ``config.start_adapter`` or
+        ``config.dpo_reference``: the job then trains a copy of that adapter); ``config``: FinetuneConfig
         (``output_dir`` is required). The adapter is written to ``output_dir`` when the job ends.
         ``tenant``: whose job it is (the Virtual Token Counter shares the engine among tenants).
         ``validation``: a file of the same formats whose mean loss per target token is logged

@@ -41,14 +41,16 @@ def _allocation_failed(error: RuntimeError) -> bool:
 
 def starting_bypass(peft: LoraConfig | IA3Config | None, model: DecoderModel,
                     cfg: FinetuneConfig) -> TrainableBypass:
-    """A new job's trainable bypass: ``peft``'s fresh one (LoRA r=16 on down_proj by default), or for DPO on a
-    reference adapter a trainable copy of that adapter (``peft`` must then be None: the adapter decides)."""
-    if cfg.dpo_reference:
+    """A new job's trainable bypass: ``peft``'s fresh one (LoRA r=16 on down_proj by default), or a trainable copy
+    of ``cfg.start_adapter`` (else, for DPO on a reference adapter, of that one): ``peft`` must then be None, the
+    adapter's own config decides."""
+    source = cfg.start_adapter or cfg.dpo_reference
+    if source:
         if peft is not None:
-            raise ValueError("peft: a DPO job on a reference adapter trains a copy of that adapter (give no peft "
+            field = "start_adapter" if cfg.start_adapter else "dpo_reference"
+            raise ValueError(f"peft: a job from an adapter ({field}) trains a copy of that adapter (give no peft "
                              "config)")
-        return load_trainable(cfg.dpo_reference, model.module_shapes(), model.cfg.num_layers, model.device,
-                              model.module_weight)
+        return load_trainable(source, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
     return make_bypass(peft or LoraConfig(), model, cfg.seed)
 
 

@@ -47,7 +47,11 @@ def add_arguments(p) -> None:
                    help="same formats; its mean loss per target token is logged (valid_loss) after every epoch "
                         "and the last step")
     p.add_argument("--output", required=True, help="adapter directory (HF PEFT format) and training_log.jsonl")
-    p.add_argument("--init-adapter", default=None, help="start from (resume) this adapter and its optimizer state")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--init-adapter", default=None, help="start from (resume) this adapter and its optimizer state")
+    start.add_argument("--start-adapter", default=d.start_adapter, metavar="DIR",
+                   help="train on from this finished adapter's weights with a fresh optimizer and schedule (its "
+                        "--peft and --lora-* options are the adapter's)")
     p.add_argument("--peft", default="lora", choices=["lora", "ia3"])
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=16)
@@ -94,7 +98,8 @@ def run(args) -> int:
         rematerialize=args.rematerialize, memory_target=args.memory_target,
         train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps, save_steps=args.save_steps,
         save_total_limit=args.save_total_limit, method=args.method, dpo_beta=args.dpo_beta,
-        dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing, dpo_reference=args.dpo_reference)
+        dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing, dpo_reference=args.dpo_reference,
+        start_adapter=args.start_adapter)
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     examples, report = load_training(args.data, tokenizer, cfg)
@@ -123,7 +128,7 @@ def _bypass(args, model, device: torch.device, cfg: FinetuneConfig) -> Trainable
     shapes, layers = model.module_shapes(), model.cfg.num_layers
     if args.init_adapter:
         return load_trainable(args.init_adapter, shapes, layers, device, model.module_weight)
-    if cfg.dpo_reference:
+    if cfg.start_adapter or cfg.dpo_reference:
         return starting_bypass(None, model, cfg)
     targets = args.target_modules.split(",") if args.target_modules else None
     if args.peft == "ia3":

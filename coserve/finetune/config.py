@@ -49,6 +49,9 @@ class FinetuneConfig:
     dpo_label_smoothing: float = 0.0  # sigmoid only: the chance a pair's preference is flipped (cDPO), in [0, 0.5)
     dpo_reference: str = ""  # an adapter directory (HF PEFT) as DPO's reference, frozen, and where a new job's adapter
     #   starts (DPO after supervised finetuning, as TRL runs an SFT adapter as both); "" = the base model
+    start_adapter: str = ""  # an adapter directory (HF PEFT) whose weights a new job trains on from (a copy; its PEFT
+    #   config decides), with a fresh optimizer and schedule: more training of a finished adapter, as OpenAI
+    #   fine-tunes a fine-tuned model. "" = a fresh adapter (or dpo_reference's copy)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "max_nonfinite_steps"):
@@ -84,6 +87,8 @@ class FinetuneConfig:
             raise ValueError(f"dpo_label_smoothing: only the sigmoid loss smooths labels (dpo_loss is {self.dpo_loss})")
         if not isinstance(self.dpo_reference, str):
             raise ValueError(f"dpo_reference: must be an adapter directory's path, got {self.dpo_reference!r}")
+        if not isinstance(self.start_adapter, str):
+            raise ValueError(f"start_adapter: must be an adapter directory's path, got {self.start_adapter!r}")
         if self.dpo_reference and self.method != "dpo":
             raise ValueError("dpo_reference: a reference adapter is for method dpo")
         if self.method == "dpo" and self.train_on_prompt:
