@@ -1,19 +1,22 @@
 """DPO fine-tuning jobs on a live server through the official ``openai`` client: a file of OpenAI's preference
 records, ``method: {"type": "dpo"}``, the job co-served with chat to a servable model; bad DPO requests and files
-refused naming the field or line."""
+refused naming the field or line. And OpenAI's supervised-then-DPO path: a job on a fine-tuned model trains on
+from its adapter (the DPO reference too)."""
 
 from __future__ import annotations
 
 import io
 import json
+import math
 
 import openai
 import pytest
 from openai import OpenAI
 
-from server_helpers import start_server, wait_for_job
+from server_helpers import chat_jsonl, start_server, wait_for_job
 
 KEY = "key-dpo"
+OTHER = "key-dpo-bob"
 BASE = "tiny-llama"
 
 
@@ -31,9 +34,11 @@ def _jsonl(records) -> bytes:
 def client(model_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-dpo")
     keys = root / "keys.txt"
-    keys.write_text(f"{KEY} alice\n")
+    keys.write_text(f"{KEY} alice\n{OTHER} bob\n")
     srv = start_server(model_factory("llama"), root / "state", "--api-keys", str(keys), "--served-model-name", BASE)
-    yield OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    alice = OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    alice.other = OpenAI(base_url=f"{srv.url}/v1", api_key=OTHER, max_retries=0, timeout=60)  # tenant bob
+    yield alice
     srv.stop()
 
 
@@ -95,3 +100,59 @@ def test_files_hold_one_format_and_a_chat_file_fails_a_dpo_job_naming_the_line(c
     job = client.fine_tuning.jobs.create(model=BASE, training_file=chat.id, method={"type": "dpo"})
     failed = wait_for_job(client, job.id)
     assert failed.status == "failed" and "line 1: record: no 'input'" in failed.error.message
+
+
+def test_supervised_then_dpo_on_the_fine_tuned_model(client):
+    """OpenAI's recommended path: a supervised job, then jobs whose ``model`` is its fine-tuned model. Each trains
+    on from that model's adapter (its PEFT config, r 4, kept): a second supervised job's first loss is the first
+    job's validation loss after its last step on the same file (one batch of it all); a DPO job takes the model as
+    its reference as well, so its first loss is log 2, and with a negligible learning rate it answers as the
+    model does (a fresh adapter would answer as the base)."""
+    chat = _upload(client, chat_jsonl())
+    first = wait_for_job(client, client.fine_tuning.jobs.create(
+        model=BASE, training_file=chat.id, validation_file=chat.id, suffix="sft", seed=1,
+        hyperparameters={"n_epochs": 2, "batch_size": 3, "learning_rate_multiplier": 100},
+        extra_body={"coserve": {"r": 4, "target_modules": ["v_proj", "down_proj"]}}).id)
+    assert first.status == "succeeded", first.error
+    events = client.fine_tuning.jobs.list_events(first.id, limit=100).data
+    after = max((e.data for e in events if e.type == "metrics"), key=lambda m: m["step"])["full_valid_loss"]
+    sft = first.fine_tuned_model
+
+    more = client.fine_tuning.jobs.create(model=sft, training_file=chat.id, suffix="more", seed=2,
+                                          hyperparameters={"n_epochs": 1, "batch_size": 6})
+    assert more.model == sft and more.coserve["peft_config"]["r"] == 4
+    more = wait_for_job(client, more.id)
+    assert more.status == "succeeded", more.error
+    assert more.fine_tuned_model.startswith(f"ft:{BASE}:more:")
+    events = client.fine_tuning.jobs.list_events(more.id, limit=100).data
+    step = next(e.data for e in events if e.type == "metrics")
+    assert step["step"] == 1 and step["train_loss"] == pytest.approx(after, rel=1e-5)
+    assert any(e.message.startswith(f"Fine-tuning job started from {sft}") for e in events)
+
+    pairs = _upload(client, _jsonl(_pair(w) for w in ("cats", "dogs")))
+    dpo = wait_for_job(client, client.fine_tuning.jobs.create(
+        model=sft, training_file=pairs.id, suffix="dpo", method={"type": "dpo", "dpo": {"hyperparameters": {
+            "n_epochs": 1, "batch_size": 2, "learning_rate_multiplier": 1e-4}}}).id)
+    assert dpo.status == "succeeded", dpo.error
+    step = next(e.data for e in client.fine_tuning.jobs.list_events(dpo.id, limit=100).data if e.type == "metrics")
+    assert step["train_loss"] == pytest.approx(math.log(2), abs=1e-4) and abs(step["train_reward_margin"]) < 1e-4
+    messages = [{"role": "user", "content": "What do bees make?"}]
+
+    def answer(model):
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].message.content
+    assert answer(dpo.fine_tuned_model) == answer(sft) != answer(BASE)
+
+    # a checkpoint is a fine-tuned model too
+    checkpoint = client.fine_tuning.jobs.checkpoints.list(first.id).data[-1].fine_tuned_model_checkpoint
+    queued = client.fine_tuning.jobs.create(model=checkpoint, training_file=chat.id)
+    assert client.fine_tuning.jobs.cancel(queued.id).status == "cancelled"
+    # the model decides the adapter's settings; another tenant's model, or an unknown one, is not found
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.jobs.create(model=sft, training_file=chat.id, extra_body={"coserve": {"r": 8}})
+    assert e.value.body["param"] == "coserve.r"
+    bobs = _upload(client.other, chat_jsonl())
+    for name in (sft, f"ft:{BASE}:x:ftjob-000000000000000000000000", "other-model"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.other.fine_tuning.jobs.create(model=name, training_file=bobs.id)
+        assert e.value.body["param"] == "model"

@@ -61,7 +61,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         return {status: store.count_jobs(status) for status in JOB_STATES}
 
     metrics = ServerMetrics(engine_state, job_counts, store.count_batches)
-    jobs = JobManager(store, loop, config, metrics, base)
+    jobs = JobManager(store, loop, config, metrics, models)
     auth = Authenticator(config.api_keys)
     batches = BatchRunner(store, config.state_dir,
                           priority=BATCH_PRIORITY if engine_config.scheduling_policy == "priority" else None)

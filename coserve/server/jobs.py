@@ -20,19 +20,20 @@ from pathlib import Path
 
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import FinetuneMemoryError
-from coserve.finetune.build import load_training, make_bypass, new_job
+from coserve.finetune.build import load_training, make_bypass, new_job, starting_bypass
 from coserve.finetune.checkpoint import CheckpointSnapshot, write_checkpoint
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.finetune.memory_budget import job_memory
 from coserve.peft import AdapterError
+from coserve.peft.adapter_dir import peft_type, read_adapter_config
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
 from coserve.server.metrics import ServerMetrics
-from coserve.server.models import checkpoint_name, fine_tuned_name
+from coserve.server.models import ModelRegistry, checkpoint_name, fine_tuned_name
 from coserve.server.protocol import CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters
 from coserve.server.store import Store
 
@@ -46,6 +47,7 @@ LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier
 ACTIVE = ("validating_files", "queued", "running")
 HOLDS_FILES = (*ACTIVE, "paused")  # jobs whose files must stay (a paused job reads them again when resumed)
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
+PEFT_OPTIONS = ("peft", "r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "target_modules")
 _SHOW = 5  # bad data lines named in a job's error
 
 
@@ -92,11 +94,12 @@ class Running:
 
 class JobManager:
     def __init__(self, store: Store, loop: EngineLoop, config: ServerConfig, metrics: ServerMetrics,
-                 base_name: str) -> None:
-        self.store, self.loop, self.config, self.metrics = store, loop, config, metrics
+                 models: ModelRegistry) -> None:
+        self.store, self.loop, self.config, self.metrics, self.models = store, loop, config, metrics, models
         self.engine = loop.engine
-        self.base_name = base_name
-        self.jobs_dir = Path(config.state_dir) / "jobs"
+        self.base_name = models.base
+        self.state_dir = Path(config.state_dir)
+        self.jobs_dir = self.state_dir / "jobs"
         self.running: dict[str, Running] = {}
         self._lock = threading.RLock()  # job state transitions: the watcher's tick and cancel
         self._files_lock = threading.Lock()  # a file's deletion against a job being created on it
@@ -154,11 +157,7 @@ class JobManager:
             self.store.delete_file(tenant, file_id)
 
     def _create(self, tenant: str, body: FineTuningJobRequest) -> dict:
-        if body.model != self.base_name:
-            if body.model.startswith("ft:"):
-                raise bad_request("model: fine-tuning a fine-tuned model is not supported; use the base model "
-                                  f"'{self.base_name}'", "model", "model_not_supported")
-            raise not_found("model", body.model, "model")
+        start = self._start_model(tenant, body) if body.model != self.base_name else None
         for param, file_id in (("training_file", body.training_file), ("validation_file", body.validation_file)):
             if file_id is None:
                 continue
@@ -173,7 +172,7 @@ class JobManager:
         if options.dpo_label_smoothing and options.dpo_loss != "sigmoid":
             raise bad_request("coserve.dpo_label_smoothing: only the sigmoid loss smooths labels",
                               "coserve.dpo_label_smoothing")
-        peft = self._peft(options)
+        peft = self._peft(options) if start is None else start[1]
         if options.max_seq_len is None:
             options.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, self.engine.max_model_len)
         if options.max_seq_len > self.engine.max_model_len:
@@ -192,13 +191,37 @@ class JobManager:
             "user_provided_suffix": body.suffix, "estimated_finish": None, "integrations": [],
             "metadata": body.metadata,
             "method": {"type": method, method: {"hyperparameters": dict(hyper)}},
-            "coserve": {**options.model_dump(), "peft_config": peft, "step": 0, "total_steps": None},
+            "coserve": {**options.model_dump(), "peft_config": peft, "step": 0, "total_steps": None,
+                        "start_from": start[0] if start else None},
         }
         self.store.add_job(tenant, job)
         self.store.add_event(job_id, f"Created fine-tuning job {job_id}")
         self.store.add_event(job_id, "Files validated, moving job to queued state")
         self._wake.set()
         return self.store.get_job(tenant, job_id)
+
+    def _start_model(self, tenant: str, body: FineTuningJobRequest) -> tuple[str, dict]:
+        """A job on the tenant's fine-tuned model or checkpoint ``body.model`` trains on from its adapter (OpenAI's
+        "fine-tune a fine-tuned model"; a DPO job takes it as the reference too): where the adapter lies, relative to
+        the state directory, and its PEFT config, which the request cannot change. 404 unless the tenant may use
+        the model."""
+        path = self.models.fine_tuned_path(tenant, body.model)
+        if path is None:
+            raise not_found("model", body.model, "model")
+        given = sorted(set(PEFT_OPTIONS) & (body.coserve.model_fields_set if body.coserve else set()))
+        if given:
+            raise bad_request(f"coserve.{given[0]}: the job trains on from {body.model}, whose adapter decides "
+                              "its PEFT settings", f"coserve.{given[0]}")
+        try:
+            raw = read_adapter_config(path)
+        except AdapterError as e:
+            log.warning("the adapter of %s cannot be read: %s", body.model, e)
+            raise APIError(400, f"The model '{body.model}' cannot be fine-tuned: its adapter cannot be read",
+                           "model", "model_not_supported") from e
+        kind = peft_type(raw).lower()
+        fields = ("target_modules", "feedforward_modules") if kind == "ia3" else PEFT_OPTIONS[1:]
+        peft = {"peft": kind, **{k: raw.get(k) for k in fields}}
+        return (str(path.relative_to(self.state_dir)) if path.is_relative_to(self.state_dir) else str(path)), peft
 
     def cancel(self, tenant: str, job_id: str) -> dict:
         with self._lock:
@@ -363,6 +386,8 @@ class JobManager:
         model = self.engine.model
         out = self.jobs_dir / job_id
         method = job.get("method", {}).get("type", "supervised")  # jobs stored before DPO: supervised
+        # a job on a fine-tuned model trains on from its adapter, DPO's reference too (jobs stored before: none)
+        start = str(self.state_dir / opts["start_from"]) if opts.get("start_from") else ""
         cfg = FinetuneConfig(output_dir=str(out / "model"), epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
                              batch_size=hyper["batch_size"], grad_accum=opts["grad_accum"],
                              lr=BASE_LR * hyper["learning_rate_multiplier"], optimizer=opts["optimizer"],
@@ -374,21 +399,31 @@ class JobManager:
                              memory_target=opts.get("memory_target", DEFAULT_MEMORY_TARGET),
                              method="dpo" if method == "dpo" else "sft", dpo_beta=hyper.get("beta", AUTO["beta"]),
                              dpo_loss=opts.get("dpo_loss", "sigmoid"),
-                             dpo_label_smoothing=opts.get("dpo_label_smoothing", 0.0))
+                             dpo_label_smoothing=opts.get("dpo_label_smoothing", 0.0),
+                             start_adapter="" if method == "dpo" else start,
+                             dpo_reference=start if method == "dpo" else "")
         examples, report = self._dataset(job, "training_file", cfg)
         validation = self._dataset(job, "validation_file", cfg)[0] if job["validation_file"] else None
         found = self.store.latest_checkpoint(job_id)
-        if found is not None:
-            resume = Path(found[1])
-            bypass = load_trainable(resume, model.module_shapes(), model.cfg.num_layers, model.device,
-                                    model.module_weight)
-        else:
-            resume = None
-            p = dict(opts["peft_config"])
-            kind = p.pop("peft")
-            bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
-        ft = new_job(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume,
-                     validation=validation)
+        try:
+            if found is not None:
+                resume = Path(found[1])
+                bypass = load_trainable(resume, model.module_shapes(), model.cfg.num_layers, model.device,
+                                        model.module_weight)
+            elif start:
+                resume, bypass = None, starting_bypass(None, model, cfg)
+            else:
+                resume = None
+                p = dict(opts["peft_config"])
+                kind = p.pop("peft")
+                bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
+            ft = new_job(model, bypass, examples, cfg, base_model=self.base_name, resume_from=resume,
+                         validation=validation)
+        except AdapterError as e:
+            if not start:
+                raise
+            log.warning("fine-tuning job %s: the adapter of %s cannot be read: %s", job_id, job["model"], e)
+            raise ValueError(f"model: the adapter of {job['model']} cannot be read") from e
         name = fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id)
         r = Running(job_id, tenant, name, self.config.checkpoint_steps or ft.steps_per_epoch, ft,
                     tokens=ft.tokens_done)  # a resumed job's tokens so far are counted already
@@ -404,6 +439,8 @@ class JobManager:
         self.store.update_job(job_id, status="running",
                               coserve={**opts, "step": ft.step, "total_steps": ft.total_steps})
         how = f"resumed at step {ft.step}" if resume else "started"
+        if opts.get("start_from"):
+            how += f" from {job['model']}"
         kept = job_memory(ft).activation_bytes / 2**20
         held = "a preference pair (two sequences)" if cfg.method == "dpo" else "a sequence"
         self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps; {held} "
