@@ -33,7 +33,7 @@ def test_creates_layout_and_schema(tmp_path):
     try:
         assert (tmp_path / "a" / "b" / "state.db").is_file()
         assert (tmp_path / "a" / "b" / "files").is_dir()
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 3
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 4
         assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -54,7 +54,7 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
     conn.close()
     s = Store(tmp_path)
     try:
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 4
         assert s.get_job("alice", "ftjob-1")["status"] == "queued"
         s.add_response("alice", {"id": "resp_1", "created_at": 5}, [{"role": "user", "content": "hi"}])
         assert s.get_response("alice", "resp_1") == ({"id": "resp_1", "created_at": 5},
@@ -66,8 +66,32 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
         assert s.get_batch("bob", "batch_1") is None
         assert [b["id"] for _, b in s.batches_with_status("in_progress")] == ["batch_1"]
         assert s.list_batches("alice") == ([s.get_batch("alice", "batch_1")], False)
+        s.add_upload("alice", {"id": "upload-" + "0" * 24, "status": "pending", "created_at": 9})
+        assert s.get_upload("alice", "upload-" + "0" * 24)["status"] == "pending"
     finally:
         s.close()
+
+
+def test_upload_parts_are_kept_until_the_upload_leaves_pending(store):
+    upload_id = Store.new_id("upload")
+    store.add_upload("alice", {"id": upload_id, "status": "pending", "created_at": 1, "bytes": 10})
+    a = store.add_upload_part(upload_id, b"hello", limit=10)
+    b = store.add_upload_part(upload_id, b"world", limit=10)
+    assert a["object"] == "upload.part" and a["upload_id"] == upload_id
+    assert store.upload_parts(upload_id) == {a["id"]: 5, b["id"]: 5}
+    assert (store.upload_dir(upload_id) / b["id"]).read_bytes() == b"world"
+    with pytest.raises(ValueError, match="^data: the parts would hold 11 bytes"):
+        store.add_upload_part(upload_id, b"!", limit=10)
+    assert len(list(store.upload_dir(upload_id).iterdir())) == 2  # the refused part's bytes are gone
+    assert store.get_upload("bob", upload_id) is None and store.get_upload(None, upload_id)["bytes"] == 10
+    assert [u["id"] for u in store.uploads_with_status("pending")] == [upload_id]
+    assert store.update_upload(upload_id, "completed", status="cancelled") is None  # not in that status
+    assert store.update_upload(upload_id, "pending", status="cancelled")["status"] == "cancelled"
+    assert store.upload_parts(upload_id) == {} and not store.upload_dir(upload_id).exists()
+    assert store.add_upload_part(upload_id, b"late", limit=10) is None  # no longer pending
+    assert not store.upload_dir(upload_id).exists() or not any(store.upload_dir(upload_id).iterdir())
+    with pytest.raises(ValueError, match="^upload_id: '../x' is not an upload id"):
+        store.upload_dir("../x")
 
 
 def test_tenants(store):

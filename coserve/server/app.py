@@ -18,6 +18,7 @@ from coserve.server import embeddings_api, errors, inference_api, lean_routes, r
 from coserve.server.auth import Authenticator
 from coserve.server.batches import BATCH_PRIORITY, BatchRunner
 from coserve.server.batches_api import router as batches_router
+from coserve.server.uploads_api import router as uploads_router
 from coserve.server.config import ServerConfig
 from coserve.server.context import ServerContext
 from coserve.server.fine_tuning_api import router as fine_tuning_router
@@ -92,6 +93,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.include_router(scores_api.router)
     app.include_router(fine_tuning_router)
     app.include_router(batches_router)
+    app.include_router(uploads_router)
     lean_routes.install(app, [inference_api.router, responses_api.router, embeddings_api.router],
                         [inference_api.chat_completions, inference_api.completions, responses_api.responses,
                          embeddings_api.embeddings])

@@ -27,7 +27,8 @@ class ServerConfig:
     adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter directory (LoRA or IA3), served to every tenant
     allow_lora_loading: bool = False  # POST /v1/load_lora_adapter (vLLM's runtime LoRA loading)
     max_body_bytes: int = 4 * 2**20  # JSON request bodies
-    max_upload_bytes: int = 64 * 2**20  # POST /v1/files
+    max_upload_bytes: int = 64 * 2**20  # POST /v1/files, and a part of an upload (OpenAI's part limit)
+    max_file_bytes: int = 512 * 2**20  # a file an upload makes of its parts (read whole to be validated)
     max_waiting_requests: int = 512  # requests queued in the engine before new ones get 503
     max_queued_jobs: int = 16  # per tenant: queued or running fine-tuning jobs before new ones get 429
     max_running_jobs: int = 2  # fine-tuning jobs co-served at once (more wait, queued)
@@ -38,7 +39,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # tool_choice "auto": how calls written in the text are read (tool_parser.py)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_upload_bytes", "max_waiting_requests", "max_queued_jobs",
+        for name in ("max_body_bytes", "max_upload_bytes", "max_file_bytes", "max_waiting_requests", "max_queued_jobs",
                      "max_running_jobs", "max_loaded_models", "stream_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -21,13 +21,18 @@ access_log = logging.getLogger(ACCESS_LOGGER)
 OPEN_PATHS = ("/health", "/metrics", "/version")  # no key needed
 INTERNAL_TENANT = "coserve.tenant"  # a scope key of the server's own in-process calls (batches): their tenant.
 # A request from the network cannot set it: its scope is built by the HTTP server from the wire.
-UPLOAD_PATHS = ("/v1/files",)
+UPLOAD_PATHS = ("/v1/files",)  # and an upload's parts (is_upload)
 UNROUTED = "(unrouted)"  # the metrics label of a request that matched no route (or was refused before routing)
 
 
 class BodyTooLarge(StarletteHTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"The request body exceeds the limit of {limit} bytes")
+
+
+def is_upload(path: str) -> bool:
+    """A request whose body is a file (or a part of one): ``--max-upload-bytes`` bounds it, not ``--max-body-bytes``."""
+    return path in UPLOAD_PATHS or (path.startswith("/v1/uploads/") and path.endswith("/parts"))
 
 
 def route_label(scope) -> str:
@@ -76,7 +81,7 @@ class ServerMiddleware:
                 tenant = state["tenant"] = scope[INTERNAL_TENANT]
             elif path not in OPEN_PATHS:
                 tenant = state["tenant"] = self.auth.tenant(headers.get("authorization"))
-            limit = self.max_upload if path in UPLOAD_PATHS else self.max_body
+            limit = self.max_upload if is_upload(path) else self.max_body
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > limit:
                 raise APIError(413, f"The request body has {length} bytes; the limit is {limit}", code="body_too_large")

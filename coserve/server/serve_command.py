@@ -62,7 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
                    help="the format of tool calls in the text (hermes: <tool_call>{json}</tool_call>)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
-    p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20)
+    p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
+                   help="a POST /v1/files body, and a part of an upload (POST /v1/uploads/{id}/parts)")
+    p.add_argument("--max-file-bytes", type=int, default=512 * 2**20,
+                   help="a file the Uploads API makes of its parts")
     p.add_argument("--max-waiting-requests", type=int, default=512)
     p.add_argument("--stream-interval", type=int, default=1, help="streamed responses: the first token at once, "
                    "then an event every N tokens (fewer events take less CPU from the engine; vLLM's flag)")
@@ -143,7 +146,8 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
     config = ServerConfig(model=args.model, state_dir=args.state_dir, served_model_name=args.served_model_name,
                           host=args.host, port=args.port, api_keys=keys, adapters=adapters,
                           allow_lora_loading=args.allow_lora_loading, max_body_bytes=args.max_body_bytes,
-                          max_upload_bytes=args.max_upload_bytes, max_waiting_requests=args.max_waiting_requests,
+                          max_upload_bytes=args.max_upload_bytes, max_file_bytes=args.max_file_bytes,
+                          max_waiting_requests=args.max_waiting_requests,
                           max_queued_jobs=args.max_queued_jobs, max_running_jobs=args.max_running_jobs,
                           max_loaded_models=args.max_loaded_models, stream_interval=args.stream_interval,
                           gil_switch_interval_ms=args.gil_switch_interval_ms,

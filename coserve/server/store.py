@@ -2,8 +2,9 @@
 
 Everything lives under one state directory: ``state.db`` (SQLite, WAL journal,
 ``synchronous=FULL``, so every committed write survives the process being
-killed) and ``files/<file-id>.jsonl`` (the bytes of uploaded files, written
-atomically before their row is inserted). Objects cross the boundary as plain
+killed), ``files/<file-id>.jsonl`` (the bytes of uploaded files, written
+atomically before their row is inserted) and ``uploads/<upload-id>/<part-id>``
+(the parts of a pending upload, the same way). Objects cross the boundary as plain
 OpenAI-shaped dicts; each call returns fresh dicts the caller may mutate.
 """
 
@@ -13,14 +14,16 @@ import json
 import os
 import re
 import secrets
+import shutil
 import sqlite3
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 3  # 2: stored responses (the Responses API's previous_response_id); 3: batches
+SCHEMA_VERSION = 4  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads
 _FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+_UPLOAD_ID = re.compile(r"upload-[0-9a-f]{24}")
 
 _SCHEMA = """
 CREATE TABLE tenants (name TEXT PRIMARY KEY, created_at INTEGER NOT NULL);
@@ -59,6 +62,16 @@ CREATE TABLE batches (
     tenant TEXT NOT NULL REFERENCES tenants(name), status TEXT NOT NULL,
     created_at INTEGER NOT NULL, obj TEXT NOT NULL);
 CREATE INDEX batches_tenant ON batches(tenant, seq);
+""", 4: """
+CREATE TABLE uploads (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), status TEXT NOT NULL,
+    created_at INTEGER NOT NULL, obj TEXT NOT NULL);
+CREATE INDEX uploads_status ON uploads(status, seq);
+CREATE TABLE upload_parts (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    upload_id TEXT NOT NULL REFERENCES uploads(id), bytes INTEGER NOT NULL, created_at INTEGER NOT NULL);
+CREATE INDEX upload_parts_upload ON upload_parts(upload_id, seq);
 """}
 
 
@@ -99,6 +112,7 @@ class Store:
         self.state_dir = Path(state_dir)
         self.files_dir = self.state_dir / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.uploads_dir = self.state_dir / "uploads"
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(self.state_dir / "state.db", check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
@@ -232,6 +246,85 @@ class Store:
         with self._lock, self._conn:
             cur = self._conn.execute("DELETE FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant))
         return cur.rowcount > 0
+
+    # ---- uploads (OpenAI's Uploads API: a file sent in parts)
+
+    def add_upload(self, tenant: str, upload: dict) -> dict:
+        """Store a new upload object built by the caller; returns a copy of it."""
+        obj = json.loads(json.dumps(upload))
+        with self._lock, self._conn:
+            self._insert_tenant(tenant)
+            self._conn.execute("INSERT INTO uploads (id, tenant, status, created_at, obj) VALUES (?, ?, ?, ?, ?)",
+                               (obj["id"], tenant, obj["status"], obj["created_at"], json.dumps(obj)))
+        return obj
+
+    def get_upload(self, tenant: str | None, upload_id: str) -> dict | None:
+        """The tenant's upload object (any tenant's with None), or None."""
+        sql, params = "SELECT obj FROM uploads WHERE id = ?", [upload_id]
+        if tenant is not None:
+            sql, params = sql + " AND tenant = ?", [upload_id, tenant]
+        row = self._one(sql, params)
+        return None if row is None else json.loads(row[0])
+
+    def update_upload(self, upload_id: str, expect: str, **fields) -> dict | None:
+        """Merge ``fields`` into the upload if its status is still ``expect`` (None otherwise); a status it leaves
+        pending for drops its parts' rows and bytes."""
+        with self._lock, self._conn:
+            row = self._conn.execute("SELECT obj FROM uploads WHERE id = ? AND status = ?",
+                                     (upload_id, expect)).fetchone()
+            if row is None:
+                return None
+            obj = {**json.loads(row[0]), **fields}
+            self._conn.execute("UPDATE uploads SET status = ?, obj = ? WHERE id = ?",
+                               (obj["status"], json.dumps(obj), upload_id))
+            if obj["status"] != "pending":
+                self._conn.execute("DELETE FROM upload_parts WHERE upload_id = ?", (upload_id,))
+        if obj["status"] != "pending":
+            shutil.rmtree(self.upload_dir(upload_id), ignore_errors=True)
+        return obj
+
+    def upload_dir(self, upload_id: str) -> Path:
+        """Where the parts of ``upload_id`` lie; ValueError unless it is an upload id."""
+        if not isinstance(upload_id, str) or not _UPLOAD_ID.fullmatch(upload_id):
+            raise ValueError(f"upload_id: {upload_id!r} is not an upload id (upload-<24 hex>)")
+        return self.uploads_dir / upload_id
+
+    def add_upload_part(self, upload_id: str, data: bytes, limit: int) -> dict | None:
+        """Store a part of the pending upload (bytes first, then the row): its part object, or None when the upload
+        is no longer pending. ValueError when the parts would hold more than ``limit`` bytes together."""
+        part_id = self.new_id("part")
+        folder = self.upload_dir(upload_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / part_id
+        write_atomically(path, bytes(data))
+        row = (part_id, upload_id, len(data), _now())
+        try:
+            with self._lock, self._conn:
+                if self._conn.execute("SELECT 1 FROM uploads WHERE id = ? AND status = 'pending'",
+                                      (upload_id,)).fetchone() is None:
+                    path.unlink(missing_ok=True)
+                    return None
+                (held,) = self._conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM upload_parts WHERE upload_id = ?",
+                                             (upload_id,)).fetchone()
+                if held + len(data) > limit:
+                    raise ValueError(f"data: the parts would hold {held + len(data)} bytes; the upload was created "
+                                     f"for {limit}")
+                self._conn.execute("INSERT INTO upload_parts (id, upload_id, bytes, created_at) VALUES (?, ?, ?, ?)",
+                                   row)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return {"id": part_id, "object": "upload.part", "created_at": row[3], "upload_id": upload_id}
+
+    def upload_parts(self, upload_id: str) -> dict[str, int]:
+        """The upload's parts: part id -> bytes, in the order they arrived."""
+        return dict(self._all("SELECT id, bytes FROM upload_parts WHERE upload_id = ? ORDER BY seq", (upload_id,)))
+
+    def uploads_with_status(self, *statuses: str) -> list[dict]:
+        """Every upload in one of ``statuses``, oldest first."""
+        where, params = _in(statuses)
+        return [json.loads(obj) for (obj,) in
+                self._all(f"SELECT obj FROM uploads WHERE {where} ORDER BY seq", params)]
 
     # ---- batches (OpenAI's Batch API)
 
