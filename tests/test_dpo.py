@@ -328,10 +328,19 @@ def test_a_resumed_dpo_job_continues_exactly(model_factory, tmp_path):
     resumed_bypass = load_trainable(tmp_path / "half", model.module_shapes(), model.cfg.num_layers, model.device)
     resumed = new_job(model, resumed_bypass, pairs, cfg("rest"), resume_from=tmp_path / "half")
     assert resumed.step == 2
+    assert resumed._refs[False] == half._refs[False] and len(half._refs[False]) >= 4  # the checkpoint kept them
     run_job(resumed, progress=False)
     assert [r.loss for r in resumed.log] == pytest.approx([r.loss for r in uninterrupted.log[2:]], rel=1e-5)
     for name, tensor in whole.state_dict().items():
         torch.testing.assert_close(resumed_bypass.state_dict()[name], tensor, rtol=1e-5, atol=1e-7)
+    # other pairs, or another reference, and the saved log-probabilities are not theirs: they run again
+    other = new_job(model, _bypass(model, "lora"), pairs[1:] + pairs[:1], cfg("other"), resume_from=tmp_path / "half")
+    assert other._refs[False] == {}
+    from peft_helpers import make_lora_adapter
+    sft = make_lora_adapter(model_dir, tmp_path / "sft", seed=2, r=4, target_modules=["down_proj"])
+    with_ref = FinetuneConfig(**{**{k: getattr(cfg("ref"), k) for k in cfg("ref").__slots__},
+                                 "dpo_reference": str(sft)})
+    assert new_job(model, _bypass(model, "lora"), pairs, with_ref, resume_from=tmp_path / "half")._refs[False] == {}
 
 
 def test_validation_pairs_give_the_mean_dpo_loss_of_the_adapter_after_the_step(model_factory, tmp_path):

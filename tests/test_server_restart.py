@@ -1,6 +1,6 @@
 """A server killed (SIGKILL) in the middle of a fine-tuning job and restarted on the same state directory:
 the job resumes from its last checkpoint and finishes with the adapter an uninterrupted run gives; no file,
-job or model is lost."""
+job, model or upload part is lost."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
         f, reference, expected, job = reference_then_twin(srv, c, HYPER)
         gone = c.fine_tuning.jobs.retrieve(reference.id).fine_tuned_model
         assert c.models.delete(gone).deleted  # a deleted model stays deleted across the crash
+        data = chat_jsonl(DATA)  # an upload in parts, half sent
+        upload = c.uploads.create(bytes=len(data), filename="more.jsonl", mime_type="application/jsonl",
+                                  purpose="fine-tune")
+        first = c.uploads.parts.create(upload.id, data=data[:1000])
         deadline = time.monotonic() + 120
         while not c.fine_tuning.jobs.checkpoints.list(job.id).data:
             assert time.monotonic() < deadline, "no checkpoint was written"
@@ -65,6 +69,9 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
     try:
         c = client(again)
         assert f.id in [x.id for x in c.files.list().data]
+        second = c.uploads.parts.create(upload.id, data=data[1000:])
+        made = c.uploads.complete(upload.id, part_ids=[first.id, second.id])
+        assert made.status == "completed" and c.files.content(made.file.id).read() == data
         assert c.fine_tuning.jobs.retrieve(reference.id).status == "succeeded"
         done = wait_for_job(c, job.id)
         assert done.status == "succeeded", done.error

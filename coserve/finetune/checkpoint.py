@@ -61,14 +61,15 @@ class CheckpointSnapshot:
 
 
 def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, step: int, tokens: int,
-                        base_model: str, state: dict) -> CheckpointSnapshot:
-    """Copy what a checkpoint holds (``tokens``: trained by its ``step`` steps); the only part of a save that
-    must run where the job trains."""
+                        base_model: str, state: dict, extra: dict | None = None) -> CheckpointSnapshot:
+    """Copy what a checkpoint holds (``tokens``: trained by its ``step`` steps; ``extra``: what the kind of job
+    keeps for its resume, beside the optimizer state); the only part of a save that must run where the job
+    trains."""
     return CheckpointSnapshot(
         adapter={k: v.to("cpu", copy=True) for k, v in bypass.state_dict().items()},
         adapter_config=bypass.peft_config(base_model),
         trainer=_copied({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                         "tokens": tokens}),
+                         "tokens": tokens, **({"extra": extra} if extra else {})}),
         state={"step": step, **state})
 
 

@@ -88,6 +88,7 @@ class FinetuneJob:
         self.step = 0
         self.tokens_done = 0  # tokens through forward and backward, for throughput
         self.tokens_at_step = 0  # tokens_done when the last optimizer step was taken (what a checkpoint holds)
+        self._restored: dict = {}  # what a subclass saved beside the optimizer state (checkpoint_extra), resumed
         if resume_from is not None:
             self._resume(resume_from)
         self.output_dir = Path(cfg.output_dir)
@@ -399,7 +400,12 @@ class FinetuneJob:
         """The checkpoint as of now, copied out: ``write_checkpoint`` may write it from another thread while
         training goes on (the server does, so that inference does not wait for the disk)."""
         return snapshot_checkpoint(self.bypass, self.optimizer, self.scheduler, self.step, self.tokens_at_step,
-                                   self.base_model, {"total_steps": self.total_steps, "config": _plain(self.cfg)})
+                                   self.base_model, {"total_steps": self.total_steps, "config": _plain(self.cfg)},
+                                   extra=self.checkpoint_extra())
+
+    def checkpoint_extra(self) -> dict:
+        """What a kind of job keeps beside its optimizer state, for its resume (``_restored``); none here."""
+        return {}
 
     def _resume(self, adapter_dir: Path) -> None:
         saved = load_optimizer_state(adapter_dir)
@@ -412,6 +418,7 @@ class FinetuneJob:
             raise ValueError(f"{adapter_dir}: the saved optimizer state does not fit this job ({e})") from e
         self.step = int(saved.get("step", 0))
         self.tokens_done = self.tokens_at_step = int(saved.get("tokens", 0))  # trained before the checkpoint
+        self._restored = saved.get("extra") or {}
 
 
 def target_tokens(examples) -> int:

@@ -5,7 +5,7 @@ model (the adapter off), or a frozen adapter (``dpo_reference``, e.g. the superv
 
 A pair runs as up to six sequences of windows, one at a time, each an ordinary forward or backward pass that the
 engine interleaves with inference as it does any job's: the two reference forwards (no gradient; their
-log-probabilities are kept per pair, so later epochs skip them), the chosen and the rejected forward, then the two
+log-probabilities are kept per pair, so later epochs, and a job resumed from a checkpoint, skip them), the chosen and the rejected forward, then the two
 backward passes. A forward window stores the gradient of its tokens' cross-entropy (the negated log-probability) at
 the last layer's output; the loss depends on the pair's log-probabilities only through their sums, so once both
 forwards are done the stored gradients are scaled by ``dL/d(-lc)`` and ``dL/d(-lr)``, and the backward passes give
@@ -15,8 +15,12 @@ smoothing, differ only in that scale (``dpo_terms``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from array import array
+
+import torch
 
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.job import FinetuneJob, StepRecord, target_tokens
@@ -105,6 +109,33 @@ class PreferenceJob(FinetuneJob):
         #   its log-probability)
         self._margins: list[float] = []  # of the step's pairs so far
         self._eval_pairs = 0  # pairs of the validation pass under way
+        self._fingerprints: dict[bool, str] = {}
+        for evaluating, saved in ((False, self._restored.get("reference_logps")),
+                                  (True, self._restored.get("validation_reference_logps"))):
+            if saved and saved.get("fingerprint") == self._fingerprint(evaluating):  # the same pairs and reference
+                self._refs[evaluating] = dict(saved["pairs"])
+        self._restored = {}
+
+    def checkpoint_extra(self) -> dict:
+        """The pairs' reference log-probabilities: a resumed job does not run those forwards again."""
+        return {"reference_logps": {"fingerprint": self._fingerprint(False), "pairs": dict(self._refs[False])},
+                "validation_reference_logps": {"fingerprint": self._fingerprint(True),
+                                               "pairs": dict(self._refs[True])}}
+
+    def _fingerprint(self, evaluating: bool) -> str:
+        """What the cached reference log-probabilities of the training (or validation) pairs depend on: the pairs'
+        tokens and targets, the reference adapter's weights and the model's dtype. A resume on other data or
+        another reference recomputes them."""
+        if evaluating not in self._fingerprints:
+            h = hashlib.sha256(str(self.model.embed.dtype).encode())
+            for e in self.validation if evaluating else self.examples:
+                h.update(array("q", e.token_ids).tobytes() + b"|" + array("q", e.targets).tobytes() + b";")
+            if self.reference is not NO_BYPASS:
+                for name, tensor in sorted(self.reference.state_dict().items()):
+                    h.update(name.encode() + tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+                             .numpy().tobytes())
+            self._fingerprints[evaluating] = h.hexdigest()
+        return self._fingerprints[evaluating]
 
     @property
     def num_units(self) -> int:
