@@ -1,8 +1,10 @@
-"""DPO training speed: coserve's PreferenceJob (whole-sequence windows, as ``finetune-only`` runs it) against HF PEFT
-in a plain torch loop as TRL's DPOTrainer runs a PEFT model without a reference model (the reference log-probabilities
-from the adapter disabled, under no_grad, every step), the same model, pairs, LoRA and AdamW.
+"""Preference training speed: coserve's PreferenceJob (whole-sequence windows, as ``finetune-only`` runs it) against
+HF PEFT in a plain torch loop as TRL's trainers compute the loss, the same model, pairs, LoRA and AdamW: DPO as
+DPOTrainer runs a PEFT model without a reference model (the reference log-probabilities from the adapter disabled,
+under no_grad, every step), or the reference-free SimPO (CPOTrainer) and ORPO (ORPOTrainer).
 
-    python benchmarks/dpo_vs_peft.py --model models/coserve-small [--pairs-per-step 4] [--steps 6] [--rounds 2]
+    python benchmarks/dpo_vs_peft.py --model models/coserve-small [--method dpo|simpo|orpo] [--pairs-per-step 4]
+        [--steps 6] [--rounds 2]
 
 Pairs come from ``../shared/data/alpaca_en_demo.json`` (TRL's text form: the Alpaca prompt, the record's output as
 chosen, the next record's as rejected), each step on new pairs (no reference is reused). A rate is the step's
@@ -51,10 +53,10 @@ def pairs_from_alpaca(tokenizer, path: Path, count: int, max_seq_len: int) -> li
     return pairs
 
 
-def coserve_steps(model, pairs, per_step: int, steps: int, targets: list[str]) -> list[float]:
+def coserve_steps(model, pairs, per_step: int, steps: int, targets: list[str], method: str) -> list[float]:
     bypass = TrainableLora(LoraConfig(r=16, lora_alpha=16, target_modules=targets), model.module_shapes(),
                            model.cfg.num_layers, model.device, torch.Generator().manual_seed(0))
-    cfg = FinetuneConfig(output_dir=tempfile.mkdtemp(prefix="dpo-bench-"), method="dpo", batch_size=per_step,
+    cfg = FinetuneConfig(output_dir=tempfile.mkdtemp(prefix="dpo-bench-"), method=method, batch_size=per_step,
                          max_steps=steps, shuffle=False, lr=1e-5, lr_scheduler="constant")
     job = PreferenceJob(model, bypass, pairs, cfg)
     times, start = [], time.perf_counter()
@@ -68,7 +70,7 @@ def coserve_steps(model, pairs, per_step: int, steps: int, targets: list[str]) -
     return times
 
 
-def peft_steps(model_dir, pairs, per_step: int, steps: int, targets: list[str]) -> list[float]:
+def peft_steps(model_dir, pairs, per_step: int, steps: int, targets: list[str], method: str) -> list[float]:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -86,11 +88,22 @@ def peft_steps(model_dir, pairs, per_step: int, steps: int, targets: list[str]) 
         start = time.perf_counter()
         batch = pairs[step * per_step:(step + 1) * per_step]
         loss = 0
+        if method == "orpo":  # the chosen completions' token-mean cross-entropy, from the same forwards below
+            chosen_tokens = sum(sum(t != IGNORE_INDEX for t in pair.chosen.targets) for pair in batch)
         for pair in batch:
-            with torch.no_grad(), model.disable_adapter():
-                refs = [logp(pair.chosen), logp(pair.rejected)]
-            margin = 0.1 * ((logp(pair.chosen) - refs[0]) - (logp(pair.rejected) - refs[1]))
-            loss = loss - F.logsigmoid(margin) / len(batch)
+            chosen, rejected = logp(pair.chosen), logp(pair.rejected)
+            if method == "dpo":
+                with torch.no_grad(), model.disable_adapter():
+                    refs = [logp(pair.chosen), logp(pair.rejected)]
+                loss = loss - F.logsigmoid(0.1 * ((chosen - refs[0]) - (rejected - refs[1]))) / len(batch)
+                continue
+            means = [lp / sum(t != IGNORE_INDEX for t in ex.targets)
+                     for lp, ex in ((chosen, pair.chosen), (rejected, pair.rejected))]
+            if method == "simpo":
+                loss = loss - F.logsigmoid(0.1 * (means[0] - means[1]) - 0.5) / len(batch)
+            else:
+                odds = (means[0] - means[1]) - (torch.log1p(-torch.exp(means[0])) - torch.log1p(-torch.exp(means[1])))
+                loss = loss - chosen / chosen_tokens - 0.1 * F.logsigmoid(odds) / len(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -108,6 +121,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--targets", default="down_proj")
+    p.add_argument("--method", default="dpo", choices=["dpo", "simpo", "orpo"])
     args = p.parse_args()
     torch.manual_seed(0)
     model = load_model(args.model, torch.float32, torch.device("cpu"))
@@ -116,15 +130,16 @@ def main() -> None:
     targets = args.targets.split(",")
     tokens = [sum(len(x.chosen.token_ids) + len(x.rejected.token_ids)
                   for x in pairs[s * args.pairs_per_step:(s + 1) * args.pairs_per_step]) for s in range(args.steps)]
-    print(f"{args.model}, LoRA r=16 on {args.targets}, {args.pairs_per_step} pairs a step, {torch.get_num_threads()} "
+    print(f"{args.method}: {args.model}, LoRA r=16 on {args.targets}, {args.pairs_per_step} pairs a step, {torch.get_num_threads()} "
           f"threads; policy tokens a step: {statistics.median(tokens):.0f} (median)")
     ratios = []
     for r in range(args.rounds):
         order = ("hf", "coserve") if r % 2 == 0 else ("coserve", "hf")
         rates = {}
         for system in order:
-            times = (peft_steps(args.model, pairs, args.pairs_per_step, args.steps, targets) if system == "hf"
-                     else coserve_steps(model, pairs, args.pairs_per_step, args.steps, targets))
+            times = (peft_steps(args.model, pairs, args.pairs_per_step, args.steps, targets, args.method)
+                     if system == "hf" else coserve_steps(model, pairs, args.pairs_per_step, args.steps, targets,
+                                                          args.method))
             rates[system] = statistics.median(n / sec for n, sec in zip(tokens[1:], times[1:]))  # per step
         ratios.append(rates["coserve"] / rates["hf"])
         print(f"  round {r + 1}: HF PEFT {rates['hf']:,.0f} tokens/s, coserve {rates['coserve']:,.0f} tokens/s, "

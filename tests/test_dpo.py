@@ -119,6 +119,68 @@ def test_a_dpo_step_matches_plain_autograd(model_factory, tmp_path, kind, schedu
     assert line["reward_margin"] == pytest.approx(job.log[0].reward_margin) and "reward_accuracy" in line
 
 
+def _reference_free_oracle(model, bypass, pairs, cfg: FinetuneConfig) -> tuple[float, list[torch.Tensor]]:
+    """SimPO's (TRL's CPOTrainer, loss_type simpo, cpo_alpha 0) or ORPO's (TRL's ORPOTrainer) loss of ``pairs`` and
+    its gradients, by one plain autograd backward."""
+    beta, logps, counts = cfg.dpo_beta, [], []
+    for pair in pairs:
+        for ex in (pair.chosen, pair.rejected):
+            logps.append(-whole_sequence_loss(model, bypass, ex.token_ids, ex.targets, dropout_seed=None))
+            counts.append(sum(t != IGNORE_INDEX for t in ex.targets))
+    means = [lp / n for lp, n in zip(logps, counts)]
+    chosen, rejected = torch.stack(means[0::2]), torch.stack(means[1::2])
+    if cfg.method == "simpo":
+        z, eps = beta * (chosen - rejected) - cfg.simpo_gamma, cfg.dpo_label_smoothing
+        loss = (-F.logsigmoid(z) * (1 - eps) - F.logsigmoid(-z) * eps).mean()
+    else:
+        nll = -torch.stack(logps[0::2]).sum() / sum(counts[0::2])
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        loss = nll - beta * F.logsigmoid(log_odds).mean()
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in bypass.parameters()]
+    bypass.zero_grad()
+    return float(loss), grads
+
+
+@pytest.mark.parametrize("method, kind, schedule, eps, beta", [
+    ("simpo", "lora", "random:3", 0.0, 2.0), ("simpo", "ia3", "random:7", 0.1, 2.0),
+    ("orpo", "lora", "random:3", 0.0, 0.5), ("orpo", "ia3", "", 0.0, 0.5)])
+def test_reference_free_steps_match_plain_autograd(model_factory, tmp_path, method, kind, schedule, eps, beta):
+    """SimPO and ORPO: no reference forwards; an optimizer step's gradients (batch_size 2, grad_accum 2) and loss
+    equal the plain autograd oracle's in any window schedule."""
+    model_dir = model_factory("llama")
+    model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method=method, dpo_beta=beta, batch_size=2, grad_accum=2,
+                         max_steps=1, shuffle=False, window_schedule=schedule, lr=1e-3, max_grad_norm=0,
+                         dpo_label_smoothing=eps, simpo_gamma=0.3)
+    pairs, _ = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS[:4]]), tokenizer, cfg)
+    bypass = _bypass(model, kind)
+    want_loss, want = _reference_free_oracle(model, bypass, pairs, cfg)
+    job = new_job(model, bypass, pairs, cfg)
+    got = []
+    job.optimizer.step = lambda: got.extend(p.grad.detach().clone() for p in bypass.parameters())
+    sizes, forwards = WindowSizes(cfg), 0
+    while (kind_ := job.next_work()) is not None:
+        forwards += kind_ == "forward"
+        (job.forward if kind_ == "forward" else job.backward)(sizes.next(job.pending_tokens()))
+    assert job._refs[False] == {} and job.reference is NO_BYPASS  # no reference forward ran
+    assert job.log[0].loss == pytest.approx(want_loss, rel=1e-5)
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-6 * float(w.abs().max())), float((g - w).abs().max())
+    assert 0 <= job.log[0].reward_accuracy <= 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "orpo", "dpo_label_smoothing": 0.1}, "^dpo_label_smoothing: ORPO's"),
+    ({"method": "simpo", "dpo_loss": "ipo"}, "^dpo_loss: ipo is a DPO loss"),
+    ({"method": "simpo", "simpo_gamma": -1}, "^simpo_gamma: must be a non-negative number"),
+    ({"method": "orpo", "dpo_reference": "x"}, "^dpo_reference: a reference adapter is for method dpo"),
+    ({"method": "simpo", "train_on_prompt": True}, "^train_on_prompt: simpo compares")])
+def test_bad_reference_free_configs_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FinetuneConfig(output_dir="o", **kwargs)
+
+
 def test_dpo_trains_toward_the_preferred_completions_and_keeps_the_reference(model_factory, tmp_path):
     model_dir = model_factory("llama")
     model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
@@ -251,14 +313,19 @@ def test_the_cli_trains_a_dpo_adapter_that_peft_loads(model_factory, tmp_path, c
     peft_model(model_dir, out)  # a PEFT adapter directory
     assert json.loads((tmp_path / "mem.json").read_text())["kept_bytes_per_token"] > 0
     assert main(["finetune", "--model", str(model_dir), "--data", data, "--output", str(tmp_path / "o2"),
-                 "--method", "dpo", "--validation-data", data, "--max-steps", "1", "--no-progress"]) == 0
+                 "--method", "simpo", "--simpo-gamma", "0.2", "--validation-data", data, "--max-steps", "1",
+                 "--no-progress"]) == 0
     assert "validation: 4 examples" in capsys.readouterr().out
     line = json.loads((tmp_path / "o2" / "training_log.jsonl").read_text())
     assert line["valid_loss"] > 0 and 0 <= line["valid_mean_token_accuracy"] <= 1
+    config = json.loads((tmp_path / "o2" / "training_state.json").read_text())["config"]
+    assert (config["method"], config["simpo_gamma"]) == ("simpo", 0.2)
 
 
-def _peft_dpo(model_dir, adapter_dir, pairs, cfg: FinetuneConfig, steps: int):
-    """HF PEFT as TRL's DPOTrainer runs it without a reference model: the reference is the adapter disabled."""
+def _peft_preference(model_dir, adapter_dir, pairs, cfg: FinetuneConfig, steps: int):
+    """HF PEFT trained as TRL's trainers compute the loss: DPOTrainer without a reference model (the reference is the
+    adapter disabled), CPOTrainer's SimPO (per-token means, a margin gamma) and ORPOTrainer (the chosen completions'
+    token-mean cross-entropy minus beta times the log-sigmoid of the means' log odds ratio)."""
     from peft_helpers import PeftTraining
     peft = PeftTraining(model_dir, adapter_dir, cfg, steps)
 
@@ -266,20 +333,34 @@ def _peft_dpo(model_dir, adapter_dir, pairs, cfg: FinetuneConfig, steps: int):
         logits = peft.model(input_ids=torch.tensor([ex.token_ids])).logits[0]
         return -F.cross_entropy(logits, torch.tensor(ex.targets), ignore_index=IGNORE_INDEX, reduction="sum")
 
-    losses = []
+    def tokens(ex):
+        return sum(t != IGNORE_INDEX for t in ex.targets)
+
+    losses, beta = [], cfg.dpo_beta
     for step in range(steps):
         batch = pairs[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         loss = 0
+        if cfg.method == "orpo":
+            loss = -sum(logp(pair.chosen) for pair in batch) / sum(tokens(pair.chosen) for pair in batch)
         for pair in batch:
-            with torch.no_grad(), peft.model.disable_adapter():
-                refs = [logp(pair.chosen), logp(pair.rejected)]
-            margin = cfg.dpo_beta * ((logp(pair.chosen) - refs[0]) - (logp(pair.rejected) - refs[1]))
-            loss = loss - F.logsigmoid(margin) / len(batch)
+            chosen, rejected = logp(pair.chosen), logp(pair.rejected)
+            if cfg.method == "dpo":
+                with torch.no_grad(), peft.model.disable_adapter():
+                    refs = [logp(pair.chosen), logp(pair.rejected)]
+                loss = loss - F.logsigmoid(beta * ((chosen - refs[0]) - (rejected - refs[1]))) / len(batch)
+                continue
+            chosen, rejected = chosen / tokens(pair.chosen), rejected / tokens(pair.rejected)
+            if cfg.method == "simpo":
+                loss = loss - F.logsigmoid(beta * (chosen - rejected) - cfg.simpo_gamma) / len(batch)
+            else:
+                log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+                loss = loss - beta * F.logsigmoid(log_odds) / len(batch)
         losses.append(peft.step(loss))
     return losses, peft.state()
 
 
-def test_dpo_training_matches_hf_peft(model_factory, tmp_path):
+@pytest.mark.parametrize("method, beta", [("dpo", 0.3), ("simpo", 2.0), ("orpo", 0.5)])
+def test_preference_training_matches_hf_peft(model_factory, tmp_path, method, beta):
     from coserve.finetune.runner import run_job
     from coserve.peft.trainable import load_trainable
     from peft_helpers import make_lora_adapter
@@ -287,13 +368,13 @@ def test_dpo_training_matches_hf_peft(model_factory, tmp_path):
     start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8,
                               target_modules=["q_proj", "v_proj", "down_proj"])
     model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
-    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", dpo_beta=0.3, batch_size=2, lr=0.01,
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method=method, dpo_beta=beta, batch_size=2, lr=0.01,
                          warmup_steps=1, weight_decay=0.01, shuffle=False, window_schedule="random:11")
     pairs, _ = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS]), tokenizer, cfg)
     bypass = load_trainable(start, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
     job = new_job(model, bypass, pairs, cfg)
     run_job(job, progress=False)
-    ref_losses, ref_state = _peft_dpo(model_dir, start, pairs, cfg, 3)
+    ref_losses, ref_state = _peft_preference(model_dir, start, pairs, cfg, 3)
     assert [r.loss for r in job.log] == pytest.approx(ref_losses, abs=1e-5)
     ours = bypass.state_dict()
     assert set(ours) == set(ref_state)
@@ -343,11 +424,13 @@ def test_a_resumed_dpo_job_continues_exactly(model_factory, tmp_path):
     assert new_job(model, _bypass(model, "lora"), pairs, with_ref, resume_from=tmp_path / "half")._refs[False] == {}
 
 
-def test_validation_pairs_give_the_mean_dpo_loss_of_the_adapter_after_the_step(model_factory, tmp_path):
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+def test_validation_pairs_give_the_mean_loss_of_the_adapter_after_the_step(model_factory, tmp_path, method):
+    """(ORPO's cross-entropy part is a token mean over the whole validation set's chosen completions.)"""
     from coserve.finetune.runner import run_job
     model_dir = model_factory("llama")
     model, tokenizer = load_model(model_dir, torch.float32, torch.device("cpu")), load_tokenizer(model_dir)
-    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="dpo", dpo_beta=0.4, batch_size=2, epochs=2,
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method=method, dpo_beta=0.4, batch_size=2, epochs=2,
                          lr=2e-2, eval_steps=1, window_tokens=6)
     pairs, _ = load_training(_write(tmp_path / "p.jsonl", [_openai(w) for w in WORDS[:4]]), tokenizer, cfg)
     held_out, _ = load_training(_write(tmp_path / "v.jsonl", [_openai(w) for w in WORDS[4:]]), tokenizer, cfg)
@@ -356,8 +439,11 @@ def test_validation_pairs_give_the_mean_dpo_loss_of_the_adapter_after_the_step(m
     run_job(job, progress=False)
     assert [r.valid_loss is not None for r in job.log] == [False, True, False, True]  # each epoch's end
     assert all(r.valid_batch_loss is not None for r in job.log if r.valid_loss is None)  # eval_steps=1 between
-    with torch.no_grad():
-        want, _ = _oracle_loss(model, bypass, held_out, cfg.dpo_beta)
+    if method == "orpo":
+        want, _ = _reference_free_oracle(model, bypass, held_out, cfg)
+    else:
+        with torch.no_grad():
+            want, _ = _oracle_loss(model, bypass, held_out, cfg.dpo_beta)
     assert job.log[-1].valid_loss == pytest.approx(want, rel=1e-5)
     assert job.log[-1].valid_loss != pytest.approx(job.log[1].valid_loss, rel=1e-3)  # the adapter moved
 

@@ -51,7 +51,7 @@ class LLM:
         """Start a finetuning job co-served with ``generate`` calls (the engine then runs in a background thread).
 
         ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``; with
-        ``config.method="dpo"``, preference pairs: OpenAI's DPO records or TRL's prompt/chosen/rejected);
+        ``config.method`` dpo, simpo or orpo, preference pairs: OpenAI's DPO records or TRL's prompt/chosen/rejected);
         ``peft``: LoraConfig (default: r=16 on down_proj) or IA3Config (none with ``config.start_adapter`` or
         ``config.dpo_reference``: the job then trains a copy of that adapter); ``config``: FinetuneConfig
         (``output_dir`` is required). The adapter is written to ``output_dir`` when the job ends.

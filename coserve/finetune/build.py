@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.config import PREFERENCE_METHODS, FinetuneConfig
 from coserve.finetune.dataset import DatasetReport, load_dataset
 from coserve.finetune.job import FinetuneJob
 from coserve.finetune.preference import load_preference_dataset
@@ -55,16 +55,17 @@ def starting_bypass(peft: LoraConfig | IA3Config | None, model: DecoderModel,
 
 
 def load_training(path, tokenizer, cfg: FinetuneConfig) -> tuple[list, DatasetReport]:
-    """A data file as ``cfg.method`` trains on it: sequences (sft) or preference pairs (dpo, ``preference.py``)."""
-    if cfg.method == "dpo":
+    """A data file as ``cfg.method`` trains on it: sequences (sft) or preference pairs (dpo, simpo,
+    orpo: ``preference.py``)."""
+    if cfg.method in PREFERENCE_METHODS:
         return load_preference_dataset(path, tokenizer, cfg.max_seq_len)
     return load_dataset(path, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
 
 
 def new_job(model: DecoderModel, bypass: TrainableBypass, examples: list, cfg: FinetuneConfig, base_model: str = "",
             resume_from=None, validation: list | None = None) -> FinetuneJob:
-    """The job for ``cfg.method``: a ``FinetuneJob`` (sft) or a ``PreferenceJob`` (dpo: ``examples`` and
-    ``validation`` are preference pairs)."""
-    if cfg.method == "dpo":
+    """The job for ``cfg.method``: a ``FinetuneJob`` (sft) or a ``PreferenceJob`` (dpo, simpo, orpo:
+    ``examples`` and ``validation`` are preference pairs)."""
+    if cfg.method in PREFERENCE_METHODS:
         return PreferenceJob(model, bypass, examples, cfg, base_model, resume_from, validation)
     return FinetuneJob(model, bypass, examples, cfg, base_model, resume_from, validation)

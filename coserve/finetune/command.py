@@ -25,10 +25,12 @@ def add_arguments(p) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records (with "
                    "--method dpo: preference pairs, OpenAI's DPO records or TRL's prompt/chosen/rejected)")
-    p.add_argument("--method", default=d.method, choices=["sft", "dpo"],
-                   help="sft: cross-entropy on the completions; dpo: Direct Preference Optimization on preference "
-                        "pairs against the base model (or --dpo-reference)")
-    p.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO's beta (--method dpo)")
+    p.add_argument("--method", default=d.method, choices=["sft", "dpo", "simpo", "orpo"],
+                   help="sft: cross-entropy on the completions; on preference pairs: dpo (Direct Preference "
+                        "Optimization against the base model, or --dpo-reference), simpo or orpo (no reference)")
+    p.add_argument("--dpo-beta", type=float, default=d.dpo_beta,
+                   help="the preference methods' beta (DPO's, SimPO's; ORPO's weight of the odds-ratio loss)")
+    p.add_argument("--simpo-gamma", type=float, default=d.simpo_gamma, help="SimPO's target reward margin")
     p.add_argument("--dpo-loss", default=d.dpo_loss, choices=["sigmoid", "hinge", "ipo"],
                    help="TRL's loss_type (--method dpo): sigmoid (DPO), hinge (SLiC) or ipo (IPO)")
     p.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
@@ -99,7 +101,7 @@ def run(args) -> int:
         train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps, save_steps=args.save_steps,
         save_total_limit=args.save_total_limit, method=args.method, dpo_beta=args.dpo_beta,
         dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing, dpo_reference=args.dpo_reference,
-        start_adapter=args.start_adapter)
+        start_adapter=args.start_adapter, simpo_gamma=args.simpo_gamma)
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     examples, report = load_training(args.data, tokenizer, cfg)

@@ -9,7 +9,9 @@ from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REMATERIALIZE = ("cheap", "all")
-METHODS = ("sft", "dpo")  # supervised (cross-entropy on the completions), or DPO on preference pairs
+METHODS = ("sft", "dpo", "simpo", "orpo")  # supervised (cross-entropy on the completions), or a preference method
+PREFERENCE_METHODS = ("dpo", "simpo", "orpo")  # on preference pairs (preference_job.py); simpo and orpo need no
+#   reference model
 DPO_LOSSES = ("sigmoid", "hinge", "ipo")  # TRL's loss_type names (preference_job.dpo_terms)
 
 
@@ -42,11 +44,15 @@ class FinetuneConfig:
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
     save_steps: int = 0  # HF Trainer's: every this many steps, a resumable checkpoint in output_dir/checkpoint-STEP
     save_total_limit: int = 0  # HF Trainer's: keep only the newest this many of those (0 = all)
-    method: str = "sft"  # sft, or dpo: Direct Preference Optimization on preference pairs (preference.py), the base
-    #   model (the adapter off) as the reference
-    dpo_beta: float = 0.1  # DPO's beta: how far the policy may move from the reference (TRL's and OpenAI's default)
-    dpo_loss: str = "sigmoid"  # TRL's loss_type: sigmoid (DPO), hinge (SLiC) or ipo (IPO, on per-token mean log-probs)
-    dpo_label_smoothing: float = 0.0  # sigmoid only: the chance a pair's preference is flipped (cDPO), in [0, 0.5)
+    method: str = "sft"  # sft, or on preference pairs (preference.py): dpo (Direct Preference Optimization, the base
+    #   model, the adapter off, as the reference), simpo (SimPO: no reference, per-token mean log-probabilities and a
+    #   margin gamma; TRL's CPOTrainer with loss_type simpo and cpo_alpha 0) or orpo (ORPO: the chosen completions'
+    #   cross-entropy plus beta times an odds-ratio loss, no reference; TRL's ORPOTrainer)
+    dpo_beta: float = 0.1  # the preference methods' beta: DPO's and SimPO's (how sharp the preference) and ORPO's
+    #   weight of the odds-ratio loss (its lambda); TRL's and OpenAI's default
+    dpo_loss: str = "sigmoid"  # DPO's, TRL's loss_type: sigmoid (DPO), hinge (SLiC) or ipo (IPO, on per-token means)
+    dpo_label_smoothing: float = 0.0  # sigmoid DPO and SimPO: the chance a pair's preference is flipped, in [0, 0.5)
+    simpo_gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
     dpo_reference: str = ""  # an adapter directory (HF PEFT) as DPO's reference, frozen, and where a new job's adapter
     #   starts (DPO after supervised finetuning, as TRL runs an SFT adapter as both); "" = the base model
     start_adapter: str = ""  # an adapter directory (HF PEFT) whose weights a new job trains on from (a copy; its PEFT
@@ -85,15 +91,22 @@ class FinetuneConfig:
             raise ValueError(f"dpo_label_smoothing: must be in [0, 0.5), got {eps!r}")
         if eps and self.dpo_loss != "sigmoid":
             raise ValueError(f"dpo_label_smoothing: only the sigmoid loss smooths labels (dpo_loss is {self.dpo_loss})")
+        if eps and self.method == "orpo":
+            raise ValueError("dpo_label_smoothing: ORPO's odds-ratio loss has no label smoothing")
+        if self.dpo_loss != "sigmoid" and self.method != "dpo":
+            raise ValueError(f"dpo_loss: {self.dpo_loss} is a DPO loss; method {self.method} has its own")
+        gamma = self.simpo_gamma
+        if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or not 0 <= gamma < float("inf"):
+            raise ValueError(f"simpo_gamma: must be a non-negative number, got {gamma!r}")
         if not isinstance(self.dpo_reference, str):
             raise ValueError(f"dpo_reference: must be an adapter directory's path, got {self.dpo_reference!r}")
         if not isinstance(self.start_adapter, str):
             raise ValueError(f"start_adapter: must be an adapter directory's path, got {self.start_adapter!r}")
         if self.dpo_reference and self.method != "dpo":
             raise ValueError("dpo_reference: a reference adapter is for method dpo")
-        if self.method == "dpo" and self.train_on_prompt:
-            raise ValueError("train_on_prompt: DPO compares the completions' log-probabilities; the prompt carries no "
-                             "loss")
+        if self.method in PREFERENCE_METHODS and self.train_on_prompt:
+            raise ValueError(f"train_on_prompt: {self.method} compares the completions' log-probabilities; the prompt "
+                             "carries no loss")
         if not self.output_dir:
             raise ValueError("output_dir: is required")
 

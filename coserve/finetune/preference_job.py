@@ -10,7 +10,10 @@ backward passes. A forward window stores the gradient of its tokens' cross-entro
 the last layer's output; the loss depends on the pair's log-probabilities only through their sums, so once both
 forwards are done the stored gradients are scaled by ``dL/d(-lc)`` and ``dL/d(-lr)``, and the backward passes give
 the exact gradient of the mini-batch's mean DPO loss. TRL's hinge and IPO losses, and the sigmoid loss with label
-smoothing, differ only in that scale (``dpo_terms``).
+smoothing, differ only in that scale (``dpo_terms``). So do the reference-free methods, which skip the reference
+forwards: SimPO (``simpo_terms``, on per-token mean log-probabilities) and ORPO (``orpo_terms``: the odds ratio of
+the means, plus the chosen completions' cross-entropy, a token mean over the step, which only adds to the chosen
+sequence's scale).
 """
 
 from __future__ import annotations
@@ -84,10 +87,35 @@ def dpo_terms(beta: float, chosen: float, rejected: float, ref_chosen: float, re
     return loss, margin, slope
 
 
+def simpo_terms(beta: float, gamma: float, chosen: float, rejected: float, label_smoothing: float = 0.0
+                ) -> tuple[float, float, float]:
+    """SimPO's ``(loss, margin, slope)`` from the completions' per-token mean log-probabilities (TRL's CPOTrainer,
+    loss_type simpo): ``-(1 - e) log sigmoid(beta d - gamma) - e log sigmoid(gamma - beta d)`` with ``d = chosen -
+    rejected``; ``margin = beta d`` (the rewards' difference, as TRL logs it), ``slope = dloss/dd``."""
+    loss, _, slope = dpo_terms(beta, chosen, rejected, gamma / beta, 0.0, "sigmoid", label_smoothing)
+    return loss, beta * (chosen - rejected), slope
+
+
+def orpo_terms(beta: float, chosen: float, rejected: float) -> tuple[float, float, float, float]:
+    """ORPO's odds-ratio part ``(loss, margin, dloss/dchosen, dloss/drejected)`` from the completions' per-token mean
+    log-probabilities (TRL's ORPOTrainer): ``-beta log sigmoid(log_odds)``, ``log_odds = (chosen - rejected) -
+    (log(1 - e^chosen) - log(1 - e^rejected))``; ``margin = beta (chosen - rejected)``, as TRL logs it."""
+    def log1m_exp(x: float) -> float:  # log(1 - e^x), x <= 0
+        return math.log(max(-math.expm1(x), 1e-300))
+
+    log_odds = (chosen - rejected) - (log1m_exp(chosen) - log1m_exp(rejected))
+    loss = -beta * _log_sigmoid(log_odds)
+    slope = -beta * _sigmoid(-log_odds)  # dloss/dlog_odds
+    # d log_odds / d x = 1 / (1 - e^x) for the chosen, minus that for the rejected
+    return (loss, beta * (chosen - rejected), slope / max(-math.expm1(chosen), 1e-300),
+            -slope / max(-math.expm1(rejected), 1e-300))
+
+
 class PreferenceJob(FinetuneJob):
-    """``FinetuneJob`` over preference pairs with the DPO loss; mini-batches count pairs (``batch_size`` pairs a
-    micro-batch). ``validation`` pairs run as the training job runs validation sequences (after each epoch, the
-    last step, and with ``eval_steps``): forward passes only, without dropout, for their mean DPO loss."""
+    """``FinetuneJob`` over preference pairs with the DPO loss (or SimPO's or ORPO's: ``cfg.method``); mini-batches
+    count pairs (``batch_size`` pairs a micro-batch). ``validation`` pairs run as the training job runs validation
+    sequences (after each epoch, the last step, and with ``eval_steps``): forward passes only, without dropout, for
+    their mean loss."""
 
     def __init__(self, model: DecoderModel, bypass: TrainableBypass, pairs: list[PreferencePair],
                  cfg: FinetuneConfig, base_model: str = "", resume_from=None,
@@ -109,15 +137,19 @@ class PreferenceJob(FinetuneJob):
         #   its log-probability)
         self._margins: list[float] = []  # of the step's pairs so far
         self._eval_pairs = 0  # pairs of the validation pass under way
+        self._batch_chosen_targets = 0  # target tokens of the step's chosen completions (ORPO's cross-entropy)
+        self._eval_chosen_targets = 0  # and of the validation pass's
         self._fingerprints: dict[bool, str] = {}
         for evaluating, saved in ((False, self._restored.get("reference_logps")),
                                   (True, self._restored.get("validation_reference_logps"))):
-            if saved and saved.get("fingerprint") == self._fingerprint(evaluating):  # the same pairs and reference
+            if saved and cfg.method == "dpo" and saved.get("fingerprint") == self._fingerprint(evaluating):  # the same pairs and reference
                 self._refs[evaluating] = dict(saved["pairs"])
         self._restored = {}
 
     def checkpoint_extra(self) -> dict:
         """The pairs' reference log-probabilities: a resumed job does not run those forwards again."""
+        if self.cfg.method != "dpo":
+            return {}
         return {"reference_logps": {"fingerprint": self._fingerprint(False), "pairs": dict(self._refs[False])},
                 "validation_reference_logps": {"fingerprint": self._fingerprint(True),
                                                "pairs": dict(self._refs[True])}}
@@ -174,6 +206,7 @@ class PreferenceJob(FinetuneJob):
             self._next_in_batch = 0
             self._batch_loss = 0.0
             self._batch_targets = target_tokens(self.examples[2 * u + k] for u in self._batch for k in (0, 1))
+            self._batch_chosen_targets = target_tokens(self.examples[2 * u] for u in self._batch)
             self._batch_correct = 0
             self._margins = []
         self._eval, self._pair = False, self._batch[self._next_in_batch]
@@ -182,8 +215,11 @@ class PreferenceJob(FinetuneJob):
                                            (REJECTED, "backward")]
 
     def _ref_tasks(self) -> list[tuple[str, str]]:
-        """The current pair's reference forwards, unless an earlier epoch (or validation pass) ran them."""
-        return [] if self._pair in self._refs[self._eval] else [("ref_chosen", "forward"), ("ref_rejected", "forward")]
+        """The current pair's reference forwards, unless an earlier epoch (or validation pass) ran them or the method
+        has no reference (SimPO, ORPO)."""
+        if self.cfg.method != "dpo" or self._pair in self._refs[self._eval]:
+            return []
+        return [("ref_chosen", "forward"), ("ref_rejected", "forward")]
 
     def _next_task(self) -> None:
         role, kind = self._tasks.pop(0)
@@ -235,12 +271,24 @@ class PreferenceJob(FinetuneJob):
             self._weigh_pair()
 
     def _pair_terms(self, lc: float, lr: float, counts: tuple[int, int]) -> tuple[float, float, float, float]:
-        """``(loss, margin, dL/d lc, dL/d lr)`` of the current pair from its summed log-probabilities (IPO's are
-        per-token means: ``counts`` are the two completions' target tokens)."""
+        """``(loss, margin, dL/d lc, dL/d lr)`` of the current pair from its summed log-probabilities (IPO's, SimPO's
+        and ORPO's are per-token means: ``counts`` are the two completions' target tokens). ``loss`` is the pair's
+        share of the step's (or validation pass's) loss times its number of pairs."""
+        cfg = self.cfg
+        if cfg.method == "simpo":
+            loss, margin, slope = simpo_terms(cfg.dpo_beta, cfg.simpo_gamma, lc / counts[0], lr / counts[1],
+                                              cfg.dpo_label_smoothing)
+            return loss, margin, slope / counts[0], -slope / counts[1]
+        if cfg.method == "orpo":
+            pairs, chosen_targets = ((self._eval_pairs, self._eval_chosen_targets) if self._eval
+                                     else (len(self._batch), self._batch_chosen_targets))
+            nll = pairs / max(1, chosen_targets)  # the cross-entropy is a token mean over the step's chosen completions
+            loss, margin, d_chosen, d_rejected = orpo_terms(cfg.dpo_beta, lc / counts[0], lr / counts[1])
+            return -lc * nll + loss, margin, -nll + d_chosen / counts[0], d_rejected / counts[1]
         rc, rr = self._refs[self._eval][self._pair]
-        scale = (1.0 / counts[0], 1.0 / counts[1]) if self.cfg.dpo_loss == "ipo" else (1.0, 1.0)
-        loss, margin, slope = dpo_terms(self.cfg.dpo_beta, lc * scale[0], lr * scale[1], rc * scale[0], rr * scale[1],
-                                        self.cfg.dpo_loss, self.cfg.dpo_label_smoothing)
+        scale = (1.0 / counts[0], 1.0 / counts[1]) if cfg.dpo_loss == "ipo" else (1.0, 1.0)
+        loss, margin, slope = dpo_terms(cfg.dpo_beta, lc * scale[0], lr * scale[1], rc * scale[0], rr * scale[1],
+                                        cfg.dpo_loss, cfg.dpo_label_smoothing)
         return loss, margin, slope * scale[0], -slope * scale[1]
 
     def _weigh_pair(self) -> None:
@@ -262,6 +310,7 @@ class PreferenceJob(FinetuneJob):
         return queue
 
     def _validation_targets(self, queue: list[int]) -> int:
+        self._eval_chosen_targets = target_tokens(self.validation[2 * v] for v in queue)
         return target_tokens(self.validation[2 * v + k] for v in queue for k in (0, 1))
 
     def stop_validation(self) -> None:
