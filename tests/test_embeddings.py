@@ -115,3 +115,29 @@ def test_bad_embedding_requests_name_their_field(model_factory):
         with pytest.raises(ValueError, match=f"^{field} must be"):
             PoolingParams(**kwargs)
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].embedding is None
+
+
+def test_score_is_the_cosine_of_hf_embeddings_paired_as_vllm_pairs(model_factory, hf_model_cache):
+    """vLLM's ``LLM.score``: one first prompt against every second one, or two lists pairwise; each score the
+    cosine similarity of the two prompts' embeddings (HF's hidden states)."""
+    model_dir = model_factory("llama")
+    hf = hf_model_cache(model_dir)
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+
+    def cosine(a, b):
+        return float(torch.nn.functional.cosine_similarity(_hf_hidden(hf.model, a), _hf_hidden(hf.model, b), dim=0))
+
+    one = llm.score(PROMPTS[0], PROMPTS)
+    assert [o.prompt_token_ids for o in one] == PROMPTS
+    assert [o.outputs.score for o in one] == pytest.approx([cosine(PROMPTS[0], p) for p in PROMPTS], abs=1e-5)
+    assert one[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    pairwise = llm.score(PROMPTS[:2], PROMPTS[1:])
+    assert [o.outputs.score for o in pairwise] == pytest.approx([cosine(PROMPTS[0], PROMPTS[1]),
+                                                                 cosine(PROMPTS[1], PROMPTS[2])], abs=1e-5)
+    assert len({round(o.outputs.score, 4) for o in one}) == 3  # the scores tell the prompts apart
+    with pytest.raises(ValueError, match=r"^data_1: 2 prompts for 3 in data_2"):
+        llm.score(PROMPTS[:2], PROMPTS)
+    with pytest.raises(ValueError, match="^data_2: is empty"):
+        llm.score("a", [])
+    with pytest.raises(ValueError, match="^pooling_params.normalize"):
+        llm.score("a", "b", PoolingParams(normalize=False))

@@ -18,7 +18,8 @@ from coserve.finetune.config import FinetuneConfig
 from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.engine.llm_engine import LLMEngine
-from coserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from coserve.engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                                     ScoringRequestOutput)
 from coserve.scheduler import PoolingParams, SamplingParams
 from coserve.scheduler.sampling_params import sequence_seed
 
@@ -151,6 +152,29 @@ class LLM:
             results.append(EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding),
                                                   True, out.num_cached_tokens))
         return results
+
+    def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None, adapter: str | None = None, use_tqdm: bool = False,
+              tenant: str = "default", priority: int = 0) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` with an embedding model: each pair's cosine similarity of the two prompts'
+        embeddings (``embed``). One ``data_1`` is scored against every ``data_2``; two lists pair up by position
+        (they must be equally long). A shared first prompt is embedded once."""
+        first, second = _prompt_list(data_1), _prompt_list(data_2)
+        for name, prompts in (("data_1", first), ("data_2", second)):
+            if not prompts:
+                raise ValueError(f"{name}: is empty")
+        if len(first) != 1 and len(first) != len(second):
+            raise ValueError(f"data_1: {len(first)} prompts for {len(second)} in data_2 (give one, or as many)")
+        params = pooling_params or PoolingParams()
+        if not params.normalize:
+            raise ValueError("pooling_params.normalize: scores are cosine similarities of normalized embeddings")
+        embedded = self.embed([*first, *second], params, adapter, use_tqdm, tenant, priority)
+        queries, texts = embedded[:len(first)], embedded[len(first):]
+        return [ScoringRequestOutput(
+                    text.request_id, text.prompt_token_ids,
+                    ScoringOutput(sum(x * y for x, y in zip(queries[0 if len(queries) == 1 else i].outputs.embedding,
+                                                             text.outputs.embedding))))
+                for i, text in enumerate(texts)]
 
     def _run(self, built: list, use_tqdm: bool) -> list[RequestOutput]:
         """Run requests built by ``make_request`` to their ends; their final outputs in order."""

@@ -62,3 +62,20 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's: one pair's score (with an embedding model, the cosine similarity of the two texts' embeddings)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (the vLLM ``ScoringRequestOutput`` shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the second text's (the first's embedding may serve several pairs)
+    outputs: ScoringOutput
+    finished: bool = True
