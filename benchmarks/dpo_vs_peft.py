@@ -130,8 +130,8 @@ def main() -> None:
     targets = args.targets.split(",")
     tokens = [sum(len(x.chosen.token_ids) + len(x.rejected.token_ids)
                   for x in pairs[s * args.pairs_per_step:(s + 1) * args.pairs_per_step]) for s in range(args.steps)]
-    print(f"{args.method}: {args.model}, LoRA r=16 on {args.targets}, {args.pairs_per_step} pairs a step, {torch.get_num_threads()} "
-          f"threads; policy tokens a step: {statistics.median(tokens):.0f} (median)")
+    print(f"{args.method}: {args.model}, LoRA r=16 on {args.targets}, {args.pairs_per_step} pairs a step, "
+          f"{torch.get_num_threads()} threads; policy tokens a step: {statistics.median(tokens):.0f} (median)")
     ratios = []
     for r in range(args.rounds):
         order = ("hf", "coserve") if r % 2 == 0 else ("coserve", "hf")

@@ -78,6 +78,9 @@ def test_a_dpo_job_trains_a_servable_model_while_chat_is_served(client):
     ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}}},
      "coserve.dpo_label_smoothing"),
     ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "kto"}}}, "coserve.dpo_loss"),
+    ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "orpo", "dpo_label_smoothing": 0.1}}},
+     "coserve.dpo_label_smoothing"),
+    ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "simpo", "simpo_gamma": -1}}}, "coserve.simpo_gamma"),
 ])
 def test_bad_dpo_jobs_are_refused_naming_the_field(client, method, extra, param):
     training = _upload(client, _jsonl([_pair("cats")]))
@@ -156,3 +159,41 @@ def test_supervised_then_dpo_on_the_fine_tuned_model(client):
         with pytest.raises(openai.NotFoundError) as e:
             client.other.fine_tuning.jobs.create(model=name, training_file=bobs.id)
         assert e.value.body["param"] == "model"
+
+
+def test_reference_free_methods_in_place_of_the_dpo_loss(client):
+    """``coserve.dpo_loss`` orpo (or simpo) runs that method on the DPO job's pairs and beta: ORPO's first loss holds
+    the chosen completions' cross-entropy (about log of the vocabulary for a random model), where DPO's starts at
+    log 2."""
+    pairs = _upload(client, _jsonl(_pair(w) for w in ("cats", "dogs")))
+    losses = {}
+    for loss in ("orpo", "simpo"):
+        job = wait_for_job(client, client.fine_tuning.jobs.create(
+            model=BASE, training_file=pairs.id, method={"type": "dpo", "dpo": {"hyperparameters": {
+                "n_epochs": 1, "batch_size": 2, "beta": 0.5}}},
+            extra_body={"coserve": {"dpo_loss": loss, "simpo_gamma": 0.2}}).id)
+        assert job.status == "succeeded", job.error
+        step = next(e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data
+                    if e.type == "metrics")
+        assert "train_reward_margin" in step
+        losses[loss] = step["train_loss"]
+    assert losses["orpo"] > 5  # cross-entropy of a random model
+    assert 0 < losses["simpo"] < 2 and abs(losses["simpo"] - math.log(2)) > 1e-3  # gamma shifts it from log 2
+
+
+def test_jobs_are_listed_by_metadata_through_the_client(client):
+    """OpenAI's ``metadata`` filter of ``GET /v1/fine_tuning/jobs`` (``metadata[k]=v``, ``metadata=null``)."""
+    import httpx
+    pairs = _upload(client, _jsonl([_pair("cats")]))
+    tagged = client.fine_tuning.jobs.create(model=BASE, training_file=pairs.id, method={"type": "dpo"},
+                                            metadata={"experiment": "tagged-1"})
+    plain = client.fine_tuning.jobs.create(model=BASE, training_file=pairs.id, method={"type": "dpo"})
+    for job in (tagged, plain):
+        client.fine_tuning.jobs.cancel(job.id)
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"experiment": "tagged-1"})] == [tagged.id]
+    assert list(client.fine_tuning.jobs.list(metadata={"experiment": "other"})) == []
+    url, key = str(client.base_url).rstrip("/"), {"Authorization": f"Bearer {KEY}"}
+    untagged = httpx.get(f"{url}/fine_tuning/jobs", params={"metadata": "null", "limit": 100}, headers=key).json()
+    assert plain.id in [j["id"] for j in untagged["data"]] and all(j["metadata"] is None for j in untagged["data"])
+    r = httpx.get(f"{url}/fine_tuning/jobs", params={"metadata": "null", "metadata[a]": "b"}, headers=key)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"

@@ -937,7 +937,7 @@ def test_a_checkpoint_is_recorded_only_after_the_events_of_its_steps(tmp_path):
     engine = SimpleNamespace(job_states={job_id: SimpleNamespace(status="running", error=None, job=ft)})
     loop = SimpleNamespace(engine=engine, post_and_wait=lambda fn: fn())  # posted work runs at once
     jobs = JobManager(store, loop, ServerConfig(model="m", state_dir=str(tmp_path / "state")),
-                      ServerMetrics(lambda: {}, lambda: {}), "base")
+                      ServerMetrics(lambda: {}, lambda: {}), SimpleNamespace(base="base"))
     r = Running(job_id, "alice", f"ft:base::{job_id}", 1, ft)
     jobs.running[job_id] = r
 
@@ -996,7 +996,7 @@ def test_checkpoints_are_written_off_the_engine_thread_and_all_recorded_when_the
     loop = SimpleNamespace(engine=SimpleNamespace(job_states={job_id: state}), post=lambda fn: fn(), error=None,
                            thread=SimpleNamespace(is_alive=lambda: True))
     jobs = JobManager(store, loop, ServerConfig(model="m", state_dir=str(tmp_path / "state")),
-                      ServerMetrics(lambda: {}, lambda: {}), "base")
+                      ServerMetrics(lambda: {}, lambda: {}), SimpleNamespace(base="base"))
     r = Running(job_id, "alice", f"ft:base::{job_id}", 1, ft)
     jobs.running[job_id] = r
     release, writers = threading.Event(), []
@@ -1044,7 +1044,7 @@ def test_a_checkpoint_that_cannot_be_written_is_told_and_training_goes_on(tmp_pa
     store.add_job("alice", {"id": job_id, "status": "running", "coserve": {"step": 0}})
     ft = SimpleNamespace(log=[], step=3, tokens_done=0, total_steps=10, snapshot=lambda: "snapshot")
     jobs = JobManager(store, SimpleNamespace(engine=None), ServerConfig(model="m", state_dir=str(tmp_path / "state")),
-                      ServerMetrics(lambda: {}, lambda: {}), "base")
+                      ServerMetrics(lambda: {}, lambda: {}), SimpleNamespace(base="base"))
     r = Running(job_id, "alice", f"ft:base::{job_id}", 1, ft)
     jobs._checkpoint(r)
     r.wait_for_writes()

@@ -206,6 +206,24 @@ def test_list_jobs_pagination(store):
     assert [j["id"] for j in page] == newest and not more
 
 
+def test_list_jobs_filters_by_metadata_as_openai_does(store):
+    a = store.add_job("alice", _job(metadata={"team": "red", "run": "1"}))["id"]
+    b = store.add_job("alice", _job(metadata={"team": "blue", "my key": ""}))["id"]
+    c = store.add_job("alice", _job(metadata=None))["id"]
+    store.add_job("bob", _job(metadata={"team": "red"}))
+
+    def ids(**kw):
+        return [j["id"] for j in store.list_jobs("alice", **kw)[0]]
+    assert ids() == [c, b, a]
+    assert ids(metadata={"team": "red"}) == [a] and ids(metadata={"team": "red", "run": "2"}) == []
+    assert ids(metadata={"my key": ""}) == [b]  # an empty value filters for that key with an empty value
+    assert ids(without_metadata=True) == [c]
+    page, more = store.list_jobs("alice", metadata={"team": "blue"}, limit=1)
+    assert [j["id"] for j in page] == [b] and not more
+    with pytest.raises(ValueError, match="^metadata: the key"):
+        ids(metadata={'a"b': "x"})
+
+
 def test_list_jobs_bad_cursor_and_limit(store):
     bob_job = store.add_job("bob", _job())
     with pytest.raises(ValueError, match="after"):

@@ -5,15 +5,15 @@ model (the adapter off), or a frozen adapter (``dpo_reference``, e.g. the superv
 
 A pair runs as up to six sequences of windows, one at a time, each an ordinary forward or backward pass that the
 engine interleaves with inference as it does any job's: the two reference forwards (no gradient; their
-log-probabilities are kept per pair, so later epochs, and a job resumed from a checkpoint, skip them), the chosen and the rejected forward, then the two
-backward passes. A forward window stores the gradient of its tokens' cross-entropy (the negated log-probability) at
-the last layer's output; the loss depends on the pair's log-probabilities only through their sums, so once both
-forwards are done the stored gradients are scaled by ``dL/d(-lc)`` and ``dL/d(-lr)``, and the backward passes give
-the exact gradient of the mini-batch's mean DPO loss. TRL's hinge and IPO losses, and the sigmoid loss with label
-smoothing, differ only in that scale (``dpo_terms``). So do the reference-free methods, which skip the reference
-forwards: SimPO (``simpo_terms``, on per-token mean log-probabilities) and ORPO (``orpo_terms``: the odds ratio of
-the means, plus the chosen completions' cross-entropy, a token mean over the step, which only adds to the chosen
-sequence's scale).
+log-probabilities are kept per pair, so later epochs, and a job resumed from a checkpoint, skip them), the chosen
+and the rejected forward, then the two backward passes. A forward window stores the gradient of its tokens'
+cross-entropy (the negated log-probability) at the last layer's output; the loss depends on the pair's
+log-probabilities only through their sums, so once both forwards are done the stored gradients are scaled by
+``dL/d(-lc)`` and ``dL/d(-lr)``, and the backward passes give the exact gradient of the mini-batch's mean DPO loss.
+TRL's hinge and IPO losses, and the sigmoid loss with label smoothing, differ only in that scale (``dpo_terms``). So
+do the reference-free methods, which skip the reference forwards: SimPO (``simpo_terms``, on per-token mean
+log-probabilities) and ORPO (``orpo_terms``: the odds ratio of the means, plus the chosen completions'
+cross-entropy, a token mean over the step, which only adds to the chosen sequence's scale).
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ class PreferenceJob(FinetuneJob):
         self._fingerprints: dict[bool, str] = {}
         for evaluating, saved in ((False, self._restored.get("reference_logps")),
                                   (True, self._restored.get("validation_reference_logps"))):
-            if saved and cfg.method == "dpo" and saved.get("fingerprint") == self._fingerprint(evaluating):  # the same pairs and reference
-                self._refs[evaluating] = dict(saved["pairs"])
+            if saved and cfg.method == "dpo" and saved.get("fingerprint") == self._fingerprint(evaluating):
+                self._refs[evaluating] = dict(saved["pairs"])  # of the same pairs, under the same reference
         self._restored = {}
 
     def checkpoint_extra(self) -> dict:

@@ -122,10 +122,30 @@ def _page(fn, *args, after: str | None, limit: int) -> dict:
     return {"object": "list", "data": data, "has_more": has_more}
 
 
+def metadata_filter(request: Request) -> tuple[dict[str, str], bool]:
+    """OpenAI's metadata filter of a job listing: ``metadata[k]=v`` pairs (every one must match) or ``metadata=null``
+    (only jobs without metadata: True), or neither. Errors name the parameter."""
+    pairs, null = {}, False
+    for key, value in request.query_params.multi_items():
+        if key == "metadata":
+            if value != "null":
+                raise bad_request(f"metadata: give metadata[key]=value pairs or metadata=null, not {value!r}",
+                                  "metadata")
+            null = True
+        elif key.startswith("metadata[") and key.endswith("]"):
+            name = key[len("metadata["):-1]
+            if not name or len(name) > 64 or '"' in name or "\\" in name:
+                raise bad_request(f"{key}: a metadata key is 1-64 characters, without quotes or backslashes", key)
+            pairs[name] = value
+    if null and pairs:
+        raise bad_request("metadata: give metadata[key]=value pairs or metadata=null, not both", "metadata")
+    return pairs, null
+
+
 @router.get("/v1/fine_tuning/jobs")
 async def list_jobs(request: Request, after: str | None = None, limit: int = Query(20),
                     ctx: ServerContext = Depends(context)):
-    return _page(ctx.store.list_jobs, tenant_of(request), after=after, limit=limit)
+    return _page(ctx.store.list_jobs, tenant_of(request), *metadata_filter(request), after=after, limit=limit)
 
 
 def _own_job(ctx: ServerContext, request: Request, job_id: str) -> dict:

@@ -22,7 +22,7 @@ from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import FinetuneMemoryError
 from coserve.finetune.build import load_training, make_bypass, new_job, starting_bypass
 from coserve.finetune.checkpoint import CheckpointSnapshot, write_checkpoint
-from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.config import PREFERENCE_METHODS, FinetuneConfig
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.finetune.memory_budget import job_memory
@@ -47,6 +47,7 @@ LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier
 ACTIVE = ("validating_files", "queued", "running")
 HOLDS_FILES = (*ACTIVE, "paused")  # jobs whose files must stay (a paused job reads them again when resumed)
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
+REFERENCE_FREE = ("simpo", "orpo")  # preference methods a DPO job's coserve.dpo_loss may name
 PEFT_OPTIONS = ("peft", "r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "target_modules")
 _SHOW = 5  # bad data lines named in a job's error
 
@@ -169,8 +170,8 @@ class JobManager:
         method = body.method.type if body.method is not None else "supervised"
         hyper = self._hyperparameters(body, method)
         options = body.coserve or CoserveOptions()
-        if options.dpo_label_smoothing and options.dpo_loss != "sigmoid":
-            raise bad_request("coserve.dpo_label_smoothing: only the sigmoid loss smooths labels",
+        if options.dpo_label_smoothing and options.dpo_loss not in ("sigmoid", "simpo"):
+            raise bad_request("coserve.dpo_label_smoothing: only the sigmoid and the simpo losses smooth labels",
                               "coserve.dpo_label_smoothing")
         peft = self._peft(options) if start is None else start[1]
         if options.max_seq_len is None:
@@ -386,6 +387,9 @@ class JobManager:
         model = self.engine.model
         out = self.jobs_dir / job_id
         method = job.get("method", {}).get("type", "supervised")  # jobs stored before DPO: supervised
+        loss = opts.get("dpo_loss", "sigmoid")
+        # a DPO job's coserve.dpo_loss may name a reference-free method instead (REFERENCE_FREE)
+        kind = "sft" if method != "dpo" else loss if loss in REFERENCE_FREE else "dpo"
         # a job on a fine-tuned model trains on from its adapter, DPO's reference too (jobs stored before: none)
         start = str(self.state_dir / opts["start_from"]) if opts.get("start_from") else ""
         cfg = FinetuneConfig(output_dir=str(out / "model"), epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
@@ -397,11 +401,12 @@ class JobManager:
                              eval_steps=opts.get("eval_steps", 0),  # jobs stored before the option: none
                              rematerialize=opts.get("rematerialize", "cheap"),
                              memory_target=opts.get("memory_target", DEFAULT_MEMORY_TARGET),
-                             method="dpo" if method == "dpo" else "sft", dpo_beta=hyper.get("beta", AUTO["beta"]),
-                             dpo_loss=opts.get("dpo_loss", "sigmoid"),
-                             dpo_label_smoothing=opts.get("dpo_label_smoothing", 0.0),
-                             start_adapter="" if method == "dpo" else start,
-                             dpo_reference=start if method == "dpo" else "")
+                             method=kind, dpo_beta=hyper.get("beta", AUTO["beta"]),
+                             dpo_loss=loss if kind == "dpo" else "sigmoid",
+                             dpo_label_smoothing=opts.get("dpo_label_smoothing", 0.0) if kind != "sft" else 0.0,
+                             simpo_gamma=opts.get("simpo_gamma", 0.5),
+                             start_adapter="" if kind == "dpo" else start,
+                             dpo_reference=start if kind == "dpo" else "")
         examples, report = self._dataset(job, "training_file", cfg)
         validation = self._dataset(job, "validation_file", cfg)[0] if job["validation_file"] else None
         found = self.store.latest_checkpoint(job_id)
@@ -442,7 +447,7 @@ class JobManager:
         if opts.get("start_from"):
             how += f" from {job['model']}"
         kept = job_memory(ft).activation_bytes / 2**20
-        held = "a preference pair (two sequences)" if cfg.method == "dpo" else "a sequence"
+        held = "a preference pair (two sequences)" if cfg.method in PREFERENCE_METHODS else "a sequence"
         self.store.add_event(job_id, f"Fine-tuning job {how}: {report.summary()}, {ft.total_steps} steps; {held} "
                                      f"keeps up to {kept:.1f} MiB between its forward and backward passes "
                                      f"(rematerialize {cfg.rematerialize}, memory target {cfg.memory_target:g})")
@@ -452,7 +457,8 @@ class JobManager:
         report; a ValueError naming the file and the lines when any example cannot be used."""
         file_id = job[param]
         examples, report = load_training(self.store.file_path(file_id), self.engine.tokenizer, cfg)
-        empty = "a completion is empty" if cfg.method == "dpo" else "every assistant message is empty or has weight 0"
+        empty = ("a completion is empty" if cfg.method in PREFERENCE_METHODS
+                 else "every assistant message is empty or has weight 0")
         bad = report.malformed + [(n, empty) for n in report.empty_completion]
         if bad:
             named = "; ".join(f"line {n}: {why}" for n, why in sorted(bad)[:_SHOW])

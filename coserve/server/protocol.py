@@ -292,8 +292,11 @@ class CoserveOptions(Body):
     # less recomputed (faster, more memory)
     rematerialize: Literal["cheap", "all"] = "cheap"
     memory_target: float = Field(DEFAULT_MEMORY_TARGET, gt=0, le=1)
-    dpo_loss: Literal["sigmoid", "hinge", "ipo"] = "sigmoid"  # a DPO job's loss (TRL's loss_type)
-    dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # a DPO job's, with the sigmoid loss (cDPO)
+    # a DPO job's loss (TRL's loss_type), or one of the reference-free preference methods in its place: simpo (TRL's
+    # CPOTrainer, loss_type simpo) or orpo (TRL's ORPOTrainer), with method.dpo.hyperparameters.beta as their beta
+    dpo_loss: Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"] = "sigmoid"
+    dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # a DPO job's, with the sigmoid or the simpo loss
+    simpo_gamma: float = Field(0.5, ge=0)  # SimPO's target reward margin
 
 
 class FineTuningJobRequest(Body):

@@ -413,11 +413,19 @@ class Store:
         row = self._one("SELECT tenant FROM jobs WHERE id = ?", (job_id,))
         return None if row is None else row[0]
 
-    def list_jobs(self, tenant: str, after: str | None = None,
-                  limit: int = 20) -> tuple[list[dict], bool]:
-        """One page of the tenant's jobs, newest first, older than job ``after``."""
-        return self._page("jobs", "seq", "tenant = ?", [tenant], after, limit,
-                          "a job of this tenant")
+    def list_jobs(self, tenant: str, metadata: dict[str, str] | None = None, without_metadata: bool = False,
+                  after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
+        """One page of the tenant's jobs, newest first, older than job ``after``: those whose metadata holds every
+        pair of ``metadata`` (OpenAI's filter), or only those without metadata."""
+        where, params = "tenant = ?", [tenant]
+        if without_metadata:
+            where += " AND json_extract(obj, '$.metadata') IS NULL"
+        for key, value in (metadata or {}).items():
+            if '"' in key or "\\" in key:
+                raise ValueError(f"metadata: the key {key!r} has a quote or a backslash")
+            where += " AND json_extract(obj, ?) = ?"
+            params += [f'$.metadata."{key}"', value]
+        return self._page("jobs", "seq", where, params, after, limit, "a job of this tenant")
 
     def jobs_with_status(self, *statuses: str) -> list[tuple[str, dict]]:
         """(tenant, job) for every job of any tenant in ``statuses`` (all if none), oldest first."""
