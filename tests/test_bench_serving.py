@@ -127,15 +127,18 @@ def test_spatial_trains_on_a_cuda_stream_of_its_own(model_factory, tmp_path, mon
     assert streams and streams[0] != torch.cuda.default_stream()
 
 
-def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
+def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path, capsys):
+    """Also: the headline takes the zero-load run from an earlier file (``--with-results``)."""
     from coserve.cli import main
     model = model_factory("llama")
     out, plots = tmp_path / "bench.json", tmp_path / "plots"
+    idle = tmp_path / "idle.json"
+    idle.write_text(json.dumps({"results": [_row("finetune-only", 0, 1.0, 500.0, idle=1.0)]}))
     code = main(["bench", "--model", str(model), "--policy", "coserve", "--policy", "inference-only",
                  "--rate", "6", "--duration", "1", "--drain", "20", "--max-model-len", "128",
                  "--finetune-data", str(_alpaca(tmp_path / "a.json")), "--finetune-seq-len", "64",
                  "--slo-tpot-ms", "1000", "--out", str(out), "--plot", str(plots), "--no-progress",
-                 "--fuse-finetuning", "never", "--repeats", "2"])
+                 "--fuse-finetuning", "never", "--repeats", "2", "--with-results", str(idle)])
     assert code == 0
     rows = json.loads(out.read_text())["results"]
     # every run a row; the second repeat runs the policies in the other order
@@ -147,8 +150,14 @@ def test_the_bench_command_writes_rows_and_plots(model_factory, tmp_path):
     assert rows[0]["num_requests"] == rows[1]["num_requests"]  # the same stream for both
     assert {p.name for p in plots.iterdir()} >= {"slo_attainment.png", "finetune_throughput.png",
                                                  "inference_throughput.png", "token_mix_coserve_6.png"}
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| 6 |"))
+    assert not line.endswith("| - |")  # the harvest ratio, from the earlier file's finetune-only rate
     assert main(["bench", "--model", str(model), "--policy", "nope", "--no-progress"]) == 2
     assert main(["bench", "--model", str(model), "--repeats", "0", "--no-progress"]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["bench", "--model", str(model), "--with-results", str(bad), "--no-progress"]) == 2
+    assert "bad.json is not a coserve bench --out file" in capsys.readouterr().err
 
 
 def test_repeated_runs_rotate_the_policy_order_and_the_headline_pools_them():
@@ -172,24 +181,6 @@ def test_repeated_runs_rotate_the_policy_order_and_the_headline_pools_them():
     assert "| 2 | - / 92% | 750 (2 runs: 600-900) | - (none holds) | - (none holds) | - |" in markdown([two])
     (one,) = headline(rows[:2])  # single runs: as they are
     assert one["vs_temporal"] == 600 / 500 and one["coserve_range"] is None
-
-
-def test_the_headline_takes_the_zero_load_run_from_an_earlier_file(model_factory, tmp_path, capsys):
-    from coserve.cli import main
-    model = model_factory("llama")
-    idle = tmp_path / "idle.json"
-    idle.write_text(json.dumps({"results": [_row("finetune-only", 0, 1.0, 500.0, idle=1.0)]}))
-    code = main(["bench", "--model", str(model), "--policy", "coserve", "--policy", "inference-only",
-                 "--rate", "6", "--duration", "1", "--drain", "20", "--max-model-len", "128",
-                 "--finetune-data", str(_alpaca(tmp_path / "a.json")), "--finetune-seq-len", "64",
-                 "--slo-tpot-ms", "1000", "--no-progress", "--with-results", str(idle)])
-    assert code == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| 6 |"))
-    assert not line.endswith("| - |")  # the harvest ratio, from the earlier file's finetune-only rate
-    bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    assert main(["bench", "--model", str(model), "--with-results", str(bad), "--no-progress"]) == 2
-    assert "bad.json is not a coserve bench --out file" in capsys.readouterr().err
 
 
 def _row(policy, rate, slo, ft, idle=0.5):
