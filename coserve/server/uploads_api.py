@@ -20,13 +20,13 @@ from pydantic import Field
 from coserve.server.batch_files import parse_batch_jsonl
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, found
+from coserve.server.fine_tuning_api import UPLOAD_PURPOSES
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import Body
 from coserve.server.store import Store
 from coserve.server.training_files import PURPOSES, validate_training_jsonl
 
 router = APIRouter(route_class=TextJSONRoute)
-UPLOAD_PURPOSES = (*PURPOSES, "batch")
 EXPIRES_S = 3600  # OpenAI's: an upload not completed within an hour expires
 MIME_TYPES = ("application/jsonl", "application/x-jsonl", "application/json", "application/x-ndjson", "text/jsonl",
               "text/plain")  # the files of either purpose are JSONL
