@@ -10,6 +10,7 @@ def ended_walks(guide, vocab, rng, walks: int, steps: int, end_chance: float, le
     uniformly among the allowed ones, or, with ``lean_chance``, among those holding a byte of ``lean`` (the bytes
     that move a walk on). A state with no allowed token fails the check."""
     ended = []
+    lean_ids = {i for i, data in enumerate(vocab.vocab) if data and any(c in data for c in lean)}  # once, not per step
     for _ in range(walks):
         state, data = guide.start, b""
         for _ in range(steps):
@@ -19,7 +20,7 @@ def ended_walks(guide, vocab, rng, walks: int, steps: int, end_chance: float, le
             if eos and (end_chance >= 1 or rng.random() < end_chance):
                 token = eos[0]
             else:
-                leaning = [i for i in allowed if vocab.vocab[i] and any(c in vocab.vocab[i] for c in lean)]
+                leaning = [i for i in allowed if i in lean_ids]
                 token = rng.choice(leaning if leaning and lean_chance and rng.random() < lean_chance else allowed)
             if token in vocab.eos_ids:  # drawn or taken: the walk ends
                 ended.append(data)

@@ -23,6 +23,11 @@ CHAT_EXAMPLES = [
 ]
 
 
+API_KEYS = {"alice": "key-api-alice", "bob": "key-api-bob"}  # the shared ``api_server``'s tenants (conftest.py)
+API_PART_BYTES = 4096  # its --max-upload-bytes: a POST /v1/files body, or an upload's part, at most
+API_FILE_BYTES = 20_000  # its --max-file-bytes: a file made of an upload's parts, at most
+
+
 def chat_jsonl(examples=CHAT_EXAMPLES) -> bytes:
     lines = [json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
              for q, a in examples]

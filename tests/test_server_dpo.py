@@ -13,10 +13,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server_helpers import chat_jsonl, start_server, wait_for_job
+from server_helpers import API_KEYS, chat_jsonl, wait_for_job
 
-KEY = "key-dpo"
-OTHER = "key-dpo-bob"
+KEY, OTHER = API_KEYS["alice"], API_KEYS["bob"]
 BASE = "tiny-llama"
 
 
@@ -31,15 +30,10 @@ def _jsonl(records) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def client(model_factory, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-dpo")
-    keys = root / "keys.txt"
-    keys.write_text(f"{KEY} alice\n{OTHER} bob\n")
-    srv = start_server(model_factory("llama"), root / "state", "--api-keys", str(keys), "--served-model-name", BASE)
-    alice = OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=60)
-    alice.other = OpenAI(base_url=f"{srv.url}/v1", api_key=OTHER, max_retries=0, timeout=60)  # tenant bob
-    yield alice
-    srv.stop()
+def client(api_server):
+    alice = OpenAI(base_url=f"{api_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    alice.other = OpenAI(base_url=f"{api_server.url}/v1", api_key=OTHER, max_retries=0, timeout=60)  # tenant bob
+    return alice
 
 
 def _upload(client, data: bytes):

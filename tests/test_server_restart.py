@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from server_helpers import CHAT_EXAMPLES, chat_jsonl, start_server, wait_for_job
 
 BASE = "tiny"
-HYPER = {"n_epochs": 12, "batch_size": 1, "learning_rate_multiplier": 50}
-DATA = CHAT_EXAMPLES * 4  # 288 steps: the job is still running when its first checkpoint shows
+HYPER = {"n_epochs": 6, "batch_size": 1, "learning_rate_multiplier": 50}
+DATA = CHAT_EXAMPLES * 4  # 144 steps: the job is still running when its first checkpoint shows
 OPTIONS = {"coserve": {"optimizer": "sgd", "lr_scheduler": "constant", "target_modules": ["v_proj", "down_proj"]}}
 
 

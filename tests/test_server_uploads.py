@@ -14,12 +14,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server_helpers import chat_jsonl, start_server
+from server_helpers import API_FILE_BYTES, API_KEYS, API_PART_BYTES, chat_jsonl
 
-ALICE, BOB = "key-up-alice", "key-up-bob"
+ALICE, BOB = API_KEYS["alice"], API_KEYS["bob"]
 BASE = "tiny-llama"
-PART = 4096  # --max-upload-bytes: a part (and a POST /v1/files body) at most
-FILE = 20_000  # --max-file-bytes
+PART, FILE = API_PART_BYTES, API_FILE_BYTES  # the server's --max-upload-bytes and --max-file-bytes
 
 
 def _client(srv, key: str) -> OpenAI:
@@ -27,15 +26,8 @@ def _client(srv, key: str) -> OpenAI:
 
 
 @pytest.fixture(scope="module")
-def server(model_factory, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-uploads")
-    keys = root / "keys.txt"
-    keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
-    args = (model_factory("llama"), root / "state", "--api-keys", str(keys), "--served-model-name", BASE,
-            "--max-upload-bytes", str(PART), "--max-file-bytes", str(FILE))
-    srv = start_server(*args)
-    yield srv
-    srv.stop()
+def server(api_server):
+    return api_server
 
 
 def _training_file() -> bytes:
