@@ -139,10 +139,12 @@ class PreferenceJob(FinetuneJob):
         self._eval_pairs = 0  # pairs of the validation pass under way
         self._batch_chosen_targets = 0  # target tokens of the step's chosen completions (ORPO's cross-entropy)
         self._eval_chosen_targets = 0  # and of the validation pass's
-        self._fingerprints: dict[bool, str] = {}
+        # what the cached reference log-probabilities depend on, computed here rather than at the first checkpoint
+        # (which the engine thread writes): (validation?) -> fingerprint
+        self._fingerprints = {e: self._fingerprint(e) for e in (False, True)} if cfg.method == "dpo" else {}
         for evaluating, saved in ((False, self._restored.get("reference_logps")),
                                   (True, self._restored.get("validation_reference_logps"))):
-            if saved and cfg.method == "dpo" and saved.get("fingerprint") == self._fingerprint(evaluating):
+            if saved and cfg.method == "dpo" and saved.get("fingerprint") == self._fingerprints[evaluating]:
                 self._refs[evaluating] = dict(saved["pairs"])  # of the same pairs, under the same reference
         self._restored = {}
 
@@ -150,24 +152,22 @@ class PreferenceJob(FinetuneJob):
         """The pairs' reference log-probabilities: a resumed job does not run those forwards again."""
         if self.cfg.method != "dpo":
             return {}
-        return {"reference_logps": {"fingerprint": self._fingerprint(False), "pairs": dict(self._refs[False])},
-                "validation_reference_logps": {"fingerprint": self._fingerprint(True),
+        return {"reference_logps": {"fingerprint": self._fingerprints[False], "pairs": dict(self._refs[False])},
+                "validation_reference_logps": {"fingerprint": self._fingerprints[True],
                                                "pairs": dict(self._refs[True])}}
 
     def _fingerprint(self, evaluating: bool) -> str:
         """What the cached reference log-probabilities of the training (or validation) pairs depend on: the pairs'
         tokens and targets, the reference adapter's weights and the model's dtype. A resume on other data or
         another reference recomputes them."""
-        if evaluating not in self._fingerprints:
-            h = hashlib.sha256(str(self.model.embed.dtype).encode())
-            for e in self.validation if evaluating else self.examples:
-                h.update(array("q", e.token_ids).tobytes() + b"|" + array("q", e.targets).tobytes() + b";")
-            if self.reference is not NO_BYPASS:
-                for name, tensor in sorted(self.reference.state_dict().items()):
-                    h.update(name.encode() + tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-                             .numpy().tobytes())
-            self._fingerprints[evaluating] = h.hexdigest()
-        return self._fingerprints[evaluating]
+        h = hashlib.sha256(str(self.model.embed.dtype).encode())
+        for e in self.validation if evaluating else self.examples:
+            h.update(array("q", e.token_ids).tobytes() + b"|" + array("q", e.targets).tobytes() + b";")
+        if self.reference is not NO_BYPASS:
+            for name, tensor in sorted(self.reference.state_dict().items()):
+                h.update(name.encode() + tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+                         .numpy().tobytes())
+        return h.hexdigest()
 
     @property
     def num_units(self) -> int:

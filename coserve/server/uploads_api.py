@@ -130,8 +130,8 @@ def _joined(store: Store, upload: dict, part_ids: list[str], md5: str | None) ->
                           "part_ids")
     folder = store.upload_dir(upload["id"])
     data = b"".join((folder / p).read_bytes() for p in part_ids)
-    if md5 is not None and hashlib.md5(data).hexdigest() != md5.lower():
-        raise bad_request(f"md5: the parts' MD5 is {hashlib.md5(data).hexdigest()}, not {md5}", "md5")
+    if md5 is not None and (digest := hashlib.md5(data).hexdigest()) != md5.lower():
+        raise bad_request(f"md5: the parts' MD5 is {digest}, not {md5}", "md5")
     return data
 
 
