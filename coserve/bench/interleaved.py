@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import tempfile
 import time
 import traceback
@@ -28,7 +27,7 @@ from pathlib import Path
 from coserve.bench.metrics import RequestRecord
 from coserve.bench.server_load import (ClientJob, LoadSpec, add_logged_times, drive, end_job, free_port, http_client,
                                        inprocess_send, phase_app, start_job, warm_up)
-from coserve.bench.spawned import run_spawned
+from coserve.bench.spawned import context, run_spawned
 
 START_DELAY_S = 0.2  # from both paths being warm to the load's first arrival: time for the start to reach both
 READY_TIMEOUT_S = 300.0  # the host's model load and engine start, and the client's start, at most each
@@ -49,7 +48,7 @@ def run_interleaved(spec: LoadSpec, swap: bool = False) -> dict[str, tuple[list[
     fine-tuning tokens (one job served both halves); the HTTP half's records carry the engine's part of each TTFT,
     read from the server's access log."""
     inproc, http = halves(spec, swap)
-    mp = multiprocessing.get_context("spawn")
+    mp = context()
     parent, child = mp.Pipe()
     with tempfile.TemporaryDirectory(prefix="coserve-load-") as tmp:
         port, log_path = free_port(), f"{tmp}/server.log"

@@ -12,7 +12,6 @@ affinity and allocator state never leak between runs.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import tempfile
 import threading
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 from coserve.bench.metrics import RequestRecord, idle_fraction, summarize
 from coserve.bench.serving_workload import BenchRequest
-from coserve.bench.spawned import run_spawned
+from coserve.bench.spawned import context, run_spawned
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 from coserve.scheduler.config import DEFAULT_LOAD_RESERVE_S, DEFAULT_SLO_MARGIN, DEFAULT_SLO_MARGIN_MAX
 from coserve.scheduler.finetune_work import BACKWARD, FORWARD
@@ -179,7 +178,7 @@ def run_one(spec: RunSpec) -> dict:
         inference_cores, finetune_cores = split_cores(spec.split, cores)
         os.sched_setaffinity(0, inference_cores)
         torch.set_num_threads(len(inference_cores))
-        ctx = multiprocessing.get_context("spawn")
+        ctx = context()
         parent, child = ctx.Pipe()
         worker = ctx.Process(target=_separate_worker, args=(child, spec.model, spec.finetune, spec.dtype,
                                                             spec.device, finetune_cores, spec.duration_s), daemon=True)
