@@ -40,9 +40,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ForkedProcess:
+    """A ``multiprocessing`` process behind ``subprocess.Popen``'s calls (``poll``, ``wait``, ``terminate``,
+    ``kill``, ``pid``, ``returncode``), for servers forked from the benchmark runs' fork server."""
+
+    def __init__(self, proc) -> None:
+        self._proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired("coserve serve", timeout)
+        return self._proc.exitcode
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def _serve(argv: list[str], log: str, env: dict[str, str]) -> None:
+    """``coserve serve`` in a forked process: a session of its own (a SIGKILL to its group takes only it), its
+    output appended to ``log``, the caller's environment."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    from coserve.cli import main
+    sys.exit(main(argv))
+
+
 @dataclass
 class LiveServer:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     port: int
     state_dir: Path
     log: Path
@@ -62,15 +110,26 @@ class LiveServer:
 
 
 def start_server(model: Path, state_dir: Path, *extra: str, port: int | None = None,
-                 timeout: float = 120) -> LiveServer:
-    """``coserve serve`` in a child process (its own session, so a SIGKILL takes only it); waits for /health."""
+                 timeout: float = 120, fork: bool = True) -> LiveServer:
+    """``coserve serve`` in a child process (its own session, so a SIGKILL takes only it); waits for /health.
+
+    ``fork``: forked from the fork server the benchmark runs start from (``coserve.bench.spawned``), which has
+    imported the serving stack once (about 5 s a start on a 2-core CPU); else ``python -m coserve.cli serve``, as a
+    user runs it. Where that context is ``spawn`` (a GPU visible), forking costs what the command does."""
     port = port or free_port()
     log = state_dir.parent / f"{state_dir.name}-server-{port}.log"
-    cmd = [sys.executable, "-m", "coserve.cli", "serve", "--model", str(model), "--state-dir", str(state_dir),
-           "--port", str(port), "--dtype", "float32", "--device", "cpu", "--log-level", "warning", *extra]
+    argv = ["serve", "--model", str(model), "--state-dir", str(state_dir), "--port", str(port), "--dtype", "float32",
+            "--device", "cpu", "--log-level", "warning", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    if fork:
+        from coserve.bench.spawned import context
+        child = context().Process(target=_serve, args=(argv, str(log), env))
+        child.start()
+        proc = ForkedProcess(child)
+    else:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "coserve.cli", *argv], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = LiveServer(proc, port, state_dir, log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

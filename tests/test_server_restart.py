@@ -46,7 +46,8 @@ def reference_then_twin(srv, c: OpenAI, hyper: dict):
 def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
     model = model_factory("llama")
     state = tmp_path / "state"
-    srv = start_server(model, state, "--served-model-name", BASE, "--checkpoint-steps", "1")
+    # as a user runs it (`python -m coserve.cli serve`), where the other live servers are forked
+    srv = start_server(model, state, "--served-model-name", BASE, "--checkpoint-steps", "1", fork=False)
     try:
         c = client(srv)
         f, reference, expected, job = reference_then_twin(srv, c, HYPER)

@@ -16,9 +16,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-# What the fork server imports once: everything a benchmark run, phase or client imports.
+# What the fork server imports once: everything a benchmark run, phase or client imports (and ``coserve serve``,
+# which the test suite's live servers fork from it: tests/server_helpers.py).
 PRELOAD = ("coserve.bench.serving_run", "coserve.bench.server_load", "coserve.bench.interleaved",
-           "coserve.engine.llm_engine", "coserve.server.app", "openai", "httpx")
+           "coserve.engine.llm_engine", "coserve.server.app", "coserve.server.serve_command", "coserve.cli",
+           "uvicorn", "openai", "httpx")
 
 
 @functools.cache
