@@ -104,9 +104,10 @@ def test_run_batch_answers_each_request_in_order_as_the_server_would(model_facto
     assert [r["response"]["body"]["choices"][0]["text"] for r in results if r["custom_id"] != "bad"] == [
         o.outputs[0].text for o in expected]
     source.write_text('{"custom_id": "x", "method": "GET"}\n')
-    proc = subprocess.run([sys.executable, "-m", "coserve.cli", "run-batch", "--model", str(model), "-i", str(source),
-                           "-o", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 2 and "line 1: method: must be 'POST'" in proc.stderr and "Traceback" not in proc.stderr
+    capsys.readouterr()
+    assert main(["run-batch", "--model", str(model), "-i", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "line 1: method: must be 'POST'" in err and "Traceback" not in err
     source.write_text(json.dumps(lines[0]) + "\n")  # an output that cannot be written: refused before the batch runs
     (tmp_path / "a-file").write_text("")
     capsys.readouterr()
