@@ -22,7 +22,8 @@ from coserve.guided.grammar import compile_grammar
 from coserve.guided.machine import JsonMachine, State, initial_state
 from coserve.guided.regex import compile_regex
 from coserve.guided.schema import compile_choices, compile_schema
-from coserve.guided.vocab import TrieNode, build_trie
+from coserve.guided.trie_walk import FlatTrie, StateTable, walk
+from coserve.guided.vocab import build_trie
 
 MASK_CACHE_BYTES = 64 << 20  # per guide: masks kept for recurring states
 STEP_CACHE_ENTRIES = 200_000  # per guide: (state, byte) -> state
@@ -48,7 +49,9 @@ class Vocabulary:
         self.plain_ids = [i for _, i in plain]
         self.plain_chars = [c for c, _ in plain]
         plain_set = set(self.plain_ids)
-        self.other_trie = build_trie([None if i in plain_set else data for i, data in enumerate(vocab)])
+        # as flat arrays, walked a level at a time (coserve/guided/trie_walk.py)
+        self.flat_trie = FlatTrie(self.trie)
+        self.flat_other_trie = FlatTrie(build_trie([None if i in plain_set else data for i, data in enumerate(vocab)]))
 
 
 def _plain_chars(data: bytes) -> int | None:
@@ -80,6 +83,7 @@ class Guide:
         self._steps: dict[tuple[State, int], State] = {}
         self._masks: OrderedDict[State, torch.Tensor] = OrderedDict()
         self._max_masks = max(16, MASK_CACHE_BYTES // max(1, vocab.size))
+        self._table = StateTable(self.machine.step)  # the byte steps of the masks' walks
 
     def step(self, state: State, b: int) -> State:
         key = (state, b)
@@ -125,21 +129,14 @@ class Guide:
         """The token ids that may follow ``state``: text tokens the machine takes whole, and end-of-sequence
         where the text is complete (or, should no token fit, so that the request can end)."""
         ids: list[int] = []
-        trie = self.vocab.trie
+        trie = self.vocab.flat_trie
         room = self.machine.string_room(state)
         if room is not None:  # inside strings: every plain token that fits, then a walk of the others only
             count = len(self.vocab.plain_ids) if room < 0 else bisect.bisect_right(self.vocab.plain_chars, room)
             ids.extend(self.vocab.plain_ids[:count])
-            trie = self.vocab.other_trie
-        pending: list[tuple[TrieNode, State]] = [(trie, state)] if state else []
-        while pending:
-            node, st = pending.pop()
-            for b, child in node.children.items():
-                nxt = self.step(st, b)
-                if nxt:
-                    ids.extend(child.ids)
-                    if child.children:
-                        pending.append((child, nxt))
+            trie = self.vocab.flat_other_trie
+        if state:
+            ids.extend(walk(trie, self._table, state).tolist())
         if not ids or self.machine.accepting(state):
             ids.extend(self.vocab.eos_ids)
         return ids
