@@ -13,8 +13,10 @@ from coserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.finetune_handle import FinetuneHandle
+from coserve.engine.grpo_run import GRPOHandle, GRPORun
 from coserve.finetune.build import load_training, new_job, starting_bypass
 from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.grpo_prompts import load_prompts
 from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.engine.llm_engine import LLMEngine
@@ -48,7 +50,8 @@ class LLM:
 
     def finetune(self, data: str | Path, peft: LoraConfig | IA3Config | None = None,
                  config: FinetuneConfig | None = None, tenant: str = "default",
-                 validation: str | Path | None = None) -> FinetuneHandle:
+                 validation: str | Path | None = None, reward_funcs=None,
+                 reward_weights=None) -> FinetuneHandle | GRPOHandle:
         """Start a finetuning job co-served with ``generate`` calls (the engine then runs in a background thread).
 
         ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``; with
@@ -59,12 +62,21 @@ class LLM:
         ``tenant``: whose job it is (the Virtual Token Counter shares the engine among tenants).
         ``validation``: a file of the same formats whose mean loss per target token is logged
         (``valid_loss``) after every epoch and the last step.
+
+        With ``config.method`` grpo (``coserve/engine/grpo_run.py``), ``data`` holds prompts (TRL's prompt-only
+        records: ``{"prompt": text or messages, ...}``), ``reward_funcs`` are functions called as TRL calls them,
+        ``f(prompts=, completions=, completion_ids=, **the records' other fields) -> rewards`` (None where one does
+        not apply), summed with ``reward_weights`` (default 1 each); a ``GRPOHandle`` is returned.
         """
         if config is None:
             raise ValueError("config: a FinetuneConfig with output_dir is required")
         if self.engine.config.policy == "inference-only":
             raise ValueError("policy: this LLM was made with policy='inference-only', which never runs finetuning")
         model = self.engine.model
+        if config.method == "grpo":
+            return self._grpo(data, peft, config, tenant, validation, reward_funcs, reward_weights)
+        if reward_funcs is not None or reward_weights is not None:
+            raise ValueError(f"reward_funcs: rewards are for method grpo, not {config.method}")
         examples, report = load_training(data, self.tokenizer, config)
         held_out = None if validation is None else load_training(validation, self.tokenizer, config)[0]
         bypass = starting_bypass(peft, model, config)
@@ -72,6 +84,20 @@ class LLM:
         loop = self._background()
         job_id = loop.call(lambda: self.engine.add_finetune_job(job, tenant=tenant))
         return FinetuneHandle(self, job_id, Path(config.output_dir), report.summary())
+
+    def _grpo(self, data, peft, config: FinetuneConfig, tenant: str, validation, reward_funcs,
+              reward_weights) -> GRPOHandle:
+        if validation is not None:
+            raise ValueError("validation: GRPO is scored by its rewards; it takes no validation file")
+        if config.max_seq_len > self.engine.max_model_len:  # prompt and completion within the context
+            config = replace(config, max_seq_len=self.engine.max_model_len)
+        prompts, report = load_prompts(data, self.tokenizer, config.max_seq_len, config.max_completion_tokens)
+        bypass = starting_bypass(peft, self.engine.model, config)
+        run = GRPORun(self, prompts, reward_funcs, reward_weights, bypass, config, tenant,
+                      base_model=str(self.model_dir.resolve()))
+        self._background()
+        run.start()
+        return GRPOHandle(run, report.summary())
 
     def _background(self) -> EngineLoop:
         if self._loop is None:

@@ -17,6 +17,9 @@ from coserve.peft.adapter_dir import write_adapter_files
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "training_state.json"
 LOG_FILE = "training_log.jsonl"
+GRPO_LOG_FILE = "grpo_log.jsonl"  # GRPO: each step's rewards and completion lengths
+ROLLOUTS_FILE = "rollouts.jsonl"  # GRPO: every sampled completion, its reward and advantage
+KEPT_LOGS = (LOG_FILE, GRPO_LOG_FILE, ROLLOUTS_FILE)  # carried into each new checkpoint of a directory
 CHECKPOINT_PREFIX = "checkpoint-"  # output_dir/checkpoint-STEP: numbered checkpoints, as HF Trainer names them
 
 
@@ -74,17 +77,18 @@ def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, ste
 
 
 def write_checkpoint(out_dir: Path, snap: CheckpointSnapshot) -> None:
-    """Adapter files, optimizer and scheduler state, and a JSON summary, atomically; keeps ``out_dir``'s log and
-    its numbered checkpoints (``checkpoint-STEP`` directories, hard-linked into the new directory, not copied)."""
+    """Adapter files, optimizer and scheduler state, and a JSON summary, atomically; keeps ``out_dir``'s logs
+    (``KEPT_LOGS``) and its numbered checkpoints (``checkpoint-STEP`` directories, hard-linked into the new
+    directory, not copied)."""
     out_dir = Path(out_dir)
 
     def write(tmp: Path) -> None:
         write_adapter_files(tmp, snap.adapter, snap.adapter_config)
         torch.save(snap.trainer, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(snap.state, indent=2))
-        log = out_dir / LOG_FILE
-        if log.is_file():
-            shutil.copy2(log, tmp / LOG_FILE)
+        for name in KEPT_LOGS:
+            if (out_dir / name).is_file():
+                shutil.copy2(out_dir / name, tmp / name)
         if out_dir.is_dir():
             for child in out_dir.iterdir():
                 if child.is_dir() and child.name.startswith(CHECKPOINT_PREFIX):

@@ -9,10 +9,14 @@ from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REMATERIALIZE = ("cheap", "all")
-METHODS = ("sft", "dpo", "simpo", "orpo")  # supervised (cross-entropy on the completions), or a preference method
+METHODS = ("sft", "dpo", "simpo", "orpo", "grpo")  # supervised (cross-entropy on the completions), a preference
+#   method, or GRPO (online: completions the model samples, scored by reward functions; grpo.py)
 PREFERENCE_METHODS = ("dpo", "simpo", "orpo")  # on preference pairs (preference_job.py); simpo and orpo need no
 #   reference model
 DPO_LOSSES = ("sigmoid", "hinge", "ipo")  # TRL's loss_type names (preference_job.dpo_terms)
+GRPO_LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo")  # TRL GRPOTrainer's loss_type names (grpo.sequence_scales)
+SCALE_REWARDS = ("group", "batch", "none")  # TRL's scale_rewards: advantages divided by the group's or the batch's
+#   reward standard deviation, or not
 
 
 @dataclass(slots=True)
@@ -58,6 +62,13 @@ class FinetuneConfig:
     start_adapter: str = ""  # an adapter directory (HF PEFT) whose weights a new job trains on from (a copy; its PEFT
     #   config decides), with a fresh optimizer and schedule: more training of a finished adapter, as OpenAI
     #   fine-tunes a fine-tuned model. "" = a fresh adapter (or dpo_reference's copy)
+    # GRPO (method grpo; TRL's GRPOConfig names and defaults): a step samples batch_size * grad_accum completions,
+    # num_generations for each of its prompts
+    num_generations: int = 8  # completions sampled per prompt (a group: advantages are relative to it)
+    max_completion_tokens: int = 256  # TRL's max_completion_length
+    temperature: float = 1.0  # the completions' sampling temperature
+    grpo_loss: str = "dapo"  # TRL's loss_type: how the token losses are normalised (grpo.sequence_scales)
+    scale_rewards: str = "group"  # TRL's scale_rewards
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "max_seq_len", "max_nonfinite_steps"):
@@ -107,6 +118,23 @@ class FinetuneConfig:
         if self.method in PREFERENCE_METHODS and self.train_on_prompt:
             raise ValueError(f"train_on_prompt: {self.method} compares the completions' log-probabilities; the prompt "
                              "carries no loss")
+        _positive_int("num_generations", self.num_generations)
+        _positive_int("max_completion_tokens", self.max_completion_tokens)
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0 < self.temperature < float("inf")):
+            raise ValueError(f"temperature: must be a positive number, got {self.temperature!r}")
+        _choice("grpo_loss", self.grpo_loss, GRPO_LOSSES)
+        _choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        if self.method == "grpo":
+            completions = self.batch_size * self.grad_accum
+            if completions % self.num_generations:
+                raise ValueError(f"num_generations: a step's batch_size * grad_accum = {completions} completions must "
+                                 f"be whole groups of {self.num_generations} (TRL's rule)")
+            if self.num_generations < 2 and self.scale_rewards != "none":
+                raise ValueError("num_generations: a group of one completion has no reward spread to scale by (give "
+                                 "2 or more, or scale_rewards none)")
+            if self.train_on_prompt:
+                raise ValueError("train_on_prompt: GRPO's loss is on the sampled completions only")
         if not self.output_dir:
             raise ValueError("output_dir: is required")
 

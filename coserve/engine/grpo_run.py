@@ -1,0 +1,261 @@
+"""A GRPO run on an ``LLM``'s engine (``LLM.finetune`` with ``method="grpo"``): rollouts and training co-served.
+
+Each step, in a thread of its own: the adapter as it stands is loaded for serving; the step's prompts are sampled
+``num_generations`` times through ``LLM.generate`` (requests like any other, batched with whatever else the engine
+serves); the reward functions score the completions; and one ``GRPOStepJob`` (``coserve/finetune/grpo.py``) trains
+on them as a finetuning job, interleaved with inference by the engine's scheduler, continuing the optimizer of the
+step before. The next step's completions come from the adapter that step left (on-policy: TRL's ``num_iterations``
+1). ``output_dir`` holds the adapter and optimizer state after every step, ``training_log.jsonl``, each step's
+rewards (``grpo_log.jsonl``) and every completion with its reward and advantage (``rollouts.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from coserve.finetune.checkpoint import GRPO_LOG_FILE, ROLLOUTS_FILE
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.grpo import GRPOStepJob, completion_example, group_advantages, sequence_scales
+from coserve.finetune.grpo_prompts import PromptRecord
+from coserve.peft.adapter_dir import write_adapter_files
+from coserve.peft.dropout import mix_seed
+from coserve.peft.trainable import TrainableBypass
+from coserve.scheduler import SamplingParams
+
+RewardFunc = Callable[..., Sequence[float | None]]
+
+
+def reward_name(func: RewardFunc, index: int) -> str:
+    return getattr(func, "__name__", None) or f"reward_{index}"
+
+
+def score(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, completions: list,
+          completion_ids: list[list[int]], columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:
+    """The completions' rewards: each function called as TRL calls it (``prompts``, ``completions``,
+    ``completion_ids`` and the data set's other fields as keyword lists), their weighted sum ignoring None (a
+    function that does not apply to a completion), and each function's own values. Errors name the function."""
+    total = [0.0] * len(completions)
+    per_func: dict[str, list[float]] = {}
+    for i, (func, weight) in enumerate(zip(funcs, weights)):
+        name = reward_name(func, i)
+        try:
+            values = list(func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+        except Exception as e:
+            raise ValueError(f"reward_funcs[{i}] ({name}) raised {type(e).__name__}: {e}") from e
+        if len(values) != len(completions):
+            raise ValueError(f"reward_funcs[{i}] ({name}): {len(values)} rewards for {len(completions)} completions")
+        clean = []
+        for j, v in enumerate(values):
+            if v is None:
+                clean.append(math.nan)
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isinf(v):
+                raise ValueError(f"reward_funcs[{i}] ({name}): reward {j} is {v!r}, not a finite number or None")
+            clean.append(float(v))
+            total[j] += weight * float(v)
+        per_func[name] = clean
+    return total, per_func
+
+
+class GRPORun:
+    """One GRPO run; ``start()`` begins it in a thread. ``status``: running, succeeded, failed or cancelled."""
+
+    def __init__(self, llm: Any, prompts: list[PromptRecord], reward_funcs: Sequence[RewardFunc],
+                 reward_weights: Sequence[float] | None, bypass: TrainableBypass, cfg: FinetuneConfig,
+                 tenant: str = "default", base_model: str = "") -> None:
+        if not prompts:
+            raise ValueError("data: no prompts")
+        funcs = list(reward_funcs or [])
+        if not funcs or not all(callable(f) for f in funcs):
+            raise ValueError("reward_funcs: GRPO needs one or more functions (prompts, completions, **fields) -> "
+                             "rewards")
+        weights = [1.0] * len(funcs) if reward_weights is None else list(reward_weights)
+        if len(weights) != len(funcs) or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                 and math.isfinite(w) for w in weights):
+            raise ValueError(f"reward_weights: expected {len(funcs)} finite numbers, got {reward_weights!r}")
+        self.llm, self.prompts, self.funcs, self.weights = llm, prompts, funcs, weights
+        self.bypass, self.cfg, self.tenant, self.base_model = bypass, cfg, tenant, base_model
+        self.per_step = cfg.batch_size * cfg.grad_accum // cfg.num_generations  # prompts a step
+        self.steps_per_epoch = math.ceil(len(prompts) / self.per_step)
+        self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.epochs
+        self.output_dir = Path(cfg.output_dir)
+        self.status, self.error, self.step = "running", None, 0
+        self.log: list[dict] = []  # one record a step, as grpo_log.jsonl holds them
+        self.job: GRPOStepJob | None = None  # the latest step's job
+        self._job_id: str | None = None
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="coserve-grpo", daemon=True)
+        self._adapter_name = f"grpo-rollout-{id(self):x}"  # the adapter the rollouts sample from, while loaded
+        self._loaded = False
+
+    def start(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.status != "running":
+                raise ValueError(f"the GRPO run is already {self.status}")
+            self._cancelled.set()
+            if self._job_id is not None:
+                loop = self.llm._background()
+                try:
+                    loop.call(lambda: self.llm.engine.cancel_finetune_job(self._job_id))
+                except ValueError:
+                    pass  # the step's job ended meanwhile
+            self.status = "cancelled"
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- one run ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            for step in range(self.total_steps):
+                if self._cancelled.is_set():
+                    return
+                self._one_step(step)
+            with self._lock:
+                if self.status == "running":
+                    self.status = "succeeded"
+        except Exception as e:  # reported through status(); the engine keeps serving
+            with self._lock:
+                if self.status == "running":
+                    self.status, self.error = "failed", f"{type(e).__name__}: {e}"
+        finally:
+            self._unload()
+
+    def _step_prompts(self, step: int) -> list[PromptRecord]:
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        order = list(range(len(self.prompts)))
+        if self.cfg.shuffle:
+            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+        return [self.prompts[i] for i in order[offset * self.per_step:(offset + 1) * self.per_step]]
+
+    def _one_step(self, step: int) -> None:
+        cfg, g = self.cfg, self.cfg.num_generations
+        batch = self._step_prompts(step)
+        started = time.perf_counter()
+        outs = self._rollouts(step, batch)
+        rollout_s = time.perf_counter() - started
+        records = [p for p in batch for _ in range(g)]
+        completions = [c for out in outs for c in out.outputs]
+        texts = [c.text for c in completions]
+        ids = [list(c.token_ids) for c in completions]
+        columns = {k: [r.columns.get(k) for r in records] for k in sorted({k for r in records for k in r.columns})}
+        shown = [[{"role": "assistant", "content": t}] if r.conversational else t for r, t in zip(records, texts)]
+        rewards, per_func = score(self.funcs, self.weights, [r.prompt for r in records], shown, ids, columns)
+        advantages = group_advantages(rewards, g, cfg.scale_rewards)
+        lengths = [len(c) for c in ids]
+        scales = sequence_scales(advantages, lengths, cfg.grpo_loss, cfg.batch_size, cfg.max_completion_tokens)
+        examples = [completion_example(r.token_ids, c) for r, c in zip(records, ids)]
+        job = GRPOStepJob(self.llm.engine.model, self.bypass, examples, scales, cfg, self.total_steps,
+                          previous=self.job, base_model=self.base_model)
+        self._train(job)
+        self.job, self.step = job, job.step
+        record = self._record(step, rewards, per_func, lengths, completions, rollout_s, job)
+        self.log.append(record)
+        with open(self.output_dir / GRPO_LOG_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        with open(self.output_dir / ROLLOUTS_FILE, "a") as f:
+            for i, (r, c) in enumerate(zip(records, completions)):
+                f.write(json.dumps({"step": step + 1, "prompt_line": r.line, "group": i // g,
+                                    "prompt_token_ids": r.token_ids, "completion": c.text,
+                                    "completion_token_ids": ids[i], "finish_reason": c.finish_reason,
+                                    "logprobs": [lp.logprob for lp in c.logprobs] if c.logprobs else None,
+                                    "reward": rewards[i], "rewards": {k: v[i] for k, v in per_func.items()},
+                                    "advantage": advantages[i]}) + "\n")
+
+    def _rollouts(self, step: int, batch: list[PromptRecord]):
+        """The step's completions from the adapter as it stands (saved and loaded for serving under one name)."""
+        self._unload()
+        with tempfile.TemporaryDirectory(prefix="coserve-grpo-") as tmp:
+            state = {k: v.detach().to("cpu", copy=True) for k, v in self.bypass.state_dict().items()}
+            write_adapter_files(Path(tmp), state, self.bypass.peft_config(self.base_model))
+            self.llm.load_adapter(self._adapter_name, tmp)
+        self._loaded = True
+        cfg = self.cfg
+        params = [SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
+                                 max_tokens=cfg.max_completion_tokens, logprobs=0,
+                                 seed=mix_seed(cfg.seed, step, j))
+                  for j in range(len(batch))]
+        return self.llm.generate([p.token_ids for p in batch], params, adapter=self._adapter_name,
+                                 tenant=self.tenant)
+
+    def _unload(self) -> None:
+        if self._loaded:
+            self._loaded = False
+            try:
+                self.llm.unload_adapter(self._adapter_name)
+            except ValueError:
+                pass
+
+    def _train(self, job: GRPOStepJob) -> None:
+        """The step's job, co-served by the engine until it ends; a failed or cancelled one ends the run."""
+        loop = self.llm._background()
+        with self._lock:
+            if self._cancelled.is_set():
+                return
+            self._job_id = loop.call(lambda: self.llm.engine.add_finetune_job(job, tenant=self.tenant))
+        states = self.llm.engine.job_states
+        jid = self._job_id
+        loop.wait_until(lambda: states[jid].status != "running")
+        state = states[jid]
+        if state.status == "failed":
+            raise RuntimeError(f"step {job.step + 1}: {state.error}")
+
+    def _record(self, step: int, rewards, per_func, lengths, completions, rollout_s: float,
+                job: GRPOStepJob) -> dict:
+        g = self.cfg.num_generations
+        groups = [rewards[k:k + g] for k in range(0, len(rewards), g)]
+        stds = [0.0 if len(x) < 2 else math.sqrt(sum((r - sum(x) / len(x)) ** 2 for r in x) / (len(x) - 1))
+                for x in groups]
+        last = job.log[-1] if job.log else None
+        record = {"step": step + 1, "loss": last.loss if last else None, "lr": last.lr if last else None,
+                  "reward": sum(rewards) / len(rewards), "reward_std": sum(stds) / len(stds),
+                  "frac_reward_zero_std": sum(s == 0 for s in stds) / len(stds),
+                  "completions_mean_length": sum(lengths) / len(lengths),
+                  "completions_clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(lengths),
+                  "rollout_s": round(rollout_s, 4)}
+        for name, values in per_func.items():
+            kept = [v for v in values if not math.isnan(v)]
+            record[f"rewards/{name}"] = sum(kept) / len(kept) if kept else None
+        return record
+
+
+class GRPOHandle:
+    """A GRPO run co-served by an ``LLM``'s engine: ``status()``, ``wait()``, ``cancel()``, ``output_dir``, ``log``."""
+
+    def __init__(self, run: GRPORun, data_report: str) -> None:
+        self._run = run
+        self.output_dir = run.output_dir
+        self.data_report = data_report
+
+    @property
+    def log(self) -> list[dict]:
+        return list(self._run.log)
+
+    def status(self) -> dict:
+        """``{"status", "error", "step", "total_steps", "reward", "loss"}``."""
+        run = self._run
+        last = run.log[-1] if run.log else {}
+        return {"status": run.status, "error": run.error, "step": run.step, "total_steps": run.total_steps,
+                "reward": last.get("reward"), "loss": last.get("loss")}
+
+    def wait(self, timeout: float | None = None) -> dict:
+        self._run.join(timeout)
+        return self.status()
+
+    def cancel(self) -> None:
+        """Stop the run (the adapter of its last finished step stays in ``output_dir``); ValueError once ended."""
+        self._run.cancel()
