@@ -103,7 +103,8 @@ class PeftTraining:
     def step(self, loss: torch.Tensor) -> float:
         """One optimizer step on ``loss`` (clipped, then scheduled); returns the loss."""
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        if self.max_grad_norm:  # 0: no clipping, as FinetuneConfig has it
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad()

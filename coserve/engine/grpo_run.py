@@ -173,7 +173,7 @@ class GRPORun:
                                     "prompt_token_ids": r.token_ids, "completion": c.text,
                                     "completion_token_ids": ids[i], "finish_reason": c.finish_reason,
                                     "logprobs": [lp.logprob for lp in c.logprobs] if c.logprobs else None,
-                                    "reward": rewards[i], "rewards": {k: v[i] for k, v in per_func.items()},
+                                    "reward": rewards[i], "rewards": {k: None if math.isnan(v[i]) else v[i] for k, v in per_func.items()},
                                     "advantage": advantages[i]}) + "\n")
 
     def _rollouts(self, step: int, batch: list[PromptRecord]):

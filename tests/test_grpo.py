@@ -1,0 +1,199 @@
+"""GRPO (``coserve/finetune/grpo.py``, ``coserve/engine/grpo_run.py``) against TRL's GRPOTrainer math: advantages and
+loss normalisations against autograd of TRL's formulas, and whole runs against HF PEFT trained on the same
+completions with TRL's loss in a plain torch loop (the completions sampled from the adapter as it stood)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coserve import LLM, FinetuneConfig, LoraConfig
+from coserve.finetune.grpo import completion_example, group_advantages, sequence_scales
+from coserve.finetune.sequence_state import IGNORE_INDEX
+
+
+def _trl_advantages(rewards: list[float], group: int, scale: str) -> torch.Tensor:
+    r = torch.tensor(rewards, dtype=torch.float64)
+    grouped = r.view(-1, group)
+    advantages = r - grouped.mean(dim=1).repeat_interleave(group)
+    if scale == "group":
+        advantages = advantages / (grouped.std(dim=1).repeat_interleave(group) + 1e-4)
+    elif scale == "batch":
+        advantages = advantages / (r.std() + 1e-4)
+    return advantages
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_trls(scale):
+    rng = random.Random(scale)
+    rewards = [rng.choice([0.0, 1.0, rng.random() * 3]) for _ in range(12)]
+    rewards[:4] = [2.0] * 4  # a group without spread: advantages 0
+    assert group_advantages(rewards, 4, scale) == pytest.approx(_trl_advantages(rewards, 4, scale).tolist(),
+                                                                abs=1e-12)
+    with pytest.raises(ValueError, match="rewards: 10 is not a whole number of groups of 4"):
+        group_advantages(rewards[:10], 4, scale)
+
+
+def _trl_loss(logps: list[torch.Tensor], advantages: list[float], loss_type: str, batch_size: int,
+              max_len: int) -> torch.Tensor:
+    """TRL's GRPO loss at ratio 1 (one pass per generation, beta 0), micro-batch by micro-batch, summed as gradient
+    accumulation sums them."""
+    per_token = [-torch.exp(lp - lp.detach()) * a for lp, a in zip(logps, advantages)]
+    n = len(per_token)
+    micro = [per_token[k:k + batch_size] for k in range(0, n, batch_size)]
+    total_tokens = sum(len(t) for t in per_token)
+    loss = 0
+    for mb in micro:
+        if loss_type == "grpo":  # sequence means, the micro-batch's mean, over the accumulation
+            loss = loss + torch.stack([t.mean() for t in mb]).mean() * len(mb) / n
+        elif loss_type == "bnpo":
+            loss = loss + torch.cat(mb).sum() / sum(len(t) for t in mb) / len(micro)
+        elif loss_type == "dr_grpo":
+            loss = loss + torch.cat(mb).sum() / (len(mb) * max_len) * len(mb) / n
+        else:  # dapo: the tokens of the whole generation batch
+            loss = loss + torch.cat(mb).sum() / total_tokens
+    return loss
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_sequence_scales_are_the_gradient_of_trls_loss(loss_type):
+    """Each token's gradient of TRL's loss with respect to its log-probability is ``-s_i``, micro-batches uneven."""
+    rng = random.Random(loss_type)
+    lengths = [rng.randint(1, 9) for _ in range(7)]
+    advantages = [rng.uniform(-2, 2) for _ in lengths]
+    logps = [torch.randn(t, dtype=torch.float64, requires_grad=True) for t in lengths]
+    _trl_loss(logps, advantages, loss_type, batch_size=3, max_len=9).backward()
+    scales = sequence_scales(advantages, lengths, loss_type, batch_size=3, max_completion_tokens=9)
+    for lp, s in zip(logps, scales):
+        assert lp.grad.tolist() == pytest.approx([-s] * len(lp), rel=1e-12)
+    with pytest.raises(ValueError, match="grpo_loss: 'ppo' is not one of"):
+        sequence_scales(advantages, lengths, "ppo", 3, 9)
+
+
+def test_a_completion_is_trained_on_its_own_tokens_only():
+    ex = completion_example([0, 5, 6], [7, 8, 1])
+    assert ex.token_ids == [0, 5, 6, 7, 8, 1]
+    assert ex.targets == [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 1, IGNORE_INDEX]
+
+
+def _reward_len(prompts, completions, **kw):
+    """Characters, less a point per letter 'e': enough spread within a group of random completions."""
+    return [len(c if isinstance(c, str) else c[0]["content"]) / 10 - c.count("e") if isinstance(c, str)
+            else len(c[0]["content"]) / 10 for c in completions]
+
+
+def _reward_answer(prompts, completions, answer, completion_ids, **kw):
+    assert len(answer) == len(completions) == len(completion_ids)
+    return [None if a is None else float(str(a) in (c if isinstance(c, str) else c[0]["content"]))
+            for a, c in zip(answer, completions)]
+
+
+def _prompts(path):
+    records = [{"prompt": "Count to three:", "answer": "3"}, {"prompt": "Name a colour:", "answer": "red"},
+               {"prompt": [{"role": "user", "content": "Say hello."}]},
+               {"prompt": "Spell cat:", "answer": "c"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("loss_type, optimizer", [("grpo", "sgd"), ("dapo", "adamw")])
+def test_grpo_steps_match_hf_peft_on_the_same_completions(model_factory, tmp_path, loss_type, optimizer):
+    """Two steps: each step's completions were sampled from the adapter the step before left (their logprobs are
+    HF PEFT's under it), and the trained adapter is HF PEFT's after TRL's loss on those completions (SGD without
+    clipping: a loss scale off shows, where Adam's normalisation would hide it)."""
+    from peft_helpers import PeftTraining, make_lora_adapter
+    model_dir = model_factory("llama")
+    start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "v_proj", "down_proj"])
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="grpo", num_generations=3, batch_size=3,
+                         grad_accum=2, max_completion_tokens=6, max_steps=2, lr=1e-2 if optimizer == "adamw" else 0.5,
+                         weight_decay=0.01, seed=5, start_adapter=str(start), grpo_loss=loss_type,
+                         optimizer=optimizer, max_grad_norm=1.0 if optimizer == "adamw" else 0.0)
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    handle = llm.finetune(_prompts(tmp_path / "p.jsonl"), config=cfg, reward_funcs=[_reward_len, _reward_answer],
+                          reward_weights=[1.0, 2.0])
+    status = handle.wait(300)
+    assert status["status"] == "succeeded", status
+    assert [r["step"] for r in handle.log] == [1, 2] and status["step"] == 2
+    rollouts = [json.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 12 and all(r["logprobs"] for r in rollouts)
+
+    peft = PeftTraining(model_dir, start, cfg, steps=2)
+    for step in (1, 2):
+        rows = [r for r in rollouts if r["step"] == step]
+        rewards = [r["rewards"]["_reward_len"] + 2 * (r["rewards"]["_reward_answer"] or 0) for r in rows]
+        assert [r["reward"] for r in rows] == pytest.approx(rewards, abs=1e-9)  # None skipped, weights applied
+        assert [r["advantage"] for r in rows] == pytest.approx(_trl_advantages(rewards, 3, "group").tolist(),
+                                                               abs=1e-9)
+        logps = []
+        for r in rows:
+            ids = r["prompt_token_ids"] + r["completion_token_ids"]
+            logits = peft.model(input_ids=torch.tensor([ids])).logits[0, len(r["prompt_token_ids"]) - 1:-1]
+            lp = F.log_softmax(logits.float(), -1).gather(1, torch.tensor([r["completion_token_ids"]]).T)[:, 0]
+            # on-policy: sampled from the adapter as it stood before this step's update
+            assert lp.tolist() == pytest.approx(r["logprobs"], abs=2e-4)
+            logps.append(lp)
+        peft.step(_trl_loss(logps, [r["advantage"] for r in rows], loss_type, cfg.batch_size,
+                            cfg.max_completion_tokens))
+    from coserve.peft.adapter_dir import read_adapter_tensors
+    ours = read_adapter_tensors(tmp_path / "out")
+    reference = peft.state()
+    assert set(ours) == set(reference)
+    for name, ref in reference.items():
+        assert float((ours[name] - ref).norm() / ref.norm()) <= 1e-4, name
+    log = [json.loads(x) for x in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2]
+
+
+def test_bad_grpo_input_names_the_field_and_a_failing_reward_fails_the_run(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    with pytest.raises(ValueError, match="num_generations: a step's batch_size \\* grad_accum = 4 completions"):
+        FinetuneConfig(output_dir="x", method="grpo", num_generations=3, batch_size=4)
+    with pytest.raises(ValueError, match="train_on_prompt: GRPO's loss is on the sampled completions only"):
+        FinetuneConfig(output_dir="x", method="grpo", num_generations=2, batch_size=2, train_on_prompt=True)
+    with pytest.raises(ValueError, match="num_generations: a group of one completion"):
+        FinetuneConfig(output_dir="x", method="grpo", num_generations=1, batch_size=1)
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    prompts = _prompts(tmp_path / "p.jsonl")
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="grpo", num_generations=2, batch_size=2,
+                         max_completion_tokens=4, max_steps=1)
+    with pytest.raises(ValueError, match="reward_funcs: GRPO needs one or more functions"):
+        llm.finetune(prompts, config=cfg)
+    with pytest.raises(ValueError, match="reward_weights: expected 1 finite numbers"):
+        llm.finetune(prompts, config=cfg, reward_funcs=[_reward_len], reward_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="reward_funcs: rewards are for method grpo, not sft"):
+        llm.finetune(prompts, config=FinetuneConfig(output_dir=str(tmp_path / "o")), reward_funcs=[_reward_len])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="no valid training example among 2 records; line 1: prompt: expected text"):
+        llm.finetune(bad, config=cfg, reward_funcs=[_reward_len])
+
+    def broken(prompts, completions, **kw):
+        raise KeyError("score")
+
+    handle = llm.finetune(prompts, config=cfg, reward_funcs=[_reward_len, broken])
+    status = handle.wait(120)
+    assert status["status"] == "failed"
+    assert "reward_funcs[1] (broken) raised KeyError" in status["error"]
+    out = llm.generate(["still serving"], None)  # the engine keeps serving
+    assert out[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="the GRPO run is already failed"):
+        handle.cancel()
+
+
+def test_a_cancelled_grpo_run_stops_and_keeps_its_last_step(model_factory, tmp_path):
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="grpo", num_generations=2, batch_size=2,
+                         max_completion_tokens=4, max_steps=500)
+    handle = llm.finetune(_prompts(tmp_path / "p.jsonl"), peft=LoraConfig(r=2, target_modules=["q_proj"]),
+                          config=cfg, reward_funcs=[_reward_len])
+    while handle.status()["step"] < 1:
+        handle.wait(0.05)
+    handle.cancel()
+    status = handle.wait(60)
+    assert status["status"] == "cancelled" and 1 <= status["step"] < 500
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
