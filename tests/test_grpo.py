@@ -197,3 +197,27 @@ def test_a_cancelled_grpo_run_stops_and_keeps_its_last_step(model_factory, tmp_p
     status = handle.wait(60)
     assert status["status"] == "cancelled" and 1 <= status["step"] < 500
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_the_finetune_command_runs_grpo_with_reward_functions_from_a_file(model_factory, tmp_path, capsys):
+    from coserve.cli import main
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def letters(prompts, completions, **kw):  # chat prompts' completions are messages\n"
+                       "    texts = [c if isinstance(c, str) else c[0]['content'] for c in completions]\n"
+                       "    return [float(sum(ch.isalpha() for ch in t)) for t in texts]\n")
+    model, data, out = str(model_factory("llama")), str(_prompts(tmp_path / "p.jsonl")), str(tmp_path / "out")
+    common = ["finetune", "--model", model, "--data", data, "--output", out, "--num-generations", "2",
+              "--batch-size", "4", "--max-completion-tokens", "5", "--max-steps", "2", "--lora-r", "2"]
+    assert main([*common, "--method", "grpo", "--reward", f"{rewards}:letters", "--reward-weight", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "step 2: reward" in printed and "trained 2 steps" in printed
+    log = [json.loads(x) for x in (tmp_path / "out" / "grpo_log.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2] and len(rollouts) == 8
+    assert all(r["reward"] == 0.5 * r["rewards"]["letters"] for r in rollouts)
+    assert main([*common, "--method", "grpo", "--reward", f"{rewards}:nothing"]) == 2
+    assert f"--reward: {rewards} has no function 'nothing'" in capsys.readouterr().err
+    assert main([*common, "--method", "grpo", "--reward", "letters"]) == 2
+    assert "--reward: expected MODULE:FUNC or FILE.py:FUNC, got 'letters'" in capsys.readouterr().err
+    assert main([*common, "--reward", f"{rewards}:letters"]) == 2
+    assert "--reward: reward functions are for --method grpo, not sft" in capsys.readouterr().err

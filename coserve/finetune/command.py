@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -25,9 +26,23 @@ def add_arguments(p) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSON or JSONL: {text}, Alpaca, or OpenAI chat records (with "
                    "--method dpo: preference pairs, OpenAI's DPO records or TRL's prompt/chosen/rejected)")
-    p.add_argument("--method", default=d.method, choices=["sft", "dpo", "simpo", "orpo"],
+    p.add_argument("--method", default=d.method, choices=["sft", "dpo", "simpo", "orpo", "grpo"],
                    help="sft: cross-entropy on the completions; on preference pairs: dpo (Direct Preference "
-                        "Optimization against the base model, or --dpo-reference), simpo or orpo (no reference)")
+                        "Optimization against the base model, or --dpo-reference), simpo or orpo (no reference); "
+                        "grpo: on prompts, completions sampled and scored by --reward functions")
+    p.add_argument("--reward", action="append", default=[], metavar="MODULE:FUNC",
+                   help="grpo: a reward function, f(prompts, completions, **fields) -> rewards, as TRL calls it: "
+                        "an importable module's or a .py file's function (repeat for several; they are summed)")
+    p.add_argument("--reward-weight", action="append", type=float, default=[], metavar="W",
+                   help="grpo: one weight per --reward, in order (default 1 each)")
+    p.add_argument("--num-generations", type=int, default=d.num_generations,
+                   help="grpo: completions per prompt (batch-size * grad-accum must be whole groups of them)")
+    p.add_argument("--max-completion-tokens", type=int, default=d.max_completion_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="grpo: sampling temperature")
+    p.add_argument("--grpo-loss", default=d.grpo_loss, choices=["dapo", "grpo", "bnpo", "dr_grpo"],
+                   help="grpo: TRL's loss_type (how token losses are normalised)")
+    p.add_argument("--scale-rewards", default=d.scale_rewards, choices=["group", "batch", "none"],
+                   help="grpo: divide advantages by the group's or the batch's reward spread, or not")
     p.add_argument("--dpo-beta", type=float, default=d.dpo_beta,
                    help="the preference methods' beta (DPO's, SimPO's; ORPO's weight of the odds-ratio loss)")
     p.add_argument("--simpo-gamma", type=float, default=d.simpo_gamma, help="SimPO's target reward margin")
@@ -101,7 +116,13 @@ def run(args) -> int:
         train_on_prompt=args.train_on_prompt, eval_steps=args.eval_steps, save_steps=args.save_steps,
         save_total_limit=args.save_total_limit, method=args.method, dpo_beta=args.dpo_beta,
         dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing, dpo_reference=args.dpo_reference,
-        start_adapter=args.start_adapter, simpo_gamma=args.simpo_gamma)
+        start_adapter=args.start_adapter, simpo_gamma=args.simpo_gamma, num_generations=args.num_generations,
+        max_completion_tokens=args.max_completion_tokens, temperature=args.temperature, grpo_loss=args.grpo_loss,
+        scale_rewards=args.scale_rewards)
+    if cfg.method == "grpo":
+        return _grpo(args, cfg)
+    if args.reward or args.reward_weight:
+        raise ValueError(f"--reward: reward functions are for --method grpo, not {cfg.method}")
     model_cfg = ModelConfig.from_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     examples, report = load_training(args.data, tokenizer, cfg)
@@ -132,15 +153,72 @@ def _bypass(args, model, device: torch.device, cfg: FinetuneConfig) -> Trainable
         return load_trainable(args.init_adapter, shapes, layers, device, model.module_weight)
     if cfg.start_adapter or cfg.dpo_reference:
         return starting_bypass(None, model, cfg)
+    return make_bypass(_peft_config(args), model, cfg.seed)
+
+
+def _peft_config(args) -> LoraConfig | IA3Config:
     targets = args.target_modules.split(",") if args.target_modules else None
     if args.peft == "ia3":
-        peft = IA3Config(**({"target_modules": targets,
+        return IA3Config(**({"target_modules": targets,
                              "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets else {}))
-    else:
-        peft = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                          use_rslora=args.use_rslora, use_dora=args.use_dora,
-                          **({"target_modules": targets} if targets else {}))
-    return make_bypass(peft, model, cfg.seed)
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      use_rslora=args.use_rslora, use_dora=args.use_dora,
+                      **({"target_modules": targets} if targets else {}))
+
+
+def load_reward(spec: str):
+    """``MODULE:FUNC`` (an importable module) or ``FILE.py:FUNC``: the function; errors name ``--reward``."""
+    import importlib
+    import importlib.util
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--reward: expected MODULE:FUNC or FILE.py:FUNC, got {spec!r}")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ValueError(f"--reward: {where} is not a file")
+            module_spec = importlib.util.spec_from_file_location(f"coserve_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as e:  # the user's module failed to import: its own error, named
+        raise ValueError(f"--reward: cannot load {where} ({type(e).__name__}: {e})") from e
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise ValueError(f"--reward: {where} has no function {name!r}")
+    return func
+
+
+def _grpo(args, cfg: FinetuneConfig) -> int:
+    """GRPO through the Python API's engine (the rollouts need inference); progress a line a step."""
+    from coserve.engine.llm import LLM
+    if args.init_adapter:
+        raise ValueError("--init-adapter: a GRPO run starts from --start-adapter or a fresh adapter")
+    if args.validation_data:
+        raise ValueError("--validation-data: GRPO is scored by its rewards; it takes no validation file")
+    funcs = [load_reward(spec) for spec in args.reward]
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    handle = llm.finetune(args.data, peft=None if cfg.start_adapter else _peft_config(args), config=cfg,
+                          reward_funcs=funcs, reward_weights=args.reward_weight or None)
+    print(handle.data_report)
+    shown = 0
+    while handle.status()["status"] == "running":
+        handle.wait(0.5)
+        for record in handle.log[shown:]:
+            if not args.no_progress:
+                print(f"step {record['step']}: reward {record['reward']:.4f} (std {record['reward_std']:.4f}), "
+                      f"completions {record['completions_mean_length']:.1f} tokens", flush=True)
+            shown += 1
+    status = handle.status()
+    if status["status"] != "succeeded":
+        print(f"coserve finetune: stopped: {status['error']}", file=sys.stderr)
+        return 1
+    print(f"trained {status['step']} steps; last reward {status['reward']:.4f}; adapter in {cfg.output_dir}")
+    return 0
 
 
 def _memory_report(path: str, job: FinetuneJob, examples) -> None:
