@@ -106,10 +106,11 @@ class GRPORun:
             if self.status != "running":
                 raise ValueError(f"the GRPO run is already {self.status}")
             self._cancelled.set()
-            if self._job_id is not None:
+            jid = self._job_id
+            if jid is not None:
                 loop = self.llm._background()
                 try:
-                    loop.call(lambda: self.llm.engine.cancel_finetune_job(self._job_id))
+                    loop.call(lambda: self.llm.engine.cancel_finetune_job(jid))
                 except ValueError:
                     pass  # the step's job ended meanwhile
             self.status = "cancelled"
@@ -161,7 +162,8 @@ class GRPORun:
         examples = [completion_example(r.token_ids, c) for r, c in zip(records, ids)]
         job = GRPOStepJob(self.llm.engine.model, self.bypass, examples, scales, cfg, self.total_steps,
                           previous=self.job, base_model=self.base_model)
-        self._train(job)
+        if not self._train(job):
+            return  # cancelled: the adapter of the last whole step stays in output_dir
         self.job, self.step = job, job.step
         record = self._record(step, rewards, per_func, lengths, completions, rollout_s, job)
         self.log.append(record)
@@ -200,19 +202,22 @@ class GRPORun:
             except ValueError:
                 pass
 
-    def _train(self, job: GRPOStepJob) -> None:
-        """The step's job, co-served by the engine until it ends; a failed or cancelled one ends the run."""
+    def _train(self, job: GRPOStepJob) -> bool:
+        """The step's job, co-served by the engine until it ends (then dropped from the engine's books: a run adds
+        one a step); True if it trained, False if the run was cancelled; a failed one ends the run."""
         loop = self.llm._background()
         with self._lock:
             if self._cancelled.is_set():
-                return
-            self._job_id = loop.call(lambda: self.llm.engine.add_finetune_job(job, tenant=self.tenant))
+                return False
+            self._job_id = jid = loop.call(lambda: self.llm.engine.add_finetune_job(job, tenant=self.tenant))
         states = self.llm.engine.job_states
-        jid = self._job_id
         loop.wait_until(lambda: states[jid].status != "running")
-        state = states[jid]
+        state = loop.call(lambda: states.pop(jid))
+        with self._lock:
+            self._job_id = None
         if state.status == "failed":
             raise RuntimeError(f"step {job.step + 1}: {state.error}")
+        return state.status == "succeeded"
 
     def _record(self, step: int, rewards, per_func, lengths, completions, rollout_s: float,
                 job: GRPOStepJob) -> dict:

@@ -65,7 +65,7 @@ class FinetuneConfig:
     # GRPO (method grpo; TRL's GRPOConfig names and defaults): a step samples batch_size * grad_accum completions,
     # num_generations for each of its prompts
     num_generations: int = 8  # completions sampled per prompt (a group: advantages are relative to it)
-    max_completion_tokens: int = 256  # TRL's max_completion_length
+    max_completion_tokens: int = 512  # TRL's max_completion_length (its default, TRL 1.16)
     temperature: float = 1.0  # the completions' sampling temperature
     grpo_loss: str = "dapo"  # TRL's loss_type: how the token losses are normalised (grpo.sequence_scales)
     scale_rewards: str = "group"  # TRL's scale_rewards
