@@ -221,3 +221,34 @@ def test_the_finetune_command_runs_grpo_with_reward_functions_from_a_file(model_
     assert "--reward: expected MODULE:FUNC or FILE.py:FUNC, got 'letters'" in capsys.readouterr().err
     assert main([*common, "--reward", f"{rewards}:letters"]) == 2
     assert "--reward: reward functions are for --method grpo, not sft" in capsys.readouterr().err
+
+
+def test_a_grpo_run_beside_chat_changes_no_reply_and_trains_what_it_trains_alone(model_factory, tmp_path):
+    """Co-serving's promise for RL: user requests batched with the rollouts and the training windows get the
+    tokens they get alone, and the run samples the same completions and trains the same adapter as alone."""
+    from coserve import SamplingParams
+    from coserve.peft.adapter_dir import read_adapter_tensors
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    prompts = _prompts(tmp_path / "p.jsonl")
+    users = [[5 + i, 17, 40 + 3 * i, 9] * (1 + i % 3) for i in range(5)]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(users, greedy)]
+
+    def run(out: str):
+        cfg = FinetuneConfig(output_dir=str(tmp_path / out), method="grpo", num_generations=2, batch_size=4,
+                             max_completion_tokens=6, max_steps=3, lr=1e-2, seed=7)
+        return llm.finetune(prompts, peft=LoraConfig(r=2, target_modules=["q_proj", "down_proj"]), config=cfg,
+                            reward_funcs=[_reward_len])
+
+    assert run("solo").wait(120)["status"] == "succeeded"
+    handle, replies = run("beside"), []
+    while handle.status()["status"] == "running":
+        replies.append([o.outputs[0].token_ids for o in llm.generate(users, greedy)])
+    assert handle.status()["status"] == "succeeded" and len(replies) >= 2
+    assert all(r == alone for r in replies)
+    solo, beside = ([json.loads(x)["completion_token_ids"] for x in (tmp_path / d / "rollouts.jsonl").read_text()
+                     .splitlines()] for d in ("solo", "beside"))
+    assert solo == beside
+    a, b = read_adapter_tensors(tmp_path / "solo"), read_adapter_tensors(tmp_path / "beside")
+    for name in a:
+        assert float((a[name] - b[name]).norm() / a[name].norm()) <= 1e-5, name
