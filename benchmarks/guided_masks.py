@@ -5,8 +5,9 @@ the node-by-node walk coserve used before it (kept here as the baseline), on the
 
 For each mode of ``benchmarks/guided_decoding.py`` (and an email-format string), random guided walks collect the
 states a request passes through; a fresh guide then builds each state's allowed tokens once with each walk, so every
-mask is a first one, as for a schema's first requests (each walk timed twice, alternated; the second kept). ``--extra-tokens N`` adds N tokens (two of the model's ASCII
-tokens joined) to the vocabulary, to see how each walk scales towards the 32k-150k vocabularies of real models.
+mask is a first one, as for a schema's first requests (each walk timed twice, alternated; the second kept).
+``--extra-tokens N`` adds N tokens (two of the model's ASCII tokens joined) to the vocabulary, to see how each walk
+scales towards the 32k-150k vocabularies of real models.
 
 ``--peer xgrammar`` (``pip install xgrammar``; vLLM's default guided-decoding backend) also times, in the same
 process, what a request's masks cost each system from a fresh compile: random walks of ``--walks`` requests of up

@@ -23,7 +23,8 @@ from typing import Any
 
 from coserve.finetune.checkpoint import GRPO_LOG_FILE, ROLLOUTS_FILE
 from coserve.finetune.config import FinetuneConfig
-from coserve.finetune.grpo import GRPOStepJob, completion_example, group_advantages, sequence_scales
+from coserve.finetune.grpo import (GRPOStepJob, completion_example, group_advantages, sample_std,
+                                   sequence_scales)
 from coserve.finetune.grpo_prompts import PromptRecord
 from coserve.peft.adapter_dir import write_adapter_files
 from coserve.peft.dropout import mix_seed
@@ -171,12 +172,12 @@ class GRPORun:
             f.write(json.dumps(record) + "\n")
         with open(self.output_dir / ROLLOUTS_FILE, "a") as f:
             for i, (r, c) in enumerate(zip(records, completions)):
+                own = {k: None if math.isnan(v[i]) else v[i] for k, v in per_func.items()}  # None: did not apply
                 f.write(json.dumps({"step": step + 1, "prompt_line": r.line, "group": i // g,
                                     "prompt_token_ids": r.token_ids, "completion": c.text,
                                     "completion_token_ids": ids[i], "finish_reason": c.finish_reason,
                                     "logprobs": [lp.logprob for lp in c.logprobs] if c.logprobs else None,
-                                    "reward": rewards[i], "rewards": {k: None if math.isnan(v[i]) else v[i] for k, v in per_func.items()},
-                                    "advantage": advantages[i]}) + "\n")
+                                    "reward": rewards[i], "rewards": own, "advantage": advantages[i]}) + "\n")
 
     def _rollouts(self, step: int, batch: list[PromptRecord]):
         """The step's completions from the adapter as it stands (saved and loaded for serving under one name)."""
@@ -223,8 +224,7 @@ class GRPORun:
                 job: GRPOStepJob) -> dict:
         g = self.cfg.num_generations
         groups = [rewards[k:k + g] for k in range(0, len(rewards), g)]
-        stds = [0.0 if len(x) < 2 else math.sqrt(sum((r - sum(x) / len(x)) ** 2 for r in x) / (len(x) - 1))
-                for x in groups]
+        stds = [0.0 if len(x) < 2 else sample_std(x) for x in groups]
         last = job.log[-1] if job.log else None
         record = {"step": step + 1, "loss": last.loss if last else None, "lr": last.lr if last else None,
                   "reward": sum(rewards) / len(rewards), "reward_std": sum(stds) / len(stds),

@@ -30,7 +30,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def _std(xs: list[float]) -> float:
+def sample_std(xs: list[float]) -> float:
     """The sample standard deviation (torch.std's default, which TRL takes): nan for one value, as torch's (the
     config refuses groups of one unless rewards are not scaled)."""
     if len(xs) < 2:
@@ -46,12 +46,12 @@ def group_advantages(rewards: list[float], group: int, scale: str = "group") -> 
         raise ValueError(f"scale_rewards: {scale!r} is not one of {', '.join(SCALE_REWARDS)}")
     if not rewards or len(rewards) % group:
         raise ValueError(f"rewards: {len(rewards)} is not a whole number of groups of {group}")
-    batch_std = _std(rewards) if scale == "batch" else 0.0
+    batch_std = sample_std(rewards) if scale == "batch" else 0.0
     out = []
     for g in range(0, len(rewards), group):
         chunk = rewards[g:g + group]
         mean = _mean(chunk)
-        div = {"group": _std(chunk) + STD_EPS, "batch": batch_std + STD_EPS, "none": 1.0}[scale]
+        div = {"group": sample_std(chunk) + STD_EPS, "batch": batch_std + STD_EPS, "none": 1.0}[scale]
         out += [(r - mean) / div for r in chunk]
     return out
 
