@@ -215,6 +215,10 @@ def test_the_finetune_command_runs_grpo_with_reward_functions_from_a_file(model_
     rollouts = [json.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == [1, 2] and len(rollouts) == 8
     assert all(r["reward"] == 0.5 * r["rewards"]["letters"] for r in rollouts)
+    more = common[:common.index("--max-steps") + 1] + ["3"] + common[common.index("--max-steps") + 2:]  # resumed
+    assert main([*more, "--method", "grpo", "--reward", f"{rewards}:letters", "--init-adapter", out]) == 0
+    assert "step 3: reward" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (tmp_path / "out" / "grpo_log.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert main([*common, "--method", "grpo", "--reward", f"{rewards}:nothing"]) == 2
     assert f"--reward: {rewards} has no function 'nothing'" in capsys.readouterr().err
     assert main([*common, "--method", "grpo", "--reward", "letters"]) == 2
@@ -252,3 +256,43 @@ def test_a_grpo_run_beside_chat_changes_no_reply_and_trains_what_it_trains_alone
     a, b = read_adapter_tensors(tmp_path / "solo"), read_adapter_tensors(tmp_path / "beside")
     for name in a:
         assert float((a[name] - b[name]).norm() / a[name].norm()) <= 1e-5, name
+
+
+def test_a_grpo_run_resumed_from_its_checkpoint_goes_on_as_if_it_had_not_stopped(model_factory, tmp_path):
+    """The adapter and optimizer state saved after every step, the step's prompts and sampling seeds fixed by the
+    step: a run stopped after a step and resumed from its output directory samples and trains what one that never
+    stopped does."""
+    from dataclasses import replace
+
+    from coserve.peft.adapter_dir import read_adapter_tensors
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    prompts = _prompts(tmp_path / "p.jsonl")
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "whole"), method="grpo", num_generations=2, batch_size=4,
+                         max_completion_tokens=5, max_steps=4, lr=1e-2, seed=11, lr_scheduler="cosine",
+                         warmup_steps=1)
+    peft = LoraConfig(r=2, target_modules=["q_proj", "down_proj"])
+    assert llm.finetune(prompts, peft=peft, config=cfg, reward_funcs=[_reward_len]).wait(120)["status"] == "succeeded"
+    part = replace(cfg, output_dir=str(tmp_path / "part"))
+    first = llm.finetune(prompts, peft=peft, config=part, reward_funcs=[_reward_len])
+    while first.status()["step"] < 1:
+        first.wait(0.01)
+    first.cancel()
+    stopped_at = first.wait(60)["step"]
+    assert 1 <= stopped_at < 4
+    with pytest.raises(ValueError, match="peft: a resumed job trains the checkpoint's adapter"):
+        llm.finetune(prompts, peft=peft, config=part, reward_funcs=[_reward_len], resume_from=part.output_dir)
+    rest = llm.finetune(prompts, config=part, reward_funcs=[_reward_len], resume_from=part.output_dir)
+    assert rest.wait(120)["status"] == "succeeded" and rest.status()["step"] == 4
+    assert [r["step"] for r in rest.log] == list(range(stopped_at + 1, 5))
+
+    def lines(run: str, name: str) -> list[dict]:
+        return [json.loads(x) for x in (tmp_path / run / name).read_text().splitlines()]
+
+    assert [r["completion_token_ids"] for r in lines("part", "rollouts.jsonl")] == [
+        r["completion_token_ids"] for r in lines("whole", "rollouts.jsonl")]
+    assert [r["step"] for r in lines("part", "grpo_log.jsonl")] == [1, 2, 3, 4]
+    a, b = read_adapter_tensors(tmp_path / "whole"), read_adapter_tensors(tmp_path / "part")
+    for name in a:
+        assert float((a[name] - b[name]).norm() / a[name].norm()) <= 1e-6, name
+    with pytest.raises(ValueError, match="resume_from: .* is at step 4; the run has 4"):
+        llm.finetune(prompts, config=part, reward_funcs=[_reward_len], resume_from=part.output_dir)

@@ -95,3 +95,31 @@ def test_a_co_served_jobs_numbered_checkpoints_are_written_off_the_engine_thread
     assert all(thread.startswith("coserve-save") for _, thread in writers)
     assert sorted(p.name for p in job.output_dir.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4"]
     assert (job.output_dir / "checkpoint-4" / "adapter_model.safetensors").is_file()
+
+
+def test_a_job_resumed_from_its_checkpoint_trains_on_as_one_that_never_stopped(model_factory, tmp_path):
+    """``LLM.finetune(..., resume_from=DIR)``: the checkpoint's adapter, optimizer state and step (as ``coserve
+    finetune --init-adapter``); two steps then two more equal four at once (a constant learning rate: a schedule's
+    length is the job's)."""
+    from coserve.peft.adapter_dir import read_adapter_tensors
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    data = _data(tmp_path / "d.jsonl")
+
+    def cfg(out: str, steps: int) -> FinetuneConfig:
+        return FinetuneConfig(output_dir=str(tmp_path / out), max_steps=steps, batch_size=2, lr=5e-2, seed=4,
+                              lr_scheduler="constant")
+
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"])
+    assert llm.finetune(data, peft, cfg("whole", 4)).wait(120)["status"] == "succeeded"
+    assert llm.finetune(data, peft, cfg("part", 2)).wait(120)["status"] == "succeeded"
+    with pytest.raises(ValueError, match="peft: a resumed job trains the checkpoint's adapter"):
+        llm.finetune(data, peft, cfg("part", 4), resume_from=tmp_path / "part")
+    with pytest.raises(ValueError, match="resume_from: .*nowhere is not a directory"):
+        llm.finetune(data, None, cfg("part", 4), resume_from=tmp_path / "nowhere")
+    rest = llm.finetune(data, None, cfg("part", 4), resume_from=tmp_path / "part")
+    assert rest.wait(120)["step"] == 4
+    lines = (tmp_path / "part" / "training_log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    a, b = read_adapter_tensors(tmp_path / "whole"), read_adapter_tensors(tmp_path / "part")
+    for name in a:
+        assert float((a[name] - b[name]).norm() / a[name].norm()) <= 1e-6, name

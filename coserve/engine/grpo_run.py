@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coserve.finetune.checkpoint import GRPO_LOG_FILE, ROLLOUTS_FILE
+from coserve.finetune.checkpoint import GRPO_LOG_FILE, ROLLOUTS_FILE, load_optimizer_state
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.grpo import (GRPOStepJob, completion_example, group_advantages, sample_std,
                                    sequence_scales)
@@ -71,7 +71,9 @@ class GRPORun:
 
     def __init__(self, llm: Any, prompts: list[PromptRecord], reward_funcs: Sequence[RewardFunc],
                  reward_weights: Sequence[float] | None, bypass: TrainableBypass, cfg: FinetuneConfig,
-                 tenant: str = "default", base_model: str = "") -> None:
+                 tenant: str = "default", base_model: str = "", resume_from: Path | None = None) -> None:
+        """``resume_from``: a checkpoint a run of the same data and config wrote after a step (its
+        ``output_dir``); the run goes on from that step as if it had not stopped (``bypass`` its adapter)."""
         if not prompts:
             raise ValueError("data: no prompts")
         funcs = list(reward_funcs or [])
@@ -88,7 +90,16 @@ class GRPORun:
         self.steps_per_epoch = math.ceil(len(prompts) / self.per_step)
         self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.epochs
         self.output_dir = Path(cfg.output_dir)
+        self.resume_from = Path(resume_from) if resume_from is not None else None
         self.status, self.error, self.step = "running", None, 0
+        if self.resume_from is not None:
+            saved = load_optimizer_state(self.resume_from)
+            if saved is None:
+                raise ValueError(f"resume_from: {self.resume_from} holds no optimizer state (not a checkpoint)")
+            self.step = int(saved.get("step", 0))
+            if self.step >= self.total_steps:
+                raise ValueError(f"resume_from: {self.resume_from} is at step {self.step}; the run has "
+                                 f"{self.total_steps}")
         self.log: list[dict] = []  # one record a step, as grpo_log.jsonl holds them
         self.job: GRPOStepJob | None = None  # the latest step's job
         self._job_id: str | None = None
@@ -123,7 +134,7 @@ class GRPORun:
     # ---- one run ---------------------------------------------------------------
     def _run(self) -> None:
         try:
-            for step in range(self.total_steps):
+            for step in range(self.step, self.total_steps):
                 if self._cancelled.is_set():
                     return
                 self._one_step(step)
@@ -162,7 +173,8 @@ class GRPORun:
         scales = sequence_scales(advantages, lengths, cfg.grpo_loss, cfg.batch_size, cfg.max_completion_tokens)
         examples = [completion_example(r.token_ids, c) for r, c in zip(records, ids)]
         job = GRPOStepJob(self.llm.engine.model, self.bypass, examples, scales, cfg, self.total_steps,
-                          previous=self.job, base_model=self.base_model)
+                          previous=self.job, base_model=self.base_model,
+                          resume_from=self.resume_from if self.job is None else None)
         if not self._train(job):
             return  # cancelled: the adapter of the last whole step stays in output_dir
         self.job, self.step = job, job.step

@@ -19,6 +19,7 @@ from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.grpo_prompts import load_prompts
 from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.trainable import load_trainable
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                      ScoringRequestOutput)
@@ -51,7 +52,7 @@ class LLM:
     def finetune(self, data: str | Path, peft: LoraConfig | IA3Config | None = None,
                  config: FinetuneConfig | None = None, tenant: str = "default",
                  validation: str | Path | None = None, reward_funcs=None,
-                 reward_weights=None) -> FinetuneHandle | GRPOHandle:
+                 reward_weights=None, resume_from: str | Path | None = None) -> FinetuneHandle | GRPOHandle:
         """Start a finetuning job co-served with ``generate`` calls (the engine then runs in a background thread).
 
         ``data``: a JSON/JSONL file ({text}, Alpaca or OpenAI chat records, as ``coserve finetune``; with
@@ -67,34 +68,50 @@ class LLM:
         records: ``{"prompt": text or messages, ...}``), ``reward_funcs`` are functions called as TRL calls them,
         ``f(prompts=, completions=, completion_ids=, **the records' other fields) -> rewards`` (None where one does
         not apply), summed with ``reward_weights`` (default 1 each); a ``GRPOHandle`` is returned.
+        ``resume_from``: a checkpoint directory (an ``output_dir`` or a ``checkpoint-STEP`` a job wrote) whose
+        adapter, optimizer state and step the job continues from (``coserve finetune --init-adapter``); ``peft``
+        must then be None.
         """
         if config is None:
             raise ValueError("config: a FinetuneConfig with output_dir is required")
         if self.engine.config.policy == "inference-only":
             raise ValueError("policy: this LLM was made with policy='inference-only', which never runs finetuning")
         model = self.engine.model
+        if resume_from is not None and peft is not None:
+            raise ValueError("peft: a resumed job trains the checkpoint's adapter (give no peft config)")
         if config.method == "grpo":
-            return self._grpo(data, peft, config, tenant, validation, reward_funcs, reward_weights)
+            return self._grpo(data, peft, config, tenant, validation, reward_funcs, reward_weights, resume_from)
         if reward_funcs is not None or reward_weights is not None:
             raise ValueError(f"reward_funcs: rewards are for method grpo, not {config.method}")
         examples, report = load_training(data, self.tokenizer, config)
         held_out = None if validation is None else load_training(validation, self.tokenizer, config)[0]
-        bypass = starting_bypass(peft, model, config)
-        job = new_job(model, bypass, examples, config, base_model=str(self.model_dir.resolve()), validation=held_out)
+        bypass = self._starting_bypass(peft, config, resume_from)
+        job = new_job(model, bypass, examples, config, base_model=str(self.model_dir.resolve()), validation=held_out,
+                      resume_from=Path(resume_from) if resume_from is not None else None)
         loop = self._background()
         job_id = loop.call(lambda: self.engine.add_finetune_job(job, tenant=tenant))
         return FinetuneHandle(self, job_id, Path(config.output_dir), report.summary())
 
+    def _starting_bypass(self, peft, config: FinetuneConfig, resume_from):
+        """The new job's trainable adapter: the checkpoint's when resuming, else ``starting_bypass``'s."""
+        model = self.engine.model
+        if resume_from is None:
+            return starting_bypass(peft, model, config)
+        if not Path(resume_from).is_dir():
+            raise ValueError(f"resume_from: {resume_from} is not a directory")
+        return load_trainable(resume_from, model.module_shapes(), model.cfg.num_layers, model.device,
+                              model.module_weight)
+
     def _grpo(self, data, peft, config: FinetuneConfig, tenant: str, validation, reward_funcs,
-              reward_weights) -> GRPOHandle:
+              reward_weights, resume_from) -> GRPOHandle:
         if validation is not None:
             raise ValueError("validation: GRPO is scored by its rewards; it takes no validation file")
         if config.max_seq_len > self.engine.max_model_len:  # prompt and completion within the context
             config = replace(config, max_seq_len=self.engine.max_model_len)
         prompts, report = load_prompts(data, self.tokenizer, config.max_seq_len, config.max_completion_tokens)
-        bypass = starting_bypass(peft, self.engine.model, config)
+        bypass = self._starting_bypass(peft, config, resume_from)
         run = GRPORun(self, prompts, reward_funcs, reward_weights, bypass, config, tenant,
-                      base_model=str(self.model_dir.resolve()))
+                      base_model=str(self.model_dir.resolve()), resume_from=resume_from)
         self._background()
         run.start()
         return GRPOHandle(run, report.summary())

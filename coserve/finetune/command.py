@@ -196,14 +196,13 @@ def load_reward(spec: str):
 def _grpo(args, cfg: FinetuneConfig) -> int:
     """GRPO through the Python API's engine (the rollouts need inference); progress a line a step."""
     from coserve.engine.llm import LLM
-    if args.init_adapter:
-        raise ValueError("--init-adapter: a GRPO run starts from --start-adapter or a fresh adapter")
     if args.validation_data:
         raise ValueError("--validation-data: GRPO is scored by its rewards; it takes no validation file")
     funcs = [load_reward(spec) for spec in args.reward]
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    handle = llm.finetune(args.data, peft=None if cfg.start_adapter else _peft_config(args), config=cfg,
-                          reward_funcs=funcs, reward_weights=args.reward_weight or None)
+    handle = llm.finetune(args.data, peft=None if cfg.start_adapter or args.init_adapter else _peft_config(args),
+                          config=cfg, reward_funcs=funcs, reward_weights=args.reward_weight or None,
+                          resume_from=args.init_adapter)
     print(handle.data_report)
     shown = 0
     while handle.status()["status"] == "running":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from coserve.finetune.config import GRPO_LOSSES, SCALE_REWARDS, FinetuneConfig
 from coserve.finetune.job import Example, FinetuneJob
@@ -103,11 +104,15 @@ class GRPOStepJob(FinetuneJob):
 
     def __init__(self, model: DecoderModel, bypass: TrainableBypass, examples: list[Example], scales: list[float],
                  cfg: FinetuneConfig, total_steps: int, previous: GRPOStepJob | None = None,
-                 base_model: str = "") -> None:
+                 base_model: str = "", resume_from: Path | None = None) -> None:
+        """``resume_from``: a checkpoint of the run (its optimizer, schedule and step), for its first step after a
+        restart; ``previous`` otherwise."""
         if len(scales) != len(examples):
             raise ValueError(f"scales: {len(scales)} for {len(examples)} completions")
+        if previous is not None and resume_from is not None:
+            raise ValueError("resume_from: a step continues either the step before or a checkpoint, not both")
         step_cfg = dataclasses.replace(cfg, shuffle=False, max_steps=total_steps, epochs=1)
-        super().__init__(model, bypass, examples, step_cfg, base_model)
+        super().__init__(model, bypass, examples, step_cfg, base_model, resume_from=resume_from)
         self.scales = list(scales)
         if previous is not None:
             self.optimizer, self.scheduler = previous.optimizer, previous.scheduler
