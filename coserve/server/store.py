@@ -153,6 +153,13 @@ class Store:
             raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")
         self._conn.execute("INSERT OR IGNORE INTO tenants VALUES (?, ?)", (tenant, _now()))
 
+    def _insert_object(self, table: str, tenant: str, obj: dict) -> None:
+        """A tenant's object row in ``table`` (jobs, batches, uploads: id, status, created_at and the JSON), its
+        tenant recorded; the caller holds the lock and the transaction."""
+        self._insert_tenant(tenant)
+        self._conn.execute(f"INSERT INTO {table} (id, tenant, status, created_at, obj) VALUES (?, ?, ?, ?, ?)",
+                           (obj["id"], tenant, obj["status"], obj["created_at"], json.dumps(obj)))
+
     def ensure_tenant(self, tenant: str) -> None:
         """Record ``tenant`` if it is not recorded yet."""
         with self._lock, self._conn:
@@ -253,9 +260,7 @@ class Store:
         """Store a new upload object built by the caller; returns a copy of it."""
         obj = json.loads(json.dumps(upload))
         with self._lock, self._conn:
-            self._insert_tenant(tenant)
-            self._conn.execute("INSERT INTO uploads (id, tenant, status, created_at, obj) VALUES (?, ?, ?, ?, ?)",
-                               (obj["id"], tenant, obj["status"], obj["created_at"], json.dumps(obj)))
+            self._insert_object("uploads", tenant, obj)
         return obj
 
     def get_upload(self, tenant: str | None, upload_id: str) -> dict | None:
@@ -332,9 +337,7 @@ class Store:
         """Store a new batch object built by the caller; returns a copy of it."""
         obj = json.loads(json.dumps(batch))
         with self._lock, self._conn:
-            self._insert_tenant(tenant)
-            self._conn.execute("INSERT INTO batches (id, tenant, status, created_at, obj) VALUES (?, ?, ?, ?, ?)",
-                               (obj["id"], tenant, obj["status"], obj["created_at"], json.dumps(obj)))
+            self._insert_object("batches", tenant, obj)
         return obj
 
     def update_batch(self, batch_id: str, **fields) -> dict:
@@ -380,11 +383,7 @@ class Store:
             if self.job_tenant(obj["id"]) is not None:
                 raise ValueError(f"job.id: a job {obj['id']!r} already exists")
             with self._conn:
-                self._insert_tenant(tenant)
-                self._conn.execute("INSERT INTO jobs (id, tenant, status, created_at, obj)"
-                                   " VALUES (?, ?, ?, ?, ?)",
-                                   (obj["id"], tenant, obj["status"], obj["created_at"],
-                                    json.dumps(obj)))
+                self._insert_object("jobs", tenant, obj)
         return obj
 
     def update_job(self, job_id: str, **fields) -> dict:
