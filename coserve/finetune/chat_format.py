@@ -55,6 +55,21 @@ def is_unicode_text(s: str) -> bool:
 NOT_UNICODE = "holds an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF), which is not Unicode text"
 
 
+def check_message(m: object, where: str) -> tuple[str, str]:
+    """One chat message's ``(role, content)``; ``ValueError`` naming ``where`` (e.g. ``messages[2].role``)."""
+    if not isinstance(m, dict):
+        raise ValueError(f"{where}: expected an object, got {json_type(m)}")
+    role, content = m.get("role"), m.get("content")
+    if role not in ROLES:
+        got = repr(role) if isinstance(role, str) else json_type(role)
+        raise ValueError(f"{where}.role: {got} is not one of {', '.join(ROLES)}")
+    if not isinstance(content, str):
+        raise ValueError(f"{where}.content: expected a string, got {json_type(content)}")
+    if not is_unicode_text(content):
+        raise ValueError(f"{where}.content: {NOT_UNICODE}")
+    return role, content
+
+
 def validate_messages(messages: object) -> tuple[list[dict[str, str]], list[bool]]:
     """Checks an OpenAI ``messages`` list.
 
@@ -68,16 +83,7 @@ def validate_messages(messages: object) -> tuple[list[dict[str, str]], list[bool
     plain: list[dict[str, str]] = []
     trained: list[bool] = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}]: expected an object, got {json_type(m)}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            got = repr(role) if isinstance(role, str) else json_type(role)
-            raise ValueError(f"messages[{i}].role: {got} is not one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: expected a string, got {json_type(content)}")
-        if not is_unicode_text(content):
-            raise ValueError(f"messages[{i}].content: {NOT_UNICODE}")
+        role, content = check_message(m, f"messages[{i}]")
         weight = m.get("weight", 1)
         if isinstance(weight, bool) or weight not in (0, 1):
             raise ValueError(f"messages[{i}].weight: expected 0 or 1, got {weight!r}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coserve.finetune.chat_format import ROLES, is_unicode_text, json_type
+from coserve.finetune.chat_format import check_message, is_unicode_text, json_type
 from coserve.finetune.dataset import DatasetReport, load_records
 
 
@@ -59,13 +59,7 @@ def _messages(prompt: list) -> list[dict[str, str]]:
         raise ValueError("prompt: an empty array of messages")
     out = []
     for i, m in enumerate(prompt):
-        if not isinstance(m, dict):
-            raise ValueError(f"prompt[{i}]: expected an object, got {json_type(m)}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise ValueError(f"prompt[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(content, str) or not is_unicode_text(content):
-            raise ValueError(f"prompt[{i}].content: expected Unicode text, got {json_type(content)}")
+        role, content = check_message(m, f"prompt[{i}]")
         out.append({"role": role, "content": content})
     if out[-1]["role"] == "assistant":
         raise ValueError(f"prompt[{len(out) - 1}]: the prompt ends with an assistant message; the completion is "
