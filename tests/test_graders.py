@@ -1,0 +1,190 @@
+"""OpenAI's graders: the text-similarity metrics against their reference implementations (rapidfuzz, NLTK, Google's
+rouge_score), string checks, templates, multi graders' formulas, python graders in their own process, and the errors
+that name the field."""
+
+import random
+
+import pytest
+from nltk.translate.bleu_score import SmoothingFunction
+from nltk.translate.bleu_score import sentence_bleu as nltk_bleu
+from nltk.translate.gleu_score import sentence_gleu as nltk_gleu
+from rapidfuzz import fuzz
+from rouge_score import rouge_scorer
+
+from coserve.finetune import text_similarity as ts
+from coserve.finetune.grader_formula import Formula
+from coserve.finetune.graders import grader_reward, make_sample, parse_grader
+
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "Paris", "Pâris", ".", ",", "is", "IS", "42", "x-y", "日本"]
+
+
+def texts(rng, n):
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 14))) for _ in range(n)]
+
+
+def test_the_metrics_equal_their_reference_implementations():
+    rng = random.Random(0)
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rouge3", "rouge4", "rouge5", "rougeL"])
+    smooth = SmoothingFunction().method1
+    pairs = list(zip(texts(rng, 400), texts(rng, 400))) + [("", ""), ("Paris", "Paris"), ("a b c d e", "a b c d e")]
+    for a, b in pairs:
+        assert ts.similarity("fuzzy_match", a, b) == pytest.approx(fuzz.ratio(a, b) / 100, abs=1e-12)
+        wa, wb = ts.words(a), ts.words(b)
+        if wa and wb:  # NLTK divides by the hypothesis' length
+            assert ts.similarity("bleu", a, b) == pytest.approx(nltk_bleu([wb], wa, smoothing_function=smooth),
+                                                                abs=1e-12), (a, b)
+        assert ts.similarity("gleu", a, b) == pytest.approx(nltk_gleu([wb], wa), abs=1e-12), (a, b)
+        scores = scorer.score(b, a)
+        for n in range(1, 6):
+            assert ts.similarity(f"rouge_{n}", a, b) == pytest.approx(scores[f"rouge{n}"].fmeasure, abs=1e-12)
+        assert ts.similarity("rouge_l", a, b) == pytest.approx(scores["rougeL"].fmeasure, abs=1e-12)
+
+
+def test_fuzzy_match_of_long_texts_and_the_bit_parallel_lcs():
+    rng = random.Random(1)
+    a = "".join(rng.choice("abcdé ") for _ in range(3000))
+    b = "".join(rng.choice("abcdé ") for _ in range(2500))
+    assert ts.similarity("fuzzy_match", a, b) == pytest.approx(fuzz.ratio(a, b) / 100, abs=1e-12)
+    for _ in range(200):  # against the textbook table
+        x = [rng.randrange(4) for _ in range(rng.randint(0, 20))]
+        y = [rng.randrange(4) for _ in range(rng.randint(0, 20))]
+        table = [[0] * (len(y) + 1) for _ in range(len(x) + 1)]
+        for i in range(len(x)):
+            for j in range(len(y)):
+                table[i + 1][j + 1] = table[i][j] + 1 if x[i] == y[j] else max(table[i][j + 1], table[i + 1][j])
+        assert ts.lcs_length(x, y) == table[-1][-1]
+
+
+def string_check(operation, reference="{{ item.answer }}"):
+    return parse_grader({"type": "string_check", "name": "check", "input": "{{ sample.output_text }}",
+                         "reference": reference, "operation": operation})
+
+
+@pytest.mark.parametrize("operation,expected", [("eq", [1, 0, 0, 0]), ("ne", [0, 1, 1, 1]),
+                                                ("like", [1, 1, 0, 0]), ("ilike", [1, 1, 1, 0])])
+def test_string_checks(operation, expected):
+    outputs = ["Paris", "It is Paris.", "PARIS!", "Lyon"]
+    scores, subs = string_check(operation).grade([make_sample(o) for o in outputs], [{"answer": "Paris"}] * 4)
+    assert scores == expected and subs == {}
+
+
+def test_templates_reach_into_items_and_json_outputs():
+    g = string_check("eq", reference="{{item.meta.cities.1}}|{{ item.n }}|{{ sample.output_json.city }}")
+    item = {"meta": {"cities": ["Lyon", "Paris"]}, "n": 3}
+    assert g.reference.render(item, make_sample('{"city": "Nice"}')) == "Paris|3|Nice"
+    assert g.grade([make_sample('{"city": "Nice"}')], [item])[0] == [0.0]
+    with pytest.raises(ValueError, match=r"sample 0: .*\{\{ sample.output_json.city \}\}: the sample has no "
+                                         r"sample.output_json.city"):
+        g.grade([make_sample("not json")], [item])
+    with pytest.raises(ValueError, match=r"the item has no item.answer"):
+        string_check("eq").grade([make_sample("x")], [{"question": "?"}])
+
+
+def test_a_multi_grader_combines_named_graders_by_its_formula():
+    g = parse_grader({"type": "multi", "name": "total", "calculate_output": "0.25 * exact + 0.75 * max(sim, 0.5)^2",
+                      "graders": {"exact": {"type": "string_check", "name": "exact", "operation": "eq",
+                                            "input": "{{sample.output_text}}", "reference": "{{item.answer}}"},
+                                  "sim": {"type": "text_similarity", "name": "sim", "evaluation_metric": "rouge_1",
+                                          "input": "{{sample.output_text}}", "reference": "{{item.answer}}"}}})
+    scores, subs = g.grade([make_sample("the cat sat"), make_sample("a dog")], [{"answer": "the cat sat"}] * 2)
+    assert subs == {"exact": [1.0, 0.0], "sim": [1.0, 0.0]}
+    assert scores == [pytest.approx(1.0), pytest.approx(0.75 * 0.25)]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("a + b", r"'b' is not one of the graders \(a\)"),
+    ("a.__class__", r"'a.__class__' is not allowed in a formula"),
+    ("open(a)", r"open\(\) is not one of min"),
+    ("a +", r"not a formula"),
+    ("[a]", r"'\[a\]' is not allowed"),
+    ("a ^ 2 ^ -1 + 1", None),
+    ("", r"expected a formula"),
+])
+def test_formulas_outside_the_language_are_refused(text, message):
+    if message is None:  # ^ is a power, right-associative and binding tighter than +
+        assert Formula(text, {"a"}).value({"a": 4.0}) == pytest.approx(4.0 ** 0.5 + 1)
+        return
+    with pytest.raises(ValueError, match=r"^calculate_output: " + message):
+        Formula(text, {"a"})
+
+
+def test_a_formula_undefined_for_the_scores_is_an_error():
+    f = Formula("a / b + 2 ** 3 - sqrt(b)", {"a", "b"})
+    assert f.value({"a": 1.0, "b": 4.0}) == pytest.approx(0.25 + 8 - 2)
+    with pytest.raises(ValueError, match="undefined"):
+        f.value({"a": 1.0, "b": 0.0})
+    with pytest.raises(ValueError, match="undefined"):
+        Formula("10 ^ 400", set()).value({})  # floats overflow rather than grow
+
+
+PYTHON = ("import math\n\ndef grade(sample, item):\n    print('graded', item)\n"
+          "    if item.get('boom'):\n        raise KeyError('boom')\n"
+          "    return 1.0 if sample['output_text'].strip() == str(item['answer']) else 0.0\n")
+
+
+def test_a_python_grader_runs_in_its_own_process():
+    g = parse_grader({"type": "python", "name": "py", "source": PYTHON})
+    scores, _ = g.grade([make_sample(" 4 "), make_sample("5")], [{"answer": 4}, {"answer": 4}])
+    assert scores == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"grader 'py': sample 1: KeyError: 'boom'"):
+        g.grade([make_sample("4"), make_sample("4")], [{"answer": 4}, {"answer": 4, "boom": True}])
+    bad = parse_grader({"type": "python", "name": "py", "source": "def grade(s, i):\n    return 'high'\n"})
+    with pytest.raises(ValueError, match=r"sample 0: TypeError: grade\(\) returned 'high', not a finite number"):
+        bad.grade([make_sample("x")], [{}])
+    broken = parse_grader({"type": "python", "name": "py", "source": "import no_such_module\ndef grade(s, i): pass"})
+    with pytest.raises(ValueError, match="the python grader failed: ModuleNotFoundError"):
+        broken.grade([make_sample("x")], [{}])
+
+
+def test_a_python_grader_over_its_time_limit_fails(monkeypatch):
+    from coserve.finetune import python_grader
+    slow = parse_grader({"type": "python", "name": "slow",
+                         "source": "import time\ndef grade(s, i):\n    time.sleep(30)\n    return 1.0\n"})
+    real = python_grader.run_python_grader
+    monkeypatch.setattr("coserve.finetune.graders.run_python_grader",
+                        lambda source, pairs: real(source, pairs, timeout_s=1.0))
+    with pytest.raises(ValueError, match=r"took more than 1 s for 1 sample"):
+        slow.grade([make_sample("x")], [{}])
+
+
+@pytest.mark.parametrize("spec,message", [
+    ([], r"grader: expected a grader object"),
+    ({"type": "score_model", "name": "s"}, r"grader.type: score_model graders are not supported"),
+    ({"type": "regex", "name": "s"}, r"grader.type: expected one of string_check, text_similarity"),
+    ({"type": "string_check", "input": "", "reference": "", "operation": "eq"}, r"grader.name: expected"),
+    ({"type": "string_check", "name": "s", "input": "{{ answer }}", "reference": "", "operation": "eq"},
+     r"grader.input: \{\{ answer \}\} is not item.<field> or sample.<field>"),
+    ({"type": "string_check", "name": "s", "input": "{{ sample.text }}", "reference": "", "operation": "eq"},
+     r"grader.input: \{\{ sample.text \}\}: the sample has output_text"),
+    ({"type": "string_check", "name": "s", "input": "", "reference": 3, "operation": "eq"},
+     r"grader.reference: expected text"),
+    ({"type": "string_check", "name": "s", "input": "", "reference": "", "operation": "regex"},
+     r"grader.operation: expected one of eq, ne, like, ilike"),
+    ({"type": "text_similarity", "name": "s", "input": "", "reference": "", "evaluation_metric": "cosine"},
+     r"grader.evaluation_metric: 'cosine' is not supported \(it needs an embedding model\)"),
+    ({"type": "python", "name": "p", "source": "def grade(s, i):\n  return (\n"}, r"grader.source: line 2"),
+    ({"type": "python", "name": "p", "source": "def score(s, i): return 1"}, r"grader.source: defines no"),
+    ({"type": "multi", "name": "m", "graders": {}, "calculate_output": "1"}, r"grader.graders: expected an object"),
+    ({"type": "multi", "name": "m", "calculate_output": "x",
+      "graders": {"x": {"type": "multi", "name": "x"}}}, r"grader.graders.x.type: a multi grader's graders cannot"),
+    ({"type": "multi", "name": "m", "calculate_output": "x",
+      "graders": {"x": {"type": "string_check", "name": "x", "input": "", "reference": "", "operation": "is"}}},
+     r"grader.graders.x.operation: expected one of"),
+])
+def test_bad_graders_are_refused_naming_the_field(spec, message):
+    with pytest.raises(ValueError, match="^" + message):
+        parse_grader(spec)
+
+
+def test_python_graders_can_be_switched_off():
+    with pytest.raises(ValueError, match=r"grader.graders.p.type: python graders are off on this server"):
+        parse_grader({"type": "multi", "name": "m", "calculate_output": "p",
+                      "graders": {"p": {"type": "python", "name": "p", "source": PYTHON}}}, allow_python=False)
+
+
+def test_a_grader_as_a_grpo_reward_function():
+    reward = grader_reward(string_check("ilike"))
+    assert reward.__name__ == "check"
+    completions = ["paris", [{"role": "assistant", "content": "Lyon"}]]
+    assert reward(prompts=["q1", "q2"], completions=completions, completion_ids=[[1], [2]],
+                  answer=["Paris", "Paris"]) == [1.0, 0.0]
