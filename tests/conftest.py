@@ -86,13 +86,14 @@ def shared_data() -> Path:
 def api_server(model_factory, tmp_path_factory):
     """A live ``coserve serve`` on the tiny Llama, shared by the modules that only call its API (preference jobs,
     uploads): tenants alice and bob (``server_helpers.API_KEYS``), the base named ``tiny-llama``, and small upload
-    limits (``API_PART_BYTES`` a request, ``API_FILE_BYTES`` a file made of parts). Each server start costs several
+    limits (``API_PART_BYTES`` a request, ``API_FILE_BYTES`` a file made of parts), python graders on. Each server start costs several
     seconds of imports, so modules that need no flags of their own share this one."""
     from server_helpers import API_FILE_BYTES, API_KEYS, API_PART_BYTES, start_server
     root = tmp_path_factory.mktemp("serve-api")
     keys = root / "keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in API_KEYS.items()))
     srv = start_server(model_factory("llama"), root / "state", "--api-keys", str(keys), "--served-model-name",
-                       "tiny-llama", "--max-upload-bytes", str(API_PART_BYTES), "--max-file-bytes", str(API_FILE_BYTES))
+                       "tiny-llama", "--max-upload-bytes", str(API_PART_BYTES), "--max-file-bytes", str(API_FILE_BYTES),
+                       "--python-graders")
     yield srv
     srv.stop()

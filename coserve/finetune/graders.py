@@ -31,6 +31,14 @@ _PATH = re.compile(r"(item|sample)((?:\.[A-Za-z_][A-Za-z0-9_-]*|\.\d+)*)")
 SAMPLE_FIELDS = ("output_text", "output_json", "output_tools")
 
 
+class GradingError(ValueError):
+    """A sample that cannot be scored; ``kind`` is the flag of OpenAI's grader-run ``metadata.errors`` it sets."""
+
+    def __init__(self, message: str, kind: str = "other_error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 def make_sample(text: str) -> dict:
     """The ``sample`` namespace of a model output: its text, the text read as JSON (None when it is not JSON) and
     its tool calls (none: coserve's completions are text)."""
@@ -97,23 +105,31 @@ class Grader:
     formula: Formula | None = None  # multi's
 
     def grade(self, samples: list[dict], items: list[Any]) -> tuple[list[float], dict[str, list[float]]]:
-        """``(scores, sub_scores)``; ValueError naming the grader and the sample when one cannot be scored."""
+        """``(scores, sub_scores)``; a ``GradingError`` naming the grader and the sample when one cannot be scored."""
         if self.type == "python":
-            out = run_python_grader(self.source, list(zip(samples, items)))
+            try:
+                out = run_python_grader(self.source, list(zip(samples, items)))
+            except ValueError as e:
+                raise GradingError(f"grader {self.name!r}: {e}", "python_grader_server_error") from None
             for i, value in enumerate(out):
                 if isinstance(value, str):
-                    raise ValueError(f"grader {self.name!r}: sample {i}: {value}")
+                    raise GradingError(f"grader {self.name!r}: sample {i}: {value}", "python_grader_runtime_error")
             return out, {}
         if self.type == "multi":
             subs = {key: g.grade(samples, items)[0] for key, g in self.graders.items()}
-            scores = [self.formula.value({k: v[i] for k, v in subs.items()}) for i in range(len(samples))]
+            scores = []
+            for i in range(len(samples)):
+                try:
+                    scores.append(self.formula.value({k: v[i] for k, v in subs.items()}))
+                except ValueError as e:
+                    raise GradingError(f"grader {self.name!r}: sample {i}: {e}") from None
             return scores, subs
         scores = []
         for i, (sample, item) in enumerate(zip(samples, items)):
             try:
                 text, ref = self.input.render(item, sample), self.reference.render(item, sample)
             except ValueError as e:
-                raise ValueError(f"grader {self.name!r}: sample {i}: {e}") from None
+                raise GradingError(f"grader {self.name!r}: sample {i}: {e}", "invalid_variable_error") from None
             scores.append(similarity(self.metric, text, ref) if self.type == "text_similarity"
                           else float(_string_check(self.operation, text, ref)))
         return scores, {}

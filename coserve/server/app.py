@@ -14,7 +14,8 @@ from coserve import __version__
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
-from coserve.server import embeddings_api, errors, inference_api, lean_routes, responses_api, scores_api
+from coserve.server import (embeddings_api, errors, graders_api, inference_api, lean_routes, responses_api,
+                            scores_api)
 from coserve.server.auth import Authenticator
 from coserve.server.batches import BATCH_PRIORITY, BatchRunner
 from coserve.server.batches_api import router as batches_router
@@ -92,6 +93,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.include_router(embeddings_api.router)
     app.include_router(scores_api.router)
     app.include_router(fine_tuning_router)
+    app.include_router(graders_api.router)
     app.include_router(batches_router)
     app.include_router(uploads_router)
     lean_routes.install(app, [inference_api.router, responses_api.router, embeddings_api.router],

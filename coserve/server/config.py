@@ -26,6 +26,7 @@ class ServerConfig:
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty = no authentication
     adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter directory (LoRA or IA3), served to every tenant
     allow_lora_loading: bool = False  # POST /v1/load_lora_adapter (vLLM's runtime LoRA loading)
+    python_graders: bool = False  # run callers' python graders (their code, in a process of its own each batch)
     max_body_bytes: int = 4 * 2**20  # JSON request bodies
     max_upload_bytes: int = 64 * 2**20  # POST /v1/files, and a part of an upload (OpenAI's part limit)
     max_file_bytes: int = 512 * 2**20  # a file an upload makes of its parts (read whole to be validated)

@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which waiting request goes first: fcfs, or priority (requests' 'priority', lower first; "
                         "batch requests default to 1, behind interactive ones at 0) (as vLLM's flag)")
     p.add_argument("--allow-lora-loading", action="store_true", help="enable POST /v1/load_lora_adapter")
+    p.add_argument("--python-graders", action="store_true",
+                   help="run python graders (grader runs and reinforcement fine-tuning): callers' code, each batch in "
+                        "an isolated Python process with a time limit but with this user's rights; off by default")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (the default with tools): read the calls a model writes in its "
                         "text with --tool-call-parser")
@@ -145,7 +148,8 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
         raise ValueError("--enable-auto-tool-choice: give it together with --tool-call-parser (as vLLM's flags)")
     config = ServerConfig(model=args.model, state_dir=args.state_dir, served_model_name=args.served_model_name,
                           host=args.host, port=args.port, api_keys=keys, adapters=adapters,
-                          allow_lora_loading=args.allow_lora_loading, max_body_bytes=args.max_body_bytes,
+                          allow_lora_loading=args.allow_lora_loading, python_graders=args.python_graders,
+                          max_body_bytes=args.max_body_bytes,
                           max_upload_bytes=args.max_upload_bytes, max_file_bytes=args.max_file_bytes,
                           max_waiting_requests=args.max_waiting_requests,
                           max_queued_jobs=args.max_queued_jobs, max_running_jobs=args.max_running_jobs,

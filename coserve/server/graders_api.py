@@ -1,0 +1,77 @@
+"""OpenAI's grader endpoints: ``POST /v1/fine_tuning/alpha/graders/validate`` (is this grader one the server can
+run?) and ``POST /v1/fine_tuning/alpha/graders/run`` (one model sample's reward against a data-set item), for the
+graders of ``coserve/finetune/graders.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from pydantic import Field
+
+from coserve.finetune.graders import GradingError, Grader, make_sample, parse_grader
+from coserve.server.context import ServerContext, context
+from coserve.server.errors import bad_request
+from coserve.server.json_text import TextJSONRoute
+from coserve.server.protocol import Body
+
+router = APIRouter(route_class=TextJSONRoute)
+ERROR_FLAGS = ("formula_parse_error", "invalid_variable_error", "model_grader_parse_error",
+               "model_grader_refusal_error", "model_grader_server_error", "other_error",
+               "python_grader_runtime_error", "python_grader_server_error", "sample_parse_error",
+               "truncated_observation_error", "unresponsive_reward_error")
+
+
+class GraderValidateRequest(Body):
+    grader: dict[str, Any]
+
+
+class GraderRunRequest(Body):
+    grader: dict[str, Any]
+    model_sample: str = Field(max_length=1_000_000)
+    item: Any = None
+
+
+def checked_grader(spec: dict, ctx: ServerContext) -> Grader:
+    """The request's grader, or a 400 naming its field (``grader.operation``)."""
+    try:
+        return parse_grader(spec, "grader", allow_python=ctx.config.python_graders)
+    except ValueError as e:
+        message = str(e)
+        raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
+
+
+@router.post("/v1/fine_tuning/alpha/graders/validate")
+async def validate_grader(body: GraderValidateRequest, ctx: ServerContext = Depends(context)):
+    checked_grader(body.grader, ctx)
+    return {"grader": body.grader}
+
+
+@router.post("/v1/fine_tuning/alpha/graders/run")
+async def run_grader(body: GraderRunRequest, ctx: ServerContext = Depends(context)):
+    """The sample's reward (0 when it cannot be graded, with the reason in ``metadata.errors``); a multi grader's
+    graders' scores in ``metadata.scores`` and ``sub_rewards``."""
+    grader = checked_grader(body.grader, ctx)
+    errors: dict[str, Any] = {flag: False for flag in ERROR_FLAGS}
+    errors["python_grader_runtime_error_details"] = errors["python_grader_server_error_type"] = None
+    errors["model_grader_server_error_details"] = None
+    started = time.perf_counter()
+    try:  # a python grader runs a process: off the event loop
+        scores, subs = await asyncio.to_thread(grader.grade, [make_sample(body.model_sample)], [body.item])
+        reward, sub_rewards = scores[0], {k: v[0] for k, v in subs.items()}
+    except GradingError as e:
+        reward, sub_rewards = 0.0, {}
+        errors[e.kind] = True
+        if e.kind == "python_grader_runtime_error":
+            errors["python_grader_runtime_error_details"] = str(e)
+        elif e.kind == "python_grader_server_error":
+            errors["python_grader_server_error_type"] = str(e)
+        else:
+            errors["other_error_details"] = str(e)
+    metadata = {"name": grader.name, "type": grader.type, "errors": errors,
+                "execution_time": time.perf_counter() - started, "scores": sub_rewards or {grader.name: reward},
+                "token_usage": None, "sampled_model_name": None}
+    return {"reward": reward, "metadata": metadata, "sub_rewards": sub_rewards,
+            "model_grader_token_usage_per_model": {}}
