@@ -227,6 +227,34 @@ def test_the_finetune_command_runs_grpo_with_reward_functions_from_a_file(model_
     assert "--reward: reward functions are for --method grpo, not sft" in capsys.readouterr().err
 
 
+def test_the_finetune_command_takes_an_openai_grader_as_a_reward(model_factory, tmp_path, capsys):
+    from rapidfuzz import fuzz
+
+    from coserve.cli import main
+    answers = ["3", "red", "hello", "c"]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Question {i}:", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    grader = tmp_path / "grader.json"
+    grader.write_text(json.dumps({"type": "text_similarity", "name": "close", "evaluation_metric": "fuzzy_match",
+                                  "input": "{{ sample.output_text }}", "reference": "{{ item.answer }}"}))
+    out = tmp_path / "out"
+    common = ["finetune", "--model", str(model_factory("llama")), "--data", str(data), "--output", str(out),
+              "--method", "grpo", "--num-generations", "2", "--batch-size", "4", "--max-completion-tokens", "5",
+              "--max-steps", "1", "--lora-r", "2"]
+    assert main([*common, "--reward", str(grader)]) == 0
+    rollouts = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 4
+    for r in rollouts:  # the oracle: rapidfuzz on the completion and the prompt's answer
+        expected = fuzz.ratio(r["completion"], answers[r["prompt_line"] - 1]) / 100
+        assert r["rewards"]["close"] == pytest.approx(expected, abs=1e-12) and r["reward"] == r["rewards"]["close"]
+    grader.write_text(json.dumps({"type": "string_check", "name": "x", "input": "", "reference": "",
+                                  "operation": "regex"}))
+    assert main([*common, "--reward", str(grader)]) == 2
+    assert f"--reward: {grader}: grader.operation: expected one of eq, ne, like, ilike" in capsys.readouterr().err
+    assert main([*common, "--reward", str(tmp_path / "none.json")]) == 2
+    assert "--reward: cannot read" in capsys.readouterr().err
+
+
 def test_a_grpo_run_beside_chat_changes_no_reply_and_trains_what_it_trains_alone(model_factory, tmp_path):
     """Co-serving's promise for RL: user requests batched with the rollouts and the training windows get the
     tokens they get alone, and the run samples the same completions and trains the same adapter as alone."""

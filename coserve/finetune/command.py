@@ -32,7 +32,9 @@ def add_arguments(p) -> None:
                         "grpo: on prompts, completions sampled and scored by --reward functions")
     p.add_argument("--reward", action="append", default=[], metavar="MODULE:FUNC",
                    help="grpo: a reward function, f(prompts, completions, **fields) -> rewards, as TRL calls it: "
-                        "an importable module's or a .py file's function (repeat for several; they are summed)")
+                        "an importable module's or a .py file's function, or FILE.json: one of OpenAI's graders "
+                        "(string_check, text_similarity, python, multi; the record's fields are its item) (repeat "
+                        "for several; they are summed)")
     p.add_argument("--reward-weight", action="append", type=float, default=[], metavar="W",
                    help="grpo: one weight per --reward, in order (default 1 each)")
     p.add_argument("--num-generations", type=int, default=d.num_generations,
@@ -167,9 +169,12 @@ def _peft_config(args) -> LoraConfig | IA3Config:
 
 
 def load_reward(spec: str):
-    """``MODULE:FUNC`` (an importable module) or ``FILE.py:FUNC``: the function; errors name ``--reward``."""
+    """``MODULE:FUNC`` (an importable module) or ``FILE.py:FUNC``: the function; ``FILE.json``: an OpenAI grader as
+    one; errors name ``--reward``."""
     import importlib
     import importlib.util
+    if spec.endswith(".json"):
+        return _grader_reward(Path(spec))
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise ValueError(f"--reward: expected MODULE:FUNC or FILE.py:FUNC, got {spec!r}")
@@ -191,6 +196,20 @@ def load_reward(spec: str):
     if not callable(func):
         raise ValueError(f"--reward: {where} has no function {name!r}")
     return func
+
+
+def _grader_reward(path: Path):
+    from coserve.finetune.graders import grader_reward, parse_grader
+    try:
+        spec = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"--reward: cannot read {path} ({e.strerror})") from None
+    except ValueError as e:
+        raise ValueError(f"--reward: {path} is not JSON ({e})") from None
+    try:
+        return grader_reward(parse_grader(spec))
+    except ValueError as e:
+        raise ValueError(f"--reward: {path}: {e}") from None
 
 
 def _grpo(args, cfg: FinetuneConfig) -> int:
