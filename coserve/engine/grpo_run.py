@@ -1,7 +1,8 @@
-"""A GRPO run on an ``LLM``'s engine (``LLM.finetune`` with ``method="grpo"``): rollouts and training co-served.
+"""A GRPO run on an engine running in its own thread (``LLM.finetune`` with ``method="grpo"``, or the server's
+reinforcement fine-tuning jobs): rollouts and training co-served.
 
 Each step, in a thread of its own: the adapter as it stands is loaded for serving; the step's prompts are sampled
-``num_generations`` times through ``LLM.generate`` (requests like any other, batched with whatever else the engine
+``num_generations`` times through the engine (requests like any other, batched with whatever else the engine
 serves); the reward functions score the completions; and one ``GRPOStepJob`` (``coserve/finetune/grpo.py``) trains
 on them as a finetuning job, interleaved with inference by the engine's scheduler, continuing the optimizer of the
 step before. The next step's completions come from the adapter that step left (on-policy: TRL's ``num_iterations``
@@ -19,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from coserve.engine.loop_client import LoopClient
 from coserve.finetune.checkpoint import GRPO_LOG_FILE, ROLLOUTS_FILE, load_optimizer_state
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.grpo import (GRPOStepJob, completion_example, group_advantages, sample_std,
@@ -69,11 +70,14 @@ def score(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, 
 class GRPORun:
     """One GRPO run; ``start()`` begins it in a thread. ``status``: running, succeeded, failed or cancelled."""
 
-    def __init__(self, llm: Any, prompts: list[PromptRecord], reward_funcs: Sequence[RewardFunc],
+    def __init__(self, client: LoopClient, prompts: list[PromptRecord], reward_funcs: Sequence[RewardFunc],
                  reward_weights: Sequence[float] | None, bypass: TrainableBypass, cfg: FinetuneConfig,
-                 tenant: str = "default", base_model: str = "", resume_from: Path | None = None) -> None:
-        """``resume_from``: a checkpoint a run of the same data and config wrote after a step (its
-        ``output_dir``); the run goes on from that step as if it had not stopped (``bypass`` its adapter)."""
+                 tenant: str = "default", base_model: str = "", resume_from: Path | None = None,
+                 on_step: Callable[[dict], None] | None = None) -> None:
+        """``client``: the engine (running in its own thread) that samples and trains. ``resume_from``: a
+        checkpoint a run of the same data and config wrote after a step (its ``output_dir``); the run goes on from
+        that step as if it had not stopped (``bypass`` its adapter). ``on_step``: called in the run's thread with
+        each step's record once ``output_dir`` holds that step (and before the next begins)."""
         if not prompts:
             raise ValueError("data: no prompts")
         funcs = list(reward_funcs or [])
@@ -84,7 +88,8 @@ class GRPORun:
         if len(weights) != len(funcs) or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
                                                  and math.isfinite(w) for w in weights):
             raise ValueError(f"reward_weights: expected {len(funcs)} finite numbers, got {reward_weights!r}")
-        self.llm, self.prompts, self.funcs, self.weights = llm, prompts, funcs, weights
+        self.client, self.prompts, self.funcs, self.weights = client, prompts, funcs, weights
+        self.on_step = on_step
         self.bypass, self.cfg, self.tenant, self.base_model = bypass, cfg, tenant, base_model
         self.per_step = cfg.batch_size * cfg.grad_accum // cfg.num_generations  # prompts a step
         self.steps_per_epoch = math.ceil(len(prompts) / self.per_step)
@@ -120,9 +125,9 @@ class GRPORun:
             self._cancelled.set()
             jid = self._job_id
             if jid is not None:
-                loop = self.llm._background()
+                engine = self.client.engine
                 try:
-                    loop.call(lambda: self.llm.engine.cancel_finetune_job(jid))
+                    self.client.loop.call(lambda: engine.cancel_finetune_job(jid))
                 except ValueError:
                     pass  # the step's job ended meanwhile
             self.status = "cancelled"
@@ -172,7 +177,7 @@ class GRPORun:
         lengths = [len(c) for c in ids]
         scales = sequence_scales(advantages, lengths, cfg.grpo_loss, cfg.batch_size, cfg.max_completion_tokens)
         examples = [completion_example(r.token_ids, c) for r, c in zip(records, ids)]
-        job = GRPOStepJob(self.llm.engine.model, self.bypass, examples, scales, cfg, self.total_steps,
+        job = GRPOStepJob(self.client.engine.model, self.bypass, examples, scales, cfg, self.total_steps,
                           previous=self.job, base_model=self.base_model,
                           resume_from=self.resume_from if self.job is None else None)
         if not self._train(job):
@@ -190,6 +195,8 @@ class GRPORun:
                                     "completion_token_ids": ids[i], "finish_reason": c.finish_reason,
                                     "logprobs": [lp.logprob for lp in c.logprobs] if c.logprobs else None,
                                     "reward": rewards[i], "rewards": own, "advantage": advantages[i]}) + "\n")
+        if self.on_step is not None:
+            self.on_step(record)
 
     def _rollouts(self, step: int, batch: list[PromptRecord]):
         """The step's completions from the adapter as it stands (saved and loaded for serving under one name)."""
@@ -197,33 +204,33 @@ class GRPORun:
         with tempfile.TemporaryDirectory(prefix="coserve-grpo-") as tmp:
             state = {k: v.detach().to("cpu", copy=True) for k, v in self.bypass.state_dict().items()}
             write_adapter_files(Path(tmp), state, self.bypass.peft_config(self.base_model))
-            self.llm.load_adapter(self._adapter_name, tmp)
+            self.client.load_adapter(self._adapter_name, tmp)
         self._loaded = True
         cfg = self.cfg
         params = [SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
                                  max_tokens=cfg.max_completion_tokens, logprobs=0,
                                  seed=mix_seed(cfg.seed, step, j))
                   for j in range(len(batch))]
-        return self.llm.generate([p.token_ids for p in batch], params, adapter=self._adapter_name,
-                                 tenant=self.tenant)
+        return self.client.generate([p.token_ids for p in batch], params, adapter=self._adapter_name,
+                                    tenant=self.tenant)
 
     def _unload(self) -> None:
         if self._loaded:
             self._loaded = False
             try:
-                self.llm.unload_adapter(self._adapter_name)
+                self.client.unload_adapter(self._adapter_name)
             except ValueError:
                 pass
 
     def _train(self, job: GRPOStepJob) -> bool:
         """The step's job, co-served by the engine until it ends (then dropped from the engine's books: a run adds
         one a step); True if it trained, False if the run was cancelled; a failed one ends the run."""
-        loop = self.llm._background()
+        loop, engine = self.client.loop, self.client.engine
         with self._lock:
             if self._cancelled.is_set():
                 return False
-            self._job_id = jid = loop.call(lambda: self.llm.engine.add_finetune_job(job, tenant=self.tenant))
-        states = self.llm.engine.job_states
+            self._job_id = jid = loop.call(lambda: engine.add_finetune_job(job, tenant=self.tenant))
+        states = engine.job_states
         loop.wait_until(lambda: states[jid].status != "running")
         state = loop.call(lambda: states.pop(jid))
         with self._lock:

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from coserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
+from coserve.engine.loop_client import LoopClient, merge_sequences, sequences
 from coserve.engine.finetune_handle import FinetuneHandle
 from coserve.engine.grpo_run import GRPOHandle, GRPORun
 from coserve.finetune.build import load_training, new_job, starting_bypass
@@ -110,9 +111,8 @@ class LLM:
             config = replace(config, max_seq_len=self.engine.max_model_len)
         prompts, report = load_prompts(data, self.tokenizer, config.max_seq_len, config.max_completion_tokens)
         bypass = self._starting_bypass(peft, config, resume_from)
-        run = GRPORun(self, prompts, reward_funcs, reward_weights, bypass, config, tenant,
-                      base_model=str(self.model_dir.resolve()), resume_from=resume_from)
-        self._background()
+        run = GRPORun(LoopClient(self._background()), prompts, reward_funcs, reward_weights, bypass, config,
+                      tenant, base_model=str(self.model_dir.resolve()), resume_from=resume_from)
         run.start()
         return GRPOHandle(run, report.summary())
 
@@ -279,29 +279,6 @@ class LLM:
         # The template already holds the special tokens: tokenize without adding more.
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         return self.generate(ids, sampling_params, adapter)
-
-
-def sequences(params: SamplingParams) -> list[SamplingParams]:
-    """vLLM's ``n``: one request's settings per sequence, each drawing from ``seed + i`` where a seed is given (as
-    the server's ``n`` choices do), so that a sequence's tokens do not depend on how many were asked for."""
-    if params.n == 1:
-        return [params]
-    return [replace(params, n=1, seed=sequence_seed(params.seed, i)) for i in range(params.n)]
-
-
-def merge_sequences(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
-    """One RequestOutput per prompt from its ``n`` requests' (consecutive in ``outputs``), as vLLM returns them:
-    ``outputs[i]`` is sequence ``i``; an error is the first sequence's that failed."""
-    if all(n == 1 for n in counts):
-        return outputs
-    merged, at = [], 0
-    for n in counts:
-        group, at = outputs[at:at + n], at + n
-        first = group[0]
-        merged.append(replace(first, outputs=[replace(o.outputs[0], index=i) for i, o in enumerate(group)],
-                              num_preemptions=sum(o.num_preemptions for o in group),
-                              error=next((o.error for o in group if o.error is not None), None)))
-    return merged
 
 
 def _prompt_list(prompts) -> list[Prompt]:
