@@ -84,10 +84,11 @@ def shared_data() -> Path:
 
 @pytest.fixture(scope="session")
 def api_server(model_factory, tmp_path_factory):
-    """A live ``coserve serve`` on the tiny Llama, shared by the modules that only call its API (preference jobs,
-    uploads): tenants alice and bob (``server_helpers.API_KEYS``), the base named ``tiny-llama``, and small upload
-    limits (``API_PART_BYTES`` a request, ``API_FILE_BYTES`` a file made of parts), python graders on. Each server start costs several
-    seconds of imports, so modules that need no flags of their own share this one."""
+    """A live ``coserve serve`` on the tiny Llama, shared by the modules that only call its API (preference and
+    reinforcement jobs, graders, uploads): tenants alice and bob (``server_helpers.API_KEYS``), the base named
+    ``tiny-llama``, small upload limits (``API_PART_BYTES`` a request, ``API_FILE_BYTES`` a file made of parts) and
+    python graders on. Each server start costs several seconds of imports, so modules that need no flags of their
+    own share this one."""
     from server_helpers import API_FILE_BYTES, API_KEYS, API_PART_BYTES, start_server
     root = tmp_path_factory.mktemp("serve-api")
     keys = root / "keys.txt"

@@ -68,7 +68,7 @@ def test_a_dpo_job_trains_a_servable_model_while_chat_is_served(client):
 @pytest.mark.parametrize("method, extra, param", [
     ({"type": "dpo", "dpo": {"hyperparameters": {"beta": 5}}}, {}, "method.dpo.hyperparameters.beta"),
     ({"type": "dpo", "supervised": {}}, {}, "method.supervised"),
-    ({"type": "reinforcement"}, {}, "method.type"),
+    ({"type": "kto"}, {}, "method.type"),
     ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "ipo", "dpo_label_smoothing": 0.1}}},
      "coserve.dpo_label_smoothing"),
     ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "kto"}}}, "coserve.dpo_loss"),

@@ -123,6 +123,7 @@ class GRPORun:
             if self.status != "running":
                 raise ValueError(f"the GRPO run is already {self.status}")
             self._cancelled.set()
+            self.client.abort()  # the step's rollouts, if under way
             jid = self._job_id
             if jid is not None:
                 engine = self.client.engine
@@ -166,6 +167,8 @@ class GRPORun:
         started = time.perf_counter()
         outs = self._rollouts(step, batch)
         rollout_s = time.perf_counter() - started
+        if self._cancelled.is_set():
+            return  # its rollouts were aborted
         records = [p for p in batch for _ in range(g)]
         completions = [c for out in outs for c in out.outputs]
         texts = [c.text for c in completions]

@@ -4,6 +4,7 @@ request per sequence (``sequences``), their outputs merged back into one (``merg
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,11 +38,15 @@ def merge_sequences(outputs: list[RequestOutput], counts: list[int]) -> list[Req
 
 
 class LoopClient:
-    """Requests and adapter changes handed to ``loop``'s engine between its iterations."""
+    """Requests and adapter changes handed to ``loop``'s engine between its iterations; ``abort()`` ends the
+    generation in flight (its outputs come back, finish reason "abort") and refuses any later one."""
 
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
         self.engine = loop.engine
+        self._lock = threading.Lock()  # the requests in flight are enqueued, or aborted, whole
+        self._in_flight: list[str] = []
+        self._closed = False
 
     def load_adapter(self, name: str, path: str | Path) -> None:
         self.loop.call(lambda: self.engine.load_adapter(name, path))
@@ -55,5 +60,22 @@ class LoopClient:
         """Each token-id prompt generated with its ``params`` (``n`` sequences each), outputs in prompt order."""
         built = [self.engine.make_request(p, one, adapter, tenant=tenant)
                  for p, sp in zip(prompts, params) for one in sequences(sp)]
-        self.loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
-        return merge_sequences(self.loop.wait_for([r.request_id for r, _ in built]), [sp.n for sp in params])
+        ids = [r.request_id for r, _ in built]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine client was aborted")
+            self.loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
+            self._in_flight = ids
+        try:
+            return merge_sequences(self.loop.wait_for(ids), [sp.n for sp in params])
+        finally:
+            with self._lock:
+                self._in_flight = []
+
+    def abort(self) -> None:
+        """End the generation in flight, if any, and refuse later ones (RuntimeError)."""
+        with self._lock:
+            self._closed = True
+            ids, self._in_flight = self._in_flight, []
+            if ids:
+                self.loop.call(lambda: [self.engine.abort_request(i) for i in ids])

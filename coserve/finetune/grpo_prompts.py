@@ -1,6 +1,7 @@
-"""GRPO's data: prompts only (TRL's prompt-only format), one per JSON record: ``{"prompt": "text"}`` or
-``{"prompt": [chat messages]}`` (rendered with the model's chat template and its generation prompt), with any
-other fields kept and passed to the reward functions (e.g. a reference ``answer``)."""
+"""GRPO's data: prompts only, one per JSON record: TRL's prompt-only format, ``{"prompt": "text"}`` or
+``{"prompt": [chat messages]}``, or OpenAI's reinforcement fine-tuning format, ``{"messages": [chat messages]}``
+(messages are rendered with the model's chat template and its generation prompt), with any other fields kept and
+passed to the reward functions or the grader (e.g. a reference ``answer``)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,16 @@ def encode_prompt(record: Any, tokenizer, max_prompt_tokens: int) -> PromptRecor
     it; messages by the chat template). Raises ``ValueError`` naming the field."""
     if not isinstance(record, dict):
         raise ValueError(f"expected an object with a prompt, got {json_type(record)}")
-    prompt = record.get("prompt")
+    key = "messages" if "prompt" not in record and "messages" in record else "prompt"  # OpenAI's RFT or TRL's
+    prompt = record.get(key)
+    if key == "messages" and not isinstance(prompt, list):
+        raise ValueError(f"messages: expected an array of messages, got {json_type(prompt)}")
     if isinstance(prompt, str):
         if not prompt or not is_unicode_text(prompt):
             raise ValueError("prompt: expected non-empty Unicode text")
         ids = list(tokenizer(prompt)["input_ids"])
     elif isinstance(prompt, list):
-        messages = _messages(prompt)
+        messages = prompt_messages(prompt, key)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("prompt: messages need a chat template, and the tokenizer has none")
         try:
@@ -51,18 +55,20 @@ def encode_prompt(record: Any, tokenizer, max_prompt_tokens: int) -> PromptRecor
     if len(ids) > max_prompt_tokens:
         raise ValueError(f"prompt: {len(ids)} tokens; at most {max_prompt_tokens} leave room for the completion "
                          "(max_seq_len - max_completion_tokens)")
-    return PromptRecord(prompt, ids, {k: v for k, v in record.items() if k != "prompt"})
+    return PromptRecord(prompt, ids, {k: v for k, v in record.items() if k != key})
 
 
-def _messages(prompt: list) -> list[dict[str, str]]:
+def prompt_messages(prompt: list, key: str = "prompt") -> list[dict[str, str]]:
+    """A prompt's messages reduced to role and content; ValueError naming ``key[i]`` for a bad one, or a prompt that
+    ends with an assistant message (the completion is what comes next)."""
     if not prompt:
-        raise ValueError("prompt: an empty array of messages")
+        raise ValueError(f"{key}: an empty array of messages")
     out = []
     for i, m in enumerate(prompt):
-        role, content = check_message(m, f"prompt[{i}]")
+        role, content = check_message(m, f"{key}[{i}]")
         out.append({"role": role, "content": content})
     if out[-1]["role"] == "assistant":
-        raise ValueError(f"prompt[{len(out) - 1}]: the prompt ends with an assistant message; the completion is "
+        raise ValueError(f"{key}[{len(out) - 1}]: the prompt ends with an assistant message; the completion is "
                          "what the model writes next")
     return out
 

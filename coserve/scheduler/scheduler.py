@@ -121,8 +121,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_work(self) -> bool:
-        """Whether the next plan can hold anything: requests, or jobs the policy lets run."""
-        return self.has_unfinished() or (bool(self.jobs) and self.config.policy != "inference-only")
+        """Whether the next plan can hold anything: requests, requests ended since the last plan (an abort of the
+        last ones: their final outputs come with the next plan), or jobs the policy lets run."""
+        return (self.has_unfinished() or bool(self._finished_since_plan)
+                or (bool(self.jobs) and self.config.policy != "inference-only"))
 
     # ---- finetuning jobs -----------------------------------------------------
     def add_job(self, progress: FinetuneProgress, tenant: str = "default") -> None:

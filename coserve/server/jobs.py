@@ -23,6 +23,7 @@ from coserve.engine.llm_engine import FinetuneMemoryError
 from coserve.finetune.build import load_training, make_bypass, new_job, starting_bypass
 from coserve.finetune.checkpoint import CheckpointSnapshot, write_checkpoint
 from coserve.finetune.config import PREFERENCE_METHODS, FinetuneConfig
+from coserve.finetune.graders import parse_grader
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.finetune.memory_budget import job_memory
@@ -34,16 +35,22 @@ from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import ModelRegistry, checkpoint_name, fine_tuned_name
-from coserve.server.protocol import CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters
+from coserve.server.protocol import (CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters,
+                                     ReinforcementHyperparameters)
+from coserve.server.rft_jobs import RFTRunning, copy_adapter, follow_rft, start_rft
 from coserve.server.store import Store
 
 log = logging.getLogger("coserve.server")
 POLL_S = 0.25  # the watcher looks at running jobs this often
+STOP_WAIT_S = 30.0  # how long a pause or cancel waits for a reinforcement job's run to stop (a rollout to end)
 DEFAULT_MAX_SEQ_LEN = 1024  # training sequences are cut here unless the job asks otherwise (or the context is shorter)
 BASE_LR = 1e-4  # learning_rate_multiplier scales this
 AUTO = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 1.0, "beta": 0.1}  # what "auto" resolves to
+# a reinforcement job's: a step's batch_size prompts, each sampled num_generations x compute_multiplier times
+RFT_AUTO = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 0.1, "compute_multiplier": 1.0}
 LIMITS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier": (1e-4, 100.0),
-          "beta": (1e-3, 2.0)}  # (beta: DPO's, OpenAI's range)
+          "beta": (1e-3, 2.0), "compute_multiplier": (0.1, 8.0)}  # (beta: DPO's, OpenAI's range)
+METHOD_ONLY = {"beta": "dpo", "compute_multiplier": "reinforcement"}  # hyperparameters of one method
 ACTIVE = ("validating_files", "queued", "running")
 HOLDS_FILES = (*ACTIVE, "paused")  # jobs whose files must stay (a paused job reads them again when resumed)
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -84,6 +91,18 @@ class Running:
     saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints written, not yet read
     writes: list[Future] = field(default_factory=list)  # its checkpoints still being written
     write_errors: list[str] = field(default_factory=list)  # checkpoints that could not be written, not yet told
+
+    @property
+    def step(self) -> int:
+        return self.job.step
+
+    @property
+    def tokens_done(self) -> int:
+        return self.job.tokens_done
+
+    def step_metrics(self, step: int) -> dict:
+        rec = next((rec for rec in reversed(self.job.log) if rec.step == step), None)
+        return step_metrics(rec) if rec is not None else {"step": step, "train_loss": None}
 
     def wait_for_writes(self) -> None:
         """Once the job has ended: let the checkpoints it left being written land (their outcome is in ``saved``
@@ -169,6 +188,9 @@ class JobManager:
             raise bad_request("suffix: 1-64 letters, digits, '.', '_' or '-'", "suffix")
         method = body.method.type if body.method is not None else "supervised"
         hyper = self._hyperparameters(body, method)
+        method_object = {"hyperparameters": dict(hyper)}
+        if method == "reinforcement":
+            method_object = {"grader": self._grader(body), **method_object}
         options = body.coserve or CoserveOptions()
         if options.dpo_label_smoothing and options.dpo_loss not in ("sigmoid", "simpo"):
             raise bad_request("coserve.dpo_label_smoothing: only the sigmoid and the simpo losses smooth labels",
@@ -191,7 +213,7 @@ class JobManager:
             "hyperparameters": hyper, "trained_tokens": None, "error": None, "seed": seed,
             "user_provided_suffix": body.suffix, "estimated_finish": None, "integrations": [],
             "metadata": body.metadata,
-            "method": {"type": method, method: {"hyperparameters": dict(hyper)}},
+            "method": {"type": method, method: method_object},
             "coserve": {**options.model_dump(), "peft_config": peft, "step": 0, "total_steps": None,
                         "start_from": start[0] if start else None},
         }
@@ -246,9 +268,10 @@ class JobManager:
             where = "before its first step"
             if job_id in self.running:
                 r, snap = self._take_off_engine(job_id, "paused", "job_not_pausable")
-                if snap.state["step"] > 0:
-                    where = f"at step {snap.state['step']}"
-                    self._checkpoint_at_pause(r, snap)
+                step = snap.state["step"] if snap is not None else r.step
+                if step > 0:
+                    where = f"at step {step}"
+                    self._checkpoint_at_pause(r, step, snap)
             self._left_queue(job_id)
             self.store.add_event(job_id, f"Fine-tuning job paused {where}")
             return self.store.update_job(job_id, status="paused")
@@ -277,6 +300,8 @@ class JobManager:
         pause it, it is snapshotted as of its last optimizer step (work on the step in progress is dropped).
         409 with ``code`` if it ended before the engine got to it."""
         r = self.running[job_id]
+        if isinstance(r, RFTRunning):
+            return self._take_rft_off(r, becomes, code), None
 
         def stop_and_read():
             try:
@@ -293,47 +318,92 @@ class JobManager:
             raise APIError(409, f"The job is already {status} and cannot be {becomes}", code=code)
         return r, snap
 
+    def _take_rft_off(self, r: RFTRunning, becomes: str, code: str) -> RFTRunning:
+        """``_take_off_engine`` for a reinforcement job: its run stops (a step under way is dropped; its model
+        directory keeps the last whole one) and what it did is recorded."""
+        try:
+            r.run.cancel()
+        except ValueError:
+            pass  # it ended before this reached it: recorded below as it ended
+        r.run.join(STOP_WAIT_S)  # a step that ended just before the cancel is recorded whole
+        status = follow_rft(self, r)
+        self._forget(r.job_id)
+        if status != "cancelled":
+            raise APIError(409, f"The job is already {status} and cannot be {becomes}", code=code)
+        return r
+
     def _left_queue(self, job_id: str) -> None:
         """A queued or running job stopped: the queue's head may now fit (it may even have been this job)."""
         self._memory_full = None
         self._told_waiting.discard(job_id)
 
-    def _checkpoint_at_pause(self, r: Running, snap: CheckpointSnapshot) -> None:
-        """The checkpoint a resume starts from: the paused step's, unless the job has one of that step already."""
-        step = snap.state["step"]
+    def _checkpoint_at_pause(self, r: Running | RFTRunning, step: int, snap: CheckpointSnapshot | None) -> None:
+        """The checkpoint a resume starts from: the paused step's, unless the job has one of that step already (a
+        reinforcement job resumes from its model directory; its checkpoint is the adapter, to serve)."""
         latest = self.store.latest_checkpoint(r.job_id)
         if latest is not None and latest[0]["step_number"] >= step:
             return
         path = self._checkpoint_dir(r, step)
-        write_checkpoint(path, snap)
-        self._record_checkpoint(r, step, path)
+        if snap is not None:
+            write_checkpoint(path, snap)
+        else:
+            copy_adapter(r.model_dir, path)
+        self.record_checkpoint(r, step, path)
 
     def _hyperparameters(self, body: FineTuningJobRequest, method: str) -> dict:
         """The job's hyperparameters ("auto" resolved), from the top level or the method's object (not both);
-        a DPO job's include ``beta``."""
+        a DPO job's include ``beta``, a reinforcement job's ``compute_multiplier``, ``eval_interval`` and
+        ``eval_samples``."""
         given = body.hyperparameters
         prefix = "hyperparameters"
         inner = getattr(body.method, method, None) if body.method is not None else None
-        if method == "dpo" and body.method.supervised is not None:
-            raise bad_request("method.supervised: the method is dpo (give method.dpo)", "method.supervised")
+        for other in ("supervised", "dpo", "reinforcement"):
+            if other != method and body.method is not None and getattr(body.method, other) is not None:
+                raise bad_request(f"method.{other}: the method is {method} (give method.{method})", f"method.{other}")
         if inner is not None and inner.hyperparameters:
             if given is not None:
                 raise bad_request(f"hyperparameters: give them in method.{method}.hyperparameters or at the top "
                                   "level, not both", "hyperparameters")
             given, prefix = inner.hyperparameters, f"method.{method}.hyperparameters"
-        given = given or (DpoHyperparameters() if method == "dpo" else Hyperparameters())
+        given = given or {"dpo": DpoHyperparameters, "reinforcement": ReinforcementHyperparameters}.get(
+            method, Hyperparameters)()
+        if getattr(given, "reasoning_effort", "default") != "default":
+            raise bad_request(f"{prefix}.reasoning_effort: coserve's models do not reason at set efforts; leave it "
+                              "'default'", f"{prefix}.reasoning_effort")
+        auto = RFT_AUTO if method == "reinforcement" else AUTO
         out = {}
         for name, (low, high) in LIMITS.items():
-            if name == "beta" and method != "dpo":
+            if METHOD_ONLY.get(name, method) != method:
                 continue
             value = getattr(given, name, "auto")
             if value == "auto":
-                value = AUTO[name]
+                value = auto[name]
             if not low <= value <= high:
                 raise bad_request(f"{prefix}.{name}: must be between {low} and {high}, got {value}",
                                   f"{prefix}.{name}")
             out[name] = value
         return out
+
+    def _grader(self, body: FineTuningJobRequest) -> dict:
+        """A reinforcement job's grader, checked (400 naming its field); its eval options are refused: coserve's
+        reinforcement jobs report each step's mean reward and take no validation file."""
+        rft = body.method.reinforcement
+        if rft is None:
+            raise bad_request("method.reinforcement: a reinforcement job needs its grader "
+                              "(method.reinforcement.grader)", "method.reinforcement")
+        if body.validation_file is not None:
+            raise bad_request("validation_file: reinforcement jobs take no validation file (each step's metrics "
+                              "event has its mean reward on the training prompts)", "validation_file")
+        hyper = rft.hyperparameters
+        for name in ("eval_interval", "eval_samples"):
+            if hyper is not None and getattr(hyper, name) != "auto":
+                raise bad_request(f"method.reinforcement.hyperparameters.{name}: reinforcement jobs take no "
+                                  "validation file, so nothing is evaluated", f"method.reinforcement.hyperparameters.{name}")
+        try:
+            parse_grader(rft.grader, "method.reinforcement.grader", allow_python=self.config.python_graders)
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(":", 1)[0], "invalid_grader") from None
+        return rft.grader
 
     def _peft(self, options: CoserveOptions) -> dict:
         try:
@@ -374,15 +444,18 @@ class JobManager:
                     self.store.add_event(job["id"], f"Waiting for finetuning memory: {e}")
                 return
             except (ValueError, AdapterError) as e:  # bad data, a job over the memory budget, ...
-                self._fail(job["id"], str(e), "invalid_training_file" if "training_file" in str(e) else None)
+                self.fail(job["id"], str(e), "invalid_training_file" if "training_file" in str(e) else None)
             except OSError as e:  # its message would show the server's paths
                 log.exception("starting fine-tuning job %s failed", job["id"])
-                self._fail(job["id"], f"the job's files could not be read or written ({e.strerror})", "internal_error")
+                self.fail(job["id"], f"the job's files could not be read or written ({e.strerror})", "internal_error")
             except Exception as e:  # a fault of ours: the job fails rather than being retried forever
                 log.exception("starting fine-tuning job %s failed", job["id"])
-                self._fail(job["id"], f"the job could not start ({type(e).__name__}: {e})", "internal_error")
+                self.fail(job["id"], f"the job could not start ({type(e).__name__}: {e})", "internal_error")
 
     def _start(self, tenant: str, job: dict) -> None:
+        if job.get("method", {}).get("type") == "reinforcement":
+            self._start_rft(tenant, job)
+            return
         job_id, opts, hyper = job["id"], job["coserve"], job["hyperparameters"]
         model = self.engine.model
         out = self.jobs_dir / job_id
@@ -452,6 +525,23 @@ class JobManager:
                                      f"keeps up to {kept:.1f} MiB between its forward and backward passes "
                                      f"(rematerialize {cfg.rematerialize}, memory target {cfg.memory_target:g})")
 
+    def _start_rft(self, tenant: str, job: dict) -> None:
+        """A reinforcement job: a GRPO run graded by the job's grader, resumed from its last whole step if it had
+        one (``rft_jobs.py``)."""
+        job_id = job["id"]
+        r = start_rft(self, tenant, job, fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id),
+                      BASE_LR)
+        self._told_waiting.discard(job_id)
+        self.running[job_id] = r
+        self.store.update_job(job_id, status="running",
+                              coserve={**job["coserve"], "step": r.step, "total_steps": r.total_steps})
+        how = f"resumed at step {r.step}" if r.step else "started"
+        cfg, grader = r.run.cfg, job["method"]["reinforcement"]["grader"]
+        self.store.add_event(job_id, f"Reinforcement fine-tuning job {how}: {len(r.run.prompts)} prompts, "
+                                     f"{r.total_steps} steps of {r.run.per_step} prompts x {cfg.num_generations} "
+                                     f"completions of up to {cfg.max_completion_tokens} tokens, graded by the "
+                                     f"{grader['type']} grader '{grader['name']}'")
+
     def _dataset(self, job: dict, param: str, cfg: FinetuneConfig):
         """The job's ``param`` file as ``cfg.method`` trains on it (sequences, or preference pairs) and its load
         report; a ValueError naming the file and the lines when any example cannot be used."""
@@ -466,11 +556,11 @@ class JobManager:
         return examples, report
 
     def _follow(self) -> None:
-        running = list(self.running.values())
-        if not running:
-            return
-        reads = self.loop.post_and_wait(lambda: [self._read(r) for r in running])  # one engine visit for all
-        ended = [r.job_id for r, read in zip(running, reads) if self._record(r, *read) != "running"]
+        running = [r for r in self.running.values() if isinstance(r, Running)]
+        ended = [r.job_id for r in self.running.values() if isinstance(r, RFTRunning) and follow_rft(self, r) != "running"]
+        if running:
+            reads = self.loop.post_and_wait(lambda: [self._read(r) for r in running])  # one engine visit for all
+            ended += [r.job_id for r, read in zip(running, reads) if self._record(r, *read) != "running"]
         if ended:
             self._forget(*ended)
 
@@ -494,14 +584,14 @@ class JobManager:
                                      type="metrics", data={**step_metrics(rec), "learning_rate": rec.lr,
                                                            "tokens": rec.tokens})
         for checkpoint in saved:  # after the events of its steps: a resume from it repeats no step and loses none
-            self._record_checkpoint(r, *checkpoint)
+            self.record_checkpoint(r, *checkpoint)
         job = self.store.get_job(None, r.job_id)
         self.store.update_job(r.job_id, trained_tokens=r.job.tokens_done,
                               coserve={**job["coserve"], "step": step})
         if status == "succeeded":
-            self._succeed(r)
+            self.succeed(r, self.jobs_dir / r.job_id / "model")
         elif status == "failed":
-            self._fail(r.job_id, error or "the job failed", "training_failed")
+            self.fail(r.job_id, error or "the job failed", "training_failed")
         return status
 
     def _read(self, r: Running):
@@ -524,7 +614,7 @@ class JobManager:
         r.writes = [w for w in r.writes if not w.done()]  # only this thread changes the list while the job runs
         r.writes.append(self._writer.submit(self._write_checkpoint, r, j.step, path, j.snapshot()))
 
-    def _checkpoint_dir(self, r: Running, step: int) -> Path:
+    def _checkpoint_dir(self, r: Running | RFTRunning, step: int) -> Path:
         return self.jobs_dir / r.job_id / "checkpoints" / f"step-{step}"
 
     @staticmethod
@@ -541,21 +631,20 @@ class JobManager:
             return
         r.saved.append((step, path))
 
-    def _record_checkpoint(self, r: Running, step: int, path: Path) -> None:
-        rec = next((rec for rec in reversed(r.job.log) if rec.step == step), None)
-        metrics = step_metrics(rec) if rec is not None else {"step": step, "train_loss": None}
-        ckpt = self.store.add_checkpoint(r.job_id, step, str(path), checkpoint_name(r.name, step), metrics)
+    def record_checkpoint(self, r: Running | RFTRunning, step: int, path: Path) -> None:
+        ckpt = self.store.add_checkpoint(r.job_id, step, str(path), checkpoint_name(r.name, step),
+                                         r.step_metrics(step))
         self.store.add_event(r.job_id, f"Checkpoint created at step {step}: {ckpt['fine_tuned_model_checkpoint']}")
 
-    def _succeed(self, r: Running) -> None:
-        model_dir = self.jobs_dir / r.job_id / "model"
-        self._record_checkpoint(r, r.job.step, model_dir)
+    def succeed(self, r: Running | RFTRunning, model_dir: Path) -> None:
+        """A job that finished: its model (in ``model_dir``) is its last checkpoint, and servable."""
+        self.record_checkpoint(r, r.step, model_dir)
         self.store.add_event(r.job_id, f"New fine-tuned model created: {r.name}")
         self.store.update_job(r.job_id, status="succeeded", fine_tuned_model=r.name, finished_at=int(time.time()),
-                              trained_tokens=r.job.tokens_done)
+                              trained_tokens=r.tokens_done)
         self.store.add_event(r.job_id, "The job has successfully completed")
 
-    def _fail(self, job_id: str, message: str, code: str | None) -> None:
+    def fail(self, job_id: str, message: str, code: str | None) -> None:
         self.store.add_event(job_id, f"Job failed: {message}", level="error")
         self.store.update_job(job_id, status="failed", finished_at=int(time.time()),
                               error={"code": code or "job_failed", "message": message, "param": None})

@@ -263,10 +263,24 @@ class Dpo(Body):
     hyperparameters: DpoHyperparameters | None = None
 
 
+class ReinforcementHyperparameters(Hyperparameters):
+    compute_multiplier: float | Literal["auto"] = "auto"  # scales the completions sampled per prompt
+    eval_interval: int | Literal["auto"] = "auto"  # steps between evaluations on the validation file
+    eval_samples: int | Literal["auto"] = "auto"  # completions per validation prompt
+    reasoning_effort: str = "default"  # for reasoning models; coserve's models take only "default"
+
+
+class Reinforcement(Body):
+    grader: dict[str, Any]  # checked by coserve/finetune/graders.py (errors name method.reinforcement.grader.*)
+    hyperparameters: ReinforcementHyperparameters | None = None
+
+
 class Method(Body):
-    type: Literal["supervised", "dpo"]
+    type: Literal["supervised", "dpo", "reinforcement"]
     supervised: Supervised | None = None
     dpo: Dpo | None = None  # OpenAI's Direct Preference Optimization: the training file holds preference pairs
+    # OpenAI's reinforcement fine-tuning: the training file holds prompts, a grader scores sampled completions (GRPO)
+    reinforcement: Reinforcement | None = None
 
 
 class CoserveOptions(Body):
@@ -297,6 +311,13 @@ class CoserveOptions(Body):
     dpo_loss: Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"] = "sigmoid"
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # a DPO job's, with the sigmoid or the simpo loss
     simpo_gamma: float = Field(0.5, ge=0)  # SimPO's target reward margin
+    # a reinforcement job's GRPO (TRL's names): completions per prompt (before method's compute_multiplier), their
+    # length, sampling temperature, loss and advantage scaling
+    num_generations: int = Field(8, ge=2, le=64)
+    max_completion_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, gt=0, le=2)
+    grpo_loss: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
 
 
 class FineTuningJobRequest(Body):

@@ -1,0 +1,173 @@
+"""Reinforcement fine-tuning jobs (OpenAI's ``method: {"type": "reinforcement"}``) on the server: a GRPO run
+(``coserve/engine/grpo_run.py``) whose reward is the job's grader (``coserve/finetune/graders.py``), co-served by
+the server's engine like any job.
+
+The run's ``model`` directory holds the adapter and optimizer state of its last whole step (written atomically),
+so a job paused, or left running by a server that stopped, goes on from there. Every ``checkpoint_every`` steps
+the adapter is copied into a servable checkpoint. Each step becomes a metrics event with its mean reward.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coserve.engine.grpo_run import GRPORun
+from coserve.engine.loop_client import LoopClient
+from coserve.finetune.build import make_bypass, starting_bypass
+from coserve.finetune.checkpoint import load_optimizer_state
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.graders import grader_reward, parse_grader
+from coserve.finetune.grpo_prompts import load_prompts
+from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.trainable import load_trainable
+
+if TYPE_CHECKING:
+    from coserve.server.jobs import JobManager
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a servable checkpoint holds
+_SHOW = 5  # bad data lines named in a job's error
+
+
+@dataclass(slots=True)
+class RFTRunning:
+    """A reinforcement job the engine is co-serving, and how far the watcher has followed it."""
+
+    job_id: str
+    tenant: str
+    name: str  # its fine_tuned_model, once it succeeds
+    checkpoint_every: int  # steps between servable checkpoints
+    run: GRPORun
+    model_dir: Path
+    logged: int = 0  # step records already turned into events
+    tokens: int = 0  # trained tokens already counted in the metrics
+    saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints copied, not yet recorded
+
+    @property
+    def step(self) -> int:
+        return self.run.step
+
+    @property
+    def total_steps(self) -> int:
+        return self.run.total_steps
+
+    @property
+    def tokens_done(self) -> int:
+        return self.run.job.tokens_done if self.run.job is not None else self.tokens
+
+    def step_metrics(self, step: int) -> dict:
+        """A step's metrics under OpenAI's names (``train_reward_mean``) and GRPO's (``rewards/<grader>``)."""
+        rec = next((r for r in reversed(self.run.log) if r["step"] == step), None)
+        if rec is None:
+            return {"step": step, "train_reward_mean": None}
+        extra = {k: v for k, v in rec.items() if k.startswith("rewards/")}
+        return {"step": step, "train_loss": rec["loss"], "train_reward_mean": rec["reward"],
+                "train_reward_std": rec["reward_std"], "frac_reward_zero_std": rec["frac_reward_zero_std"],
+                "completions_mean_length": rec["completions_mean_length"],
+                "completions_clipped_ratio": rec["completions_clipped_ratio"], **extra}
+
+
+def rft_config(job: dict, out: Path, engine_max_len: int, base_lr: float) -> FinetuneConfig:
+    """The GRPO configuration of a stored reinforcement job: ``batch_size`` prompts a step, each sampled
+    ``num_generations`` x ``compute_multiplier`` times (at least twice)."""
+    opts, hyper = job["coserve"], job["method"]["reinforcement"]["hyperparameters"]
+    g = max(2, round(opts["num_generations"] * hyper["compute_multiplier"]))
+    return FinetuneConfig(output_dir=str(out), method="grpo", epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
+                          batch_size=hyper["batch_size"] * g, grad_accum=1,
+                          lr=base_lr * hyper["learning_rate_multiplier"], optimizer=opts["optimizer"],
+                          lr_scheduler=opts["lr_scheduler"], warmup_steps=opts["warmup_steps"],
+                          weight_decay=opts["weight_decay"], max_grad_norm=opts["max_grad_norm"],
+                          max_seq_len=min(opts["max_seq_len"], engine_max_len), seed=job["seed"],
+                          rematerialize=opts["rematerialize"], memory_target=opts["memory_target"],
+                          num_generations=g, max_completion_tokens=opts["max_completion_tokens"],
+                          temperature=opts["temperature"], grpo_loss=opts["grpo_loss"],
+                          scale_rewards=opts["scale_rewards"])
+
+
+def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, base_lr: float) -> RFTRunning:
+    """Start (or resume, from its ``model`` directory) a stored reinforcement job; ValueError naming the field,
+    file or lines when it cannot run."""
+    job_id, opts = job["id"], job["coserve"]
+    model = mgr.engine.model
+    out = mgr.jobs_dir / job_id / "model"
+    cfg = rft_config(job, out, mgr.engine.max_model_len, base_lr)
+    grader = parse_grader(job["method"]["reinforcement"]["grader"], "method.reinforcement.grader",
+                          allow_python=mgr.config.python_graders)  # the server may have restarted without the flag
+    file_id = job["training_file"]
+    prompts, report = load_prompts(mgr.store.file_path(file_id), mgr.engine.tokenizer, cfg.max_seq_len,
+                                   cfg.max_completion_tokens)
+    if report.malformed:
+        named = "; ".join(f"line {n}: {why}" for n, why in sorted(report.malformed)[:_SHOW])
+        raise ValueError(f"training_file {file_id}: {len(report.malformed)} prompt(s) cannot be used: {named}")
+    resume = out if load_optimizer_state(out) is not None else None
+    if resume is not None:
+        bypass = load_trainable(out, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
+    elif opts.get("start_from"):
+        bypass = starting_bypass(None, model, FinetuneConfig(output_dir=str(out),
+                                                             start_adapter=str(mgr.state_dir / opts["start_from"])))
+    else:
+        p = dict(opts["peft_config"])
+        kind = p.pop("peft")
+        bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
+    steps_per_epoch = math.ceil(len(prompts) / job["method"]["reinforcement"]["hyperparameters"]["batch_size"])
+    holder: list[RFTRunning] = []
+    run = GRPORun(LoopClient(mgr.loop), prompts, [grader_reward(grader)], None, bypass, cfg, tenant,
+                  base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec))
+    r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or steps_per_epoch, run, out)
+    holder.append(r)
+    run.start()
+    return r
+
+
+def _on_step(r: RFTRunning, record: dict) -> None:
+    """In the run's thread, once the model directory holds the step: a servable checkpoint every
+    ``checkpoint_every`` steps but the last (the finished model is that one)."""
+    step = record["step"]
+    if step % r.checkpoint_every or step >= r.run.total_steps:
+        return
+    path = r.model_dir.parent / "checkpoints" / f"step-{step}"
+    copy_adapter(r.model_dir, path)
+    r.saved.append((step, path))
+
+
+def copy_adapter(src: Path, dest: Path) -> None:
+    """The adapter files of ``src`` into a new directory ``dest``, which appears whole or not at all."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    for name in ADAPTER_FILES:
+        shutil.copy2(src / name, tmp / name)
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+
+
+def follow_rft(mgr: JobManager, r: RFTRunning) -> str:
+    """Record what a reinforcement job did since the last look (steps as metrics events, checkpoints) and how it
+    ended if it has; returns its status (the caller forgets a job that ended)."""
+    status, error = r.run.status, r.run.error
+    if status != "running":
+        r.run.join()  # cancelled or done: nothing of it changes after this
+    tokens = r.tokens_done
+    mgr.metrics.finetune.add(tokens - r.tokens)
+    r.tokens = tokens
+    records = r.run.log[r.logged:]
+    r.logged += len(records)
+    for rec in records:
+        if not mgr.store.has_step_event(r.job_id, rec["step"]):
+            loss = "" if rec["loss"] is None else f", training loss={rec['loss']:.4f}"
+            mgr.store.add_event(r.job_id, f"Step {rec['step']}/{r.total_steps}: mean reward={rec['reward']:.4f}{loss}",
+                                type="metrics",
+                                data={**r.step_metrics(rec["step"]), "learning_rate": rec["lr"], "tokens": tokens})
+    while r.saved:  # after the events of their steps (the run's thread appends to the list)
+        mgr.record_checkpoint(r, *r.saved.pop(0))
+    job = mgr.store.get_job(None, r.job_id)
+    mgr.store.update_job(r.job_id, trained_tokens=tokens, coserve={**job["coserve"], "step": r.step})
+    if status == "succeeded":
+        mgr.succeed(r, r.model_dir)
+    elif status == "failed":
+        mgr.fail(r.job_id, error or "the job failed", "training_failed")
+    return status

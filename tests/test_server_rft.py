@@ -1,0 +1,150 @@
+"""Reinforcement fine-tuning jobs (OpenAI's ``method: {"type": "reinforcement"}``) on a live server through the
+official ``openai`` client: a file of prompts with reference answers, a grader, the job co-served with chat to a
+servable model whose adapter is the one ``LLM.finetune``'s GRPO trains with the same grader and seed; bad requests
+refused naming the field; cancel, pause and resume."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import openai
+import pytest
+from openai import OpenAI
+
+from coserve import LLM, FinetuneConfig, LoraConfig
+from coserve.finetune.graders import grader_reward, parse_grader
+from coserve.peft.adapter_dir import read_adapter_tensors
+from server_helpers import API_KEYS, wait_for_job
+
+BASE = "tiny-llama"
+ANSWERS = [("Count to three.", "1 2 3"), ("Name a colour.", "red"), ("Say hello.", "hello"), ("Spell cat.", "c a t")]
+GRADER = {"type": "text_similarity", "name": "close", "evaluation_metric": "fuzzy_match",
+          "input": "{{ sample.output_text }}", "reference": "{{ item.answer }}"}
+COSERVE = {"num_generations": 2, "max_completion_tokens": 5, "r": 4, "target_modules": ["q_proj", "down_proj"]}
+
+
+def _prompts(records=ANSWERS) -> bytes:
+    return "".join(json.dumps({"messages": [{"role": "user", "content": q}], "answer": a}) + "\n"
+                   for q, a in records).encode()
+
+
+@pytest.fixture(scope="module")
+def client(api_server):
+    return OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS["alice"], max_retries=0, timeout=60)
+
+
+def _upload(client, data: bytes):
+    return client.files.create(file=("prompts.jsonl", io.BytesIO(data)), purpose="fine-tune")
+
+
+def _create(client, training, hyper=None, grader=GRADER, **coserve):
+    method = {"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": hyper or {}}}
+    return client.fine_tuning.jobs.create(model=BASE, training_file=training.id, seed=11, method=method,
+                                          extra_body={"coserve": {**COSERVE, **coserve}})
+
+
+def test_a_reinforcement_job_trains_what_llm_finetune_trains_while_chat_is_served(client, api_server, model_factory,
+                                                                                  tmp_path):
+    training = _upload(client, _prompts())
+    job = _create(client, training, {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 50})
+    assert job.method.type == "reinforcement" and job.method.reinforcement.grader.name == "close"
+    messages = [{"role": "user", "content": "Say hello."}]
+    while client.fine_tuning.jobs.retrieve(job.id).status in ("validating_files", "queued", "running"):
+        reply = client.chat.completions.create(model=BASE, messages=messages, max_tokens=3)  # served meanwhile
+        assert reply.choices[0].finish_reason in ("length", "stop")
+    done = wait_for_job(client, job.id)
+    assert done.status == "succeeded", done.error
+    metrics = sorted((e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data
+                      if e.type == "metrics"), key=lambda m: m["step"])
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    model_dir = api_server.state_dir / "jobs" / job.id / "model"
+    rollouts = [json.loads(x) for x in (model_dir / "rollouts.jsonl").read_text().splitlines()]
+    for m in metrics:  # each step's mean reward is its rollouts' (4 completions: 2 prompts x 2)
+        step = [r["reward"] for r in rollouts if r["step"] == m["step"]]
+        assert len(step) == 4 and m["train_reward_mean"] == pytest.approx(sum(step) / 4)
+        assert m["rewards/close"] == pytest.approx(m["train_reward_mean"])
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert sorted(c.step_number for c in checkpoints) == [2, 4]  # each epoch's end
+    tuned = client.chat.completions.create(model=done.fine_tuned_model, messages=messages, max_tokens=4)
+    assert tuned.model == done.fine_tuned_model and tuned.usage.completion_tokens > 0
+
+    # the oracle: the same GRPO run through the Python API, with the grader as its reward
+    data = tmp_path / "prompts.jsonl"
+    data.write_bytes(_prompts())
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "local"), method="grpo", epochs=2, batch_size=4, lr=50e-4,
+                         seed=11, num_generations=2, max_completion_tokens=5)
+    handle = llm.finetune(str(data), peft=LoraConfig(r=4, target_modules=["q_proj", "down_proj"]), config=cfg,
+                          reward_funcs=[grader_reward(parse_grader(GRADER))])
+    assert handle.wait(180)["status"] == "succeeded"
+    local = [json.loads(x) for x in (tmp_path / "local" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["completion_token_ids"] for r in local] == [r["completion_token_ids"] for r in rollouts]
+    a, b = read_adapter_tensors(model_dir), read_adapter_tensors(tmp_path / "local")
+    for name in a:
+        assert float((a[name] - b[name]).norm() / a[name].norm()) <= 1e-5, name
+
+
+@pytest.mark.parametrize("method, extra, param", [
+    ({"type": "reinforcement"}, {}, "method.reinforcement"),
+    ({"type": "reinforcement", "reinforcement": {"grader": dict(GRADER, operation="eq", type="string_check",
+                                                                 evaluation_metric=None) | {"operation": "is"}}},
+     {}, "method.reinforcement.grader.operation"),
+    ({"type": "reinforcement", "reinforcement": {"grader": {"type": "score_model", "name": "judge"}}}, {},
+     "method.reinforcement.grader.type"),
+    ({"type": "reinforcement", "reinforcement": {"grader": GRADER,
+                                                 "hyperparameters": {"reasoning_effort": "high"}}}, {},
+     "method.reinforcement.hyperparameters.reasoning_effort"),
+    ({"type": "reinforcement", "reinforcement": {"grader": GRADER,
+                                                 "hyperparameters": {"compute_multiplier": 100}}}, {},
+     "method.reinforcement.hyperparameters.compute_multiplier"),
+    ({"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": {"eval_interval": 2}}}, {},
+     "method.reinforcement.hyperparameters.eval_interval"),
+    ({"type": "reinforcement", "reinforcement": {"grader": GRADER}}, {"validation_file": "same"}, "validation_file"),
+    ({"type": "reinforcement", "reinforcement": {"grader": GRADER}, "supervised": {}}, {}, "method.supervised"),
+    ({"type": "supervised", "reinforcement": {"grader": GRADER}}, {}, "method.reinforcement"),
+    ({"type": "reinforcement", "reinforcement": {"grader": GRADER}},
+     {"extra_body": {"coserve": {"num_generations": 1}}}, "coserve.num_generations"),
+])
+def test_bad_reinforcement_jobs_are_refused_naming_the_field(client, method, extra, param):
+    training = _upload(client, _prompts())
+    extra = {k: training.id if v == "same" else v for k, v in extra.items()}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.jobs.create(model=BASE, training_file=training.id, method=method, **extra)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_prompt_files_hold_prompts_and_a_chat_file_fails_a_reinforcement_job_naming_the_line(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        _upload(client, _prompts() + b'{"messages": [{"role": "user", "content": "a"}, '
+                                     b'{"role": "assistant", "content": "b"}]}\n')
+    assert "line 5: messages[1]: the prompt ends with an assistant message" in e.value.body["message"]
+    chat = _upload(client, b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", '
+                           b'"content": "b"}]}\n')
+    done = wait_for_job(client, _create(client, chat).id)
+    assert done.status == "failed" and "line 1: messages[1]: the prompt ends with an assistant message" in \
+        done.error.message
+
+
+def test_a_reinforcement_job_pauses_resumes_and_cancels(client):
+    training = _upload(client, _prompts(ANSWERS * 8))
+    job = _create(client, training, {"n_epochs": 1, "batch_size": 2}, max_completion_tokens=24)
+    while not [e for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]:
+        assert client.fine_tuning.jobs.retrieve(job.id).status in ("validating_files", "queued", "running")
+    paused = client.fine_tuning.jobs.pause(job.id)
+    assert paused.status == "paused"
+    step = paused.model_extra["coserve"]["step"]
+    assert step >= 1
+    client.fine_tuning.jobs.resume(job.id)
+    while True:
+        events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
+        if len([e for e in events if e.type == "metrics"]) > step:
+            break
+    assert any(f"resumed at step {step}" in e.message for e in events)
+    cancelled = client.fine_tuning.jobs.cancel(job.id)
+    assert cancelled.status == "cancelled"
+    steps = [e.data["step"] for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data
+             if e.type == "metrics"]
+    assert sorted(steps) == list(range(1, len(steps) + 1))  # none repeated, none lost
+    with pytest.raises(openai.ConflictError):
+        client.fine_tuning.jobs.cancel(job.id)
