@@ -842,7 +842,7 @@ def test_bad_job_requests(alice):
              ({"extra_body": {"coserve": {"memory_target": 1.5}}}, "coserve.memory_target"),
              ({"extra_body": {"coserve": {"memory_target": 0}}}, "coserve.memory_target"),
              ({"extra_body": {"coserve": {"rematerialize": "none"}}}, "coserve.rematerialize"),
-             ({"method": {"type": "reinforcement"}}, "method.type")]
+             ({"method": {"type": "kto"}}, "method.type")]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
             alice.fine_tuning.jobs.create(model=BASE, training_file=f.id, **kwargs)

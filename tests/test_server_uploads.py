@@ -105,7 +105,7 @@ def test_bad_uploads_are_4xx_naming_the_field(server):
     for call in (lambda: alice.uploads.parts.create(other.id, data=b"x"), lambda: alice.uploads.cancel(other.id)):
         with pytest.raises(openai.ConflictError):
             call()
-    bad = b'{"messages": [{"role": "user", "content": "hi"}]}\n'  # no assistant turn
+    bad = b'{"messages": [{"role": "robot", "content": "hi"}]}\n'  # no such role
     upload = _open(alice, bad)
     part = alice.uploads.parts.create(upload.id, data=bad)
     with pytest.raises(openai.BadRequestError) as e:

@@ -101,6 +101,7 @@ class Running:
         return self.job.tokens_done
 
     def step_metrics(self, step: int) -> dict:
+        """An optimizer step's metrics, as its events and checkpoints carry them."""
         rec = next((rec for rec in reversed(self.job.log) if rec.step == step), None)
         return step_metrics(rec) if rec is not None else {"step": step, "train_loss": None}
 
@@ -352,8 +353,7 @@ class JobManager:
 
     def _hyperparameters(self, body: FineTuningJobRequest, method: str) -> dict:
         """The job's hyperparameters ("auto" resolved), from the top level or the method's object (not both);
-        a DPO job's include ``beta``, a reinforcement job's ``compute_multiplier``, ``eval_interval`` and
-        ``eval_samples``."""
+        a DPO job's include ``beta``, a reinforcement job's ``compute_multiplier``."""
         given = body.hyperparameters
         prefix = "hyperparameters"
         inner = getattr(body.method, method, None) if body.method is not None else None

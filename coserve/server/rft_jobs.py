@@ -148,9 +148,7 @@ def copy_adapter(src: Path, dest: Path) -> None:
 def follow_rft(mgr: JobManager, r: RFTRunning) -> str:
     """Record what a reinforcement job did since the last look (steps as metrics events, checkpoints) and how it
     ended if it has; returns its status (the caller forgets a job that ended)."""
-    status, error = r.run.status, r.run.error
-    if status != "running":
-        r.run.join()  # cancelled or done: nothing of it changes after this
+    status, error = r.run.status, r.run.error  # a run ends with its log whole (a cancelled one: see _take_rft_off)
     tokens = r.tokens_done
     mgr.metrics.finetune.add(tokens - r.tokens)
     r.tokens = tokens
