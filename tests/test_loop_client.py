@@ -1,0 +1,37 @@
+"""``LoopClient``: generation through an engine running in its own thread, and ``abort()``, which ends the
+generation in flight (its outputs come back, finish reason "abort", even when nothing else is running) and
+refuses later ones."""
+
+import threading
+import time
+
+import pytest
+
+from coserve import LLM, SamplingParams
+from coserve.engine.loop_client import LoopClient
+
+
+def test_a_generation_in_flight_is_aborted_and_later_ones_refused(model_factory):
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    client = LoopClient(llm._background())
+    prompt = [5, 17, 40, 9]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert client.generate([prompt], [greedy])[0].outputs[0].token_ids == \
+        llm.generate([prompt], greedy)[0].outputs[0].token_ids
+    result = {}
+
+    def long_generation():
+        result["out"] = client.generate([prompt], [SamplingParams(n=2, max_tokens=100_000, ignore_eos=True)])
+
+    thread = threading.Thread(target=long_generation)
+    thread.start()
+    while not llm.engine.scheduler.has_unfinished():  # the tiny model's context ends a request within a second
+        time.sleep(0.001)
+    client.abort()
+    thread.join(30)
+    assert not thread.is_alive()  # the last requests' aborts were delivered though nothing else runs
+    outs = result["out"][0].outputs
+    assert [o.finish_reason for o in outs] == ["abort", "abort"] and all(len(o.token_ids) < 100 for o in outs)
+    with pytest.raises(RuntimeError, match="aborted"):
+        client.generate([prompt], [greedy])
+    assert llm.generate([prompt], greedy)[0].outputs[0].finish_reason == "length"  # the engine serves on
