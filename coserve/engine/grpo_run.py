@@ -67,6 +67,14 @@ def score(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, 
     return total, per_func
 
 
+def logged_steps(path: Path, last: int) -> list[dict]:
+    """The step records of a run's ``grpo_log.jsonl`` up to step ``last`` (none if it has no log)."""
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("step", 0) <= last]
+
+
 class GRPORun:
     """One GRPO run; ``start()`` begins it in a thread. ``status``: running, succeeded, failed or cancelled."""
 
@@ -105,7 +113,9 @@ class GRPORun:
             if self.step >= self.total_steps:
                 raise ValueError(f"resume_from: {self.resume_from} is at step {self.step}; the run has "
                                  f"{self.total_steps}")
-        self.log: list[dict] = []  # one record a step, as grpo_log.jsonl holds them
+        self.log: list[dict] = []  # one record a step, as grpo_log.jsonl holds them (a resumed run's earlier ones too)
+        if self.resume_from is not None:
+            self.log = logged_steps(self.resume_from / GRPO_LOG_FILE, self.step)
         self.job: GRPOStepJob | None = None  # the latest step's job
         self._job_id: str | None = None
         self._cancelled = threading.Event()
@@ -183,23 +193,35 @@ class GRPORun:
         job = GRPOStepJob(self.client.engine.model, self.bypass, examples, scales, cfg, self.total_steps,
                           previous=self.job, base_model=self.base_model,
                           resume_from=self.resume_from if self.job is None else None)
+        lines = self._rollout_lines(step, records, completions, rewards, per_func, advantages)
+        made: list[dict] = []  # the step's record, made once its optimizer step is done (it has the loss)
+
+        def step_logs() -> dict[str, str]:  # written with the step's checkpoint (GRPOStepJob.step_logs)
+            if not made:
+                made.append(self._record(step, rewards, per_func, lengths, completions, rollout_s, job))
+            return {GRPO_LOG_FILE: json.dumps(made[0]) + "\n", ROLLOUTS_FILE: lines}
+
+        job.step_logs = step_logs
         if not self._train(job):
             return  # cancelled: the adapter of the last whole step stays in output_dir
         self.job, self.step = job, job.step
-        record = self._record(step, rewards, per_func, lengths, completions, rollout_s, job)
-        self.log.append(record)
-        with open(self.output_dir / GRPO_LOG_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        with open(self.output_dir / ROLLOUTS_FILE, "a") as f:
-            for i, (r, c) in enumerate(zip(records, completions)):
-                own = {k: None if math.isnan(v[i]) else v[i] for k, v in per_func.items()}  # None: did not apply
-                f.write(json.dumps({"step": step + 1, "prompt_line": r.line, "group": i // g,
-                                    "prompt_token_ids": r.token_ids, "completion": c.text,
-                                    "completion_token_ids": ids[i], "finish_reason": c.finish_reason,
-                                    "logprobs": [lp.logprob for lp in c.logprobs] if c.logprobs else None,
-                                    "reward": rewards[i], "rewards": own, "advantage": advantages[i]}) + "\n")
+        step_logs()  # made already by the step's save
+        self.log.append(made[0])
         if self.on_step is not None:
-            self.on_step(record)
+            self.on_step(made[0])
+
+    def _rollout_lines(self, step: int, records: list[PromptRecord], completions: list, rewards: list[float],
+                       per_func: dict[str, list[float]], advantages: list[float]) -> str:
+        """The step's lines of ``rollouts.jsonl``: every completion with its prompt, logprobs, rewards, advantage."""
+        g, lines = self.cfg.num_generations, []
+        for i, (r, c) in enumerate(zip(records, completions)):
+            own = {k: None if math.isnan(v[i]) else v[i] for k, v in per_func.items()}  # None: did not apply
+            lines.append(json.dumps({"step": step + 1, "prompt_line": r.line, "group": i // g,
+                                     "prompt_token_ids": r.token_ids, "completion": c.text,
+                                     "completion_token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+                                     "logprobs": [lp.logprob for lp in c.logprobs] if c.logprobs else None,
+                                     "reward": rewards[i], "rewards": own, "advantage": advantages[i]}) + "\n")
+        return "".join(lines)
 
     def _rollouts(self, step: int, batch: list[PromptRecord]):
         """The step's completions from the adapter as it stands (saved and loaded for serving under one name)."""

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,6 +61,7 @@ class CheckpointSnapshot:
     adapter_config: dict  # adapter_config.json
     trainer: dict  # optimizer and scheduler state and the step, as optimizer.pt holds them
     state: dict  # training_state.json
+    logs: dict[str, str] = field(default_factory=dict)  # text appended to kept logs (KEPT_LOGS) with this checkpoint
 
 
 def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, step: int, tokens: int,
@@ -78,7 +79,7 @@ def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, ste
 
 def write_checkpoint(out_dir: Path, snap: CheckpointSnapshot) -> None:
     """Adapter files, optimizer and scheduler state, and a JSON summary, atomically; keeps ``out_dir``'s logs
-    (``KEPT_LOGS``) and its numbered checkpoints (``checkpoint-STEP`` directories, hard-linked into the new
+    (``KEPT_LOGS``, with ``snap.logs`` appended) and its numbered checkpoints (``checkpoint-STEP`` directories, hard-linked into the new
     directory, not copied)."""
     out_dir = Path(out_dir)
 
@@ -89,6 +90,9 @@ def write_checkpoint(out_dir: Path, snap: CheckpointSnapshot) -> None:
         for name in KEPT_LOGS:
             if (out_dir / name).is_file():
                 shutil.copy2(out_dir / name, tmp / name)
+        for name, text in snap.logs.items():  # lines that must land together with this state (a GRPO step's)
+            with open(tmp / name, "a") as f:
+                f.write(text)
         if out_dir.is_dir():
             for child in out_dir.iterdir():
                 if child.is_dir() and child.name.startswith(CHECKPOINT_PREFIX):

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 
+from coserve.finetune.checkpoint import CheckpointSnapshot
 from coserve.finetune.config import GRPO_LOSSES, SCALE_REWARDS, FinetuneConfig
 from coserve.finetune.job import Example, FinetuneJob
 from coserve.finetune.sequence_state import IGNORE_INDEX
@@ -114,6 +116,9 @@ class GRPOStepJob(FinetuneJob):
         step_cfg = dataclasses.replace(cfg, shuffle=False, max_steps=total_steps, epochs=1)
         super().__init__(model, bypass, examples, step_cfg, base_model, resume_from=resume_from)
         self.scales = list(scales)
+        # the run's log lines of this step ({log file: text}), written atomically with its checkpoint, so that a
+        # crash leaves the step's state and its records together or neither
+        self.step_logs: Callable[[], dict[str, str]] | None = None
         if previous is not None:
             self.optimizer, self.scheduler = previous.optimizer, previous.scheduler
             self.step, self.tokens_done = previous.step, previous.tokens_done
@@ -124,6 +129,12 @@ class GRPOStepJob(FinetuneJob):
     @property
     def done(self) -> bool:
         return self.step >= self.stop_at and self._pending is None
+
+    def snapshot(self) -> CheckpointSnapshot:
+        snap = super().snapshot()
+        if self.step_logs is None or self.step < self.stop_at:
+            return snap
+        return dataclasses.replace(snap, logs=self.step_logs())
 
     def _loss_scale(self) -> float:
         if self._seq.eval_only:
