@@ -1,12 +1,15 @@
 """Reinforcement fine-tuning jobs (OpenAI's ``method: {"type": "reinforcement"}``) on a live server through the
 official ``openai`` client: a file of prompts with reference answers, a grader, the job co-served with chat to a
 servable model whose adapter is the one ``LLM.finetune``'s GRPO trains with the same grader and seed; bad requests
-refused naming the field; cancel, pause and resume."""
+refused naming the field; cancel, pause and resume; a server killed mid-job resumes it exactly."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import time
 
 import openai
 import pytest
@@ -15,12 +18,13 @@ from openai import OpenAI
 from coserve import LLM, FinetuneConfig, LoraConfig
 from coserve.finetune.graders import grader_reward, parse_grader
 from coserve.peft.adapter_dir import read_adapter_tensors
-from server_helpers import API_KEYS, wait_for_job
+from server_helpers import API_KEYS, start_server, wait_for_job
 
 BASE = "tiny-llama"
 ANSWERS = [("Count to three.", "1 2 3"), ("Name a colour.", "red"), ("Say hello.", "hello"), ("Spell cat.", "c a t")]
 GRADER = {"type": "text_similarity", "name": "close", "evaluation_metric": "fuzzy_match",
           "input": "{{ sample.output_text }}", "reference": "{{ item.answer }}"}
+HYPER = {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 50}  # 4 steps; lr 50 x 1e-4
 COSERVE = {"num_generations": 2, "max_completion_tokens": 5, "r": 4, "target_modules": ["q_proj", "down_proj"]}
 
 
@@ -38,16 +42,39 @@ def _upload(client, data: bytes):
     return client.files.create(file=("prompts.jsonl", io.BytesIO(data)), purpose="fine-tune")
 
 
+@pytest.fixture(scope="module")
+def oracle(model_factory, tmp_path_factory):
+    """``oracle(copies)``: the GRPO run a reinforcement job of ``HYPER`` on ``ANSWERS * copies`` should be, through
+    the Python API with the grader as its reward: its completions' token ids in order, and its adapter."""
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    runs = {}
+
+    def run(copies: int = 1):
+        if copies not in runs:
+            out = tmp_path_factory.mktemp("rft-oracle")
+            data = out / "prompts.jsonl"
+            data.write_bytes(_prompts(ANSWERS * copies))
+            cfg = FinetuneConfig(output_dir=str(out / "local"), method="grpo", epochs=2, batch_size=4, lr=50e-4,
+                                 seed=11, num_generations=2, max_completion_tokens=5)
+            handle = llm.finetune(str(data), peft=LoraConfig(r=4, target_modules=["q_proj", "down_proj"]),
+                                  config=cfg, reward_funcs=[grader_reward(parse_grader(GRADER))])
+            assert handle.wait(300)["status"] == "succeeded"
+            local = [json.loads(x) for x in (out / "local" / "rollouts.jsonl").read_text().splitlines()]
+            runs[copies] = [r["completion_token_ids"] for r in local], read_adapter_tensors(out / "local")
+        return runs[copies]
+
+    return run
+
+
 def _create(client, training, hyper=None, grader=GRADER, **coserve):
     method = {"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": hyper or {}}}
     return client.fine_tuning.jobs.create(model=BASE, training_file=training.id, seed=11, method=method,
                                           extra_body={"coserve": {**COSERVE, **coserve}})
 
 
-def test_a_reinforcement_job_trains_what_llm_finetune_trains_while_chat_is_served(client, api_server, model_factory,
-                                                                                  tmp_path):
+def test_a_reinforcement_job_trains_what_llm_finetune_trains_while_chat_is_served(client, api_server, oracle):
     training = _upload(client, _prompts())
-    job = _create(client, training, {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 50})
+    job = _create(client, training, HYPER)
     assert job.method.type == "reinforcement" and job.method.reinforcement.grader.name == "close"
     messages = [{"role": "user", "content": "Say hello."}]
     while client.fine_tuning.jobs.retrieve(job.id).status in ("validating_files", "queued", "running"):
@@ -69,20 +96,48 @@ def test_a_reinforcement_job_trains_what_llm_finetune_trains_while_chat_is_serve
     tuned = client.chat.completions.create(model=done.fine_tuned_model, messages=messages, max_tokens=4)
     assert tuned.model == done.fine_tuned_model and tuned.usage.completion_tokens > 0
 
-    # the oracle: the same GRPO run through the Python API, with the grader as its reward
-    data = tmp_path / "prompts.jsonl"
-    data.write_bytes(_prompts())
-    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
-    cfg = FinetuneConfig(output_dir=str(tmp_path / "local"), method="grpo", epochs=2, batch_size=4, lr=50e-4,
-                         seed=11, num_generations=2, max_completion_tokens=5)
-    handle = llm.finetune(str(data), peft=LoraConfig(r=4, target_modules=["q_proj", "down_proj"]), config=cfg,
-                          reward_funcs=[grader_reward(parse_grader(GRADER))])
-    assert handle.wait(180)["status"] == "succeeded"
-    local = [json.loads(x) for x in (tmp_path / "local" / "rollouts.jsonl").read_text().splitlines()]
-    assert [r["completion_token_ids"] for r in local] == [r["completion_token_ids"] for r in rollouts]
-    a, b = read_adapter_tensors(model_dir), read_adapter_tensors(tmp_path / "local")
-    for name in a:
-        assert float((a[name] - b[name]).norm() / a[name].norm()) <= 1e-5, name
+    completions, adapter = oracle()
+    assert [r["completion_token_ids"] for r in rollouts] == completions
+    _assert_close(read_adapter_tensors(model_dir), adapter)
+
+
+def _assert_close(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert float((got[name] - expected[name]).norm() / expected[name].norm()) <= 1e-5, name
+
+
+def test_sigkill_mid_reinforcement_job_then_resume(model_factory, tmp_path, oracle):
+    """A server killed in the middle of a reinforcement job: restarted on the same state directory, the job goes on
+    from its last whole step and ends with the completions and adapter of a run that never stopped, every step's
+    event recorded once."""
+    state = tmp_path / "state"
+    srv = start_server(model_factory("llama"), state, "--served-model-name", BASE)
+    try:
+        c = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        job = _create(c, _upload(c, _prompts(ANSWERS * 4)), HYPER)  # 16 steps: the kill comes in the middle
+        deadline = time.monotonic() + 120
+        while not [e for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]:
+            assert time.monotonic() < deadline and c.fine_tuning.jobs.retrieve(job.id).status != "failed"
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+    finally:
+        srv.stop(kill=True)
+    again = start_server(model_factory("llama"), state, "--served-model-name", BASE)
+    try:
+        c = OpenAI(base_url=f"{again.url}/v1", api_key="none", max_retries=0, timeout=60)
+        done = wait_for_job(c, job.id)
+        assert done.status == "succeeded", done.error
+        events = list(c.fine_tuning.jobs.list_events(job.id, limit=100))  # every page
+        assert any(e.message.startswith("The server restarted") for e in events)
+        assert sorted(e.data["step"] for e in events if e.type == "metrics") == list(range(1, 17))
+        model_dir = state / "jobs" / job.id / "model"
+        rollouts = [json.loads(x) for x in (model_dir / "rollouts.jsonl").read_text().splitlines()]
+        completions, adapter = oracle(4)
+        assert [r["completion_token_ids"] for r in rollouts] == completions
+        _assert_close(read_adapter_tensors(model_dir), adapter)
+    finally:
+        again.stop()
 
 
 @pytest.mark.parametrize("method, extra, param", [

@@ -81,11 +81,13 @@ class GRPORun:
     def __init__(self, client: LoopClient, prompts: list[PromptRecord], reward_funcs: Sequence[RewardFunc],
                  reward_weights: Sequence[float] | None, bypass: TrainableBypass, cfg: FinetuneConfig,
                  tenant: str = "default", base_model: str = "", resume_from: Path | None = None,
-                 on_step: Callable[[dict], None] | None = None) -> None:
+                 on_step: Callable[[dict], None] | None = None, finished_ok: bool = False) -> None:
         """``client``: the engine (running in its own thread) that samples and trains. ``resume_from``: a
         checkpoint a run of the same data and config wrote after a step (its ``output_dir``); the run goes on from
         that step as if it had not stopped (``bypass`` its adapter). ``on_step``: called in the run's thread with
-        each step's record once ``output_dir`` holds that step (and before the next begins)."""
+        each step's record once ``output_dir`` holds that step (and before the next begins). ``finished_ok``: a
+        checkpoint at the run's last step is not an error; the run then succeeds at once (a server that stopped
+        between a job's last step and its end)."""
         if not prompts:
             raise ValueError("data: no prompts")
         funcs = list(reward_funcs or [])
@@ -110,7 +112,7 @@ class GRPORun:
             if saved is None:
                 raise ValueError(f"resume_from: {self.resume_from} holds no optimizer state (not a checkpoint)")
             self.step = int(saved.get("step", 0))
-            if self.step >= self.total_steps:
+            if self.step >= self.total_steps and not finished_ok:
                 raise ValueError(f"resume_from: {self.resume_from} is at step {self.step}; the run has "
                                  f"{self.total_steps}")
         self.log: list[dict] = []  # one record a step, as grpo_log.jsonl holds them (a resumed run's earlier ones too)
@@ -129,6 +131,8 @@ class GRPORun:
         self._thread.start()
 
     def cancel(self) -> None:
+        """Stop the run: rollouts under way are aborted and a step in training is dropped (``output_dir`` keeps
+        the last whole step), but a step already being saved lands whole. ValueError once the run has ended."""
         with self._lock:
             if self.status != "running":
                 raise ValueError(f"the GRPO run is already {self.status}")
@@ -137,8 +141,12 @@ class GRPORun:
             jid = self._job_id
             if jid is not None:
                 engine = self.client.engine
+
+                def stop_training() -> None:  # a step whose optimizer step is done and being saved is kept whole
+                    if not engine.saver.saving(jid):
+                        engine.cancel_finetune_job(jid)
                 try:
-                    self.client.loop.call(lambda: engine.cancel_finetune_job(jid))
+                    self.client.loop.call(stop_training)
                 except ValueError:
                     pass  # the step's job ended meanwhile
             self.status = "cancelled"

@@ -45,6 +45,10 @@ class JobSaver:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-save")
         return self._pool
 
+    def saving(self, job_id: str) -> bool:
+        """Whether ``job_id``'s final write is in flight (its training is over)."""
+        return job_id in self._pending
+
     def any_done(self) -> bool:
         """Whether a write has ended (any thread: a cheap look)."""
         return any(f.done() for f in list(self._pending.values()))

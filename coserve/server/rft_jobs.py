@@ -116,7 +116,8 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, base_lr: float
     steps_per_epoch = math.ceil(len(prompts) / job["method"]["reinforcement"]["hyperparameters"]["batch_size"])
     holder: list[RFTRunning] = []
     run = GRPORun(LoopClient(mgr.loop), prompts, [grader_reward(grader)], None, bypass, cfg, tenant,
-                  base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec))
+                  base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec),
+                  finished_ok=True)
     r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or steps_per_epoch, run, out)
     holder.append(r)
     run.start()
