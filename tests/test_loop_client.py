@@ -25,13 +25,13 @@ def test_a_generation_in_flight_is_aborted_and_later_ones_refused(model_factory)
 
     thread = threading.Thread(target=long_generation)
     thread.start()
-    while not llm.engine.scheduler.has_unfinished():  # the tiny model's context ends a request within a second
+    while not llm.engine.scheduler.has_unfinished():
         time.sleep(0.001)
     client.abort()
     thread.join(30)
     assert not thread.is_alive()  # the last requests' aborts were delivered though nothing else runs
     outs = result["out"][0].outputs
-    assert [o.finish_reason for o in outs] == ["abort", "abort"] and all(len(o.token_ids) < 100 for o in outs)
+    assert [o.finish_reason for o in outs] == ["abort", "abort"]  # not "length": ended before the context's end
     with pytest.raises(RuntimeError, match="aborted"):
         client.generate([prompt], [greedy])
     assert llm.generate([prompt], greedy)[0].outputs[0].finish_reason == "length"  # the engine serves on
