@@ -233,7 +233,8 @@ def test_the_finetune_command_takes_an_openai_grader_as_a_reward(model_factory, 
     from coserve.cli import main
     answers = ["3", "red", "hello", "c"]
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Question {i}:", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    data.write_text("".join(json.dumps({"prompt": f"Question {i}:", "answer": a}) + "\n"
+                            for i, a in enumerate(answers)))
     grader = tmp_path / "grader.json"
     grader.write_text(json.dumps({"type": "text_similarity", "name": "close", "evaluation_metric": "fuzzy_match",
                                   "input": "{{ sample.output_text }}", "reference": "{{ item.answer }}"}))

@@ -23,11 +23,14 @@ def test_a_generation_in_flight_is_aborted_and_later_ones_refused(model_factory)
     def long_generation():
         result["out"] = client.generate([prompt], [SamplingParams(n=2, max_tokens=100_000, ignore_eos=True)])
 
+    hold = threading.Event()
+    client.loop.post(lambda: hold.wait(30))  # the engine thread waits here: the requests are enqueued after it
     thread = threading.Thread(target=long_generation)
     thread.start()
-    while not llm.engine.scheduler.has_unfinished():
+    while not client._lock.locked():  # the generation is handing its requests over (behind the held engine)
         time.sleep(0.001)
-    client.abort()
+    threading.Timer(0.3, hold.set).start()
+    client.abort()  # waits for the enqueue (the client's lock), then aborts the requests within an iteration or two
     thread.join(30)
     assert not thread.is_alive()  # the last requests' aborts were delivered though nothing else runs
     outs = result["out"][0].outputs

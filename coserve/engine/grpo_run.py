@@ -146,7 +146,7 @@ class GRPORun:
                     if not engine.saver.saving(jid):
                         engine.cancel_finetune_job(jid)
                 try:
-                    self.client.loop.call(stop_training)
+                    self.client.loop.post_and_wait(stop_training)
                 except ValueError:
                     pass  # the step's job ended meanwhile
             self.status = "cancelled"

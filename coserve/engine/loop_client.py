@@ -77,5 +77,5 @@ class LoopClient:
         with self._lock:
             self._closed = True
             ids, self._in_flight = self._in_flight, []
-            if ids:
-                self.loop.call(lambda: [self.engine.abort_request(i) for i in ids])
+            if ids:  # before the next iteration (``call`` could wait out many of a busy engine)
+                self.loop.post_and_wait(lambda: [self.engine.abort_request(i) for i in ids])

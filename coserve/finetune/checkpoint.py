@@ -79,8 +79,8 @@ def snapshot_checkpoint(bypass, optimizer: torch.optim.Optimizer, scheduler, ste
 
 def write_checkpoint(out_dir: Path, snap: CheckpointSnapshot) -> None:
     """Adapter files, optimizer and scheduler state, and a JSON summary, atomically; keeps ``out_dir``'s logs
-    (``KEPT_LOGS``, with ``snap.logs`` appended) and its numbered checkpoints (``checkpoint-STEP`` directories, hard-linked into the new
-    directory, not copied)."""
+    (``KEPT_LOGS``, with ``snap.logs`` appended) and its numbered checkpoints (``checkpoint-STEP`` directories,
+    hard-linked into the new directory, not copied)."""
     out_dir = Path(out_dir)
 
     def write(tmp: Path) -> None:

@@ -64,12 +64,11 @@ async def run_grader(body: GraderRunRequest, ctx: ServerContext = Depends(contex
     except GradingError as e:
         reward, sub_rewards = 0.0, {}
         errors[e.kind] = True
+        errors["details"] = str(e)  # coserve's: what went wrong, whatever the flag
         if e.kind == "python_grader_runtime_error":
             errors["python_grader_runtime_error_details"] = str(e)
         elif e.kind == "python_grader_server_error":
             errors["python_grader_server_error_type"] = str(e)
-        else:
-            errors["other_error_details"] = str(e)
     metadata = {"name": grader.name, "type": grader.type, "errors": errors,
                 "execution_time": time.perf_counter() - started, "scores": sub_rewards or {grader.name: reward},
                 "token_usage": None, "sampled_model_name": None}

@@ -397,8 +397,9 @@ class JobManager:
         hyper = rft.hyperparameters
         for name in ("eval_interval", "eval_samples"):
             if hyper is not None and getattr(hyper, name) != "auto":
-                raise bad_request(f"method.reinforcement.hyperparameters.{name}: reinforcement jobs take no "
-                                  "validation file, so nothing is evaluated", f"method.reinforcement.hyperparameters.{name}")
+                param = f"method.reinforcement.hyperparameters.{name}"
+                raise bad_request(f"{param}: reinforcement jobs take no validation file, so nothing is evaluated",
+                                  param)
         try:
             parse_grader(rft.grader, "method.reinforcement.grader", allow_python=self.config.python_graders)
         except ValueError as e:
@@ -557,7 +558,8 @@ class JobManager:
 
     def _follow(self) -> None:
         running = [r for r in self.running.values() if isinstance(r, Running)]
-        ended = [r.job_id for r in self.running.values() if isinstance(r, RFTRunning) and follow_rft(self, r) != "running"]
+        ended = [r.job_id for r in self.running.values()
+                 if isinstance(r, RFTRunning) and follow_rft(self, r) != "running"]
         if running:
             reads = self.loop.post_and_wait(lambda: [self._read(r) for r in running])  # one engine visit for all
             ended += [r.job_id for r, read in zip(running, reads) if self._record(r, *read) != "running"]

@@ -9,7 +9,7 @@ the adapter is copied into a servable checkpoint. Each step becomes a metrics ev
 
 from __future__ import annotations
 
-import math
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -29,6 +29,7 @@ from coserve.peft.trainable import load_trainable
 if TYPE_CHECKING:
     from coserve.server.jobs import JobManager
 
+log = logging.getLogger("coserve.server")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a servable checkpoint holds
 _SHOW = 5  # bad data lines named in a job's error
 
@@ -103,7 +104,8 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, base_lr: float
     if report.malformed:
         named = "; ".join(f"line {n}: {why}" for n, why in sorted(report.malformed)[:_SHOW])
         raise ValueError(f"training_file {file_id}: {len(report.malformed)} prompt(s) cannot be used: {named}")
-    resume = out if load_optimizer_state(out) is not None else None
+    saved = load_optimizer_state(out)
+    resume = out if saved is not None else None
     if resume is not None:
         bypass = load_trainable(out, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
     elif opts.get("start_from"):
@@ -113,12 +115,12 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, base_lr: float
         p = dict(opts["peft_config"])
         kind = p.pop("peft")
         bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
-    steps_per_epoch = math.ceil(len(prompts) / job["method"]["reinforcement"]["hyperparameters"]["batch_size"])
     holder: list[RFTRunning] = []
     run = GRPORun(LoopClient(mgr.loop), prompts, [grader_reward(grader)], None, bypass, cfg, tenant,
                   base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec),
                   finished_ok=True)
-    r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or steps_per_epoch, run, out)
+    r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or run.steps_per_epoch, run, out,
+                   tokens=int(saved.get("tokens", 0)) if saved else 0)  # a resumed job's tokens are counted already
     holder.append(r)
     run.start()
     return r
@@ -131,7 +133,11 @@ def _on_step(r: RFTRunning, record: dict) -> None:
     if step % r.checkpoint_every or step >= r.run.total_steps:
         return
     path = r.model_dir.parent / "checkpoints" / f"step-{step}"
-    copy_adapter(r.model_dir, path)
+    try:
+        copy_adapter(r.model_dir, path)
+    except OSError:  # training goes on; the next checkpoint may land (the job's events do not show server paths)
+        log.exception("copying reinforcement job %s's checkpoint at step %d failed", r.job_id, step)
+        return
     r.saved.append((step, path))
 
 
@@ -158,8 +164,8 @@ def follow_rft(mgr: JobManager, r: RFTRunning) -> str:
     for rec in records:
         if not mgr.store.has_step_event(r.job_id, rec["step"]):
             loss = "" if rec["loss"] is None else f", training loss={rec['loss']:.4f}"
-            mgr.store.add_event(r.job_id, f"Step {rec['step']}/{r.total_steps}: mean reward={rec['reward']:.4f}{loss}",
-                                type="metrics",
+            mgr.store.add_event(r.job_id, f"Step {rec['step']}/{r.total_steps}: mean reward="
+                                f"{rec['reward']:.4f}{loss}", type="metrics",
                                 data={**r.step_metrics(rec["step"]), "learning_rate": rec["lr"], "tokens": tokens})
     while r.saved:  # after the events of their steps (the run's thread appends to the list)
         mgr.record_checkpoint(r, *r.saved.pop(0))
