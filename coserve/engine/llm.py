@@ -225,9 +225,7 @@ class LLM:
             with self._stepping:
                 if self._loop is None:
                     return self._run_here(built, use_tqdm)
-        # the engine runs in its thread (since a job started): hand the requests over and wait
-        self._loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
-        return self._loop.wait_for([r.request_id for r, _ in built])
+        return LoopClient(self._loop).run(built)  # the engine runs in its thread (since a job started)
 
     def _run_here(self, built: list, use_tqdm: bool) -> list[RequestOutput]:
         """Step the engine in this thread until ``built``'s requests have finished (under ``_stepping``)."""

@@ -60,6 +60,11 @@ class LoopClient:
         """Each token-id prompt generated with its ``params`` (``n`` sequences each), outputs in prompt order."""
         built = [self.engine.make_request(p, one, adapter, tenant=tenant)
                  for p, sp in zip(prompts, params) for one in sequences(sp)]
+        return merge_sequences(self.run(built), [sp.n for sp in params])
+
+    def run(self, built: list) -> list[RequestOutput]:
+        """Requests built by ``engine.make_request``, handed over at once and run to their ends; their final
+        outputs in order."""
         ids = [r.request_id for r, _ in built]
         with self._lock:
             if self._closed:
@@ -67,7 +72,7 @@ class LoopClient:
             self.loop.post_and_wait(lambda: [self.engine.enqueue(r, t) for r, t in built], arrival=True)
             self._in_flight = ids
         try:
-            return merge_sequences(self.loop.wait_for(ids), [sp.n for sp in params])
+            return self.loop.wait_for(ids)
         finally:
             with self._lock:
                 self._in_flight = []

@@ -37,7 +37,7 @@ from coserve.server.metrics import ServerMetrics
 from coserve.server.models import ModelRegistry, checkpoint_name, fine_tuned_name
 from coserve.server.protocol import (CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters,
                                      ReinforcementHyperparameters)
-from coserve.server.rft_jobs import RFTRunning, copy_adapter, follow_rft, start_rft
+from coserve.server.rft_jobs import RFTRunning, copy_adapter, follow_rft, rft_fields, start_rft
 from coserve.server.store import Store
 
 log = logging.getLogger("coserve.server")
@@ -57,6 +57,21 @@ SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 REFERENCE_FREE = ("simpo", "orpo")  # preference methods a DPO job's coserve.dpo_loss may name
 PEFT_OPTIONS = ("peft", "r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "target_modules")
 _SHOW = 5  # bad data lines named in a job's error
+
+
+def stored_config(job: dict, out: Path, **fields) -> FinetuneConfig:
+    """A stored job's FinetuneConfig: what every method shares (epochs, batch, learning rate x ``BASE_LR``,
+    optimizer and schedule, sequence length, seed, memory), with ``fields`` (its method's) added or overriding."""
+    opts, hyper = job["coserve"], job["hyperparameters"]
+    shared = dict(output_dir=str(out), epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
+                  batch_size=hyper["batch_size"], grad_accum=opts["grad_accum"],
+                  lr=BASE_LR * hyper["learning_rate_multiplier"], optimizer=opts["optimizer"],
+                  lr_scheduler=opts["lr_scheduler"], warmup_steps=opts["warmup_steps"],
+                  weight_decay=opts["weight_decay"], max_grad_norm=opts["max_grad_norm"],
+                  max_seq_len=opts["max_seq_len"], seed=job["seed"],
+                  rematerialize=opts.get("rematerialize", "cheap"),  # jobs stored before the options: defaults
+                  memory_target=opts.get("memory_target", DEFAULT_MEMORY_TARGET))
+    return FinetuneConfig(**{**shared, **fields})
 
 
 def step_metrics(rec: StepRecord) -> dict:
@@ -466,21 +481,13 @@ class JobManager:
         kind = "sft" if method != "dpo" else loss if loss in REFERENCE_FREE else "dpo"
         # a job on a fine-tuned model trains on from its adapter, DPO's reference too (jobs stored before: none)
         start = str(self.state_dir / opts["start_from"]) if opts.get("start_from") else ""
-        cfg = FinetuneConfig(output_dir=str(out / "model"), epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
-                             batch_size=hyper["batch_size"], grad_accum=opts["grad_accum"],
-                             lr=BASE_LR * hyper["learning_rate_multiplier"], optimizer=opts["optimizer"],
-                             lr_scheduler=opts["lr_scheduler"], warmup_steps=opts["warmup_steps"],
-                             weight_decay=opts["weight_decay"], max_grad_norm=opts["max_grad_norm"],
-                             max_seq_len=opts["max_seq_len"], seed=job["seed"],
-                             eval_steps=opts.get("eval_steps", 0),  # jobs stored before the option: none
-                             rematerialize=opts.get("rematerialize", "cheap"),
-                             memory_target=opts.get("memory_target", DEFAULT_MEMORY_TARGET),
-                             method=kind, dpo_beta=hyper.get("beta", AUTO["beta"]),
-                             dpo_loss=loss if kind == "dpo" else "sigmoid",
-                             dpo_label_smoothing=opts.get("dpo_label_smoothing", 0.0) if kind != "sft" else 0.0,
-                             simpo_gamma=opts.get("simpo_gamma", 0.5),
-                             start_adapter="" if kind == "dpo" else start,
-                             dpo_reference=start if kind == "dpo" else "")
+        cfg = stored_config(job, out / "model", eval_steps=opts.get("eval_steps", 0),  # jobs stored before: none
+                            method=kind, dpo_beta=hyper.get("beta", AUTO["beta"]),
+                            dpo_loss=loss if kind == "dpo" else "sigmoid",
+                            dpo_label_smoothing=opts.get("dpo_label_smoothing", 0.0) if kind != "sft" else 0.0,
+                            simpo_gamma=opts.get("simpo_gamma", 0.5),
+                            start_adapter="" if kind == "dpo" else start,
+                            dpo_reference=start if kind == "dpo" else "")
         examples, report = self._dataset(job, "training_file", cfg)
         validation = self._dataset(job, "validation_file", cfg)[0] if job["validation_file"] else None
         found = self.store.latest_checkpoint(job_id)
@@ -531,7 +538,7 @@ class JobManager:
         one (``rft_jobs.py``)."""
         job_id = job["id"]
         r = start_rft(self, tenant, job, fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id),
-                      BASE_LR)
+                      stored_config(job, self.jobs_dir / job_id / "model", **rft_fields(job)))
         self._told_waiting.discard(job_id)
         self.running[job_id] = r
         self.store.update_job(job_id, status="running",

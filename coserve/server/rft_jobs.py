@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,10 +18,11 @@ from typing import TYPE_CHECKING
 from coserve.engine.grpo_run import GRPORun
 from coserve.engine.loop_client import LoopClient
 from coserve.finetune.build import make_bypass, starting_bypass
-from coserve.finetune.checkpoint import load_optimizer_state
+from coserve.finetune.checkpoint import load_optimizer_state, write_dir_atomically
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.graders import grader_reward, parse_grader
 from coserve.finetune.grpo_prompts import load_prompts
+from coserve.peft.adapter_dir import CONFIG_FILE, WEIGHTS_FILE
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from coserve.server.jobs import JobManager
 
 log = logging.getLogger("coserve.server")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a servable checkpoint holds
 _SHOW = 5  # bad data lines named in a job's error
 
 
@@ -72,30 +71,23 @@ class RFTRunning:
                 "completions_clipped_ratio": rec["completions_clipped_ratio"], **extra}
 
 
-def rft_config(job: dict, out: Path, engine_max_len: int, base_lr: float) -> FinetuneConfig:
-    """The GRPO configuration of a stored reinforcement job: ``batch_size`` prompts a step, each sampled
-    ``num_generations`` x ``compute_multiplier`` times (at least twice)."""
-    opts, hyper = job["coserve"], job["method"]["reinforcement"]["hyperparameters"]
+def rft_fields(job: dict) -> dict:
+    """A stored reinforcement job's GRPO settings beside those every job has (``jobs.stored_config``):
+    ``batch_size`` prompts a step, each sampled ``num_generations`` x ``compute_multiplier`` times (at least
+    twice)."""
+    opts, hyper = job["coserve"], job["hyperparameters"]
     g = max(2, round(opts["num_generations"] * hyper["compute_multiplier"]))
-    return FinetuneConfig(output_dir=str(out), method="grpo", epochs=hyper["n_epochs"], max_steps=opts["max_steps"],
-                          batch_size=hyper["batch_size"] * g, grad_accum=1,
-                          lr=base_lr * hyper["learning_rate_multiplier"], optimizer=opts["optimizer"],
-                          lr_scheduler=opts["lr_scheduler"], warmup_steps=opts["warmup_steps"],
-                          weight_decay=opts["weight_decay"], max_grad_norm=opts["max_grad_norm"],
-                          max_seq_len=min(opts["max_seq_len"], engine_max_len), seed=job["seed"],
-                          rematerialize=opts["rematerialize"], memory_target=opts["memory_target"],
-                          num_generations=g, max_completion_tokens=opts["max_completion_tokens"],
-                          temperature=opts["temperature"], grpo_loss=opts["grpo_loss"],
-                          scale_rewards=opts["scale_rewards"])
+    return dict(method="grpo", batch_size=hyper["batch_size"] * g, grad_accum=1, num_generations=g,
+                max_completion_tokens=opts["max_completion_tokens"], temperature=opts["temperature"],
+                grpo_loss=opts["grpo_loss"], scale_rewards=opts["scale_rewards"])
 
 
-def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, base_lr: float) -> RFTRunning:
-    """Start (or resume, from its ``model`` directory) a stored reinforcement job; ValueError naming the field,
-    file or lines when it cannot run."""
+def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneConfig) -> RFTRunning:
+    """Start (or resume, from ``cfg.output_dir``) a stored reinforcement job with its configuration ``cfg``;
+    ValueError naming the field, file or lines when it cannot run."""
     job_id, opts = job["id"], job["coserve"]
     model = mgr.engine.model
-    out = mgr.jobs_dir / job_id / "model"
-    cfg = rft_config(job, out, mgr.engine.max_model_len, base_lr)
+    out = Path(cfg.output_dir)
     grader = parse_grader(job["method"]["reinforcement"]["grader"], "method.reinforcement.grader",
                           allow_python=mgr.config.python_graders)  # the server may have restarted without the flag
     file_id = job["training_file"]
@@ -142,22 +134,17 @@ def _on_step(r: RFTRunning, record: dict) -> None:
 
 
 def copy_adapter(src: Path, dest: Path) -> None:
-    """The adapter files of ``src`` into a new directory ``dest``, which appears whole or not at all."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    for name in ADAPTER_FILES:
-        shutil.copy2(src / name, tmp / name)
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
+    """The adapter files of ``src`` into the directory ``dest``, which appears whole or not at all."""
+    write_dir_atomically(dest, lambda tmp: [shutil.copy2(src / name, tmp / name) for name in (CONFIG_FILE,
+                                                                                             WEIGHTS_FILE)])
 
 
 def follow_rft(mgr: JobManager, r: RFTRunning) -> str:
     """Record what a reinforcement job did since the last look (steps as metrics events, checkpoints) and how it
     ended if it has; returns its status (the caller forgets a job that ended)."""
     status, error = r.run.status, r.run.error  # a run ends with its log whole (a cancelled one: see _take_rft_off)
-    tokens = r.tokens_done
-    mgr.metrics.finetune.add(tokens - r.tokens)
+    tokens, counted = r.tokens_done, r.tokens
+    mgr.metrics.finetune.add(tokens - counted)
     r.tokens = tokens
     records = r.run.log[r.logged:]
     r.logged += len(records)
@@ -169,8 +156,9 @@ def follow_rft(mgr: JobManager, r: RFTRunning) -> str:
                                 data={**r.step_metrics(rec["step"]), "learning_rate": rec["lr"], "tokens": tokens})
     while r.saved:  # after the events of their steps (the run's thread appends to the list)
         mgr.record_checkpoint(r, *r.saved.pop(0))
-    job = mgr.store.get_job(None, r.job_id)
-    mgr.store.update_job(r.job_id, trained_tokens=tokens, coserve={**job["coserve"], "step": r.step})
+    if records or tokens != counted:  # the store is written when something changed, not at every look
+        job = mgr.store.get_job(None, r.job_id)
+        mgr.store.update_job(r.job_id, trained_tokens=tokens, coserve={**job["coserve"], "step": r.step})
     if status == "succeeded":
         mgr.succeed(r, r.model_dir)
     elif status == "failed":
