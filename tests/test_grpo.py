@@ -199,6 +199,55 @@ def test_a_cancelled_grpo_run_stops_and_keeps_its_last_step(model_factory, tmp_p
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
 
 
+def test_a_grpo_run_samples_and_rewards_its_validation_prompts_from_the_adapter_each_step_left(model_factory,
+                                                                                           tmp_path):
+    """Validation every 2 steps and after the last (5): each is the whole validation set sampled ``eval_samples``
+    times from the adapter the step left, rewarded by the run's functions; the oracle for the last one is
+    ``LLM.generate`` with the saved adapter and the same sampling, rewarded by hand."""
+    from coserve import SamplingParams
+    from coserve.engine.grpo_run import _VALID_SEEDS, logged_steps
+    from coserve.peft.dropout import mix_seed
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "Add one:", "answer": "2"},
+                                                             {"prompt": [{"role": "user", "content": "Hi."}]},
+                                                             {"prompt": "Say e:", "answer": "e"}]))
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), method="grpo", num_generations=2, batch_size=4,
+                         max_completion_tokens=5, max_steps=5, lr=1e-2, seed=7, eval_steps=2, eval_samples=3)
+    handle = llm.finetune(_prompts(tmp_path / "p.jsonl"), peft=LoraConfig(r=2, target_modules=["q_proj"]),
+                          config=cfg, reward_funcs=[_reward_len, _reward_answer], reward_weights=[1.0, 2.0],
+                          validation=valid)
+    assert handle.wait(300)["status"] == "succeeded"
+    assert [("valid_reward" in r) for r in handle.log] == [False, True, False, True, True]
+    lines = [json.loads(x) for x in (tmp_path / "out" / "grpo_valid.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in lines] == [2, 4, 5] and all(len(v["samples"]) == 9 for v in lines)
+    assert logged_steps(tmp_path / "out", 5) == handle.log  # what a resumed run starts from
+
+    llm.load_adapter("after", tmp_path / "out")
+    prompts = [list(llm.tokenizer("Add one:")["input_ids"]),
+               list(llm.tokenizer(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}],
+                                                                   tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False)["input_ids"]),
+               list(llm.tokenizer("Say e:")["input_ids"])]
+    outs = llm.generate(prompts, [SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=mix_seed(7, _VALID_SEEDS,
+                                                                                                    5, j))
+                                  for j in range(3)], adapter="after")
+    texts = [c.text for out in outs for c in out.outputs]
+    last = lines[-1]
+    assert [x["completion"] for x in last["samples"]] == texts
+    shown = [t if i // 3 != 1 else [{"role": "assistant", "content": t}] for i, t in enumerate(texts)]
+    answers = [a for a in ("2", None, "e") for _ in range(3)]
+    rewards = [x + 2 * (y or 0) for x, y in zip(_reward_len(None, shown),
+                                                 _reward_answer(None, shown, answers, [[0]] * 9))]
+    assert [x["reward"] for x in last["samples"]] == pytest.approx(rewards, abs=1e-12)
+    assert handle.log[-1]["valid_reward"] == pytest.approx(sum(rewards) / 9, abs=1e-12)
+    assert last["valid_rewards/_reward_answer"] == pytest.approx(
+        sum(x for x in _reward_answer(None, shown, answers, [[0]] * 9) if x is not None) / 6, abs=1e-12)
+    assert lines[0]["samples"] != lines[1]["samples"]  # each from its own step's adapter and seeds
+    with pytest.raises(ValueError, match="eval_samples: must be a positive integer"):
+        FinetuneConfig(output_dir=str(tmp_path / "x"), method="grpo", eval_samples=0)
+
+
 def test_the_finetune_command_runs_grpo_with_reward_functions_from_a_file(model_factory, tmp_path, capsys):
     from coserve.cli import main
     rewards = tmp_path / "rewards.py"
@@ -242,10 +291,14 @@ def test_the_finetune_command_takes_an_openai_grader_as_a_reward(model_factory, 
     common = ["finetune", "--model", str(model_factory("llama")), "--data", str(data), "--output", str(out),
               "--method", "grpo", "--num-generations", "2", "--batch-size", "4", "--max-completion-tokens", "5",
               "--max-steps", "1", "--lora-r", "2"]
-    assert main([*common, "--reward", str(grader)]) == 0
+    assert main([*common, "--reward", str(grader), "--validation-data", str(data), "--eval-samples", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "step 1: reward" in printed and ", validation reward " in printed
     rollouts = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 4
-    for r in rollouts:  # the oracle: rapidfuzz on the completion and the prompt's answer
+    valid = json.loads((out / "grpo_valid.jsonl").read_text())
+    assert len(valid["samples"]) == 8  # 4 prompts x 2
+    for r in rollouts + valid["samples"]:  # the oracle: rapidfuzz on the completion and the prompt's answer
         expected = fuzz.ratio(r["completion"], answers[r["prompt_line"] - 1]) / 100
         assert r["rewards"]["close"] == pytest.approx(expected, abs=1e-12) and r["reward"] == r["rewards"]["close"]
     grader.write_text(json.dumps({"type": "string_check", "name": "x", "input": "", "reference": "",

@@ -28,6 +28,9 @@ HYPER = {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 50}  # 4 st
 COSERVE = {"num_generations": 2, "max_completion_tokens": 5, "r": 4, "target_modules": ["q_proj", "down_proj"]}
 
 
+VALID = [("Count to two.", "1 2"), ("Say bye.", "bye")]
+
+
 def _prompts(records=ANSWERS) -> bytes:
     return "".join(json.dumps({"messages": [{"role": "user", "content": q}], "answer": a}) + "\n"
                    for q, a in records).encode()
@@ -45,7 +48,8 @@ def _upload(client, data: bytes):
 @pytest.fixture(scope="module")
 def oracle(model_factory, tmp_path_factory):
     """``oracle(copies)``: the GRPO run a reinforcement job of ``HYPER`` on ``ANSWERS * copies`` should be, through
-    the Python API with the grader as its reward: its completions' token ids in order, and its adapter."""
+    the Python API with the grader as its reward and ``VALID`` as its validation prompts: its completions' token ids
+    in order, its adapter, and its validations' lines."""
     llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
     runs = {}
 
@@ -54,27 +58,32 @@ def oracle(model_factory, tmp_path_factory):
             out = tmp_path_factory.mktemp("rft-oracle")
             data = out / "prompts.jsonl"
             data.write_bytes(_prompts(ANSWERS * copies))
+            (out / "valid.jsonl").write_bytes(_prompts(VALID))
             cfg = FinetuneConfig(output_dir=str(out / "local"), method="grpo", epochs=2, batch_size=4, lr=50e-4,
                                  seed=11, num_generations=2, max_completion_tokens=5)
             handle = llm.finetune(str(data), peft=LoraConfig(r=4, target_modules=["q_proj", "down_proj"]),
-                                  config=cfg, reward_funcs=[grader_reward(parse_grader(GRADER))])
+                                  config=cfg, reward_funcs=[grader_reward(parse_grader(GRADER))],
+                                  validation=str(out / "valid.jsonl"))
             assert handle.wait(300)["status"] == "succeeded"
             local = [json.loads(x) for x in (out / "local" / "rollouts.jsonl").read_text().splitlines()]
-            runs[copies] = [r["completion_token_ids"] for r in local], read_adapter_tensors(out / "local")
+            valid = [json.loads(x) for x in (out / "local" / "grpo_valid.jsonl").read_text().splitlines()]
+            runs[copies] = [r["completion_token_ids"] for r in local], read_adapter_tensors(out / "local"), valid
         return runs[copies]
 
     return run
 
 
-def _create(client, training, hyper=None, grader=GRADER, **coserve):
+def _create(client, training, hyper=None, grader=GRADER, validation=None, **coserve):
     method = {"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": hyper or {}}}
     return client.fine_tuning.jobs.create(model=BASE, training_file=training.id, seed=11, method=method,
-                                          extra_body={"coserve": {**COSERVE, **coserve}})
+                                          extra_body={"coserve": {**COSERVE, **coserve}},
+                                          **({"validation_file": validation.id} if validation else {}))
 
 
 def test_a_reinforcement_job_trains_what_llm_finetune_trains_while_chat_is_served(client, api_server, oracle):
     training = _upload(client, _prompts())
-    job = _create(client, training, HYPER)
+    job = _create(client, training, HYPER, validation=_upload(client, _prompts(VALID)))
+    assert job.method.reinforcement.hyperparameters.eval_interval == "auto"
     assert job.method.type == "reinforcement" and job.method.reinforcement.grader.name == "close"
     messages = [{"role": "user", "content": "Say hello."}]
     while client.fine_tuning.jobs.retrieve(job.id).status in ("validating_files", "queued", "running"):
@@ -91,14 +100,24 @@ def test_a_reinforcement_job_trains_what_llm_finetune_trains_while_chat_is_serve
         step = [r["reward"] for r in rollouts if r["step"] == m["step"]]
         assert len(step) == 4 and m["train_reward_mean"] == pytest.approx(sum(step) / 4)
         assert m["rewards/close"] == pytest.approx(m["train_reward_mean"])
+    assert [("valid_reward_mean" in m) for m in metrics] == [False, True, False, True]  # at each checkpoint
+    valid = [json.loads(x) for x in (model_dir / "grpo_valid.jsonl").read_text().splitlines()]
+    for m, v in zip(metrics[1::2], valid):  # 2 validation prompts, 1 completion each ("auto")
+        assert v["step"] == m["step"] and len(v["samples"]) == 2
+        assert m["valid_reward_mean"] == m["full_valid_mean_reward"] == pytest.approx(
+            sum(x["reward"] for x in v["samples"]) / 2)
     checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
     assert sorted(c.step_number for c in checkpoints) == [2, 4]  # each epoch's end
+    assert all(c.metrics.model_extra["valid_reward_mean"] is not None for c in checkpoints)
     tuned = client.chat.completions.create(model=done.fine_tuned_model, messages=messages, max_tokens=4)
     assert tuned.model == done.fine_tuned_model and tuned.usage.completion_tokens > 0
 
-    completions, adapter = oracle()
+    completions, adapter, oracle_valid = oracle()
     assert [r["completion_token_ids"] for r in rollouts] == completions
     _assert_close(read_adapter_tensors(model_dir), adapter)
+    assert [[x["completion_token_ids"] for x in v["samples"]] for v in valid] == [
+        [x["completion_token_ids"] for x in v["samples"]] for v in oracle_valid]
+    assert [v["valid_reward"] for v in valid] == pytest.approx([v["valid_reward"] for v in oracle_valid], abs=1e-12)
 
 
 def _assert_close(got: dict, expected: dict) -> None:
@@ -133,7 +152,7 @@ def test_sigkill_mid_reinforcement_job_then_resume(model_factory, tmp_path, orac
         assert sorted(e.data["step"] for e in events if e.type == "metrics") == list(range(1, 17))
         model_dir = state / "jobs" / job.id / "model"
         rollouts = [json.loads(x) for x in (model_dir / "rollouts.jsonl").read_text().splitlines()]
-        completions, adapter = oracle(4)
+        completions, adapter, _ = oracle(4)
         assert [r["completion_token_ids"] for r in rollouts] == completions
         _assert_close(read_adapter_tensors(model_dir), adapter)
     finally:
@@ -155,7 +174,8 @@ def test_sigkill_mid_reinforcement_job_then_resume(model_factory, tmp_path, orac
      "method.reinforcement.hyperparameters.compute_multiplier"),
     ({"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": {"eval_interval": 2}}}, {},
      "method.reinforcement.hyperparameters.eval_interval"),
-    ({"type": "reinforcement", "reinforcement": {"grader": GRADER}}, {"validation_file": "same"}, "validation_file"),
+    ({"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": {"eval_samples": 0}}},
+     {"validation_file": "same"}, "method.reinforcement.hyperparameters.eval_samples"),
     ({"type": "reinforcement", "reinforcement": {"grader": GRADER}, "supervised": {}}, {}, "method.supervised"),
     ({"type": "supervised", "reinforcement": {"grader": GRADER}}, {}, "method.reinforcement"),
     ({"type": "reinforcement", "reinforcement": {"grader": GRADER}},
@@ -177,8 +197,13 @@ def test_prompt_files_hold_prompts_and_a_chat_file_fails_a_reinforcement_job_nam
     chat = _upload(client, b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", '
                            b'"content": "b"}]}\n')
     done = wait_for_job(client, _create(client, chat).id)
-    assert done.status == "failed" and "line 1: messages[1]: the prompt ends with an assistant message" in \
-        done.error.message
+    assert done.status == "failed" and done.error.code == "invalid_training_file"
+    assert done.error.message.startswith(f"training_file {chat.id}: no valid training example among 1 record; "
+                                         "line 1: messages[1]: the prompt ends with an assistant message")  # no path
+    done = wait_for_job(client, _create(client, _upload(client, _prompts()), validation=chat).id)
+    assert done.status == "failed" and done.error.code == "invalid_validation_file"
+    assert done.error.message.startswith(f"validation_file {chat.id}: no valid training example among 1 record; "
+                                         "line 1: ")
 
 
 def test_a_reinforcement_job_pauses_resumes_and_cancels(client):

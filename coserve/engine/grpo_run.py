@@ -8,12 +8,18 @@ on them as a finetuning job, interleaved with inference by the engine's schedule
 step before. The next step's completions come from the adapter that step left (on-policy: TRL's ``num_iterations``
 1). ``output_dir`` holds the adapter and optimizer state after every step, ``training_log.jsonl``, each step's
 rewards (``grpo_log.jsonl``) and every completion with its reward and advantage (``rollouts.jsonl``).
+
+With validation prompts, the whole validation set is sampled (``eval_samples`` completions a prompt) from the adapter
+a step left and rewarded, every ``eval_steps`` steps (each epoch's end when 0) and after the last step: the step's
+record gains ``valid_reward`` (OpenAI's ``valid_reward_mean``), and ``grpo_valid.jsonl`` a line with every validation
+completion and its rewards. A validation cut short by a cancel, or by a crash, is not redone.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import tempfile
 import threading
@@ -22,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from coserve.engine.loop_client import LoopClient
-from coserve.finetune.checkpoint import GRPO_LOG_FILE, ROLLOUTS_FILE, load_optimizer_state
+from coserve.finetune.checkpoint import GRPO_LOG_FILE, GRPO_VALID_FILE, ROLLOUTS_FILE, load_optimizer_state
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.grpo import (GRPOStepJob, completion_example, group_advantages, sample_std,
                                    sequence_scales)
@@ -33,6 +39,7 @@ from coserve.peft.trainable import TrainableBypass
 from coserve.scheduler import SamplingParams
 
 RewardFunc = Callable[..., Sequence[float | None]]
+_VALID_SEEDS = 0x56414C  # mixed into the validation completions' seeds, apart from the training rollouts'
 
 
 def reward_name(func: RewardFunc, index: int) -> str:
@@ -67,12 +74,32 @@ def score(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, 
     return total, per_func
 
 
-def logged_steps(path: Path, last: int) -> list[dict]:
-    """The step records of a run's ``grpo_log.jsonl`` up to step ``last`` (none if it has no log)."""
+def logged_steps(out_dir: Path, last: int) -> list[dict]:
+    """The step records of a run's ``grpo_log.jsonl`` up to step ``last`` (none if it has no log), each with its
+    validation's summary from ``grpo_valid.jsonl`` where it had one."""
+    records = [r for r in _jsonl(out_dir / GRPO_LOG_FILE) if r.get("step", 0) <= last]
+    valid = {v["step"]: valid_summary(v) for v in _jsonl(out_dir / GRPO_VALID_FILE)}
+    return [{**r, **valid.get(r["step"], {})} for r in records]
+
+
+def valid_summary(line: dict) -> dict:
+    """A ``grpo_valid.jsonl`` line's fields for the step's record (all but its step and its completions)."""
+    return {k: v for k, v in line.items() if k not in ("step", "samples")}
+
+
+def _jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("step", 0) <= last]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mean_rewards(per_func: dict[str, list[float]], prefix: str) -> dict[str, float | None]:
+    """Each reward function's mean over the completions it applied to (None: to none), named ``prefix + name``."""
+    out = {}
+    for name, values in per_func.items():
+        kept = [v for v in values if not math.isnan(v)]
+        out[f"{prefix}{name}"] = sum(kept) / len(kept) if kept else None
+    return out
 
 
 class GRPORun:
@@ -81,15 +108,19 @@ class GRPORun:
     def __init__(self, client: LoopClient, prompts: list[PromptRecord], reward_funcs: Sequence[RewardFunc],
                  reward_weights: Sequence[float] | None, bypass: TrainableBypass, cfg: FinetuneConfig,
                  tenant: str = "default", base_model: str = "", resume_from: Path | None = None,
-                 on_step: Callable[[dict], None] | None = None, finished_ok: bool = False) -> None:
+                 on_step: Callable[[dict], None] | None = None, finished_ok: bool = False,
+                 validation: list[PromptRecord] | None = None) -> None:
         """``client``: the engine (running in its own thread) that samples and trains. ``resume_from``: a
         checkpoint a run of the same data and config wrote after a step (its ``output_dir``); the run goes on from
         that step as if it had not stopped (``bypass`` its adapter). ``on_step``: called in the run's thread with
-        each step's record once ``output_dir`` holds that step (and before the next begins). ``finished_ok``: a
-        checkpoint at the run's last step is not an error; the run then succeeds at once (a server that stopped
-        between a job's last step and its end)."""
+        each step's record once ``output_dir`` holds that step and its validation, if due, is done (and before the
+        next step begins). ``finished_ok``: a checkpoint at the run's last step is not an error; the run then
+        succeeds at once (a server that stopped between a job's last step and its end). ``validation``: prompts
+        (with the fields the reward functions read) sampled and rewarded as the module says."""
         if not prompts:
             raise ValueError("data: no prompts")
+        if validation is not None and not validation:
+            raise ValueError("validation: no prompts")
         funcs = list(reward_funcs or [])
         if not funcs or not all(callable(f) for f in funcs):
             raise ValueError("reward_funcs: GRPO needs one or more functions (prompts, completions, **fields) -> "
@@ -99,6 +130,7 @@ class GRPORun:
                                                  and math.isfinite(w) for w in weights):
             raise ValueError(f"reward_weights: expected {len(funcs)} finite numbers, got {reward_weights!r}")
         self.client, self.prompts, self.funcs, self.weights = client, prompts, funcs, weights
+        self.validation = validation
         self.on_step = on_step
         self.bypass, self.cfg, self.tenant, self.base_model = bypass, cfg, tenant, base_model
         self.per_step = cfg.batch_size * cfg.grad_accum // cfg.num_generations  # prompts a step
@@ -117,14 +149,14 @@ class GRPORun:
                                  f"{self.total_steps}")
         self.log: list[dict] = []  # one record a step, as grpo_log.jsonl holds them (a resumed run's earlier ones too)
         if self.resume_from is not None:
-            self.log = logged_steps(self.resume_from / GRPO_LOG_FILE, self.step)
+            self.log = logged_steps(self.resume_from, self.step)
         self.job: GRPOStepJob | None = None  # the latest step's job
         self._job_id: str | None = None
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="coserve-grpo", daemon=True)
         self._adapter_name = f"grpo-rollout-{id(self):x}"  # the adapter the rollouts sample from, while loaded
-        self._loaded = False
+        self._loaded: int | None = None  # the step whose adapter is loaded under that name (None: none is)
 
     def start(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -189,11 +221,8 @@ class GRPORun:
             return  # its rollouts were aborted
         records = [p for p in batch for _ in range(g)]
         completions = [c for out in outs for c in out.outputs]
-        texts = [c.text for c in completions]
         ids = [list(c.token_ids) for c in completions]
-        columns = {k: [r.columns.get(k) for r in records] for k in sorted({k for r in records for k in r.columns})}
-        shown = [[{"role": "assistant", "content": t}] if r.conversational else t for r, t in zip(records, texts)]
-        rewards, per_func = score(self.funcs, self.weights, [r.prompt for r in records], shown, ids, columns)
+        rewards, per_func = self._score(records, completions)
         advantages = group_advantages(rewards, g, cfg.scale_rewards)
         lengths = [len(c) for c in ids]
         scales = sequence_scales(advantages, lengths, cfg.grpo_loss, cfg.batch_size, cfg.max_completion_tokens)
@@ -214,9 +243,59 @@ class GRPORun:
             return  # cancelled: the adapter of the last whole step stays in output_dir
         self.job, self.step = job, job.step
         step_logs()  # made already by the step's save
-        self.log.append(made[0])
+        record = made[0]
+        if self.validation is not None and self._valid_due(self.step):
+            record.update(self._validate(self.step))
+        self.log.append(record)
         if self.on_step is not None:
-            self.on_step(made[0])
+            self.on_step(record)
+
+    def _valid_due(self, step: int) -> bool:
+        return step % (self.cfg.eval_steps or self.steps_per_epoch) == 0 or step == self.total_steps
+
+    def _validate(self, step: int) -> dict:
+        """The validation set sampled from the adapter after ``step`` steps and rewarded: the step record's
+        ``valid_*`` fields (none if the run was cancelled meanwhile), its completions added to ``grpo_valid.jsonl``
+        (replaced whole: ``output_dir`` keeps it through the checkpoints to come)."""
+        cfg, k = self.cfg, self.cfg.eval_samples
+        started = time.perf_counter()
+        params = [SamplingParams(n=k, temperature=cfg.temperature, max_tokens=cfg.max_completion_tokens,
+                                 seed=mix_seed(cfg.seed, _VALID_SEEDS, step, j)) for j in range(len(self.validation))]
+        try:
+            outs = self._sample(self.validation, params)
+        except RuntimeError:
+            if self._cancelled.is_set():
+                return {}  # the client was aborted before these requests reached it
+            raise
+        if self._cancelled.is_set():
+            return {}
+        records = [p for p in self.validation for _ in range(k)]
+        completions = [c for out in outs for c in out.outputs]
+        rewards, per_func = self._score(records, completions)
+        lengths = [len(c.token_ids) for c in completions]
+        summary = {"valid_reward": sum(rewards) / len(rewards),
+                   "valid_reward_std": sample_std(rewards) if len(rewards) > 1 else 0.0,
+                   **mean_rewards(per_func, "valid_rewards/"),
+                   "valid_completions_mean_length": sum(lengths) / len(lengths),
+                   "valid_s": round(time.perf_counter() - started, 4)}
+        samples = [{"prompt_line": r.line, "completion": c.text, "completion_token_ids": list(c.token_ids),
+                    "finish_reason": c.finish_reason, "reward": rewards[i],
+                    "rewards": {n: None if math.isnan(v[i]) else v[i] for n, v in per_func.items()}}
+                   for i, (r, c) in enumerate(zip(records, completions))]
+        path = self.output_dir / GRPO_VALID_FILE
+        kept = path.read_text() if path.is_file() else ""
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(kept + json.dumps({"step": step, **summary, "samples": samples}) + "\n")
+        os.replace(tmp, path)
+        return summary
+
+    def _score(self, records: list[PromptRecord], completions: list) -> tuple[list[float], dict[str, list[float]]]:
+        """``score`` of completions, each of the prompt record beside it, as the reward functions see them."""
+        texts = [c.text for c in completions]
+        ids = [list(c.token_ids) for c in completions]
+        columns = {k: [r.columns.get(k) for r in records] for k in sorted({k for r in records for k in r.columns})}
+        shown = [[{"role": "assistant", "content": t}] if r.conversational else t for r, t in zip(records, texts)]
+        return score(self.funcs, self.weights, [r.prompt for r in records], shown, ids, columns)
 
     def _rollout_lines(self, step: int, records: list[PromptRecord], completions: list, rewards: list[float],
                        per_func: dict[str, list[float]], advantages: list[float]) -> str:
@@ -232,24 +311,30 @@ class GRPORun:
         return "".join(lines)
 
     def _rollouts(self, step: int, batch: list[PromptRecord]):
-        """The step's completions from the adapter as it stands (saved and loaded for serving under one name)."""
-        self._unload()
-        with tempfile.TemporaryDirectory(prefix="coserve-grpo-") as tmp:
-            state = {k: v.detach().to("cpu", copy=True) for k, v in self.bypass.state_dict().items()}
-            write_adapter_files(Path(tmp), state, self.bypass.peft_config(self.base_model))
-            self.client.load_adapter(self._adapter_name, tmp)
-        self._loaded = True
+        """The step's completions from the adapter as it stands."""
         cfg = self.cfg
         params = [SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
                                  max_tokens=cfg.max_completion_tokens, logprobs=0,
                                  seed=mix_seed(cfg.seed, step, j))
                   for j in range(len(batch))]
-        return self.client.generate([p.token_ids for p in batch], params, adapter=self._adapter_name,
+        return self._sample(batch, params)
+
+    def _sample(self, prompts: list[PromptRecord], params: list[SamplingParams]):
+        """Completions of ``prompts`` from the adapter as it stands (saved and loaded for serving under one name,
+        once a step)."""
+        if self._loaded != self.step:
+            self._unload()
+            with tempfile.TemporaryDirectory(prefix="coserve-grpo-") as tmp:
+                state = {k: v.detach().to("cpu", copy=True) for k, v in self.bypass.state_dict().items()}
+                write_adapter_files(Path(tmp), state, self.bypass.peft_config(self.base_model))
+                self.client.load_adapter(self._adapter_name, tmp)
+            self._loaded = self.step
+        return self.client.generate([p.token_ids for p in prompts], params, adapter=self._adapter_name,
                                     tenant=self.tenant)
 
     def _unload(self) -> None:
-        if self._loaded:
-            self._loaded = False
+        if self._loaded is not None:
+            self._loaded = None
             try:
                 self.client.unload_adapter(self._adapter_name)
             except ValueError:
@@ -284,10 +369,7 @@ class GRPORun:
                   "completions_mean_length": sum(lengths) / len(lengths),
                   "completions_clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(lengths),
                   "rollout_s": round(rollout_s, 4)}
-        for name, values in per_func.items():
-            kept = [v for v in values if not math.isnan(v)]
-            record[f"rewards/{name}"] = sum(kept) / len(kept) if kept else None
-        return record
+        return record | mean_rewards(per_func, "rewards/")
 
 
 class GRPOHandle:

@@ -63,7 +63,7 @@ class LLM:
         (``output_dir`` is required). The adapter is written to ``output_dir`` when the job ends.
         ``tenant``: whose job it is (the Virtual Token Counter shares the engine among tenants).
         ``validation``: a file of the same formats whose mean loss per target token is logged
-        (``valid_loss``) after every epoch and the last step.
+        (``valid_loss``) after every epoch and the last step (GRPO: prompts whose mean reward is, ``valid_reward``).
 
         With ``config.method`` grpo (``coserve/engine/grpo_run.py``), ``data`` holds prompts (TRL's prompt-only
         records: ``{"prompt": text or messages, ...}``), ``reward_funcs`` are functions called as TRL calls them,
@@ -105,14 +105,15 @@ class LLM:
 
     def _grpo(self, data, peft, config: FinetuneConfig, tenant: str, validation, reward_funcs,
               reward_weights, resume_from) -> GRPOHandle:
-        if validation is not None:
-            raise ValueError("validation: GRPO is scored by its rewards; it takes no validation file")
         if config.max_seq_len > self.engine.max_model_len:  # prompt and completion within the context
             config = replace(config, max_seq_len=self.engine.max_model_len)
         prompts, report = load_prompts(data, self.tokenizer, config.max_seq_len, config.max_completion_tokens)
+        held_out = None
+        if validation is not None:
+            held_out = load_prompts(validation, self.tokenizer, config.max_seq_len, config.max_completion_tokens)[0]
         bypass = self._starting_bypass(peft, config, resume_from)
         run = GRPORun(LoopClient(self._background()), prompts, reward_funcs, reward_weights, bypass, config,
-                      tenant, base_model=str(self.model_dir.resolve()), resume_from=resume_from)
+                      tenant, base_model=str(self.model_dir.resolve()), resume_from=resume_from, validation=held_out)
         run.start()
         return GRPOHandle(run, report.summary())
 

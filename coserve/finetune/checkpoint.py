@@ -19,7 +19,8 @@ STATE_FILE = "training_state.json"
 LOG_FILE = "training_log.jsonl"
 GRPO_LOG_FILE = "grpo_log.jsonl"  # GRPO: each step's rewards and completion lengths
 ROLLOUTS_FILE = "rollouts.jsonl"  # GRPO: every sampled completion, its reward and advantage
-KEPT_LOGS = (LOG_FILE, GRPO_LOG_FILE, ROLLOUTS_FILE)  # carried into each new checkpoint of a directory
+GRPO_VALID_FILE = "grpo_valid.jsonl"  # GRPO: each validation's rewards, and its completions
+KEPT_LOGS = (LOG_FILE, GRPO_LOG_FILE, ROLLOUTS_FILE, GRPO_VALID_FILE)  # carried into each new checkpoint of a directory
 CHECKPOINT_PREFIX = "checkpoint-"  # output_dir/checkpoint-STEP: numbered checkpoints, as HF Trainer names them
 
 

@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--num-generations", type=int, default=d.num_generations,
                    help="grpo: completions per prompt (batch-size * grad-accum must be whole groups of them)")
     p.add_argument("--max-completion-tokens", type=int, default=d.max_completion_tokens)
+    p.add_argument("--eval-samples", type=int, default=d.eval_samples,
+                   help="grpo with --validation-data: completions sampled per validation prompt")
     p.add_argument("--temperature", type=float, default=d.temperature, help="grpo: sampling temperature")
     p.add_argument("--grpo-loss", default=d.grpo_loss, choices=["dapo", "grpo", "bnpo", "dr_grpo"],
                    help="grpo: TRL's loss_type (how token losses are normalised)")
@@ -61,10 +63,11 @@ def add_arguments(p) -> None:
                    "directories (0 = all)")
     p.add_argument("--eval-steps", type=int, default=0,
                    help="with --validation-data: a validation batch (batch-size examples, chosen by the step, so "
-                        "a resume picks the same) every this many steps; 0 = only the whole set after each epoch")
+                        "a resume picks the same) every this many steps; 0 = only the whole set after each epoch "
+                        "(grpo: the whole set sampled and rewarded every this many steps, and after the last)")
     p.add_argument("--validation-data", default=None, metavar="FILE",
                    help="same formats; its mean loss per target token is logged (valid_loss) after every epoch "
-                        "and the last step")
+                        "and the last step (grpo: prompts, whose mean reward is logged, valid_reward)")
     p.add_argument("--output", required=True, help="adapter directory (HF PEFT format) and training_log.jsonl")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--init-adapter", default=None, help="start from (resume) this adapter and its optimizer state")
@@ -120,7 +123,7 @@ def run(args) -> int:
         dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing, dpo_reference=args.dpo_reference,
         start_adapter=args.start_adapter, simpo_gamma=args.simpo_gamma, num_generations=args.num_generations,
         max_completion_tokens=args.max_completion_tokens, temperature=args.temperature, grpo_loss=args.grpo_loss,
-        scale_rewards=args.scale_rewards)
+        scale_rewards=args.scale_rewards, eval_samples=args.eval_samples)
     if cfg.method == "grpo":
         return _grpo(args, cfg)
     if args.reward or args.reward_weight:
@@ -215,21 +218,20 @@ def _grader_reward(path: Path):
 def _grpo(args, cfg: FinetuneConfig) -> int:
     """GRPO through the Python API's engine (the rollouts need inference); progress a line a step."""
     from coserve.engine.llm import LLM
-    if args.validation_data:
-        raise ValueError("--validation-data: GRPO is scored by its rewards; it takes no validation file")
     funcs = [load_reward(spec) for spec in args.reward]
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     handle = llm.finetune(args.data, peft=None if cfg.start_adapter or args.init_adapter else _peft_config(args),
                           config=cfg, reward_funcs=funcs, reward_weights=args.reward_weight or None,
-                          resume_from=args.init_adapter)
+                          resume_from=args.init_adapter, validation=args.validation_data)
     print(handle.data_report)
     shown = 0
     while handle.status()["status"] == "running":
         handle.wait(0.5)
         for record in handle.log[shown:]:
             if not args.no_progress:
+                valid = f", validation reward {record['valid_reward']:.4f}" if "valid_reward" in record else ""
                 print(f"step {record['step']}: reward {record['reward']:.4f} (std {record['reward_std']:.4f}), "
-                      f"completions {record['completions_mean_length']:.1f} tokens", flush=True)
+                      f"completions {record['completions_mean_length']:.1f} tokens{valid}", flush=True)
             shown += 1
     status = handle.status()
     if status["status"] != "succeeded":

@@ -44,7 +44,10 @@ class FinetuneConfig:
     #   set's; the plan recomputes the projections (or attention) costing the fewest FLOPs to get there (1 = none)
     max_nonfinite_steps: int = 3  # consecutive steps with a non-finite loss before the job stops
     eval_steps: int = 0  # with validation data: every this many steps (0 = never), the next batch_size validation
-    #   examples (in turn) run forward-only for the step's valid_batch_loss (the whole set runs at each epoch's end)
+    #   examples (in turn) run forward-only for the step's valid_batch_loss (the whole set runs at each epoch's end);
+    #   GRPO: the whole validation set is sampled and rewarded every this many steps (0 = each epoch's end) and after
+    #   the last
+    eval_samples: int = 1  # GRPO: completions sampled per validation prompt
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
     save_steps: int = 0  # HF Trainer's: every this many steps, a resumable checkpoint in output_dir/checkpoint-STEP
     save_total_limit: int = 0  # HF Trainer's: keep only the newest this many of those (0 = all)
@@ -119,6 +122,7 @@ class FinetuneConfig:
             raise ValueError(f"train_on_prompt: {self.method} compares the completions' log-probabilities; the prompt "
                              "carries no loss")
         _positive_int("num_generations", self.num_generations)
+        _positive_int("eval_samples", self.eval_samples)
         _positive_int("max_completion_tokens", self.max_completion_tokens)
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not 0 < self.temperature < float("inf")):

@@ -204,9 +204,12 @@ class JobManager:
             raise bad_request("suffix: 1-64 letters, digits, '.', '_' or '-'", "suffix")
         method = body.method.type if body.method is not None else "supervised"
         hyper = self._hyperparameters(body, method)
+        if method == "reinforcement":
+            grader = self._grader(body)
+            hyper |= self._evaluation(body)
         method_object = {"hyperparameters": dict(hyper)}
         if method == "reinforcement":
-            method_object = {"grader": self._grader(body), **method_object}
+            method_object = {"grader": grader, **method_object}
         options = body.coserve or CoserveOptions()
         if options.dpo_label_smoothing and options.dpo_loss not in ("sigmoid", "simpo"):
             raise bad_request("coserve.dpo_label_smoothing: only the sigmoid and the simpo losses smooth labels",
@@ -400,26 +403,34 @@ class JobManager:
         return out
 
     def _grader(self, body: FineTuningJobRequest) -> dict:
-        """A reinforcement job's grader, checked (400 naming its field); its eval options are refused: coserve's
-        reinforcement jobs report each step's mean reward and take no validation file."""
+        """A reinforcement job's grader, checked (400 naming its field)."""
         rft = body.method.reinforcement
         if rft is None:
             raise bad_request("method.reinforcement: a reinforcement job needs its grader "
                               "(method.reinforcement.grader)", "method.reinforcement")
-        if body.validation_file is not None:
-            raise bad_request("validation_file: reinforcement jobs take no validation file (each step's metrics "
-                              "event has its mean reward on the training prompts)", "validation_file")
-        hyper = rft.hyperparameters
-        for name in ("eval_interval", "eval_samples"):
-            if hyper is not None and getattr(hyper, name) != "auto":
-                param = f"method.reinforcement.hyperparameters.{name}"
-                raise bad_request(f"{param}: reinforcement jobs take no validation file, so nothing is evaluated",
-                                  param)
         try:
             parse_grader(rft.grader, "method.reinforcement.grader", allow_python=self.config.python_graders)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(":", 1)[0], "invalid_grader") from None
         return rft.grader
+
+    @staticmethod
+    def _evaluation(body: FineTuningJobRequest) -> dict:
+        """A reinforcement job's ``eval_interval`` (steps between validations; "auto": at each checkpoint) and
+        ``eval_samples`` (completions per validation prompt; "auto": 1), which need a validation file."""
+        hyper = body.method.reinforcement.hyperparameters
+        out = {"eval_interval": "auto", "eval_samples": 1}
+        for name, high in (("eval_interval", 100_000), ("eval_samples", 64)):
+            value = getattr(hyper, name) if hyper is not None else "auto"
+            if value == "auto":
+                continue
+            param = f"method.reinforcement.hyperparameters.{name}"
+            if body.validation_file is None:
+                raise bad_request(f"{param}: the job has no validation_file to evaluate on", param)
+            if not 1 <= value <= high:
+                raise bad_request(f"{param}: must be between 1 and {high}, got {value}", param)
+            out[name] = value
+        return out
 
     def _peft(self, options: CoserveOptions) -> dict:
         try:
@@ -460,7 +471,8 @@ class JobManager:
                     self.store.add_event(job["id"], f"Waiting for finetuning memory: {e}")
                 return
             except (ValueError, AdapterError) as e:  # bad data, a job over the memory budget, ...
-                self.fail(job["id"], str(e), "invalid_training_file" if "training_file" in str(e) else None)
+                self.fail(job["id"], str(e), next((f"invalid_{p}" for p in ("training_file", "validation_file")
+                                                   if str(e).startswith(p)), None))
             except OSError as e:  # its message would show the server's paths
                 log.exception("starting fine-tuning job %s failed", job["id"])
                 self.fail(job["id"], f"the job's files could not be read or written ({e.strerror})", "internal_error")
@@ -538,23 +550,32 @@ class JobManager:
         one (``rft_jobs.py``)."""
         job_id = job["id"]
         r = start_rft(self, tenant, job, fine_tuned_name(self.base_name, job.get("user_provided_suffix"), job_id),
-                      stored_config(job, self.jobs_dir / job_id / "model", **rft_fields(job)))
+                      stored_config(job, self.jobs_dir / job_id / "model",
+                                    **rft_fields(job, self.config.checkpoint_steps)))
         self._told_waiting.discard(job_id)
         self.running[job_id] = r
         self.store.update_job(job_id, status="running",
                               coserve={**job["coserve"], "step": r.step, "total_steps": r.total_steps})
         how = f"resumed at step {r.step}" if r.step else "started"
         cfg, grader = r.run.cfg, job["method"]["reinforcement"]["grader"]
+        valid = r.run.validation
+        every = f"every {cfg.eval_steps} steps" if cfg.eval_steps else "at each epoch's end"
+        checked = (f"; {len(valid)} validation prompts x {cfg.eval_samples} completions {every} and after the last "
+                   "step") if valid else ""
         self.store.add_event(job_id, f"Reinforcement fine-tuning job {how}: {len(r.run.prompts)} prompts, "
                                      f"{r.total_steps} steps of {r.run.per_step} prompts x {cfg.num_generations} "
                                      f"completions of up to {cfg.max_completion_tokens} tokens, graded by the "
-                                     f"{grader['type']} grader '{grader['name']}'")
+                                     f"{grader['type']} grader '{grader['name']}'{checked}")
 
     def _dataset(self, job: dict, param: str, cfg: FinetuneConfig):
         """The job's ``param`` file as ``cfg.method`` trains on it (sequences, or preference pairs) and its load
         report; a ValueError naming the file and the lines when any example cannot be used."""
         file_id = job[param]
-        examples, report = load_training(self.store.file_path(file_id), self.engine.tokenizer, cfg)
+        path = self.store.file_path(file_id)
+        try:
+            examples, report = load_training(path, self.engine.tokenizer, cfg)
+        except ValueError as e:  # a file with no usable example: named by its id, not by the server's path
+            raise ValueError(str(e).replace(str(path), f"{param} {file_id}")) from None
         empty = ("a completion is empty" if cfg.method in PREFERENCE_METHODS
                  else "every assistant message is empty or has weight 0")
         bad = report.malformed + [(n, empty) for n in report.empty_completion]

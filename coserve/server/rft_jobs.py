@@ -4,7 +4,8 @@ the server's engine like any job.
 
 The run's ``model`` directory holds the adapter and optimizer state of its last whole step (written atomically),
 so a job paused, or left running by a server that stopped, goes on from there. Every ``checkpoint_every`` steps
-the adapter is copied into a servable checkpoint. Each step becomes a metrics event with its mean reward.
+the adapter is copied into a servable checkpoint. Each step becomes a metrics event with its mean reward (and,
+where the job validated, the validation prompts' mean reward).
 """
 
 from __future__ import annotations
@@ -60,26 +61,35 @@ class RFTRunning:
         return self.run.job.tokens_done if self.run.job is not None else self.tokens
 
     def step_metrics(self, step: int) -> dict:
-        """A step's metrics under OpenAI's names (``train_reward_mean``) and GRPO's (``rewards/<grader>``)."""
+        """A step's metrics under OpenAI's names (``train_reward_mean``; after a validation ``valid_reward_mean``
+        and its ``full_valid_mean_reward``: the whole validation set) and GRPO's (``rewards/<grader>``)."""
         rec = next((r for r in reversed(self.run.log) if r["step"] == step), None)
         if rec is None:
             return {"step": step, "train_reward_mean": None}
-        extra = {k: v for k, v in rec.items() if k.startswith("rewards/")}
+        extra = {k: v for k, v in rec.items() if k.startswith(("rewards/", "valid_rewards/"))}
+        if "valid_reward" in rec:
+            extra |= {"valid_reward_mean": rec["valid_reward"], "full_valid_mean_reward": rec["valid_reward"],
+                      "valid_reward_std": rec["valid_reward_std"],
+                      "valid_completions_mean_length": rec["valid_completions_mean_length"]}
         return {"step": step, "train_loss": rec["loss"], "train_reward_mean": rec["reward"],
                 "train_reward_std": rec["reward_std"], "frac_reward_zero_std": rec["frac_reward_zero_std"],
                 "completions_mean_length": rec["completions_mean_length"],
                 "completions_clipped_ratio": rec["completions_clipped_ratio"], **extra}
 
 
-def rft_fields(job: dict) -> dict:
+def rft_fields(job: dict, checkpoint_steps: int) -> dict:
     """A stored reinforcement job's GRPO settings beside those every job has (``jobs.stored_config``):
     ``batch_size`` prompts a step, each sampled ``num_generations`` x ``compute_multiplier`` times (at least
-    twice)."""
+    twice); with a validation file, validation every ``eval_interval`` steps ("auto": at each checkpoint, which is
+    every ``checkpoint_steps``, or each epoch's end when 0)."""
     opts, hyper = job["coserve"], job["hyperparameters"]
     g = max(2, round(opts["num_generations"] * hyper["compute_multiplier"]))
+    every = hyper.get("eval_interval", "auto")  # jobs stored before validation: none
     return dict(method="grpo", batch_size=hyper["batch_size"] * g, grad_accum=1, num_generations=g,
                 max_completion_tokens=opts["max_completion_tokens"], temperature=opts["temperature"],
-                grpo_loss=opts["grpo_loss"], scale_rewards=opts["scale_rewards"])
+                grpo_loss=opts["grpo_loss"], scale_rewards=opts["scale_rewards"],
+                eval_steps=(checkpoint_steps or 0) if every == "auto" else every,
+                eval_samples=hyper.get("eval_samples", 1))
 
 
 def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneConfig) -> RFTRunning:
@@ -90,12 +100,8 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneC
     out = Path(cfg.output_dir)
     grader = parse_grader(job["method"]["reinforcement"]["grader"], "method.reinforcement.grader",
                           allow_python=mgr.config.python_graders)  # the server may have restarted without the flag
-    file_id = job["training_file"]
-    prompts, report = load_prompts(mgr.store.file_path(file_id), mgr.engine.tokenizer, cfg.max_seq_len,
-                                   cfg.max_completion_tokens)
-    if report.malformed:
-        named = "; ".join(f"line {n}: {why}" for n, why in sorted(report.malformed)[:_SHOW])
-        raise ValueError(f"training_file {file_id}: {len(report.malformed)} prompt(s) cannot be used: {named}")
+    prompts = _prompts(mgr, job, "training_file", cfg)
+    validation = _prompts(mgr, job, "validation_file", cfg) if job.get("validation_file") else None
     saved = load_optimizer_state(out)
     resume = out if saved is not None else None
     if resume is not None:
@@ -110,12 +116,26 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneC
     holder: list[RFTRunning] = []
     run = GRPORun(LoopClient(mgr.loop), prompts, [grader_reward(grader)], None, bypass, cfg, tenant,
                   base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec),
-                  finished_ok=True)
+                  finished_ok=True, validation=validation)
     r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or run.steps_per_epoch, run, out,
                    tokens=int(saved.get("tokens", 0)) if saved else 0)  # a resumed job's tokens are counted already
     holder.append(r)
     run.start()
     return r
+
+
+def _prompts(mgr: JobManager, job: dict, param: str, cfg: FinetuneConfig) -> list:
+    """The job's ``param`` file's prompts; a ValueError naming the file and its first bad lines if any is bad."""
+    file_id = job[param]
+    path = mgr.store.file_path(file_id)
+    try:
+        prompts, report = load_prompts(path, mgr.engine.tokenizer, cfg.max_seq_len, cfg.max_completion_tokens)
+    except ValueError as e:  # a file with no usable prompt: named by its id, not by the server's path
+        raise ValueError(str(e).replace(str(path), f"{param} {file_id}")) from None
+    if report.malformed:
+        named = "; ".join(f"line {n}: {why}" for n, why in sorted(report.malformed)[:_SHOW])
+        raise ValueError(f"{param} {file_id}: {len(report.malformed)} prompt(s) cannot be used: {named}")
+    return prompts
 
 
 def _on_step(r: RFTRunning, record: dict) -> None:
@@ -151,6 +171,8 @@ def follow_rft(mgr: JobManager, r: RFTRunning) -> str:
     for rec in records:
         if not mgr.store.has_step_event(r.job_id, rec["step"]):
             loss = "" if rec["loss"] is None else f", training loss={rec['loss']:.4f}"
+            if "valid_reward" in rec:
+                loss += f", full validation mean reward={rec['valid_reward']:.4f}"
             mgr.store.add_event(r.job_id, f"Step {rec['step']}/{r.total_steps}: mean reward="
                                 f"{rec['reward']:.4f}{loss}", type="metrics",
                                 data={**r.step_metrics(rec["step"]), "learning_rate": rec["lr"], "tokens": tokens})
