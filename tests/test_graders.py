@@ -14,6 +14,7 @@ from rouge_score import rouge_scorer
 from coserve.finetune import text_similarity as ts
 from coserve.finetune.grader_formula import Formula
 from coserve.finetune.graders import grader_reward, make_sample, parse_grader
+from coserve.finetune.model_graders import ModelReply
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "Paris", "Pâris", ".", ",", "is", "IS", "42", "x-y", "日本"]
 
@@ -149,7 +150,25 @@ def test_a_python_grader_over_its_time_limit_fails(monkeypatch):
 
 @pytest.mark.parametrize("spec,message", [
     ([], r"grader: expected a grader object"),
-    ({"type": "score_model", "name": "s"}, r"grader.type: score_model graders are not supported"),
+    ({"type": "score_model", "name": "s"}, r"grader.model: expected the name of a model"),
+    ({"type": "score_model", "name": "s", "model": "m", "input": "hi"}, r"grader.input: expected an array"),
+    ({"type": "score_model", "name": "s", "model": "m", "input": [{"role": "robot", "content": "x"}]},
+     r"grader.input.0.role: expected one of system, developer, user, assistant"),
+    ({"type": "score_model", "name": "s", "model": "m",
+      "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     r"grader.input.0.content.0: expected text or an input_text/output_text part, got 'input_image'"),
+    ({"type": "score_model", "name": "s", "model": "m", "input": [{"role": "user", "content": "{{ x }}"}]},
+     r"grader.input.0.content: \{\{ x \}\} is not item"),
+    ({"type": "score_model", "name": "s", "model": "m", "input": [{"role": "user", "content": "x"}],
+      "range": [1, 1]}, r"grader.range: expected \[low, high\]"),
+    ({"type": "score_model", "name": "s", "model": "m", "input": [{"role": "user", "content": "x"}],
+      "sampling_params": {"temperature": 3}}, r"grader.sampling_params.temperature: expected a number from 0 to 2"),
+    ({"type": "score_model", "name": "s", "model": "m", "input": [{"role": "user", "content": "x"}],
+      "sampling_params": {"max_tokens": 3}}, r"grader.sampling_params.max_tokens: not a sampling parameter"),
+    ({"type": "label_model", "name": "s", "model": "m", "input": [{"role": "user", "content": "x"}],
+      "labels": ["a", "a"], "passing_labels": ["a"]}, r"grader.labels: expected 1 to 256 distinct"),
+    ({"type": "label_model", "name": "s", "model": "m", "input": [{"role": "user", "content": "x"}],
+      "labels": ["a", "b"], "passing_labels": ["c"]}, r"grader.passing_labels: 'c' is not one of the labels"),
     ({"type": "regex", "name": "s"}, r"grader.type: expected one of string_check, text_similarity"),
     ({"type": "string_check", "input": "", "reference": "", "operation": "eq"}, r"grader.name: expected"),
     ({"type": "string_check", "name": "s", "input": "{{ answer }}", "reference": "", "operation": "eq"},
@@ -180,6 +199,70 @@ def test_python_graders_can_be_switched_off():
     with pytest.raises(ValueError, match=r"grader.graders.p.type: python graders are off on this server"):
         parse_grader({"type": "multi", "name": "m", "calculate_output": "p",
                       "graders": {"p": {"type": "python", "name": "p", "source": PYTHON}}}, allow_python=False)
+
+
+SCORE = {"type": "score_model", "name": "judge", "model": "base", "range": [1, 7.5],
+         "sampling_params": {"temperature": 0.5, "seed": 3, "max_completions_tokens": 9},
+         "input": [{"role": "developer", "content": "Score from 1 to 7.5."},
+                   {"type": "message", "role": "user",
+                    "content": [{"type": "input_text", "text": "Q: {{ item.q }} "},
+                                {"type": "output_text", "text": "A: {{ sample.output_text }}"}]}]}
+
+
+class RecordingJudge:
+    """Stands in for the engine: records the calls and answers each with the next canned reply."""
+
+    def __init__(self, *texts: str, finish: str = "stop") -> None:
+        self.texts, self.finish, self.calls = list(texts), finish, []
+
+    def __call__(self, calls):
+        self.calls += calls
+        return [ModelReply(self.texts.pop(0), self.finish, 10, 3) for _ in calls]
+
+
+def test_a_score_model_grader_asks_the_judge_and_reads_a_result_within_its_range():
+    grader = parse_grader(SCORE)
+    judge = RecordingJudge('{"result":6.5}', '{"result":7.6}', "not json", '{"score":2}')
+    samples = [make_sample(t) for t in ("yes", "no", "maybe", "x")]
+    items = [{"q": "a"}, {"q": "b"}, {"q": "c"}, {"q": "d"}]
+    scores, _ = grader.outcomes(samples, items, judge)
+    assert scores[0] == 6.5
+    assert [e.kind for e in scores[1:]] == ["model_grader_parse_error"] * 3
+    assert "outside the range [1, 7.5]" in str(scores[1]) and "is not {\"result\": number}" in str(scores[2])
+    first = judge.calls[0]
+    assert first.model == "base" and first.messages == [{"role": "system", "content": "Score from 1 to 7.5."},
+                                                          {"role": "user", "content": "Q: a A: yes"}]
+    p = first.params
+    assert (p.temperature, p.seed, p.max_tokens) == (0.5, 3, 9)
+    assert p.guided_json["properties"]["result"] == {"type": "number", "minimum": 1, "maximum": 8}
+    cut = parse_grader(SCORE).outcomes([samples[0]], [items[0]], RecordingJudge('{"result":', finish="length"))[0]
+    assert cut[0].kind == "model_grader_parse_error" and "cut at 9 tokens" in str(cut[0])
+    missing = grader.outcomes([samples[0]], [{}], RecordingJudge())[0]
+    assert missing[0].kind == "invalid_variable_error"
+
+    def unknown(calls):
+        raise LookupError("model 'base': no such model")
+    assert grader.outcomes([samples[0]], [items[0]], unknown)[0][0].kind == "model_grader_server_error"
+    assert grader.outcomes([samples[0]], [items[0]], None)[0][0].kind == "model_grader_server_error"
+
+
+def test_a_label_model_grader_passes_the_passing_labels_and_a_multi_grader_uses_it():
+    label = {"type": "label_model", "name": "tone", "model": "base", "labels": ["kind", "rude", "flat"],
+             "passing_labels": ["kind", "flat"], "input": [{"role": "user", "content": "{{ sample.output_text }}"}]}
+    judge = RecordingJudge("kind", "rude", "flat")
+    scores, _ = parse_grader(label).outcomes([make_sample(t) for t in "abc"], [{}] * 3, judge)
+    assert scores == [1.0, 0.0, 1.0]
+    assert judge.calls[0].params.guided_choice == ["kind", "rude", "flat"] and judge.calls[0].params.temperature == 0
+    multi = parse_grader({"type": "multi", "name": "m", "calculate_output": "0.5 * tone + 0.5 * same",
+                          "graders": {"tone": label, "same": {"type": "string_check", "name": "same",
+                                                             "input": "{{ sample.output_text }}", "reference": "a",
+                                                             "operation": "eq"}}})
+    scores, subs = multi.outcomes([make_sample(t) for t in "ab"], [{}] * 2, RecordingJudge("rude", "kind"))
+    assert scores == [0.5, 0.5] and subs == {"tone": [0.0, 1.0], "same": [1.0, 0.0]}
+    reward = grader_reward(multi, RecordingJudge("flat", "what"))
+    assert reward(prompts=["p", "q"], completions=["a", "b"]) == [1.0, 0.0]  # an ungradable sample gets 0
+    assert reward.grading_errors == {"model_grader_parse_error": 1}
+    assert [g.where for g in multi.walk()] == ["grader", "grader.graders.tone", "grader.graders.same"]
 
 
 def test_a_grader_as_a_grpo_reward_function():

@@ -3,6 +3,7 @@ naming the field) and run on a model sample against an item, with OpenAI's respo
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import openai
@@ -65,15 +66,61 @@ def test_graders_are_validated_naming_the_field(graders):
     assert err.value.body["param"] == "grader.reference"
     with pytest.raises(openai.BadRequestError) as err:
         graders.run(grader={"type": "score_model", "name": "judge", "model": "x", "input": []}, model_sample="x")
-    assert err.value.body["param"] == "grader.type" and "not supported" in err.value.body["message"]
+    assert err.value.body["param"] == "grader.input"
+    with pytest.raises(openai.BadRequestError) as err:  # a model the caller may not use (bob's, or none)
+        graders.validate(grader={"type": "multi", "name": "m", "calculate_output": "j",
+                                 "graders": {"j": dict(LABEL, model="ft:tiny-llama::ftjob-000000000000000000000000")}})
+    assert err.value.body["param"] == "grader.graders.j.model" and err.value.body["code"] == "model_not_found"
+
+
+BASE = "tiny-llama"
+LABEL = {"type": "label_model", "name": "tone", "model": BASE, "labels": ["kind", "rude", "flat"],
+         "passing_labels": ["kind", "flat"],
+         "input": [{"role": "developer", "content": "Label the reply's tone."},
+                   {"role": "user", "content": [{"type": "input_text", "text": "Reply to {{ item.q }}: "},
+                                                {"type": "output_text", "text": "{{ sample.output_text }}"}]}]}
+SCORE = {"type": "score_model", "name": "stars", "model": BASE, "range": [0, 100],
+         "sampling_params": {"max_completions_tokens": 24}, "input": LABEL["input"]}
+
+
+def _judged_by_chat(api_server, grader: dict, guide: dict, samples: list[str]) -> list[str]:
+    """What the grader's model says to each sample's conversation through the chat API (greedy, the same guide)."""
+    chat = OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS["alice"], max_retries=0, timeout=60).chat
+    texts = []
+    for sample in samples:
+        messages = [{"role": "system", "content": "Label the reply's tone."},
+                    {"role": "user", "content": f"Reply to why?: {sample}"}]
+        reply = chat.completions.create(model=grader["model"], messages=messages, temperature=0,
+                                        max_tokens=grader.get("sampling_params", {}).get("max_completions_tokens",
+                                                                                         64), extra_body=guide)
+        texts.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+    return texts
+
+
+def test_model_graders_ask_the_served_model_as_a_chat_request_would(graders, api_server):
+    samples = ["fine.", "no!", "ok", "thanks a lot"]
+    labels = _judged_by_chat(api_server, LABEL, {"guided_choice": LABEL["labels"]}, samples)
+    for sample, (label, _) in zip(samples, labels):
+        run = graders.run(grader=LABEL, model_sample=sample, item={"q": "why?"})
+        assert run.reward == (1.0 if label in ("kind", "flat") else 0.0), (sample, label)
+        assert not run.metadata.errors.model_grader_parse_error
+    schema = {"type": "object", "properties": {"result": {"type": "number", "minimum": 0, "maximum": 100}},
+              "required": ["result"], "additionalProperties": False}
+    replies = _judged_by_chat(api_server, SCORE, {"guided_json": schema}, samples)
+    for sample, (text, finish) in zip(samples, replies):  # (the tiny model's numbers end within the tokens)
+        run = graders.run(grader=SCORE, model_sample=sample, item={"q": "why?"})
+        assert finish == "stop" and run.reward == json.loads(text)["result"]
+        assert not run.metadata.errors.model_grader_parse_error
+    run = graders.run(grader=LABEL, model_sample="x", item={})
+    assert run.reward == 0.0 and run.metadata.errors.invalid_variable_error
 
 
 def test_without_the_flag_python_graders_are_refused():
-    ctx = SimpleNamespace(config=SimpleNamespace(python_graders=False))
+    ctx = SimpleNamespace(config=SimpleNamespace(python_graders=False), models=None)
     with pytest.raises(APIError) as err:
-        checked_grader(PYTHON, ctx)
+        checked_grader(PYTHON, ctx, "alice")
     assert err.value.status == 400 and err.value.param == "grader.type" and "--python-graders" in str(err.value)
-    assert checked_grader(CLOSE, ctx).name == "close"
+    assert checked_grader(CLOSE, ctx, "alice").name == "close"
 
 
 def test_grader_endpoints_need_a_key(api_server):

@@ -222,7 +222,7 @@ class GRPORun:
         records = [p for p in batch for _ in range(g)]
         completions = [c for out in outs for c in out.outputs]
         ids = [list(c.token_ids) for c in completions]
-        rewards, per_func = self._score(records, completions)
+        rewards, per_func, errors = self._score(records, completions)
         advantages = group_advantages(rewards, g, cfg.scale_rewards)
         lengths = [len(c) for c in ids]
         scales = sequence_scales(advantages, lengths, cfg.grpo_loss, cfg.batch_size, cfg.max_completion_tokens)
@@ -235,7 +235,8 @@ class GRPORun:
 
         def step_logs() -> dict[str, str]:  # written with the step's checkpoint (GRPOStepJob.step_logs)
             if not made:
-                made.append(self._record(step, rewards, per_func, lengths, completions, rollout_s, job))
+                made.append(self._record(step, rewards, per_func, lengths, completions, rollout_s, job)
+                            | ({"grading_errors": errors} if errors else {}))
             return {GRPO_LOG_FILE: json.dumps(made[0]) + "\n", ROLLOUTS_FILE: lines}
 
         job.step_logs = step_logs
@@ -271,13 +272,14 @@ class GRPORun:
             return {}
         records = [p for p in self.validation for _ in range(k)]
         completions = [c for out in outs for c in out.outputs]
-        rewards, per_func = self._score(records, completions)
+        rewards, per_func, errors = self._score(records, completions)
         lengths = [len(c.token_ids) for c in completions]
         summary = {"valid_reward": sum(rewards) / len(rewards),
                    "valid_reward_std": sample_std(rewards) if len(rewards) > 1 else 0.0,
                    **mean_rewards(per_func, "valid_rewards/"),
                    "valid_completions_mean_length": sum(lengths) / len(lengths),
-                   "valid_s": round(time.perf_counter() - started, 4)}
+                   "valid_s": round(time.perf_counter() - started, 4),
+                   **({"valid_grading_errors": errors} if errors else {})}
         samples = [{"prompt_line": r.line, "completion": c.text, "completion_token_ids": list(c.token_ids),
                     "finish_reason": c.finish_reason, "reward": rewards[i],
                     "rewards": {n: None if math.isnan(v[i]) else v[i] for n, v in per_func.items()}}
@@ -289,13 +291,18 @@ class GRPORun:
         os.replace(tmp, path)
         return summary
 
-    def _score(self, records: list[PromptRecord], completions: list) -> tuple[list[float], dict[str, list[float]]]:
-        """``score`` of completions, each of the prompt record beside it, as the reward functions see them."""
+    def _score(self, records: list[PromptRecord], completions: list
+               ) -> tuple[list[float], dict[str, list[float]], dict[str, int]]:
+        """``score`` of completions, each of the prompt record beside it, as the reward functions see them; and the
+        completions a grader could not grade (scored 0), by ``<grader>/<kind>`` (``graders.grader_reward``)."""
         texts = [c.text for c in completions]
         ids = [list(c.token_ids) for c in completions]
         columns = {k: [r.columns.get(k) for r in records] for k in sorted({k for r in records for k in r.columns})}
         shown = [[{"role": "assistant", "content": t}] if r.conversational else t for r, t in zip(records, texts)]
-        return score(self.funcs, self.weights, [r.prompt for r in records], shown, ids, columns)
+        rewards, per_func = score(self.funcs, self.weights, [r.prompt for r in records], shown, ids, columns)
+        errors = {f"{reward_name(f, i)}/{kind}": n for i, f in enumerate(self.funcs)
+                  for kind, n in getattr(f, "grading_errors", {}).items()}
+        return rewards, per_func, errors
 
     def _rollout_lines(self, step: int, records: list[PromptRecord], completions: list, rewards: list[float],
                        per_func: dict[str, list[float]], advantages: list[float]) -> str:

@@ -55,11 +55,13 @@ class LoopClient:
         """Stop serving ``name``; ValueError while requests still use it or when none is so named."""
         self.loop.call(lambda: self.engine.unload_adapter(name))
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], adapter: str | None = None,
-                 tenant: str = "default") -> list[RequestOutput]:
-        """Each token-id prompt generated with its ``params`` (``n`` sequences each), outputs in prompt order."""
-        built = [self.engine.make_request(p, one, adapter, tenant=tenant)
-                 for p, sp in zip(prompts, params) for one in sequences(sp)]
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 adapter: str | None | list[str | None] = None, tenant: str = "default") -> list[RequestOutput]:
+        """Each token-id prompt generated with its ``params`` (``n`` sequences each) and ``adapter`` (one for all,
+        or one each), outputs in prompt order."""
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        built = [self.engine.make_request(p, one, a, tenant=tenant)
+                 for p, sp, a in zip(prompts, params, adapters) for one in sequences(sp)]
         return merge_sequences(self.run(built), [sp.n for sp in params])
 
     def run(self, built: list) -> list[RequestOutput]:

@@ -10,25 +10,30 @@ data-set items (:meth:`Grader.grade`).
 
 ``input`` and ``reference`` are templates: ``{{ item.answer }}`` is the data-set line's ``answer`` field (a path
 ``item.a.b`` goes deeper), ``{{ sample.output_text }}`` the model's output, ``{{ sample.output_json.x }}`` a field
-of that output read as JSON. Model graders (``score_model``, ``label_model``) are not supported.
+of that output read as JSON.
+
+- ``score_model``, ``label_model``: a model the engine serves grades the sample (``model_graders.py``), through the
+  judge the caller gives.
+
+``outcomes`` grades each sample on its own (a sample that cannot be graded is a ``GradingError`` whose ``kind`` is
+OpenAI's error flag); ``grade`` raises the first such error.
 """
 
 from __future__ import annotations
 
-import json
-import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from coserve.finetune.grader_formula import Formula
+from coserve.finetune.grader_template import Template, make_sample
+from coserve.finetune.model_graders import Judge, ModelGrading, parse_model_grader
 from coserve.finetune.python_grader import check_source, run_python_grader
 from coserve.finetune.text_similarity import METRICS, UNSUPPORTED, similarity
 
 OPERATIONS = ("eq", "ne", "like", "ilike")
-TYPES = ("string_check", "text_similarity", "python", "multi")
-_PLACE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
-_PATH = re.compile(r"(item|sample)((?:\.[A-Za-z_][A-Za-z0-9_-]*|\.\d+)*)")
-SAMPLE_FIELDS = ("output_text", "output_json", "output_tools")
+TYPES = ("string_check", "text_similarity", "python", "multi", "score_model", "label_model")
+MODEL_TYPES = ("score_model", "label_model")
 
 
 class GradingError(ValueError):
@@ -39,63 +44,18 @@ class GradingError(ValueError):
         self.kind = kind
 
 
-def make_sample(text: str) -> dict:
-    """The ``sample`` namespace of a model output: its text, the text read as JSON (None when it is not JSON) and
-    its tool calls (none: coserve's completions are text)."""
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        parsed = None
-    return {"output_text": text, "output_json": parsed, "output_tools": []}
-
-
-class Template:
-    """A grader's ``input`` or ``reference``: text with ``{{ item.* }}`` and ``{{ sample.* }}`` places."""
-
-    def __init__(self, text: object, where: str) -> None:
-        if not isinstance(text, str):
-            raise ValueError(f"{where}: expected text (a template such as '{{{{ item.answer }}}}')")
-        self.text, self.where = text, where
-        self.places: list[tuple[str, tuple[str, ...]]] = []
-        for m in _PLACE.finditer(text):
-            path = _PATH.fullmatch(m.group(1))
-            if path is None:
-                raise ValueError(f"{where}: {m.group(0)} is not item.<field> or sample.<field>")
-            keys = tuple(path.group(2).split(".")[1:])
-            if path.group(1) == "sample" and (not keys or keys[0] not in SAMPLE_FIELDS
-                                               or (keys[0] != "output_json" and len(keys) > 1)):
-                raise ValueError(f"{where}: {m.group(0)}: the sample has {', '.join(SAMPLE_FIELDS)} "
-                                 "(output_json.<field> goes into the output read as JSON)")
-            self.places.append((path.group(1), keys))
-
-    def render(self, item: Any, sample: dict) -> str:
-        """The text with each place filled (text as it is, other values as JSON); ValueError naming a place the
-        item or the sample does not have."""
-        values = iter(self.places)
-
-        def fill(m: re.Match) -> str:
-            root, keys = next(values)
-            value: Any = item if root == "item" else sample
-            for k in keys:
-                if isinstance(value, dict) and k in value:
-                    value = value[k]
-                elif isinstance(value, list) and k.isdigit() and int(k) < len(value):
-                    value = value[int(k)]
-                else:
-                    raise ValueError(f"{self.where}: {m.group(0)}: the {root} has no {'.'.join((root, *keys))}")
-            return value if isinstance(value, str) else json.dumps(value)
-
-        return _PLACE.sub(fill, self.text)
+Outcome = float | GradingError  # a sample's score, or why it has none
 
 
 @dataclass(slots=True)
 class Grader:
-    """A checked grader. ``grade`` scores samples (``make_sample``) against their items, one score each, and gives
-    the scores of a multi grader's graders too (by name)."""
+    """A checked grader. ``outcomes`` scores samples (``make_sample``) against their items, one outcome each, and
+    gives the outcomes of a multi grader's graders too (by name)."""
 
     type: str
     name: str
     spec: dict  # as given (what validate returns)
+    where: str = "grader"  # the field it was given as (grader.graders.x), for errors about it
     input: Template | None = None
     reference: Template | None = None
     operation: str = ""  # string_check's
@@ -103,36 +63,91 @@ class Grader:
     source: str = ""  # python's
     graders: dict[str, Grader] = field(default_factory=dict)  # multi's
     formula: Formula | None = None  # multi's
+    model: ModelGrading | None = None  # score_model's and label_model's
 
-    def grade(self, samples: list[dict], items: list[Any]) -> tuple[list[float], dict[str, list[float]]]:
-        """``(scores, sub_scores)``; a ``GradingError`` naming the grader and the sample when one cannot be scored."""
+    def walk(self):
+        """This grader and those within it."""
+        yield self
+        for g in self.graders.values():
+            yield from g.walk()
+
+    def grade(self, samples: list[dict], items: list[Any], judge: Judge | None = None
+              ) -> tuple[list[float], dict[str, list[float]]]:
+        """``(scores, sub_scores)``; the first sample's ``GradingError`` when any cannot be scored."""
+        scores, subs = self.outcomes(samples, items, judge)
+        for x in scores:
+            if isinstance(x, GradingError):
+                raise x
+        return scores, subs
+
+    def outcomes(self, samples: list[dict], items: list[Any], judge: Judge | None = None
+                 ) -> tuple[list[Outcome], dict[str, list[Outcome]]]:
+        """Each sample's score or ``GradingError`` (naming the grader and the sample), and a multi grader's
+        graders' outcomes by name. ``judge`` runs a model grader's calls."""
         if self.type == "python":
-            try:
-                out = run_python_grader(self.source, list(zip(samples, items)))
-            except ValueError as e:
-                raise GradingError(f"grader {self.name!r}: {e}", "python_grader_server_error") from None
-            for i, value in enumerate(out):
-                if isinstance(value, str):
-                    raise GradingError(f"grader {self.name!r}: sample {i}: {value}", "python_grader_runtime_error")
-            return out, {}
+            return self._python(samples, items), {}
+        if self.type in MODEL_TYPES:
+            return self._model(samples, items, judge), {}
         if self.type == "multi":
-            subs = {key: g.grade(samples, items)[0] for key, g in self.graders.items()}
-            scores = []
+            subs = {key: g.outcomes(samples, items, judge)[0] for key, g in self.graders.items()}
+            out: list[Outcome] = []
             for i in range(len(samples)):
+                failed = next((v[i] for v in subs.values() if isinstance(v[i], GradingError)), None)
+                if failed is not None:
+                    out.append(failed)
+                    continue
                 try:
-                    scores.append(self.formula.value({k: v[i] for k, v in subs.items()}))
+                    out.append(self.formula.value({k: v[i] for k, v in subs.items()}))
                 except ValueError as e:
-                    raise GradingError(f"grader {self.name!r}: sample {i}: {e}") from None
-            return scores, subs
-        scores = []
+                    out.append(self._error(i, e, "other_error"))
+            return out, subs
+        out = []
         for i, (sample, item) in enumerate(zip(samples, items)):
             try:
                 text, ref = self.input.render(item, sample), self.reference.render(item, sample)
             except ValueError as e:
-                raise GradingError(f"grader {self.name!r}: sample {i}: {e}", "invalid_variable_error") from None
-            scores.append(similarity(self.metric, text, ref) if self.type == "text_similarity"
-                          else float(_string_check(self.operation, text, ref)))
-        return scores, {}
+                out.append(self._error(i, e, "invalid_variable_error"))
+                continue
+            out.append(similarity(self.metric, text, ref) if self.type == "text_similarity"
+                       else float(_string_check(self.operation, text, ref)))
+        return out, {}
+
+    def _error(self, i: int, e: Exception, kind: str) -> GradingError:
+        return GradingError(f"grader {self.name!r}: sample {i}: {e}", kind)
+
+    def _python(self, samples: list[dict], items: list[Any]) -> list[Outcome]:
+        try:
+            out = run_python_grader(self.source, list(zip(samples, items)))
+        except ValueError as e:  # the whole batch: its process failed
+            error = GradingError(f"grader {self.name!r}: {e}", "python_grader_server_error")
+            return [error] * len(samples)
+        return [self._error(i, v, "python_grader_runtime_error") if isinstance(v, str) else v
+                for i, v in enumerate(out)]
+
+    def _model(self, samples: list[dict], items: list[Any], judge: Judge | None) -> list[Outcome]:
+        """One call a sample, all run by the judge together; each reply read as a score."""
+        out: list[Outcome | None] = [None] * len(samples)
+        calls = {}
+        for i, (sample, item) in enumerate(zip(samples, items)):
+            try:
+                calls[i] = self.model.call(item, sample)
+            except ValueError as e:
+                out[i] = self._error(i, e, "invalid_variable_error")
+        if calls:
+            try:
+                if judge is None:
+                    raise LookupError("no model serves graders here (a model grader needs the engine's judge)")
+                replies = judge(list(calls.values()))
+            except (LookupError, ValueError, RuntimeError) as e:
+                for i in calls:
+                    out[i] = self._error(i, e, "model_grader_server_error")
+            else:
+                for i, reply in zip(calls, replies):
+                    try:
+                        out[i] = self.model.score(reply)
+                    except ValueError as e:
+                        out[i] = self._error(i, e, "model_grader_parse_error")
+        return out
 
 
 def _string_check(operation: str, text: str, ref: str) -> bool:
@@ -151,15 +166,12 @@ def parse_grader(spec: object, where: str = "grader", allow_python: bool = True)
     if not isinstance(spec, dict):
         raise ValueError(f"{where}: expected a grader object with a 'type'")
     kind = spec.get("type")
-    if kind in ("score_model", "label_model"):
-        raise ValueError(f"{where}.type: {kind} graders are not supported (coserve has no grader model); use one "
-                         f"of {', '.join(TYPES)}")
     if kind not in TYPES:
         raise ValueError(f"{where}.type: expected one of {', '.join(TYPES)}, got {kind!r}")
     name = spec.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name: expected a non-empty name")
-    g = Grader(kind, name, spec)
+    g = Grader(kind, name, spec, where)
     if kind in ("string_check", "text_similarity"):
         g.input, g.reference = Template(spec.get("input"), f"{where}.input"), Template(spec.get("reference"),
                                                                                           f"{where}.reference")
@@ -173,6 +185,8 @@ def parse_grader(spec: object, where: str = "grader", allow_python: bool = True)
             why = f" ({UNSUPPORTED[g.metric]})" if isinstance(g.metric, str) and g.metric in UNSUPPORTED else ""
             raise ValueError(f"{where}.evaluation_metric: {g.metric!r} is not supported{why}; one of "
                              f"{', '.join(METRICS)}")
+    elif kind in MODEL_TYPES:
+        g.model = parse_model_grader(spec, where)
     elif kind == "python":
         if not allow_python:
             raise ValueError(f"{where}.type: python graders are off on this server (its operator starts it with "
@@ -200,14 +214,19 @@ def _sub_graders(graders: object, where: str, allow_python: bool) -> dict[str, G
     return out
 
 
-def grader_reward(grader: Grader):
+def grader_reward(grader: Grader, judge: Judge | None = None):
     """The grader as a GRPO reward function (``LLM.finetune(reward_funcs=...)``): each completion scored against its
-    record's other fields as the ``item`` (a chat completion's text is its message's content)."""
+    record's other fields as the ``item`` (a chat completion's text is its message's content); ``judge`` runs a
+    model grader's calls. A completion that cannot be graded gets 0, as OpenAI's reinforcement fine-tuning gives it;
+    after each call the function's ``grading_errors`` counts them by kind (what a GRPO step logs)."""
 
     def reward(prompts: list, completions: list, completion_ids: list | None = None, **columns: list) -> list[float]:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
         items = [{k: v[i] for k, v in columns.items()} for i in range(len(texts))]
-        return grader.grade([make_sample(t) for t in texts], items)[0]
+        outcomes = grader.outcomes([make_sample(t) for t in texts], items, judge)[0]
+        reward.grading_errors = dict(Counter(x.kind for x in outcomes if isinstance(x, GradingError)))
+        return [0.0 if isinstance(x, GradingError) else x for x in outcomes]
 
     reward.__name__ = grader.name
+    reward.grading_errors = {}
     return reward

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from contextlib import asynccontextmanager
@@ -72,6 +73,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        models.event_loop = asyncio.get_running_loop()  # model graders resolve their models from other threads
         switch = sys.getswitchinterval()
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)  # the event loop waits less on the engine thread
         jobs.start()

@@ -1,6 +1,6 @@
 """OpenAI's grader endpoints: ``POST /v1/fine_tuning/alpha/graders/validate`` (is this grader one the server can
 run?) and ``POST /v1/fine_tuning/alpha/graders/run`` (one model sample's reward against a data-set item), for the
-graders of ``coserve/finetune/graders.py``."""
+graders of ``coserve/finetune/graders.py`` (model graders graded by the server's engine: ``grader_judge.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import asyncio
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
 from coserve.finetune.graders import GradingError, Grader, make_sample, parse_grader
-from coserve.server.context import ServerContext, context
+from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import bad_request
+from coserve.server.grader_judge import check_grader_models, server_judge
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import Body
 
@@ -34,32 +35,38 @@ class GraderRunRequest(Body):
     item: Any = None
 
 
-def checked_grader(spec: dict, ctx: ServerContext) -> Grader:
-    """The request's grader, or a 400 naming its field (``grader.operation``)."""
+def checked_grader(spec: dict, ctx: ServerContext, tenant: str) -> Grader:
+    """The request's grader, or a 400 naming its field (``grader.operation``; ``grader.model`` for a model the caller
+    may not use)."""
     try:
-        return parse_grader(spec, "grader", allow_python=ctx.config.python_graders)
+        grader = parse_grader(spec, "grader", allow_python=ctx.config.python_graders)
     except ValueError as e:
         message = str(e)
         raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
+    check_grader_models(grader, ctx.models, tenant)
+    return grader
 
 
 @router.post("/v1/fine_tuning/alpha/graders/validate")
-async def validate_grader(body: GraderValidateRequest, ctx: ServerContext = Depends(context)):
-    checked_grader(body.grader, ctx)
+async def validate_grader(body: GraderValidateRequest, request: Request, ctx: ServerContext = Depends(context)):
+    checked_grader(body.grader, ctx, tenant_of(request))
     return {"grader": body.grader}
 
 
 @router.post("/v1/fine_tuning/alpha/graders/run")
-async def run_grader(body: GraderRunRequest, ctx: ServerContext = Depends(context)):
+async def run_grader(body: GraderRunRequest, request: Request, ctx: ServerContext = Depends(context)):
     """The sample's reward (0 when it cannot be graded, with the reason in ``metadata.errors``); a multi grader's
-    graders' scores in ``metadata.scores`` and ``sub_rewards``."""
-    grader = checked_grader(body.grader, ctx)
+    graders' scores in ``metadata.scores`` and ``sub_rewards``; a model grader's calls run on the engine as the
+    caller's requests."""
+    tenant = tenant_of(request)
+    grader = checked_grader(body.grader, ctx, tenant)
+    judge = server_judge(ctx.models, ctx.client.loop, tenant)
     errors: dict[str, Any] = {flag: False for flag in ERROR_FLAGS}
     errors["python_grader_runtime_error_details"] = errors["python_grader_server_error_type"] = None
     errors["model_grader_server_error_details"] = None
     started = time.perf_counter()
     try:  # a python grader runs a process: off the event loop
-        scores, subs = await asyncio.to_thread(grader.grade, [make_sample(body.model_sample)], [body.item])
+        scores, subs = await asyncio.to_thread(grader.grade, [make_sample(body.model_sample)], [body.item], judge)
         reward, sub_rewards = scores[0], {k: v[0] for k, v in subs.items()}
     except GradingError as e:
         reward, sub_rewards = 0.0, {}
@@ -69,6 +76,8 @@ async def run_grader(body: GraderRunRequest, ctx: ServerContext = Depends(contex
             errors["python_grader_runtime_error_details"] = str(e)
         elif e.kind == "python_grader_server_error":
             errors["python_grader_server_error_type"] = str(e)
+        elif e.kind == "model_grader_server_error":
+            errors["model_grader_server_error_details"] = str(e)
     metadata = {"name": grader.name, "type": grader.type, "errors": errors,
                 "execution_time": time.perf_counter() - started, "scores": sub_rewards or {grader.name: reward},
                 "token_usage": None, "sampled_model_name": None}

@@ -33,6 +33,7 @@ from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
+from coserve.server.grader_judge import check_grader_models
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import ModelRegistry, checkpoint_name, fine_tuned_name
 from coserve.server.protocol import (CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters,
@@ -205,7 +206,7 @@ class JobManager:
         method = body.method.type if body.method is not None else "supervised"
         hyper = self._hyperparameters(body, method)
         if method == "reinforcement":
-            grader = self._grader(body)
+            grader = self._grader(tenant, body)
             hyper |= self._evaluation(body)
         method_object = {"hyperparameters": dict(hyper)}
         if method == "reinforcement":
@@ -402,16 +403,18 @@ class JobManager:
             out[name] = value
         return out
 
-    def _grader(self, body: FineTuningJobRequest) -> dict:
+    def _grader(self, tenant: str, body: FineTuningJobRequest) -> dict:
         """A reinforcement job's grader, checked (400 naming its field)."""
         rft = body.method.reinforcement
         if rft is None:
             raise bad_request("method.reinforcement: a reinforcement job needs its grader "
                               "(method.reinforcement.grader)", "method.reinforcement")
         try:
-            parse_grader(rft.grader, "method.reinforcement.grader", allow_python=self.config.python_graders)
+            grader = parse_grader(rft.grader, "grader", allow_python=self.config.python_graders)
         except ValueError as e:
-            raise bad_request(str(e), str(e).split(":", 1)[0], "invalid_grader") from None
+            message = f"method.reinforcement.{e}"
+            raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
+        check_grader_models(grader, self.models, tenant, "method.reinforcement.")
         return rft.grader
 
     @staticmethod

@@ -48,6 +48,7 @@ class ModelRegistry:
         self.max_loaded = max_loaded  # fine-tuned models and checkpoints kept loaded in the engine at most
         self.loaded: OrderedDict[str, None] = OrderedDict()  # those loaded, least recently used first
         self._loading: dict[str, asyncio.Future] = {}  # name -> its load in progress (requests share it)
+        self.event_loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs (resolve_blocking)
 
     async def resolve(self, tenant: str, name: str, param: str = "model") -> str | None:
         """The engine adapter for ``name`` (None for the base model); 404 when the tenant may not use it."""
@@ -72,6 +73,20 @@ class ModelRegistry:
         if len(self.loaded) > self.max_loaded:
             await on_engine_async(self.loop, lambda: self._evict(keep=name))
         return name
+
+    def servable(self, tenant: str, name: str) -> bool:
+        """Whether ``resolve`` would serve ``name`` to the tenant (it may still have to load it)."""
+        return name == self.base or name in self.shared or self.fine_tuned_path(tenant, name) is not None
+
+    def resolve_blocking(self, tenant: str, name: str, timeout_s: float = 300.0) -> str | None:
+        """``resolve`` from a thread other than the event loop's (a model grader's, in a job or a grader run):
+        LookupError when the tenant may not use ``name`` or it cannot be served."""
+        if self.event_loop is None:
+            raise LookupError("the server is not running")
+        try:
+            return asyncio.run_coroutine_threadsafe(self.resolve(tenant, name), self.event_loop).result(timeout_s)
+        except APIError as e:
+            raise LookupError(e.message) from None
 
     def _evict(self, keep: str) -> str | None:
         """On the engine thread: unload the least recently used fine-tuned model no request is using."""

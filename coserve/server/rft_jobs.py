@@ -24,6 +24,7 @@ from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.graders import grader_reward, parse_grader
 from coserve.finetune.grpo_prompts import load_prompts
 from coserve.peft.adapter_dir import CONFIG_FILE, WEIGHTS_FILE
+from coserve.server.grader_judge import server_judge
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 
@@ -114,7 +115,8 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneC
         kind = p.pop("peft")
         bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
     holder: list[RFTRunning] = []
-    run = GRPORun(LoopClient(mgr.loop), prompts, [grader_reward(grader)], None, bypass, cfg, tenant,
+    reward = grader_reward(grader, server_judge(mgr.models, mgr.loop, tenant))
+    run = GRPORun(LoopClient(mgr.loop), prompts, [reward], None, bypass, cfg, tenant,
                   base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec),
                   finished_ok=True, validation=validation)
     r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or run.steps_per_epoch, run, out,
