@@ -309,6 +309,38 @@ def test_the_finetune_command_takes_an_openai_grader_as_a_reward(model_factory, 
     assert "--reward: cannot read" in capsys.readouterr().err
 
 
+def test_the_finetune_command_takes_a_label_model_grader_graded_by_the_base_model(model_factory, tmp_path):
+    """A model grader in a GRPO run is graded by the engine that trains: each completion's reward is the label the
+    base model gives it under the grader's conversation, as ``LLM.chat`` with the same guide gives it."""
+    from pathlib import Path
+
+    from coserve import SamplingParams
+    from coserve.cli import main
+    model = model_factory("llama")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Question {i}:", "topic": t}) + "\n"
+                            for i, t in enumerate(["sea", "sky"])))
+    labels = ["good", "bad", "odd"]
+    grader = tmp_path / "label.json"
+    grader.write_text(json.dumps({"type": "label_model", "name": "judge", "model": Path(model).name,
+                                  "labels": labels, "passing_labels": ["good"],
+                                  "input": [{"role": "user", "content": "On {{ item.topic }}: {{ sample.output_text }}"}]}))
+    out = tmp_path / "out"
+    assert main(["finetune", "--model", str(model), "--data", str(data), "--output", str(out), "--method", "grpo",
+                 "--num-generations", "2", "--batch-size", "4", "--max-completion-tokens", "4", "--max-steps", "1",
+                 "--lora-r", "2", "--reward", str(grader)]) == 0
+    rollouts = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    log = json.loads((out / "grpo_log.jsonl").read_text())
+    assert len(rollouts) == 4 and "grading_errors" not in log
+    llm = LLM(model, dtype="float32", device="cpu")
+    topics = ["sea", "sky"]
+    replies = llm.chat([[{"role": "user", "content": f"On {topics[r['prompt_line'] - 1]}: {r['completion']}"}]
+                        for r in rollouts], SamplingParams(temperature=0, max_tokens=64, guided_choice=labels))
+    said = [o.outputs[0].text for o in replies]
+    assert set(said) <= set(labels)
+    assert [r["reward"] for r in rollouts] == [1.0 if x == "good" else 0.0 for x in said]
+
+
 def test_a_grpo_run_beside_chat_changes_no_reply_and_trains_what_it_trains_alone(model_factory, tmp_path):
     """Co-serving's promise for RL: user requests batched with the rollouts and the training windows get the
     tokens they get alone, and the run samples the same completions and trains the same adapter as alone."""

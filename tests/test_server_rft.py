@@ -29,6 +29,9 @@ COSERVE = {"num_generations": 2, "max_completion_tokens": 5, "r": 4, "target_mod
 
 
 VALID = [("Count to two.", "1 2"), ("Say bye.", "bye")]
+LABEL = {"type": "label_model", "name": "judge", "model": BASE, "labels": ["right", "wrong", "unsure", "maybe"],
+         "passing_labels": ["right", "unsure"],
+         "input": [{"role": "user", "content": "Expected {{ item.answer }}, got {{ sample.output_text }}"}]}
 
 
 def _prompts(records=ANSWERS) -> bytes:
@@ -120,6 +123,36 @@ def test_a_reinforcement_job_trains_what_llm_finetune_trains_while_chat_is_serve
     assert [v["valid_reward"] for v in valid] == pytest.approx([v["valid_reward"] for v in oracle_valid], abs=1e-12)
 
 
+def test_a_reinforcement_job_graded_by_a_label_model_asks_the_served_model(client, api_server):
+    """A label_model grader naming the base model: each rollout's reward is the label the model gives the
+    grader's conversation, as a chat request with the same guide gets it, while the job trains on the rewards."""
+    job = _create(client, _upload(client, _prompts()), {"n_epochs": 1, "batch_size": 2}, grader=LABEL)
+    done = wait_for_job(client, job.id)
+    assert done.status == "succeeded", done.error
+    model_dir = api_server.state_dir / "jobs" / job.id / "model"
+    rollouts = [json.loads(x) for x in (model_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 8
+    said = []
+    for r in rollouts:
+        messages = [{"role": "user", "content": f"Expected {ANSWERS[r['prompt_line'] - 1][1]}, got {r['completion']}"}]
+        reply = client.chat.completions.create(model=BASE, messages=messages, temperature=0, max_tokens=64,
+                                               extra_body={"guided_choice": LABEL["labels"]})
+        said.append(reply.choices[0].message.content)
+    assert [r["reward"] for r in rollouts] == [1.0 if x in ("right", "unsure") else 0.0 for x in said]
+    assert 0 < sum(r["reward"] for r in rollouts) < 8
+    metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
+    assert len(metrics) == 2 and all("grading_errors" not in m for m in metrics)
+
+    cut = {"type": "score_model", "name": "stars", "model": BASE, "input": LABEL["input"],
+           "sampling_params": {"max_completions_tokens": 2}}  # '{"result":' needs more: every sample unreadable
+    done = wait_for_job(client, _create(client, _upload(client, _prompts()), {"n_epochs": 1, "batch_size": 2},
+                                        grader=cut).id)
+    assert done.status == "succeeded", done.error  # scored 0 each, and counted
+    metrics = [e.data for e in client.fine_tuning.jobs.list_events(done.id, limit=100).data if e.type == "metrics"]
+    assert [m["grading_errors"] for m in metrics] == [{"stars/model_grader_parse_error": 4}] * 2
+    assert all(m["train_reward_mean"] == 0 for m in metrics)
+
+
 def _assert_close(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name in expected:
@@ -165,7 +198,9 @@ def test_sigkill_mid_reinforcement_job_then_resume(model_factory, tmp_path, orac
                                                                  evaluation_metric=None) | {"operation": "is"}}},
      {}, "method.reinforcement.grader.operation"),
     ({"type": "reinforcement", "reinforcement": {"grader": {"type": "score_model", "name": "judge"}}}, {},
-     "method.reinforcement.grader.type"),
+     "method.reinforcement.grader.model"),
+    ({"type": "reinforcement", "reinforcement": {"grader": dict(LABEL, model="nobody's")}}, {},
+     "method.reinforcement.grader.model"),
     ({"type": "reinforcement", "reinforcement": {"grader": GRADER,
                                                  "hyperparameters": {"reasoning_effort": "high"}}}, {},
      "method.reinforcement.hyperparameters.reasoning_effort"),

@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--reward", action="append", default=[], metavar="MODULE:FUNC",
                    help="grpo: a reward function, f(prompts, completions, **fields) -> rewards, as TRL calls it: "
                         "an importable module's or a .py file's function, or FILE.json: one of OpenAI's graders "
-                        "(string_check, text_similarity, python, multi; the record's fields are its item) (repeat "
+                        "(string_check, text_similarity, python, multi, and score_model/label_model graded by the "
+                        "base model, named by its directory; the record's fields are its item) (repeat "
                         "for several; they are summed)")
     p.add_argument("--reward-weight", action="append", type=float, default=[], metavar="W",
                    help="grpo: one weight per --reward, in order (default 1 each)")
@@ -171,13 +172,13 @@ def _peft_config(args) -> LoraConfig | IA3Config:
                       **({"target_modules": targets} if targets else {}))
 
 
-def load_reward(spec: str):
+def load_reward(spec: str, judge=None):
     """``MODULE:FUNC`` (an importable module) or ``FILE.py:FUNC``: the function; ``FILE.json``: an OpenAI grader as
-    one; errors name ``--reward``."""
+    one (``judge`` runs a model grader's calls); errors name ``--reward``."""
     import importlib
     import importlib.util
     if spec.endswith(".json"):
-        return _grader_reward(Path(spec))
+        return _grader_reward(Path(spec), judge)
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise ValueError(f"--reward: expected MODULE:FUNC or FILE.py:FUNC, got {spec!r}")
@@ -201,7 +202,7 @@ def load_reward(spec: str):
     return func
 
 
-def _grader_reward(path: Path):
+def _grader_reward(path: Path, judge):
     from coserve.finetune.graders import grader_reward, parse_grader
     try:
         spec = json.loads(path.read_text())
@@ -210,16 +211,19 @@ def _grader_reward(path: Path):
     except ValueError as e:
         raise ValueError(f"--reward: {path} is not JSON ({e})") from None
     try:
-        return grader_reward(parse_grader(spec))
+        return grader_reward(parse_grader(spec), judge)
     except ValueError as e:
         raise ValueError(f"--reward: {path}: {e}") from None
 
 
 def _grpo(args, cfg: FinetuneConfig) -> int:
     """GRPO through the Python API's engine (the rollouts need inference); progress a line a step."""
+    from coserve.engine.chat_judge import llm_judge
     from coserve.engine.llm import LLM
-    funcs = [load_reward(spec) for spec in args.reward]
+    engine_judge = []  # model graders are graded by the model being trained's engine, once it is loaded
+    funcs = [load_reward(spec, lambda calls: engine_judge[0](calls)) for spec in args.reward]
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    engine_judge.append(llm_judge(llm))
     handle = llm.finetune(args.data, peft=None if cfg.start_adapter or args.init_adapter else _peft_config(args),
                           config=cfg, reward_funcs=funcs, reward_weights=args.reward_weight or None,
                           resume_from=args.init_adapter, validation=args.validation_data)

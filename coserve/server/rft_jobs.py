@@ -63,11 +63,13 @@ class RFTRunning:
 
     def step_metrics(self, step: int) -> dict:
         """A step's metrics under OpenAI's names (``train_reward_mean``; after a validation ``valid_reward_mean``
-        and its ``full_valid_mean_reward``: the whole validation set) and GRPO's (``rewards/<grader>``)."""
+        and its ``full_valid_mean_reward``: the whole validation set) and GRPO's (``rewards/<grader>``); samples
+        the grader could not grade (scored 0) by ``<grader>/<error flag>`` in ``grading_errors``."""
         rec = next((r for r in reversed(self.run.log) if r["step"] == step), None)
         if rec is None:
             return {"step": step, "train_reward_mean": None}
-        extra = {k: v for k, v in rec.items() if k.startswith(("rewards/", "valid_rewards/"))}
+        extra = {k: v for k, v in rec.items()
+                 if k.startswith(("rewards/", "valid_rewards/")) or k in ("grading_errors", "valid_grading_errors")}
         if "valid_reward" in rec:
             extra |= {"valid_reward_mean": rec["valid_reward"], "full_valid_mean_reward": rec["valid_reward"],
                       "valid_reward_std": rec["valid_reward_std"],
