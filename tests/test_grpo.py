@@ -217,7 +217,8 @@ def test_a_grpo_run_samples_and_rewards_its_validation_prompts_from_the_adapter_
     handle = llm.finetune(_prompts(tmp_path / "p.jsonl"), peft=LoraConfig(r=2, target_modules=["q_proj"]),
                           config=cfg, reward_funcs=[_reward_len, _reward_answer], reward_weights=[1.0, 2.0],
                           validation=valid)
-    assert handle.wait(300)["status"] == "succeeded"
+    status = handle.wait(300)
+    assert status["status"] == "succeeded" and status["valid_reward"] == handle.log[-1]["valid_reward"]
     assert [("valid_reward" in r) for r in handle.log] == [False, True, False, True, True]
     lines = [json.loads(x) for x in (tmp_path / "out" / "grpo_valid.jsonl").read_text().splitlines()]
     assert [v["step"] for v in lines] == [2, 4, 5] and all(len(v["samples"]) == 9 for v in lines)
@@ -410,3 +411,15 @@ def test_a_grpo_run_resumed_from_its_checkpoint_goes_on_as_if_it_had_not_stopped
         assert float((a[name] - b[name]).norm() / a[name].norm()) <= 1e-6, name
     with pytest.raises(ValueError, match="resume_from: .* is at step 4; the run has 4"):
         llm.finetune(prompts, config=part, reward_funcs=[_reward_len], resume_from=part.output_dir)
+    # a server that stopped between a job's last step and its end resumes it as finished (finished_ok)
+    from coserve.engine.grpo_run import GRPORun
+    from coserve.engine.loop_client import LoopClient
+    from coserve.finetune.grpo_prompts import load_prompts
+    done = GRPORun(LoopClient(llm._background()), load_prompts(prompts, llm.tokenizer, 512, 5)[0], [_reward_len], None,
+                   llm._starting_bypass(None, part, part.output_dir), part, resume_from=part.output_dir,
+                   finished_ok=True)
+    done.start()
+    assert done.join(60) and done.status == "succeeded" and done.step == 4
+    assert [r["step"] for r in done.log] == [1, 2, 3, 4]
+    again = read_adapter_tensors(tmp_path / "part")
+    assert all(torch.equal(again[name], b[name]) for name in b)  # nothing trained again

@@ -153,6 +153,37 @@ def test_a_reinforcement_job_graded_by_a_label_model_asks_the_served_model(clien
     assert all(m["train_reward_mean"] == 0 for m in metrics)
 
 
+def test_a_reinforcement_job_on_a_fine_tuned_model_samples_that_model(client, api_server):
+    """``model`` one of the caller's fine-tuned models: the job trains on from its adapter, so its first rollouts
+    are that model's samples (the chat API's with the same seeds), not the base model's."""
+    from coserve.peft.dropout import mix_seed
+    first = wait_for_job(client, _create(client, _upload(client, _prompts()), {"n_epochs": 1, "batch_size": 2}).id)
+    assert first.status == "succeeded", first.error
+    job = client.fine_tuning.jobs.create(model=first.fine_tuned_model, training_file=_upload(client, _prompts()).id,
+                                         seed=11, method={"type": "reinforcement", "reinforcement": {
+                                             "grader": GRADER, "hyperparameters": {"n_epochs": 1, "batch_size": 2}}},
+                                         extra_body={"coserve": {"num_generations": 2, "max_completion_tokens": 5}})
+    done = wait_for_job(client, job.id)
+    assert done.status == "succeeded", done.error
+    events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
+    assert any(f"started from {first.fine_tuned_model}" in e.message for e in events)
+    model_dir = api_server.state_dir / "jobs" / job.id / "model"
+    rollouts = [json.loads(x) for x in (model_dir / "rollouts.jsonl").read_text().splitlines() if '"step": 1,' in x]
+
+    def samples(model: str) -> list[str]:
+        texts = []
+        for group in (0, 1):
+            line = next(r["prompt_line"] for r in rollouts if r["group"] == group)
+            reply = client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                                          "content": ANSWERS[line - 1][0]}],
+                                                   n=2, seed=mix_seed(11, 0, group), temperature=1.0, max_tokens=5)
+            texts += [c.message.content for c in reply.choices]
+        return texts
+
+    assert [r["completion"] for r in rollouts] == samples(first.fine_tuned_model)
+    assert samples(BASE) != samples(first.fine_tuned_model)
+
+
 def _assert_close(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name in expected:

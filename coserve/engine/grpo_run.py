@@ -392,11 +392,13 @@ class GRPOHandle:
         return list(self._run.log)
 
     def status(self) -> dict:
-        """``{"status", "error", "step", "total_steps", "reward", "loss"}``."""
+        """``{"status", "error", "step", "total_steps", "reward", "loss", "valid_reward"}`` (the last step's, and
+        the latest validation's mean reward: None before any)."""
         run = self._run
         last = run.log[-1] if run.log else {}
+        valid = next((r["valid_reward"] for r in reversed(run.log) if "valid_reward" in r), None)
         return {"status": run.status, "error": run.error, "step": run.step, "total_steps": run.total_steps,
-                "reward": last.get("reward"), "loss": last.get("loss")}
+                "reward": last.get("reward"), "loss": last.get("loss"), "valid_reward": valid}
 
     def wait(self, timeout: float | None = None) -> dict:
         self._run.join(timeout)

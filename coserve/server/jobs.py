@@ -560,6 +560,8 @@ class JobManager:
         self.store.update_job(job_id, status="running",
                               coserve={**job["coserve"], "step": r.step, "total_steps": r.total_steps})
         how = f"resumed at step {r.step}" if r.step else "started"
+        if job["coserve"].get("start_from"):
+            how += f" from {job['model']}"
         cfg, grader = r.run.cfg, job["method"]["reinforcement"]["grader"]
         valid = r.run.validation
         every = f"every {cfg.eval_steps} steps" if cfg.eval_steps else "at each epoch's end"
