@@ -3,6 +3,7 @@ rouge_score), string checks, templates, multi graders' formulas, python graders 
 that name the field."""
 
 import random
+import sys
 
 import pytest
 from nltk.translate.bleu_score import SmoothingFunction
@@ -135,6 +136,18 @@ def test_a_python_grader_runs_in_its_own_process():
     broken = parse_grader({"type": "python", "name": "py", "source": "import no_such_module\ndef grade(s, i): pass"})
     with pytest.raises(ValueError, match="the python grader failed: ModuleNotFoundError"):
         broken.grade([make_sample("x")], [{}])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX resource limits")
+def test_a_python_grader_cannot_take_more_than_its_memory_or_write_large_files(tmp_path):
+    big = parse_grader({"type": "python", "name": "big",
+                        "source": "def grade(s, i):\n    if i['what'] == 'memory':\n"
+                                  "        b = bytearray(3 * 2**30)\n"
+                                  "    else:\n        open(i['path'], 'wb').write(bytes(65 * 2**20))\n"
+                                  "    return 1.0\n"})
+    out = big.outcomes([make_sample("x")] * 2, [{"what": "memory"}, {"what": "file", "path": str(tmp_path / "f")}])[0]
+    assert out[0].kind == "python_grader_runtime_error" and "MemoryError" in str(out[0])
+    assert out[1].kind == "python_grader_runtime_error" and "File too large" in str(out[1])
 
 
 def test_a_python_grader_over_its_time_limit_fails(monkeypatch):

@@ -1,6 +1,8 @@
 """OpenAI's ``python`` grader: source that defines ``grade(sample, item) -> float``, run in a separate Python process
-(isolated mode: no user site, no ``PYTHON*`` variables, a bare environment) with a time limit, on a whole batch of
-samples at once. Each sample's outcome comes back on its own: a number, or the error its call raised."""
+(isolated mode: no user site, no ``PYTHON*`` variables, a bare environment) with a time limit and, on POSIX systems,
+limits on its memory (2 GiB of address space) and on the files it writes (64 MiB each), on a whole batch of samples
+at once. Each sample's outcome comes back on its own: a number, or the error its call raised. It is not a sandbox:
+the code runs with the server user's rights (files it can read, the network)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,18 @@ import sys
 
 TIMEOUT_S = 120.0  # a batch's limit (OpenAI's python grader allows two minutes)
 MAX_SOURCE = 256 * 1024  # characters of source
+MEMORY_BYTES = 2 * 2**30  # the process's address space (OpenAI's python grader has 2 GB of memory)
+FILE_BYTES = 64 * 2**20  # the largest file it may write
 
 _RUNNER = r"""
 import json, math, sys
 job = json.load(sys.stdin)
+try:  # the limits bind before the grader's code runs, soft and hard alike, so it cannot raise them
+    import resource
+    for limit, value in ((resource.RLIMIT_AS, job["memory"]), (resource.RLIMIT_FSIZE, job["file_bytes"])):
+        resource.setrlimit(limit, (value, value))
+except ImportError:  # not a POSIX system
+    pass
 space = {"__name__": "grader"}
 exec(compile(job["source"], "<grader source>", "exec"), space)
 grade = space["grade"]
@@ -53,7 +63,7 @@ def run_python_grader(source: str, pairs: list[tuple[dict, dict]], timeout_s: fl
     whole run (the source raises on import, the time limit, a crash) is a ValueError."""
     if not pairs:
         return []
-    job = json.dumps({"source": source, "pairs": pairs})
+    job = json.dumps({"source": source, "pairs": pairs, "memory": MEMORY_BYTES, "file_bytes": FILE_BYTES})
     try:
         done = subprocess.run([sys.executable, "-I", "-c", _RUNNER], input=job, capture_output=True, text=True,
                               timeout=timeout_s, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"})
