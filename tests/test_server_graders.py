@@ -93,21 +93,25 @@ def _judged_by_chat(api_server, grader: dict, guide: dict, samples: list[str]) -
         reply = chat.completions.create(model=grader["model"], messages=messages, temperature=0,
                                         max_tokens=grader.get("sampling_params", {}).get("max_completions_tokens",
                                                                                          64), extra_body=guide)
-        texts.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+        texts.append((reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage))
     return texts
 
 
 def test_model_graders_ask_the_served_model_as_a_chat_request_would(graders, api_server):
     samples = ["fine.", "no!", "ok", "thanks a lot"]
     labels = _judged_by_chat(api_server, LABEL, {"guided_choice": LABEL["labels"]}, samples)
-    for sample, (label, _) in zip(samples, labels):
+    for sample, (label, _, usage) in zip(samples, labels):
         run = graders.run(grader=LABEL, model_sample=sample, item={"q": "why?"})
         assert run.reward == (1.0 if label in ("kind", "flat") else 0.0), (sample, label)
         assert not run.metadata.errors.model_grader_parse_error
+        assert run.metadata.sampled_model_name == BASE and run.metadata.token_usage == usage.total_tokens
+        assert run.model_grader_token_usage_per_model[BASE] == {
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "cached_tokens": 0}
     schema = {"type": "object", "properties": {"result": {"type": "number", "minimum": 0, "maximum": 100}},
               "required": ["result"], "additionalProperties": False}
     replies = _judged_by_chat(api_server, SCORE, {"guided_json": schema}, samples)
-    for sample, (text, finish) in zip(samples, replies):  # (the tiny model's numbers end within the tokens)
+    for sample, (text, finish, _) in zip(samples, replies):  # (the tiny model's numbers end within the tokens)
         run = graders.run(grader=SCORE, model_sample=sample, item={"q": "why?"})
         assert finish == "stop" and run.reward == json.loads(text)["result"]
         assert not run.metadata.errors.model_grader_parse_error

@@ -132,16 +132,21 @@ def test_a_reinforcement_job_graded_by_a_label_model_asks_the_served_model(clien
     model_dir = api_server.state_dir / "jobs" / job.id / "model"
     rollouts = [json.loads(x) for x in (model_dir / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 8
-    said = []
+    said, tokens = [], {1: [0, 0], 2: [0, 0]}
     for r in rollouts:
         messages = [{"role": "user", "content": f"Expected {ANSWERS[r['prompt_line'] - 1][1]}, got {r['completion']}"}]
         reply = client.chat.completions.create(model=BASE, messages=messages, temperature=0, max_tokens=64,
                                                extra_body={"guided_choice": LABEL["labels"]})
         said.append(reply.choices[0].message.content)
+        tokens[r["step"]][0] += reply.usage.prompt_tokens
+        tokens[r["step"]][1] += reply.usage.completion_tokens
     assert [r["reward"] for r in rollouts] == [1.0 if x in ("right", "unsure") else 0.0 for x in said]
     assert 0 < sum(r["reward"] for r in rollouts) < 8
-    metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
+    metrics = sorted((e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data
+                      if e.type == "metrics"), key=lambda m: m["step"])
     assert len(metrics) == 2 and all("grading_errors" not in m for m in metrics)
+    assert [m["model_graders_token_usage"] for m in metrics] == [
+        {BASE: {"train_prompt_tokens": p, "train_completion_tokens": c}} for p, c in tokens.values()]
 
     cut = {"type": "score_model", "name": "stars", "model": BASE, "input": LABEL["input"],
            "sampling_params": {"max_completions_tokens": 2}}  # '{"result":' needs more: every sample unreadable

@@ -222,7 +222,7 @@ class GRPORun:
         records = [p for p in batch for _ in range(g)]
         completions = [c for out in outs for c in out.outputs]
         ids = [list(c.token_ids) for c in completions]
-        rewards, per_func, errors = self._score(records, completions)
+        rewards, per_func, graded = self._score(records, completions)
         advantages = group_advantages(rewards, g, cfg.scale_rewards)
         lengths = [len(c) for c in ids]
         scales = sequence_scales(advantages, lengths, cfg.grpo_loss, cfg.batch_size, cfg.max_completion_tokens)
@@ -235,8 +235,7 @@ class GRPORun:
 
         def step_logs() -> dict[str, str]:  # written with the step's checkpoint (GRPOStepJob.step_logs)
             if not made:
-                made.append(self._record(step, rewards, per_func, lengths, completions, rollout_s, job)
-                            | ({"grading_errors": errors} if errors else {}))
+                made.append(self._record(step, rewards, per_func, lengths, completions, rollout_s, job) | graded)
             return {GRPO_LOG_FILE: json.dumps(made[0]) + "\n", ROLLOUTS_FILE: lines}
 
         job.step_logs = step_logs
@@ -272,14 +271,14 @@ class GRPORun:
             return {}
         records = [p for p in self.validation for _ in range(k)]
         completions = [c for out in outs for c in out.outputs]
-        rewards, per_func, errors = self._score(records, completions)
+        rewards, per_func, graded = self._score(records, completions)
         lengths = [len(c.token_ids) for c in completions]
         summary = {"valid_reward": sum(rewards) / len(rewards),
                    "valid_reward_std": sample_std(rewards) if len(rewards) > 1 else 0.0,
                    **mean_rewards(per_func, "valid_rewards/"),
                    "valid_completions_mean_length": sum(lengths) / len(lengths),
                    "valid_s": round(time.perf_counter() - started, 4),
-                   **({"valid_grading_errors": errors} if errors else {})}
+                   **{f"valid_{k}": v for k, v in graded.items()}}
         samples = [{"prompt_line": r.line, "completion": c.text, "completion_token_ids": list(c.token_ids),
                     "finish_reason": c.finish_reason, "reward": rewards[i],
                     "rewards": {n: None if math.isnan(v[i]) else v[i] for n, v in per_func.items()}}
@@ -292,9 +291,10 @@ class GRPORun:
         return summary
 
     def _score(self, records: list[PromptRecord], completions: list
-               ) -> tuple[list[float], dict[str, list[float]], dict[str, int]]:
-        """``score`` of completions, each of the prompt record beside it, as the reward functions see them; and the
-        completions a grader could not grade (scored 0), by ``<grader>/<kind>`` (``graders.grader_reward``)."""
+               ) -> tuple[list[float], dict[str, list[float]], dict]:
+        """``score`` of completions, each of the prompt record beside it, as the reward functions see them; and what
+        graders report of the call (``graders.grader_reward``): completions they could not grade (scored 0), by
+        ``<grader>/<kind>`` (``grading_errors``), and their models' tokens (``grader_tokens``), where any."""
         texts = [c.text for c in completions]
         ids = [list(c.token_ids) for c in completions]
         columns = {k: [r.columns.get(k) for r in records] for k in sorted({k for r in records for k in r.columns})}
@@ -302,7 +302,14 @@ class GRPORun:
         rewards, per_func = score(self.funcs, self.weights, [r.prompt for r in records], shown, ids, columns)
         errors = {f"{reward_name(f, i)}/{kind}": n for i, f in enumerate(self.funcs)
                   for kind, n in getattr(f, "grading_errors", {}).items()}
-        return rewards, per_func, errors
+        tokens: dict[str, dict[str, int]] = {}
+        for f in self.funcs:
+            for model, n in getattr(f, "grading_tokens", {}).items():
+                mine = tokens.setdefault(model, {"prompt_tokens": 0, "completion_tokens": 0})
+                mine["prompt_tokens"] += n["prompt_tokens"]
+                mine["completion_tokens"] += n["completion_tokens"]
+        return rewards, per_func, ({"grading_errors": errors} if errors else {}) | (
+            {"grader_tokens": tokens} if tokens else {})
 
     def _rollout_lines(self, step: int, records: list[PromptRecord], completions: list, rewards: list[float],
                        per_func: dict[str, list[float]], advantages: list[float]) -> str:

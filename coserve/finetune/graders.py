@@ -27,7 +27,7 @@ from typing import Any
 
 from coserve.finetune.grader_formula import Formula
 from coserve.finetune.grader_template import Template, make_sample
-from coserve.finetune.model_graders import Judge, ModelGrading, parse_model_grader
+from coserve.finetune.model_graders import CountingJudge, Judge, ModelGrading, parse_model_grader
 from coserve.finetune.python_grader import check_source, run_python_grader
 from coserve.finetune.text_similarity import METRICS, UNSUPPORTED, similarity
 
@@ -218,15 +218,18 @@ def grader_reward(grader: Grader, judge: Judge | None = None):
     """The grader as a GRPO reward function (``LLM.finetune(reward_funcs=...)``): each completion scored against its
     record's other fields as the ``item`` (a chat completion's text is its message's content); ``judge`` runs a
     model grader's calls. A completion that cannot be graded gets 0, as OpenAI's reinforcement fine-tuning gives it;
-    after each call the function's ``grading_errors`` counts them by kind (what a GRPO step logs)."""
+    after each call the function's ``grading_errors`` counts them by kind, and its ``grading_tokens`` the model
+    graders' tokens by model (what a GRPO step logs)."""
 
     def reward(prompts: list, completions: list, completion_ids: list | None = None, **columns: list) -> list[float]:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
         items = [{k: v[i] for k, v in columns.items()} for i in range(len(texts))]
-        outcomes = grader.outcomes([make_sample(t) for t in texts], items, judge)[0]
+        counting = CountingJudge(judge) if judge is not None else None
+        outcomes = grader.outcomes([make_sample(t) for t in texts], items, counting)[0]
         reward.grading_errors = dict(Counter(x.kind for x in outcomes if isinstance(x, GradingError)))
+        reward.grading_tokens = counting.per_model if counting is not None else {}
         return [0.0 if isinstance(x, GradingError) else x for x in outcomes]
 
     reward.__name__ = grader.name
-    reward.grading_errors = {}
+    reward.grading_errors, reward.grading_tokens = {}, {}
     return reward

@@ -49,6 +49,25 @@ class ModelReply:
 Judge = Callable[[list[ModelCall]], list[ModelReply]]  # replies in order; LookupError names a model it cannot serve
 
 
+class CountingJudge:
+    """A judge that counts the tokens of the calls it passes on, by model (OpenAI's grader run reports them as
+    ``model_grader_token_usage_per_model``)."""
+
+    def __init__(self, judge: Judge) -> None:
+        self.judge = judge
+        self.per_model: dict[str, dict[str, int]] = {}
+
+    def __call__(self, calls: list[ModelCall]) -> list[ModelReply]:
+        replies = self.judge(calls)
+        for call, reply in zip(calls, replies):
+            n = self.per_model.setdefault(call.model, {"prompt_tokens": 0, "completion_tokens": 0,
+                                                       "total_tokens": 0, "cached_tokens": 0})
+            n["prompt_tokens"] += reply.prompt_tokens
+            n["completion_tokens"] += reply.completion_tokens
+            n["total_tokens"] += reply.prompt_tokens + reply.completion_tokens
+        return replies
+
+
 @dataclass(frozen=True, slots=True)
 class ModelGrading:
     """A checked model grader: what it asks (``call``) and how it reads the reply (``score``)."""

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
 from coserve.finetune.graders import GradingError, Grader, make_sample, parse_grader
+from coserve.finetune.model_graders import CountingJudge
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import bad_request
 from coserve.server.grader_judge import check_grader_models, server_judge
@@ -60,7 +61,7 @@ async def run_grader(body: GraderRunRequest, request: Request, ctx: ServerContex
     caller's requests."""
     tenant = tenant_of(request)
     grader = checked_grader(body.grader, ctx, tenant)
-    judge = server_judge(ctx.models, ctx.client.loop, tenant)
+    judge = CountingJudge(server_judge(ctx.models, ctx.client.loop, tenant))
     errors: dict[str, Any] = {flag: False for flag in ERROR_FLAGS}
     errors["python_grader_runtime_error_details"] = errors["python_grader_server_error_type"] = None
     errors["model_grader_server_error_details"] = None
@@ -78,8 +79,10 @@ async def run_grader(body: GraderRunRequest, request: Request, ctx: ServerContex
             errors["python_grader_server_error_type"] = str(e)
         elif e.kind == "model_grader_server_error":
             errors["model_grader_server_error_details"] = str(e)
+    used = judge.per_model
     metadata = {"name": grader.name, "type": grader.type, "errors": errors,
                 "execution_time": time.perf_counter() - started, "scores": sub_rewards or {grader.name: reward},
-                "token_usage": None, "sampled_model_name": None}
+                "token_usage": sum(n["total_tokens"] for n in used.values()) if used else None,
+                "sampled_model_name": next(iter(used)) if len(used) == 1 else None}
     return {"reward": reward, "metadata": metadata, "sub_rewards": sub_rewards,
-            "model_grader_token_usage_per_model": {}}
+            "model_grader_token_usage_per_model": used}

@@ -63,13 +63,22 @@ class RFTRunning:
 
     def step_metrics(self, step: int) -> dict:
         """A step's metrics under OpenAI's names (``train_reward_mean``; after a validation ``valid_reward_mean``
-        and its ``full_valid_mean_reward``: the whole validation set) and GRPO's (``rewards/<grader>``); samples
-        the grader could not grade (scored 0) by ``<grader>/<error flag>`` in ``grading_errors``."""
+        and its ``full_valid_mean_reward``: the whole validation set; a model grader's ``model_graders_token_usage``)
+        and GRPO's (``rewards/<grader>``); samples the grader could not grade (scored 0) by ``<grader>/<error flag>``
+        in ``grading_errors``."""
         rec = next((r for r in reversed(self.run.log) if r["step"] == step), None)
         if rec is None:
             return {"step": step, "train_reward_mean": None}
         extra = {k: v for k, v in rec.items()
                  if k.startswith(("rewards/", "valid_rewards/")) or k in ("grading_errors", "valid_grading_errors")}
+        usage: dict[str, dict[str, int]] = {}  # OpenAI's model_graders_token_usage: train_ and eval_ tokens by model
+        for key, prefix in (("grader_tokens", "train_"), ("valid_grader_tokens", "eval_")):
+            for model, n in rec.get(key, {}).items():
+                usage.setdefault(model, {})
+                usage[model] |= {f"{prefix}prompt_tokens": n["prompt_tokens"],
+                                 f"{prefix}completion_tokens": n["completion_tokens"]}
+        if usage:
+            extra["model_graders_token_usage"] = usage
         if "valid_reward" in rec:
             extra |= {"valid_reward_mean": rec["valid_reward"], "full_valid_mean_reward": rec["valid_reward"],
                       "valid_reward_std": rec["valid_reward_std"],
