@@ -204,6 +204,8 @@ def test_a_grpo_run_samples_and_rewards_its_validation_prompts_from_the_adapter_
     """Validation every 2 steps and after the last (5): each is the whole validation set sampled ``eval_samples``
     times from the adapter the step left, rewarded by the run's functions; the oracle for the last one is
     ``LLM.generate`` with the saved adapter and the same sampling, rewarded by hand."""
+    from dataclasses import replace
+
     from coserve import SamplingParams
     from coserve.engine.grpo_run import _VALID_SEEDS, logged_steps
     from coserve.peft.dropout import mix_seed
@@ -247,6 +249,12 @@ def test_a_grpo_run_samples_and_rewards_its_validation_prompts_from_the_adapter_
     assert lines[0]["samples"] != lines[1]["samples"]  # each from its own step's adapter and seeds
     with pytest.raises(ValueError, match="eval_samples: must be a positive integer"):
         FinetuneConfig(output_dir=str(tmp_path / "x"), method="grpo", eval_samples=0)
+    with pytest.raises(ValueError, match="guided_json: a schema for sampled completions is for method grpo"):
+        FinetuneConfig(output_dir=str(tmp_path / "x"), guided_json={"type": "object"})
+    with pytest.raises(ValueError, match="guided_json: .*thing"):  # compiled before the run starts
+        llm.finetune(_prompts(tmp_path / "p.jsonl"), peft=LoraConfig(r=2, target_modules=["q_proj"]),
+                     config=replace(cfg, output_dir=str(tmp_path / "y"), guided_json={"type": "thing"}),
+                     reward_funcs=[_reward_len])
 
 
 def test_the_finetune_command_runs_grpo_with_reward_functions_from_a_file(model_factory, tmp_path, capsys):

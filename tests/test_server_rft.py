@@ -189,6 +189,48 @@ def test_a_reinforcement_job_on_a_fine_tuned_model_samples_that_model(client, ap
     assert samples(BASE) != samples(first.fine_tuned_model)
 
 
+def test_a_reinforcement_job_with_a_response_format_samples_json_its_grader_reads(client, api_server):
+    """``response_format``: every rollout is sampled under the schema (as the chat API samples with it, same seeds)
+    and the grader reads its field as ``sample.output_json``."""
+    from rapidfuzz import fuzz
+
+    from coserve.peft.dropout import mix_seed
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}}, "required": ["answer"],
+              "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "reply", "strict": True, "schema": schema}}
+    grader = dict(GRADER, input="{{ sample.output_json.answer }}")
+    method = {"type": "reinforcement", "reinforcement": {"grader": grader, "response_format": response_format,
+                                                         "hyperparameters": {"n_epochs": 1, "batch_size": 2}}}
+    job = client.fine_tuning.jobs.create(model=BASE, training_file=_upload(client, _prompts()).id, seed=11,
+                                         method=method, extra_body={"coserve": {**COSERVE,
+                                                                                "max_completion_tokens": 24}})
+    assert job.method.reinforcement.model_extra["response_format"] == response_format
+    done = wait_for_job(client, job.id)
+    assert done.status == "succeeded", done.error
+    model_dir = api_server.state_dir / "jobs" / job.id / "model"
+    rollouts = [json.loads(x) for x in (model_dir / "rollouts.jsonl").read_text().splitlines()]
+    for r in rollouts:
+        answer = json.loads(r["completion"])["answer"] if r["finish_reason"] == "stop" else None
+        assert r["reward"] == (0.0 if answer is None else
+                               pytest.approx(fuzz.ratio(answer, ANSWERS[r["prompt_line"] - 1][1]) / 100, abs=1e-12))
+    assert sum(r["finish_reason"] == "stop" for r in rollouts) >= 4
+    texts = []
+    for group in (0, 1):
+        line = next(r["prompt_line"] for r in rollouts if r["step"] == 1 and r["group"] == group)
+        reply = client.chat.completions.create(model=BASE, messages=[{"role": "user",
+                                                                      "content": ANSWERS[line - 1][0]}],
+                                               n=2, seed=mix_seed(11, 0, group), temperature=1.0, max_tokens=24,
+                                               response_format=response_format)
+        texts += [c.message.content for c in reply.choices]
+    assert [r["completion"] for r in rollouts if r["step"] == 1] == texts
+    bad = dict(method["reinforcement"], response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "r", "schema": {"type": "thing"}}})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.jobs.create(model=BASE, training_file=job.training_file,
+                                       method={"type": "reinforcement", "reinforcement": bad})
+    assert e.value.body["param"] == "method.reinforcement.response_format", e.value.body
+
+
 def _assert_close(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name in expected:

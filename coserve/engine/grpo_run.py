@@ -129,6 +129,8 @@ class GRPORun:
         if len(weights) != len(funcs) or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
                                                  and math.isfinite(w) for w in weights):
             raise ValueError(f"reward_weights: expected {len(funcs)} finite numbers, got {reward_weights!r}")
+        if cfg.guided_json is not None:
+            SamplingParams(guided_json=cfg.guided_json)  # compiled now: ValueError naming guided_json when it is bad
         self.client, self.prompts, self.funcs, self.weights = client, prompts, funcs, weights
         self.validation = validation
         self.on_step = on_step
@@ -260,7 +262,8 @@ class GRPORun:
         cfg, k = self.cfg, self.cfg.eval_samples
         started = time.perf_counter()
         params = [SamplingParams(n=k, temperature=cfg.temperature, max_tokens=cfg.max_completion_tokens,
-                                 seed=mix_seed(cfg.seed, _VALID_SEEDS, step, j)) for j in range(len(self.validation))]
+                                 seed=mix_seed(cfg.seed, _VALID_SEEDS, step, j), guided_json=cfg.guided_json)
+                  for j in range(len(self.validation))]
         try:
             outs = self._sample(self.validation, params)
         except RuntimeError:
@@ -329,7 +332,7 @@ class GRPORun:
         cfg = self.cfg
         params = [SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
                                  max_tokens=cfg.max_completion_tokens, logprobs=0,
-                                 seed=mix_seed(cfg.seed, step, j))
+                                 seed=mix_seed(cfg.seed, step, j), guided_json=cfg.guided_json)
                   for j in range(len(batch))]
         return self._sample(batch, params)
 

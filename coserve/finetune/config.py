@@ -48,6 +48,8 @@ class FinetuneConfig:
     #   GRPO: the whole validation set is sampled and rewarded every this many steps (0 = each epoch's end) and after
     #   the last
     eval_samples: int = 1  # GRPO: completions sampled per validation prompt
+    guided_json: dict | bool | None = None  # GRPO: a JSON schema every completion (rollouts, validation) must match
+    #   (OpenAI's reinforcement response_format; a grader reads the output as sample.output_json)
     train_on_prompt: bool = False  # loss on prompt tokens too (Alpaca and chat formats)
     save_steps: int = 0  # HF Trainer's: every this many steps, a resumable checkpoint in output_dir/checkpoint-STEP
     save_total_limit: int = 0  # HF Trainer's: keep only the newest this many of those (0 = all)
@@ -123,6 +125,10 @@ class FinetuneConfig:
                              "carries no loss")
         _positive_int("num_generations", self.num_generations)
         _positive_int("eval_samples", self.eval_samples)
+        if self.guided_json is not None and not isinstance(self.guided_json, (dict, bool)):
+            raise ValueError(f"guided_json: expected a JSON schema (an object), got {self.guided_json!r}")
+        if self.guided_json is not None and self.method != "grpo":
+            raise ValueError(f"guided_json: a schema for sampled completions is for method grpo, not {self.method}")
         _positive_int("max_completion_tokens", self.max_completion_tokens)
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not 0 < self.temperature < float("inf")):

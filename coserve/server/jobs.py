@@ -34,6 +34,7 @@ from coserve.peft.trainable import load_trainable
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
 from coserve.server.grader_judge import check_grader_models
+from coserve.server.response_format import guided_schema
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import ModelRegistry, checkpoint_name, fine_tuned_name
 from coserve.server.protocol import (CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters,
@@ -211,6 +212,8 @@ class JobManager:
         method_object = {"hyperparameters": dict(hyper)}
         if method == "reinforcement":
             method_object = {"grader": grader, **method_object}
+            if body.method.reinforcement.response_format is not None:
+                method_object["response_format"] = self._response_format(body)
         options = body.coserve or CoserveOptions()
         if options.dpo_label_smoothing and options.dpo_loss not in ("sigmoid", "simpo"):
             raise bad_request("coserve.dpo_label_smoothing: only the sigmoid and the simpo losses smooth labels",
@@ -416,6 +419,16 @@ class JobManager:
             raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
         check_grader_models(grader, self.models, tenant, "method.reinforcement.")
         return rft.grader
+
+    @staticmethod
+    def _response_format(body: FineTuningJobRequest) -> dict:
+        """A reinforcement job's ``response_format``, checked as the chat API checks one (400 naming the field)."""
+        given = body.method.reinforcement.response_format
+        try:
+            guided_schema(given)
+        except APIError as e:
+            raise bad_request(f"method.reinforcement.{e.message}", f"method.reinforcement.{e.param}") from None
+        return given
 
     @staticmethod
     def _evaluation(body: FineTuningJobRequest) -> dict:

@@ -273,6 +273,7 @@ class ReinforcementHyperparameters(Hyperparameters):
 class Reinforcement(Body):
     grader: dict[str, Any]  # checked by coserve/finetune/graders.py (errors name method.reinforcement.grader.*)
     hyperparameters: ReinforcementHyperparameters | None = None
+    response_format: Any = None  # OpenAI's: the completions' JSON schema (graders read sample.output_json)
 
 
 class Method(Body):

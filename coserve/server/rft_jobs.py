@@ -25,6 +25,7 @@ from coserve.finetune.graders import grader_reward, parse_grader
 from coserve.finetune.grpo_prompts import load_prompts
 from coserve.peft.adapter_dir import CONFIG_FILE, WEIGHTS_FILE
 from coserve.server.grader_judge import server_judge
+from coserve.server.response_format import guided_schema
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 
@@ -93,11 +94,13 @@ def rft_fields(job: dict, checkpoint_steps: int) -> dict:
     """A stored reinforcement job's GRPO settings beside those every job has (``jobs.stored_config``):
     ``batch_size`` prompts a step, each sampled ``num_generations`` x ``compute_multiplier`` times (at least
     twice); with a validation file, validation every ``eval_interval`` steps ("auto": at each checkpoint, which is
-    every ``checkpoint_steps``, or each epoch's end when 0)."""
+    every ``checkpoint_steps``, or each epoch's end when 0); completions matching ``response_format``'s schema."""
     opts, hyper = job["coserve"], job["hyperparameters"]
     g = max(2, round(opts["num_generations"] * hyper["compute_multiplier"]))
     every = hyper.get("eval_interval", "auto")  # jobs stored before validation: none
+    schema = guided_schema(job["method"]["reinforcement"].get("response_format"))  # checked when the job was made
     return dict(method="grpo", batch_size=hyper["batch_size"] * g, grad_accum=1, num_generations=g,
+                guided_json=schema,
                 max_completion_tokens=opts["max_completion_tokens"], temperature=opts["temperature"],
                 grpo_loss=opts["grpo_loss"], scale_rewards=opts["scale_rewards"],
                 eval_steps=(checkpoint_steps or 0) if every == "auto" else every,
