@@ -281,7 +281,7 @@ class GRPORun:
                    **mean_rewards(per_func, "valid_rewards/"),
                    "valid_completions_mean_length": sum(lengths) / len(lengths),
                    "valid_s": round(time.perf_counter() - started, 4),
-                   **{f"valid_{k}": v for k, v in graded.items()}}
+                   **{f"valid_{key}": v for key, v in graded.items()}}
         samples = [{"prompt_line": r.line, "completion": c.text, "completion_token_ids": list(c.token_ids),
                     "finish_reason": c.finish_reason, "reward": rewards[i],
                     "rewards": {n: None if math.isnan(v[i]) else v[i] for n, v in per_func.items()}}

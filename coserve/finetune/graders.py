@@ -1,19 +1,18 @@
 """OpenAI's graders (the reinforcement fine-tuning method's reward, and ``/v1/fine_tuning/alpha/graders``): a JSON
-spec checked once (:func:`parse_grader`, errors naming the field), then scores in [0, 1] for samples against their
-data-set items (:meth:`Grader.grade`).
+spec checked once (:func:`parse_grader`, errors naming the field), then scores (in [0, 1], or a score model's
+``range``) for samples against their data-set items.
 
 - ``string_check``: ``input`` against ``reference`` by ``operation``: ``eq``, ``ne``, ``like`` (the reference
   occurs in the input) or ``ilike`` (the same, ignoring case): 1 or 0.
 - ``text_similarity``: ``evaluation_metric`` of ``input`` against ``reference`` (``text_similarity.py``).
 - ``python``: ``grade(sample, item)`` of the ``source`` (``python_grader.py``), where the caller allows it.
-- ``multi``: named ``graders`` combined by ``calculate_output`` (``grader_formula.py``).
-
-``input`` and ``reference`` are templates: ``{{ item.answer }}`` is the data-set line's ``answer`` field (a path
-``item.a.b`` goes deeper), ``{{ sample.output_text }}`` the model's output, ``{{ sample.output_json.x }}`` a field
-of that output read as JSON.
-
 - ``score_model``, ``label_model``: a model the engine serves grades the sample (``model_graders.py``), through the
   judge the caller gives.
+- ``multi``: named ``graders`` combined by ``calculate_output`` (``grader_formula.py``).
+
+``input`` and ``reference`` are templates (``grader_template.py``): ``{{ item.answer }}`` is the data-set line's
+``answer`` field (a path ``item.a.b`` goes deeper), ``{{ sample.output_text }}`` the model's output,
+``{{ sample.output_json.x }}`` a field of that output read as JSON.
 
 ``outcomes`` grades each sample on its own (a sample that cannot be graded is a ``GradingError`` whose ``kind`` is
 OpenAI's error flag); ``grade`` raises the first such error.

@@ -27,5 +27,3 @@ def check_grader_models(grader: Grader, models: ModelRegistry, tenant: str, pref
             param = f"{prefix}{g.where}.model"
             raise bad_request(f"{param}: the model '{g.model.model}' does not exist or you do not have access to it",
                               param, "model_not_found")
-
-

@@ -34,11 +34,11 @@ from coserve.peft.trainable import load_trainable
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
 from coserve.server.grader_judge import check_grader_models
-from coserve.server.response_format import guided_schema
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import ModelRegistry, checkpoint_name, fine_tuned_name
 from coserve.server.protocol import (CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters,
                                      ReinforcementHyperparameters)
+from coserve.server.response_format import guided_schema
 from coserve.server.rft_jobs import RFTRunning, copy_adapter, follow_rft, rft_fields, start_rft
 from coserve.server.store import Store
 

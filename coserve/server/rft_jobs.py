@@ -24,10 +24,10 @@ from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.graders import grader_reward, parse_grader
 from coserve.finetune.grpo_prompts import load_prompts
 from coserve.peft.adapter_dir import CONFIG_FILE, WEIGHTS_FILE
-from coserve.server.grader_judge import server_judge
-from coserve.server.response_format import guided_schema
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
+from coserve.server.grader_judge import server_judge
+from coserve.server.response_format import guided_schema
 
 if TYPE_CHECKING:
     from coserve.server.jobs import JobManager
