@@ -1,4 +1,5 @@
-"""The server's durable state: tenants, files, fine-tuning jobs, events, checkpoints, stored responses, batches.
+"""The server's durable state: tenants, files, fine-tuning jobs, events, checkpoints, stored responses, batches,
+evals and their runs.
 
 Everything lives under one state directory: ``state.db`` (SQLite, WAL journal,
 ``synchronous=FULL``, so every committed write survives the process being
@@ -21,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 4  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads
+SCHEMA_VERSION = 5  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads; 5: evals
 _FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 _UPLOAD_ID = re.compile(r"upload-[0-9a-f]{24}")
 
@@ -72,6 +73,23 @@ CREATE TABLE upload_parts (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
     upload_id TEXT NOT NULL REFERENCES uploads(id), bytes INTEGER NOT NULL, created_at INTEGER NOT NULL);
 CREATE INDEX upload_parts_upload ON upload_parts(upload_id, seq);
+""", 5: """
+CREATE TABLE evals (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), status TEXT NOT NULL,
+    created_at INTEGER NOT NULL, obj TEXT NOT NULL);
+CREATE INDEX evals_tenant ON evals(tenant, seq);
+CREATE TABLE eval_runs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), status TEXT NOT NULL,
+    created_at INTEGER NOT NULL, obj TEXT NOT NULL,
+    eval_id TEXT NOT NULL REFERENCES evals(id));
+CREATE INDEX eval_runs_eval ON eval_runs(eval_id, seq);
+CREATE INDEX eval_runs_status ON eval_runs(status, seq);
+CREATE TABLE eval_items (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    run_id TEXT NOT NULL REFERENCES eval_runs(id), item INTEGER NOT NULL, status TEXT NOT NULL,
+    obj TEXT NOT NULL, UNIQUE (run_id, item));
 """}
 
 
@@ -370,6 +388,111 @@ class Store:
         return [(tenant, json.loads(obj)) for tenant, obj in
                 self._all(f"SELECT tenant, obj FROM batches WHERE {where} ORDER BY seq", params)]
 
+    # ---- evals (OpenAI's Evals API) and their runs
+
+    def add_eval(self, tenant: str, obj: dict) -> dict:
+        obj = json.loads(json.dumps(obj))
+        with self._lock, self._conn:
+            self._insert_object("evals", tenant, {**obj, "status": "active"})
+        return obj
+
+    def get_eval(self, tenant: str, eval_id: str) -> dict | None:
+        row = self._one("SELECT obj FROM evals WHERE id = ? AND tenant = ?", (eval_id, tenant))
+        return None if row is None else _public(json.loads(row[0]))
+
+    def update_eval(self, eval_id: str, **fields) -> dict:
+        return _public(self._update("evals", eval_id, fields))
+
+    def list_evals(self, tenant: str, after: str | None = None, limit: int = 20,
+                   ascending: bool = True) -> tuple[list[dict], bool]:
+        page, more = self._page("evals", "seq", "tenant = ?", [tenant], after, limit, "an eval of this tenant",
+                                ascending)
+        return [_public(e) for e in page], more
+
+    def delete_eval(self, tenant: str, eval_id: str) -> bool:
+        """Delete the tenant's eval with its runs and their output items; False if it has none so named."""
+        with self._lock, self._conn:
+            if self._conn.execute("SELECT 1 FROM evals WHERE id = ? AND tenant = ?", (eval_id, tenant)).fetchone() \
+                    is None:
+                return False
+            self._conn.execute("DELETE FROM eval_items WHERE run_id IN (SELECT id FROM eval_runs WHERE eval_id = ?)",
+                               (eval_id,))
+            self._conn.execute("DELETE FROM eval_runs WHERE eval_id = ?", (eval_id,))
+            self._conn.execute("DELETE FROM evals WHERE id = ?", (eval_id,))
+        return True
+
+    def add_eval_run(self, tenant: str, run: dict) -> dict:
+        obj = json.loads(json.dumps(run))
+        with self._lock, self._conn:
+            self._insert_tenant(tenant)
+            self._conn.execute("INSERT INTO eval_runs (id, tenant, status, created_at, obj, eval_id) VALUES "
+                               "(?, ?, ?, ?, ?, ?)", (obj["id"], tenant, obj["status"], obj["created_at"],
+                                                      json.dumps(obj), obj["eval_id"]))
+        return obj
+
+    def update_eval_run(self, run_id: str, **fields) -> dict:
+        return self._update("eval_runs", run_id, fields)
+
+    def get_eval_run(self, tenant: str, eval_id: str, run_id: str) -> dict | None:
+        row = self._one("SELECT obj FROM eval_runs WHERE id = ? AND eval_id = ? AND tenant = ?",
+                        (run_id, eval_id, tenant))
+        return None if row is None else json.loads(row[0])
+
+    def list_eval_runs(self, tenant: str, eval_id: str, after: str | None = None, limit: int = 20,
+                       ascending: bool = True, status: str | None = None) -> tuple[list[dict], bool]:
+        where, params = "tenant = ? AND eval_id = ?", [tenant, eval_id]
+        if status is not None:
+            where, params = f"{where} AND status = ?", [*params, status]
+        return self._page("eval_runs", "seq", where, params, after, limit, "a run of this eval", ascending)
+
+    def eval_runs_with_status(self, *statuses: str) -> list[tuple[str, dict]]:
+        """``(tenant, run)`` of every eval run in one of ``statuses``, oldest first."""
+        where, params = _in(statuses)
+        return [(tenant, json.loads(obj)) for tenant, obj in
+                self._all(f"SELECT tenant, obj FROM eval_runs WHERE {where} ORDER BY seq", params)]
+
+    def delete_eval_run(self, tenant: str, eval_id: str, run_id: str) -> bool:
+        with self._lock, self._conn:
+            if self._conn.execute("SELECT 1 FROM eval_runs WHERE id = ? AND eval_id = ? AND tenant = ?",
+                                  (run_id, eval_id, tenant)).fetchone() is None:
+                return False
+            self._conn.execute("DELETE FROM eval_items WHERE run_id = ?", (run_id,))
+            self._conn.execute("DELETE FROM eval_runs WHERE id = ?", (run_id,))
+        return True
+
+    def add_eval_item(self, run_id: str, obj: dict) -> None:
+        """A run's output item (its ``datasource_item_id`` once: a run resumed after a restart skips those done)."""
+        with self._lock, self._conn:
+            self._conn.execute("INSERT OR IGNORE INTO eval_items (id, run_id, item, status, obj) VALUES "
+                               "(?, ?, ?, ?, ?)", (obj["id"], run_id, obj["datasource_item_id"], obj["status"],
+                                                   json.dumps(obj)))
+
+    def eval_items_done(self, run_id: str) -> list[dict]:
+        return [json.loads(obj) for (obj,) in
+                self._all("SELECT obj FROM eval_items WHERE run_id = ? ORDER BY item", (run_id,))]
+
+    def list_eval_items(self, run_id: str, after: str | None = None, limit: int = 20, ascending: bool = True,
+                        status: str | None = None) -> tuple[list[dict], bool]:
+        where, params = "run_id = ?", [run_id]
+        if status is not None:
+            where, params = f"{where} AND status = ?", [*params, status]
+        return self._page("eval_items", "item", where, params, after, limit, "an output item of this run", ascending)
+
+    def get_eval_item(self, run_id: str, item_id: str) -> dict | None:
+        row = self._one("SELECT obj FROM eval_items WHERE id = ? AND run_id = ?", (item_id, run_id))
+        return None if row is None else json.loads(row[0])
+
+    def _update(self, table: str, row_id: str, fields: dict) -> dict:
+        """Merge ``fields`` into a row's object (``table``: a constant of this module); KeyError if absent."""
+        with self._lock, self._conn:
+            row = self._conn.execute(f"SELECT obj FROM {table} WHERE id = ?", (row_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"{row_id!r} is not in {table}")
+            obj = {**json.loads(row[0]), **fields}
+            self._conn.execute(f"UPDATE {table} SET status = ?, obj = ? WHERE id = ?",
+                               (obj.get("status", "active"), json.dumps(obj), row_id))
+        return obj
+
     # ---- fine-tuning jobs
 
     def add_job(self, tenant: str, job: dict) -> dict:
@@ -510,8 +633,8 @@ class Store:
             raise KeyError(f"job_id: no job {job_id!r}")
 
     def _page(self, table: str, key: str, where: str, params: list, after: str | None,
-              limit: int, what: str) -> tuple[list[dict], bool]:
-        """Rows of ``table`` by ``key`` descending, below the row ``after``; (page, has_more).
+              limit: int, what: str, ascending: bool = False) -> tuple[list[dict], bool]:
+        """Rows of ``table`` by ``key`` descending (or ascending), past the row ``after``; (page, has_more).
 
         ``table``, ``key``, ``where`` are constants of this module, never user input.
         """
@@ -523,8 +646,8 @@ class Store:
                                          [after, *params]).fetchone()
                 if row is None:
                     raise ValueError(f"after: {after!r} is not {what}")
-                where, params = f"{where} AND {key} < ?", [*params, row[0]]
-            sql = f"SELECT obj FROM {table} WHERE {where} ORDER BY {key} DESC LIMIT ?"
+                where, params = f"{where} AND {key} {'>' if ascending else '<'} ?", [*params, row[0]]
+            sql = f"SELECT obj FROM {table} WHERE {where} ORDER BY {key} {'ASC' if ascending else 'DESC'} LIMIT ?"
             rows = self._conn.execute(sql, [*params, limit + 1]).fetchall()
         return [json.loads(obj) for (obj,) in rows[:limit]], len(rows) > limit
 
@@ -538,3 +661,8 @@ def _file_object(row: tuple) -> dict:
     return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at,
             "filename": filename, "purpose": purpose, "status": "processed",
             "status_details": None}
+
+
+def _public(obj: dict) -> dict:
+    """A stored object without the row's bookkeeping (``status`` of an eval, which OpenAI's eval object lacks)."""
+    return {k: v for k, v in obj.items() if k != "status"}
