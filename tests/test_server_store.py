@@ -33,7 +33,7 @@ def test_creates_layout_and_schema(tmp_path):
     try:
         assert (tmp_path / "a" / "b" / "state.db").is_file()
         assert (tmp_path / "a" / "b" / "files").is_dir()
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 4
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 5
         assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -54,7 +54,7 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
     conn.close()
     s = Store(tmp_path)
     try:
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 4
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 5
         assert s.get_job("alice", "ftjob-1")["status"] == "queued"
         s.add_response("alice", {"id": "resp_1", "created_at": 5}, [{"role": "user", "content": "hi"}])
         assert s.get_response("alice", "resp_1") == ({"id": "resp_1", "created_at": 5},
@@ -68,6 +68,19 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
         assert s.list_batches("alice") == ([s.get_batch("alice", "batch_1")], False)
         s.add_upload("alice", {"id": "upload-" + "0" * 24, "status": "pending", "created_at": 9})
         assert s.get_upload("alice", "upload-" + "0" * 24)["status"] == "pending"
+        for i in (1, 2, 3):
+            s.add_eval("alice", {"id": f"eval_{i}", "object": "eval", "created_at": i})
+        assert [e["id"] for e in s.list_evals("alice", limit=2)[0]] == ["eval_1", "eval_2"]  # oldest first
+        assert s.list_evals("alice", after="eval_1", ascending=False) == ([], False)
+        assert [e["id"] for e in s.list_evals("alice", after="eval_3", ascending=False)[0]] == ["eval_2", "eval_1"]
+        assert s.get_eval("bob", "eval_1") is None and s.update_eval("eval_1", name="x")["name"] == "x"
+        s.add_eval_run("alice", {"id": "evalrun_1", "eval_id": "eval_1", "status": "queued", "created_at": 1})
+        s.add_eval_item("evalrun_1", {"id": "outputitem_1", "datasource_item_id": 0, "status": "pass"})
+        s.add_eval_item("evalrun_1", {"id": "outputitem_2", "datasource_item_id": 0, "status": "fail"})  # once
+        assert [x["id"] for x in s.eval_items_done("evalrun_1")] == ["outputitem_1"]
+        assert s.list_eval_items("evalrun_1", status="fail") == ([], False)
+        assert not s.delete_eval("bob", "eval_1") and s.delete_eval("alice", "eval_1")
+        assert s.get_eval_run("alice", "eval_1", "evalrun_1") is None and s.eval_items_done("evalrun_1") == []
     finally:
         s.close()
 
