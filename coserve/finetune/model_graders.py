@@ -111,7 +111,7 @@ def parse_model_grader(spec: dict, where: str) -> ModelGrading:
     model = spec.get("model")
     if not isinstance(model, str) or not model:
         raise ValueError(f"{where}.model: expected the name of a model this server serves")
-    messages = _messages(spec.get("input"), f"{where}.input")
+    messages = parse_messages(spec.get("input"), f"{where}.input")
     if kind == "label_model":
         labels = spec.get("labels")
         if (not isinstance(labels, list) or not labels or len(labels) > MAX_LABELS
@@ -133,7 +133,7 @@ def parse_model_grader(spec: dict, where: str) -> ModelGrading:
     return ModelGrading(kind, model, messages, params, low=low, high=high)
 
 
-def _messages(given: object, where: str) -> tuple[tuple[str, Template], ...]:
+def parse_messages(given: object, where: str) -> tuple[tuple[str, Template], ...]:
     """The grader's conversation: messages with a role and text content (a string, a text part, or text parts),
     each text a template."""
     if not isinstance(given, list) or not given:

@@ -15,14 +15,15 @@ from coserve import __version__
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
-from coserve.server import (embeddings_api, errors, graders_api, inference_api, lean_routes, responses_api,
-                            scores_api)
+from coserve.server import (embeddings_api, errors, evals_api, graders_api, inference_api, lean_routes,
+                            responses_api, scores_api)
 from coserve.server.auth import Authenticator
 from coserve.server.batches import BATCH_PRIORITY, BatchRunner
 from coserve.server.batches_api import router as batches_router
 from coserve.server.uploads_api import router as uploads_router
 from coserve.server.config import ServerConfig
 from coserve.server.context import ServerContext
+from coserve.server.eval_runs import EvalRunner
 from coserve.server.fine_tuning_api import router as fine_tuning_router
 from coserve.server.generation import EngineClient
 from coserve.server.jobs import JobManager
@@ -69,7 +70,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     batches = BatchRunner(store, config.state_dir,
                           priority=BATCH_PRIORITY if engine_config.scheduling_policy == "priority" else None)
     client = EngineClient(loop, config.max_waiting_requests, config.stream_interval)
-    ctx = ServerContext(config, client, store, models, jobs, metrics, auth, batches)
+    evals = EvalRunner(store, models, config.python_graders)
+    ctx = ServerContext(config, client, store, models, jobs, metrics, auth, batches, evals)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -78,9 +80,11 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)  # the event loop waits less on the engine thread
         jobs.start()
         batches.start()
+        evals.start()
         try:
             yield
         finally:
+            await evals.stop()
             await batches.stop()
             jobs.stop()
             loop.stop()
@@ -96,6 +100,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.include_router(scores_api.router)
     app.include_router(fine_tuning_router)
     app.include_router(graders_api.router)
+    app.include_router(evals_api.router)
     app.include_router(batches_router)
     app.include_router(uploads_router)
     lean_routes.install(app, [inference_api.router, responses_api.router, embeddings_api.router],
@@ -118,5 +123,5 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
 
     app.add_middleware(ServerMiddleware, auth=auth, metrics=metrics, max_body=config.max_body_bytes,
                        max_upload=config.max_upload_bytes, engine_error=lambda: loop.error)
-    batches.app = app  # batch requests go through the same middleware and routes as any other
+    batches.app = evals.app = app  # batch requests and eval samples go through the same middleware and routes
     return app

@@ -1,5 +1,5 @@
 """What every route shares: the engine client, the store, the model registry, the job manager, metrics,
-the batch runner."""
+the batch runner, the eval runner."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from coserve.server.store import Store
 
 if TYPE_CHECKING:
     from coserve.server.batches import BatchRunner
+    from coserve.server.eval_runs import EvalRunner
     from coserve.server.jobs import JobManager
 
 
@@ -30,6 +31,7 @@ class ServerContext:
     metrics: ServerMetrics
     auth: Authenticator
     batches: "BatchRunner | None" = None
+    evals: "EvalRunner | None" = None
 
     @property
     def engine(self):

@@ -14,12 +14,14 @@ from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import FineTuningJobRequest
 from coserve.server.batch_files import parse_batch_jsonl
 from coserve.server.batches import ACTIVE
+from coserve.server.eval_data import parse_eval_jsonl
 from coserve.server.training_files import PURPOSES, validate_training_jsonl
 
 router = APIRouter(route_class=TextJSONRoute)
 MAX_PAGE = 100
 MAX_FILES_PAGE = 10_000  # OpenAI's limit for GET /v1/files
-UPLOAD_PURPOSES = (*PURPOSES, "batch")  # batch_output files are the server's own
+UPLOAD_PURPOSES = (*PURPOSES, "batch", "evals")  # batch_output files are the server's own
+VALIDATORS = {"batch": parse_batch_jsonl, "evals": parse_eval_jsonl}  # fine-tune: validate_training_jsonl
 
 
 async def _multipart(request: Request):
@@ -40,9 +42,9 @@ async def upload_file(request: Request, ctx: ServerContext = Depends(context)):
     purpose = form.get("purpose")
     upload = form.get("file")
     if not isinstance(purpose, str):
-        raise bad_request("purpose: is required ('fine-tune' or 'batch')", "purpose")
+        raise bad_request("purpose: is required ('fine-tune', 'batch' or 'evals')", "purpose")
     if purpose not in UPLOAD_PURPOSES:
-        raise bad_request(f"purpose: '{purpose}' is not supported; use 'fine-tune' or 'batch'", "purpose")
+        raise bad_request(f"purpose: '{purpose}' is not supported; use 'fine-tune', 'batch' or 'evals'", "purpose")
     if upload is None or isinstance(upload, str):
         raise bad_request("file: is required (a JSONL file: the chat format, or batch requests)", "file")
     data = await upload.read()
@@ -51,7 +53,7 @@ async def upload_file(request: Request, ctx: ServerContext = Depends(context)):
         raise APIError(413, f"file: {len(data)} bytes exceeds the limit of {ctx.config.max_upload_bytes}", "file",
                        "file_too_large")
     try:
-        await asyncio.to_thread(validate_training_jsonl if purpose in PURPOSES else parse_batch_jsonl, data)
+        await asyncio.to_thread(VALIDATORS.get(purpose, validate_training_jsonl), data)
     except ValueError as e:
         raise bad_request(f"file: {e}", "file", "invalid_file") from e
     filename = (upload.filename or "upload.jsonl").replace("/", "_").replace("\\", "_")[:255]

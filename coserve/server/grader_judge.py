@@ -4,6 +4,8 @@ or checkpoints, loaded on first use). A grader whose ``model`` the caller may no
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from coserve.engine.chat_judge import chat_judge
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.loop_client import LoopClient
@@ -11,6 +13,10 @@ from coserve.finetune.graders import Grader
 from coserve.finetune.model_graders import Judge
 from coserve.server.errors import bad_request
 from coserve.server.models import ModelRegistry
+
+# Grading runs off the event loop (a python grader's process, a model grader's requests) on threads of its own: a
+# model grader may load its model on the default executor, which grading must not fill.
+GRADING_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="coserve-grader")
 
 
 def server_judge(models: ModelRegistry, loop: EngineLoop, tenant: str) -> Judge:

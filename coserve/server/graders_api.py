@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -16,12 +15,11 @@ from coserve.finetune.graders import GradingError, Grader, make_sample, parse_gr
 from coserve.finetune.model_graders import CountingJudge
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import bad_request
-from coserve.server.grader_judge import check_grader_models, server_judge
+from coserve.server.grader_judge import GRADING_THREADS, check_grader_models, server_judge
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import Body
 
 router = APIRouter(route_class=TextJSONRoute)
-_GRADING = ThreadPoolExecutor(max_workers=4, thread_name_prefix="coserve-grader")  # grader runs, 4 at once
 ERROR_FLAGS = ("formula_parse_error", "invalid_variable_error", "model_grader_parse_error",
                "model_grader_refusal_error", "model_grader_server_error", "other_error",
                "python_grader_runtime_error", "python_grader_server_error", "sample_parse_error",
@@ -68,10 +66,9 @@ async def run_grader(body: GraderRunRequest, request: Request, ctx: ServerContex
     errors["python_grader_runtime_error_details"] = errors["python_grader_server_error_type"] = None
     errors["model_grader_server_error_details"] = None
     started = time.perf_counter()
-    try:  # off the event loop (a python grader's process, a model grader's requests), on threads of their own: a
-        # model grader may load its model on the default executor, which grader runs must not fill
+    try:
         scores, subs = await asyncio.get_running_loop().run_in_executor(
-            _GRADING, grader.grade, [make_sample(body.model_sample)], [body.item], judge)
+            GRADING_THREADS, grader.grade, [make_sample(body.model_sample)], [body.item], judge)
         reward, sub_rewards = scores[0], {k: v[0] for k, v in subs.items()}
     except GradingError as e:
         reward, sub_rewards = 0.0, {}

@@ -18,6 +18,11 @@ class Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+# OpenAI's metadata: at most 16 pairs, keys of up to 64 characters, values of up to 512
+Metadata = dict[Annotated[str, StringConstraints(max_length=64)],
+                Annotated[str, StringConstraints(max_length=512)]] | None
+
+
 class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's counts so far

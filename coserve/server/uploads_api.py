@@ -17,14 +17,13 @@ import time
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
-from coserve.server.batch_files import parse_batch_jsonl
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, found
-from coserve.server.fine_tuning_api import UPLOAD_PURPOSES
+from coserve.server.fine_tuning_api import UPLOAD_PURPOSES, VALIDATORS
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import Body
 from coserve.server.store import Store
-from coserve.server.training_files import PURPOSES, validate_training_jsonl
+from coserve.server.training_files import validate_training_jsonl
 
 router = APIRouter(route_class=TextJSONRoute)
 EXPIRES_S = 3600  # OpenAI's: an upload not completed within an hour expires
@@ -71,7 +70,8 @@ def _not_pending(upload: dict) -> APIError:
 @router.post("/v1/uploads")
 async def create_upload(body: UploadRequest, request: Request, ctx: ServerContext = Depends(context)):
     if body.purpose not in UPLOAD_PURPOSES:
-        raise bad_request(f"purpose: '{body.purpose}' is not supported; use 'fine-tune' or 'batch'", "purpose")
+        raise bad_request(f"purpose: '{body.purpose}' is not supported; use 'fine-tune', 'batch' or 'evals'",
+                          "purpose")
     if body.mime_type not in MIME_TYPES:
         raise bad_request(f"mime_type: '{body.mime_type}' is not a type of JSONL files ({', '.join(MIME_TYPES)})",
                           "mime_type")
@@ -142,7 +142,7 @@ def _file_id(upload_id: str) -> str:
 def _complete(store: Store, tenant: str, upload: dict, body: CompleteRequest) -> dict:
     data = _joined(store, upload, body.part_ids, body.md5)
     try:
-        (validate_training_jsonl if upload["purpose"] in PURPOSES else parse_batch_jsonl)(data)
+        VALIDATORS.get(upload["purpose"], validate_training_jsonl)(data)
     except ValueError as e:
         raise bad_request(f"part_ids: the uploaded file is not valid: {e}", "part_ids", "invalid_file") from e
     file = store.add_file(tenant, upload["filename"], upload["purpose"], data, file_id=_file_id(upload["id"]))

@@ -1,0 +1,258 @@
+"""What OpenAI's Evals API takes, checked at the boundary (a 400 naming the field): an eval's data source config
+and testing criteria (graders, ``coserve/finetune/graders.py``), a run's data source (its items, from the request
+or a file of purpose ``evals``, and for a ``completions`` run the conversation template, the model and how to
+sample), and ``evals`` files; each item's conversation rendered from its template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from coserve.finetune.grader_template import Template, make_sample
+from coserve.finetune.graders import Grader, parse_grader
+from coserve.finetune.model_graders import parse_messages
+from coserve.server.errors import APIError, bad_request, found
+from coserve.server.response_format import guided_schema
+
+CRITERIA_TYPES = ("string_check", "text_similarity", "python", "score_model", "label_model")
+MAX_ITEMS = 10_000  # items a run may have
+SAMPLE_SCHEMA = {"type": "object", "properties": {"output_text": {"type": "string"}, "output_json": {"type": "object"},
+                                                  "output_tools": {"type": "array"}, "model": {"type": "string"},
+                                                  "choices": {"type": "array"}}, "required": []}
+SAMPLING_FIELDS = ("max_completion_tokens", "seed", "temperature", "top_p", "response_format")
+DEFAULT_MAX_TOKENS = 256  # a completion's tokens unless sampling_params.max_completion_tokens says otherwise
+
+
+@dataclass(frozen=True, slots=True)
+class Criterion:
+    """A testing criterion: its grader and how a score passes."""
+
+    grader: Grader
+    threshold: float | None  # a score at or above it passes; None: only a perfect 1 (string_check, label_model)
+
+    def passed(self, score: float) -> bool:
+        return score >= self.threshold if self.threshold is not None else score == 1.0
+
+
+def parse_eval_jsonl(data: bytes) -> list[dict]:
+    """An ``evals`` file: one JSON object a line, ``{"item": {...}, "sample": {...}}`` (the sample optional) or the
+    item itself; ValueError naming the line."""
+    entries = []
+    for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"line {number}: not JSON ({e})") from None
+        entries.append(_entry(obj, f"line {number}"))
+    if not entries:
+        raise ValueError("the file has no items")
+    return entries
+
+
+def _entry(obj: Any, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected an object (an item, or {{\"item\": ..., \"sample\": ...}})")
+    if "item" not in obj:
+        return {"item": obj, "sample": None}
+    if not isinstance(obj["item"], dict):
+        raise ValueError(f"{where}.item: expected an object")
+    sample = obj.get("sample")
+    if sample is not None and not isinstance(sample, dict):
+        raise ValueError(f"{where}.sample: expected an object")
+    return {"item": obj["item"], "sample": sample}
+
+
+def check_data_source_config(config: Any) -> dict:
+    """An eval's ``data_source_config`` as the eval object shows it (``custom`` only: the run brings its items)."""
+    if not isinstance(config, dict) or config.get("type") != "custom":
+        kind = config.get("type") if isinstance(config, dict) else None
+        raise bad_request(f"data_source_config.type: coserve's evals take 'custom' data (items a run brings), not "
+                          f"{kind!r}", "data_source_config.type")
+    schema = config.get("item_schema")
+    if not isinstance(schema, dict):
+        raise bad_request("data_source_config.item_schema: expected a JSON schema object",
+                          "data_source_config.item_schema")
+    with_sample = config.get("include_sample_schema", False)
+    if not isinstance(with_sample, bool):
+        raise bad_request("data_source_config.include_sample_schema: expected true or false",
+                          "data_source_config.include_sample_schema")
+    properties = {"item": schema, **({"sample": SAMPLE_SCHEMA} if with_sample else {})}
+    return {"type": "custom", "schema": {"type": "object", "properties": properties, "required": list(properties)}}
+
+
+def check_criteria(given: Any, allow_python: bool, servable) -> list[dict]:
+    """An eval's ``testing_criteria`` (graders, each with its ``pass_threshold`` where it takes one), checked;
+    ``servable(model)``: whether a model grader's model may be used."""
+    if not isinstance(given, list) or not given:
+        raise bad_request("testing_criteria: expected a non-empty array of graders", "testing_criteria")
+    names = set()
+    for i, spec in enumerate(given):
+        where = f"testing_criteria.{i}"
+        criterion = parse_criterion(spec, where, allow_python)
+        if criterion.grader.name in names:
+            raise bad_request(f"{where}.name: {criterion.grader.name!r} names another criterion too", f"{where}.name")
+        names.add(criterion.grader.name)
+        model = criterion.grader.model
+        if model is not None and not servable(model.model):
+            raise bad_request(f"{where}.model: the model '{model.model}' does not exist or you do not have access to "
+                              "it", f"{where}.model", "model_not_found")
+    return given
+
+
+def parse_criterion(spec: Any, where: str, allow_python: bool = True) -> Criterion:
+    """A testing criterion's grader and pass threshold; a 400 naming the field."""
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind not in CRITERIA_TYPES:
+        raise bad_request(f"{where}.type: expected one of {', '.join(CRITERIA_TYPES)}, got {kind!r}", f"{where}.type")
+    try:
+        grader = parse_grader(spec, where, allow_python=allow_python)
+    except ValueError as e:
+        message = str(e)
+        raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
+    threshold = spec.get("pass_threshold")
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+        raise bad_request(f"{where}.pass_threshold: expected a number", f"{where}.pass_threshold")
+    if kind == "text_similarity" and threshold is None:
+        raise bad_request(f"{where}.pass_threshold: a text_similarity criterion needs one", f"{where}.pass_threshold")
+    if kind in ("string_check", "label_model"):
+        threshold = None  # they pass on a match (a passing label)
+    elif threshold is None:  # python: half marks; a score model: the middle of its range
+        threshold = 0.5 if kind == "python" else (grader.model.low + grader.model.high) / 2
+    return Criterion(grader, None if threshold is None else float(threshold))
+
+
+@dataclass(frozen=True, slots=True)
+class RunSource:
+    """A run's data source, checked: its items and, for a ``completions`` run, how each is sampled."""
+
+    entries: list[dict]  # {"item", "sample"}
+    model: str | None = None  # completions: the model that samples
+    template: tuple[tuple[str, Template], ...] | None = None  # completions: (role, content) of the conversation
+    item_reference: str | None = None  # completions: the item's field holding its conversation
+    sampling: dict | None = None  # completions: the chat request's sampling fields
+
+
+def check_run_source(given: Any, store, tenant: str, servable) -> RunSource:
+    """A run's ``data_source`` (``jsonl`` or ``completions``); 400 naming the field, 404 for a file the tenant
+    does not have."""
+    if not isinstance(given, dict) or given.get("type") not in ("jsonl", "completions"):
+        kind = given.get("type") if isinstance(given, dict) else None
+        raise bad_request(f"data_source.type: expected 'jsonl' or 'completions', got {kind!r}", "data_source.type")
+    entries = _source_entries(given.get("source"), store, tenant)
+    if given["type"] == "jsonl":
+        missing = next((i for i, e in enumerate(entries) if e["sample"] is None), None)
+        if missing is not None:
+            raise bad_request(f"data_source.source: item {missing} has no sample (a jsonl run grades samples it is "
+                              "given; a completions run samples a model)", "data_source.source")
+        return RunSource(entries)
+    model = given.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("data_source.model: a completions run needs the model that samples", "data_source.model")
+    if not servable(model):
+        raise APIError(404, f"The model '{model}' does not exist", "data_source.model", "model_not_found")
+    template, reference = _input_messages(given.get("input_messages"))
+    return RunSource(entries, model, template, reference, _sampling(given.get("sampling_params")))
+
+
+def _source_entries(source: Any, store, tenant: str) -> list[dict]:
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "file_content":
+        content = source.get("content")
+        if not isinstance(content, list) or not content:
+            raise bad_request("data_source.source.content: expected a non-empty array of {\"item\": ...}",
+                              "data_source.source.content")
+        try:
+            entries = [_entry(c, f"data_source.source.content.{i}") for i, c in enumerate(content)]
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(":", 1)[0]) from None
+    elif kind == "file_id":
+        file_id = source.get("id")
+        if not isinstance(file_id, str):
+            raise bad_request("data_source.source.id: expected a file id", "data_source.source.id")
+        f = found(store.get_file(tenant, file_id), "file", file_id, "data_source.source.id")
+        if f["purpose"] != "evals":
+            raise bad_request(f"data_source.source.id: the file's purpose is {f['purpose']!r}, not 'evals'",
+                              "data_source.source.id")
+        try:
+            entries = parse_eval_jsonl(store.file_path(file_id).read_bytes())
+        except ValueError as e:
+            raise bad_request(f"data_source.source.id: {e}", "data_source.source.id") from None
+    else:
+        raise bad_request(f"data_source.source.type: expected 'file_content' or 'file_id', got {kind!r}",
+                          "data_source.source.type")
+    if len(entries) > MAX_ITEMS:
+        raise bad_request(f"data_source.source: {len(entries)} items; at most {MAX_ITEMS}", "data_source.source")
+    return entries
+
+
+def _input_messages(given: Any) -> tuple[tuple[tuple[str, Template], ...] | None, str | None]:
+    where = "data_source.input_messages"
+    kind = given.get("type") if isinstance(given, dict) else None
+    if kind == "item_reference":
+        ref = given.get("item_reference")
+        if not isinstance(ref, str) or not ref.startswith("item."):
+            raise bad_request(f"{where}.item_reference: expected a path into the item (item.<field>)",
+                              f"{where}.item_reference")
+        return None, ref
+    if kind != "template":
+        raise bad_request(f"{where}.type: expected 'template' or 'item_reference', got {kind!r}", f"{where}.type")
+    try:  # the same form as a model grader's conversation
+        return parse_messages(given.get("template"), f"{where}.template"), None
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(":", 1)[0]) from None
+
+
+def _sampling(given: Any) -> dict:
+    """The chat request's fields for ``sampling_params`` (checked here for their form; the chat API checks the
+    rest, per item)."""
+    where = "data_source.sampling_params"
+    given = {} if given is None else given
+    if not isinstance(given, dict):
+        raise bad_request(f"{where}: expected an object", where)
+    for key in given:
+        if key not in SAMPLING_FIELDS:
+            raise bad_request(f"{where}.{key}: not one of {', '.join(SAMPLING_FIELDS)}", f"{where}.{key}")
+    if given.get("response_format") is not None:
+        try:
+            guided_schema(given["response_format"])
+        except APIError as e:
+            raise bad_request(f"{where}.{e.message}", f"{where}.{e.param}") from None
+    out = {"temperature": 1.0, "top_p": 1.0, "max_completion_tokens": DEFAULT_MAX_TOKENS,
+           **{k: v for k, v in given.items() if v is not None}}
+    for key in ("temperature", "top_p"):
+        if isinstance(out[key], bool) or not isinstance(out[key], (int, float)):
+            raise bad_request(f"{where}.{key}: expected a number", f"{where}.{key}")
+    for key in ("max_completion_tokens", "seed"):
+        if key in out and (isinstance(out[key], bool) or not isinstance(out[key], int)):
+            raise bad_request(f"{where}.{key}: expected an integer", f"{where}.{key}")
+    return out
+
+
+def item_messages(source: RunSource, item: dict) -> list[dict]:
+    """The conversation a completions run sends for ``item``; ValueError naming what the item lacks."""
+    if source.template is not None:
+        return [{"role": role, "content": t.render(item, {})} for role, t in source.template]
+    value: Any = {"item": item}
+    for key in source.item_reference.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise ValueError(f"the item has no {source.item_reference}")
+        value = value[key]
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                              and isinstance(m.get("role"), str) for m in value):
+        raise ValueError(f"{source.item_reference}: expected a conversation (messages with a role and text content)")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def grader_sample(sample: dict) -> dict:
+    """The graders' ``sample`` namespace of a run's sample: as given (a jsonl run's; its ``output_json`` read
+    from its ``output_text`` when absent), or a completions run's reply text."""
+    if "output_text" in sample and "output" not in sample:
+        return {**make_sample(str(sample["output_text"])), **sample}
+    text = "".join(m.get("content") or "" for m in sample.get("output", []))
+    return make_sample(text)
