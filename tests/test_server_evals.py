@@ -175,3 +175,46 @@ def test_evals_are_the_tenants_own_and_can_be_listed_renamed_and_deleted(client,
     assert client.evals.delete(ev.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.evals.retrieve(ev.id)
+
+
+def test_sigkill_mid_run_then_restart_grades_each_item_once(model_factory, tmp_path):
+    """A server killed while a completions run is under way: restarted on the same state directory, the run goes on
+    with the items not yet stored and ends with every item once, each sample what the chat API gives it."""
+    import os
+    import signal
+
+    from server_helpers import start_server
+    state = tmp_path / "state"
+    items = [{"q": f"Question {i}?", "answer": "x"} for i in range(40)]
+    srv = start_server(model_factory("llama"), state, "--served-model-name", BASE)
+    try:
+        c = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        ev = c.evals.create(data_source_config=CONFIG, testing_criteria=[CLOSE])
+        run = c.evals.runs.create(ev.id, data_source={
+            "type": "completions", "model": BASE, "sampling_params": {"temperature": 0, "max_completion_tokens": 16},
+            "source": {"type": "file_content", "content": [{"item": i} for i in items]},
+            "input_messages": {"type": "item_reference", "item_reference": "item.q"}})
+        deadline = time.monotonic() + 120
+        while not c.evals.runs.output_items.list(run.id, eval_id=ev.id).data:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        counts = c.evals.runs.retrieve(run.id, eval_id=ev.id).result_counts
+        assert counts.passed + counts.failed < 40  # killed in the middle
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+    finally:
+        srv.stop(kill=True)
+    again = start_server(model_factory("llama"), state, "--served-model-name", BASE)
+    try:
+        c = OpenAI(base_url=f"{again.url}/v1", api_key="none", max_retries=0, timeout=60)
+        done = _finished(c, ev.id, run.id)
+        assert done.status == "completed" and done.result_counts.total == 40
+        got = list(c.evals.runs.output_items.list(run.id, eval_id=ev.id, limit=100))  # every page
+        assert sorted(x.datasource_item_id for x in got) == list(range(40))
+        assert done.result_counts.passed + done.result_counts.failed == 40
+        for x in got[:3]:
+            reply = c.chat.completions.create(model=BASE, messages=[{"role": "user", "content": x.datasource_item["q"]}],
+                                              temperature=0, max_completion_tokens=16)
+            assert x.sample.output[0].content == reply.choices[0].message.content
+    finally:
+        again.stop()
