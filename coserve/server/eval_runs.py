@@ -82,7 +82,9 @@ class EvalRunner:
         if run_id in self._cancelled:
             return
         self.store.update_eval_run(run_id, status="in_progress")
-        done = {x["datasource_item_id"] for x in self.store.eval_items_done(run_id)}
+        tally = Tally(source, criteria)
+        for x in self.store.eval_items_done(run_id):  # a run resumed after a restart: those stored count already
+            tally.add(x)
         judge = server_judge(self.models, self.models.loop, tenant)
         slots = asyncio.Semaphore(self.concurrency)
 
@@ -92,16 +94,17 @@ class EvalRunner:
                     return
                 obj = await self._item(tenant, run, source, criteria, judge, index, entry)
                 await asyncio.to_thread(self.store.add_eval_item, run_id, obj)
-                self._count(run_id, source, criteria)
+                tally.add(obj)
+                self.store.update_eval_run(run_id, **tally.fields())
 
         try:
-            await asyncio.gather(*(one(i, e) for i, e in enumerate(source.entries) if i not in done))
+            await asyncio.gather(*(one(i, e) for i, e in enumerate(source.entries) if i not in tally.done))
         except Exception as e:  # a fault of ours: the run fails rather than hanging
             log.exception("eval run %s failed", run_id)
             self.store.update_eval_run(run_id, status="failed",
                                        error={"code": "internal_error", "message": f"{type(e).__name__}: {e}"})
             return
-        self._count(run_id, source, criteria)
+        self.store.update_eval_run(run_id, **tally.fields())
         if run_id not in self._cancelled:
             self.store.update_eval_run(run_id, status="completed")
         self._cancelled.discard(run_id)
@@ -162,25 +165,37 @@ class EvalRunner:
                                    "completion_tokens": usage.get("completion_tokens", 0),
                                    "total_tokens": usage.get("total_tokens", 0), "cached_tokens": cached}}
 
-    def _count(self, run_id: str, source: RunSource, criteria: list[Criterion]) -> None:
-        """The run's counts from its stored items: results, each criterion's, and the sampling model's usage."""
-        items = self.store.eval_items_done(run_id)
-        counts = {"total": len(source.entries), "passed": 0, "failed": 0, "errored": 0}
-        for x in items:
-            counts[{"pass": "passed", "fail": "failed"}.get(x["status"], "errored")] += 1
-        per_criterion = []
-        for c in criteria:
-            mine = [r for x in items for r in x["results"] if r["name"] == c.grader.name]
-            passed = sum(r["passed"] for r in mine)
-            per_criterion.append({"testing_criteria": c.grader.name, "passed": passed, "failed": len(mine) - passed})
-        usage = []
-        if source.model is not None:
-            used = [x["sample"] for x in items if not x["sample"].get("error")]
-            totals = {k: sum(u["usage"][k] for u in used) for k in ("prompt_tokens", "completion_tokens",
-                                                                     "total_tokens", "cached_tokens")}
-            usage = [{"model_name": source.model, "invocation_count": len(used), **totals}]
-        self.store.update_eval_run(run_id, result_counts=counts, per_testing_criteria_results=per_criterion,
-                                   per_model_usage=usage)
+
+class Tally:
+    """A run's counts as its items are stored: results, each criterion's, and the sampling model's usage."""
+
+    def __init__(self, source: RunSource, criteria: list[Criterion]) -> None:
+        self.source = source
+        self.done: set[int] = set()  # datasource_item_ids stored
+        self.counts = {"total": len(source.entries), "passed": 0, "failed": 0, "errored": 0}
+        self.criteria = {c.grader.name: [0, 0] for c in criteria}  # passed, failed
+        self.usage = {"invocation_count": 0, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                      "cached_tokens": 0}
+
+    def add(self, item: dict) -> None:
+        if item["datasource_item_id"] in self.done:
+            return
+        self.done.add(item["datasource_item_id"])
+        self.counts[{"pass": "passed", "fail": "failed"}.get(item["status"], "errored")] += 1
+        for r in item["results"]:
+            self.criteria[r["name"]][0 if r["passed"] else 1] += 1
+        sample = item["sample"]
+        if self.source.model is not None and not sample.get("error"):
+            self.usage["invocation_count"] += 1
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"):
+                self.usage[k] += sample["usage"][k]
+
+    def fields(self) -> dict:
+        """The run object's count fields."""
+        usage = [{"model_name": self.source.model, **self.usage}] if self.source.model is not None else []
+        return {"result_counts": dict(self.counts), "per_model_usage": usage,
+                "per_testing_criteria_results": [{"testing_criteria": name, "passed": p, "failed": f}
+                                                 for name, (p, f) in self.criteria.items()]}
 
 
 def new_run(eval_id: str, name: str | None, source: RunSource, data_source: dict, metadata: dict | None) -> dict:
