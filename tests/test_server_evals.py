@@ -147,6 +147,9 @@ def test_bad_evals_are_refused_naming_the_field(client, kwargs, param):
       "input_messages": {"type": "item_reference", "item_reference": "item.q"},
       "sampling_params": {"stop": ["x"]}}, "data_source.sampling_params.stop"),
     ({"type": "jsonl", "source": {"type": "file_id", "id": "file-" + "0" * 24}}, "data_source.source.id"),
+    ({"type": "jsonl", "source": {"type": "file_content", "content": [
+        {"item": ITEMS[0], "sample": {"output_text": "x"}}, {"item": {"q": 3}, "sample": {"output_text": "x"}}]}},
+     "data_source.source.content"),  # item 1 does not match the item_schema
 ])
 def test_bad_runs_are_refused_naming_the_field(client, source, param):
     ev = client.evals.create(data_source_config=CONFIG, testing_criteria=[CONTAINS])

@@ -13,6 +13,8 @@ from typing import Any
 from coserve.finetune.grader_template import Template, make_sample
 from coserve.finetune.graders import Grader, parse_grader
 from coserve.finetune.model_graders import parse_messages
+from coserve.guided.schema import SchemaError
+from coserve.guided.validate import SchemaValidator
 from coserve.server.errors import APIError, bad_request, found
 from coserve.server.response_format import guided_schema
 
@@ -84,6 +86,11 @@ def check_data_source_config(config: Any) -> dict:
     return {"type": "custom", "schema": {"type": "object", "properties": properties, "required": list(properties)}}
 
 
+def item_schema(ev: dict) -> dict | bool:
+    """The schema an eval's items follow (its ``data_source_config``'s ``item``)."""
+    return ev["data_source_config"]["schema"]["properties"]["item"]
+
+
 def check_criteria(given: Any, allow_python: bool, servable) -> list[dict]:
     """An eval's ``testing_criteria`` (graders, each with its ``pass_threshold`` where it takes one), checked;
     ``servable(model)``: whether a model grader's model may be used."""
@@ -136,13 +143,22 @@ class RunSource:
     sampling: dict | None = None  # completions: the chat request's sampling fields
 
 
-def check_run_source(given: Any, store, tenant: str, servable) -> RunSource:
-    """A run's ``data_source`` (``jsonl`` or ``completions``); 400 naming the field, 404 for a file the tenant
-    does not have."""
+def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict | bool = True) -> RunSource:
+    """A run's ``data_source`` (``jsonl`` or ``completions``), its items matching the eval's ``item_schema`` (where
+    coserve can check that schema: the keywords of its guided decoding); 400 naming the field, 404 for a file the
+    tenant does not have."""
     if not isinstance(given, dict) or given.get("type") not in ("jsonl", "completions"):
         kind = given.get("type") if isinstance(given, dict) else None
         raise bad_request(f"data_source.type: expected 'jsonl' or 'completions', got {kind!r}", "data_source.type")
     entries = _source_entries(given.get("source"), store, tenant)
+    try:
+        validator = SchemaValidator(item_schema)
+    except SchemaError:
+        validator = None  # a schema beyond the guided-decoding keywords: its items are not checked
+    bad = next((i for i, e in enumerate(entries) if validator is not None and not validator.matches(e["item"])), None)
+    if bad is not None:
+        param = "data_source.source.content" if given["source"]["type"] == "file_content" else "data_source.source.id"
+        raise bad_request(f"{param}: item {bad} does not match the eval's item_schema", param)
     if given["type"] == "jsonl":
         missing = next((i for i, e in enumerate(entries) if e["sample"] is None), None)
         if missing is not None:

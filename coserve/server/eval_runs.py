@@ -14,8 +14,8 @@ import time
 
 from coserve.finetune.graders import GradingError
 from coserve.server.batches import RETRY_SECONDS, RETRY_STATUSES, call_route
-from coserve.server.eval_data import Criterion, RunSource, check_run_source, grader_sample, item_messages, \
-    parse_criterion
+from coserve.server.eval_data import (Criterion, RunSource, check_run_source, grader_sample, item_messages,
+                                     item_schema, parse_criterion)
 from coserve.server.grader_judge import GRADING_THREADS, server_judge
 from coserve.server.models import ModelRegistry
 from coserve.server.store import Store
@@ -74,7 +74,7 @@ class EvalRunner:
             criteria = [parse_criterion(c, f"testing_criteria.{i}", self.allow_python)
                         for i, c in enumerate(ev["testing_criteria"])]
             source = check_run_source(run["data_source"], self.store, tenant,
-                                      lambda m: self.models.servable(tenant, m))
+                                      lambda m: self.models.servable(tenant, m), item_schema(ev))
         except Exception as e:  # its file deleted, the server restarted without --python-graders, ...
             message = getattr(e, "message", None) or str(e)
             self.store.update_eval_run(run_id, status="failed", error={"code": "invalid_run", "message": message})

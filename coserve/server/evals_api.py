@@ -14,7 +14,7 @@ from pydantic import Field
 
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, found
-from coserve.server.eval_data import check_criteria, check_data_source_config, check_run_source
+from coserve.server.eval_data import check_criteria, check_data_source_config, check_run_source, item_schema
 from coserve.server.eval_runs import FINISHED, new_run
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import Body, Metadata
@@ -112,9 +112,9 @@ async def delete_eval(eval_id: str, request: Request, ctx: ServerContext = Depen
 @router.post("/v1/evals/{eval_id}/runs")
 async def create_run(eval_id: str, body: RunRequest, request: Request, ctx: ServerContext = Depends(context)):
     tenant = tenant_of(request)
-    _eval(ctx, request, eval_id)
+    ev = _eval(ctx, request, eval_id)
     source = await asyncio.to_thread(check_run_source, body.data_source, ctx.store, tenant,
-                                     lambda model: ctx.models.servable(tenant, model))
+                                     lambda model: ctx.models.servable(tenant, model), item_schema(ev))
     run = await asyncio.to_thread(ctx.store.add_eval_run, tenant,
                                   new_run(eval_id, body.name, source, body.data_source, body.metadata))
     ctx.evals.submit(tenant, run)
