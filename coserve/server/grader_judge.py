@@ -19,10 +19,13 @@ from coserve.server.models import ModelRegistry
 GRADING_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="coserve-grader")
 
 
-def server_judge(models: ModelRegistry, loop: EngineLoop, tenant: str) -> Judge:
-    """A judge for ``tenant``'s graders, to be called from a thread other than the event loop's."""
+def server_judge(models: ModelRegistry, loop: EngineLoop, tenant: str, client: LoopClient | None = None) -> Judge:
+    """A judge for ``tenant``'s graders, to be called from a thread other than the event loop's; its requests go
+    through ``client`` when given (whose ``abort`` then ends them: a reinforcement job's, when it is cancelled), else
+    a client of their own."""
     return chat_judge(loop.engine.tokenizer, lambda name: models.resolve_blocking(tenant, name),
-                      lambda ids, params, adapters: LoopClient(loop).generate(ids, params, adapters, tenant))
+                      lambda ids, params, adapters: (client or LoopClient(loop)).generate(ids, params, adapters,
+                                                                                         tenant))
 
 
 def check_grader_models(grader: Grader, models: ModelRegistry, tenant: str, prefix: str = "") -> None:

@@ -348,6 +348,8 @@ class JobManager:
             r.run.cancel()
         except ValueError:
             pass  # it ended before this reached it: recorded below as it ended
+        else:
+            r.grading.abort()  # a model grader's requests under way end too (the step they grade is dropped)
         r.run.join(STOP_WAIT_S)  # a step that ended just before the cancel is recorded whole
         status = follow_rft(self, r)
         self._forget(r.job_id)

@@ -46,6 +46,7 @@ class RFTRunning:
     checkpoint_every: int  # steps between servable checkpoints
     run: GRPORun
     model_dir: Path
+    grading: LoopClient  # the model grader's requests (aborted with the run's)
     logged: int = 0  # step records already turned into events
     tokens: int = 0  # trained tokens already counted in the metrics
     saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints copied, not yet recorded
@@ -129,11 +130,12 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneC
         kind = p.pop("peft")
         bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
     holder: list[RFTRunning] = []
-    reward = grader_reward(grader, server_judge(mgr.models, mgr.loop, tenant))
+    grading = LoopClient(mgr.loop)
+    reward = grader_reward(grader, server_judge(mgr.models, mgr.loop, tenant, grading))
     run = GRPORun(LoopClient(mgr.loop), prompts, [reward], None, bypass, cfg, tenant,
                   base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec),
                   finished_ok=True, validation=validation)
-    r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or run.steps_per_epoch, run, out,
+    r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or run.steps_per_epoch, run, out, grading,
                    tokens=int(saved.get("tokens", 0)) if saved else 0)  # a resumed job's tokens are counted already
     holder.append(r)
     run.start()
