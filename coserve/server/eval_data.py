@@ -170,7 +170,7 @@ def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict
         raise bad_request("data_source.model: a completions run needs the model that samples", "data_source.model")
     if not servable(model):
         raise APIError(404, f"The model '{model}' does not exist", "data_source.model", "model_not_found")
-    template, reference = _input_messages(given.get("input_messages"))
+    template, reference = parse_input_messages(given.get("input_messages"))
     return RunSource(entries, model, template, reference, _sampling(given.get("sampling_params")))
 
 
@@ -205,7 +205,7 @@ def _source_entries(source: Any, store, tenant: str) -> list[dict]:
     return entries
 
 
-def _input_messages(given: Any) -> tuple[tuple[tuple[str, Template], ...] | None, str | None]:
+def parse_input_messages(given: Any) -> tuple[tuple[tuple[str, Template], ...] | None, str | None]:
     where = "data_source.input_messages"
     kind = given.get("type") if isinstance(given, dict) else None
     if kind == "item_reference":
