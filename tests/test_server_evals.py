@@ -201,8 +201,7 @@ def test_sigkill_mid_run_then_restart_grades_each_item_once(model_factory, tmp_p
         while not c.evals.runs.output_items.list(run.id, eval_id=ev.id).data:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        counts = c.evals.runs.retrieve(run.id, eval_id=ev.id).result_counts
-        assert counts.passed + counts.failed < 40  # killed in the middle
+        assert c.evals.runs.retrieve(run.id, eval_id=ev.id).status == "in_progress"  # killed in the middle
         os.killpg(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait()
     finally:

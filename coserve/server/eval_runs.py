@@ -13,7 +13,7 @@ import secrets
 import time
 
 from coserve.finetune.graders import GradingError
-from coserve.server.batches import RETRY_SECONDS, RETRY_STATUSES, call_route
+from coserve.server.batches import COUNTS_EVERY_S, RETRY_SECONDS, RETRY_STATUSES, call_route
 from coserve.server.eval_data import (Criterion, RunSource, check_run_source, grader_sample, item_messages,
                                      item_schema, parse_criterion)
 from coserve.server.grader_judge import GRADING_THREADS, server_judge
@@ -73,20 +73,21 @@ class EvalRunner:
                 return  # deleted meanwhile, with its runs
             criteria = [parse_criterion(c, f"testing_criteria.{i}", self.allow_python)
                         for i, c in enumerate(ev["testing_criteria"])]
-            source = check_run_source(run["data_source"], self.store, tenant,
-                                      lambda m: self.models.servable(tenant, m), item_schema(ev))
+            source = await asyncio.to_thread(check_run_source, run["data_source"], self.store, tenant,
+                                             lambda m: self.models.servable(tenant, m), item_schema(ev))
         except Exception as e:  # its file deleted, the server restarted without --python-graders, ...
             message = getattr(e, "message", None) or str(e)
             self.store.update_eval_run(run_id, status="failed", error={"code": "invalid_run", "message": message})
             return
         if run_id in self._cancelled:
             return
-        self.store.update_eval_run(run_id, status="in_progress")
+        await asyncio.to_thread(self.store.update_eval_run, run_id, status="in_progress")
         tally = Tally(source, criteria)
-        for x in self.store.eval_items_done(run_id):  # a run resumed after a restart: those stored count already
+        for x in await asyncio.to_thread(self.store.eval_items_done, run_id):  # a resumed run's: counted already
             tally.add(x)
         judge = server_judge(self.models, self.models.loop, tenant)
         slots = asyncio.Semaphore(self.concurrency)
+        written = [time.monotonic()]  # when the counts were last written (every COUNTS_EVERY_S while it runs)
 
         async def one(index: int, entry: dict) -> None:
             async with slots:
@@ -95,7 +96,9 @@ class EvalRunner:
                 obj = await self._item(tenant, run, source, criteria, judge, index, entry)
                 await asyncio.to_thread(self.store.add_eval_item, run_id, obj)
                 tally.add(obj)
-                self.store.update_eval_run(run_id, **tally.fields())
+                if time.monotonic() - written[0] >= COUNTS_EVERY_S:
+                    written[0] = time.monotonic()
+                    await asyncio.to_thread(self.store.update_eval_run, run_id, **tally.fields())
 
         try:
             await asyncio.gather(*(one(i, e) for i, e in enumerate(source.entries) if i not in tally.done))
@@ -104,9 +107,8 @@ class EvalRunner:
             self.store.update_eval_run(run_id, status="failed",
                                        error={"code": "internal_error", "message": f"{type(e).__name__}: {e}"})
             return
-        self.store.update_eval_run(run_id, **tally.fields())
-        if run_id not in self._cancelled:
-            self.store.update_eval_run(run_id, status="completed")
+        finished = {} if run_id in self._cancelled else {"status": "completed"}
+        await asyncio.to_thread(self.store.update_eval_run, run_id, **tally.fields(), **finished)
         self._cancelled.discard(run_id)
 
     async def _item(self, tenant: str, run: dict, source: RunSource, criteria: list[Criterion], judge, index: int,
