@@ -103,6 +103,12 @@ def test_a_reinforcement_job_trains_what_llm_finetune_trains_while_chat_is_serve
         step = [r["reward"] for r in rollouts if r["step"] == m["step"]]
         assert len(step) == 4 and m["train_reward_mean"] == pytest.approx(sum(step) / 4)
         assert m["rewards/close"] == pytest.approx(m["train_reward_mean"])
+        assert m["scores"]["graders"] == [{"name": "close", "type": "text_similarity", "train_reward_mean":
+                                           m["train_reward_mean"], **({"valid_reward_mean": m["valid_reward_mean"]}
+                                                                      if "valid_reward_mean" in m else {})}]
+        timing = m["timing"]["step"]
+        assert {"sampling", "grading", "training"} <= set(timing) and all(v >= 0 for v in timing.values())
+        assert ("eval" in timing) == ("valid_reward_mean" in m) and m["total_steps"] == 4
     assert [("valid_reward_mean" in m) for m in metrics] == [False, True, False, True]  # at each checkpoint
     valid = [json.loads(x) for x in (model_dir / "grpo_valid.jsonl").read_text().splitlines()]
     for m, v in zip(metrics[1::2], valid):  # 2 validation prompts, 1 completion each ("auto")
@@ -156,6 +162,9 @@ def test_a_reinforcement_job_graded_by_a_label_model_asks_the_served_model(clien
     metrics = [e.data for e in client.fine_tuning.jobs.list_events(done.id, limit=100).data if e.type == "metrics"]
     assert [m["grading_errors"] for m in metrics] == [{"stars/model_grader_parse_error": 4}] * 2
     assert all(m["train_reward_mean"] == 0 for m in metrics)
+    assert [m["errors"]["graders"] for m in metrics] == [[{
+        "name": "stars", "type": "score_model", "train_model_grader_parse_error_count": 4,
+        "train_model_grader_parse_error_mean": 1.0}]] * 2  # OpenAI's shape: 4 of the step's 4 samples
 
 
 def test_a_reinforcement_job_on_a_fine_tuned_model_samples_that_model(client, api_server):

@@ -225,6 +225,7 @@ class GRPORun:
         completions = [c for out in outs for c in out.outputs]
         ids = [list(c.token_ids) for c in completions]
         rewards, per_func, graded = self._score(records, completions)
+        score_s = time.perf_counter() - started - rollout_s
         advantages = group_advantages(rewards, g, cfg.scale_rewards)
         lengths = [len(c) for c in ids]
         scales = sequence_scales(advantages, lengths, cfg.grpo_loss, cfg.batch_size, cfg.max_completion_tokens)
@@ -237,10 +238,13 @@ class GRPORun:
 
         def step_logs() -> dict[str, str]:  # written with the step's checkpoint (GRPOStepJob.step_logs)
             if not made:
-                made.append(self._record(step, rewards, per_func, lengths, completions, rollout_s, job) | graded)
+                timing = {"rollout_s": round(rollout_s, 4), "score_s": round(score_s, 4),
+                          "train_s": round(time.perf_counter() - training, 4)}  # training: up to its save
+                made.append(self._record(step, rewards, per_func, lengths, completions, job) | timing | graded)
             return {GRPO_LOG_FILE: json.dumps(made[0]) + "\n", ROLLOUTS_FILE: lines}
 
         job.step_logs = step_logs
+        training = time.perf_counter()
         if not self._train(job):
             return  # cancelled: the adapter of the last whole step stays in output_dir
         self.job, self.step = job, job.step
@@ -374,8 +378,7 @@ class GRPORun:
             raise RuntimeError(f"step {job.step + 1}: {state.error}")
         return state.status == "succeeded"
 
-    def _record(self, step: int, rewards, per_func, lengths, completions, rollout_s: float,
-                job: GRPOStepJob) -> dict:
+    def _record(self, step: int, rewards, per_func, lengths, completions, job: GRPOStepJob) -> dict:
         g = self.cfg.num_generations
         groups = [rewards[k:k + g] for k in range(0, len(rewards), g)]
         stds = [0.0 if len(x) < 2 else sample_std(x) for x in groups]
@@ -384,8 +387,7 @@ class GRPORun:
                   "reward": sum(rewards) / len(rewards), "reward_std": sum(stds) / len(stds),
                   "frac_reward_zero_std": sum(s == 0 for s in stds) / len(stds),
                   "completions_mean_length": sum(lengths) / len(lengths),
-                  "completions_clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(lengths),
-                  "rollout_s": round(rollout_s, 4)}
+                  "completions_clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(lengths)}
         return record | mean_rewards(per_func, "rewards/")
 
 

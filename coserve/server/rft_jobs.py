@@ -47,6 +47,7 @@ class RFTRunning:
     run: GRPORun
     model_dir: Path
     grading: LoopClient  # the model grader's requests (aborted with the run's)
+    grader: tuple[str, str]  # its name and type
     logged: int = 0  # step records already turned into events
     tokens: int = 0  # trained tokens already counted in the metrics
     saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints copied, not yet recorded
@@ -85,10 +86,38 @@ class RFTRunning:
             extra |= {"valid_reward_mean": rec["valid_reward"], "full_valid_mean_reward": rec["valid_reward"],
                       "valid_reward_std": rec["valid_reward_std"],
                       "valid_completions_mean_length": rec["valid_completions_mean_length"]}
-        return {"step": step, "train_loss": rec["loss"], "train_reward_mean": rec["reward"],
+        return {"step": step, "total_steps": self.total_steps, "train_loss": rec["loss"],
+                "train_reward_mean": rec["reward"], "train_mean_reward": rec["reward"],
                 "train_reward_std": rec["reward_std"], "frac_reward_zero_std": rec["frac_reward_zero_std"],
                 "completions_mean_length": rec["completions_mean_length"],
-                "completions_clipped_ratio": rec["completions_clipped_ratio"], **extra}
+                "completion_tokens_mean": rec["completions_mean_length"],
+                "completions_clipped_ratio": rec["completions_clipped_ratio"], **extra, **self._openai_objects(rec)}
+
+    def _openai_objects(self, rec: dict) -> dict:
+        """OpenAI's per-grader objects of a metrics event: ``scores``, ``errors`` (each flag's count and mean over
+        the step's samples, train and valid) and ``timing`` (seconds of the step's parts)."""
+        name, kind = self.grader
+        mine = {"name": name, "type": kind}
+        scores = {"train_reward_mean": rec["reward"],
+                  "graders": [mine | {"train_reward_mean": rec.get(f"rewards/{name}", rec["reward"])}]}
+        if "valid_reward" in rec:
+            scores["valid_reward_mean"] = rec["valid_reward"]
+            scores["graders"][0]["valid_reward_mean"] = rec.get(f"valid_rewards/{name}", rec["valid_reward"])
+        errors = dict(mine)
+        for prefix, key, n in (("train", "grading_errors", self.run.cfg.batch_size),
+                               ("valid", "valid_grading_errors", self.valid_samples)):
+            for flag, count in rec.get(key, {}).items():
+                flag = flag.split("/", 1)[1]
+                errors |= {f"{prefix}_{flag}_count": count, f"{prefix}_{flag}_mean": count / max(1, n)}
+        parts = {"sampling": rec.get("rollout_s"), "grading": rec.get("score_s"), "training": rec.get("train_s"),
+                 "eval": rec.get("valid_s")}
+        step = {k: v for k, v in parts.items() if v is not None}
+        step["full_iteration"] = round(sum(step.values()), 4)
+        return {"scores": scores, "errors": {"graders": [errors]}, "timing": {"step": step}}
+
+    @property
+    def valid_samples(self) -> int:
+        return len(self.run.validation or ()) * self.run.cfg.eval_samples
 
 
 def rft_fields(job: dict, checkpoint_steps: int) -> dict:
@@ -135,8 +164,9 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneC
     run = GRPORun(LoopClient(mgr.loop), prompts, [reward], None, bypass, cfg, tenant,
                   base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec),
                   finished_ok=True, validation=validation)
+    tokens = int(saved.get("tokens", 0)) if saved else 0  # a resumed job's tokens are counted already
     r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or run.steps_per_epoch, run, out, grading,
-                   tokens=int(saved.get("tokens", 0)) if saved else 0)  # a resumed job's tokens are counted already
+                   (grader.name, grader.type), tokens=tokens)
     holder.append(r)
     run.start()
     return r
