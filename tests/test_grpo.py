@@ -333,7 +333,8 @@ def test_the_finetune_command_takes_a_label_model_grader_graded_by_the_base_mode
     grader = tmp_path / "label.json"
     grader.write_text(json.dumps({"type": "label_model", "name": "judge", "model": Path(model).name,
                                   "labels": labels, "passing_labels": ["good"],
-                                  "input": [{"role": "user", "content": "On {{ item.topic }}: {{ sample.output_text }}"}]}))
+                                  "input": [{"role": "user",
+                                             "content": "On {{ item.topic }}: {{ sample.output_text }}"}]}))
     out = tmp_path / "out"
     assert main(["finetune", "--model", str(model), "--data", str(data), "--output", str(out), "--method", "grpo",
                  "--num-generations", "2", "--batch-size", "4", "--max-completion-tokens", "4", "--max-steps", "1",

@@ -215,8 +215,8 @@ def test_sigkill_mid_run_then_restart_grades_each_item_once(model_factory, tmp_p
         assert sorted(x.datasource_item_id for x in got) == list(range(40))
         assert done.result_counts.passed + done.result_counts.failed == 40
         for x in got[:3]:
-            reply = c.chat.completions.create(model=BASE, messages=[{"role": "user", "content": x.datasource_item["q"]}],
-                                              temperature=0, max_completion_tokens=16)
+            messages = [{"role": "user", "content": x.datasource_item["q"]}]
+            reply = c.chat.completions.create(model=BASE, messages=messages, temperature=0, max_completion_tokens=16)
             assert x.sample.output[0].content == reply.choices[0].message.content
     finally:
         again.stop()
