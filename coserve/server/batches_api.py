@@ -13,7 +13,7 @@ from coserve.server.batches import FINISHED
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, found
 from coserve.server.json_text import TextJSONRoute
-from coserve.server.protocol import BatchRequest
+from coserve.server.protocol import BatchRequest, list_page
 
 router = APIRouter(route_class=TextJSONRoute)
 WINDOWS = ("24h",)  # OpenAI's only completion window
@@ -69,8 +69,7 @@ async def list_batches(request: Request, after: str | None = None, limit: int = 
         page, more = ctx.store.list_batches(tenant_of(request), after, limit)
     except ValueError as e:
         raise bad_request(str(e), "after") from e
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": more}
+    return list_page(page, more)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")

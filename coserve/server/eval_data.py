@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from coserve.finetune.grader_template import Template, make_sample
-from coserve.finetune.graders import Grader, parse_grader
+from coserve.finetune.graders import Grader
 from coserve.finetune.model_graders import parse_messages
 from coserve.guided.schema import SchemaError
 from coserve.guided.validate import SchemaValidator
 from coserve.server.errors import APIError, bad_request, found
+from coserve.server.grader_judge import request_grader
 from coserve.server.response_format import guided_schema
 
 CRITERIA_TYPES = ("string_check", "text_similarity", "python", "score_model", "label_model")
@@ -99,27 +100,20 @@ def check_criteria(given: Any, allow_python: bool, servable) -> list[dict]:
     names = set()
     for i, spec in enumerate(given):
         where = f"testing_criteria.{i}"
-        criterion = parse_criterion(spec, where, allow_python)
+        criterion = parse_criterion(spec, where, allow_python, servable)
         if criterion.grader.name in names:
             raise bad_request(f"{where}.name: {criterion.grader.name!r} names another criterion too", f"{where}.name")
         names.add(criterion.grader.name)
-        model = criterion.grader.model
-        if model is not None and not servable(model.model):
-            raise bad_request(f"{where}.model: the model '{model.model}' does not exist or you do not have access to "
-                              "it", f"{where}.model", "model_not_found")
     return given
 
 
-def parse_criterion(spec: Any, where: str, allow_python: bool = True) -> Criterion:
-    """A testing criterion's grader and pass threshold; a 400 naming the field."""
+def parse_criterion(spec: Any, where: str, allow_python: bool = True, servable=None) -> Criterion:
+    """A testing criterion's grader and pass threshold; a 400 naming the field (``servable``: as
+    ``request_grader`` takes it)."""
     kind = spec.get("type") if isinstance(spec, dict) else None
     if kind not in CRITERIA_TYPES:
         raise bad_request(f"{where}.type: expected one of {', '.join(CRITERIA_TYPES)}, got {kind!r}", f"{where}.type")
-    try:
-        grader = parse_grader(spec, where, allow_python=allow_python)
-    except ValueError as e:
-        message = str(e)
-        raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
+    grader = request_grader(spec, where, allow_python, servable)
     threshold = spec.get("pass_threshold")
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
         raise bad_request(f"{where}.pass_threshold: expected a number", f"{where}.pass_threshold")

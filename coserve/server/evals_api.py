@@ -17,7 +17,7 @@ from coserve.server.errors import APIError, bad_request, found
 from coserve.server.eval_data import check_criteria, check_data_source_config, check_run_source, item_schema
 from coserve.server.eval_runs import FINISHED, new_run
 from coserve.server.json_text import TextJSONRoute
-from coserve.server.protocol import Body, Metadata
+from coserve.server.protocol import Body, Metadata, list_page
 
 router = APIRouter(route_class=TextJSONRoute)
 MAX_PAGE = 100
@@ -39,11 +39,6 @@ class RunRequest(Body):
     name: str | None = None
     metadata: Metadata = Field(None, max_length=16)
     data_source: Any = None
-
-
-def _page(page: list[dict], more: bool) -> dict:
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": more}
 
 
 def _limit(limit: int) -> None:
@@ -77,7 +72,7 @@ async def list_evals(request: Request, after: str | None = None, limit: int = Qu
                      order: Literal["asc", "desc"] = "asc", ctx: ServerContext = Depends(context)):
     _limit(limit)
     try:
-        return _page(*ctx.store.list_evals(tenant_of(request), after, limit, order == "asc"))
+        return list_page(*ctx.store.list_evals(tenant_of(request), after, limit, order == "asc"))
     except ValueError as e:
         raise bad_request(str(e), "after") from e
 
@@ -128,7 +123,7 @@ async def list_runs(eval_id: str, request: Request, after: str | None = None, li
     _eval(ctx, request, eval_id)
     _limit(limit)
     try:
-        return _page(*ctx.store.list_eval_runs(tenant_of(request), eval_id, after, limit, order == "asc", status))
+        return list_page(*ctx.store.list_eval_runs(tenant_of(request), eval_id, after, limit, order == "asc", status))
     except ValueError as e:
         raise bad_request(str(e), "after") from e
 
@@ -163,7 +158,7 @@ async def list_output_items(eval_id: str, run_id: str, request: Request, after: 
     _run(ctx, request, eval_id, run_id)
     _limit(limit)
     try:
-        return _page(*ctx.store.list_eval_items(run_id, after, limit, order == "asc", status))
+        return list_page(*ctx.store.list_eval_items(run_id, after, limit, order == "asc", status))
     except ValueError as e:
         raise bad_request(str(e), "after") from e
 

@@ -1,6 +1,7 @@
 """Model graders on the server: their calls run on the server's engine, as the caller's requests (its tenant's
 share of the engine), naming any model the caller may use (the base, a shared adapter, one of its fine-tuned models
-or checkpoints, loaded on first use). A grader whose ``model`` the caller may not use is refused up front."""
+or checkpoints, loaded on first use). A grader whose ``model`` the caller may not use is refused up front
+(``request_grader``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from coserve.engine.chat_judge import chat_judge
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.loop_client import LoopClient
-from coserve.finetune.graders import Grader
+from coserve.finetune.graders import Grader, parse_grader
 from coserve.finetune.model_graders import Judge
 from coserve.server.errors import bad_request
 from coserve.server.models import ModelRegistry
@@ -28,11 +29,16 @@ def server_judge(models: ModelRegistry, loop: EngineLoop, tenant: str, client: L
                                                                                          tenant))
 
 
-def check_grader_models(grader: Grader, models: ModelRegistry, tenant: str, prefix: str = "") -> None:
-    """A 400 naming the first model grader whose ``model`` the tenant may not use (``prefix``: where the grader
-    sits in the request, before its own path)."""
-    for g in grader.walk():
-        if g.model is not None and not models.servable(tenant, g.model.model):
-            param = f"{prefix}{g.where}.model"
-            raise bad_request(f"{param}: the model '{g.model.model}' does not exist or you do not have access to it",
-                              param, "model_not_found")
+def request_grader(spec: object, where: str, allow_python: bool, servable=None) -> Grader:
+    """A grader from a request, checked: a 400 naming its field (``grader.operation``), or its ``model`` when
+    ``servable(model)`` says the caller may not use it."""
+    try:
+        grader = parse_grader(spec, where, allow_python=allow_python)
+    except ValueError as e:
+        message = str(e)
+        raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
+    for g in grader.walk() if servable is not None else ():
+        if g.model is not None and not servable(g.model.model):
+            raise bad_request(f"{g.where}.model: the model '{g.model.model}' does not exist or you do not have "
+                              "access to it", f"{g.where}.model", "model_not_found")
+    return grader

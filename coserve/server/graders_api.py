@@ -11,11 +11,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
-from coserve.finetune.graders import GradingError, Grader, make_sample, parse_grader
+from coserve.finetune.graders import GradingError, Grader, make_sample
 from coserve.finetune.model_graders import CountingJudge
 from coserve.server.context import ServerContext, context, tenant_of
-from coserve.server.errors import bad_request
-from coserve.server.grader_judge import GRADING_THREADS, check_grader_models, server_judge
+from coserve.server.grader_judge import GRADING_THREADS, request_grader, server_judge
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import Body
 
@@ -39,13 +38,7 @@ class GraderRunRequest(Body):
 def checked_grader(spec: dict, ctx: ServerContext, tenant: str) -> Grader:
     """The request's grader, or a 400 naming its field (``grader.operation``; ``grader.model`` for a model the caller
     may not use)."""
-    try:
-        grader = parse_grader(spec, "grader", allow_python=ctx.config.python_graders)
-    except ValueError as e:
-        message = str(e)
-        raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
-    check_grader_models(grader, ctx.models, tenant)
-    return grader
+    return request_grader(spec, "grader", ctx.config.python_graders, lambda model: ctx.models.servable(tenant, model))
 
 
 @router.post("/v1/fine_tuning/alpha/graders/validate")

@@ -23,7 +23,6 @@ from coserve.engine.llm_engine import FinetuneMemoryError
 from coserve.finetune.build import load_training, make_bypass, new_job, starting_bypass
 from coserve.finetune.checkpoint import CheckpointSnapshot, write_checkpoint
 from coserve.finetune.config import PREFERENCE_METHODS, FinetuneConfig
-from coserve.finetune.graders import parse_grader
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET
 from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.finetune.memory_budget import job_memory
@@ -33,7 +32,7 @@ from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
-from coserve.server.grader_judge import check_grader_models
+from coserve.server.grader_judge import request_grader
 from coserve.server.metrics import ServerMetrics
 from coserve.server.models import ModelRegistry, checkpoint_name, fine_tuned_name
 from coserve.server.protocol import (CoserveOptions, DpoHyperparameters, FineTuningJobRequest, Hyperparameters,
@@ -414,12 +413,8 @@ class JobManager:
         if rft is None:
             raise bad_request("method.reinforcement: a reinforcement job needs its grader "
                               "(method.reinforcement.grader)", "method.reinforcement")
-        try:
-            grader = parse_grader(rft.grader, "grader", allow_python=self.config.python_graders)
-        except ValueError as e:
-            message = f"method.reinforcement.{e}"
-            raise bad_request(message, message.split(":", 1)[0], "invalid_grader") from None
-        check_grader_models(grader, self.models, tenant, "method.reinforcement.")
+        request_grader(rft.grader, "method.reinforcement.grader", self.config.python_graders,
+                       lambda model: self.models.servable(tenant, model))
         return rft.grader
 
     @staticmethod

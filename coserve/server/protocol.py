@@ -18,6 +18,12 @@ class Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+def list_page(page: list[dict], has_more: bool) -> dict:
+    """OpenAI's list object of one page of objects (``first_id`` / ``last_id`` for the next page's ``after``)."""
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
+
+
 # OpenAI's metadata: at most 16 pairs, keys of up to 64 characters, values of up to 512
 Metadata = dict[Annotated[str, StringConstraints(max_length=64)],
                 Annotated[str, StringConstraints(max_length=512)]] | None
