@@ -41,8 +41,9 @@ class EvalRunner:
         for tenant, run in self.store.eval_runs_with_status(*ACTIVE):
             self.submit(tenant, run)
 
-    def submit(self, tenant: str, run: dict) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(tenant, run))
+    def submit(self, tenant: str, run: dict, source: RunSource | None = None) -> None:
+        """Run ``run`` (``source``: its data source as the request checked it; else read again, on a restart)."""
+        task = asyncio.get_running_loop().create_task(self._run(tenant, run, source))
         self._tasks[run["id"]] = task
         task.add_done_callback(lambda _: self._tasks.pop(run["id"], None))
 
@@ -65,7 +66,7 @@ class EvalRunner:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
 
-    async def _run(self, tenant: str, run: dict) -> None:
+    async def _run(self, tenant: str, run: dict, source: RunSource | None) -> None:
         run_id = run["id"]
         try:
             ev = self.store.get_eval(tenant, run["eval_id"])
@@ -73,8 +74,9 @@ class EvalRunner:
                 return  # deleted meanwhile, with its runs
             criteria = [parse_criterion(c, f"testing_criteria.{i}", self.allow_python)
                         for i, c in enumerate(ev["testing_criteria"])]
-            source = await asyncio.to_thread(check_run_source, run["data_source"], self.store, tenant,
-                                             lambda m: self.models.servable(tenant, m), item_schema(ev))
+            if source is None:
+                source = await asyncio.to_thread(check_run_source, run["data_source"], self.store, tenant,
+                                                 lambda m: self.models.servable(tenant, m), item_schema(ev))
         except Exception as e:  # its file deleted, the server restarted without --python-graders, ...
             message = getattr(e, "message", None) or str(e)
             self.store.update_eval_run(run_id, status="failed", error={"code": "invalid_run", "message": message})

@@ -112,7 +112,7 @@ async def create_run(eval_id: str, body: RunRequest, request: Request, ctx: Serv
                                      lambda model: ctx.models.servable(tenant, model), item_schema(ev))
     run = await asyncio.to_thread(ctx.store.add_eval_run, tenant,
                                   new_run(eval_id, body.name, source, body.data_source, body.metadata))
-    ctx.evals.submit(tenant, run)
+    ctx.evals.submit(tenant, run, source)
     return run
 
 
