@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 def _add_create_model(sub) -> None:
     p = sub.add_parser("create-model", help="write a randomly initialised HF model directory")
     p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "medium"])
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    from coserve.model.presets import ARCHS, PRESETS  # plain data: no torch
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--arch", default="llama", choices=list(ARCHS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-shard-size", default=None, help="e.g. 20MB: write sharded safetensors")

@@ -30,6 +30,33 @@ def test_unknown_architecture(model_factory, tmp_path):
         LLM(d, device="cpu")
 
 
+@pytest.mark.parametrize("change,field", [
+    ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "layer_types": None},
+     "use_sliding_window"),
+    ({"sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types.*layer 1"),
+])
+def test_sliding_window_layers_are_refused_by_field(model_factory, change, field):
+    """Qwen2/Qwen3 checkpoints whose layers would attend to a window shorter than the context are named, not
+    served with full attention; the released settings (the switch off, every layer full) load."""
+    from coserve.model.config import ModelConfig
+    raw = json.loads((model_factory("qwen3") / "config.json").read_text())
+    assert ModelConfig.from_dict({**raw, "sliding_window": 64, "use_sliding_window": False}).qk_norm
+    assert ModelConfig.from_dict({**raw, "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2,
+                                  "layer_types": None}).num_layers == 2  # no layer from 2 on: all full
+    with pytest.raises(ModelConfigError, match=field):
+        ModelConfig.from_dict({**raw, **change})
+
+
+def test_missing_qk_norm_is_named(model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = _copy(model_factory("qwen3"), tmp_path)
+    state = load_file(str(d / "model.safetensors"))
+    del state["model.layers.0.self_attn.k_norm.weight"]
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="model.layers.0.self_attn.k_norm.weight"):
+        LLM(d, device="cpu")
+
+
 def test_missing_and_corrupt_weights(model_factory, tmp_path):
     d = _copy(model_factory("llama"), tmp_path)
     (d / "model.safetensors").write_bytes(b"\x00garbage" * 10)

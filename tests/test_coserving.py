@@ -62,7 +62,7 @@ BURSTS = pytest.mark.parametrize("burst_ms", [0.0, 100.0], ids=["slices", "burst
 
 
 @BURSTS
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, tmp_path, arch, burst_ms):
     model_dir = model_factory(arch)
     rng = random.Random(3)

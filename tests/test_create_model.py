@@ -13,7 +13,7 @@ from coserve.model.create import build_config, create_model
 from coserve.model.presets import PRESETS
 from coserve.model.tokenizer_builder import SPECIAL_TOKENS, build_tokenizer
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3")
 # Same arguments as the parity test in test_model_parity.py, so the session cache makes it once.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_theta": 500000.0}
@@ -49,8 +49,14 @@ def test_tiny_model_loads_in_transformers_with_expected_shapes(model_factory, ar
     assert attn.o_proj.bias is None
     if arch == "mistral":
         assert cfg.sliding_window is None
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         assert not cfg.use_sliding_window and set(cfg.layer_types) == {"full_attention"}
+    if arch == "qwen3":  # per-head norms of q and k, set to two different ramps
+        assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (16,)
+        assert torch.equal(attn.q_norm.weight, torch.linspace(0.5, 1.5, 16))
+        assert torch.equal(attn.k_norm.weight, torch.linspace(0.5, 1.5, 16).flip(0))
+    else:
+        assert not hasattr(attn, "q_norm")
     gen = json.loads((path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [1, 4] and gen["bos_token_id"] == 0 and gen["pad_token_id"] == 2
     raw = json.loads((path / "config.json").read_text())

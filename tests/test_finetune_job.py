@@ -156,6 +156,20 @@ def test_the_executor_keeps_exactly_the_plans_bytes(setup, tmp_path, peft, remat
     assert plan.model_kept_bytes_per_token < plan.model_keep_all_bytes_per_token
 
 
+@pytest.mark.parametrize("remat", ["cheap", "all"])
+def test_the_executor_keeps_exactly_the_plans_bytes_with_qk_norms(model_factory, tmp_path, remat):
+    """Qwen3: the plan's q/k norm inputs and per-head statistics are what the executor stores (or recomputes)."""
+    model = load_model(model_factory("qwen3"), torch.float32, torch.device("cpu"))
+    b = TrainableLora(LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "down_proj"]), model.module_shapes(),
+                      model.cfg.num_layers, model.device, torch.Generator().manual_seed(0))
+    job = FinetuneJob(model, b, _examples(model.cfg.vocab_size, 4, seed=11),
+                      _cfg(tmp_path / "o", max_steps=1, rematerialize=remat))
+    run_job(job, progress=False)
+    kept = {k.name for k in job.plan.kept}
+    assert ({"q_rms", "k_rms"} <= kept) == (remat == "cheap")
+    assert job.kept_bytes_per_token == job.plan.model_kept_bytes_per_token
+
+
 def test_sequences_longer_than_the_rope_table_are_refused_clearly(setup, tmp_path):
     from coserve.finetune.job import Example
     model_dir, model, examples, bypass = setup

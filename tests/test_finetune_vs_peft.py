@@ -68,7 +68,8 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
 @pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-5), ("adamw", 1e-4)])
 @pytest.mark.parametrize("arch,targets", [("llama", ["down_proj"]),
                                           ("llama", ["q_proj", "v_proj", "o_proj", "gate_proj"]),
-                                          ("qwen2", "ia3"), ("qwen2", "dora")])
+                                          ("qwen2", "ia3"), ("qwen2", "dora"),
+                                          ("qwen3", ["q_proj", "k_proj", "v_proj", "down_proj"])])
 def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, targets):
     model_dir = model_factory(arch)
     if targets == "ia3":  # PEFT's default IA3 placement: k_proj and v_proj outputs, down_proj input

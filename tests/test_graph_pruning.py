@@ -220,6 +220,34 @@ def test_graph_matches_the_decoder():
     graph = build_layer_graph(shape, LoraConfig(r=4, target_modules=["q_proj"]))
     assert graph.op("q_proj").inputs == ("h_attn", "q_proj.W", "q_proj.b")
     assert graph.op("q_proj").flops == 2 * 96 * 96 and graph.op("q_proj.lora_A").flops == 2 * 96 * 4
+    assert "q_norm" not in {op.name for op in graph.ops}
+
+
+def test_graph_of_qwen3_normalises_q_and_k_per_head_before_the_rotation():
+    """Qwen3's q/k norms: each reads the projection's output (after its bypass) and writes one float32 statistic a
+    head; the rotation reads the norm; the executor's keeps (``q_pre``, ``q_rms``, ``k_pre``, ``k_rms``) are the
+    graph's names, and a plan may recompute the norms' inputs from the layer input."""
+    from coserve.finetune.pruned_layer import BASE_KEEPS
+    from coserve.model.config import ModelConfig
+    cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=100, hidden_size=96, intermediate_size=160, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, qkv_bias=False, torch_dtype="float32", qk_norm=True)
+    shape = LayerShape.from_model_config(cfg, element_size=4)
+    assert shape.qk_norm
+    graph = build_layer_graph(shape, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    assert graph.op("q_norm").inputs == ("q_pre", "q_norm.w") and graph.op("q_norm").outputs == ("q_normed", "q_rms")
+    assert graph.op("k_norm").inputs == ("k_pre", "k_norm.w")
+    assert graph.op("rope_q").inputs[0] == "q_normed" and graph.op("rope_k").inputs[0] == "k_normed"
+    assert graph.tensors["q_rms"].elements == 6 and graph.tensors["k_rms"].elements == 2
+    assert graph.tensors["q_rms"].element_size == 4
+    assert {"q_pre", "k_pre"} <= set(graph.projections)
+    for policy in ("cheap", "none"):
+        plan = plan_layer(shape, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]), policy)
+        stored = {k.name for k in plan.kept}
+        assert {"q_rms", "k_rms"} <= stored  # read by the norms' backward, a reduction to recompute
+        assert {"q_pre", "k_pre"} & (stored | {r.name for r in plan.rematerialized}) == {"q_pre", "k_pre"}
+        if policy == "cheap":  # what the executors run: every stored tensor is one they can keep
+            assert stored - set(BASE_KEEPS) - {"x", "k", "v"} <= {"q_proj.lora_a", "down_proj.lora_a"}
 
 
 def test_modules_import_without_torch():
@@ -236,7 +264,7 @@ def shapes(draw) -> LayerShape:
     return LayerShape(hidden_size=draw(st.integers(8, 4096)), intermediate_size=draw(st.integers(8, 8192)),
                       num_heads=kv * draw(st.integers(1, 4)), num_kv_heads=kv,
                       head_dim=draw(st.sampled_from([8, 16, 64, 128])), qkv_bias=draw(st.booleans()),
-                      element_size=draw(st.sampled_from([2, 4])))
+                      qk_norm=draw(st.booleans()), element_size=draw(st.sampled_from([2, 4])))
 
 
 @st.composite

@@ -170,11 +170,12 @@ class GraphBuilder:
         n = self.tensors[inputs[0]].elements
         return self.op(name, kind, inputs, ((out, n),), FLOPS_PER_ELEMENT[fn] * n, fn)
 
-    def norm(self, name: str, x: str, out: str, rms: str) -> str:
+    def norm(self, name: str, x: str, out: str, rms: str, groups: int = 1) -> str:
         """RMSNorm: ``out`` and the per-row statistic ``rms`` (``rsqrt(mean(x^2) + eps)``, float32 whatever the
-        graph's element size, as the executors compute it)."""
+        graph's element size, as the executors compute it); with ``groups``, over each of that many equal parts of
+        a row (Qwen3's norm of each head), one statistic each."""
         n = self.tensors[x].elements
-        first = self.op(name, OpKind.NORM, (x, self.weight(f"{name}.w")), ((out, n), (rms, 1)),
+        first = self.op(name, OpKind.NORM, (x, self.weight(f"{name}.w")), ((out, n), (rms, groups)),
                         FLOPS_PER_ELEMENT["norm"] * n)
         self.set_element_size(rms, 4)
         return first
@@ -195,6 +196,7 @@ class LayerShape:
     num_kv_heads: int
     head_dim: int
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: q and k RMS-normalised per head before the rotation
     element_size: int = 2  # bytes per element: 2 for bf16/fp16, 4 for fp32
     context_tokens: int = 512  # keys attended per token on average (half a causal sequence); prices attention
 
@@ -220,7 +222,7 @@ class LayerShape:
     def from_model_config(cls, cfg: Any, element_size: int, context_tokens: int = 512) -> "LayerShape":
         """From a ``coserve.model.config.ModelConfig`` (or anything with its field names)."""
         return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   bool(cfg.qkv_bias), element_size, context_tokens)
+                   bool(cfg.qkv_bias), bool(getattr(cfg, "qk_norm", False)), element_size, context_tokens)
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` per target module, as ``DecoderModel.module_shapes``."""
@@ -300,9 +302,13 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     q_pre = linear("q_proj", h, "q_pre", shape.qkv_bias)  # [Hq*D]
     k_pre = linear("k_proj", h, "k_pre", shape.qkv_bias)  # [Hkv*D]
     v = linear("v_proj", h, "v", shape.qkv_bias)  # [Hkv*D]: the V cache
+    q_in, k_in = q_pre, k_pre  # what the rotation reads
+    if shape.qk_norm:  # Qwen3: each head normalised; the backward reads the input and the per-head statistic
+        q_in = b.norm("q_norm", q_pre, "q_normed", "q_rms", groups=shape.num_heads)
+        k_in = b.norm("k_norm", k_pre, "k_normed", "k_rms", groups=shape.num_kv_heads)
     rope = FLOPS_PER_ELEMENT["rope"]
-    q = b.op("rope_q", OpKind.ROPE, (q_pre, pos), (("q", shape.q_size),), rope * shape.q_size)
-    k = b.op("rope_k", OpKind.ROPE, (k_pre, pos), (("k", shape.kv_size),), rope * shape.kv_size)  # K cache
+    q = b.op("rope_q", OpKind.ROPE, (q_in, pos), (("q", shape.q_size),), rope * shape.q_size)
+    k = b.op("rope_k", OpKind.ROPE, (k_in, pos), (("k", shape.kv_size),), rope * shape.kv_size)  # K cache
     if attention_backward not in ("flash", "recompute"):
         raise ValueError(f"attention_backward: must be 'flash' or 'recompute', got {attention_backward!r}")
     attn_flops = (4 * shape.q_size + SOFTMAX_FLOPS_PER_SCORE * shape.num_heads) * shape.context_tokens
@@ -322,9 +328,13 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     mlp_out = linear("down_proj", mlp_in, "mlp_out")  # [H]
     out = b.pointwise("mlp_residual", OpKind.ADD, "add", (resid, mlp_out), "out")  # [H]
     title = (f"{peft_summary(peft)}; hidden {shape.hidden_size}, intermediate {shape.intermediate_size}, "
-             f"heads {shape.num_heads}/{shape.num_kv_heads} x {shape.head_dim}, {shape.element_size} B/element")
+             f"heads {shape.num_heads}/{shape.num_kv_heads} x {shape.head_dim}"
+             f"{' (q/k norms)' if shape.qk_norm else ''}, {shape.element_size} B/element")
     # dL/dK and dL/dV are required: later tokens' backward windows produce them for earlier tokens.
     # What the pruned executor can recompute in its backward instead of storing (bypass tensors stay
-    # kept): the projections, and attention's output (with its lse) when the backward reads them.
+    # kept): the projections (with q/k norms, also their inputs), and attention's output (with its lse) when the
+    # backward reads them.
+    pre = (q_pre, k_pre) if shape.qk_norm else ()
     return b.build(x, out, always_kept=(x, k, v), required_grads=(x, k, v), title=title,
-                   projections=(q, o, resid, gate, up) if attention_backward == "flash" else (q, resid, gate, up))
+                   projections=(*pre, q, o, resid, gate, up) if attention_backward == "flash"
+                   else (*pre, q, resid, gate, up))

@@ -30,8 +30,10 @@ from coserve.peft.trainable import LowRank
 
 # The base layer's tensors a plan may store or recompute (attention's two outputs go together); the norms' per-row
 # statistics (rsqrt(mean(x^2) + eps), float32) by their graph names.
-BASE_KEEPS = ("rms_attn", "q", "attn.o", "attn.lse", "resid", "rms_mlp", "gate", "up")
-_FLOAT32_KEEPS = ("rms_attn", "attn.lse", "rms_mlp")
+BASE_KEEPS = ("rms_attn", "q", "attn.o", "attn.lse", "resid", "rms_mlp", "gate", "up",
+              "q_pre", "q_rms", "k_pre", "k_rms")  # the last four: Qwen3's q/k norms' inputs and per-head statistics
+_FLOAT32_KEEPS = ("rms_attn", "attn.lse", "rms_mlp", "q_rms", "k_rms")
+_QK_NORM_KEEPS = ("q_pre", "q_rms", "k_pre", "k_rms")
 
 
 # What the host's time to dispatch one operation is worth in FLOPs, by device type (the pruning plan charges it for
@@ -72,7 +74,8 @@ class LayerKeep:
 
     num_tokens: int
     base: dict[str, torch.Tensor]  # stored BASE_KEEPS by name: rms_attn/rms_mlp [N, 1] float32, q [N, Hq, D],
-    #   attn.o [N, Hq*D], attn.lse [N, Hq] float32, resid [N, H], gate/up [N, I]
+    #   attn.o [N, Hq*D], attn.lse [N, Hq] float32, resid [N, H], gate/up [N, I], q_pre [N, Hq, D],
+    #   q_rms [N, Hq, 1] float32, k_pre [N, Hkv, D], k_rms [N, Hkv, 1] float32
     bypass: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> [N, r] or [N, out]
 
     def get(self, name: str, a: int, b: int) -> torch.Tensor | None:
@@ -85,16 +88,21 @@ class LayerKeep:
 
 
 def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[str, ...] = BASE_KEEPS) -> LayerKeep:
-    """Room for one layer's ``names`` (a subset of BASE_KEEPS) over ``n`` tokens."""
+    """Room for one layer's ``names`` (a subset of BASE_KEEPS; those of q/k norms only where the model has them)
+    over ``n`` tokens."""
     c = model.cfg
     shapes = {"rms_attn": (n, 1), "q": (n, c.num_heads, c.head_dim), "attn.o": (n, c.q_size),
               "attn.lse": (n, c.num_heads), "resid": (n, c.hidden_size), "rms_mlp": (n, 1),
-              "gate": (n, c.intermediate_size), "up": (n, c.intermediate_size)}
+              "gate": (n, c.intermediate_size), "up": (n, c.intermediate_size),
+              "q_pre": (n, c.num_heads, c.head_dim), "q_rms": (n, c.num_heads, 1),
+              "k_pre": (n, c.num_kv_heads, c.head_dim), "k_rms": (n, c.num_kv_heads, 1)}
     unknown = set(names) - set(shapes)
     if unknown:
         raise ValueError(f"new_layer_keep: unknown tensors {sorted(unknown)}; choose from {', '.join(BASE_KEEPS)}")
     if ("attn.o" in names) != ("attn.lse" in names):
         raise ValueError("new_layer_keep: attention's output and log-sum-exp are kept together or not at all")
+    if not c.qk_norm:  # no q/k norms: nothing of theirs to keep
+        names = set(names) - set(_QK_NORM_KEEPS)
     if "attn.o" in names and not kept_attention_supported(model.device):
         raise ValueError(f"new_layer_keep: no kept-output attention backward on {model.device.type}")
     return LayerKeep(n, {k: torch.empty(shapes[k], device=model.device,
@@ -163,7 +171,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
 
     ``dout`` ``[n, H]`` is dL/d(layer output); ``dk_acc``/``dv_acc`` ``[N, Hkv, D]`` hold what later
     windows contributed to this window's own K/V. Bypass parameter gradients accumulate.
-    What ``keep`` does not store is recomputed: q from the input, attention from q, K and V,
+    What ``keep`` does not store is recomputed: q from the input (with q/k norms, from their inputs, themselves
+    kept or recomputed from the input), attention from q, K and V,
     the residual from attention's output, gate and up from the residual. With
     ``need_input_grad`` False it returns None, having run only the stages down to the lowest
     bypassed module (as autograd does when the layer input does not require grad).
@@ -175,15 +184,27 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         return None
     eps = cfg.rms_norm_eps
     q = keep.get("q", a, b)
+    # Qwen3's q/k norms: their inputs, kept or recomputed from the input norm, to recompute q or for their backward
+    q_pre = keep.get("q_pre", a, b) if cfg.qk_norm and (q is None or last > 3) else None
+    k_pre = keep.get("k_pre", a, b) if cfg.qk_norm and last > 3 else None
+    need_q_pre = cfg.qk_norm and (q is None or last > 3) and q_pre is None
+    need_k_pre = cfg.qk_norm and last > 3 and k_pre is None
     rstd1, stats1 = keep.get("rms_attn", a, b), None  # the input norm's statistic, kept or recomputed
     h1 = None  # the input norm, where recomputed (its backward reads the statistics too)
-    if q is None or _touches(bypass, "q_proj", "k_proj", "v_proj"):
+    if (q is None and not cfg.qk_norm) or need_q_pre or need_k_pre or _touches(bypass, "q_proj", "k_proj", "v_proj"):
         stats1 = _norm_stats(x, rstd1, eps)
         h1 = rms_norm(x, layer.input_norm, eps, stats1)
+    if need_q_pre:
+        q_pre = _projection(model, layer, bypass, "q_proj", h1).view(n, cfg.num_heads, cfg.head_dim)
+    if need_k_pre:
+        k_pre = _projection(model, layer, bypass, "k_proj", h1).view(n, cfg.num_kv_heads, cfg.head_dim)
+    q_stats = _norm_stats(q_pre, keep.get("q_rms", a, b), eps) if q_pre is not None else None
     if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
-        bias = layer.qkv_bias[:cfg.q_size] if layer.qkv_bias is not None else None
-        q = bypass_output(bypass, None, i, "q_proj", h1, model.linear(h1, layer.q_weight, bias))
-        q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
+        if cfg.qk_norm:
+            q = model.rope.rotate(rms_norm(q_pre, layer.qk_norm[:cfg.num_heads], eps, q_stats), positions)
+        else:
+            q = _projection(model, layer, bypass, "q_proj", h1)
+            q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
     if o is None:  # attention, recomputed from q, K and V (under autograd when its backward runs)
         q = q.detach().requires_grad_()
@@ -238,8 +259,12 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         v_own_grad += dv_acc[a:b]
     dqkv = torch.empty(n, cfg.q_size + 2 * cfg.kv_size, device=x.device, dtype=x.dtype)  # [dq | dk | dv]
     dq, dk, dv = dqkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    _rope_backward_into(model, torch.cat([q_grad, k_own_grad], dim=1), positions,  # q and k in one pass
-                        dqkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim)))
+    dqk = dqkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim))
+    _rope_backward_into(model, torch.cat([q_grad, k_own_grad], dim=1), positions, dqk)  # q and k in one pass
+    if cfg.qk_norm:  # through the norms of q's and k's heads, in one pass too
+        k_stats = _norm_stats(k_pre, keep.get("k_rms", a, b), eps)
+        stats = torch.cat([q_stats[0], k_stats[0]], dim=1), torch.cat([q_stats[1], k_stats[1]], dim=1)
+        dqk.copy_(rms_norm_backward(dqk, stats[0], layer.qk_norm_f32, eps, stats))
     dv.copy_(v_own_grad.flatten(1))
     ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)
     ex_k = _out_backward_into(bypass, keep, i, "k_proj", h1, dk, a, b)
@@ -248,6 +273,14 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         return None
     dh1 = _plus(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v)
     return dresid + rms_norm_backward(dh1, x, layer.input_norm_f32, eps, stats1 or _norm_stats(x, rstd1, eps))
+
+
+def _projection(model: DecoderModel, layer: DecoderLayer, bypass, module: str, h: torch.Tensor) -> torch.Tensor:
+    """``q_proj``'s or ``k_proj``'s output ``[n, out]`` (bias and bypass included) recomputed from the input norm."""
+    weight = layer.q_weight if module == "q_proj" else layer.k_weight
+    lo = 0 if module == "q_proj" else model.cfg.q_size
+    bias = layer.qkv_bias[lo:lo + weight.shape[0]] if layer.qkv_bias is not None else None
+    return bypass_output(bypass, None, layer.index, module, h, model.linear(h, weight, bias))
 
 
 def _norm_stats(x: torch.Tensor, rstd: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

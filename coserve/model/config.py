@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 # The HF architectures coserve runs, and what each implies for the decoder.
+# ``qk_norm``: q and k RMS-normalised over each head (weights ``q_norm``/``k_norm`` of ``head_dim``) before the rotation.
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {"qkv_bias": False},
-    "MistralForCausalLM": {"qkv_bias": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
 }
 
 
@@ -51,6 +53,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before the rotation
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -112,6 +115,7 @@ class ModelConfig:
                 rope=_rope_from_dict(raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+                qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
             )
         except KeyError as e:
             raise ModelConfigError(f"missing field {e.args[0]!r}") from e
@@ -124,7 +128,27 @@ class ModelConfig:
             raise ModelConfigError(
                 f"field 'sliding_window': {raw['sliding_window']} is shorter than the context "
                 f"({cfg.max_position_embeddings}); sliding-window attention is not supported")
+        _check_full_attention(raw, cfg.max_position_embeddings)
         return cfg
+
+
+def _check_full_attention(raw: dict[str, Any], context: int) -> None:
+    """Every layer must attend to its whole context: transformers' per-layer ``layer_types``, or, in configs without
+    them, Qwen2's and Qwen3's ``use_sliding_window`` (off in their released checkpoints) from ``max_window_layers``."""
+    window = raw.get("sliding_window")
+    if window in (None, 0) or int(window) >= context:
+        return
+    kinds = raw.get("layer_types")
+    if kinds is None and raw.get("use_sliding_window"):
+        first = int(raw.get("max_window_layers", 0))
+        if first < int(raw.get("num_hidden_layers", 0)):
+            raise ModelConfigError(
+                f"field 'use_sliding_window': layers from {first} on attend to the last {window} tokens of a "
+                f"{context}-token context; sliding-window attention is not supported")
+    for i, kind in enumerate(kinds or []):
+        if kind != "full_attention":
+            raise ModelConfigError(f"field 'layer_types': layer {i} is {kind!r} (a {window}-token window); "
+                                   f"only full_attention is supported")
 
 
 def read_json_file(path: Path, where: str, error: type[ValueError]) -> dict:

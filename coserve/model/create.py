@@ -25,7 +25,10 @@ tensors (deterministically, by constant factors that depend only on ``hidden_siz
 * Attention. Scores ``q.k / sqrt(head_dim)`` have std ``std(W_q) * std(W_k) * hidden_size``, 0.03
   for the tiny preset: attention is uniform and RoPE or masking bugs barely show. ``q_proj`` and
   ``k_proj`` are scaled to std ``sqrt(ATTN_SCORE_STD / hidden_size)`` so scores have std about
-  :data:`ATTN_SCORE_STD` (1), as in trained models.
+  :data:`ATTN_SCORE_STD` (1), as in trained models. Qwen3 normalises q and k per head before the
+  rotation, so its scores have std about 1 whatever the projections; its ``q_norm`` and ``k_norm``
+  weights, all ones at init, are set to two different ramps (0.5 to 1.5 and back) so that a
+  decoder which skipped them, or swapped them, would not match.
 
 A tied random model still tends to fall into short loops under greedy decoding (its output feeds
 back through the same matrix); an untied one produces varied text.
@@ -40,7 +43,7 @@ from typing import Any
 
 import torch
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
-                          PreTrainedConfig, PreTrainedModel, Qwen2Config)
+                          PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -102,7 +105,7 @@ def _check_shard_size(max_shard_size: str | int | None) -> None:
 def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float32",
                  tie_word_embeddings: bool | None = None,
                  rope_scaling: dict[str, Any] | None = None) -> PreTrainedConfig:
-    """The HF config (``LlamaConfig``, ``Qwen2Config`` or ``MistralConfig``) ``create_model`` uses.
+    """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig`` or ``Qwen3Config``) ``create_model`` uses.
 
     Raises ``ValueError`` naming the field for an unknown preset, arch or dtype, or a bad
     ``rope_scaling``.
@@ -125,6 +128,8 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
                                                 mlp_bias=False)
         elif arch == "qwen2":  # Qwen2 always has q/k/v biases
             cfg = Qwen2Config(**common, use_sliding_window=False)
+        elif arch == "qwen3":  # no biases; q and k each RMS-normalised per head before the rotation
+            cfg = Qwen3Config(**common, head_dim=p.head_dim, attention_bias=False, use_sliding_window=False)
         else:
             cfg = MistralConfig(**common, head_dim=p.head_dim, sliding_window=None)
     except (TypeError, ValueError, KeyError) as e:
@@ -147,6 +152,10 @@ def shape_init(model: PreTrainedModel) -> None:
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(qk_gain)
             layer.self_attn.k_proj.weight.mul_(qk_gain)
+            if hasattr(layer.self_attn, "q_norm"):  # Qwen3's per-head norms (see the module docstring)
+                ramp = torch.linspace(0.5, 1.5, layer.self_attn.q_norm.weight.numel())
+                layer.self_attn.q_norm.weight.copy_(ramp)
+                layer.self_attn.k_norm.weight.copy_(ramp.flip(0))
             if tied:
                 layer.self_attn.o_proj.weight.mul_(TIED_RESIDUAL_GAIN)
                 layer.mlp.down_proj.weight.mul_(TIED_RESIDUAL_GAIN)
@@ -173,7 +182,7 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     The same arguments always give the same weights; the weights depend on ``seed``.
 
     ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``, ``medium``), ``arch``
-    one of ``llama``, ``qwen2``, ``mistral``, ``dtype`` one of ``float32``, ``bfloat16``,
+    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``dtype`` one of ``float32``, ``bfloat16``,
     ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
     only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;

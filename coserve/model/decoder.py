@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral) over flat, unpadded token batches."""
+"""The Llama-family decoder (Llama, Qwen2, Mistral, Qwen3) over flat, unpadded token batches."""
 
 from __future__ import annotations
 
@@ -75,6 +75,13 @@ class DecoderLayer:
                                           w("self_attn.v_proj.weight")]))  # [q + 2kv, H]
         self.qkv_bias = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
                                     w("self_attn.v_proj.bias")]) if cfg.qkv_bias else None)
+        # Qwen3: each head of q and k RMS-normalised before the rotation; both weights as one [Hq + Hkv, D] (the
+        # rows of a head repeated), so that q and k side by side are normalised in one pass
+        self.qk_norm = self.qk_norm_f32 = self.k_weight = None
+        if cfg.qk_norm:
+            self.qk_norm = torch.cat([w("self_attn.q_norm.weight").expand(cfg.num_heads, -1),
+                                      w("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
+            self.qk_norm_f32 = self.qk_norm.float()
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
         self.gate_up = gemm_layout(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))  # [2I, H]
         self.down = gemm_layout(w("mlp.down_proj.weight"))
@@ -82,10 +89,14 @@ class DecoderLayer:
         # packed copy can be found for them: coserve/model/packed_gemm.py).
         self.q_weight = self.qkv[:cfg.q_size]
         self.gate_weight, self.up_weight = self.gate_up.chunk(2)
+        if cfg.qk_norm:  # k before its norm, which the norm's backward reads
+            self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]
 
     def frozen_weights(self) -> tuple[torch.Tensor, ...]:
         """The matmul weights, and the views of them a backward recomputes alone."""
-        return self.qkv, self.o, self.gate_up, self.down, self.q_weight, self.gate_weight, self.up_weight
+        views = (self.q_weight, self.gate_weight, self.up_weight) + ((self.k_weight,) if self.k_weight is not None
+                                                                      else ())
+        return self.qkv, self.o, self.gate_up, self.down, *views
 
 
 def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -218,11 +229,16 @@ class DecoderModel:
         k = bypass_output(bypass, tap, i, "k_proj", h, k0)
         v = bypass_output(bypass, tap, i, "v_proj", h, v)
         if q is q0 and k is k0:  # side by side in the projection's output: rotated in one pass (half the kernels)
-            qk = self.rope.rotate(qkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim)), positions)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            qk = qkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim))
+            if layer.qk_norm is not None:
+                qk = self.head_norm(qk, layer.qk_norm, tap)
+            q, k = self.rope.rotate(qk, positions).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         else:
-            q, k = self.rope(q.reshape(t, cfg.num_heads, cfg.head_dim),
-                             k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions)
+            q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if layer.qk_norm is not None:
+                q = self.head_norm(q, layer.qk_norm[:cfg.num_heads], tap, "q")
+                k = self.head_norm(k, layer.qk_norm[cfg.num_heads:], tap, "k")
+            q, k = self.rope(q, k, positions)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if tap is not None:
             tap("q", q)
@@ -241,6 +257,19 @@ class DecoderModel:
             tap("up", up)
         x = x + bypassed_linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down, linear)
         return x, k, v
+
+    def head_norm(self, x: torch.Tensor, weight: torch.Tensor, tap: Tap | None, which: str = "qk") -> torch.Tensor:
+        """Qwen3's RMSNorm of each head of ``x`` ``[T, heads, D]`` (``weight`` ``[heads, D]``): q's heads, k's, or
+        both side by side (``which``); a tap sees the input and statistic of q and of k (``q_pre``, ``q_rms``,
+        ``k_pre``, ``k_rms``: the norms' backward reads them)."""
+        stats = rms_norm_stats(x, self.cfg.rms_norm_eps)
+        if tap is not None:
+            names = ("q", "k") if which == "qk" else (which,)
+            sizes = [self.cfg.num_heads, self.cfg.num_kv_heads] if which == "qk" else [x.shape[1]]
+            for name, pre, rms in zip(names, x.split(sizes, dim=1), stats[1].split(sizes, dim=1)):
+                tap(f"{name}_pre", pre)
+                tap(f"{name}_rms", rms)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps, stats)
 
 
 # Sees a layer's intermediate tensors by name, e.g. to keep them for a backward pass.
