@@ -41,13 +41,15 @@ def _add_create_model(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-shard-size", default=None, help="e.g. 20MB: write sharded safetensors")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="each attention head's width, apart from hidden/heads (as Qwen3 and Llama-3.2 checkpoints)")
     p.set_defaults(func=_create_model)
 
 
 def _create_model(args) -> int:
     from coserve.model.create import create_model
     out = create_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype,
-                       max_shard_size=args.max_shard_size)
+                       max_shard_size=args.max_shard_size, head_dim=args.head_dim)
     print(f"wrote {args.preset} {args.arch} model to {out}")
     return 0
 

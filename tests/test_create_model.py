@@ -173,6 +173,9 @@ def test_half_precision_dtype_is_written(tmp_path):
     ({"rope_scaling": {"rope_type": "nonsense"}}, "rope_scaling"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
     ({"max_shard_size": "lots"}, "max_shard_size"),
+    ({"head_dim": 31}, "head_dim"),
+    ({"head_dim": 0}, "head_dim"),
+    ({"arch": "qwen2", "head_dim": 32}, "head_dim"),
 ])
 def test_bad_arguments_raise_value_error_naming_the_field(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=field):

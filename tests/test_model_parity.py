@@ -116,3 +116,21 @@ def test_half_precision_runs_close_to_hf(model_factory, hf_model_cache, dtype):
     assert torch.isfinite(got).all()
     # half precision: close to the float32 oracle, not equal
     assert (got - ref).abs().max() / ref.abs().max() < 0.05
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_heads_wider_than_hidden_over_heads_match_hf(model_factory, hf_model_cache, arch):
+    """Qwen3's (and Llama-3.2's) shape: ``head_dim`` set apart from ``hidden_size / num_attention_heads``, so that
+    q/o are wider than the hidden state (here 4 heads of 32 over a hidden state of 64)."""
+    path = model_factory(arch, head_dim=32)
+    llm = LLM(path, dtype="float32", device="cpu")
+    assert llm.engine.model.cfg.q_size == 128 != llm.engine.model.cfg.hidden_size
+    ids = [llm.tokenizer(p)["input_ids"] for p in PROMPTS]
+    hf = hf_model_cache(path)
+    for seq, got in zip(ids, _flat_logits(path, ids)):
+        with torch.inference_mode():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for out in outs:
+        assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 16)

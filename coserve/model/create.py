@@ -104,15 +104,21 @@ def _check_shard_size(max_shard_size: str | int | None) -> None:
 
 def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float32",
                  tie_word_embeddings: bool | None = None,
-                 rope_scaling: dict[str, Any] | None = None) -> PreTrainedConfig:
+                 rope_scaling: dict[str, Any] | None = None, head_dim: int | None = None) -> PreTrainedConfig:
     """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig`` or ``Qwen3Config``) ``create_model`` uses.
 
     Raises ``ValueError`` naming the field for an unknown preset, arch or dtype, or a bad
-    ``rope_scaling``.
+    ``rope_scaling`` or ``head_dim``.
     """
     p = get_preset(preset)
     _check_choice("arch", arch, ARCHS)
     _check_choice("dtype", dtype, DTYPES)
+    if head_dim is None:
+        head_dim = p.head_dim
+    elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim: must be a positive even integer, got {head_dim!r}")
+    elif arch == "qwen2" and head_dim != p.head_dim:
+        raise ValueError(f"head_dim: Qwen2 heads are hidden_size / num_attention_heads ({p.head_dim}) wide")
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     common: dict[str, Any] = dict(
         vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
@@ -124,14 +130,14 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
     )
     try:
         if arch == "llama":
-            cfg: PreTrainedConfig = LlamaConfig(**common, head_dim=p.head_dim, attention_bias=False,
+            cfg: PreTrainedConfig = LlamaConfig(**common, head_dim=head_dim, attention_bias=False,
                                                 mlp_bias=False)
         elif arch == "qwen2":  # Qwen2 always has q/k/v biases
             cfg = Qwen2Config(**common, use_sliding_window=False)
         elif arch == "qwen3":  # no biases; q and k each RMS-normalised per head before the rotation
-            cfg = Qwen3Config(**common, head_dim=p.head_dim, attention_bias=False, use_sliding_window=False)
+            cfg = Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False)
         else:
-            cfg = MistralConfig(**common, head_dim=p.head_dim, sliding_window=None)
+            cfg = MistralConfig(**common, head_dim=head_dim, sliding_window=None)
     except (TypeError, ValueError, KeyError) as e:
         field = "rope_scaling" if rope_scaling is not None else "preset"
         raise ValueError(f"{field}: invalid {arch} config ({type(e).__name__}: {e})") from e
@@ -173,7 +179,7 @@ def _generation_config() -> GenerationConfig:
 def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0,
                  dtype: str = "float32", max_shard_size: str | int | None = None,
                  tie_word_embeddings: bool | None = None,
-                 rope_scaling: dict[str, Any] | None = None) -> Path:
+                 rope_scaling: dict[str, Any] | None = None, head_dim: int | None = None) -> Path:
     """Write a randomly initialised HF causal LM into ``out_dir`` and return that path.
 
     The directory holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (or,
@@ -186,9 +192,11 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
     only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;
-    ``rope_theta`` defaults to the preset's. Raises ``ValueError`` naming the offending field.
+    ``rope_theta`` defaults to the preset's. ``head_dim`` (not for qwen2) sets each head's width apart from
+    ``hidden_size / num_attention_heads``, as Qwen3 and Llama-3.2 checkpoints do. Raises ``ValueError`` naming the
+    offending field.
     """
-    cfg = build_config(preset, arch, dtype, tie_word_embeddings, rope_scaling)
+    cfg = build_config(preset, arch, dtype, tie_word_embeddings, rope_scaling, head_dim)
     _check_shard_size(max_shard_size)
     p = get_preset(preset)
     tokenizer = build_tokenizer(p.vocab_size)
