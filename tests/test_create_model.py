@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from coserve.model.create import build_config, create_model
 from coserve.model.presets import PRESETS
-from coserve.model.tokenizer_builder import SPECIAL_TOKENS, build_tokenizer
+from coserve.model.tokenizer_builder import SPECIAL_TOKENS, THINK_TOKENS, build_tokenizer
 
 ARCHS = ("llama", "qwen2", "mistral", "qwen3")
 # Same arguments as the parity test in test_model_parity.py, so the session cache makes it once.
@@ -90,6 +90,10 @@ def test_tokenizer_loads_adds_bos_and_round_trips(model_factory):
         assert tok.decode(ids, skip_special_tokens=True) == text
         assert tok.decode(ids) == "<|begin_of_text|>" + text
     assert tok("<|im_start|>user")["input_ids"][:2] == [0, 3]  # special tokens are single tokens
+    # reasoning tags: the vocabulary's last two ids, whole tokens that decoding keeps (as Qwen3's)
+    think = tok("<think>Add them.</think>4")["input_ids"]
+    assert think[1] == PRESETS["tiny"].vocab_size - 2 and PRESETS["tiny"].vocab_size - 1 in think
+    assert tok.decode(think, skip_special_tokens=True) == "<think>Add them.</think>4"
     assert len(tok("the function returns the value")["input_ids"]) < 12  # merges were learned
 
 
@@ -110,6 +114,7 @@ def test_build_tokenizer_is_deterministic_and_sized():
     big = build_tokenizer(8192)
     assert big.get_vocab_size() == 8192 and a.get_vocab_size() == 1024
     assert [big.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    assert [big.token_to_id(t) for t in THINK_TOKENS] == [8190, 8191]
     prose = "Return a new ordered dictionary whose keys are the elements of an iterable argument."
     assert len(big.encode(prose).ids) < len(a.encode(prose).ids) < len(prose.encode()) // 2
     with pytest.raises(ValueError, match="vocab_size"):

@@ -341,14 +341,23 @@ class ModelExecutor:
         return self.slots.batch([self.adapters[name] for name in plan.adapters], runs)
 
     def _allowed(self, chunk: InferenceChunk) -> torch.Tensor | None:
-        """The tokens a guided request may sample next (its outputs so far match its schema's or pattern's prefix)."""
+        """The tokens a guided request may sample next (its outputs so far match its schema's or pattern's prefix);
+        with a reasoning parser's tags, the guide constrains the reply after the reasoning only."""
         p = chunk.params
         if not p.guided:
             return None
         if self.guided is None:
             raise RuntimeError("guided decoding: this executor has no vocabulary to guide decoding with")
-        return self.guided.mask(chunk.request_id, p.guided_json, chunk.history[1], p.guided_choice, p.guided_regex,
-                                p.guided_grammar)
+        out = chunk.history[1]
+        begin = 0 if p.reasoning is None else p.reasoning.reply_start(out)
+        if begin is None:  # reasoning: unconstrained until it ends
+            return None
+        mask = self.guided.mask(chunk.request_id, p.guided_json, out[begin:] if begin else out, p.guided_choice,
+                                p.guided_regex, p.guided_grammar)
+        if p.reasoning is not None and not out and not p.reasoning.opened:  # the first token may open reasoning
+            mask = mask.clone()
+            mask[p.reasoning.start] = True
+        return mask
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

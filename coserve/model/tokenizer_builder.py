@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -28,6 +28,10 @@ IM_END_TOKEN = "<|im_end|>"
 #: Special tokens in id order: they take ids 0..4 of every vocabulary built here.
 SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+THINK_START, THINK_END = "<think>", "</think>"
+#: Reasoning tags (as Qwen3 and DeepSeek-R1 tokenizers have them): the last two ids of every vocabulary built here,
+#: whole tokens that decoding keeps (not special), so that a reasoning parser can find where a model's reasoning ends.
+THINK_TOKENS: tuple[str, ...] = (THINK_START, THINK_END)
 
 #: ChatML: ``<|im_start|>{role}\n{content}<|im_end|>\n`` per message, then the assistant header.
 CHAT_TEMPLATE = (
@@ -95,7 +99,7 @@ def _build_cached(vocab_size: int) -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(THINK_TOKENS),
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -104,6 +108,8 @@ def _build_cached(vocab_size: int) -> str:
     tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
     for i, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == i, f"special token {token!r} is not id {i}"
+    if tokenizer.get_vocab_size() == vocab_size - len(THINK_TOKENS):  # else too small a corpus: said by the caller
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     # Like Llama 3: byte-level offsets, then BOS prepended to every encoded text.
     tokenizer.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
@@ -120,12 +126,13 @@ def build_tokenizer(vocab_size: int = 8192) -> Tokenizer:
     """A deterministic byte-level BPE tokenizer with exactly ``vocab_size`` tokens.
 
     Ids 0..4 are :data:`SPECIAL_TOKENS` (bos, eos, pad, im_start, im_end), 5..260 the 256 byte
-    symbols, the rest BPE merges learned from :func:`training_corpus`. Encoding prepends the bos
+    symbols, the last two :data:`THINK_TOKENS` (``<think>``, ``</think>``), the rest BPE merges learned from
+    :func:`training_corpus`. Encoding prepends the bos
     token. Training runs once per ``vocab_size`` per process (well under a second); each call
     returns a fresh copy. Raises ``ValueError`` if ``vocab_size`` is too small for the special
     tokens and the byte alphabet, or too large for the corpus to reach.
     """
-    minimum = len(SPECIAL_TOKENS) + 256
+    minimum = len(SPECIAL_TOKENS) + 256 + len(THINK_TOKENS)
     if not isinstance(vocab_size, int) or vocab_size < minimum:
         raise ValueError(f"vocab_size: must be an integer >= {minimum}, got {vocab_size!r}")
     tokenizer = Tokenizer.from_str(_build_cached(vocab_size))

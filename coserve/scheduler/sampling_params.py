@@ -34,6 +34,31 @@ def check_truncate_prompt_tokens(keep: object) -> None:
         raise ValueError(f"truncate_prompt_tokens must be None, -1 or a positive integer, got {keep!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningTokens:
+    """A reasoning model's tags (single tokens) for one request, and whether its output begins inside the reasoning
+    (the prompt left a ``<think>`` open); a structured output's guide starts where the reasoning ends."""
+
+    start: int  # <think>
+    end: int  # </think>
+    opened: bool
+
+    def reply_start(self, output_ids: list[int]) -> int | None:
+        """Where the reply after the reasoning begins in ``output_ids``, or None while the output is reasoning; 0 where
+        there is none (nor yet any output: its first token may still open one, ``<think>``)."""
+        if self.opened or (output_ids and output_ids[0] == self.start):
+            try:
+                return output_ids.index(self.end) + 1
+            except ValueError:
+                return None
+        return 0
+
+    def count(self, output_ids: list[int]) -> int:
+        """How many of ``output_ids`` are reasoning, its tags included (all of them while it has not ended)."""
+        begin = self.reply_start(output_ids)
+        return len(output_ids) if begin is None else begin
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling settings for one request; validated on construction, errors name the field."""
@@ -71,6 +96,8 @@ class SamplingParams:
     #   writes them, e.g. "<|im_end|>")
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens are used (-1: as many as
     #   the model's context holds); None = the whole prompt
+    reasoning: ReasoningTokens | None = None  # a reasoning parser's tags: a guide constrains only the reply after
+    #   the reasoning (vLLM's structured outputs with --reasoning-parser); None = the guide constrains all of it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

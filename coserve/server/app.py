@@ -15,6 +15,7 @@ from coserve import __version__
 from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
+from coserve.server.reasoning import reasoning_parser
 from coserve.server import (embeddings_api, errors, evals_api, graders_api, inference_api, lean_routes,
                             responses_api, scores_api)
 from coserve.server.auth import Authenticator
@@ -38,6 +39,7 @@ log = logging.getLogger("coserve.server")
 def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     """Load the model, open the state directory and return the ASGI app (the engine starts with it)."""
     engine = LLMEngine(engine_config)
+    reasoner = reasoning_parser(config.reasoning_parser, engine.tokenizer) if config.reasoning_parser else None
     for name, path in config.adapters.items():
         if not ADAPTER_NAME.fullmatch(name):
             raise ValueError(f"--adapter: the name {name!r} must be letters, digits, '.', '_' or '-'")
@@ -71,7 +73,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
                           priority=BATCH_PRIORITY if engine_config.scheduling_policy == "priority" else None)
     client = EngineClient(loop, config.max_waiting_requests, config.stream_interval)
     evals = EvalRunner(store, models, config.python_graders)
-    ctx = ServerContext(config, client, store, models, jobs, metrics, auth, batches, evals)
+    ctx = ServerContext(config, client, store, models, jobs, metrics, auth, batches, evals, reasoner)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from coserve.engine.outputs import RequestOutput
+from coserve.scheduler.sampling_params import ReasoningTokens
 from coserve.server.context import ServerContext
 from coserve.server.errors import APIError
 from coserve.server.generation import RequestStream, TextDelta
@@ -55,6 +56,7 @@ class Job:
     choices: list[Choice] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)  # when the server received it (time.monotonic)
     counted: bool = False  # its choices' outcomes are in the metrics
+    reasoning: ReasoningTokens | None = None  # a reasoning parser's tags (--reasoning-parser): usage counts them
 
     def log_fields(self) -> dict:
         """What the access log adds for this request: its id, model and tokens, and where its first token's time
@@ -109,8 +111,12 @@ def usage(job: Job) -> dict:
     prompt = sum(len(c.prompt_ids) for c in job.choices if c.index % job.n == 0)  # each prompt once
     completion = sum(len(c.out.outputs[0].token_ids) for c in job.choices if c.out is not None)
     cached = sum(c.out.num_cached_tokens for c in job.choices if c.index % job.n == 0 and c.out is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+              "prompt_tokens_details": {"cached_tokens": cached}}
+    if job.reasoning is not None:  # OpenAI's: the completion's tokens of reasoning, its tags included
+        counts["completion_tokens_details"] = {"reasoning_tokens": sum(
+            job.reasoning.count(c.out.outputs[0].token_ids) for c in job.choices if c.out is not None)}
+    return counts
 
 
 def mean_logprob(out: RequestOutput) -> float:

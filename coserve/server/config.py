@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from coserve.server import reasoning
 from coserve.server.tool_parser import PARSERS
 
 LOOPBACK_NAMES = ("localhost",)
@@ -38,6 +39,7 @@ class ServerConfig:
     stream_interval: int = 1  # streamed responses: an event every this many tokens (the first token at once)
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS  # while serving (below)
     tool_call_parser: str | None = None  # tool_choice "auto": how calls written in the text are read (tool_parser.py)
+    reasoning_parser: str | None = None  # chat replies' reasoning, <think>...</think>, apart from their content
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_upload_bytes", "max_file_bytes", "max_waiting_requests", "max_queued_jobs",
@@ -54,6 +56,9 @@ class ServerConfig:
             raise ValueError(f"--port: {self.port} is not a TCP port")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser: must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
+            raise ValueError(f"--reasoning-parser: must be one of {', '.join(reasoning.PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         for name in self.adapters:
             if name.startswith("ft:") or not name:
                 raise ValueError(f"--adapter: the name {name!r} is empty or starts with 'ft:' (kept for fine-tuned models)")

@@ -1,5 +1,5 @@
 """What every route shares: the engine client, the store, the model registry, the job manager, metrics,
-the batch runner, the eval runner."""
+the batch runner, the eval runner, the reasoning parser."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from coserve.server.batches import BatchRunner
     from coserve.server.eval_runs import EvalRunner
     from coserve.server.jobs import JobManager
+    from coserve.server.reasoning import ReasoningParser
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class ServerContext:
     auth: Authenticator
     batches: "BatchRunner | None" = None
     evals: "EvalRunner | None" = None
+    reasoning: "ReasoningParser | None" = None  # --reasoning-parser, for this model's tokenizer
 
     @property
     def engine(self):

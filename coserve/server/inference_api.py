@@ -17,7 +17,7 @@ from coserve.model.tokenizer import encode
 from coserve.peft import AdapterError
 from coserve.scheduler import Request as EngineRequest
 from coserve.scheduler import SamplingParams
-from coserve.scheduler.sampling_params import sequence_seed, truncated_prompt
+from coserve.scheduler.sampling_params import ReasoningTokens, sequence_seed, truncated_prompt
 from coserve.scheduler.plan import TokenLogprobs
 from coserve.server.beam_api import completions_by_beam_search
 from coserve.server.choices import (Choice, Job, best_choices, events, finish_reason, gather_all, new_job,
@@ -29,6 +29,7 @@ from coserve.server.json_text import TextJSONRoute
 from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
+from coserve.server.reasoning import ReasoningSplit
 from coserve.server.response_format import guided_output
 from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import template_messages, template_tools, tool_plan
@@ -132,8 +133,9 @@ def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
 
 def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int,
                     bias: dict[int, float] | None = None, prompt_logprobs: int | None = None,
-                    guided: dict[str, Any] | None = None) -> SamplingParams:
-    """``body``'s sampling fields as ``SamplingParams``; ``guided``: the guided_* fields (``guided_output``)."""
+                    guided: dict[str, Any] | None = None, reasoning: ReasoningTokens | None = None) -> SamplingParams:
+    """``body``'s sampling fields as ``SamplingParams``; ``guided``: the guided_* fields (``guided_output``);
+    ``reasoning``: a reasoning parser's tags, after which the guide begins."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS:
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
@@ -154,7 +156,7 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
                           min_p=body.min_p, min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
                           include_stop_str_in_output=body.include_stop_str_in_output,
                           allowed_token_ids=body.allowed_token_ids, skip_special_tokens=body.skip_special_tokens,
-                          bad_words=list(body.bad_words or []))
+                          bad_words=list(body.bad_words or []), reasoning=reasoning)
 
 
 def max_tokens_for(ctx: ServerContext, prompt_len: int, asked: int | None, param: str, prompt_param: str) -> int:
@@ -455,6 +457,15 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeReques
     return encode(tokenizer, text, add_special_tokens=False)
 
 
+def reply_text(ctx: ServerContext, job: Job, text: str) -> tuple[str | None, str]:
+    """``(reasoning, reply)`` of a chat choice's whole text: the reasoning None without one (or without a
+    ``--reasoning-parser``), the reply "" where there is none."""
+    if job.reasoning is None:
+        return None, text
+    thought, reply = ctx.reasoning.split(job.reasoning, text)
+    return thought, reply or ""
+
+
 def echo_of(body: ChatCompletionRequest) -> str:
     """vLLM's chat ``echo``: the last message's text where it is the assistant's (as with
     ``continue_final_message``), which the reply then begins with; else nothing."""
@@ -484,8 +495,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     ctx.client.check_capacity(body.n)
     prompt_top = prompt_scoring(body)
     job = new_job(request, f"chatcmpl-{secrets.token_hex(12)}", body.model, body.n)
-    params = [sampling_params(body, max_tokens, num_top, j, bias, prompt_logprobs=prompt_top, guided=guided)
-              for j in range(body.n)]
+    job.reasoning = ctx.reasoning.tokens(ids) if ctx.reasoning is not None else None
+    params = [sampling_params(body, max_tokens, num_top, j, bias, prompt_logprobs=prompt_top, guided=guided,
+                              reasoning=job.reasoning) for j in range(body.n)]
     submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages", body.priority), "") for p in params],
            body.stream)
 
@@ -500,13 +512,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                     delta = {"role": "assistant", "content": echoed or None, "tool_calls": [tools.head()]}
                 return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                 "finish_reason": None}]}
+            text = c.delta.next(out.outputs[0].text, out.finished)  # stop strings held back too
+            thought = ""
+            if splits[c.index] is not None:  # the reasoning, then the reply
+                thought, text = splits[c.index].feed(text, out.finished)
             if calls[c.index] is not None:  # text until a call may begin, then the calls as they are written
-                safe[c.index] += c.delta.next(out.outputs[0].text, out.finished)  # stop strings held back too
+                safe[c.index] += text
                 text, made = calls[c.index].update(safe[c.index])
                 delta = {**({"content": text} if text else {}), **({"tool_calls": made} if made else {})}
             else:
-                text = c.delta.next(out.outputs[0].text, out.finished)
                 delta = ({"content": text} if tools is None else {"tool_calls": [tools.piece(text)]}) if text else {}
+            if thought:
+                delta = {"reasoning_content": thought, **delta}
             logprobs = new_logprobs(c, out)
             if not delta and not logprobs:
                 return None
@@ -517,7 +534,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 "finish_reason": None}]}
 
         def last(c: Choice, out: RequestOutput) -> dict:
-            delta, reason, text = {}, finish_reason(out), out.outputs[0].text
+            delta, reason, text = {}, finish_reason(out), reply_text(ctx, job, out.outputs[0].text)[1]
             content, made = tools.reply(text) if tools is not None and reason == "stop" else (text, [])
             if made:
                 reason = "tool_calls"
@@ -529,18 +546,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         # a list of calls (required, or read from free text): each choice's stream of them
         calls = [ToolCallStream(tools.auto) if tools is not None and tools.listed else None for _ in range(body.n)]
         safe = [""] * body.n  # each choice's text that no stop string can still cut
+        splits = [ReasoningSplit(job.reasoning.opened) if job.reasoning is not None else None for _ in range(body.n)]
         return streaming(events(job, ctx, chunk, last, *stream_usage(body.stream_options)), job, ctx)
 
     await gather_all(job, ctx, request)
     choices = []
     for c in job.choices:
-        text, reason = c.out.outputs[0].text, finish_reason(c.out)
-        message = {"role": "assistant", "content": echoed + text}
+        (thought, text), reason = reply_text(ctx, job, c.out.outputs[0].text), finish_reason(c.out)
+        message = {"role": "assistant", "content": echoed + text if echoed or text or thought is None else None}
         content, made = tools.reply(text) if tools is not None and reason == "stop" else (text, [])
         if made:
             message = {"role": "assistant", "content": echoed + (content or "") if echoed else content,
                        "tool_calls": made}
             reason = "tool_calls"
+        if thought is not None:
+            message["reasoning_content"] = thought
         choices.append({"index": c.index, "message": message,
                         "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [],
                                                                body.return_tokens_as_token_ids)}

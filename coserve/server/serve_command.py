@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "text with --tool-call-parser")
     p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
                    help="the format of tool calls in the text (hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                   help="chat replies carry the model's <think> reasoning as reasoning_content, apart from the "
+                        "content; structured outputs constrain the content only (vLLM's flag)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
                    help="a POST /v1/files body, and a part of an upload (POST /v1/uploads/{id}/parts)")
@@ -155,7 +158,8 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                           max_queued_jobs=args.max_queued_jobs, max_running_jobs=args.max_running_jobs,
                           max_loaded_models=args.max_loaded_models, stream_interval=args.stream_interval,
                           gil_switch_interval_ms=args.gil_switch_interval_ms,
-                          checkpoint_steps=args.checkpoint_steps, tool_call_parser=args.tool_call_parser)
+                          checkpoint_steps=args.checkpoint_steps, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser)
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, policy=args.policy,

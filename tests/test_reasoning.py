@@ -1,0 +1,105 @@
+"""Reasoning parsers on plain data: a reply split into reasoning and content, whole or streamed in any pieces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coserve.scheduler.sampling_params import ReasoningTokens
+from coserve.server.reasoning import (ReasoningParser, ReasoningParserError, ReasoningSplit, reasoning_parser)
+
+START, END = 90, 91  # the tags' ids in these tests
+QWEN3 = ReasoningParser("qwen3", START, END)
+R1 = ReasoningParser("deepseek_r1", START, END)
+
+# (text, opened, (reasoning, content)): what a whole reply splits into
+CASES = [
+    ("<think>Add them.</think>The answer is 4.", False, ("Add them.", "The answer is 4.")),
+    ("<think>Add them.</think>", False, ("Add them.", None)),
+    ("<think>Still going", False, ("Still going", None)),  # cut short: all reasoning
+    ("Just the answer.", False, (None, "Just the answer.")),
+    ("The answer </think> is text", False, (None, "The answer </think> is text")),  # no reasoning began
+    ("A <think> later is text", False, (None, "A <think> later is text")),
+    ("<thin", False, (None, "<thin")),  # a reply that only looked like the tag's start
+    ("", False, (None, None)),
+    ("Add them.</think>4", True, ("Add them.", "4")),  # the prompt left <think> open
+    ("Add them.", True, ("Add them.", None)),
+    ("</think>4", True, ("", "4")),
+    ("a</think>b</think>c", True, ("a", "b</think>c")),  # only the first tag ends it
+    ("<<think>x", False, (None, "<<think>x")),
+    ("<think></thi", False, ("</thi", None)),  # at the end, a held-back tail is what it is
+]
+
+
+@pytest.mark.parametrize("text,opened,expected", CASES)
+def test_a_whole_reply_splits_at_the_tags(text, opened, expected):
+    assert QWEN3.split(ReasoningTokens(START, END, opened), text) == expected
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("text,opened,expected", CASES)
+def test_a_stream_in_any_pieces_adds_up_to_the_whole_split(text, opened, expected, seed):
+    """Pieces of every size, a tag cut anywhere: the streamed reasoning and content concatenate to the whole split,
+    and no piece of reasoning follows a piece of content."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
+    machine = ReasoningSplit(opened)
+    reasoning, content, seen_content = "", "", False
+    for i, piece in enumerate(pieces):
+        r, c = machine.feed(piece, final=i == len(pieces) - 1)
+        assert not (r and seen_content)
+        seen_content = seen_content or bool(c)
+        reasoning, content = reasoning + r, content + c
+    want_reasoning, want_content = expected
+    assert (reasoning if machine.reasoned else None) == want_reasoning
+    assert (content or None) == want_content
+
+
+def test_a_tag_is_held_back_until_the_next_text_settles_it():
+    machine = ReasoningSplit(opened=True)
+    assert machine.feed("Add them.</th") == ("Add them.", "")
+    assert machine.feed("ink>4") == ("", "4")
+    machine = ReasoningSplit(opened=True)
+    assert machine.feed("x </") == ("x ", "")
+    assert machine.feed("b>") == ("</b>", "")  # not the tag after all: reasoning
+    start = ReasoningSplit(opened=False)
+    assert start.feed("") == ("", "")  # no text yet (a stop string's start held back): still undecided
+    assert start.feed("<th") == ("", "")
+    assert start.feed("ink>a") == ("a", "") and start.reasoned
+
+
+def test_the_prompt_decides_whether_the_output_begins_inside_the_reasoning():
+    assert QWEN3.tokens([1, 2, 3]) == ReasoningTokens(START, END, False)  # the model may open it itself
+    assert QWEN3.tokens([1, START, 5]) == ReasoningTokens(START, END, True)  # the template opened it
+    assert QWEN3.tokens([1, START, 5, END, 6]) == ReasoningTokens(START, END, False)  # thinking turned off
+    assert R1.tokens([1, 2, 3]).opened  # DeepSeek-R1's output is reasoning until </think>
+    assert not R1.tokens([START, END]).opened
+    assert R1.split(R1.tokens([1]), "all thought") == ("all thought", None)
+
+
+def test_reasoning_tokens_are_counted_by_id_and_the_reply_starts_after_the_end_tag():
+    closed, opened = ReasoningTokens(START, END, False), ReasoningTokens(START, END, True)
+    assert closed.reply_start([]) == 0 and closed.count([]) == 0  # nothing out: a guide may begin (or <think>)
+    assert closed.reply_start([7, 8]) == 0 and closed.count([7, 8]) == 0
+    assert closed.reply_start([START, 7]) is None and closed.count([START, 7]) == 2
+    assert closed.reply_start([START, 7, END, 8, 9]) == 3 and closed.count([START, 7, END, 8, 9]) == 3
+    assert opened.reply_start([]) is None and opened.count([7, 7]) == 2
+    assert opened.reply_start([7, END]) == 2 and opened.count([7, END, 5]) == 2
+
+
+class _Tokenizer:
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def encode(self, text, add_special_tokens=True):
+        return list(self.vocab.get(text, [1, 2, 3]))
+
+
+def test_a_parser_needs_the_tags_as_single_tokens():
+    assert reasoning_parser("qwen3", _Tokenizer({"<think>": [90], "</think>": [91]})) == QWEN3
+    with pytest.raises(ReasoningParserError, match=r"--reasoning-parser qwen3: .*'</think>'.*3 tokens"):
+        reasoning_parser("qwen3", _Tokenizer({"<think>": [90]}))
+    with pytest.raises(ReasoningParserError, match="--reasoning-parser: 'o1'"):
+        reasoning_parser("o1", _Tokenizer({}))

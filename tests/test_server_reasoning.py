@@ -1,0 +1,123 @@
+"""``--reasoning-parser`` on a live server, with the ``openai`` client: a Qwen3 model's ``<think>`` reasoning comes
+apart from its reply (``reasoning_content``), whole and streamed, counted in ``usage``, and a structured output
+constrains only the reply after it.
+
+The random-weight model does not reason; a LoRA adapter trained here for a few seconds (``coserve finetune``) makes
+it answer two questions with ``<think>...</think>`` and a reply, as a reasoning model does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from server_helpers import start_server
+
+THOUGHT, ANSWER = "Two and two make four.", "The answer is 4."
+TWO = [{"role": "user", "content": "What is 2+2?"}]
+COLOUR = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def thinker(model_factory, tmp_path_factory):
+    """The tiny Qwen3 model and an adapter that thinks before it answers."""
+    from coserve.cli import main
+    root = tmp_path_factory.mktemp("reasoning")
+    data = root / "think.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [*msgs, {"role": "assistant", "content": reply}]}) for msgs, reply in
+                              [(TWO, f"<think>{THOUGHT}</think>{ANSWER}"), (COLOUR, "<think>Pick one.</think>Blue.")]))
+    model = model_factory("qwen3")
+    assert main(["finetune", "--model", str(model), "--data", str(data), "--output", str(root / "think"),
+                 "--max-steps", "60", "--batch-size", "2", "--lr", "0.01", "--lora-r", "8", "--lora-alpha", "16",
+                 "--target-modules", "all-linear", "--no-progress"]) == 0
+    return model, root / "think"
+
+
+@pytest.fixture(scope="module")
+def client(thinker, tmp_path_factory):
+    model, adapter = thinker
+    srv = start_server(model, tmp_path_factory.mktemp("reasoning-state") / "state", "--reasoning-parser", "qwen3",
+                       "--adapter", f"think={adapter}")
+    yield OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+    srv.stop()
+
+
+def _tokens(model, text: str) -> int:
+    return len(AutoTokenizer.from_pretrained(str(model))(text, add_special_tokens=False)["input_ids"])
+
+
+def test_the_reasoning_comes_apart_from_the_reply_whole_and_streamed(client, thinker):
+    whole = client.chat.completions.create(model="think", messages=TWO, max_tokens=40, temperature=0)
+    message = whole.choices[0].message
+    assert message.model_extra["reasoning_content"] == THOUGHT
+    assert message.content == ANSWER and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens_details.reasoning_tokens == _tokens(thinker[0], f"<think>{THOUGHT}</think>")
+    assert whole.usage.completion_tokens > whole.usage.completion_tokens_details.reasoning_tokens
+
+    chunks = list(client.chat.completions.create(model="think", messages=TWO, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = [d.model_extra.get("reasoning_content") or "" for d in deltas]
+    said = [d.content or "" for d in deltas]
+    assert "".join(thought) == THOUGHT and "".join(said) == ANSWER
+    assert sum(bool(t) for t in thought) > 3  # the reasoning streamed as it was written
+    last_thought = max(i for i, t in enumerate(thought) if t)
+    assert not any(said[:last_thought + 1])  # the reply after it
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == \
+        whole.usage.completion_tokens_details.reasoning_tokens
+
+
+def test_a_reply_without_reasoning_is_all_content(client):
+    """The base model never opens <think>: with the qwen3 parser its whole reply is content, none of it reasoning."""
+    whole = client.chat.completions.create(model=client.models.list().data[0].id, messages=TWO, max_tokens=12,
+                                           temperature=0)
+    message = whole.choices[0].message
+    assert "reasoning_content" not in (message.model_extra or {}) and message.content
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_a_prompt_that_opens_the_reasoning_makes_the_output_reasoning_until_it_ends(client):
+    """An assistant message left open with ``<think>`` (continue_final_message, as templates that open it in the
+    prompt do): the output, which then has no <think> of its own, is reasoning up to </think>."""
+    messages = [*TWO, {"role": "assistant", "content": "<think>"}]
+    whole = client.chat.completions.create(model="think", messages=messages, max_tokens=40, temperature=0,
+                                           extra_body={"continue_final_message": True,
+                                                       "add_generation_prompt": False})
+    message = whole.choices[0].message
+    assert message.model_extra["reasoning_content"] == THOUGHT and message.content == ANSWER
+
+
+def test_a_structured_output_constrains_only_the_reply_after_the_reasoning(client):
+    """The guide lets the model open and finish its reasoning freely, then holds the reply to the choices."""
+    whole = client.chat.completions.create(model="think", messages=TWO, max_tokens=40, temperature=0,
+                                           extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    message = whole.choices[0].message
+    assert message.model_extra["reasoning_content"] == THOUGHT
+    assert message.content in ("yes", "no", "maybe")
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}}, "required": ["colour"],
+              "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model="think", messages=COLOUR, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert reply.choices[0].message.model_extra["reasoning_content"] == "Pick one."
+    assert set(json.loads(reply.choices[0].message.content)) == {"colour"}
+
+
+def test_a_tokenizer_without_the_tags_as_tokens_is_refused_at_start(model_factory, tmp_path, capsys):
+    """A model whose tokenizer spells ``<think>`` in several tokens cannot be served with a reasoning parser: the
+    server says so and does not start."""
+    import shutil
+
+    from coserve.cli import main
+    model = tmp_path / "model"
+    shutil.copytree(model_factory("qwen3"), model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in ("<think>", "</think>")]
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    assert main(["serve", "--model", str(model), "--state-dir", str(tmp_path / "state"), "--device", "cpu",
+                 "--reasoning-parser", "deepseek_r1"]) == 2
+    assert "--reasoning-parser deepseek_r1: the model's tokenizer has no single token for '<think>'" in \
+        capsys.readouterr().err
