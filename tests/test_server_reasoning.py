@@ -27,8 +27,9 @@ def thinker(model_factory, tmp_path_factory):
     from coserve.cli import main
     root = tmp_path_factory.mktemp("reasoning")
     data = root / "think.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": [*msgs, {"role": "assistant", "content": reply}]}) for msgs, reply in
-                              [(TWO, f"<think>{THOUGHT}</think>{ANSWER}"), (COLOUR, "<think>Pick one.</think>Blue.")]))
+    pairs = [(TWO, f"<think>{THOUGHT}</think>{ANSWER}"), (COLOUR, "<think>Pick one.</think>Blue.")]
+    data.write_text("\n".join(json.dumps({"messages": [*msgs, {"role": "assistant", "content": reply}]})
+                              for msgs, reply in pairs))
     model = model_factory("qwen3")
     assert main(["finetune", "--model", str(model), "--data", str(data), "--output", str(root / "think"),
                  "--max-steps", "60", "--batch-size", "2", "--lr", "0.01", "--lora-r", "8", "--lora-alpha", "16",
@@ -121,3 +122,79 @@ def test_a_tokenizer_without_the_tags_as_tokens_is_refused_at_start(model_factor
                  "--reasoning-parser", "deepseek_r1"]) == 2
     assert "--reasoning-parser deepseek_r1: the model's tokenizer has no single token for '<think>'" in \
         capsys.readouterr().err
+
+
+def _events(stream) -> list:
+    return list(stream)
+
+
+def test_the_responses_api_puts_the_reasoning_in_an_item_of_its_own(client, thinker):
+    """A ``reasoning`` item (``reasoning_text``) before the message, whole and streamed (its events at output index
+    0, the message's at 1), and the reasoning's tokens in ``usage``; ``output_text`` is the reply alone."""
+    whole = client.responses.create(model="think", input="What is 2+2?", max_output_tokens=40, temperature=0)
+    assert [o.type for o in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == THOUGHT and whole.output[0].status == "completed"
+    assert whole.output_text == ANSWER
+    assert whole.usage.output_tokens_details.reasoning_tokens == _tokens(thinker[0], f"<think>{THOUGHT}</think>")
+
+    events = _events(client.responses.create(model="think", input="What is 2+2?", max_output_tokens=40,
+                                             temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    thought = [e for e in events if e.type == "response.reasoning_text.delta"]
+    said = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in thought) == THOUGHT and {e.output_index for e in thought} == {0}
+    assert "".join(e.delta for e in said) == ANSWER and {e.output_index for e in said} == {1}
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
+    assert added == ["reasoning", "message"] and done == [(0, "reasoning"), (1, "message")]
+    final = events[-1].response
+    assert final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER
+    assert final.output[0].id == events[kinds.index("response.output_item.added")].item.id
+
+
+def test_a_named_tool_call_follows_the_reasoning(client):
+    """tool_choice naming a function: the model reasons freely, then the guide writes the call's arguments, which
+    come as the item after the reasoning (index 1), whole and streamed."""
+    tool = {"type": "function", "name": "answer", "parameters": {
+        "type": "object", "properties": {"value": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["value"], "additionalProperties": False}}
+    whole = client.responses.create(model="think", input="What is 2+2?", max_output_tokens=60, temperature=0,
+                                    tools=[tool], tool_choice={"type": "function", "name": "answer"})
+    assert [o.type for o in whole.output] == ["reasoning", "function_call"]
+    assert whole.output[0].content[0].text == THOUGHT
+    assert set(json.loads(whole.output[1].arguments)) == {"value"}
+    events = _events(client.responses.create(model="think", input="What is 2+2?", max_output_tokens=60,
+                                             temperature=0, tools=[tool],
+                                             tool_choice={"type": "function", "name": "answer"}, stream=True))
+    pieces = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(e.delta for e in pieces) == whole.output[1].arguments and {e.output_index for e in pieces} == {1}
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "function_call"]
+
+
+def test_required_tool_calls_follow_the_reasoning_on_both_apis(client):
+    """tool_choice 'required': the reasoning, then the calls the guide writes; on the chat API the reasoning is the
+    message's reasoning_content beside its tool_calls, on the Responses API an item before the calls."""
+    params = {"type": "object", "properties": {"value": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["value"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="think", messages=TWO, max_tokens=80, temperature=0, tool_choice="required", parallel_tool_calls=False,
+        tools=[{"type": "function", "function": {"name": "answer", "parameters": params}}])
+    message = chat.choices[0].message
+    assert message.model_extra["reasoning_content"] == THOUGHT and chat.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in message.tool_calls] == ["answer"]
+    stream = list(client.chat.completions.create(
+        model="think", messages=TWO, max_tokens=80, temperature=0, tool_choice="required", parallel_tool_calls=False,
+        stream=True, tools=[{"type": "function", "function": {"name": "answer", "parameters": params}}]))
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == THOUGHT
+    arguments = "".join(t.function.arguments or "" for d in deltas for t in d.tool_calls or [])
+    assert arguments == message.tool_calls[0].function.arguments
+
+    tool = {"type": "function", "name": "answer", "parameters": params}
+    events = _events(client.responses.create(model="think", input="What is 2+2?", max_output_tokens=80, temperature=0,
+                                             tools=[tool], tool_choice="required", stream=True,
+                                             parallel_tool_calls=False))
+    done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
+    assert done == [(0, "reasoning"), (1, "function_call")]
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "function_call"]

@@ -4,8 +4,10 @@ A request becomes a chat request: ``instructions`` a system message, ``input`` (
 earlier ``function_call`` / ``custom_tool_call`` items and their ``*_output`` results) the conversation,
 ``text.format`` the response format, function and custom ``tools`` and ``tool_choice`` as on the chat API
 (``coserve/server/tools.py``). The reply is a ``response`` object whose ``output`` holds one assistant
-``message`` (``output_text``), ``function_call`` items, or a named custom tool's ``custom_tool_call``;
-streamed, the typed events OpenAI's clients read (``response.created`` ... ``response.output_text.delta`` /
+``message`` (``output_text``), ``function_call`` items, or a named custom tool's ``custom_tool_call``, after a
+``reasoning`` item (``reasoning_text``) where the server's ``--reasoning-parser`` finds the model's reasoning;
+streamed, the typed events OpenAI's clients read (``response.created`` ... ``response.reasoning_text.delta`` /
+``response.output_text.delta`` /
 ``response.function_call_arguments.delta`` / ``response.custom_tool_call_input.delta`` ...
 ``response.completed``). Finished responses are stored (unless ``store`` is
 false) in the server's SQLite state with their conversation, for the tenant alone: ``previous_response_id``
@@ -33,6 +35,7 @@ from coserve.server.inference_api import (make_request, max_tokens_for, messages
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, CustomToolCallInput, FunctionCallInput,
                                      FunctionChoice, FunctionTool, InputMessage, ResponsesCustomTool, ResponsesRequest)
+from coserve.server.reasoning import END, ReasoningParser, ReasoningSplit
 from coserve.server.response_format import guided_schema
 from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import ToolPlan, tool_plan
@@ -137,13 +140,14 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
         else:
             schema = guided_schema(chat.response_format)
             guided = None if schema is None else {"guided_json": schema}
-        params = sampling_params(chat, max_tokens, None, 0, guided=guided)
-        ctx.client.check_capacity(1)
         job = new_job(request, f"resp_{secrets.token_hex(12)}", body.model)
+        job.reasoning = ctx.reasoning.tokens(ids) if ctx.reasoning is not None else None
+        params = sampling_params(chat, max_tokens, None, 0, guided=guided, reasoning=job.reasoning)
+        ctx.client.check_capacity(1)
         submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")], body.stream)
     except APIError as e:
         raise _renamed(e) from None
-    shape = ResponseShape(job, body, tools, tenant, conversation)
+    shape = ResponseShape(job, body, tools, tenant, conversation, ctx.reasoning)
     if body.stream:
         return streaming(shape.events(ctx), job, ctx)
     await gather_all(job, ctx, request)
@@ -171,9 +175,13 @@ class ResponseShape:
     """A response's JSON, its output items' ids fixed up front (so that streamed events and the final object agree)."""
 
     def __init__(self, job: Job, body: ResponsesRequest, tools: ToolPlan | None, tenant: str,
-                 conversation: list[dict]) -> None:
+                 conversation: list[dict], reasoning: ReasoningParser | None = None) -> None:
         self.job, self.body, self.tools = job, body, tools
         self.tenant, self.conversation = tenant, conversation
+        self.parser = reasoning if job.reasoning is not None else None  # --reasoning-parser
+        self.reasoning_id = f"rs_{secrets.token_hex(12)}"
+        self.base = 0  # the reply's first output index: 1 after a streamed reasoning item
+        self.pending = ""  # reply text a stream's reasoning phase read past the reasoning's end
         self.message_id = f"msg_{secrets.token_hex(12)}"
         self.call_id = f"call_{secrets.token_hex(12)}"  # a named function's call
         self.item_id = f"{'ctc' if tools is not None and tools.custom else 'fc'}_{secrets.token_hex(12)}"
@@ -191,9 +199,28 @@ class ResponseShape:
             self.call_item_ids.append(f"fc_{secrets.token_hex(12)}")
         return self.call_item_ids[i]
 
+    def split(self, text: str) -> tuple[str | None, str]:
+        """``(reasoning, reply)`` of the whole text (no reasoning without a parser)."""
+        if self.parser is None:
+            return None, text
+        thought, reply = self.parser.split(self.job.reasoning, text)
+        return thought, reply or ""
+
     def items(self, out: RequestOutput) -> list[dict]:
-        text, reason = out.outputs[0].text, finish_reason(out)
+        (thought, text), reason = self.split(out.outputs[0].text), finish_reason(out)
         status = "incomplete" if reason == "length" else "completed"
+        said = self.reply_items(text, reason, status)
+        if thought is None:
+            return said
+        ended = END in out.outputs[0].text  # else the output ended inside its reasoning
+        return [self.reasoning_item(thought, "completed" if ended else status), *said]
+
+    def reasoning_item(self, text: str, status: str) -> dict:
+        """The reasoning a model wrote before its reply (OpenAI's item for open-weight models' reasoning text)."""
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                "content": [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]}
+
+    def reply_items(self, text: str, reason: str | None, status: str) -> list[dict]:
         content, calls = self.tools.reply(text) if self.tools is not None and reason == "stop" else (text, [])
         if self.tools is not None and self.tools.function is not None:  # named: the output is the call's
             return [self.call_item(text, status)]
@@ -253,8 +280,9 @@ class ResponseShape:
                "metadata": b.metadata or {}, "usage": None}
         if out is not None:
             n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+            thought = self.job.reasoning.count(out.outputs[0].token_ids) if self.parser is not None else 0
             obj["usage"] = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-                            "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                            "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": thought},
                             "total_tokens": n_in + n_out}
         return obj
 
@@ -273,34 +301,41 @@ class ResponseShape:
         try:
             yield event("response.created", response=self.response(None, "in_progress"))
             yield event("response.in_progress", response=self.response(None, "in_progress"))
+            if self.parser is not None:  # the reasoning first, as an item of its own where there is one
+                async for e in self._reasoning_events(ctx, event):
+                    yield e
+            at = self.base
             if named:
-                yield event("response.output_item.added", output_index=0, item=self.call_item("", "in_progress"))
+                yield event("response.output_item.added", output_index=at, item=self.call_item("", "in_progress"))
             elif not listed:
-                for e in self._open_message(event, 0):
+                for e in self._open_message(event, at):
                     yield e
             if listed:
                 async for e in self._listed_events(ctx, event):
                     yield e
             else:
-                while choice.out is None or not choice.out.finished:
-                    out = await advance(choice, job, ctx)
-                    delta = choice.delta.next(out.outputs[0].text, out.finished)
+                delta, self.pending = self.pending, ""
+                while True:
                     if delta:
                         choice.sent_text()
                     if delta and named:
-                        yield event(f"response.{self._named_events}.delta", item_id=self.item_id, output_index=0,
+                        yield event(f"response.{self._named_events}.delta", item_id=self.item_id, output_index=at,
                                     delta=delta)
                     elif delta:
-                        yield event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                        yield event("response.output_text.delta", item_id=self.message_id, output_index=at,
                                     content_index=0, delta=delta, logprobs=[])
+                    if choice.out is not None and choice.out.finished:
+                        break
+                    out = await advance(choice, job, ctx)
+                    delta = choice.delta.next(out.outputs[0].text, out.finished)
             final = self.final if listed else self.response(choice.out)
             if named:
-                item = final["output"][0]
+                item = final["output"][at]
                 said = {"input": item["input"]} if self.tools.custom else {"arguments": item["arguments"]}
-                yield event(f"response.{self._named_events}.done", item_id=self.item_id, output_index=0, **said)
-                yield event("response.output_item.done", output_index=0, item=item)
+                yield event(f"response.{self._named_events}.done", item_id=self.item_id, output_index=at, **said)
+                yield event("response.output_item.done", output_index=at, item=item)
             elif not listed:
-                for e in self._close_message(event, 0, final["output"][0]):
+                for e in self._close_message(event, at, final["output"][at]):
                     yield e
             self.keep(ctx, final)
             yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
@@ -312,6 +347,33 @@ class ResponseShape:
         finally:
             await close_all(job)
             count_outcomes(job, ctx, "error" if failed else "cancelled")
+
+    async def _reasoning_events(self, ctx: ServerContext, event) -> AsyncIterator[str]:
+        """The output up to the end of its reasoning: the reasoning item (opened at its first text, at index 0) with
+        its text as it is written; the reply text read with the reasoning's end is kept for the reply's events."""
+        job, choice = self.job, self.job.choices[0]
+        split, said = ReasoningSplit(job.reasoning.opened), ""
+        while split.mode != "content" and not (choice.out is not None and choice.out.finished):
+            out = await advance(choice, job, ctx)
+            thought, self.pending = split.feed(choice.delta.next(out.outputs[0].text, out.finished), out.finished)
+            if split.reasoned and not self.base:
+                self.base = 1
+                yield event("response.output_item.added", output_index=0, item=self.reasoning_item("", "in_progress"))
+                yield event("response.content_part.added", item_id=self.reasoning_id, output_index=0,
+                            content_index=0, part={"type": "reasoning_text", "text": ""})
+            if thought:
+                choice.sent_text()
+                said += thought
+                yield event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+                            content_index=0, delta=thought)
+        if self.base:
+            status = "incomplete" if finish_reason(choice.out) == "length" and split.mode != "content" else "completed"
+            part = {"type": "reasoning_text", "text": said}
+            yield event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=0, content_index=0,
+                        text=said)
+            yield event("response.content_part.done", item_id=self.reasoning_id, output_index=0, content_index=0,
+                        part=part)
+            yield event("response.output_item.done", output_index=0, item=self.reasoning_item(said, status))
 
     def _open_message(self, event, index: int):
         yield event("response.output_item.added", output_index=index, item=self.message("", "in_progress"))
@@ -343,8 +405,8 @@ class ResponseShape:
             if message is None and (items or not held.strip()):
                 return  # blank text before the calls is not a message (as the finished reply reads it)
             if message is None:
-                message = 0
-                yield from self._open_message(event, 0)
+                message = self.base
+                yield from self._open_message(event, message)
             if held:
                 yield event("response.output_text.delta", item_id=self.message_id, output_index=message,
                             content_index=0, delta=held, logprobs=[])
@@ -368,7 +430,7 @@ class ResponseShape:
                     if items:
                         yield from close_call()
                     names.append(d["function"]["name"])
-                    items.append((0 if message is None else message + 1) + len(items))
+                    items.append((self.base if message is None else message + 1) + len(items))
                     yield event("response.output_item.added", output_index=items[i], item={
                         "type": "function_call", "id": self.call_item_id(i), "call_id": d["id"],
                         "name": d["function"]["name"], "arguments": "", "status": "in_progress"})
@@ -381,18 +443,22 @@ class ResponseShape:
             return safe[:stream.content_sent]
 
         names: list[str] = []
-        while choice.out is None or not choice.out.finished:
-            out = await advance(choice, job, ctx)
-            safe += choice.delta.next(out.outputs[0].text, out.finished)
+        safe, self.pending = self.pending, ""
+        while True:
             content, deltas = stream.update(safe)
             for e in text_events(content):
                 yield e
             for e in call_events(deltas):
                 yield e
+            if choice.out is not None and choice.out.finished:
+                break
+            out = await advance(choice, job, ctx)
+            safe += choice.delta.next(out.outputs[0].text, out.finished)
         final = self.final = self.response(choice.out)  # the reply as read from the finished text
         calls = [o for o in final["output"] if o["type"] == "function_call"]
         said = next((o for o in final["output"] if o["type"] == "message"), None)
-        rest, deltas = stream.finish(choice.out.outputs[0].text, None if said is None else said["content"][0]["text"],
+        rest, deltas = stream.finish(self.split(choice.out.outputs[0].text)[1],
+                                     None if said is None else said["content"][0]["text"],
                                      [{"id": o["call_id"], "function": {"name": o["name"], "arguments": o["arguments"]}}
                                       for o in calls])
         if not items:
@@ -405,8 +471,8 @@ class ResponseShape:
                 yield e
         elif said is not None:
             if message is None:  # blank text and no call: the (empty) message is still an item
-                message = 0
-                for e in self._open_message(event, 0):
+                message = self.base
+                for e in self._open_message(event, message):
                     yield e
             for e in self._close_message(event, message, said):
                 yield e
