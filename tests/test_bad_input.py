@@ -47,16 +47,6 @@ def test_sliding_window_layers_are_refused_by_field(model_factory, change, field
         ModelConfig.from_dict({**raw, **change})
 
 
-def test_missing_qk_norm_is_named(model_factory, tmp_path):
-    from safetensors.torch import load_file, save_file
-    d = _copy(model_factory("qwen3"), tmp_path)
-    state = load_file(str(d / "model.safetensors"))
-    del state["model.layers.0.self_attn.k_norm.weight"]
-    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(WeightLoadError, match="model.layers.0.self_attn.k_norm.weight"):
-        LLM(d, device="cpu")
-
-
 def test_missing_and_corrupt_weights(model_factory, tmp_path):
     d = _copy(model_factory("llama"), tmp_path)
     (d / "model.safetensors").write_bytes(b"\x00garbage" * 10)
@@ -67,13 +57,15 @@ def test_missing_and_corrupt_weights(model_factory, tmp_path):
         LLM(d, device="cpu")
 
 
-def test_missing_tensor_is_named(model_factory, tmp_path):
+@pytest.mark.parametrize("arch,tensor", [("llama", "model.layers.1.mlp.up_proj.weight"),
+                                         ("qwen3", "model.layers.0.self_attn.k_norm.weight")])
+def test_missing_tensor_is_named(model_factory, tmp_path, arch, tensor):
     from safetensors.torch import load_file, save_file
-    d = _copy(model_factory("llama"), tmp_path)
+    d = _copy(model_factory(arch), tmp_path)
     state = load_file(str(d / "model.safetensors"))
-    del state["model.layers.1.mlp.up_proj.weight"]
+    del state[tensor]
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(WeightLoadError, match="model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(WeightLoadError, match=tensor):
         LLM(d, device="cpu")
 
 
