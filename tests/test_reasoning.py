@@ -27,6 +27,8 @@ CASES = [
     ("Add them.", True, ("Add them.", None)),
     ("</think>4", True, ("", "4")),
     ("a</think>b</think>c", True, ("a", "b</think>c")),  # only the first tag ends it
+    ("<think>Add them.</think>4", True, ("Add them.", "4")),  # a leading <think> dropped, opened or not
+    ("<thinking>", True, ("<thinking>", None)),
     ("<<think>x", False, (None, "<<think>x")),
     ("<think></thi", False, ("</thi", None)),  # at the end, a held-back tail is what it is
 ]
@@ -59,7 +61,8 @@ def test_a_stream_in_any_pieces_adds_up_to_the_whole_split(text, opened, expecte
 
 def test_a_tag_is_held_back_until_the_next_text_settles_it():
     machine = ReasoningSplit(opened=True)
-    assert machine.feed("Add them.</th") == ("Add them.", "")
+    assert machine.feed("<thi") == ("", "")  # opened, but a leading <think> would still be dropped
+    assert machine.feed("nk>Add them.</th") == ("Add them.", "")
     assert machine.feed("ink>4") == ("", "4")
     machine = ReasoningSplit(opened=True)
     assert machine.feed("x </") == ("x ", "")

@@ -82,6 +82,7 @@ class DecoderLayer:
             self.qk_norm = torch.cat([w("self_attn.q_norm.weight").expand(cfg.num_heads, -1),
                                       w("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
             self.qk_norm_f32 = self.qk_norm.float()
+            self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]  # k before its norm, for its backward
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
         self.gate_up = gemm_layout(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))  # [2I, H]
         self.down = gemm_layout(w("mlp.down_proj.weight"))
@@ -89,8 +90,6 @@ class DecoderLayer:
         # packed copy can be found for them: coserve/model/packed_gemm.py).
         self.q_weight = self.qkv[:cfg.q_size]
         self.gate_weight, self.up_weight = self.gate_up.chunk(2)
-        if cfg.qk_norm:  # k before its norm, which the norm's backward reads
-            self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]
 
     def frozen_weights(self) -> tuple[torch.Tensor, ...]:
         """The matmul weights, and the views of them a backward recomputes alone."""

@@ -72,13 +72,14 @@ class ReasoningSplit:
     """
 
     def __init__(self, opened: bool) -> None:
-        self.mode = "reasoning" if opened else "start"  # start: a leading <think> may still come
+        self.opened = opened  # the prompt left the reasoning open: the output begins inside it
+        self.mode = "start"  # a leading <think> may still come (dropped, as vLLM's parsers drop it, opened or not)
         self.reasoned = opened  # whether any of the reply was reasoning
         self._held = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         text, self._held = self._held + text, ""
-        reasoning = content = ""
+        reasoning = ""
         if self.mode == "start":
             if text.startswith(START):
                 text, self.mode, self.reasoned = text[len(START):], "reasoning", True
@@ -86,7 +87,7 @@ class ReasoningSplit:
                 self._held = text
                 return "", ""
             else:
-                self.mode = "content"
+                self.mode = "reasoning" if self.opened else "content"
         if self.mode == "reasoning":
             end = text.find(END)
             if end < 0:
@@ -94,8 +95,7 @@ class ReasoningSplit:
                 reasoning, self._held = text[:len(text) - keep], text[len(text) - keep:]
                 return reasoning, ""
             reasoning, text, self.mode = text[:end], text[end + len(END):], "content"
-        content = text
-        return reasoning, content
+        return reasoning, text
 
 
 def _tag_prefix(text: str, tag: str) -> int:

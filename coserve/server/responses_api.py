@@ -140,10 +140,11 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
         else:
             schema = guided_schema(chat.response_format)
             guided = None if schema is None else {"guided_json": schema}
-        job = new_job(request, f"resp_{secrets.token_hex(12)}", body.model)
-        job.reasoning = ctx.reasoning.tokens(ids) if ctx.reasoning is not None else None
-        params = sampling_params(chat, max_tokens, None, 0, guided=guided, reasoning=job.reasoning)
+        reasoning = ctx.reasoning.tokens(ids) if ctx.reasoning is not None else None
+        params = sampling_params(chat, max_tokens, None, 0, guided=guided, reasoning=reasoning)
         ctx.client.check_capacity(1)
+        job = new_job(request, f"resp_{secrets.token_hex(12)}", body.model)
+        job.reasoning = reasoning
         submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")], body.stream)
     except APIError as e:
         raise _renamed(e) from None
