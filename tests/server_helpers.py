@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -98,6 +99,11 @@ class LiveServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def crash(self) -> None:
+        """SIGKILL the server's process group and reap it: a crash in the middle of whatever it was doing."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def stop(self, kill: bool = False) -> None:
         if self.proc.poll() is None:

@@ -7,8 +7,6 @@ priority (batch requests get priority 1 unless they name one), the restarted one
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 import httpx
@@ -148,8 +146,7 @@ def test_sigkill_mid_batch_then_resume(model_factory, tmp_path):
         while not (progress.is_file() and progress.read_text().count("\n") >= 2):
             assert time.monotonic() < deadline, "no request of the batch finished"
             time.sleep(0.05)
-        os.killpg(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait()
+        srv.crash()
     finally:
         srv.stop(kill=True)
     finished_before = progress.read_text().count("\n")

@@ -183,9 +183,6 @@ def test_evals_are_the_tenants_own_and_can_be_listed_renamed_and_deleted(client,
 def test_sigkill_mid_run_then_restart_grades_each_item_once(model_factory, tmp_path):
     """A server killed while a completions run is under way: restarted on the same state directory, the run goes on
     with the items not yet stored and ends with every item once, each sample what the chat API gives it."""
-    import os
-    import signal
-
     from server_helpers import start_server
     state = tmp_path / "state"
     items = [{"q": f"Question {i}?", "answer": "x"} for i in range(40)]
@@ -202,8 +199,7 @@ def test_sigkill_mid_run_then_restart_grades_each_item_once(model_factory, tmp_p
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert c.evals.runs.retrieve(run.id, eval_id=ev.id).status == "in_progress"  # killed in the middle
-        os.killpg(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait()
+        srv.crash()
     finally:
         srv.stop(kill=True)
     again = start_server(model_factory("llama"), state, "--served-model-name", BASE)

@@ -5,8 +5,6 @@ job, model or upload part is lost."""
 from __future__ import annotations
 
 import io
-import os
-import signal
 import time
 
 import openai
@@ -61,8 +59,7 @@ def test_sigkill_mid_job_then_resume(model_factory, tmp_path):
         while not c.fine_tuning.jobs.checkpoints.list(job.id).data:
             assert time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.05)
-        os.killpg(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait()
+        srv.crash()
     finally:
         srv.stop(kill=True)
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import signal
 import time
 
 import openai
@@ -258,8 +256,7 @@ def test_sigkill_mid_reinforcement_job_then_resume(model_factory, tmp_path, orac
         deadline = time.monotonic() + 120
         while not [e for e in c.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]:
             assert time.monotonic() < deadline and c.fine_tuning.jobs.retrieve(job.id).status != "failed"
-        os.killpg(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait()
+        srv.crash()
     finally:
         srv.stop(kill=True)
     again = start_server(model_factory("llama"), state, "--served-model-name", BASE)
