@@ -151,6 +151,18 @@ def start_server(model: Path, state_dir: Path, *extra: str, port: int | None = N
     raise RuntimeError(f"the server did not come up in {timeout} s:\n{log.read_text()[-4000:]}")
 
 
+def refused_job(client, model: str, training_id: str, method: dict, extra: dict) -> dict:
+    """The 400's error body for a fine-tuning job that must be refused (``extra``'s value "same": the training
+    file's id, e.g. as the validation file)."""
+    import openai
+    extra = {k: training_id if v == "same" else v for k, v in extra.items()}
+    try:
+        client.fine_tuning.jobs.create(model=model, training_file=training_id, method=method, **extra)
+    except openai.BadRequestError as e:
+        return e.body
+    raise AssertionError(f"the job was created: method {method}, {extra}")
+
+
 def wait_for_job(client, job_id: str, statuses=("succeeded", "failed", "cancelled"), timeout: float = 180):
     """Poll a fine-tuning job until its status is one of ``statuses``."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server_helpers import API_KEYS, chat_jsonl, wait_for_job
+from server_helpers import API_KEYS, chat_jsonl, refused_job, wait_for_job
 
 KEY, OTHER = API_KEYS["alice"], API_KEYS["bob"]
 BASE = "tiny-llama"
@@ -77,11 +77,8 @@ def test_a_dpo_job_trains_a_servable_model_while_chat_is_served(client):
     ({"type": "dpo"}, {"extra_body": {"coserve": {"dpo_loss": "simpo", "simpo_gamma": -1}}}, "coserve.simpo_gamma"),
 ])
 def test_bad_dpo_jobs_are_refused_naming_the_field(client, method, extra, param):
-    training = _upload(client, _jsonl([_pair("cats")]))
-    extra = {k: training.id if v == "same" else v for k, v in extra.items()}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.fine_tuning.jobs.create(model=BASE, training_file=training.id, method=method, **extra)
-    assert e.value.body["param"] == param, e.value.body
+    body = refused_job(client, BASE, _upload(client, _jsonl([_pair("cats")])).id, method, extra)
+    assert body["param"] == param, body
 
 
 def test_files_hold_one_format_and_a_chat_file_fails_a_dpo_job_naming_the_line(client):

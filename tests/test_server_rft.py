@@ -16,7 +16,7 @@ from openai import OpenAI
 from coserve import LLM, FinetuneConfig, LoraConfig
 from coserve.finetune.graders import grader_reward, parse_grader
 from coserve.peft.adapter_dir import read_adapter_tensors
-from server_helpers import API_KEYS, start_server, wait_for_job
+from server_helpers import API_KEYS, refused_job, start_server, wait_for_job
 
 BASE = "tiny-llama"
 ANSWERS = [("Count to three.", "1 2 3"), ("Name a colour.", "red"), ("Say hello.", "hello"), ("Spell cat.", "c a t")]
@@ -301,11 +301,8 @@ def test_sigkill_mid_reinforcement_job_then_resume(model_factory, tmp_path, orac
      {"extra_body": {"coserve": {"num_generations": 1}}}, "coserve.num_generations"),
 ])
 def test_bad_reinforcement_jobs_are_refused_naming_the_field(client, method, extra, param):
-    training = _upload(client, _prompts())
-    extra = {k: training.id if v == "same" else v for k, v in extra.items()}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.fine_tuning.jobs.create(model=BASE, training_file=training.id, method=method, **extra)
-    assert e.value.body["param"] == param, e.value.body
+    body = refused_job(client, BASE, _upload(client, _prompts()).id, method, extra)
+    assert body["param"] == param, body
 
 
 def test_prompt_files_hold_prompts_and_a_chat_file_fails_a_reinforcement_job_naming_the_line(client):
