@@ -10,6 +10,7 @@ import torch
 from coserve.model.decode_graphs import MIN_GRAPH_BLOCKS, block_bucket, row_bucket
 from coserve.model.forward_batch import build_forward_batch
 from tests.test_batch_invariance import _logprobs, _prompts
+from tests.conftest import ARCHS
 from tests.test_coserving import _engine
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -24,8 +25,9 @@ def test_graphs_gather_blocks_in_steps_of_at_most_one_and_a_half_within_the_long
 
 
 @needs_cuda
-def test_replayed_decode_steps_give_the_eager_logprobs_bit_for_bit(model_factory):
-    model_dir = model_factory("llama")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replayed_decode_steps_give_the_eager_logprobs_bit_for_bit(model_factory, arch):
+    model_dir = model_factory(arch)
     prompts = _prompts(11)
     eager = _logprobs(_engine(model_dir, device="cuda", cuda_graphs=False), prompts)
     engine = _engine(model_dir, device="cuda")
