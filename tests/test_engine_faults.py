@@ -18,6 +18,7 @@ from coserve.scheduler import SamplingParams
 from coserve.server.app import build_app
 from coserve.server.config import ServerConfig
 from tests.test_coserving import _engine, _generate, _job
+from tests.test_decode_graphs import _EagerStandIn
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 # Tests that count forward calls a finetuning window shares: a TPOT target no iteration here comes near, a slice in
@@ -172,12 +173,26 @@ def test_a_forward_that_raises_for_a_requests_rows_fails_that_request_alone(mode
     _same_adapter(job, solo)
 
 
+class _ReplayedStandIn(_EagerStandIn):
+    """Decode graphs' stand-in whose output is, as a CUDA graph replay's, a view of one buffer that the next replay
+    overwrites."""
+
+    def forward(self, token_ids, chunks, min_rows):
+        hidden = super().forward(token_ids, chunks, min_rows)
+        if getattr(self, "out", None) is None:
+            self.out = hidden.new_empty(512, hidden.shape[1])
+        self.out[:len(hidden)] = hidden
+        return self.out[:len(hidden)]
+
+
 @pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))])
+    "cpu", "cpu, replayed graphs",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))])
 def test_forwards_run_again_apart_give_the_same_tokens_and_logprobs(model_factory, device):
     """Every batched eager forward raises (a flaky device): each chunk then runs alone, speculative chunks' draft rows
     and prompt scoring included, and every token and logprob is what the batched forwards give (the engine's matmuls
-    are batch-invariant: on CUDA by GEMM tiles where cuBLAS is not; its decode-only iterations replay CUDA graphs)."""
+    are batch-invariant: on CUDA by GEMM tiles where cuBLAS is not; its decode-only iterations replay CUDA graphs,
+    whose output each chunk run alone must copy before the next replay overwrites it)."""
     from tests.test_speculative import REPEATING
     model_dir = model_factory("llama")
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),  # speculated
@@ -186,7 +201,9 @@ def test_forwards_run_again_apart_give_the_same_tokens_and_logprobs(model_factor
     prompts = REPEATING + _prompts(3, seed=21)
 
     def run(faulty: bool):
-        engine = _engine(model_dir, device=device, speculative_tokens=4)
+        engine = _engine(model_dir, device=device.split(",")[0], speculative_tokens=4)
+        if device.endswith("replayed graphs"):
+            engine.executor.graphs = _ReplayedStandIn(engine)
         raised = _faulty_forward(engine, lambda plan, window: faulty and len(plan.chunks) > 1)
         ids = [engine.add_request(p, params[i % 3]) for i, p in enumerate(prompts)]
         outs = _run(engine, ids)

@@ -281,8 +281,8 @@ class ModelExecutor:
             except Exception as e:
                 self._fail_request(c, result, e)
                 continue
-            if c.sample:
-                parts.append(hidden)
+            if c.sample:  # a copy: a graph's replay returns a view of its output, which the next replay overwrites
+                parts.append(hidden.clone())
                 sampling.append(c)
         return (torch.cat(parts) if parts else None), sampling
 
