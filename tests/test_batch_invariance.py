@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from coserve.model.batch_invariance import invariance_violations
 from coserve.model.decoder import BATCH_INVARIANT_ROWS, gemm_layout
 from coserve.model.loader import load_model
+from coserve.model.packed_gemm import backend_available
 from coserve.scheduler import SamplingParams
 from tests.test_coserving import _engine, _job
 
@@ -219,6 +220,55 @@ def test_gemm_tiles_make_a_gemm_that_rounds_by_call_size_batch_invariant(model_f
     assert beside == alone
     _assert_trained_as_alone(job, solo)
     assert not _engine(model_dir, fuse_finetuning="never").model.gemm_tile_rows  # no fusion, no tiles
+
+
+class _UnevenPacks:
+    """A packed GEMM library whose kernels round a row differently in calls of more than 20 rows (oneDNN's packs on
+    a 16-core host rounded the LM head's rows by the call's size)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.input_grad_rows = name, 1 << 30
+
+    def available(self) -> bool:
+        return True
+
+    def pack(self, weight):
+        return weight
+
+    def mm(self, x, pack, weight, bias):
+        y = F.linear(x, weight, bias)
+        return y + 1e-6 * y.abs() if x.shape[0] > 20 else y
+
+
+@pytest.mark.skipif(not backend_available("mkl"), reason="this torch has no MKL packed GEMM")
+def test_packs_that_round_by_call_size_give_way_to_mkl_packs(model_factory, tmp_path, monkeypatch):
+    """A CPU engine whose frozen weights were packed for oneDNN, where oneDNN's rows depend on their neighbours,
+    packs them for MKL (strict mode: invariant) and fuses windows: logprobs equal to the last bit, the adapter as
+    trained alone, the latency key naming MKL. Where MKL's are no better, or fusion is off, the packs stay."""
+    from coserve.model import decoder, packed_gemm
+
+    model_dir = model_factory("llama")
+    prompts = _prompts(7)
+    solo = _solo_job(model_dir, tmp_path / "solo")
+    mkl = packed_gemm._BACKENDS["mkl"]
+    monkeypatch.setitem(packed_gemm._BACKENDS, "onednn", _UnevenPacks("onednn"))
+    monkeypatch.setitem(packed_gemm._BACKENDS, "mkl", _UnevenPacks("mkl"))
+    monkeypatch.setattr(decoder, "gemm_backend", lambda device, dtype: "onednn")
+    assert not _engine(model_dir).executor.fuse_finetuning  # MKL's no better: the packs stay, windows run apart
+    uneven = _engine(model_dir, fuse_finetuning="always", enable_prefix_caching=False)
+    assert uneven.model.gemms == "onednn-packed" and not uneven.batch_invariant
+    alone, beside, _ = _co_served(uneven, prompts, tmp_path / "uneven")
+    assert beside != alone  # such packs fused would change the outputs (the test can fail)
+
+    monkeypatch.setitem(packed_gemm._BACKENDS, "mkl", mkl)
+    engine = _engine(model_dir, enable_prefix_caching=False)
+    assert engine.model.gemms == "mkl-packed" and engine.batch_invariant and engine.executor.fuse_finetuning
+    assert engine.latency_key["gemms"] == "mkl-packed"
+    alone, beside, job = _co_served(engine, prompts, tmp_path / "co")
+    assert beside == alone
+    _assert_trained_as_alone(job, solo)
+    for policy in ("temporal", "inference-only"):  # they fuse nothing: no switch
+        assert _engine(model_dir, policy=policy).model.gemms == "onednn-packed"
 
 
 def test_a_fused_forward_runs_the_padded_inference_rows_in_a_call_of_their_own(monkeypatch):

@@ -92,12 +92,15 @@ class LLMEngine:
         ft_slice = (config.first_token_slice_ms if config.first_token_slice_ms is not None
                     else DEFAULT_CPU_FIRST_TOKEN_SLICE_MS if self.device.type == "cpu" else math.inf)
         self.first_token_slice_ms = None if math.isinf(ft_slice) else ft_slice  # None: no cap
-        self.latency_key = latency_key(config.model, self.device, self.dtype, fuse)  # what a latency fit must match
+        self.latency_key = latency_key(config.model, self.device, self.dtype, fuse, self.model.gemms)  # what a latency fit must match
         if fusion.violations and config.policy == "coserve":  # a warning unless GEMM tiles fixed it (other policies
             # never put a window beside inference rows: nothing to warn of)
             if fusion.tile_rows:
                 how = (f"they run in GEMM tiles of {fusion.tile_rows} rows, so that a finetuning window can share "
                        "them (coserve/model/tiled_gemm.py)")
+            elif fusion.repacked:
+                how = (f"the frozen weights run packed for {fusion.repacked}, whose rows are, so that a finetuning "
+                       "window can share them (coserve/model/batch_invariance.py)")
             elif not fuse:
                 how = ("finetuning forward windows run in calls of their own, so that they cannot change an "
                        "inference output (on CPU, set MKL_CBWR=AUTO,STRICT before torch's first matmul: "
@@ -105,7 +108,7 @@ class LLMEngine:
             else:
                 how = ("with fuse_finetuning='always', a concurrent finetuning job may change inference logprobs "
                        "in their last bits")
-            log.log(logging.INFO if fusion.tile_rows else logging.WARNING,
+            log.log(logging.INFO if fusion.tile_rows or fusion.repacked else logging.WARNING,
                     "matmuls here are not batch-invariant (%s): %s", "; ".join(fusion.violations), how)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
         graphed = config.cuda_graphs and self.device.type == "cuda"

@@ -40,8 +40,8 @@ def run(args) -> int:
     cfg = ModelConfig.from_dir(args.model)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
     model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
-    fuse = plan_fusion(model, args.fuse_finetuning).fuse  # GEMM tiles on where the engine's would be
-    key = latency_key(args.model, device, dtype, fuse)
+    fuse = plan_fusion(model, args.fuse_finetuning).fuse  # GEMM tiles (or packs) as the engine's would be
+    key = latency_key(args.model, device, dtype, fuse, model.gemms)
     bar = tqdm(total=args.points * (args.repeats + 1), desc="profile", unit="iteration")
     latency, samples = profile(model, key, args.points, args.repeats, args.seed, args.max_context,
                                progress=lambda done, total: bar.update(1), fuse=fuse)

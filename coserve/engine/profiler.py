@@ -195,21 +195,23 @@ def save_latency_model(path: Path, latency: LatencyModel) -> None:
     save_models(path, others + [latency])
 
 
-def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype, fused: bool) -> dict[str, str]:
+def latency_key(model_dir: str | Path, device: torch.device, dtype: torch.dtype, fused: bool,
+                gemms: str | None = None) -> dict[str, str]:
     """What a fit is valid for: the model directory, device, dtype, thread count, and whether finetuning forward
     windows share the inference rows' matmul calls (``fuse_finetuning``: on a GPU an unfused window costs its own
     kernel launches, so the two fits differ).
 
     A CUDA device is named with its index (``cuda`` and ``cuda:0`` are one key when 0 is current). ``gemms`` says
     which GEMM library the frozen weights run packed in (``coserve/model/packed_gemm.py``: wherever an engine can,
-    it does), which changes what an iteration of few rows costs.
+    it does), which changes what an iteration of few rows costs: the model's own (``DecoderModel.gemms``, which
+    ``plan_fusion`` may have changed) where given, else this machine's choice.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return {"model": str(Path(model_dir).resolve()), "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "threads": str(torch.get_num_threads()),
-            "fused": str(fused).lower(), "gemms": _gemms(device, dtype)}
+            "fused": str(fused).lower(), "gemms": gemms or _gemms(device, dtype)}
 
 
 def _gemms(device: torch.device, dtype: torch.dtype) -> str:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from coserve.model.decoder import BATCH_INVARIANT_ROWS, DecoderModel
+from coserve.model.packed_gemm import backend_available
 
 FUSE_CHOICES = ("auto", "always", "never")  # EngineConfig.fuse_finetuning
 
@@ -91,6 +92,10 @@ def invariance_violations(model: DecoderModel, linear: Callable[[torch.Tensor, t
 # in float32 (``medium``), while a decode batch and a window's first rows share one call. No tiles on CPU: MKL's
 # strict mode is invariant, and padding costs CPU time row for row.
 GEMM_TILE_ROWS = {"cuda": 128}
+# The packed GEMM library tried where another's packs are not batch-invariant: MKL, whose strict mode is (above).
+# Seen on a 16-core host (2026-11-28): oneDNN packs rounded the LM head's first 16 rows differently in calls of 16,
+# 17, 57, 177 and 300 rows, so an engine that had timed oneDNN faster ran every finetuning window apart.
+INVARIANT_PACKS = "mkl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +106,13 @@ class Fusion:
     batch_invariant: bool  # an inference row rounds as it would alone (plain GEMMs, or in GEMM tiles)
     violations: tuple[str, ...]  # what plain GEMMs got wrong (``invariance_violations``)
     tile_rows: int  # > 0: GEMM tiles are on
+    repacked: str = ""  # the packed GEMM library the frozen weights were moved to because it is invariant ("": none)
 
 
 def plan_fusion(model: DecoderModel, setting: str) -> Fusion:
-    """Probe ``model``'s GEMMs and decide under ``fuse_finetuning=setting`` (auto | always | never); turns the
-    model's GEMM tiles on where plain GEMMs are not batch-invariant, fusion is wanted and tiles are."""
+    """Probe ``model``'s GEMMs and decide under ``fuse_finetuning=setting`` (auto | always | never). Where they are
+    not batch-invariant and fusion is wanted: turns the model's GEMM tiles on (CUDA) if they are, or moves the frozen
+    weights' packs to MKL (CPU, packed for oneDNN: its kernels can round a row by the call's size) if MKL's are."""
     if setting not in FUSE_CHOICES:
         raise ValueError(f"fuse_finetuning must be one of {FUSE_CHOICES}, got {setting!r}")
     model.gemm_tile_rows = 0
@@ -116,5 +123,12 @@ def plan_fusion(model: DecoderModel, setting: str) -> Fusion:
         if not invariance_violations(model):
             return Fusion(True, True, violations, tile)
         model.gemm_tile_rows = 0
+    packed = model.packed.backend if model.packed is not None else None
+    if violations and setting != "never" and packed not in (None, INVARIANT_PACKS) \
+            and backend_available(INVARIANT_PACKS):
+        model.pack_gemms(INVARIANT_PACKS)
+        if not invariance_violations(model):
+            return Fusion(True, True, violations, 0, INVARIANT_PACKS)
+        model.pack_gemms(packed)
     invariant = not violations
     return Fusion({"auto": invariant, "always": True, "never": False}[setting], invariant, violations, 0)

@@ -129,11 +129,20 @@ class DecoderModel:
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
         self.scale = cfg.head_dim ** -0.5
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
-        # frozen weights packed for MKL or oneDNN (CPU, float32; coserve/model/packed_gemm.py), None where not used
-        backend = gemm_backend(device, dtype) if pack_gemms else None
+        self.packed: PackedWeights | None = None
+        self.pack_gemms(gemm_backend(device, dtype) if pack_gemms else None)
+
+    def pack_gemms(self, backend: str | None) -> None:
+        """Frozen weights run packed for ``backend`` (MKL or oneDNN: CPU, float32; ``coserve/model/packed_gemm.py``)
+        from now on, or plain where None; packs are made on first use."""
         self.packed = PackedWeights(backend) if backend is not None else None
         if self.packed is not None:
             self.packed.allow(self.lm_head, *(w for layer in self.layers for w in layer.frozen_weights()))
+
+    @property
+    def gemms(self) -> str:
+        """How the frozen weights' matmuls run: ``<backend>-packed`` or ``plain`` (a latency fit's key has it)."""
+        return f"{self.packed.backend}-packed" if self.packed is not None else "plain"
 
     def padded_rows(self, rows: int) -> int:
         """The rows of the matmul calls that ``rows`` inference rows run in, alone or beside a finetuning window."""

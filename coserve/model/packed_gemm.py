@@ -18,8 +18,9 @@ for later processes (``gemm_choice.py``; ``COSERVE_GEMMS``: ``mkl``, ``onednn`` 
 pack takes about as much memory as its weight.
 
 Results are not bit-identical to ``F.linear``'s (other kernels), but a row's result still does not depend on the
-rows beside it in calls of 2 rows or more (MKL in its strict mode; oneDNN as it is): ``batch_invariance.py``
-probes the model's own path at engine start. The input gradient of a frozen weight (``dy @ W``) has packs of its
+rows beside it in calls of 2 rows or more (MKL in its strict mode; oneDNN on the 2-core machines measured, not on a
+16-core host's, whose engine then packs for MKL instead): ``batch_invariance.py`` probes the model's own path at
+engine start. The input gradient of a frozen weight (``dy @ W``) has packs of its
 own, made on first use (only finetuning needs them). Autograd never sees a packed product: where the input needs
 a gradient, ``F.linear`` runs.
 """
@@ -71,6 +72,11 @@ class _Backend:
 # MKL (Intel Xeon): from about 512 rows a packed input gradient was no faster, and whole-sequence backward steps
 # ran 2-3% slower with packs. oneDNN (AMD EPYC): packed products were faster at every row count timed (up to 1,024).
 _BACKENDS = {"mkl": _Backend("mkl", 256), "onednn": _Backend("onednn", 1 << 30)}
+
+
+def backend_available(name: str) -> bool:
+    """Whether this torch has the packed GEMM of library ``name`` (``GEMM_BACKENDS``)."""
+    return _BACKENDS[name].available()
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
