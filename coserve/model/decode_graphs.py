@@ -71,6 +71,7 @@ class _Graph:
     host: torch.Tensor  # the same, pinned on the host (filled, then copied in one transfer)
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # [rows, H] final hidden states, written by each replay
+    copied: torch.cuda.Event | None = None  # recorded after the last transfer out of ``host``
 
 
 class DecodeGraphs:
@@ -143,8 +144,16 @@ class DecodeGraphs:
         pad = seqs - t
         values = (token_ids + [0] * pad + positions + [0] * pad + slots + [scratch * bs] * pad
                   + [c.context_len for c in chunks] + [1] * pad + tables + [scratch] * (pad * blocks))
+        # the transfer is asynchronous: two loads with no synchronisation between them (chunks run again one by one
+        # after a failed forward, each replaying the same graph) would rewrite the pinned buffer under the last
+        # transfer, which the device may not have made yet: the likely cause of wrong tokens seen on an H200 there
+        if g.copied is not None:
+            g.copied.synchronize()
         g.host.copy_(long_tensor(values, g.host.device))
         g.inputs.copy_(g.host, non_blocking=True)
+        if g.copied is None:
+            g.copied = torch.cuda.Event()
+        g.copied.record()
 
     def _record(self, rows: int, seqs: int, blocks: int) -> _Graph:
         device = self.model.device
