@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from server_helpers import start_server
+from server_helpers import start_server, wait_for_job
 
 THOUGHT, ANSWER = "Two and two make four.", "The answer is 4."
 TWO = [{"role": "user", "content": "What is 2+2?"}]
@@ -38,12 +38,17 @@ def thinker(model_factory, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(thinker, tmp_path_factory):
+def server(thinker, tmp_path_factory):
     model, adapter = thinker
     srv = start_server(model, tmp_path_factory.mktemp("reasoning-state") / "state", "--reasoning-parser", "qwen3",
                        "--adapter", f"think={adapter}")
-    yield OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+    yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def _tokens(model, text: str) -> int:
@@ -198,3 +203,49 @@ def test_required_tool_calls_follow_the_reasoning_on_both_apis(client):
     done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
     assert done == [(0, "reasoning"), (1, "function_call")]
     assert [o.type for o in events[-1].response.output] == ["reasoning", "function_call"]
+
+
+def test_a_reinforcement_jobs_grader_reads_the_reply_after_the_reasoning(client, server, thinker):
+    """A reinforcement job on a server with a reasoning parser: its grader reads the reply after the reasoning
+    (OpenAI's graders read a reasoning model's output text), and ``rollouts.jsonl`` shows both parts. A prompt whose
+    last tag opens ``<think>`` makes the whole output reasoning, so the reply graded is empty; one that closed it makes
+    the whole output the reply."""
+    import io
+
+    opened, closed = "Two and two?<think>", "Two and two?<think>Easy.</think>"
+    data = "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in (opened, closed)).encode()
+    training = client.files.create(file=("prompts.jsonl", io.BytesIO(data)), purpose="fine-tune")
+    empty = {"type": "string_check", "name": "empty", "input": "{{ sample.output_text }}", "reference": "",
+             "operation": "eq"}
+    job = client.fine_tuning.jobs.create(
+        model=thinker[0].name, training_file=training.id, seed=5,
+        method={"type": "reinforcement", "reinforcement": {"grader": empty, "hyperparameters": {
+            "n_epochs": 1, "batch_size": 2}}},
+        extra_body={"coserve": {"num_generations": 2, "max_completion_tokens": 6, "r": 2,
+                                "target_modules": ["q_proj"]}})
+    done = wait_for_job(client, job.id)
+    assert done.status == "succeeded", done.error
+    rollouts = [json.loads(x) for x in
+                (server.state_dir / "jobs" / job.id / "model" / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted(r["prompt_line"] for r in rollouts) == [1, 1, 2, 2]
+    for r in rollouts:
+        assert r["completion"]  # random text: a grader reading all of it would never see ""
+        if r["prompt_line"] == 1:
+            assert (r["reasoning"], r["reply"], r["reward"]) == (r["completion"], "", 1.0)
+        else:
+            assert (r["reasoning"], r["reply"], r["reward"]) == (None, r["completion"], 0.0)
+    metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
+    assert [m["train_reward_mean"] for m in metrics] == [0.5]
+
+
+def test_a_model_grader_on_a_reasoning_model_reasons_before_its_label(client, thinker):
+    """A label model grader whose model reasons (the adapter that thinks before it answers 2+2): the label's guide
+    starts after the reasoning, so the model writes its ``<think>`` first and the grader reads the label after it,
+    as the chat API's structured outputs do; the reasoning counts in the grader's token usage."""
+    grader = {"type": "label_model", "name": "judge", "model": "think", "labels": ["yes", "no"],
+              "passing_labels": ["yes"], "input": TWO}
+    run = client.fine_tuning.alpha.graders.run(grader=grader, model_sample="4")
+    assert not any(v for k, v in run.metadata.errors.model_dump().items() if k.endswith("error"))
+    assert run.reward in (0.0, 1.0)
+    used = run.model_grader_token_usage_per_model["think"]
+    assert used["completion_tokens"] > _tokens(thinker[0], f"<think>{THOUGHT}</think>")  # the reasoning, then a label

@@ -7,30 +7,37 @@ model by the directory's name, and its loaded adapters); the server makes its ow
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from coserve.finetune.model_graders import Judge, ModelCall, ModelReply
 from coserve.model.chat_prompt import render_conversation
+from coserve.scheduler.sampling_params import Reasoning
 
 if TYPE_CHECKING:
     from coserve.engine.llm import LLM
 
 
-def chat_judge(tokenizer, resolve: Callable[[str], str | None], generate) -> Judge:
+def chat_judge(tokenizer, resolve: Callable[[str], str | None], generate, reasoning: Reasoning | None = None) -> Judge:
     """``resolve(model)``: the adapter serving a call's model (None: the base), or LookupError; ``generate(token
-    ids, sampling params, adapters)``: the engine's outputs, in order."""
+    ids, sampling params, adapters)``: the engine's outputs, in order. With a reasoning parser (a server's
+    ``--reasoning-parser``) the grader model may reason first: its structured output's guide starts after the
+    reasoning, and the grader reads the reply after it."""
 
     def judge(calls: list[ModelCall]) -> list[ModelReply]:
         adapters = [resolve(c.model) for c in calls]
         ids = [list(tokenizer(render_conversation(tokenizer, c.messages), add_special_tokens=False)["input_ids"])
                for c in calls]
-        outs = generate(ids, [c.params for c in calls], adapters)
+        tags = [reasoning.tokens(x) if reasoning is not None else None for x in ids]
+        outs = generate(ids, [replace(c.params, reasoning=t) if t is not None else c.params
+                              for c, t in zip(calls, tags)], adapters)
         replies = []
-        for out in outs:
+        for out, t in zip(outs, tags):
             if out.error is not None:
                 raise RuntimeError(f"the grader model's request failed ({out.error})")
             seq = out.outputs[0]
-            replies.append(ModelReply(seq.text, seq.finish_reason, len(out.prompt_token_ids), len(seq.token_ids)))
+            text = seq.text if t is None else (reasoning.split(t, seq.text)[1] or "")
+            replies.append(ModelReply(text, seq.finish_reason, len(out.prompt_token_ids), len(seq.token_ids)))
         return replies
 
     return judge

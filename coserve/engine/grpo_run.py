@@ -37,6 +37,7 @@ from coserve.peft.adapter_dir import write_adapter_files
 from coserve.peft.dropout import mix_seed
 from coserve.peft.trainable import TrainableBypass
 from coserve.scheduler import SamplingParams
+from coserve.scheduler.sampling_params import Reasoning, ReasoningTokens
 
 RewardFunc = Callable[..., Sequence[float | None]]
 _VALID_SEEDS = 0x56414C  # mixed into the validation completions' seeds, apart from the training rollouts'
@@ -109,14 +110,17 @@ class GRPORun:
                  reward_weights: Sequence[float] | None, bypass: TrainableBypass, cfg: FinetuneConfig,
                  tenant: str = "default", base_model: str = "", resume_from: Path | None = None,
                  on_step: Callable[[dict], None] | None = None, finished_ok: bool = False,
-                 validation: list[PromptRecord] | None = None) -> None:
+                 validation: list[PromptRecord] | None = None, reasoning: Reasoning | None = None) -> None:
         """``client``: the engine (running in its own thread) that samples and trains. ``resume_from``: a
         checkpoint a run of the same data and config wrote after a step (its ``output_dir``); the run goes on from
         that step as if it had not stopped (``bypass`` its adapter). ``on_step``: called in the run's thread with
         each step's record once ``output_dir`` holds that step and its validation, if due, is done (and before the
         next step begins). ``finished_ok``: a checkpoint at the run's last step is not an error; the run then
         succeeds at once (a server that stopped between a job's last step and its end). ``validation``: prompts
-        (with the fields the reward functions read) sampled and rewarded as the module says."""
+        (with the fields the reward functions read) sampled and rewarded as the module says. ``reasoning``: a
+        reasoning model's parser (a server's ``--reasoning-parser``): completions are sampled as its chat replies are
+        (a ``guided_json`` schema constrains the reply after the reasoning), and the reward functions see the reply
+        alone, as OpenAI's graders see a reasoning model's output text; training is on every token sampled."""
         if not prompts:
             raise ValueError("data: no prompts")
         if validation is not None and not validation:
@@ -134,6 +138,7 @@ class GRPORun:
         self.client, self.prompts, self.funcs, self.weights = client, prompts, funcs, weights
         self.validation = validation
         self.on_step = on_step
+        self.reasoning = reasoning
         self.bypass, self.cfg, self.tenant, self.base_model = bypass, cfg, tenant, base_model
         self.per_step = cfg.batch_size * cfg.grad_accum // cfg.num_generations  # prompts a step
         self.steps_per_epoch = math.ceil(len(prompts) / self.per_step)
@@ -266,8 +271,9 @@ class GRPORun:
         cfg, k = self.cfg, self.cfg.eval_samples
         started = time.perf_counter()
         params = [SamplingParams(n=k, temperature=cfg.temperature, max_tokens=cfg.max_completion_tokens,
-                                 seed=mix_seed(cfg.seed, _VALID_SEEDS, step, j), guided_json=cfg.guided_json)
-                  for j in range(len(self.validation))]
+                                 seed=mix_seed(cfg.seed, _VALID_SEEDS, step, j), guided_json=cfg.guided_json,
+                                 reasoning=self._tags(p))
+                  for j, p in enumerate(self.validation)]
         try:
             outs = self._sample(self.validation, params)
         except RuntimeError:
@@ -286,8 +292,8 @@ class GRPORun:
                    "valid_completions_mean_length": sum(lengths) / len(lengths),
                    "valid_s": round(time.perf_counter() - started, 4),
                    **{f"valid_{key}": v for key, v in graded.items()}}
-        samples = [{"prompt_line": r.line, "completion": c.text, "completion_token_ids": list(c.token_ids),
-                    "finish_reason": c.finish_reason, "reward": rewards[i],
+        samples = [{"prompt_line": r.line, "completion": c.text, **self._split(r, c),
+                    "completion_token_ids": list(c.token_ids), "finish_reason": c.finish_reason, "reward": rewards[i],
                     "rewards": {n: None if math.isnan(v[i]) else v[i] for n, v in per_func.items()}}
                    for i, (r, c) in enumerate(zip(records, completions))]
         path = self.output_dir / GRPO_VALID_FILE
@@ -302,7 +308,7 @@ class GRPORun:
         """``score`` of completions, each of the prompt record beside it, as the reward functions see them; and what
         graders report of the call (``graders.grader_reward``): completions they could not grade (scored 0), by
         ``<grader>/<kind>`` (``grading_errors``), and their models' tokens (``grader_tokens``), where any."""
-        texts = [c.text for c in completions]
+        texts = [self._split(r, c).get("reply", c.text) for r, c in zip(records, completions)]
         ids = [list(c.token_ids) for c in completions]
         columns = {k: [r.columns.get(k) for r in records] for k in sorted({k for r in records for k in r.columns})}
         shown = [[{"role": "assistant", "content": t}] if r.conversational else t for r, t in zip(records, texts)]
@@ -325,7 +331,7 @@ class GRPORun:
         for i, (r, c) in enumerate(zip(records, completions)):
             own = {k: None if math.isnan(v[i]) else v[i] for k, v in per_func.items()}  # None: did not apply
             lines.append(json.dumps({"step": step + 1, "prompt_line": r.line, "group": i // g,
-                                     "prompt_token_ids": r.token_ids, "completion": c.text,
+                                     "prompt_token_ids": r.token_ids, "completion": c.text, **self._split(r, c),
                                      "completion_token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
                                      "logprobs": [lp.logprob for lp in c.logprobs] if c.logprobs else None,
                                      "reward": rewards[i], "rewards": own, "advantage": advantages[i]}) + "\n")
@@ -336,9 +342,20 @@ class GRPORun:
         cfg = self.cfg
         params = [SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
                                  max_tokens=cfg.max_completion_tokens, logprobs=0,
-                                 seed=mix_seed(cfg.seed, step, j), guided_json=cfg.guided_json)
-                  for j in range(len(batch))]
+                                 seed=mix_seed(cfg.seed, step, j), guided_json=cfg.guided_json, reasoning=self._tags(p))
+                  for j, p in enumerate(batch)]
         return self._sample(batch, params)
+
+    def _tags(self, prompt: PromptRecord) -> ReasoningTokens | None:
+        return self.reasoning.tokens(prompt.token_ids) if self.reasoning is not None else None
+
+    def _split(self, prompt: PromptRecord, completion) -> dict[str, str | None]:
+        """A completion's ``reasoning`` (None without any) and ``reply`` (what the reward functions see), where the
+        run has a reasoning parser; else nothing."""
+        if self.reasoning is None:
+            return {}
+        reasoning, reply = self.reasoning.split(self.reasoning.tokens(prompt.token_ids), completion.text)
+        return {"reasoning": reasoning, "reply": reply or ""}
 
     def _sample(self, prompts: list[PromptRecord], params: list[SamplingParams]):
         """Completions of ``prompts`` from the adapter as it stands (saved and loaded for serving under one name,

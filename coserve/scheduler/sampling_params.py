@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from coserve.guided.compilers import COMPILERS
 
@@ -57,6 +58,16 @@ class ReasoningTokens:
         """How many of ``output_ids`` are reasoning, its tags included (all of them while it has not ended)."""
         begin = self.reply_start(output_ids)
         return len(output_ids) if begin is None else begin
+
+
+class Reasoning(Protocol):
+    """A reasoning parser as the engine's callers use it (``coserve/server/reasoning.py``'s ``ReasoningParser``)."""
+
+    def tokens(self, prompt_ids: list[int]) -> ReasoningTokens:
+        """The tags for a request with ``prompt_ids``, and whether its output begins inside the reasoning."""
+
+    def split(self, tokens: ReasoningTokens, text: str) -> tuple[str | None, str | None]:
+        """``(reasoning, reply)`` of a whole output's text (None where there is none)."""
 
 
 @dataclass(slots=True)

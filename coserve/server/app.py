@@ -67,12 +67,12 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         return {status: store.count_jobs(status) for status in JOB_STATES}
 
     metrics = ServerMetrics(engine_state, job_counts, store.count_batches)
-    jobs = JobManager(store, loop, config, metrics, models)
+    jobs = JobManager(store, loop, config, metrics, models, reasoner)
     auth = Authenticator(config.api_keys)
     batches = BatchRunner(store, config.state_dir,
                           priority=BATCH_PRIORITY if engine_config.scheduling_policy == "priority" else None)
     client = EngineClient(loop, config.max_waiting_requests, config.stream_interval)
-    evals = EvalRunner(store, models, config.python_graders)
+    evals = EvalRunner(store, models, config.python_graders, reasoning=reasoner)
     ctx = ServerContext(config, client, store, models, jobs, metrics, auth, batches, evals, reasoner)
 
     @asynccontextmanager

@@ -13,6 +13,7 @@ import secrets
 import time
 
 from coserve.finetune.graders import GradingError
+from coserve.scheduler.sampling_params import Reasoning
 from coserve.server.batches import COUNTS_EVERY_S, RETRY_SECONDS, RETRY_STATUSES, call_route
 from coserve.server.eval_data import (Criterion, RunSource, check_run_source, grader_sample, item_messages,
                                      item_schema, parse_criterion)
@@ -29,8 +30,10 @@ NO_ERROR = {"code": "", "message": ""}  # OpenAI's run object always has an erro
 class EvalRunner:
     """Runs the server's eval runs; ``start`` and everything after it on the server's event loop."""
 
-    def __init__(self, store: Store, models: ModelRegistry, allow_python: bool, concurrency: int = 4) -> None:
+    def __init__(self, store: Store, models: ModelRegistry, allow_python: bool, concurrency: int = 4,
+                 reasoning: Reasoning | None = None) -> None:
         self.store, self.models, self.allow_python = store, models, allow_python
+        self.reasoning = reasoning  # the server's reasoning parser: model graders read the reply after the reasoning
         self.concurrency = concurrency  # items of one run in flight at once
         self.app = None  # the ASGI app whose chat route samples (set once it is built)
         self._tasks: dict[str, asyncio.Task] = {}
@@ -87,7 +90,7 @@ class EvalRunner:
         tally = Tally(source, criteria)
         for x in await asyncio.to_thread(self.store.eval_items_done, run_id):  # a resumed run's: counted already
             tally.add(x)
-        judge = server_judge(self.models, self.models.loop, tenant)
+        judge = server_judge(self.models, self.models.loop, tenant, reasoning=self.reasoning)
         slots = asyncio.Semaphore(self.concurrency)
         written = [time.monotonic()]  # when the counts were last written (every COUNTS_EVERY_S while it runs)
 

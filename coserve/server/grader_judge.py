@@ -12,6 +12,7 @@ from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.loop_client import LoopClient
 from coserve.finetune.graders import Grader, parse_grader
 from coserve.finetune.model_graders import Judge
+from coserve.scheduler.sampling_params import Reasoning
 from coserve.server.errors import bad_request
 from coserve.server.models import ModelRegistry
 
@@ -20,13 +21,14 @@ from coserve.server.models import ModelRegistry
 GRADING_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="coserve-grader")
 
 
-def server_judge(models: ModelRegistry, loop: EngineLoop, tenant: str, client: LoopClient | None = None) -> Judge:
+def server_judge(models: ModelRegistry, loop: EngineLoop, tenant: str, client: LoopClient | None = None,
+                 reasoning: Reasoning | None = None) -> Judge:
     """A judge for ``tenant``'s graders, to be called from a thread other than the event loop's; its requests go
     through ``client`` when given (whose ``abort`` then ends them: a reinforcement job's, when it is cancelled), else
-    a client of their own."""
+    a client of their own. ``reasoning``: the server's reasoning parser (the grader model reasons before its reply)."""
     return chat_judge(loop.engine.tokenizer, lambda name: models.resolve_blocking(tenant, name),
                       lambda ids, params, adapters: (client or LoopClient(loop)).generate(ids, params, adapters,
-                                                                                         tenant))
+                                                                                         tenant), reasoning)
 
 
 def request_grader(spec: object, where: str, allow_python: bool, servable=None) -> Grader:

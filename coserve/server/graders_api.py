@@ -54,7 +54,7 @@ async def run_grader(body: GraderRunRequest, request: Request, ctx: ServerContex
     caller's requests."""
     tenant = tenant_of(request)
     grader = checked_grader(body.grader, ctx, tenant)
-    judge = CountingJudge(server_judge(ctx.models, ctx.client.loop, tenant))
+    judge = CountingJudge(server_judge(ctx.models, ctx.client.loop, tenant, reasoning=ctx.reasoning))
     errors: dict[str, Any] = {flag: False for flag in ERROR_FLAGS}
     errors["python_grader_runtime_error_details"] = errors["python_grader_server_error_type"] = None
     errors["model_grader_server_error_details"] = None

@@ -30,6 +30,7 @@ from coserve.peft import AdapterError
 from coserve.peft.adapter_dir import peft_type, read_adapter_config
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_trainable
+from coserve.scheduler.sampling_params import Reasoning
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
 from coserve.server.grader_judge import request_grader
@@ -131,8 +132,9 @@ class Running:
 
 class JobManager:
     def __init__(self, store: Store, loop: EngineLoop, config: ServerConfig, metrics: ServerMetrics,
-                 models: ModelRegistry) -> None:
+                 models: ModelRegistry, reasoning: Reasoning | None = None) -> None:
         self.store, self.loop, self.config, self.metrics, self.models = store, loop, config, metrics, models
+        self.reasoning = reasoning  # --reasoning-parser: reinforcement rollouts reason; their graders read replies
         self.engine = loop.engine
         self.base_name = models.base
         self.state_dir = Path(config.state_dir)

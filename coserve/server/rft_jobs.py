@@ -160,10 +160,10 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneC
         bypass = make_bypass(IA3Config(**p) if kind == "ia3" else LoraConfig(**p), model, job["seed"])
     holder: list[RFTRunning] = []
     grading = LoopClient(mgr.loop)
-    reward = grader_reward(grader, server_judge(mgr.models, mgr.loop, tenant, grading))
+    reward = grader_reward(grader, server_judge(mgr.models, mgr.loop, tenant, grading, mgr.reasoning))
     run = GRPORun(LoopClient(mgr.loop), prompts, [reward], None, bypass, cfg, tenant,
                   base_model=mgr.base_name, resume_from=resume, on_step=lambda rec: _on_step(holder[0], rec),
-                  finished_ok=True, validation=validation)
+                  finished_ok=True, validation=validation, reasoning=mgr.reasoning)
     tokens = int(saved.get("tokens", 0)) if saved else 0  # a resumed job's tokens are counted already
     r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or run.steps_per_epoch, run, out, grading,
                    (grader.name, grader.type), tokens=tokens)
