@@ -58,7 +58,7 @@ def _tokens(model, text: str) -> int:
 def test_the_reasoning_comes_apart_from_the_reply_whole_and_streamed(client, thinker):
     whole = client.chat.completions.create(model="think", messages=TWO, max_tokens=40, temperature=0)
     message = whole.choices[0].message
-    assert message.model_extra["reasoning_content"] == THOUGHT
+    assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == THOUGHT  # both vLLM names
     assert message.content == ANSWER and whole.choices[0].finish_reason == "stop"
     assert whole.usage.completion_tokens_details.reasoning_tokens == _tokens(thinker[0], f"<think>{THOUGHT}</think>")
     assert whole.usage.completion_tokens > whole.usage.completion_tokens_details.reasoning_tokens
@@ -67,6 +67,7 @@ def test_the_reasoning_comes_apart_from_the_reply_whole_and_streamed(client, thi
                                                  stream=True, stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     thought = [d.model_extra.get("reasoning_content") or "" for d in deltas]
+    assert thought == [d.model_extra.get("reasoning") or "" for d in deltas]
     said = [d.content or "" for d in deltas]
     assert "".join(thought) == THOUGHT and "".join(said) == ANSWER
     assert sum(bool(t) for t in thought) > 3  # the reasoning streamed as it was written
@@ -81,7 +82,7 @@ def test_a_reply_without_reasoning_is_all_content(client):
     whole = client.chat.completions.create(model=client.models.list().data[0].id, messages=TWO, max_tokens=12,
                                            temperature=0)
     message = whole.choices[0].message
-    assert "reasoning_content" not in (message.model_extra or {}) and message.content
+    assert not {"reasoning_content", "reasoning"} & set(message.model_extra or {}) and message.content
     assert whole.usage.completion_tokens_details.reasoning_tokens == 0
 
 
@@ -249,3 +250,18 @@ def test_a_model_grader_on_a_reasoning_model_reasons_before_its_label(client, th
     assert run.reward in (0.0, 1.0)
     used = run.model_grader_token_usage_per_model["think"]
     assert used["completion_tokens"] > _tokens(thinker[0], f"<think>{THOUGHT}</think>")  # the reasoning, then a label
+
+
+def test_a_conversation_given_back_with_its_reasoning_items_is_answered_as_without_them(client):
+    """A client that keeps the conversation itself appends each response's ``output``, reasoning item included, to
+    its next ``input``: the item is read and dropped (as reasoning models' chat templates drop earlier turns'
+    reasoning), so the next reply is the one the same conversation without it gets."""
+    first = client.responses.create(model="think", input="What is 2+2?", max_output_tokens=40, temperature=0)
+    earlier = [o.model_dump(exclude_none=True) for o in first.output]
+    assert earlier[0]["type"] == "reasoning"
+    asked = {"role": "user", "content": "Name a colour."}
+    kept = client.responses.create(model="think", input=[{"role": "user", "content": "What is 2+2?"}, *earlier, asked],
+                                   max_output_tokens=20, temperature=0)
+    without = client.responses.create(model="think", input=[{"role": "user", "content": "What is 2+2?"},
+                                                            *earlier[1:], asked], max_output_tokens=20, temperature=0)
+    assert kept.output_text == without.output_text and kept.usage.input_tokens == without.usage.input_tokens

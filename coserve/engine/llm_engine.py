@@ -92,7 +92,8 @@ class LLMEngine:
         ft_slice = (config.first_token_slice_ms if config.first_token_slice_ms is not None
                     else DEFAULT_CPU_FIRST_TOKEN_SLICE_MS if self.device.type == "cpu" else math.inf)
         self.first_token_slice_ms = None if math.isinf(ft_slice) else ft_slice  # None: no cap
-        self.latency_key = latency_key(config.model, self.device, self.dtype, fuse, self.model.gemms)  # what a latency fit must match
+        # what a latency fit must match
+        self.latency_key = latency_key(config.model, self.device, self.dtype, fuse, self.model.gemms)
         if fusion.violations and config.policy == "coserve":  # a warning unless GEMM tiles fixed it (other policies
             # never put a window beside inference rows: nothing to warn of)
             if fusion.tile_rows:

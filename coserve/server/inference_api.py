@@ -522,8 +522,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 delta = {**({"content": text} if text else {}), **({"tool_calls": made} if made else {})}
             else:
                 delta = ({"content": text} if tools is None else {"tool_calls": [tools.piece(text)]}) if text else {}
-            if thought:
-                delta = {"reasoning_content": thought, **delta}
+            if thought:  # under both names vLLM has used (``reasoning``, its newer one)
+                delta = {"reasoning_content": thought, "reasoning": thought, **delta}
             logprobs = new_logprobs(c, out)
             if not delta and not logprobs:
                 return None
@@ -559,8 +559,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
             message = {"role": "assistant", "content": echoed + (content or "") if echoed else content,
                        "tool_calls": made}
             reason = "tool_calls"
-        if thought is not None:
-            message["reasoning_content"] = thought
+        if thought is not None:  # under both names vLLM has used (``reasoning``, its newer one)
+            message["reasoning_content"] = message["reasoning"] = thought
         choices.append({"index": c.index, "message": message,
                         "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [],
                                                                body.return_tokens_as_token_ids)}

@@ -449,10 +449,23 @@ class CustomToolCallOutputInput(CallItem):
     output: str
 
 
+class ReasoningInput(Body):
+    """A reasoning item of an earlier response, given back with the conversation (a client that keeps it by
+    appending each response's ``output`` to its next ``input``); read and dropped, as Qwen3's and DeepSeek-R1's chat
+    templates drop the reasoning of earlier turns."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 class ResponsesRequest(Body):
     model: str
     input: str | list[InputMessage | FunctionCallInput | FunctionCallOutputInput | CustomToolCallInput
-                      | CustomToolCallOutputInput]
+                      | CustomToolCallOutputInput | ReasoningInput]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)

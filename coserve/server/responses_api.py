@@ -34,7 +34,8 @@ from coserve.server.inference_api import (make_request, max_tokens_for, messages
                                           sampling_params, submit)
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, CustomToolCallInput, FunctionCallInput,
-                                     FunctionChoice, FunctionTool, InputMessage, ResponsesCustomTool, ResponsesRequest)
+                                     FunctionChoice, FunctionTool, InputMessage, ReasoningInput, ResponsesCustomTool,
+                                     ResponsesRequest)
 from coserve.server.reasoning import END, ReasoningParser, ReasoningSplit
 from coserve.server.response_format import guided_schema
 from coserve.server.tool_stream import ToolCallStream
@@ -55,6 +56,8 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
         if isinstance(item, InputMessage):
             content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             messages.append({"role": item.role, "content": content})
+        elif isinstance(item, ReasoningInput):
+            continue  # earlier turns' reasoning: dropped, as reasoning models' chat templates drop it
         elif isinstance(item, (FunctionCallInput, CustomToolCallInput)):
             call = ({"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
                     if isinstance(item, FunctionCallInput)
