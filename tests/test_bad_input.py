@@ -30,21 +30,47 @@ def test_unknown_architecture(model_factory, tmp_path):
         LLM(d, device="cpu")
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "layer_types": None},
-     "use_sliding_window"),
-    ({"sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types.*layer 1"),
+@pytest.mark.parametrize("arch,change", [
+    ("qwen3", {"sliding_window": 64, "use_sliding_window": False}),  # the released settings: every layer full
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, "layer_types": None}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "layer_types": None}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0, "layer_types": None}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64,
+               "layer_types": ["full_attention", "sliding_attention"]}),
+    ("qwen3", {"use_sliding_window": False, "sliding_window": 64,
+               "layer_types": ["full_attention", "sliding_attention"]}),
+    ("mistral", {"sliding_window": 64}),
+    ("mistral", {"sliding_window": None}),
+    ("mistral", {"sliding_window": "absent"}),  # transformers' default window, 4,096
+    ("llama", {}),
 ])
-def test_sliding_window_layers_are_refused_by_field(model_factory, change, field):
-    """Qwen2/Qwen3 checkpoints whose layers would attend to a window shorter than the context are named, not
-    served with full attention; the released settings (the switch off, every layer full) load."""
+def test_the_sliding_window_is_read_as_transformers_reads_it(model_factory, arch, change):
+    """``ModelConfig.sliding_window``: the window of the layers that slide in transformers' own model of the config
+    (its ``layer_types``, or Mistral's every layer), None where none does; ``max_context`` the shorter of it and the
+    context."""
+    from transformers import AutoConfig
+
+    from coserve.model.config import ModelConfig
+    raw = {**json.loads((model_factory(arch) / "config.json").read_text()), **change}
+    if raw.get("sliding_window") == "absent":
+        del raw["sliding_window"]
+    hf = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    slides = getattr(hf, "sliding_window", None) is not None and "sliding_attention" in kinds
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.sliding_window == (hf.sliding_window if slides else None)
+    assert cfg.max_context == min(cfg.max_position_embeddings, cfg.sliding_window or 10**9)
+
+
+def test_layers_of_other_kinds_are_refused_by_field(model_factory):
     from coserve.model.config import ModelConfig
     raw = json.loads((model_factory("qwen3") / "config.json").read_text())
-    assert ModelConfig.from_dict({**raw, "sliding_window": 64, "use_sliding_window": False}).qk_norm
-    assert ModelConfig.from_dict({**raw, "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2,
-                                  "layer_types": None}).num_layers == 2  # no layer from 2 on: all full
-    with pytest.raises(ModelConfigError, match=field):
-        ModelConfig.from_dict({**raw, **change})
+    with pytest.raises(ModelConfigError, match="layer_types.*layer 1 is 'chunked_attention'"):
+        ModelConfig.from_dict({**raw, "use_sliding_window": True, "sliding_window": 64,
+                               "layer_types": ["full_attention", "chunked_attention"]})
+    with pytest.raises(ModelConfigError, match="sliding_window must be positive"):
+        ModelConfig.from_dict({**json.loads((model_factory("mistral") / "config.json").read_text()),
+                               "sliding_window": -4})
 
 
 def test_missing_and_corrupt_weights(model_factory, tmp_path):

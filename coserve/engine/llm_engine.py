@@ -80,7 +80,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_cfg)
-        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        window = model_cfg.sliding_window
+        if config.max_model_len is not None and window is not None and config.max_model_len > window:
+            raise ValueError(f"max_model_len: {config.max_model_len} is more than the model's sliding window of "
+                             f"{window} tokens; coserve attends to whole contexts, which is what a sliding window "
+                             f"attends to only within {window} tokens")
+        self.max_model_len = config.max_model_len or model_cfg.max_context  # the sliding window, where it is shorter
         self.model = load_model(model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.model_config = model_cfg
         # only the coserve policy runs finetuning windows beside inference rows (the others, whole iterations)

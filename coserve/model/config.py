@@ -54,12 +54,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before the rotation
+    # the shortest window a layer attends over (tokens), where any layer slides (Mistral's sliding_window, Qwen2's and
+    # Qwen3's use_sliding_window, layer_types); None where every layer attends to its whole context
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelConfigError(f"config.json: sliding_window must be positive, got {self.sliding_window}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -67,6 +72,13 @@ class ModelConfig:
         if self.rope.rope_type not in ("default", "llama3"):
             raise ModelConfigError(
                 f"config.json: rope type {self.rope.rope_type!r} is not supported (default, llama3)")
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence coserve runs as the checkpoint's model does: ``max_position_embeddings``, or the
+        sliding window where shorter. coserve attends to whole contexts, which is what a sliding window of W tokens
+        attends to in a sequence of at most W (vLLM's ``--disable-sliding-window`` caps the context so too)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @property
     def q_size(self) -> int:
@@ -116,6 +128,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
                 qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
+                sliding_window=_attention_window(raw, arch),
             )
         except KeyError as e:
             raise ModelConfigError(f"missing field {e.args[0]!r}") from e
@@ -123,32 +136,39 @@ class ModelConfig:
             if isinstance(e, ModelConfigError):
                 raise
             raise ModelConfigError(f"a field has the wrong type ({e})") from e
-        if arch == "MistralForCausalLM" and raw.get("sliding_window") not in (None, 0) \
-                and int(raw["sliding_window"]) < cfg.max_position_embeddings:
-            raise ModelConfigError(
-                f"field 'sliding_window': {raw['sliding_window']} is shorter than the context "
-                f"({cfg.max_position_embeddings}); sliding-window attention is not supported")
-        _check_full_attention(raw, cfg.max_position_embeddings)
         return cfg
 
 
-def _check_full_attention(raw: dict[str, Any], context: int) -> None:
-    """Every layer must attend to its whole context: transformers' per-layer ``layer_types``, or, in configs without
-    them, Qwen2's and Qwen3's ``use_sliding_window`` (off in their released checkpoints) from ``max_window_layers``."""
-    window = raw.get("sliding_window")
-    if window in (None, 0) or int(window) >= context:
-        return
-    kinds = raw.get("layer_types")
-    if kinds is None and raw.get("use_sliding_window"):
-        first = int(raw.get("max_window_layers", 0))
-        if first < int(raw.get("num_hidden_layers", 0)):
-            raise ModelConfigError(
-                f"field 'use_sliding_window': layers from {first} on attend to the last {window} tokens of a "
-                f"{context}-token context; sliding-window attention is not supported")
+MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig where config.json has no sliding_window
+
+
+def _attention_window(raw: dict[str, Any], arch: str) -> int | None:
+    """``ModelConfig.sliding_window`` as transformers reads the config: Mistral slides every layer over
+    ``sliding_window`` (4096 where the field is absent, none where it is null); Qwen2 and Qwen3 slide only with
+    ``use_sliding_window`` (off in their released checkpoints), the layers ``layer_types`` names (from
+    ``max_window_layers`` on, in configs without them); other kinds of layer are refused, naming the field. Llama's
+    layers attend to their whole context."""
+    if arch == "MistralForCausalLM":
+        window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        return int(window) if window else None
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not raw.get("use_sliding_window"):
+        kinds = ["full_attention"]
+    else:
+        kinds = raw.get("layer_types")
+        if kinds is None:
+            first = int(raw.get("max_window_layers", 0))
+            kinds = ["full_attention" if i < first else "sliding_attention"
+                     for i in range(int(raw.get("num_hidden_layers", 0)))]
+    sliding = False
     for i, kind in enumerate(kinds or []):
-        if kind != "full_attention":
-            raise ModelConfigError(f"field 'layer_types': layer {i} is {kind!r} (a {window}-token window); "
-                                   f"only full_attention is supported")
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ModelConfigError(f"field 'layer_types': layer {i} is {kind!r}; full_attention and "
+                                   "sliding_attention are supported")
+        sliding = sliding or kind == "sliding_attention"
+    window = raw.get("sliding_window")
+    if not sliding or not window:
+        return None
+    return int(window)
 
 
 def read_json_file(path: Path, where: str, error: type[ValueError]) -> dict:
