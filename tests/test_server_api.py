@@ -462,6 +462,10 @@ def test_the_responses_api_calls_a_named_custom_tool_streamed_or_not(alice):
                                       input=[{"type": "custom_tool_call_output", "call_id": item.call_id,
                                               "output": "7"}])
     assert answered.output[0].type == "message"
+    listed = alice.responses.input_items.list(answered.id, order="asc").data
+    assert [i.type for i in listed] == ["message", "custom_tool_call", "custom_tool_call_output"]
+    assert (listed[1].call_id, listed[1].name, listed[1].input) == (item.call_id, "calc", item.input)
+    assert (listed[2].call_id, listed[2].output) == (item.call_id, "7")
 
 
 @pytest.mark.parametrize("kwargs, param, message", [
@@ -570,6 +574,25 @@ def test_responses_are_stored_chained_and_private_to_their_tenant(alice, bob):
         {"role": "user", "content": "Remember the word apple."},
         {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Which word?"}])
     assert whole.output_text == follow.output_text and whole.usage.input_tokens == follow.usage.input_tokens
+    # what each answered, newest first (the chained one's earlier turns too; instructions and its own output apart)
+    listed = alice.responses.input_items.list(follow.id)
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in listed.data] == [
+        ("message", "user", "input_text", "Which word?"), ("message", "assistant", "output_text", first.output_text),
+        ("message", "user", "input_text", "Remember the word apple.")]
+    assert not listed.has_more and [i.id for i in alice.responses.input_items.list(follow.id).data] == \
+        [i.id for i in listed.data]  # ids stable from listing to listing
+    page = alice.responses.input_items.list(follow.id, limit=2, order="asc")
+    assert [i.content[0].text for i in page.data] == ["Remember the word apple.", first.output_text] and page.has_more
+    rest = alice.responses.input_items.list(follow.id, limit=2, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["Which word?"] and not rest.has_more
+    assert [i.content[0].text for i in alice.responses.input_items.list(first.id).data] == \
+        ["Remember the word apple."]
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        alice.responses.input_items.list(follow.id, limit=0)
+    with pytest.raises(openai.BadRequestError, match="after"):
+        alice.responses.input_items.list(follow.id, after="msg_nope")
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.input_items.list(follow.id)
     with pytest.raises(openai.NotFoundError):
         bob.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):

@@ -12,7 +12,8 @@ streamed, the typed events OpenAI's clients read (``response.created`` ... ``res
 ``response.completed``). Finished responses are stored (unless ``store`` is
 false) in the server's SQLite state with their conversation, for the tenant alone: ``previous_response_id``
 continues one (its instructions are not carried over, as OpenAI's are not), ``GET`` and ``DELETE
-/v1/responses/{id}`` read and forget one.
+/v1/responses/{id}`` read and forget one, ``GET /v1/responses/{id}/input_items`` lists what it answered
+(``coserve/server/response_items.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import secrets
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
 
 from coserve.engine.outputs import RequestOutput
@@ -35,8 +36,9 @@ from coserve.server.inference_api import (make_request, max_tokens_for, messages
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, CustomToolCallInput, FunctionCallInput,
                                      FunctionChoice, FunctionTool, InputMessage, ReasoningInput, ResponsesCustomTool,
-                                     ResponsesRequest)
+                                     ResponsesRequest, list_page)
 from coserve.server.reasoning import END, ReasoningParser, ReasoningSplit
+from coserve.server.response_items import input_items, output_messages
 from coserve.server.response_format import guided_schema
 from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import ToolPlan, tool_plan
@@ -168,6 +170,31 @@ async def get_response(response_id: str, request: Request, ctx: ServerContext = 
     return stored[0]
 
 
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, after: str | None = None,
+                           limit: int = Query(20), order: str = Query("desc"), ctx: ServerContext = Depends(context)):
+    """The items the stored response answered (its conversation before its output, instructions apart; a chained
+    response's earlier turns included), newest first (``order=desc``) or oldest first, ``limit`` (1-100) after the
+    item ``after``."""
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit: must be between 1 and 100, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", "order")
+    stored = ctx.store.get_response(tenant_of(request), response_id)
+    if stored is None:
+        raise not_found("response", response_id)
+    final, conversation = stored
+    items = input_items(response_id, conversation[:len(conversation) - len(output_messages(final["output"]))])
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        at = next((i for i, x in enumerate(items) if x["id"] == after), None)
+        if at is None:
+            raise bad_request(f"after: {after!r} is not an input item of response {response_id}", "after")
+        items = items[at + 1:]
+    return list_page(items[:limit], len(items) > limit)
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request, ctx: ServerContext = Depends(context)):
     if not ctx.store.delete_response(tenant_of(request), response_id):
@@ -241,18 +268,7 @@ class ResponseShape:
         """Store the finished response with its conversation (its output appended), unless ``store`` is false."""
         if self.body.store is False:
             return
-        said: list[dict] = []
-        calls = [o for o in final["output"] if o["type"] in ("function_call", "custom_tool_call")]
-        if calls:
-            said.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                if c["type"] == "function_call" else
-                {"id": c["call_id"], "type": "custom", "custom": {"name": c["name"], "input": c["input"]}}
-                for c in calls]})
-        for o in final["output"]:
-            if o["type"] == "message":
-                said.append({"role": "assistant", "content": "".join(p["text"] for p in o["content"])})
-        ctx.store.add_response(self.tenant, final, self.conversation + said)
+        ctx.store.add_response(self.tenant, final, self.conversation + output_messages(final["output"]))
 
     def message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
