@@ -103,7 +103,7 @@ def test_pause_then_resume_trains_the_adapter_an_uninterrupted_job_does(model_fa
     import httpx
 
     model = model_factory("llama")
-    hyper = {**HYPER, "n_epochs": 3}
+    hyper = {**HYPER, "n_epochs": 12}  # 288 steps: still running when the test pauses it, on a loaded machine too
     srv = start_server(model, tmp_path / "state", "--served-model-name", BASE, "--checkpoint-steps", "1000")
     try:
         c = client(srv)

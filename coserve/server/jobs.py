@@ -541,6 +541,7 @@ class JobManager:
         r = Running(job_id, tenant, name, self.config.checkpoint_steps or ft.steps_per_epoch, ft,
                     tokens=ft.tokens_done)  # a resumed job's tokens so far are counted already
         ft.on_step = lambda j: self._checkpoint(r)
+        at = ft.step  # read before the engine has it: it may train a step before this thread goes on
         try:
             self.loop.post_and_wait(lambda: self.engine.add_finetune_job(ft, job_id=job_id, tenant=tenant))
         except FinetuneMemoryError as e:
@@ -550,8 +551,8 @@ class JobManager:
         self._told_waiting.discard(job_id)
         self.running[job_id] = r
         self.store.update_job(job_id, status="running",
-                              coserve={**opts, "step": ft.step, "total_steps": ft.total_steps})
-        how = f"resumed at step {ft.step}" if resume else "started"
+                              coserve={**opts, "step": at, "total_steps": ft.total_steps})
+        how = f"resumed at step {at}" if resume else "started"
         if opts.get("start_from"):
             how += f" from {job['model']}"
         kept = job_memory(ft).activation_bytes / 2**20
@@ -570,8 +571,8 @@ class JobManager:
         self._told_waiting.discard(job_id)
         self.running[job_id] = r
         self.store.update_job(job_id, status="running",
-                              coserve={**job["coserve"], "step": r.step, "total_steps": r.total_steps})
-        how = f"resumed at step {r.step}" if r.step else "started"
+                              coserve={**job["coserve"], "step": r.first_step, "total_steps": r.total_steps})
+        how = f"resumed at step {r.first_step}" if r.first_step else "started"
         if job["coserve"].get("start_from"):
             how += f" from {job['model']}"
         cfg, grader = r.run.cfg, job["method"]["reinforcement"]["grader"]

@@ -50,6 +50,7 @@ class RFTRunning:
     grader: tuple[str, str]  # its name and type
     logged: int = 0  # step records already turned into events
     tokens: int = 0  # trained tokens already counted in the metrics
+    first_step: int = 0  # the step it started (or resumed) at, read before its run's thread began
     saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints copied, not yet recorded
 
     @property
@@ -166,7 +167,7 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneC
                   finished_ok=True, validation=validation, reasoning=mgr.reasoning)
     tokens = int(saved.get("tokens", 0)) if saved else 0  # a resumed job's tokens are counted already
     r = RFTRunning(job_id, tenant, name, mgr.config.checkpoint_steps or run.steps_per_epoch, run, out, grading,
-                   (grader.name, grader.type), tokens=tokens)
+                   (grader.name, grader.type), tokens=tokens, first_step=run.step)
     holder.append(r)
     run.start()
     return r
