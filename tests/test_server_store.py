@@ -33,7 +33,7 @@ def test_creates_layout_and_schema(tmp_path):
     try:
         assert (tmp_path / "a" / "b" / "state.db").is_file()
         assert (tmp_path / "a" / "b" / "files").is_dir()
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 5
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 6
         assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -54,7 +54,7 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
     conn.close()
     s = Store(tmp_path)
     try:
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 5
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 6
         assert s.get_job("alice", "ftjob-1")["status"] == "queued"
         s.add_response("alice", {"id": "resp_1", "created_at": 5}, [{"role": "user", "content": "hi"}])
         assert s.get_response("alice", "resp_1") == ({"id": "resp_1", "created_at": 5},
@@ -81,6 +81,14 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
         assert s.list_eval_items("evalrun_1", status="fail") == ([], False)
         assert not s.delete_eval("bob", "eval_1") and s.delete_eval("alice", "eval_1")
         assert s.get_eval_run("alice", "eval_1", "evalrun_1") is None and s.eval_items_done("evalrun_1") == []
+        shared = s.share_model("alice", "ft:m::ftjob-1", "bob")
+        assert shared["object"] == "checkpoint.permission" and shared["project_id"] == "bob"
+        assert s.share_model("alice", "ft:m::ftjob-1", "bob") == shared  # once per tenant
+        assert s.sharer("ft:m::ftjob-1", "bob") == "alice" and s.sharer("ft:m::ftjob-1", "carol") is None
+        assert s.shared_with("bob") == [("ft:m::ftjob-1", "alice", shared["created_at"])]
+        assert s.model_permissions("ft:m::ftjob-1") == [shared]
+        assert not s.unshare_model("ft:other", shared["id"]) and s.unshare_model("ft:m::ftjob-1", shared["id"])
+        assert s.sharer("ft:m::ftjob-1", "bob") is None and s.model_permissions("ft:m::ftjob-1") == []
     finally:
         s.close()
 

@@ -1,5 +1,5 @@
 """Which model a request's ``model`` names: the base, a PEFT adapter (LoRA or IA3) served to all, or a tenant's fine-tuned
-model or checkpoint (loaded into the engine on first use)."""
+model or checkpoint, its own or one another tenant shared with it (loaded into the engine on first use)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,22 @@ class ModelRegistry:
         return None
 
     def fine_tuned_path(self, tenant: str, name: str) -> Path | None:
-        """Where the tenant's fine-tuned model or checkpoint ``name`` lies, or None if it is not theirs."""
+        """Where the fine-tuned model or checkpoint ``name`` the tenant may use lies (its own, or one another tenant
+        shared with it while its owner still has it), or None."""
+        own = self.owned_path(tenant, name)
+        if own is not None:
+            return own
+        owner = self.store.sharer(name, tenant) if name.startswith("ft:") else None
+        return self.owned_path(owner, name) if owner is not None else None
+
+    def owner(self, tenant: str, name: str) -> str | None:
+        """The tenant owning the fine-tuned model or checkpoint ``name`` that ``tenant`` may use, or None."""
+        if self.owned_path(tenant, name) is not None:
+            return tenant
+        return self.store.sharer(name, tenant) if self.fine_tuned_path(tenant, name) is not None else None
+
+    def owned_path(self, tenant: str, name: str) -> Path | None:
+        """Where the tenant's own fine-tuned model or checkpoint ``name`` lies, or None if it is not theirs."""
         if not name.startswith("ft:"):
             return None
         found = self.store.checkpoint_by_model(name)
@@ -126,7 +141,10 @@ class ModelRegistry:
         same adapter). 404 unless it is the tenant's; 403 for the base, shared adapters and checkpoints."""
         if name == self.base or name in self.shared:
             raise APIError(403, f"The model '{name}' cannot be deleted", "model", "model_not_deletable")
-        path = self.fine_tuned_path(tenant, name)
+        if self.fine_tuned_path(tenant, name) is not None and self.owned_path(tenant, name) is None:
+            raise APIError(403, f"The model '{name}' was shared with you: only its owner can delete it", "model",
+                           "model_not_deletable")
+        path = self.owned_path(tenant, name)
         if path is None:
             raise not_found("model", name, "model")
         if self.store.checkpoint_by_model(name) is not None:
@@ -155,18 +173,20 @@ class ModelRegistry:
         for entry in self.listing(tenant):
             if entry["id"] == name:
                 return entry
-        if self.fine_tuned_path(tenant, name) is None:
+        owner = self.owner(tenant, name)
+        if owner is None:
             return None
-        found = self.store.checkpoint_by_model(name)  # a checkpoint of one of the tenant's jobs
-        job = self.store.get_job(tenant, found[0]) if found else None
+        found = self.store.checkpoint_by_model(name)  # a checkpoint of one of the owner's jobs
+        job = self.store.get_job(owner, found[0]) if found else None
         return {"id": name, "object": "model", "created": job["created_at"] if job else self.started,
-                "owned_by": tenant, "root": name, "parent": self.base}
+                "owned_by": owner, "root": name, "parent": self.base}
 
     def add_shared(self, name: str) -> None:
         self.shared[name] = int(time.time())
 
     def listing(self, tenant: str) -> list[dict]:
-        """``GET /v1/models``: the base, shared adapters, and the tenant's fine-tuned models."""
+        """``GET /v1/models``: the base, shared adapters, the tenant's fine-tuned models, and the fine-tuned models
+        and checkpoints other tenants shared with it (``owned_by`` theirs)."""
         data = [{"id": self.base, "object": "model", "created": self.started, "owned_by": "coserve",
                  "root": self.base, "parent": None}]
         for name, created in sorted(self.shared.items()):
@@ -176,4 +196,8 @@ class ModelRegistry:
             if owner == tenant and job.get("fine_tuned_model") and not job.get("coserve", {}).get("model_deleted"):
                 data.append({"id": job["fine_tuned_model"], "object": "model", "created": job.get("finished_at"),
                              "owned_by": tenant, "root": job["fine_tuned_model"], "parent": self.base})
+        for name, owner, created in self.store.shared_with(tenant):
+            if self.owned_path(owner, name) is not None:
+                data.append({"id": name, "object": "model", "created": created, "owned_by": owner, "root": name,
+                             "parent": self.base})
         return data

@@ -332,6 +332,12 @@ class CoserveOptions(Body):
     scale_rewards: Literal["group", "batch", "none"] = "group"
 
 
+class PermissionRequest(Body):
+    """``POST /v1/fine_tuning/checkpoints/{model}/permissions``: the tenants (OpenAI's projects) to share it with."""
+
+    project_ids: list[str] = Field(max_length=100)
+
+
 class FineTuningJobRequest(Body):
     model: str
     training_file: str

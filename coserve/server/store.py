@@ -1,5 +1,5 @@
 """The server's durable state: tenants, files, fine-tuning jobs, events, checkpoints, stored responses, batches,
-evals and their runs.
+evals and their runs, and which fine-tuned models are shared with which tenants.
 
 Everything lives under one state directory: ``state.db`` (SQLite, WAL journal,
 ``synchronous=FULL``, so every committed write survives the process being
@@ -22,7 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 5  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads; 5: evals
+SCHEMA_VERSION = 6  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads; 5: evals;
+#   6: fine-tuned models shared with other tenants (checkpoint permissions)
 _FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 _UPLOAD_ID = re.compile(r"upload-[0-9a-f]{24}")
 
@@ -90,6 +91,12 @@ CREATE TABLE eval_items (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
     run_id TEXT NOT NULL REFERENCES eval_runs(id), item INTEGER NOT NULL, status TEXT NOT NULL,
     obj TEXT NOT NULL, UNIQUE (run_id, item));
+""", 6: """
+CREATE TABLE permissions (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, model TEXT NOT NULL,
+    owner TEXT NOT NULL REFERENCES tenants(name), tenant TEXT NOT NULL, created_at INTEGER NOT NULL,
+    UNIQUE (model, tenant));
+CREATE INDEX permissions_tenant ON permissions(tenant, seq);
 """}
 
 
@@ -114,6 +121,11 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 def _now() -> int:
     return int(time.time())
+
+
+def _permission(row: tuple) -> dict:
+    """OpenAI's ``checkpoint.permission`` object from ``(id, created_at, tenant)``: the tenant is its project."""
+    return {"id": row[0], "object": "checkpoint.permission", "created_at": row[1], "project_id": row[2]}
 
 
 def _in(statuses: tuple[str, ...]) -> tuple[str, list[str]]:
@@ -249,6 +261,39 @@ class Store:
             return False
         self.file_path(file_id).unlink(missing_ok=True)
         return True
+
+    # ---- fine-tuned models shared with other tenants (OpenAI's checkpoint permissions)
+
+    def share_model(self, owner: str, model: str, tenant: str) -> dict:
+        """``tenant`` may use ``owner``'s fine-tuned model or checkpoint ``model``: its permission object (the one
+        already there when it was shared before)."""
+        with self._lock, self._conn:
+            self._insert_tenant(owner)
+            self._conn.execute("INSERT OR IGNORE INTO permissions (id, model, owner, tenant, created_at)"
+                               " VALUES (?, ?, ?, ?, ?)", (f"cp_{secrets.token_hex(12)}", model, owner, tenant, _now()))
+            row = self._conn.execute("SELECT id, created_at, tenant FROM permissions WHERE model = ? AND tenant = ?",
+                                     (model, tenant)).fetchone()
+        return _permission(row)
+
+    def model_permissions(self, model: str) -> list[dict]:
+        """The permissions of ``model``, oldest first."""
+        return [_permission(r) for r in self._all("SELECT id, created_at, tenant FROM permissions WHERE model = ?"
+                                                  " ORDER BY seq", (model,))]
+
+    def unshare_model(self, model: str, permission_id: str) -> bool:
+        with self._lock, self._conn:
+            cur = self._conn.execute("DELETE FROM permissions WHERE model = ? AND id = ?", (model, permission_id))
+        return cur.rowcount > 0
+
+    def sharer(self, model: str, tenant: str) -> str | None:
+        """The tenant that shared ``model`` with ``tenant``, or None where it is not shared with it."""
+        row = self._one("SELECT owner FROM permissions WHERE model = ? AND tenant = ?", (model, tenant))
+        return None if row is None else row[0]
+
+    def shared_with(self, tenant: str) -> list[tuple[str, str, int]]:
+        """``(model, owner, shared at)`` of every model shared with ``tenant``, oldest first."""
+        return [tuple(r) for r in self._all("SELECT model, owner, created_at FROM permissions WHERE tenant = ?"
+                                            " ORDER BY seq", (tenant,))]
 
     # ---- stored responses (the Responses API)
 
