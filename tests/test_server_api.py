@@ -57,6 +57,8 @@ def test_models_list_has_the_base(alice):
     ids = [m.id for m in alice.models.list().data]
     assert ids[0] == BASE
     assert alice.models.retrieve(BASE).id == BASE
+    listed = alice.models.list().data[0].model_extra
+    assert listed["max_model_len"] == alice.models.retrieve(BASE).model_extra["max_model_len"] == 512  # vLLM's field
 
 
 def test_completion_streamed_equals_whole(alice):

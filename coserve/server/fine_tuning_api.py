@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, found
 from coserve.server.json_text import TextJSONRoute
+from coserve.server.paging import check_limit, page_after
 from coserve.server.protocol import FineTuningJobRequest
 from coserve.server.batch_files import parse_batch_jsonl
 from coserve.server.batches import ACTIVE
@@ -65,19 +66,14 @@ async def list_files(request: Request, purpose: str | None = None, after: str | 
                      limit: int = Query(MAX_FILES_PAGE), order: str = Query("desc"),
                      ctx: ServerContext = Depends(context)):
     """OpenAI's paging: ``limit`` files after the file ``after``, newest first (``order=desc``) or oldest first."""
-    if not 1 <= limit <= MAX_FILES_PAGE:
-        raise bad_request(f"limit: must be between 1 and {MAX_FILES_PAGE}, got {limit}", "limit")
+    check_limit(limit, MAX_FILES_PAGE)
     if order not in ("asc", "desc"):
         raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", "order")
     files = ctx.store.list_files(tenant_of(request), purpose)
     if order == "asc":
         files.reverse()
-    if after is not None:
-        at = next((i for i, f in enumerate(files) if f["id"] == after), None)
-        if at is None:
-            raise bad_request(f"after: {after!r} is not a file of this tenant", "after")
-        files = files[at + 1:]
-    return {"object": "list", "data": files[:limit], "has_more": len(files) > limit}
+    page, more = page_after(files, after, limit, "a file of this tenant")
+    return {"object": "list", "data": page, "has_more": more}
 
 
 def _own_file(ctx: ServerContext, request: Request, file_id: str) -> dict:

@@ -178,8 +178,7 @@ class ModelRegistry:
             return None
         found = self.store.checkpoint_by_model(name)  # a checkpoint of one of the owner's jobs
         job = self.store.get_job(owner, found[0]) if found else None
-        return {"id": name, "object": "model", "created": job["created_at"] if job else self.started,
-                "owned_by": owner, "root": name, "parent": self.base}
+        return self._entry(name, job["created_at"] if job else self.started, owner, self.base)
 
     def add_shared(self, name: str) -> None:
         self.shared[name] = int(time.time())
@@ -187,17 +186,19 @@ class ModelRegistry:
     def listing(self, tenant: str) -> list[dict]:
         """``GET /v1/models``: the base, shared adapters, the tenant's fine-tuned models, and the fine-tuned models
         and checkpoints other tenants shared with it (``owned_by`` theirs)."""
-        data = [{"id": self.base, "object": "model", "created": self.started, "owned_by": "coserve",
-                 "root": self.base, "parent": None}]
+        data = [self._entry(self.base, self.started, "coserve", None)]
         for name, created in sorted(self.shared.items()):
-            data.append({"id": name, "object": "model", "created": created, "owned_by": "coserve",
-                         "root": name, "parent": self.base})
+            data.append(self._entry(name, created, "coserve", self.base))
         for owner, job in self.store.jobs_with_status("succeeded"):
             if owner == tenant and job.get("fine_tuned_model") and not job.get("coserve", {}).get("model_deleted"):
-                data.append({"id": job["fine_tuned_model"], "object": "model", "created": job.get("finished_at"),
-                             "owned_by": tenant, "root": job["fine_tuned_model"], "parent": self.base})
+                data.append(self._entry(job["fine_tuned_model"], job.get("finished_at"), tenant, self.base))
         for name, owner, created in self.store.shared_with(tenant):
             if self.owned_path(owner, name) is not None:
-                data.append({"id": name, "object": "model", "created": created, "owned_by": owner, "root": name,
-                             "parent": self.base})
+                data.append(self._entry(name, created, owner, self.base))
         return data
+
+    def _entry(self, name: str, created: int | None, owned_by: str, parent: str | None) -> dict:
+        """A model object: OpenAI's fields, and vLLM's ``root``, ``parent`` and ``max_model_len`` (the context every
+        model here shares, the base's)."""
+        return {"id": name, "object": "model", "created": created, "owned_by": owned_by, "root": name,
+                "parent": parent, "max_model_len": self.loop.engine.max_model_len}

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import bad_request, not_found
 from coserve.server.json_text import TextJSONRoute
+from coserve.server.paging import check_limit, page_after
 from coserve.server.protocol import PermissionRequest, list_page
 
 router = APIRouter(route_class=TextJSONRoute)
@@ -50,19 +51,13 @@ async def list_permissions(model: str, request: Request, after: str | None = Non
     """The model's permissions, newest first (``order=descending``) or oldest first, ``limit`` (1-100) after the
     permission ``after``, those of ``project_id`` alone where given."""
     _owned(ctx, request, model)
-    if not 1 <= limit <= 100:
-        raise bad_request(f"limit: must be between 1 and 100, got {limit}", "limit")
+    check_limit(limit, 100)
     if order not in ("ascending", "descending"):
         raise bad_request(f"order: must be 'ascending' or 'descending', got {order!r}", "order")
     found = [p for p in ctx.store.model_permissions(model) if project_id is None or p["project_id"] == project_id]
     if order == "descending":
         found.reverse()
-    if after is not None:
-        at = next((i for i, p in enumerate(found) if p["id"] == after), None)
-        if at is None:
-            raise bad_request(f"after: {after!r} is not a permission of {model}", "after")
-        found = found[at + 1:]
-    return list_page(found[:limit], len(found) > limit)
+    return list_page(*page_after(found, after, limit, f"a permission of {model}"))
 
 
 @router.delete(PREFIX + "/{permission_id}")

@@ -37,6 +37,7 @@ from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, CustomToolCallInput, FunctionCallInput,
                                      FunctionChoice, FunctionTool, InputMessage, ReasoningInput, ResponsesCustomTool,
                                      ResponsesRequest, list_page)
+from coserve.server.paging import check_limit, page_after
 from coserve.server.reasoning import END, ReasoningParser, ReasoningSplit
 from coserve.server.response_items import input_items, output_messages
 from coserve.server.response_format import guided_schema
@@ -176,8 +177,7 @@ async def list_input_items(response_id: str, request: Request, after: str | None
     """The items the stored response answered (its conversation before its output, instructions apart; a chained
     response's earlier turns included), newest first (``order=desc``) or oldest first, ``limit`` (1-100) after the
     item ``after``."""
-    if not 1 <= limit <= 100:
-        raise bad_request(f"limit: must be between 1 and 100, got {limit}", "limit")
+    check_limit(limit, 100)
     if order not in ("asc", "desc"):
         raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", "order")
     stored = ctx.store.get_response(tenant_of(request), response_id)
@@ -187,12 +187,7 @@ async def list_input_items(response_id: str, request: Request, after: str | None
     items = input_items(response_id, conversation[:len(conversation) - len(output_messages(final["output"]))])
     if order == "desc":
         items.reverse()
-    if after is not None:
-        at = next((i for i, x in enumerate(items) if x["id"] == after), None)
-        if at is None:
-            raise bad_request(f"after: {after!r} is not an input item of response {response_id}", "after")
-        items = items[at + 1:]
-    return list_page(items[:limit], len(items) > limit)
+    return list_page(*page_after(items, after, limit, f"an input item of response {response_id}"))
 
 
 @router.delete("/v1/responses/{response_id}")
