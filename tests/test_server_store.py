@@ -33,7 +33,7 @@ def test_creates_layout_and_schema(tmp_path):
     try:
         assert (tmp_path / "a" / "b" / "state.db").is_file()
         assert (tmp_path / "a" / "b" / "files").is_dir()
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 6
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 7
         assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -54,7 +54,7 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
     conn.close()
     s = Store(tmp_path)
     try:
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 6
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 7
         assert s.get_job("alice", "ftjob-1")["status"] == "queued"
         s.add_response("alice", {"id": "resp_1", "created_at": 5}, [{"role": "user", "content": "hi"}])
         assert s.get_response("alice", "resp_1") == ({"id": "resp_1", "created_at": 5},
@@ -89,6 +89,19 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
         assert s.model_permissions("ft:m::ftjob-1") == [shared]
         assert not s.unshare_model("ft:other", shared["id"]) and s.unshare_model("ft:m::ftjob-1", shared["id"])
         assert s.sharer("ft:m::ftjob-1", "bob") is None and s.model_permissions("ft:m::ftjob-1") == []
+        for i, (model, tag) in enumerate([("a", "x"), ("b", "x"), ("a", "y")]):
+            s.add_chat_completion("alice", {"id": f"chatcmpl-{i}", "created": i, "model": model,
+                                            "metadata": {"tag": tag}}, [{"role": "user", "content": str(i)}])
+        assert [c["id"] for c in s.list_chat_completions("alice")[0]] == ["chatcmpl-0", "chatcmpl-1", "chatcmpl-2"]
+        assert [c["id"] for c in s.list_chat_completions("alice", model="a", metadata={"tag": "y"})[0]] == \
+            ["chatcmpl-2"]
+        assert s.list_chat_completions("alice", after="chatcmpl-2", ascending=False, limit=1) == (
+            [s.get_chat_completion("alice", "chatcmpl-1")[0]], True)
+        assert s.get_chat_completion("bob", "chatcmpl-0") is None and s.list_chat_completions("bob") == ([], False)
+        assert s.update_chat_completion("alice", "chatcmpl-0", {"tag": "z"})["metadata"] == {"tag": "z"}
+        assert s.get_chat_completion("alice", "chatcmpl-0")[1] == [{"role": "user", "content": "0"}]
+        assert s.update_chat_completion("bob", "chatcmpl-0", {}) is None
+        assert not s.delete_chat_completion("bob", "chatcmpl-0") and s.delete_chat_completion("alice", "chatcmpl-0")
     finally:
         s.close()
 

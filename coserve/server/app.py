@@ -27,6 +27,7 @@ from coserve.server.context import ServerContext
 from coserve.server.eval_runs import EvalRunner
 from coserve.server.fine_tuning_api import router as fine_tuning_router
 from coserve.server.permissions_api import router as permissions_router
+from coserve.server.stored_chat import router as stored_chat_router
 from coserve.server.generation import EngineClient
 from coserve.server.jobs import JobManager
 from coserve.server.metrics import JOB_STATES, ServerMetrics
@@ -103,6 +104,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.include_router(scores_api.router)
     app.include_router(fine_tuning_router)
     app.include_router(permissions_router)
+    app.include_router(stored_chat_router)
     app.include_router(graders_api.router)
     app.include_router(evals_api.router)
     app.include_router(batches_router)

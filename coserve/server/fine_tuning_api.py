@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, found
 from coserve.server.json_text import TextJSONRoute
-from coserve.server.paging import check_limit, page_after
+from coserve.server.paging import check_limit, metadata_filter, page_after
 from coserve.server.protocol import FineTuningJobRequest
 from coserve.server.batch_files import parse_batch_jsonl
 from coserve.server.batches import ACTIVE
@@ -118,26 +118,6 @@ def _page(fn, *args, after: str | None, limit: int) -> dict:
     except ValueError as e:
         raise bad_request(str(e), "after") from e
     return {"object": "list", "data": data, "has_more": has_more}
-
-
-def metadata_filter(request: Request) -> tuple[dict[str, str], bool]:
-    """OpenAI's metadata filter of a job listing: ``metadata[k]=v`` pairs (every one must match) or ``metadata=null``
-    (only jobs without metadata: True), or neither. Errors name the parameter."""
-    pairs, null = {}, False
-    for key, value in request.query_params.multi_items():
-        if key == "metadata":
-            if value != "null":
-                raise bad_request(f"metadata: give metadata[key]=value pairs or metadata=null, not {value!r}",
-                                  "metadata")
-            null = True
-        elif key.startswith("metadata[") and key.endswith("]"):
-            name = key[len("metadata["):-1]
-            if not name or len(name) > 64 or '"' in name or "\\" in name:
-                raise bad_request(f"{key}: a metadata key is 1-64 characters, without quotes or backslashes", key)
-            pairs[name] = value
-    if null and pairs:
-        raise bad_request("metadata: give metadata[key]=value pairs or metadata=null, not both", "metadata")
-    return pairs, null
 
 
 @router.get("/v1/fine_tuning/jobs")

@@ -32,7 +32,8 @@ from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, D
 from coserve.server.reasoning import ReasoningSplit
 from coserve.server.response_format import guided_output
 from coserve.server.tool_stream import ToolCallStream
-from coserve.server.tools import template_messages, template_tools, tool_plan
+from coserve.server.stored_chat import store_after, store_chat
+from coserve.server.tools import ToolPlan, template_messages, template_tools, tool_plan
 
 router = APIRouter(route_class=TextJSONRoute)
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
@@ -547,9 +548,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         calls = [ToolCallStream(tools.auto) if tools is not None and tools.listed else None for _ in range(body.n)]
         safe = [""] * body.n  # each choice's text that no stop string can still cut
         splits = [ReasoningSplit(job.reasoning.opened) if job.reasoning is not None else None for _ in range(body.n)]
-        return streaming(events(job, ctx, chunk, last, *stream_usage(body.stream_options)), job, ctx)
+        sent = events(job, ctx, chunk, last, *stream_usage(body.stream_options))
+        if body.store:  # kept once the stream has ended whole
+            sent = store_after(sent, ctx, tenant, body, lambda: whole_chat(ctx, body, job, tools, echoed))
+        return streaming(sent, job, ctx)
 
     await gather_all(job, ctx, request)
+    reply = whole_chat(ctx, body, job, tools, echoed)
+    if body.store:
+        await asyncio.to_thread(store_chat, ctx, tenant, body, reply)
+    return reply
+
+
+def whole_chat(ctx: ServerContext, body: ChatCompletionRequest, job: Job, tools: ToolPlan | None, echoed: str
+               ) -> dict:
+    """The ``chat.completion`` object of a request whose choices have all ended (streamed or not)."""
     choices = []
     for c in job.choices:
         (thought, text), reason = reply_text(ctx, job, c.out.outputs[0].text), finish_reason(c.out)

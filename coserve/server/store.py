@@ -1,5 +1,5 @@
 """The server's durable state: tenants, files, fine-tuning jobs, events, checkpoints, stored responses, batches,
-evals and their runs, and which fine-tuned models are shared with which tenants.
+evals and their runs, which fine-tuned models are shared with which tenants, and stored chat completions.
 
 Everything lives under one state directory: ``state.db`` (SQLite, WAL journal,
 ``synchronous=FULL``, so every committed write survives the process being
@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 6  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads; 5: evals;
-#   6: fine-tuned models shared with other tenants (checkpoint permissions)
+SCHEMA_VERSION = 7  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads; 5: evals;
+#   6: fine-tuned models shared with other tenants (checkpoint permissions); 7: stored chat completions
 _FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 _UPLOAD_ID = re.compile(r"upload-[0-9a-f]{24}")
 
@@ -97,6 +97,12 @@ CREATE TABLE permissions (
     owner TEXT NOT NULL REFERENCES tenants(name), tenant TEXT NOT NULL, created_at INTEGER NOT NULL,
     UNIQUE (model, tenant));
 CREATE INDEX permissions_tenant ON permissions(tenant, seq);
+""", 7: """
+CREATE TABLE chat_completions (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), created_at INTEGER NOT NULL,
+    obj TEXT NOT NULL, messages TEXT NOT NULL);
+CREATE INDEX chat_completions_tenant ON chat_completions(tenant, seq);
 """}
 
 
@@ -294,6 +300,57 @@ class Store:
         """``(model, owner, shared at)`` of every model shared with ``tenant``, oldest first."""
         return [tuple(r) for r in self._all("SELECT model, owner, created_at FROM permissions WHERE tenant = ?"
                                             " ORDER BY seq", (tenant,))]
+
+    # ---- stored chat completions (OpenAI's ``store: true``)
+
+    def add_chat_completion(self, tenant: str, obj: dict, messages: list[dict]) -> None:
+        """Keep a chat completion (with its ``metadata``) and the messages it answered."""
+        with self._lock, self._conn:
+            self._insert_tenant(tenant)
+            self._conn.execute("INSERT INTO chat_completions (id, tenant, created_at, obj, messages)"
+                               " VALUES (?, ?, ?, ?, ?)",
+                               (obj["id"], tenant, obj["created"], json.dumps(obj), json.dumps(messages)))
+
+    def get_chat_completion(self, tenant: str, completion_id: str) -> tuple[dict, list[dict]] | None:
+        """The tenant's stored chat completion and the messages it answered, or None."""
+        row = self._one("SELECT obj, messages FROM chat_completions WHERE id = ? AND tenant = ?",
+                        (completion_id, tenant))
+        return None if row is None else (json.loads(row[0]), json.loads(row[1]))
+
+    def list_chat_completions(self, tenant: str, model: str | None = None, metadata: dict[str, str] | None = None,
+                              after: str | None = None, limit: int = 20, ascending: bool = True
+                              ) -> tuple[list[dict], bool]:
+        """One page of the tenant's stored chat completions, oldest first (or newest), past ``after``: those of
+        ``model`` and whose metadata holds every pair of ``metadata``, where given."""
+        where, params = "tenant = ?", [tenant]
+        if model is not None:
+            where += " AND json_extract(obj, '$.model') = ?"
+            params.append(model)
+        for key, value in (metadata or {}).items():
+            if '"' in key or "\\" in key:
+                raise ValueError(f"metadata: the key {key!r} has a quote or a backslash")
+            where += " AND json_extract(obj, ?) = ?"
+            params += [f'$.metadata."{key}"', value]
+        return self._page("chat_completions", "seq", where, params, after, limit,
+                          "a stored chat completion of this tenant", ascending)
+
+    def update_chat_completion(self, tenant: str, completion_id: str, metadata: dict[str, str] | None
+                               ) -> dict | None:
+        """Replace the stored completion's metadata (None: none); the updated object, or None if it has none."""
+        with self._lock, self._conn:
+            row = self._conn.execute("SELECT obj FROM chat_completions WHERE id = ? AND tenant = ?",
+                                     (completion_id, tenant)).fetchone()
+            if row is None:
+                return None
+            obj = {**json.loads(row[0]), "metadata": metadata}
+            self._conn.execute("UPDATE chat_completions SET obj = ? WHERE id = ?", (json.dumps(obj), completion_id))
+        return obj
+
+    def delete_chat_completion(self, tenant: str, completion_id: str) -> bool:
+        with self._lock, self._conn:
+            cur = self._conn.execute("DELETE FROM chat_completions WHERE id = ? AND tenant = ?",
+                                     (completion_id, tenant))
+        return cur.rowcount > 0
 
     # ---- stored responses (the Responses API)
 
