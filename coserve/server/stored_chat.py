@@ -8,6 +8,7 @@ its client left is not."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -20,6 +21,7 @@ from coserve.server.json_text import TextJSONRoute
 from coserve.server.paging import check_limit, metadata_filter, page_after
 from coserve.server.protocol import Body, ChatCompletionRequest, Metadata, list_page
 
+log = logging.getLogger("coserve.server")
 router = APIRouter(route_class=TextJSONRoute)
 MOST = 100  # the largest page
 DONE = sse("[DONE]")
@@ -41,10 +43,16 @@ async def store_after(sent: AsyncIterator[str], ctx: ServerContext, tenant: str,
                       whole: Callable[[], dict]) -> AsyncIterator[str]:
     """The stream's events, the completion they made (``whole()``) kept before the last, ``[DONE]``: a client that
     reads it finds the completion stored; a stream that does not reach it keeps none."""
-    async for event in sent:
-        if event == DONE:
-            await asyncio.to_thread(store_chat, ctx, tenant, body, whole())
-        yield event
+    try:
+        async for event in sent:
+            if event == DONE:
+                try:
+                    await asyncio.to_thread(store_chat, ctx, tenant, body, whole())
+                except Exception:  # the reply stands, whole and streamed; only its copy is lost, and said so
+                    log.exception("storing a streamed chat completion failed")
+            yield event
+    finally:  # a client that left: the stream's own cleanup (its requests aborted) now, not when it is collected
+        await sent.aclose()
 
 
 def _order(order: str) -> bool:
