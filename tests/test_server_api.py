@@ -911,3 +911,36 @@ def test_least_recently_used_fine_tuned_models_are_unloaded(server, alice):
               if ln.startswith("coserve_adapters_loaded ")]
     assert float(loaded[0].split()[-1]) <= 2
     assert chat(names[0]).message.content == first  # unloaded, loaded again: the same model
+
+
+def test_a_background_response_is_queued_polled_and_cancellable(alice, bob):
+    """OpenAI's ``background: true``: the response comes back at once, queued; GET polls it to the same output the
+    request gets in the foreground; a long one is cancelled; only background responses are cancellable."""
+    ask = {"model": BASE, "input": "Remember the word apple.", "max_output_tokens": 8, "temperature": 0}
+    queued = alice.responses.create(**ask, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background and queued.output == []
+    deadline = time.monotonic() + 60
+    while (polled := alice.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response did not finish"
+        time.sleep(0.05)
+    foreground = alice.responses.create(**ask)
+    assert polled.status == foreground.status and polled.output_text == foreground.output_text
+    assert polled.usage.output_tokens == foreground.usage.output_tokens and polled.background
+    follow = alice.responses.create(model=BASE, input="Which word?", previous_response_id=queued.id,
+                                    max_output_tokens=2)  # it continues as a stored response does
+    assert follow.previous_response_id == queued.id
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.cancel(queued.id)
+    assert alice.responses.cancel(queued.id).status == polled.status  # ended already: as it ended
+    long = alice.responses.create(model=BASE, input="Count.", max_output_tokens=450, background=True)
+    cancelled = alice.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and alice.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.cancel(foreground.id)
+    assert e.value.body["code"] == "response_not_cancellable"
+    for extra in ({"stream": True}, {"store": False}):
+        with pytest.raises(openai.BadRequestError) as e:
+            alice.responses.create(**ask, background=True, **extra)
+        assert e.value.body["param"] == "background"

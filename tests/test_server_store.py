@@ -102,6 +102,13 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
         assert s.get_chat_completion("alice", "chatcmpl-0")[1] == [{"role": "user", "content": "0"}]
         assert s.update_chat_completion("bob", "chatcmpl-0", {}) is None
         assert not s.delete_chat_completion("bob", "chatcmpl-0") and s.delete_chat_completion("alice", "chatcmpl-0")
+        s.add_response("alice", {"id": "resp_bg", "created_at": 1, "status": "queued"}, [])
+        assert s.replace_response("alice", {"id": "resp_bg", "created_at": 1, "status": "in_progress"}, [{"x": 1}])
+        assert not s.replace_response("bob", {"id": "resp_bg", "status": "completed"}, [])
+        assert s.end_unfinished_responses({"code": "server_error"}) == ["resp_bg"]
+        assert s.get_response("alice", "resp_bg") == ({"id": "resp_bg", "created_at": 1, "status": "failed",
+                                                       "error": {"code": "server_error"}}, [{"x": 1}])
+        assert s.end_unfinished_responses({}) == []
     finally:
         s.close()
 

@@ -28,6 +28,7 @@ from coserve.server.eval_runs import EvalRunner
 from coserve.server.fine_tuning_api import router as fine_tuning_router
 from coserve.server.permissions_api import router as permissions_router
 from coserve.server.stored_chat import router as stored_chat_router
+from coserve.server.background_responses import RESTARTED, BackgroundResponses
 from coserve.server.generation import EngineClient
 from coserve.server.jobs import JobManager
 from coserve.server.metrics import JOB_STATES, ServerMetrics
@@ -51,6 +52,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             raise ValueError(f"--adapter {name}={path}: {e}") from e
     base = config.served_model_name or Path(config.model).resolve().name
     store = Store(config.state_dir)
+    for stale in store.end_unfinished_responses(RESTARTED):  # background responses a stopped server left
+        log.warning("background response %s: the server stopped before it finished; marked failed", stale)
     loop = EngineLoop(engine)
     models = ModelRegistry(base, loop, store, Path(config.state_dir), config.max_loaded_models)
     for name in config.adapters:
@@ -75,7 +78,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
                           priority=BATCH_PRIORITY if engine_config.scheduling_policy == "priority" else None)
     client = EngineClient(loop, config.max_waiting_requests, config.stream_interval)
     evals = EvalRunner(store, models, config.python_graders, reasoning=reasoner)
-    ctx = ServerContext(config, client, store, models, jobs, metrics, auth, batches, evals, reasoner)
+    ctx = ServerContext(config, client, store, models, jobs, metrics, auth, batches, evals, reasoner,
+                        BackgroundResponses())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,6 +92,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         try:
             yield
         finally:
+            await ctx.background.stop()
             await evals.stop()
             await batches.stop()
             jobs.stop()

@@ -1,5 +1,5 @@
 """What every route shares: the engine client, the store, the model registry, the job manager, metrics,
-the batch runner, the eval runner, the reasoning parser."""
+the batch runner, the eval runner, the reasoning parser, the background responses in flight."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from coserve.server.models import ModelRegistry
 from coserve.server.store import Store
 
 if TYPE_CHECKING:
+    from coserve.server.background_responses import BackgroundResponses
     from coserve.server.batches import BatchRunner
     from coserve.server.eval_runs import EvalRunner
     from coserve.server.jobs import JobManager
@@ -34,6 +35,7 @@ class ServerContext:
     batches: "BatchRunner | None" = None
     evals: "EvalRunner | None" = None
     reasoning: "ReasoningParser | None" = None  # --reasoning-parser, for this model's tokenizer
+    background: "BackgroundResponses | None" = None  # the background responses generating now
 
     @property
     def engine(self):

@@ -485,6 +485,7 @@ class ResponsesRequest(Body):
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     store: bool | None = None
+    background: bool = False  # OpenAI's: return at once, queued; poll GET (coserve/server/background_responses.py)
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1])  # vLLM's extension

@@ -128,6 +128,12 @@ def _renamed(e: APIError) -> APIError:
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext = Depends(context)):
     tenant = tenant_of(request)
+    if body.background and body.stream:
+        raise bad_request("background: a background response is polled with GET /v1/responses/{id}, not streamed",
+                          "background")
+    if body.background and body.store is False:
+        raise bad_request("background: a background response is stored for GET to read: leave store true",
+                          "background")
     history: list[dict] = []
     if body.previous_response_id is not None:  # its conversation goes on (its instructions do not, as OpenAI's)
         stored = ctx.store.get_response(tenant, body.previous_response_id)
@@ -155,6 +161,8 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
     except APIError as e:
         raise _renamed(e) from None
     shape = ResponseShape(job, body, tools, tenant, conversation, ctx.reasoning)
+    if body.background:
+        return await ctx.background.start(ctx, shape)
     if body.stream:
         return streaming(shape.events(ctx), job, ctx)
     await gather_all(job, ctx, request)
@@ -188,6 +196,12 @@ async def list_input_items(response_id: str, request: Request, after: str | None
     if order == "desc":
         items.reverse()
     return list_page(*page_after(items, after, limit, f"an input item of response {response_id}"))
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request, ctx: ServerContext = Depends(context)):
+    """Stop a background response (its stored object ``cancelled``); one that ended is returned as it ended."""
+    return await ctx.background.cancel(ctx, tenant_of(request), response_id)
 
 
 @router.delete("/v1/responses/{response_id}")

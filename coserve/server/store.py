@@ -369,6 +369,25 @@ class Store:
                         (response_id, tenant))
         return None if row is None else (json.loads(row[0]), json.loads(row[1]))
 
+    def replace_response(self, tenant: str, obj: dict, conversation: list[dict]) -> bool:
+        """A stored response's new state (a background response as it runs); False if the tenant has none by that
+        id (it was deleted meanwhile)."""
+        with self._lock, self._conn:
+            cur = self._conn.execute("UPDATE responses SET obj = ?, conversation = ? WHERE id = ? AND tenant = ?",
+                                     (json.dumps(obj), json.dumps(conversation), obj["id"], tenant))
+        return cur.rowcount > 0
+
+    def end_unfinished_responses(self, error: dict) -> list[str]:
+        """Mark every stored response still queued or in progress (a background response a stopped server left)
+        failed with ``error``; their ids."""
+        with self._lock, self._conn:
+            rows = self._conn.execute("SELECT id, obj FROM responses WHERE json_extract(obj, '$.status')"
+                                      " IN ('queued', 'in_progress')").fetchall()
+            for response_id, obj in rows:
+                ended = {**json.loads(obj), "status": "failed", "error": error}
+                self._conn.execute("UPDATE responses SET obj = ? WHERE id = ?", (json.dumps(ended), response_id))
+        return [r[0] for r in rows]
+
     def delete_response(self, tenant: str, response_id: str) -> bool:
         with self._lock, self._conn:
             cur = self._conn.execute("DELETE FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant))
