@@ -432,3 +432,31 @@ def test_a_grpo_run_resumed_from_its_checkpoint_goes_on_as_if_it_had_not_stopped
     assert [r["step"] for r in done.log] == [1, 2, 3, 4]
     again = read_adapter_tensors(tmp_path / "part")
     assert all(torch.equal(again[name], b[name]) for name in b)  # nothing trained again
+
+
+def test_a_validation_cut_short_is_done_again_when_the_run_resumes(model_factory, tmp_path):
+    """A run stopped after saving a step but before that step's validation ended (a crash, a pause): resumed, it
+    validates the step first, from the same adapter with the same seeds, so the step's record and
+    ``grpo_valid.jsonl`` come out as if it had not stopped."""
+    import shutil
+    from dataclasses import replace
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "Add one:"}, {"prompt": "Say e:"}]))
+    cfg = FinetuneConfig(output_dir=str(tmp_path / "whole"), method="grpo", num_generations=2, batch_size=4,
+                         max_completion_tokens=5, max_steps=2, lr=1e-2, seed=3, eval_steps=2, eval_samples=2)
+    peft = LoraConfig(r=2, target_modules=["q_proj"])
+    whole = llm.finetune(_prompts(tmp_path / "p.jsonl"), peft=peft, config=cfg, reward_funcs=[_reward_len],
+                         validation=valid)
+    assert whole.wait(120)["status"] == "succeeded" and "valid_reward" in whole.log[-1]
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)  # as a crash after step 2's save, before its validation, leaves it
+    lines = (cut / "grpo_valid.jsonl").read_text().splitlines()
+    (cut / "grpo_valid.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] != 2))
+    on = llm.finetune(_prompts(tmp_path / "p.jsonl"), config=replace(cfg, output_dir=str(cut), max_steps=3),
+                      reward_funcs=[_reward_len], validation=valid, resume_from=str(cut))
+    assert on.wait(120)["status"] == "succeeded" and [r["step"] for r in on.log] == [1, 2, 3]
+    assert on.log[1]["valid_reward"] == whole.log[1]["valid_reward"]
+    redone = [json.loads(x) for x in (cut / "grpo_valid.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in redone] == [2, 3]
+    assert redone[0]["samples"] == json.loads(lines[-1])["samples"]  # the same completions and rewards

@@ -12,7 +12,8 @@ rewards (``grpo_log.jsonl``) and every completion with its reward and advantage 
 With validation prompts, the whole validation set is sampled (``eval_samples`` completions a prompt) from the adapter
 a step left and rewarded, every ``eval_steps`` steps (each epoch's end when 0) and after the last step: the step's
 record gains ``valid_reward`` (OpenAI's ``valid_reward_mean``), and ``grpo_valid.jsonl`` a line with every validation
-completion and its rewards. A validation cut short by a cancel, or by a crash, is not redone.
+completion and its rewards. A validation cut short (by a pause, or a crash, after its step was saved) is done again
+first when the run resumes, from the same adapter with the same seeds, before the step's record is given out.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ class GRPORun:
         self.log: list[dict] = []  # one record a step, as grpo_log.jsonl holds them (a resumed run's earlier ones too)
         if self.resume_from is not None:
             self.log = logged_steps(self.resume_from, self.step)
+        self._revalidate: dict | None = None  # the resumed step's record, whose due validation was cut short
+        if (validation is not None and self.log and self.log[-1]["step"] == self.step
+                and "valid_reward" not in self.log[-1] and self._valid_due(self.step)):
+            self._revalidate = self.log.pop()
         self.job: GRPOStepJob | None = None  # the latest step's job
         self._job_id: str | None = None
         self._cancelled = threading.Event()
@@ -197,6 +202,8 @@ class GRPORun:
     # ---- one run ---------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._revalidate is not None:
+                self._step_done(self._revalidate)
             for step in range(self.step, self.total_steps):
                 if self._cancelled.is_set():
                     return
@@ -254,7 +261,10 @@ class GRPORun:
             return  # cancelled: the adapter of the last whole step stays in output_dir
         self.job, self.step = job, job.step
         step_logs()  # made already by the step's save
-        record = made[0]
+        self._step_done(made[0])
+
+    def _step_done(self, record: dict) -> None:
+        """A saved step's record, its validation done where due, given out (``log``, ``on_step``)."""
         if self.validation is not None and self._valid_due(self.step):
             record.update(self._validate(self.step))
         self.log.append(record)
