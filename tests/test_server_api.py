@@ -926,6 +926,7 @@ def test_a_background_response_is_queued_polled_and_cancellable(alice, bob):
     foreground = alice.responses.create(**ask)
     assert polled.status == foreground.status and polled.output_text == foreground.output_text
     assert polled.usage.output_tokens == foreground.usage.output_tokens and polled.background
+    assert foreground.background is False
     follow = alice.responses.create(model=BASE, input="Which word?", previous_response_id=queued.id,
                                     max_output_tokens=2)  # it continues as a stored response does
     assert follow.previous_response_id == queued.id

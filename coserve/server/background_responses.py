@@ -25,7 +25,7 @@ class BackgroundResponses:
 
     async def start(self, ctx, shape) -> dict:
         """Store ``shape``'s response (its requests already submitted) as queued, and finish it in a task."""
-        queued = {**shape.response(None, "queued"), "background": True}
+        queued = shape.response(None, "queued")
         await asyncio.to_thread(ctx.store.add_response, shape.tenant, queued, shape.conversation)
         task = asyncio.create_task(self._finish(ctx, shape))
         self.running[shape.job.ident] = task
@@ -38,23 +38,23 @@ class BackgroundResponses:
             choice = job.choices[0]
             await advance(choice, job, ctx)
             if not choice.out.finished:
-                await self._save(ctx, tenant, {**shape.response(None, "in_progress"), "background": True},
+                await self._save(ctx, tenant, shape.response(None, "in_progress"),
                                  shape.conversation)
             await run_to_end(choice, job, ctx)
-            final = {**shape.response(choice.out), "background": True}
+            final = shape.response(choice.out)
             count_outcomes(job, ctx, "ok")
             await self._save(ctx, tenant, final, shape.conversation + output_messages(final["output"]))
         except asyncio.CancelledError:
             await close_all(job)
             count_outcomes(job, ctx, "cancelled")
-            await self._save(ctx, tenant, {**shape.response(None, "cancelled"), "background": True},
+            await self._save(ctx, tenant, shape.response(None, "cancelled"),
                              shape.conversation)
         except Exception as e:  # told in the stored response: the server serves on
             await close_all(job)
             count_outcomes(job, ctx, "error")
             message = e.message if isinstance(e, APIError) else f"generation failed ({type(e).__name__}: {e})"
             log.warning("background response %s failed: %s", job.ident, message)
-            await self._save(ctx, tenant, {**shape.response(None, "failed"), "background": True,
+            await self._save(ctx, tenant, {**shape.response(None, "failed"),
                                            "error": {"code": "server_error", "message": message}}, shape.conversation)
 
     @staticmethod

@@ -306,6 +306,7 @@ class ResponseShape:
                "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
                "text": b.text.model_dump(by_alias=True, exclude_none=True) if b.text else {"format": {"type": "text"}},
                "previous_response_id": b.previous_response_id, "store": b.store is not False,
+               "background": b.background,
                "metadata": b.metadata or {}, "usage": None}
         if out is not None:
             n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
