@@ -216,3 +216,40 @@ def test_sigkill_mid_run_then_restart_grades_each_item_once(model_factory, tmp_p
             assert x.sample.output[0].content == reply.choices[0].message.content
     finally:
         again.stop()
+
+
+def test_stored_chat_completions_are_graded_as_stored_or_sampled_again(client):
+    """A ``stored_completions`` eval: a run with no model grades the stored replies themselves; one with a model
+    samples it again on the messages each stored completion answered (``item.input``), as the chat API would."""
+    tag = {"usecase": "stored-evals"}
+    asked = [[{"role": "user", "content": q["q"]}] for q in ITEMS[:2]]
+    stored = [client.chat.completions.create(model=BASE, messages=m, max_tokens=5, temperature=0, store=True,
+                                             metadata=tag) for m in asked]
+    paris = {"type": "text_similarity", "name": "paris", "input": "{{ sample.output_text }}", "reference": "Paris",
+             "evaluation_metric": "fuzzy_match", "pass_threshold": 0.0}
+    ev = client.evals.create(data_source_config={"type": "stored_completions", "metadata": tag},
+                             testing_criteria=[paris])
+    assert ev.data_source_config.type == "stored_completions"
+    as_stored = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
+        "type": "completions", "source": {"type": "stored_completions", "metadata": tag}}).id)
+    assert as_stored.status == "completed", as_stored.error
+    items = _items(client, ev.id, as_stored.id)
+    assert [x.datasource_item["completion_id"] for x in items] == [c.id for c in stored]
+    for x, c, m in zip(items, stored, asked):
+        reply = c.choices[0].message.content
+        assert x.datasource_item["input"] == m and x.sample.output[0].content == reply
+        assert x.results[0].score == pytest.approx(fuzz.ratio(reply, "Paris") / 100, abs=1e-12)
+    again = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
+        "type": "completions", "model": BASE, "sampling_params": {"temperature": 0.0, "max_completion_tokens": 3},
+        "source": {"type": "stored_completions", "metadata": tag, "limit": 1}}).id)
+    (x,) = _items(client, ev.id, again.id)
+    fresh = client.chat.completions.create(model=BASE, messages=asked[0], max_completion_tokens=3, temperature=0)
+    assert x.sample.output[0].content == fresh.choices[0].message.content and x.sample.model == BASE
+    for source, param in (({"type": "stored_completions", "metadata": {"usecase": "none such"}}, "data_source.source"),
+                          ({"type": "stored_completions", "limit": 0}, "data_source.source.limit")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.evals.runs.create(ev.id, data_source={"type": "completions", "source": source})
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.evals.runs.create(ev.id, data_source={"type": "jsonl", "source": {"type": "stored_completions"}})
+    assert e.value.body["param"] == "data_source.source.type"

@@ -24,6 +24,7 @@ MAX_ITEMS = 10_000  # items a run may have
 SAMPLE_SCHEMA = {"type": "object", "properties": {"output_text": {"type": "string"}, "output_json": {"type": "object"},
                                                   "output_tools": {"type": "array"}, "model": {"type": "string"},
                                                   "choices": {"type": "array"}}, "required": []}
+STORED_ITEM_SCHEMA = {"type": "object", "properties": {"input": {"type": "array"}}, "required": ["input"]}
 SAMPLING_FIELDS = ("max_completion_tokens", "seed", "temperature", "top_p", "response_format")
 DEFAULT_MAX_TOKENS = 256  # a completion's tokens unless sampling_params.max_completion_tokens says otherwise
 
@@ -70,11 +71,21 @@ def _entry(obj: Any, where: str) -> dict:
 
 
 def check_data_source_config(config: Any) -> dict:
-    """An eval's ``data_source_config`` as the eval object shows it (``custom`` only: the run brings its items)."""
-    if not isinstance(config, dict) or config.get("type") != "custom":
-        kind = config.get("type") if isinstance(config, dict) else None
-        raise bad_request(f"data_source_config.type: coserve's evals take 'custom' data (items a run brings), not "
-                          f"{kind!r}", "data_source_config.type")
+    """An eval's ``data_source_config`` as the eval object shows it: ``custom`` (items a run brings, their schema
+    given) or ``stored_completions`` (the tenant's stored chat completions: ``item.input`` the messages each
+    answered, ``sample`` its reply; ``metadata`` what a run's source usually filters them by)."""
+    kind = config.get("type") if isinstance(config, dict) else None
+    if kind == "stored_completions":
+        metadata = config.get("metadata") or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise bad_request("data_source_config.metadata: expected an object of strings",
+                              "data_source_config.metadata")
+        properties = {"item": STORED_ITEM_SCHEMA, "sample": SAMPLE_SCHEMA}
+        return {"type": "stored_completions", "metadata": metadata,
+                "schema": {"type": "object", "properties": properties, "required": list(properties)}}
+    if kind != "custom":
+        raise bad_request(f"data_source_config.type: expected 'custom' (items a run brings) or 'stored_completions', "
+                          f"not {kind!r}", "data_source_config.type")
     schema = config.get("item_schema")
     if not isinstance(schema, dict):
         raise bad_request("data_source_config.item_schema: expected a JSON schema object",
@@ -144,7 +155,12 @@ def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict
     if not isinstance(given, dict) or given.get("type") not in ("jsonl", "completions"):
         kind = given.get("type") if isinstance(given, dict) else None
         raise bad_request(f"data_source.type: expected 'jsonl' or 'completions', got {kind!r}", "data_source.type")
-    entries = _source_entries(given.get("source"), store, tenant)
+    stored = isinstance(given.get("source"), dict) and given["source"].get("type") == "stored_completions"
+    if stored and given["type"] != "completions":
+        raise bad_request("data_source.source.type: stored completions are a completions run's source",
+                          "data_source.source.type")
+    entries = stored_entries(given["source"], store, tenant) if stored else _source_entries(given.get("source"),
+                                                                                          store, tenant)
     try:
         validator = SchemaValidator(item_schema)
     except SchemaError:
@@ -160,12 +176,57 @@ def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict
                               "given; a completions run samples a model)", "data_source.source")
         return RunSource(entries)
     model = given.get("model")
+    if stored and model is None:  # the stored replies are the samples graded
+        return RunSource(entries)
     if not isinstance(model, str) or not model:
         raise bad_request("data_source.model: a completions run needs the model that samples", "data_source.model")
     if not servable(model):
         raise APIError(404, f"The model '{model}' does not exist", "data_source.model", "model_not_found")
-    template, reference = parse_input_messages(given.get("input_messages"))
+    asked = given.get("input_messages")
+    if stored and asked is None:  # sampled again from the messages each stored completion answered
+        asked = {"type": "item_reference", "item_reference": "item.input"}
+    template, reference = parse_input_messages(asked)
     return RunSource(entries, model, template, reference, _sampling(given.get("sampling_params")))
+
+
+def stored_entries(source: dict, store, tenant: str) -> list[dict]:
+    """The tenant's stored chat completions a ``stored_completions`` source picks (``metadata``, ``model``,
+    ``created_after``, ``created_before``, at most ``limit``), oldest first, as items (``input``: the messages each
+    answered) and samples (its first choice's reply, as a completions run's sample shows it)."""
+    where = "data_source.source"
+    metadata = source.get("metadata") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in metadata.items()):
+        raise bad_request(f"{where}.metadata: expected an object of strings", f"{where}.metadata")
+    model = source.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"{where}.model: expected a model name", f"{where}.model")
+    bounds = {}
+    for key in ("created_after", "created_before", "limit"):
+        value = source.get(key)
+        least = 1 if key == "limit" else 0
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise bad_request(f"{where}.{key}: expected an integer of at least {least}", f"{where}.{key}")
+        bounds[key] = value
+    limit = min(bounds["limit"] if bounds["limit"] is not None else MAX_ITEMS, MAX_ITEMS)
+    try:
+        found, _ = store.list_chat_completions(tenant, model, metadata, limit=limit,
+                                               created=(bounds["created_after"], bounds["created_before"]))
+    except ValueError as e:
+        raise bad_request(f"{where}.{e}", f"{where}.metadata") from None
+    if not found:
+        raise bad_request(f"{where}: no stored chat completion matches", where)
+    entries = []
+    for c in found:
+        messages = store.get_chat_completion(tenant, c["id"])[1]
+        choice, usage = c["choices"][0], c.get("usage") or {}
+        reply = choice["message"].get("content") or ""
+        sample = {"input": messages, "output": [{"role": "assistant", "content": reply}],
+                  "finish_reason": choice.get("finish_reason") or "", "model": c.get("model"),
+                  "usage": {k: usage.get(k, 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                  "error": None}
+        entries.append({"item": {"input": messages, "completion_id": c["id"]}, "sample": sample})
+    return entries
 
 
 def _source_entries(source: Any, store, tenant: str) -> list[dict]:

@@ -318,11 +318,16 @@ class Store:
         return None if row is None else (json.loads(row[0]), json.loads(row[1]))
 
     def list_chat_completions(self, tenant: str, model: str | None = None, metadata: dict[str, str] | None = None,
-                              after: str | None = None, limit: int = 20, ascending: bool = True
-                              ) -> tuple[list[dict], bool]:
+                              after: str | None = None, limit: int = 20, ascending: bool = True,
+                              created: tuple[int | None, int | None] = (None, None)) -> tuple[list[dict], bool]:
         """One page of the tenant's stored chat completions, oldest first (or newest), past ``after``: those of
-        ``model`` and whose metadata holds every pair of ``metadata``, where given."""
+        ``model``, whose metadata holds every pair of ``metadata``, and created within ``created`` (bounds
+        included), where given."""
         where, params = "tenant = ?", [tenant]
+        for bound, op in zip(created, (">=", "<=")):
+            if bound is not None:
+                where += f" AND created_at {op} ?"
+                params.append(bound)
         if model is not None:
             where += " AND json_extract(obj, '$.model') = ?"
             params.append(model)
