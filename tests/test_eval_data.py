@@ -61,3 +61,29 @@ def test_the_graders_sample_of_a_run_sample():
     assert grader_sample({"output_text": "x", "output_json": {"b": 2}})["output_json"] == {"b": 2}
     completions = {"output": [{"role": "assistant", "content": "hi"}], "error": None}
     assert grader_sample(completions) == {"output_text": "hi", "output_json": None, "output_tools": []}
+
+
+def test_a_stored_completions_source_picks_by_metadata_model_time_and_limit(tmp_path):
+    """The tenant's stored chat completions as items (the messages each answered) and samples (its reply), oldest
+    first; none stored after ``as_of`` (a resumed run's creation), so that a restarted run has the items it had."""
+    from coserve.server.eval_data import stored_entries
+    from coserve.server.store import Store
+    s = Store(tmp_path)
+    try:
+        for i, (model, tag) in enumerate([("a", "x"), ("b", "x"), ("a", "x"), ("a", "y")]):
+            reply = {"id": f"chatcmpl-{i}", "created": 10 * (i + 1), "model": model, "metadata": {"tag": tag},
+                     "choices": [{"message": {"role": "assistant", "content": f"r{i}"}, "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+            s.add_chat_completion("alice", reply, [{"role": "user", "content": f"q{i}"}])
+        picked = stored_entries({"type": "stored_completions", "metadata": {"tag": "x"}, "model": "a"}, s, "alice")
+        assert [e["item"] for e in picked] == [
+            {"input": [{"role": "user", "content": "q0"}], "completion_id": "chatcmpl-0"},
+            {"input": [{"role": "user", "content": "q2"}], "completion_id": "chatcmpl-2"}]
+        assert picked[1]["sample"]["output"] == [{"role": "assistant", "content": "r2"}]
+        assert picked[1]["sample"]["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        ids = lambda source, **kw: [e["item"]["completion_id"] for e in stored_entries(source, s, "alice", **kw)]
+        assert ids({"metadata": {"tag": "x"}}, as_of=25) == ["chatcmpl-0", "chatcmpl-1"]
+        assert ids({"created_after": 20, "created_before": 30}) == ["chatcmpl-1", "chatcmpl-2"]
+        assert ids({"limit": 3}) == ["chatcmpl-0", "chatcmpl-1", "chatcmpl-2"]
+    finally:
+        s.close()

@@ -148,7 +148,8 @@ class RunSource:
     sampling: dict | None = None  # completions: the chat request's sampling fields
 
 
-def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict | bool = True) -> RunSource:
+def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict | bool = True,
+                     as_of: int | None = None) -> RunSource:
     """A run's ``data_source`` (``jsonl`` or ``completions``), its items matching the eval's ``item_schema`` (where
     coserve can check that schema: the keywords of its guided decoding); 400 naming the field, 404 for a file the
     tenant does not have."""
@@ -159,8 +160,8 @@ def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict
     if stored and given["type"] != "completions":
         raise bad_request("data_source.source.type: stored completions are a completions run's source",
                           "data_source.source.type")
-    entries = stored_entries(given["source"], store, tenant) if stored else _source_entries(given.get("source"),
-                                                                                          store, tenant)
+    entries = (stored_entries(given["source"], store, tenant, as_of) if stored
+               else _source_entries(given.get("source"), store, tenant))
     try:
         validator = SchemaValidator(item_schema)
     except SchemaError:
@@ -189,10 +190,11 @@ def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict
     return RunSource(entries, model, template, reference, _sampling(given.get("sampling_params")))
 
 
-def stored_entries(source: dict, store, tenant: str) -> list[dict]:
+def stored_entries(source: dict, store, tenant: str, as_of: int | None = None) -> list[dict]:
     """The tenant's stored chat completions a ``stored_completions`` source picks (``metadata``, ``model``,
-    ``created_after``, ``created_before``, at most ``limit``), oldest first, as items (``input``: the messages each
-    answered) and samples (its first choice's reply, as a completions run's sample shows it)."""
+    ``created_after``, ``created_before``, at most ``limit``; none stored after ``as_of``, a run's creation, so that a
+    run resumed after a restart has the items it had), oldest first, as items (``input``: the messages each answered)
+    and samples (its first choice's reply, as a completions run's sample shows it)."""
     where = "data_source.source"
     metadata = source.get("metadata") or {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
@@ -209,6 +211,9 @@ def stored_entries(source: dict, store, tenant: str) -> list[dict]:
             raise bad_request(f"{where}.{key}: expected an integer of at least {least}", f"{where}.{key}")
         bounds[key] = value
     limit = min(bounds["limit"] if bounds["limit"] is not None else MAX_ITEMS, MAX_ITEMS)
+    if as_of is not None:
+        bounds["created_before"] = min(as_of, bounds["created_before"] if bounds["created_before"] is not None
+                                       else as_of)
     try:
         found, _ = store.list_chat_completions(tenant, model, metadata, limit=limit,
                                                created=(bounds["created_after"], bounds["created_before"]))

@@ -79,7 +79,8 @@ class EvalRunner:
                         for i, c in enumerate(ev["testing_criteria"])]
             if source is None:
                 source = await asyncio.to_thread(check_run_source, run["data_source"], self.store, tenant,
-                                                 lambda m: self.models.servable(tenant, m), item_schema(ev))
+                                                 lambda m: self.models.servable(tenant, m), item_schema(ev),
+                                                 run["created_at"])  # its items as they were when it was made
         except Exception as e:  # its file deleted, the server restarted without --python-graders, ...
             message = getattr(e, "message", None) or str(e)
             self.store.update_eval_run(run_id, status="failed", error={"code": "invalid_run", "message": message})
