@@ -10,6 +10,14 @@
 # Settings (environment): MODEL (created with the small preset if missing), DATA (sharegpt_trace.json,
 # alpaca_en_demo.json), OUT, BUDGET (seconds for the whole script), ADAPTERS (LoRA adapters of the multi-adapter
 # generation run), DEVICE (cuda; cpu runs the same steps here, the CUDA tests then skipping), PY.
+#
+# On a lent H200/H100 (2026-11-28): the image has torch, transformers and peft but not the server's packages; carry
+# wheels of fastapi, starlette, pydantic(-core), annotated-types, typing-inspection, typing_extensions, uvicorn,
+# httptools, python-multipart, openai, distro, jiter, sniffio, jsonschema(-specifications), referencing, rpds-py,
+# lark, rapidfuzz, nltk and opentelemetry-api (FastAPI 0.165 imports it; without it test_engine_faults.py did not
+# import). With 16 cores, PYTEST_ADDOPTS="-n 8" (pytest-xdist is in the image) ran the CUDA tests in 33 s and the
+# whole script in 185 s. Each xdist worker times its own GEMM backend: on that host one picked oneDNN, whose packs
+# are not batch-invariant there (the engine now re-packs for MKL: batch_invariance.plan_fusion).
 set -u
 OUT=${OUT:-runs/cuda_checks}
 BUDGET=${BUDGET:-540}
