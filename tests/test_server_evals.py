@@ -137,7 +137,8 @@ def test_bad_evals_are_refused_naming_the_field(client, kwargs, param):
 
 
 @pytest.mark.parametrize("source, param", [
-    ({"type": "responses", "source": {"type": "file_content", "content": [{"item": {}}]}}, "data_source.type"),
+    ({"type": "logs", "source": {"type": "file_content", "content": [{"item": {}}]}}, "data_source.type"),
+    ({"type": "responses", "source": {"type": "file_content", "content": [{"item": {}}]}}, "data_source.model"),
     ({"type": "jsonl", "source": {"type": "file_content", "content": [{"item": {}}]}}, "data_source.source"),
     ({"type": "completions", "source": {"type": "file_content", "content": [{"item": {}}]}}, "data_source.model"),
     ({"type": "completions", "model": BASE, "source": {"type": "file_content", "content": [{"item": {}}]},
@@ -253,3 +254,22 @@ def test_stored_chat_completions_are_graded_as_stored_or_sampled_again(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.evals.runs.create(ev.id, data_source={"type": "jsonl", "source": {"type": "stored_completions"}})
     assert e.value.body["param"] == "data_source.source.type"
+
+
+def test_a_responses_run_samples_through_the_responses_api(client):
+    """A ``responses`` run: each item's conversation sent to the Responses API (the same sampling), its reply text
+    graded; the samples are what ``client.responses.create`` gives the same input."""
+    ev = client.evals.create(data_source_config=CONFIG, testing_criteria=[CLOSE])
+    run = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
+        "type": "responses", "model": BASE, "sampling_params": {"temperature": 0.0, "max_completion_tokens": 5},
+        "source": {"type": "file_content", "content": [{"item": i} for i in ITEMS[:2]]},
+        "input_messages": {"type": "template", "template": [{"role": "user", "content": "{{ item.q }}"}]}}).id)
+    assert run.status == "completed", run.error
+    for x, item in zip(_items(client, ev.id, run.id), ITEMS):
+        reply = client.responses.create(model=BASE, input=[{"role": "user", "content": item["q"]}], temperature=0,
+                                        max_output_tokens=5)
+        assert x.sample.output[0].content == reply.output_text and x.sample.model == BASE
+        assert x.sample.usage.completion_tokens == reply.usage.output_tokens
+        assert x.results[0].score == pytest.approx(fuzz.ratio(reply.output_text, item["answer"]) / 100, abs=1e-12)
+    usage = run.per_model_usage[0]
+    assert (usage.run_model_name, usage.invocation_count) == (BASE, 2)

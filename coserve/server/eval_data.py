@@ -146,16 +146,18 @@ class RunSource:
     template: tuple[tuple[str, Template], ...] | None = None  # completions: (role, content) of the conversation
     item_reference: str | None = None  # completions: the item's field holding its conversation
     sampling: dict | None = None  # completions: the chat request's sampling fields
+    route: str = "chat"  # what samples: the chat API (a completions run) or the Responses API (a responses run)
 
 
 def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict | bool = True,
                      as_of: int | None = None) -> RunSource:
-    """A run's ``data_source`` (``jsonl`` or ``completions``), its items matching the eval's ``item_schema`` (where
-    coserve can check that schema: the keywords of its guided decoding); 400 naming the field, 404 for a file the
-    tenant does not have."""
-    if not isinstance(given, dict) or given.get("type") not in ("jsonl", "completions"):
+    """A run's ``data_source`` (``jsonl``; ``completions``, sampled through the chat API; ``responses``, through the
+    Responses API), its items matching the eval's ``item_schema`` (where coserve can check that schema: the keywords
+    of its guided decoding); 400 naming the field, 404 for a file the tenant does not have."""
+    if not isinstance(given, dict) or given.get("type") not in ("jsonl", "completions", "responses"):
         kind = given.get("type") if isinstance(given, dict) else None
-        raise bad_request(f"data_source.type: expected 'jsonl' or 'completions', got {kind!r}", "data_source.type")
+        raise bad_request(f"data_source.type: expected 'jsonl', 'completions' or 'responses', got {kind!r}",
+                          "data_source.type")
     stored = isinstance(given.get("source"), dict) and given["source"].get("type") == "stored_completions"
     if stored and given["type"] != "completions":
         raise bad_request("data_source.source.type: stored completions are a completions run's source",
@@ -180,14 +182,16 @@ def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict
     if stored and model is None:  # the stored replies are the samples graded
         return RunSource(entries)
     if not isinstance(model, str) or not model:
-        raise bad_request("data_source.model: a completions run needs the model that samples", "data_source.model")
+        raise bad_request(f"data_source.model: a {given['type']} run needs the model that samples",
+                          "data_source.model")
     if not servable(model):
         raise APIError(404, f"The model '{model}' does not exist", "data_source.model", "model_not_found")
     asked = given.get("input_messages")
     if stored and asked is None:  # sampled again from the messages each stored completion answered
         asked = {"type": "item_reference", "item_reference": "item.input"}
     template, reference = parse_input_messages(asked)
-    return RunSource(entries, model, template, reference, _sampling(given.get("sampling_params")))
+    route = "responses" if given["type"] == "responses" else "chat"
+    return RunSource(entries, model, template, reference, _sampling(given.get("sampling_params")), route)
 
 
 def stored_entries(source: dict, store, tenant: str, as_of: int | None = None) -> list[dict]:

@@ -156,22 +156,52 @@ class EvalRunner:
             sample["input"] = item_messages(source, item)
         except ValueError as e:
             return sample | {"error": {"code": "invalid_variable_error", "message": str(e)}}
-        body = {"model": source.model, "messages": sample["input"], **s}
+        url, body = ("/v1/responses", responses_body(source.model, sample["input"], s)) if source.route == "responses" \
+            else ("/v1/chat/completions", {"model": source.model, "messages": sample["input"], **s})
         while True:
-            status, reply = await call_route(self.app, tenant, "/v1/chat/completions", body)
+            status, reply = await call_route(self.app, tenant, url, body)
             if status not in RETRY_STATUSES:
                 break
             await asyncio.sleep(RETRY_SECONDS)
         if status != 200:
             error = reply.get("error") or {}
             return sample | {"error": {"code": error.get("code") or str(status), "message": error.get("message", "")}}
-        choice, usage = reply["choices"][0], reply.get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-        return sample | {"output": [{"role": "assistant", "content": choice["message"].get("content") or ""}],
-                         "finish_reason": choice.get("finish_reason") or "", "model": reply.get("model", source.model),
-                         "usage": {"prompt_tokens": usage.get("prompt_tokens", 0),
-                                   "completion_tokens": usage.get("completion_tokens", 0),
-                                   "total_tokens": usage.get("total_tokens", 0), "cached_tokens": cached}}
+        return sample | (response_sample(reply) if source.route == "responses" else chat_sample(reply))
+
+
+def chat_sample(reply: dict) -> dict:
+    """A chat completion's reply as the sample OpenAI's output items show."""
+    choice, usage = reply["choices"][0], reply.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+    return {"output": [{"role": "assistant", "content": choice["message"].get("content") or ""}],
+            "finish_reason": choice.get("finish_reason") or "", "model": reply.get("model"),
+            "usage": {"prompt_tokens": usage.get("prompt_tokens", 0),
+                      "completion_tokens": usage.get("completion_tokens", 0),
+                      "total_tokens": usage.get("total_tokens", 0), "cached_tokens": cached}}
+
+
+def responses_body(model: str, messages: list[dict], sampling: dict) -> dict:
+    """The Responses API request a responses run sends for a conversation with its ``sampling_params``."""
+    body: dict = {"model": model, "input": messages, "temperature": sampling["temperature"],
+                  "top_p": sampling["top_p"], "max_output_tokens": sampling["max_completion_tokens"]}
+    if "seed" in sampling:
+        body["seed"] = sampling["seed"]
+    fmt = sampling.get("response_format")
+    if fmt is not None:  # the chat form's json_schema one level up, as the Responses API's text.format has it
+        body["text"] = {"format": {"type": fmt["type"], **(fmt.get("json_schema") or {})}}
+    return body
+
+
+def response_sample(reply: dict) -> dict:
+    """A Responses API reply as the sample OpenAI's output items show: its message text, and its usage."""
+    text = "".join(p.get("text", "") for o in reply.get("output", []) if o.get("type") == "message"
+                   for p in o.get("content", []))
+    usage = reply.get("usage") or {}
+    finish = "length" if reply.get("status") == "incomplete" else "stop"
+    return {"output": [{"role": "assistant", "content": text}], "finish_reason": finish, "model": reply.get("model"),
+            "usage": {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0),
+                      "total_tokens": usage.get("total_tokens", 0),
+                      "cached_tokens": (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)}}
 
 
 class Tally:
