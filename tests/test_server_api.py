@@ -945,3 +945,26 @@ def test_a_background_response_is_queued_polled_and_cancellable(alice, bob):
         with pytest.raises(openai.BadRequestError) as e:
             alice.responses.create(**ask, background=True, **extra)
         assert e.value.body["param"] == "background"
+
+
+def test_the_responses_api_gives_the_reply_texts_logprobs_as_the_chat_api_does(alice):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the reply's tokens, their logprobs and
+    alternatives, equal to the chat API's for the same conversation; whole, and in a stream's done events and final
+    response; an unknown ``include`` value is a 400 naming it."""
+    ask = {"model": BASE, "input": "Name a colour.", "max_output_tokens": 6, "temperature": 0}
+    whole = alice.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = alice.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Name a colour."}],
+                                         max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    got = whole.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in got] == \
+        [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in want]
+    assert len(got) == whole.usage.output_tokens and all(len(t.top_logprobs) == 2 for t in got)
+    assert alice.responses.create(**ask).output[0].content[0].logprobs == []  # not asked: none
+    events = list(alice.responses.create(**ask, include=["message.output_text.logprobs"], stream=True))
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [t.logprob for t in done.logprobs] == [t.logprob for t in final] == [t.logprob for t in got]
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.create(**ask, include=["file_search_call.results"])
+    assert e.value.body["param"] == "include[0]"

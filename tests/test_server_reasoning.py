@@ -142,6 +142,11 @@ def test_the_responses_api_puts_the_reasoning_in_an_item_of_its_own(client, thin
     assert whole.output[0].content[0].text == THOUGHT and whole.output[0].status == "completed"
     assert whole.output_text == ANSWER
     assert whole.usage.output_tokens_details.reasoning_tokens == _tokens(thinker[0], f"<think>{THOUGHT}</think>")
+    scored = client.responses.create(model="think", input="What is 2+2?", max_output_tokens=40, temperature=0,
+                                     include=["message.output_text.logprobs"])
+    tokens = [t.token for t in scored.output[1].content[0].logprobs]  # the reply's alone, after the reasoning
+    assert len(tokens) == scored.usage.output_tokens - scored.usage.output_tokens_details.reasoning_tokens
+    assert "".join(tokens).startswith(ANSWER)
 
     events = _events(client.responses.create(model="think", input="What is 2+2?", max_output_tokens=40,
                                              temperature=0, stream=True))

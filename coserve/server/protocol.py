@@ -486,6 +486,8 @@ class ResponsesRequest(Body):
     previous_response_id: str | None = None
     store: bool | None = None
     background: bool = False  # OpenAI's: return at once, queued; poll GET (coserve/server/background_responses.py)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None  # "message.output_text.logprobs": the reply text's token logprobs
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1])  # vLLM's extension

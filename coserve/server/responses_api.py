@@ -31,8 +31,8 @@ from coserve.server.choices import (Job, advance, close_all, count_outcomes, fin
                                     streaming)
 from coserve.server.context import ServerContext, context, tenant_of
 from coserve.server.errors import APIError, bad_request, not_found
-from coserve.server.inference_api import (make_request, max_tokens_for, messages_chars, off_loop_if_long, render_chat,
-                                          sampling_params, submit)
+from coserve.server.inference_api import (chat_logprobs, make_request, max_tokens_for, messages_chars,
+                                          off_loop_if_long, render_chat, sampling_params, submit)
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, CustomToolCallInput, FunctionCallInput,
                                      FunctionChoice, FunctionTool, InputMessage, ReasoningInput, ResponsesCustomTool,
@@ -153,14 +153,16 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
             schema = guided_schema(chat.response_format)
             guided = None if schema is None else {"guided_json": schema}
         reasoning = ctx.reasoning.tokens(ids) if ctx.reasoning is not None else None
-        params = sampling_params(chat, max_tokens, None, 0, guided=guided, reasoning=reasoning)
+        num_top = (body.top_logprobs or 0) if wants_logprobs(body) else None
+        params = sampling_params(chat, max_tokens, num_top, 0, guided=guided, reasoning=reasoning)
         ctx.client.check_capacity(1)
         job = new_job(request, f"resp_{secrets.token_hex(12)}", body.model)
         job.reasoning = reasoning
         submit(ctx, job, [(make_request(ctx, tenant, ids, params, adapter, "input"), "")], body.stream)
     except APIError as e:
         raise _renamed(e) from None
-    shape = ResponseShape(job, body, tools, tenant, conversation, ctx.reasoning)
+    shape = ResponseShape(job, body, tools, tenant, conversation, ctx.reasoning,
+                          (lambda items: chat_logprobs(ctx, items)) if num_top is not None else None)
     if body.background:
         return await ctx.background.start(ctx, shape)
     if body.stream:
@@ -169,6 +171,18 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
     final = shape.response(job.choices[0].out)
     shape.keep(ctx, final)
     return final
+
+
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")  # the second: nothing to encrypt
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the reply text carries its tokens' logprobs (``include``, or ``top_logprobs`` given); a 400 naming an
+    ``include`` value coserve does not know."""
+    for i, name in enumerate(body.include or []):
+        if name not in INCLUDABLE:
+            raise bad_request(f"include[{i}]: {name!r} is not one of {', '.join(INCLUDABLE)}", f"include[{i}]")
+    return "message.output_text.logprobs" in (body.include or []) or body.top_logprobs is not None
 
 
 @router.get("/v1/responses/{response_id}")
@@ -215,8 +229,11 @@ class ResponseShape:
     """A response's JSON, its output items' ids fixed up front (so that streamed events and the final object agree)."""
 
     def __init__(self, job: Job, body: ResponsesRequest, tools: ToolPlan | None, tenant: str,
-                 conversation: list[dict], reasoning: ReasoningParser | None = None) -> None:
+                 conversation: list[dict], reasoning: ReasoningParser | None = None, logprobs_of=None) -> None:
+        """``logprobs_of``: the chat API's form of token logprobs (OpenAI's output_text ``logprobs``), where asked."""
         self.job, self.body, self.tools = job, body, tools
+        self.logprobs_of = logprobs_of
+        self.text_logprobs: list[dict] = []  # the reply text's, once the output has ended
         self.tenant, self.conversation = tenant, conversation
         self.parser = reasoning if job.reasoning is not None else None  # --reasoning-parser
         self.reasoning_id = f"rs_{secrets.token_hex(12)}"
@@ -247,6 +264,10 @@ class ResponseShape:
         return thought, reply or ""
 
     def items(self, out: RequestOutput) -> list[dict]:
+        if self.logprobs_of is not None:  # the reply's tokens: those after the reasoning, its tags included
+            seq = out.outputs[0]
+            skip = self.job.reasoning.count(seq.token_ids) if self.parser is not None else 0
+            self.text_logprobs = self.logprobs_of((seq.logprobs or [])[skip:])
         (thought, text), reason = self.split(out.outputs[0].text), finish_reason(out)
         status = "incomplete" if reason == "length" else "completed"
         said = self.reply_items(text, reason, status)
@@ -281,7 +302,7 @@ class ResponseShape:
 
     def message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [] if status == "in_progress" else [_text_part(text)]}
+                "content": [] if status == "in_progress" else [_text_part(text, self.text_logprobs)]}
 
     def call_item(self, text: str, status: str) -> dict:
         """The named call's item: a function's (``arguments``) or a custom tool's (``input``)."""
@@ -412,10 +433,11 @@ class ResponseShape:
 
     def _close_message(self, event, index: int, item: dict):
         text = "".join(p["text"] for p in item["content"])
+        logprobs = [lp for p in item["content"] for lp in p.get("logprobs", [])]
         yield event("response.output_text.done", item_id=self.message_id, output_index=index, content_index=0,
-                    text=text, logprobs=[])
+                    text=text, logprobs=logprobs)
         yield event("response.content_part.done", item_id=self.message_id, output_index=index, content_index=0,
-                    part=_text_part(text))
+                    part=_text_part(text, logprobs))
         yield event("response.output_item.done", output_index=index, item=item)
 
     async def _listed_events(self, ctx: ServerContext, event) -> AsyncIterator[str]:
@@ -508,5 +530,5 @@ class ResponseShape:
                 yield e
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
