@@ -86,6 +86,10 @@ class LLMEngine:
                              f"{window} tokens; coserve attends to whole contexts, which is what a sliding window "
                              f"attends to only within {window} tokens")
         self.max_model_len = config.max_model_len or model_cfg.max_context  # the sliding window, where it is shorter
+        if config.max_model_len is None and model_cfg.max_context < model_cfg.max_position_embeddings:
+            log.info("the model's layers attend to a %d-token sliding window: its context is capped there (%d "
+                     "positions), where whole-context attention computes what the window does", window,
+                     model_cfg.max_position_embeddings)
         self.model = load_model(model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.model_config = model_cfg
         # only the coserve policy runs finetuning windows beside inference rows (the others, whole iterations)
