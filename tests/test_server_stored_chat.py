@@ -79,3 +79,18 @@ def test_bad_metadata_is_refused_naming_the_field(clients):
         clients["alice"].chat.completions.create(model=BASE, messages=ASK, max_tokens=2, store=True,
                                                  metadata={"k" * 65: "v"})
     assert e.value.body["param"].startswith("metadata")
+
+
+def test_bad_relabels_and_query_types_are_400s_naming_the_field(clients, api_server):
+    import httpx
+    alice = clients["alice"]
+    kept = alice.chat.completions.create(model=BASE, messages=ASK, max_tokens=2, store=True)
+    headers = {"Authorization": f"Bearer {API_KEYS['alice']}"}
+    for method, path, kwargs, param in (
+            ("post", f"/v1/chat/completions/{kept.id}", {"json": {"metadata": {"k": 3}}}, "metadata"),
+            ("post", f"/v1/chat/completions/{kept.id}", {"json": {}}, "metadata"),
+            ("get", "/v1/chat/completions", {"params": {"limit": "many"}}, "limit"),
+            ("get", f"/v1/chat/completions/{kept.id}/messages", {"params": {"order": "sideways"}}, "order")):
+        r = getattr(httpx, method)(f"{api_server.url}{path}", headers=headers, timeout=30, **kwargs)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"].startswith(param), (path, r.text)
