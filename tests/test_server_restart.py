@@ -148,3 +148,30 @@ def test_pause_then_resume_trains_the_adapter_an_uninterrupted_job_does(model_fa
             assert err <= 1e-4, (k, float(err))
     finally:
         srv.stop()
+
+
+def test_a_background_response_a_crash_cut_short_is_failed_at_restart(model_factory, tmp_path):
+    """A background response still generating when the server is SIGKILLed is not left queued or in progress for
+    ever: the restarted server marks it failed, saying why; a finished one is kept as it was."""
+    model = model_factory("llama")
+    srv = start_server(model, tmp_path / "state", "--served-model-name", BASE)
+    try:
+        c = client(srv)
+        done = c.responses.create(model=BASE, input="Hi.", max_output_tokens=3, background=True)
+        deadline = time.monotonic() + 60
+        while c.responses.retrieve(done.id).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        finished = c.responses.retrieve(done.id)
+        cut = c.responses.create(model=BASE, input="Count.", max_output_tokens=450, background=True)
+        srv.crash()
+    finally:
+        srv.stop()
+    again = start_server(model, tmp_path / "state", "--served-model-name", BASE)
+    try:
+        c = client(again)
+        failed = c.responses.retrieve(cut.id)
+        assert failed.status == "failed" and "stopped before" in failed.error.message
+        assert c.responses.retrieve(done.id) == finished
+    finally:
+        again.stop()
