@@ -192,7 +192,7 @@ class ChatCompletionRequest(Sampling, ChatTemplateOptions):
     echo: bool = False  # vLLM's extension: the reply begins with the last message where it is the assistant's
     functions: Any = None
     function_call: Any = None
-    store: bool = False  # OpenAI's: keep the completion for GET /v1/chat/completions (coserve/server/stored_chat.py)
+    store: bool | None = None  # OpenAI's: keep it for GET /v1/chat/completions (coserve/server/stored_chat.py)
     metadata: Metadata = None  # kept with a stored completion, to filter the listing by
 
 
