@@ -106,17 +106,22 @@ class ModelRegistry:
     def fine_tuned_path(self, tenant: str, name: str) -> Path | None:
         """Where the fine-tuned model or checkpoint ``name`` the tenant may use lies (its own, or one another tenant
         shared with it while its owner still has it), or None."""
-        own = self.owned_path(tenant, name)
-        if own is not None:
-            return own
-        owner = self.store.sharer(name, tenant) if name.startswith("ft:") else None
-        return self.owned_path(owner, name) if owner is not None else None
+        usable = self._usable(tenant, name)
+        return usable[1] if usable is not None else None
 
     def owner(self, tenant: str, name: str) -> str | None:
         """The tenant owning the fine-tuned model or checkpoint ``name`` that ``tenant`` may use, or None."""
-        if self.owned_path(tenant, name) is not None:
-            return tenant
-        return self.store.sharer(name, tenant) if self.fine_tuned_path(tenant, name) is not None else None
+        usable = self._usable(tenant, name)
+        return usable[0] if usable is not None else None
+
+    def _usable(self, tenant: str, name: str) -> tuple[str, Path] | None:
+        """``(owner, path)`` of the fine-tuned model or checkpoint ``name`` the tenant may use, or None."""
+        own = self.owned_path(tenant, name)
+        if own is not None:
+            return tenant, own
+        sharer = self.store.sharer(name, tenant) if name.startswith("ft:") else None
+        path = self.owned_path(sharer, name) if sharer is not None else None
+        return (sharer, path) if path is not None else None
 
     def owned_path(self, tenant: str, name: str) -> Path | None:
         """Where the tenant's own fine-tuned model or checkpoint ``name`` lies, or None if it is not theirs."""
