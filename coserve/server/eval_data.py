@@ -225,9 +225,10 @@ def stored_entries(source: dict, store, tenant: str, as_of: int | None = None) -
         raise bad_request(f"{where}.{e}", f"{where}.metadata") from None
     if not found:
         raise bad_request(f"{where}: no stored chat completion matches", where)
+    answered = store.chat_messages(tenant, [c["id"] for c in found])
     entries = []
     for c in found:
-        messages = store.get_chat_completion(tenant, c["id"])[1]
+        messages = answered[c["id"]]
         choice, usage = c["choices"][0], c.get("usage") or {}
         reply = choice["message"].get("content") or ""
         sample = {"input": messages, "output": [{"role": "assistant", "content": reply}],

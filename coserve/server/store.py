@@ -134,6 +134,17 @@ def _permission(row: tuple) -> dict:
     return {"id": row[0], "object": "checkpoint.permission", "created_at": row[1], "project_id": row[2]}
 
 
+def _metadata_where(where: str, params: list, metadata: dict[str, str] | None) -> tuple[str, list]:
+    """``where``/``params`` narrowed to objects whose metadata holds every pair of ``metadata`` (OpenAI's filter);
+    ValueError for a key SQLite's JSON path cannot hold."""
+    for key, value in (metadata or {}).items():
+        if '"' in key or "\\" in key:
+            raise ValueError(f"metadata: the key {key!r} has a quote or a backslash")
+        where += " AND json_extract(obj, ?) = ?"
+        params = [*params, f'$.metadata."{key}"', value]
+    return where, params
+
+
 def _in(statuses: tuple[str, ...]) -> tuple[str, list[str]]:
     """A ``status IN (...)`` clause (placeholders only) or none when no statuses."""
     if not statuses:
@@ -331,13 +342,18 @@ class Store:
         if model is not None:
             where += " AND json_extract(obj, '$.model') = ?"
             params.append(model)
-        for key, value in (metadata or {}).items():
-            if '"' in key or "\\" in key:
-                raise ValueError(f"metadata: the key {key!r} has a quote or a backslash")
-            where += " AND json_extract(obj, ?) = ?"
-            params += [f'$.metadata."{key}"', value]
+        where, params = _metadata_where(where, params, metadata)
         return self._page("chat_completions", "seq", where, params, after, limit,
                           "a stored chat completion of this tenant", ascending)
+
+    def chat_messages(self, tenant: str, completion_ids: list[str]) -> dict[str, list[dict]]:
+        """The messages each of the tenant's stored completions ``completion_ids`` answered, by id (a query a 500)."""
+        rows = []
+        for at in range(0, len(completion_ids), 500):  # within SQLite's limit on a statement's parameters
+            ids = completion_ids[at:at + 500]
+            rows += self._all(f"SELECT id, messages FROM chat_completions WHERE tenant = ? AND id IN "
+                              f"({','.join('?' * len(ids))})", [tenant, *ids])
+        return {i: json.loads(m) for i, m in rows}
 
     def update_chat_completion(self, tenant: str, completion_id: str, metadata: dict[str, str] | None
                                ) -> dict | None:
@@ -668,11 +684,7 @@ class Store:
         where, params = "tenant = ?", [tenant]
         if without_metadata:
             where += " AND json_extract(obj, '$.metadata') IS NULL"
-        for key, value in (metadata or {}).items():
-            if '"' in key or "\\" in key:
-                raise ValueError(f"metadata: the key {key!r} has a quote or a backslash")
-            where += " AND json_extract(obj, ?) = ?"
-            params += [f'$.metadata."{key}"', value]
+        where, params = _metadata_where(where, params, metadata)
         return self._page("jobs", "seq", where, params, after, limit, "a job of this tenant")
 
     def jobs_with_status(self, *statuses: str) -> list[tuple[str, dict]]:
