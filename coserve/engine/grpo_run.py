@@ -236,7 +236,8 @@ class GRPORun:
         records = [p for p in batch for _ in range(g)]
         completions = [c for out in outs for c in out.outputs]
         ids = [list(c.token_ids) for c in completions]
-        rewards, per_func, graded = self._score(records, completions)
+        parts = [self._split(r, c) for r, c in zip(records, completions)]
+        rewards, per_func, graded = self._score(records, completions, parts)
         score_s = time.perf_counter() - started - rollout_s
         advantages = group_advantages(rewards, g, cfg.scale_rewards)
         lengths = [len(c) for c in ids]
@@ -245,7 +246,7 @@ class GRPORun:
         job = GRPOStepJob(self.client.engine.model, self.bypass, examples, scales, cfg, self.total_steps,
                           previous=self.job, base_model=self.base_model,
                           resume_from=self.resume_from if self.job is None else None)
-        lines = self._rollout_lines(step, records, completions, rewards, per_func, advantages)
+        lines = self._rollout_lines(step, records, completions, parts, rewards, per_func, advantages)
         made: list[dict] = []  # the step's record, made once its optimizer step is done (it has the loss)
 
         def step_logs() -> dict[str, str]:  # written with the step's checkpoint (GRPOStepJob.step_logs)
@@ -294,7 +295,8 @@ class GRPORun:
             return {}
         records = [p for p in self.validation for _ in range(k)]
         completions = [c for out in outs for c in out.outputs]
-        rewards, per_func, graded = self._score(records, completions)
+        parts = [self._split(r, c) for r, c in zip(records, completions)]
+        rewards, per_func, graded = self._score(records, completions, parts)
         lengths = [len(c.token_ids) for c in completions]
         summary = {"valid_reward": sum(rewards) / len(rewards),
                    "valid_reward_std": sample_std(rewards) if len(rewards) > 1 else 0.0,
@@ -302,7 +304,7 @@ class GRPORun:
                    "valid_completions_mean_length": sum(lengths) / len(lengths),
                    "valid_s": round(time.perf_counter() - started, 4),
                    **{f"valid_{key}": v for key, v in graded.items()}}
-        samples = [{"prompt_line": r.line, "completion": c.text, **self._split(r, c),
+        samples = [{"prompt_line": r.line, "completion": c.text, **parts[i],
                     "completion_token_ids": list(c.token_ids), "finish_reason": c.finish_reason, "reward": rewards[i],
                     "rewards": {n: None if math.isnan(v[i]) else v[i] for n, v in per_func.items()}}
                    for i, (r, c) in enumerate(zip(records, completions))]
@@ -313,12 +315,13 @@ class GRPORun:
         os.replace(tmp, path)
         return summary
 
-    def _score(self, records: list[PromptRecord], completions: list
+    def _score(self, records: list[PromptRecord], completions: list, parts: list[dict]
                ) -> tuple[list[float], dict[str, list[float]], dict]:
-        """``score`` of completions, each of the prompt record beside it, as the reward functions see them; and what
-        graders report of the call (``graders.grader_reward``): completions they could not grade (scored 0), by
-        ``<grader>/<kind>`` (``grading_errors``), and their models' tokens (``grader_tokens``), where any."""
-        texts = [self._split(r, c).get("reply", c.text) for r, c in zip(records, completions)]
+        """``score`` of completions, each of the prompt record beside it, as the reward functions see them (the
+        reply of ``parts``, ``_split``'s, where the run has a reasoning parser); and what graders report of the call
+        (``graders.grader_reward``): completions they could not grade (scored 0), by ``<grader>/<kind>``
+        (``grading_errors``), and their models' tokens (``grader_tokens``), where any."""
+        texts = [p.get("reply", c.text) for p, c in zip(parts, completions)]
         ids = [list(c.token_ids) for c in completions]
         columns = {k: [r.columns.get(k) for r in records] for k in sorted({k for r in records for k in r.columns})}
         shown = [[{"role": "assistant", "content": t}] if r.conversational else t for r, t in zip(records, texts)]
@@ -334,14 +337,14 @@ class GRPORun:
         return rewards, per_func, ({"grading_errors": errors} if errors else {}) | (
             {"grader_tokens": tokens} if tokens else {})
 
-    def _rollout_lines(self, step: int, records: list[PromptRecord], completions: list, rewards: list[float],
-                       per_func: dict[str, list[float]], advantages: list[float]) -> str:
+    def _rollout_lines(self, step: int, records: list[PromptRecord], completions: list, parts: list[dict],
+                       rewards: list[float], per_func: dict[str, list[float]], advantages: list[float]) -> str:
         """The step's lines of ``rollouts.jsonl``: every completion with its prompt, logprobs, rewards, advantage."""
         g, lines = self.cfg.num_generations, []
         for i, (r, c) in enumerate(zip(records, completions)):
             own = {k: None if math.isnan(v[i]) else v[i] for k, v in per_func.items()}  # None: did not apply
             lines.append(json.dumps({"step": step + 1, "prompt_line": r.line, "group": i // g,
-                                     "prompt_token_ids": r.token_ids, "completion": c.text, **self._split(r, c),
+                                     "prompt_token_ids": r.token_ids, "completion": c.text, **parts[i],
                                      "completion_token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
                                      "logprobs": [lp.logprob for lp in c.logprobs] if c.logprobs else None,
                                      "reward": rewards[i], "rewards": own, "advantage": advantages[i]}) + "\n")
