@@ -177,3 +177,28 @@ def test_a_sliding_window_model_serves_its_window_as_hf_does(model_factory, hf_m
     with pytest.raises(ValueError, match="more than the model's sliding window of 24"):
         llm.finetune(str(data), peft=LoraConfig(r=2, target_modules=["q_proj"]),
                      config=FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=1, max_seq_len=64))
+
+
+def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(model_factory, hf_model_cache, tmp_path):
+    """Phi-3.5/Phi-4-mini's rotary settings: the first half of each head rotates (``partial_rotary_factor``) by
+    LongRoPE's short factors, cos and sin scaled by its attention factor; the context is capped at the original one
+    (the long factors past it are not built): logits and greedy tokens as HF's, longer contexts refused naming it."""
+    head = 16  # the tiny preset's head width: 8 dimensions rotate, in 4 frequencies
+    fields = {"partial_rotary_factor": 0.5, "max_position_embeddings": 512, "original_max_position_embeddings": 32,
+              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                  "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [4.0] * (head // 4),
+                                  "original_max_position_embeddings": 32}}
+    path = _sliding_copy(model_factory("phi3"), tmp_path / "longrope", **fields)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7)
+    assert llm.engine.max_model_len == 32 and llm.engine.model_config.rotary_dim == 8
+    assert llm.engine.model_config.rope.attention_factor > 1
+    hf = hf_model_cache(path)
+    ids = [llm.tokenizer(p)["input_ids"][:12] for p in PROMPTS]
+    for seq, got in zip(ids, _flat_logits(path, ids)):
+        with torch.inference_mode():
+            torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
+    outs = llm.generate(ids, SamplingParams(max_tokens=32 - 12, temperature=0, ignore_eos=True))
+    for seq, out in zip(ids, outs):
+        assert out.token_ids == _hf_greedy(hf, seq, len(out.token_ids))
+    with pytest.raises(ValueError, match="max_model_len: 48 is more than the model's LongRoPE original context of 32"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=48)

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
 
-from coserve.finetune.pruned_layer import _rope_backward_into
-from coserve.model.config import RopeConfig
+from coserve.model.config import ModelConfig, RopeConfig
 from coserve.model.rope import RotaryEmbedding
 
 
@@ -45,11 +46,60 @@ def test_backward_of_the_rotation_is_autograds():
     hf = x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
     hf.backward(dy)
 
-    class Model:  # what _rope_backward_into reads of a model
-        pass
-
-    model = Model()
-    model.rope = rope
     out = torch.empty_like(dy)
-    _rope_backward_into(model, dy, positions, out)
+    rope.rotate_backward(dy, positions, out)
     assert torch.equal(out, x.grad)
+
+
+def phi3_config(rope_scaling: dict | None, partial: float) -> dict:
+    """A small Phi-3 config.json (head_dim 16) with ``partial_rotary_factor`` and, optionally, LongRoPE."""
+    raw = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
+           "max_position_embeddings": 512, "original_max_position_embeddings": 64, "partial_rotary_factor": partial}
+    if rope_scaling is not None:
+        raw["rope_scaling"] = rope_scaling
+    return raw
+
+
+LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [4.0, 5.0, 6.0, 7.0]}
+
+
+@pytest.mark.parametrize("scaling,partial", [(None, 0.5), (LONGROPE, 0.5), ({**LONGROPE, "short_factor": [1.0, 1.1, 1.3,
+                                                                                                          1.7, 2.0, 2.6,
+                                                                                                          3.0, 4.0],
+                                                                              "long_factor": [2.0] * 8}, 1.0)])
+def test_phi3_partial_rotation_and_longrope_are_hfs_bit_for_bit(scaling, partial):
+    """Phi-3's rotation of the first dimensions of each head (``partial_rotary_factor``), with LongRoPE's short factors
+    and attention factor within the original context, against transformers' own Phi-3 rotary embedding."""
+    raw = phi3_config(scaling, partial)
+    cfg = ModelConfig.from_dict(raw)
+    hf_cfg = Phi3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    rope = RotaryEmbedding(cfg.rope, cfg.head_dim, 64, torch.device("cpu"), torch.float32, cfg.rotary_dim)
+    assert rope.rotary_dim == int(16 * partial)
+    positions = torch.tensor([0, 3, 7, 8, 40, 63])
+    cos, sin = Phi3RotaryEmbedding(hf_cfg)(torch.zeros(1), positions[None])
+    assert torch.equal(rope.cos[positions], cos[0])
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
+    q_hf, k_hf = phi3_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_ours, k_ours = rope(q, k, positions)
+    assert torch.equal(q_ours, q_hf[0].transpose(0, 1)) and torch.equal(k_ours, k_hf[0].transpose(0, 1))
+    x = q.clone().requires_grad_()
+    dy = torch.randn(6, 4, 16, generator=g)
+    phi3_rotary(x.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)[0][0].transpose(0, 1).backward(dy)
+    out = torch.empty_like(dy)
+    rope.rotate_backward(dy, positions, out)
+    assert torch.allclose(out, x.grad, rtol=0, atol=1e-6)
+
+
+def test_longrope_caps_the_context_at_the_original_and_bad_factors_are_named():
+    cfg = ModelConfig.from_dict(phi3_config(LONGROPE, 0.5))
+    assert cfg.max_context == 64 and "LongRoPE original context of 64 tokens" in cfg.context_cap[1]
+    with pytest.raises(ValueError, match="short_factor has 3 values; the model rotates 8 dimensions, so 4"):
+        ModelConfig.from_dict(phi3_config({**LONGROPE, "short_factor": [1.0, 2.0, 3.0]}, 0.5))
+    with pytest.raises(ValueError, match="short_factor must be a list of numbers"):
+        ModelConfig.from_dict(phi3_config({**LONGROPE, "short_factor": "x"}, 0.5))
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.1 leaves 1 of 16"):
+        ModelConfig.from_dict(phi3_config(None, 0.1))
+    with pytest.raises(ValueError, match="field 'hidden_act': 'gelu'"):
+        ModelConfig.from_dict({**phi3_config(None, 1.0), "hidden_act": "gelu"})

@@ -80,15 +80,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_cfg)
-        window = model_cfg.sliding_window
-        if config.max_model_len is not None and window is not None and config.max_model_len > window:
-            raise ValueError(f"max_model_len: {config.max_model_len} is more than the model's sliding window of "
-                             f"{window} tokens; coserve attends to whole contexts, which is what a sliding window "
-                             f"attends to only within {window} tokens")
-        self.max_model_len = config.max_model_len or model_cfg.max_context  # the sliding window, where it is shorter
-        if config.max_model_len is None and model_cfg.max_context < model_cfg.max_position_embeddings:
-            log.info("the model's layers attend to a %d-token sliding window: its context is capped there (%d "
-                     "positions), where whole-context attention computes what the window does", window,
+        cap = model_cfg.context_cap
+        if config.max_model_len is not None and cap is not None and config.max_model_len > cap[0]:
+            raise ValueError(f"max_model_len: {config.max_model_len} is more than {cap[1]}")
+        self.max_model_len = config.max_model_len or model_cfg.max_context  # the cap, where there is one
+        if config.max_model_len is None and cap is not None:
+            log.info("the context is capped at %s, below the model's %d positions", cap[1],
                      model_cfg.max_position_embeddings)
         self.model = load_model(model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.model_config = model_cfg

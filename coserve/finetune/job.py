@@ -77,11 +77,9 @@ class FinetuneJob:
         self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
         self.validation = [Example(list(e.token_ids), list(e.targets)) for e in validation or ()]
         longest = self.longest_tokens
-        window = model.cfg.sliding_window
-        if window is not None and longest > window:
-            raise ValueError(f"examples: a sequence has {longest} tokens, more than the model's sliding window of "
-                             f"{window}; lower max_seq_len (coserve attends to whole contexts, which is what the "
-                             f"window attends to only within {window} tokens)")
+        cap = model.cfg.context_cap
+        if cap is not None and longest > cap[0]:
+            raise ValueError(f"examples: a sequence has {longest} tokens, more than {cap[1]}; lower max_seq_len")
         if longest > model.rope.max_positions:
             raise ValueError(f"examples: a sequence has {longest} tokens; the model was loaded with positions "
                              f"for {model.rope.max_positions} (lower max_seq_len or load it with more)")

@@ -260,7 +260,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     dqkv = torch.empty(n, cfg.q_size + 2 * cfg.kv_size, device=x.device, dtype=x.dtype)  # [dq | dk | dv]
     dq, dk, dv = dqkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     dqk = dqkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim))
-    _rope_backward_into(model, torch.cat([q_grad, k_own_grad], dim=1), positions, dqk)  # q and k in one pass
+    model.rope.rotate_backward(torch.cat([q_grad, k_own_grad], dim=1), positions, dqk)  # q and k in one pass
     if cfg.qk_norm:  # through the norms of q's and k's heads, in one pass too
         k_stats = _norm_stats(k_pre, keep.get("k_rms", a, b), eps)
         stats = torch.cat([q_stats[0], k_stats[0]], dim=1), torch.cat([q_stats[1], k_stats[1]], dim=1)
@@ -335,11 +335,3 @@ def _plus(t: torch.Tensor, *extras) -> torch.Tensor:
         elif e is not None:
             t = t.add_(e)
     return t
-
-
-def _rope_backward_into(model: DecoderModel, dy: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
-    """The transpose of the rotation ``y = x cos + x.roll(D/2) sin_signed`` (``rope.rotate``), for ``[n, H, D]``
-    gradients, into ``out``: ``dy cos + (dy sin_signed).roll(D/2)`` (rolling by half of D is its own inverse)."""
-    cos, sin_signed = model.rope.tables(positions)
-    torch.mul(dy, cos, out=out)
-    out += (dy * sin_signed).roll(dy.shape[-1] // 2, -1)

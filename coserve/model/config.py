@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # The HF architectures coserve runs, and what each implies for the decoder.
 # ``qk_norm``: q and k RMS-normalised over each head (weights ``q_norm``/``k_norm`` of ``head_dim``) before the rotation.
+# ``fused``: q/k/v and gate/up stored (and adapted) as one module each, ``qkv_proj`` and ``gate_up_proj`` (Phi-3).
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
+    "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
 }
+ROPE_TYPES = ("default", "llama3", "longrope")
 
 
 class ModelConfigError(ValueError):
@@ -23,14 +27,21 @@ class ModelConfigError(ValueError):
 
 @dataclass(slots=True)
 class RopeConfig:
-    """Rotary embedding parameters (plain RoPE or Llama-3 frequency scaling)."""
+    """Rotary embedding parameters (plain RoPE, Llama-3 frequency scaling, or Phi-3's LongRoPE)."""
 
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" or "llama3"
+    rope_type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0  # llama3: how much longer the new context is
     low_freq_factor: float = 1.0  # llama3: wavelengths above orig/low are scaled by 1/factor
     high_freq_factor: float = 4.0  # llama3: wavelengths below orig/high are kept
-    original_max_position_embeddings: int = 8192  # llama3: the pre-scaling context
+    original_max_position_embeddings: int = 8192  # llama3, longrope: the pre-scaling context
+    # the first fraction of each head's dimensions that rotates (Phi-3's partial_rotary_factor); the rest pass through
+    partial_rotary_factor: float = 1.0
+    # longrope: each frequency divided by short_factor's (contexts up to original_max_position_embeddings), cos and
+    # sin multiplied by attention_factor (transformers' default: sqrt(1 + ln(factor) / ln(original)), factor =
+    # max_position_embeddings / original where the config gives none)
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(slots=True)
@@ -57,6 +68,7 @@ class ModelConfig:
     # the shortest window a layer attends over (tokens), where any layer slides (Mistral's sliding_window, Qwen2's and
     # Qwen3's use_sliding_window, layer_types); None where every layer attends to its whole context
     sliding_window: int | None = None
+    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj, each one module of the checkpoint and of its adapters
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -69,16 +81,47 @@ class ModelConfig:
             raise ModelConfigError(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
-        if self.rope.rope_type not in ("default", "llama3"):
+        if self.rope.rope_type not in ROPE_TYPES:
             raise ModelConfigError(
-                f"config.json: rope type {self.rope.rope_type!r} is not supported (default, llama3)")
+                f"config.json: rope type {self.rope.rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+        if not 0 < self.rope.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ModelConfigError(f"config.json: partial_rotary_factor {self.rope.partial_rotary_factor} leaves "
+                                   f"{self.rotary_dim} of {self.head_dim} dimensions to rotate (an even, positive "
+                                   "number is needed)")
+        if self.rope.rope_type == "longrope" and len(self.rope.short_factor) != self.rotary_dim // 2:
+            raise ModelConfigError(f"field 'rope_scaling': short_factor has {len(self.rope.short_factor)} values; "
+                                   f"the model rotates {self.rotary_dim} dimensions, so {self.rotary_dim // 2} are "
+                                   "needed")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions rotate (the first ones; HF's ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def context_cap(self) -> tuple[int, str] | None:
+        """Where coserve runs a shorter context than ``max_position_embeddings``, and why: a sliding window (coserve
+        attends to whole contexts, which is what a window of W tokens attends to in a sequence of at most W: vLLM's
+        ``--disable-sliding-window`` caps the context so too), or LongRoPE's original context (past it the model
+        rotates every position by its long factors, which coserve does not build). None where nothing caps it."""
+        caps = []
+        if self.sliding_window is not None:
+            caps.append((self.sliding_window, f"the model's sliding window of {self.sliding_window} tokens (coserve "
+                                              "attends to whole contexts, which is what the window attends to only "
+                                              "within it)"))
+        if self.rope.rope_type == "longrope":
+            n = self.rope.original_max_position_embeddings
+            caps.append((n, f"the model's LongRoPE original context of {n} tokens (coserve rotates by its "
+                            "short factors; the long factors past it are not built)"))
+        caps = [c for c in caps if c[0] < self.max_position_embeddings]
+        return min(caps) if caps else None
 
     @property
     def max_context(self) -> int:
-        """The longest sequence coserve runs as the checkpoint's model does: ``max_position_embeddings``, or the
-        sliding window where shorter. coserve attends to whole contexts, which is what a sliding window of W tokens
-        attends to in a sequence of at most W (vLLM's ``--disable-sliding-window`` caps the context so too)."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        """The longest sequence coserve runs as the checkpoint's model does: ``max_position_embeddings``, or
+        ``context_cap`` where that is shorter."""
+        cap = self.context_cap
+        return self.max_position_embeddings if cap is None else cap[0]
 
     @property
     def q_size(self) -> int:
@@ -129,7 +172,9 @@ class ModelConfig:
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
                 qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
                 sliding_window=_attention_window(raw, arch),
+                fused=SUPPORTED_ARCHITECTURES[arch]["fused"],
             )
+            _check_activation(raw)
         except KeyError as e:
             raise ModelConfigError(f"missing field {e.args[0]!r}") from e
         except (TypeError, ValueError) as e:
@@ -146,10 +191,13 @@ def _attention_window(raw: dict[str, Any], arch: str) -> int | None:
     """``ModelConfig.sliding_window`` as transformers reads the config: Mistral slides every layer over
     ``sliding_window`` (4096 where the field is absent, none where it is null); Qwen2 and Qwen3 slide only with
     ``use_sliding_window`` (off in their released checkpoints), the layers ``layer_types`` names (from
-    ``max_window_layers`` on, in configs without them); other kinds of layer are refused, naming the field. Llama's
-    layers attend to their whole context."""
+    ``max_window_layers`` on, in configs without them); other kinds of layer are refused, naming the field. Phi-3
+    slides every layer where ``sliding_window`` is set. Llama's layers attend to their whole context."""
     if arch == "MistralForCausalLM":
         window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        return int(window) if window else None
+    if arch == "Phi3ForCausalLM":  # every layer slides where the field is set (Phi-3-mini-4k: 2047)
+        window = raw.get("sliding_window")
         return int(window) if window else None
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not raw.get("use_sliding_window"):
         kinds = ["full_attention"]
@@ -169,6 +217,13 @@ def _attention_window(raw: dict[str, Any], arch: str) -> int | None:
     if not sliding or not window:
         return None
     return int(window)
+
+
+def _check_activation(raw: dict[str, Any]) -> None:
+    """Every supported architecture gates its MLP with SiLU; another ``hidden_act`` is refused, naming it."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"field 'hidden_act': {act!r} is not supported (the MLP runs SiLU)")
 
 
 def read_json_file(path: Path, where: str, error: type[ValueError]) -> dict:
@@ -196,8 +251,13 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("su", "yarn") and raw.get("architectures", [None])[0] == "Phi3ForCausalLM":
+        rope_type = "longrope"  # Phi3Config's reading of the older names
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if rope_type == "longrope":
+        return _longrope(raw, params, theta, partial)
     if rope_type != "llama3":
-        return RopeConfig(theta=theta, rope_type=rope_type)
+        return RopeConfig(theta=theta, rope_type=rope_type, partial_rotary_factor=partial)
     try:
         return RopeConfig(
             theta=theta,
@@ -206,6 +266,27 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            partial_rotary_factor=partial,
         )
     except KeyError as e:
         raise ModelConfigError(f"field 'rope_scaling': llama3 scaling needs {e.args[0]!r}") from e
+
+
+def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial: float) -> RopeConfig:
+    """Phi-3's LongRoPE as transformers computes it for contexts up to the original one (its short factors)."""
+    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    short = params.get("short_factor")
+    if original is None:
+        raise ModelConfigError("field 'rope_scaling': longrope needs 'original_max_position_embeddings'")
+    if not isinstance(short, list) or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                               for f in short):
+        raise ModelConfigError(f"field 'rope_scaling': longrope's short_factor must be a list of numbers, "
+                               f"got {short!r}")
+    original = int(original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        factor = params.get("factor") or int(raw.get("max_position_embeddings", 2048)) / original
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta=theta, rope_type="longrope", original_max_position_embeddings=original,
+                      partial_rotary_factor=partial, short_factor=tuple(float(f) for f in short),
+                      attention_factor=float(attention))

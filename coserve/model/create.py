@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Phi3Config,
                           PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
@@ -105,7 +105,8 @@ def _check_shard_size(max_shard_size: str | int | None) -> None:
 def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float32",
                  tie_word_embeddings: bool | None = None,
                  rope_scaling: dict[str, Any] | None = None, head_dim: int | None = None) -> PreTrainedConfig:
-    """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig`` or ``Qwen3Config``) ``create_model`` uses.
+    """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``, ``Qwen3Config`` or ``Phi3Config``)
+    ``create_model`` uses.
 
     Raises ``ValueError`` naming the field for an unknown preset, arch or dtype, or a bad
     ``rope_scaling`` or ``head_dim``.
@@ -117,8 +118,8 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         head_dim = p.head_dim
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: must be a positive even integer, got {head_dim!r}")
-    elif arch == "qwen2" and head_dim != p.head_dim:
-        raise ValueError(f"head_dim: Qwen2 heads are hidden_size / num_attention_heads ({p.head_dim}) wide")
+    elif arch in ("qwen2", "phi3") and head_dim != p.head_dim:
+        raise ValueError(f"head_dim: {arch} heads are hidden_size / num_attention_heads ({p.head_dim}) wide")
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     common: dict[str, Any] = dict(
         vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
@@ -136,6 +137,9 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
             cfg = Qwen2Config(**common, use_sliding_window=False)
         elif arch == "qwen3":  # no biases; q and k each RMS-normalised per head before the rotation
             cfg = Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False)
+        elif arch == "phi3":  # q/k/v in one matrix (qkv_proj), gate and up in another (gate_up_proj)
+            cfg = Phi3Config(**common, original_max_position_embeddings=p.max_position_embeddings,
+                             sliding_window=None)
         else:
             cfg = MistralConfig(**common, head_dim=head_dim, sliding_window=None)
     except (TypeError, ValueError, KeyError) as e:
@@ -156,8 +160,12 @@ def shape_init(model: PreTrainedModel) -> None:
     tied = bool(cfg.tie_word_embeddings)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(qk_gain)
-            layer.self_attn.k_proj.weight.mul_(qk_gain)
+            if hasattr(layer.self_attn, "qkv_proj"):  # Phi-3: q's and k's rows of the fused matrix
+                q_and_k = (cfg.num_attention_heads + cfg.num_key_value_heads) * layer.self_attn.head_dim
+                layer.self_attn.qkv_proj.weight[:q_and_k].mul_(qk_gain)
+            else:
+                layer.self_attn.q_proj.weight.mul_(qk_gain)
+                layer.self_attn.k_proj.weight.mul_(qk_gain)
             if hasattr(layer.self_attn, "q_norm"):  # Qwen3's per-head norms (see the module docstring)
                 ramp = torch.linspace(0.5, 1.5, layer.self_attn.q_norm.weight.numel())
                 layer.self_attn.q_norm.weight.copy_(ramp)
@@ -188,11 +196,11 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     The same arguments always give the same weights; the weights depend on ``seed``.
 
     ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``, ``medium``), ``arch``
-    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``dtype`` one of ``float32``, ``bfloat16``,
+    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``dtype`` one of ``float32``, ``bfloat16``,
     ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
     only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;
-    ``rope_theta`` defaults to the preset's. ``head_dim`` (not for qwen2) sets each head's width apart from
+    ``rope_theta`` defaults to the preset's. ``head_dim`` (not for qwen2 or phi3) sets each head's width apart from
     ``hidden_size / num_attention_heads``, as Qwen3 and Llama-3.2 checkpoints do. Raises ``ValueError`` naming the
     offending field.
     """

@@ -71,8 +71,9 @@ class DecoderLayer:
         self.post_norm = w("post_attention_layernorm.weight")
         # in float32 for their backward (the same tensors in a float32 model; else one copy, not one per window)
         self.input_norm_f32, self.post_norm_f32 = self.input_norm.float(), self.post_norm.float()
-        self.qkv = gemm_layout(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                          w("self_attn.v_proj.weight")]))  # [q + 2kv, H]
+        self.qkv = gemm_layout(w("self_attn.qkv_proj.weight") if cfg.fused else  # [q + 2kv, H]
+                               torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                                          w("self_attn.v_proj.weight")]))
         self.qkv_bias = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
                                     w("self_attn.v_proj.bias")]) if cfg.qkv_bias else None)
         # Qwen3: each head of q and k RMS-normalised before the rotation; both weights as one [Hq + Hkv, D] (the
@@ -84,7 +85,8 @@ class DecoderLayer:
             self.qk_norm_f32 = self.qk_norm.float()
             self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]  # k before its norm, for its backward
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
-        self.gate_up = gemm_layout(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))  # [2I, H]
+        self.gate_up = gemm_layout(w("mlp.gate_up_proj.weight") if cfg.fused else  # [2I, H]
+                                   torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
         self.down = gemm_layout(w("mlp.down_proj.weight"))
         # Views of the fused weights that a finetuning backward recomputes alone (one object each, so that a
         # packed copy can be found for them: coserve/model/packed_gemm.py).
@@ -126,7 +128,7 @@ class DecoderModel:
         self.norm = state["model.norm.weight"].to(device=device, dtype=dtype)
         self.norm_f32 = self.norm.float()  # for the finetuning head's backward, as DecoderLayer's
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
-        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype)
+        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype, cfg.rotary_dim)
         self.scale = cfg.head_dim ** -0.5
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
         self.packed: PackedWeights | None = None

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: plain RoPE and Llama-3 frequency scaling, as HF computes them."""
+"""Rotary position embeddings: plain RoPE, Llama-3 frequency scaling and Phi-3's LongRoPE (within its original
+context), over all of each head or its first dimensions (``partial_rotary_factor``), as HF computes them."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from coserve.model.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """The ``head_dim // 2`` rotation frequencies, float32, scaled per ``rope.rope_type``."""
+    """The ``head_dim // 2`` rotation frequencies, float32, scaled per ``rope.rope_type`` (``head_dim``: the rotated
+    dimensions, where only part of a head rotates)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope.rope_type == "longrope":  # each frequency divided by its short factor (transformers' order of operations)
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** exponents)
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type != "llama3":
         return inv_freq
@@ -28,22 +32,28 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """A cos/sin table for every position up to ``max_positions``, applied by position id."""
+    """A cos/sin table for every position up to ``max_positions``, applied by position id to the first
+    ``rotary_dim`` dimensions of each head (all of them by default); the others pass through."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq = inverse_frequencies(rope, head_dim)
+                 device: torch.device, dtype: torch.dtype, rotary_dim: int | None = None) -> None:
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        inv_freq = inverse_frequencies(rope, rotary_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, head_dim/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        sin = emb.sin()
-        half = head_dim // 2
+        freqs = torch.outer(positions, inv_freq)  # [P, rotary_dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
+        cos, sin = emb.cos(), emb.sin()
+        if rope.attention_factor != 1.0:  # LongRoPE's, on both tables before the cast (as HF)
+            cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+        self.cos = cos.to(device=device, dtype=dtype)
+        half = rotary_dim // 2
         # sin with its first half negated: ``rotate_half(x) * sin`` is then ``x.roll(half) * sin_signed``, one
         # kernel where rotate_half takes four (two slices, a negation, a cat), and bit for bit the same product
         # (a sign moved between factors is exact)
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device=device, dtype=dtype)
         self.max_positions = max_positions
+        self.rotary_dim = rotary_dim
+        self.partial = rotary_dim < head_dim
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin_signed)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
@@ -54,12 +64,27 @@ class RotaryEmbedding:
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate one of ``q`` or ``k`` (``[T, H, D]``) as ``__call__`` does."""
         cos, sin_signed = self.tables(positions)
+        if self.partial:  # HF: cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass])
+            rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+            return torch.cat([rot * cos + rot.roll(self.rotary_dim // 2, -1) * sin_signed, rest], dim=-1)
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed  # HF: x * cos + rotate_half(x) * sin
 
+    def rotate_backward(self, dy: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """The transpose of ``rotate`` for gradients ``dy`` ``[n, H, D]``, into ``out``: ``dy cos + (dy
+        sin_signed).roll(R/2)`` over the rotated dimensions (rolling by half of them is its own inverse), ``dy`` as it
+        is over the others."""
+        cos, sin_signed = self.tables(positions)
+        r = self.rotary_dim
+        rot, out_rot = (dy[..., :r], out[..., :r]) if self.partial else (dy, out)
+        torch.mul(rot, cos, out=out_rot)
+        out_rot += (rot * sin_signed).roll(r // 2, -1)
+        if self.partial:
+            out[..., r:] = dy[..., r:]
+
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin_signed)`` ``[T, 1, D]`` of ``positions`` (``sin_signed``: sin with its first half negated);
-        the last call's are reused while the same ``positions`` tensor comes back (every layer of one forward
-        passes the same one)."""
+        """``(cos, sin_signed)`` ``[T, 1, R]`` of ``positions`` (``sin_signed``: sin with its first half negated; R the
+        rotated dimensions); the last call's are reused while the same ``positions`` tensor comes back (every layer
+        of one forward passes the same one)."""
         last = self._last
         if last is not None and last[0] is positions:
             return last[1], last[2]

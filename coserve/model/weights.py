@@ -63,14 +63,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (cfg.q_size, h),
-            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
             p + "self_attn.o_proj.weight": (h, cfg.q_size),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         })
+        if cfg.fused:  # Phi-3: q, k and v in one matrix, gate and up in another
+            shapes[p + "self_attn.qkv_proj.weight"] = (cfg.q_size + 2 * cfg.kv_size, h)
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, h)
+        else:
+            shapes.update({
+                p + "self_attn.q_proj.weight": (cfg.q_size, h),
+                p + "self_attn.k_proj.weight": (cfg.kv_size, h),
+                p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+            })
         if cfg.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
