@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -69,14 +70,20 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
 @pytest.mark.parametrize("arch,targets", [("llama", ["down_proj"]),
                                           ("llama", ["q_proj", "v_proj", "o_proj", "gate_proj"]),
                                           ("qwen2", "ia3"), ("qwen2", "dora"),
-                                          ("qwen3", ["q_proj", "k_proj", "v_proj", "down_proj"])])
+                                          ("qwen3", ["q_proj", "k_proj", "v_proj", "down_proj"]),
+                                          ("phi3", ["qkv_proj", "gate_up_proj"]), ("phi3", "ia3"),
+                                          ("phi3", "dora")])
 def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, targets):
     model_dir = model_factory(arch)
+    phi3 = arch == "phi3"  # Phi-3's fused modules: one bypass over all of q, k and v, one over gate and up
     if targets == "ia3":  # PEFT's default IA3 placement: k_proj and v_proj outputs, down_proj input
-        start = make_ia3_adapter(model_dir, tmp_path / "start", seed=3)
+        start = make_ia3_adapter(model_dir, tmp_path / "start", seed=3,
+                                 **({"target_modules": ["qkv_proj", "down_proj"], "feedforward_modules": ["down_proj"]}
+                                    if phi3 else {}))
     elif targets == "dora":  # q/v with Qwen2's biases, which DoRA leaves unscaled
         start = make_dora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8,
-                                  target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+                                  target_modules=["qkv_proj", "gate_up_proj"] if phi3 else
+                                  ["q_proj", "v_proj", "up_proj", "down_proj"])
     else:
         start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, target_modules=targets)
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
@@ -108,19 +115,26 @@ def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, ta
     assert [x["mean_token_accuracy"] for x in lines] == ref_accuracies
 
 
-def test_all_linear_wraps_the_modules_peft_wraps(model_factory):
-    """PEFT's target_modules="all-linear" (every linear module but the LM head), as a string, a one-item list or
-    the CLI's comma list; any other string is refused rather than read as PEFT's path regex."""
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_all_linear_wraps_the_modules_peft_wraps(model_factory, arch):
+    """PEFT's target_modules="all-linear" (every linear module but the LM head: Phi-3's fused qkv_proj and
+    gate_up_proj), as a string, a one-item list or the CLI's comma list, resolved against the model; any other string
+    is refused rather than read as PEFT's path regex, and so is a module the model lacks."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from coserve.peft.config import LoraConfig
-    hf = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_factory("llama"))),
-                        PeftLoraConfig(r=4, target_modules="all-linear"))
+    from coserve.model.loader import load_model
+    from coserve.peft.config import LoraConfig, for_model
+    path = model_factory(arch)
+    hf = get_peft_model(AutoModelForCausalLM.from_pretrained(str(path)), PeftLoraConfig(r=4, target_modules="all-linear"))
     wrapped = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in hf.named_parameters()
                if name.endswith("lora_A.default.weight")}
+    modules = load_model(path, torch.float32, torch.device("cpu")).module_shapes()
     for given in ("all-linear", ["all-linear"]):
-        assert set(LoraConfig(target_modules=given).target_modules) == wrapped
+        assert set(for_model(LoraConfig(target_modules=given), modules).target_modules) == wrapped
+    lacking = ["q_proj", "v_proj"] if arch == "phi3" else ["qkv_proj"]
+    with pytest.raises(ValueError, match=re.escape(f"target_modules: {lacking!r} are not modules of this model")):
+        for_model(LoraConfig(target_modules=lacking), modules)
     with pytest.raises(ValueError, match="a string must be 'all-linear'"):
         LoraConfig(target_modules=".*proj")

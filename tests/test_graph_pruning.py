@@ -215,12 +215,15 @@ def test_graph_matches_the_decoder():
                       num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
                       tie_word_embeddings=False, qkv_bias=True, torch_dtype="bfloat16")
     shape = LayerShape.from_model_config(cfg, element_size=2)
-    assert TARGET_MODULES == decoder.TARGET_MODULES  # repeated in graph.py to stay torch-free
     assert shape.module_shapes() == decoder.DecoderModel.module_shapes(SimpleNamespace(cfg=cfg))
     graph = build_layer_graph(shape, LoraConfig(r=4, target_modules=["q_proj"]))
     assert graph.op("q_proj").inputs == ("h_attn", "q_proj.W", "q_proj.b")
     assert graph.op("q_proj").flops == 2 * 96 * 96 and graph.op("q_proj.lora_A").flops == 2 * 96 * 4
     assert "q_norm" not in {op.name for op in graph.ops}
+    # Phi-3's fused modules are priced as their parts: a bypass on each, reading the same input
+    fused = build_layer_graph(shape, LoraConfig(r=4, target_modules=["qkv_proj", "gate_up_proj"]))
+    assert {op.name for op in fused.ops if op.name.endswith(".lora_A")} == {
+        "q_proj.lora_A", "k_proj.lora_A", "v_proj.lora_A", "gate_proj.lora_A", "up_proj.lora_A"}
 
 
 def test_graph_of_qwen3_normalises_q_and_k_per_head_before_the_rotation():

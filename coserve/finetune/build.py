@@ -11,6 +11,7 @@ from coserve.finetune.job import FinetuneJob
 from coserve.finetune.preference import load_preference_dataset
 from coserve.finetune.preference_job import PreferenceJob
 from coserve.model.decoder import DecoderModel
+from coserve.model.linear_modules import resolve_targets
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora, load_trainable
 
@@ -27,8 +28,9 @@ def make_bypass(peft: LoraConfig | IA3Config, model: DecoderModel, seed: int) ->
         except (RuntimeError, TypeError, OverflowError) as e:
             if isinstance(e, RuntimeError) and not _allocation_failed(e):
                 raise  # not the rank's size: a fault of its own, reported as it is
-            params = layers * sum(peft.r * sum(shapes[m]) for m in peft.target_modules)
-            raise ValueError(f"r: a rank-{peft.r} LoRA on {', '.join(peft.target_modules)} has {params:,} "
+            targets = resolve_targets(peft.target_modules, shapes)
+            params = layers * sum(peft.r * sum(shapes[m]) for m in targets)
+            raise ValueError(f"r: a rank-{peft.r} LoRA on {', '.join(targets)} has {params:,} "
                              f"parameters, which cannot be allocated ({type(e).__name__})") from e
     raise ValueError(f"peft: expected a LoraConfig or IA3Config, got {type(peft).__name__}")
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-# The modules a bypass may attach to (``coserve.model.decoder.TARGET_MODULES``, repeated to stay torch-free).
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from coserve.model.linear_modules import ALL_LINEAR, ALL_TARGET_MODULES, TARGET_MODULES, ordered, split_fused
+
 
 FLOPS_PER_ELEMENT = {"mul": 1, "scale": 1, "add": 1, "silu": 4, "relu": 1, "norm": 4, "rope": 3}
 SOFTMAX_FLOPS_PER_SCORE = 5
@@ -233,10 +233,10 @@ class LayerShape:
 
 def peft_summary(peft: Any) -> str:
     """A one-line name of a PEFT config, e.g. ``LoRA r=16 on down_proj``."""
-    mods = ", ".join(m for m in TARGET_MODULES if m in peft.target_modules)
+    mods = ", ".join(ordered(peft.target_modules)) or ALL_LINEAR
     if peft.peft_type == "LORA":
         return f"{'DoRA' if getattr(peft, 'use_dora', False) else 'LoRA'} r={peft.r} on {mods}"
-    ff = [m for m in TARGET_MODULES if m in peft.feedforward_modules]
+    ff = ordered(peft.feedforward_modules)
     return f"IA3 on {mods}" + (f" (input-scaled: {', '.join(ff)})" if ff else "")
 
 
@@ -244,10 +244,10 @@ def _check_peft(peft: Any) -> None:
     kind = getattr(peft, "peft_type", None)
     if kind not in ("LORA", "IA3"):
         raise ValueError(f"peft_config.peft_type: must be 'LORA' or 'IA3', got {kind!r}")
-    unknown = sorted(set(peft.target_modules) - set(TARGET_MODULES))
+    unknown = sorted(set(peft.target_modules) - set(ALL_TARGET_MODULES) - {ALL_LINEAR})
     if unknown or not peft.target_modules:
         raise ValueError(f"peft_config.target_modules: {list(peft.target_modules)!r} must be a non-empty "
-                         f"subset of {', '.join(TARGET_MODULES)}")
+                         f"subset of {', '.join(ALL_TARGET_MODULES)}")
     if kind == "LORA" and (not isinstance(peft.r, int) or peft.r <= 0):
         raise ValueError(f"peft_config.r: must be a positive integer, got {peft.r!r}")
 
@@ -268,7 +268,10 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     _check_peft(peft)
     b = GraphBuilder(shape.element_size)
     dims = shape.module_shapes()
-    targets = set(peft.target_modules)
+    # all-linear as a Llama-family model's; a fused module (Phi-3's qkv_proj, gate_up_proj) priced as its parts: its
+    # bypass keeps as much (an IA3 output as wide, a LoRA x A^T per part: r values a token more than one) and reads
+    # the same input
+    targets = set(TARGET_MODULES if list(peft.target_modules) == [ALL_LINEAR] else split_fused(peft.target_modules))
     input_scaled = set(getattr(peft, "feedforward_modules", ())) if peft.peft_type == "IA3" else set()
 
     def linear(module: str, x: str, out: str, bias: bool = False) -> str:

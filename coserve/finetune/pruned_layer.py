@@ -159,7 +159,8 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
 
 # The backward's stages, last module first; a layer whose input needs no gradient (layer 0:
 # its input is the frozen embedding) stops after the stage of its lowest bypassed module.
-_STAGES = (("down_proj",), ("gate_proj", "up_proj"), ("o_proj",), ("q_proj", "k_proj", "v_proj"))
+_STAGES = (("down_proj",), ("gate_proj", "up_proj", "gate_up_proj"), ("o_proj",),
+           ("q_proj", "k_proj", "v_proj", "qkv_proj"))
 
 
 @torch.no_grad()  # by hand: autograd records nothing (attention recomputed without its kept output turns it back on)
@@ -191,7 +192,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     need_k_pre = cfg.qk_norm and last > 3 and k_pre is None
     rstd1, stats1 = keep.get("rms_attn", a, b), None  # the input norm's statistic, kept or recomputed
     h1 = None  # the input norm, where recomputed (its backward reads the statistics too)
-    if (q is None and not cfg.qk_norm) or need_q_pre or need_k_pre or _touches(bypass, "q_proj", "k_proj", "v_proj"):
+    if (q is None and not cfg.qk_norm) or need_q_pre or need_k_pre or _touches(bypass, *_STAGES[3]):
         stats1 = _norm_stats(x, rstd1, eps)
         h1 = rms_norm(x, layer.input_norm, eps, stats1)
     if need_q_pre:
@@ -218,10 +219,12 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     rstd2, stats2 = keep.get("rms_mlp", a, b), None
     h2 = None
-    if gate is None or up is None or _touches(bypass, "gate_proj", "up_proj"):
+    if gate is None or up is None or _touches(bypass, *_STAGES[1]):
         stats2 = _norm_stats(resid, rstd2, eps)
         h2 = rms_norm(resid, layer.post_norm, eps, stats2)
     inter = cfg.intermediate_size
+    if (gate is None or up is None) and _touches(bypass, "gate_up_proj"):  # Phi-3's bypass: over both at once
+        gate, up = bypass_output(bypass, None, i, "gate_up_proj", h2, model.linear(h2, layer.gate_up)).chunk(2, dim=-1)
     if gate is None:
         gate = bypass_output(bypass, None, i, "gate_proj", h2, model.linear(h2, layer.gate_weight))
     if up is None:
@@ -238,9 +241,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     torch.mul(dact, silu, out=dup)
     ex_g = _out_backward_into(bypass, keep, i, "gate_proj", h2, dgate, a, b)
     ex_u = _out_backward_into(bypass, keep, i, "up_proj", h2, dup, a, b)
+    ex_gu = _out_backward_into(bypass, keep, i, "gate_up_proj", h2, dgu, a, b)
     if last == 2:
         return None
-    dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u)
+    dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u, ex_gu)
     dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps))
     dattn = _module_backward(model, bypass, keep, i, "o_proj", o, layer.o, dresid, a, b, need_dx=last > 3)
     if last == 3:
@@ -269,16 +273,21 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)
     ex_k = _out_backward_into(bypass, keep, i, "k_proj", h1, dk, a, b)
     ex_v = _out_backward_into(bypass, keep, i, "v_proj", h1, dv, a, b)
+    ex_qkv = _out_backward_into(bypass, keep, i, "qkv_proj", h1, dqkv, a, b)
     if not need_input_grad:
         return None
-    dh1 = _plus(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v)
+    dh1 = _plus(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v, ex_qkv)
     return dresid + rms_norm_backward(dh1, x, layer.input_norm_f32, eps, stats1 or _norm_stats(x, rstd1, eps))
 
 
 def _projection(model: DecoderModel, layer: DecoderLayer, bypass, module: str, h: torch.Tensor) -> torch.Tensor:
-    """``q_proj``'s or ``k_proj``'s output ``[n, out]`` (bias and bypass included) recomputed from the input norm."""
+    """``q_proj``'s or ``k_proj``'s output ``[n, out]`` (bias and bypass included) recomputed from the input norm
+    (under Phi-3's bypass of all of q, k and v, their rows of it)."""
     weight = layer.q_weight if module == "q_proj" else layer.k_weight
     lo = 0 if module == "q_proj" else model.cfg.q_size
+    if _touches(bypass, "qkv_proj"):
+        qkv = bypass_output(bypass, None, layer.index, "qkv_proj", h, model.linear(h, layer.qkv, layer.qkv_bias))
+        return qkv[:, lo:lo + weight.shape[0]]
     bias = layer.qkv_bias[lo:lo + weight.shape[0]] if layer.qkv_bias is not None else None
     return bypass_output(bypass, None, layer.index, module, h, model.linear(h, weight, bias))
 

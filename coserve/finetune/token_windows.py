@@ -142,7 +142,7 @@ def _recompute_backward(model: DecoderModel, bypass: Bypass, state: SequenceStat
     produces them (autograd then runs only what the bypasses' parameters need).
     """
     layer = model.layers[i]
-    kv_grads = need_input_grad or any(m in bypass.modules for m in ("q_proj", "k_proj", "v_proj"))
+    kv_grads = need_input_grad or any(m in bypass.modules for m in ("q_proj", "k_proj", "v_proj", "qkv_proj"))
     x = state.layer_inputs[i][a:b].detach().requires_grad_(need_input_grad)
     k_prefix = state.k[i][:a].detach().requires_grad_(kv_grads)
     v_prefix = state.v[i][:a].detach().requires_grad_(kv_grads)

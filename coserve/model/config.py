@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 # The HF architectures coserve runs, and what each implies for the decoder.
-# ``qk_norm``: q and k RMS-normalised over each head (weights ``q_norm``/``k_norm`` of ``head_dim``) before the rotation.
+# ``qk_norm``: q and k RMS-normalised over each head (weights ``q_norm``/``k_norm`` of ``head_dim``) before the
+# rotation.
 # ``fused``: q/k/v and gate/up stored (and adapted) as one module each, ``qkv_proj`` and ``gate_up_proj`` (Phi-3).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
@@ -95,7 +96,7 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many of each head's dimensions rotate (the first ones; HF's ``int(head_dim * partial_rotary_factor)``)."""
+        """How many of each head's dimensions rotate (the first: HF's ``int(head_dim * partial_rotary_factor)``)."""
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property

@@ -17,13 +17,6 @@ from coserve.model.packed_gemm import PackedWeights, gemm_backend
 from coserve.model.rope import RotaryEmbedding
 from coserve.model.tiled_gemm import padded_rows, split_linear
 
-# Linear modules a bypass network may attach to, with the fused weight each lives in.
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-# Modules whose input a bypass may rescale (IA3's feed-forward placement): each has its own matmul.
-INPUT_SCALABLE_MODULES = ("o_proj", "down_proj")
-
 # Attention over a layer's new tokens: (q [T, Hq, D], k, v [T, Hkv, D], layer) -> [T, Hq * D].
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -164,23 +157,27 @@ class DecoderModel:
         return self.packed.input_grad(dy, weight) if self.packed is not None else dy @ weight
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(in_features, out_features)`` of every adapter-targetable linear module."""
+        """``(in_features, out_features)`` of every adapter-targetable linear module, by the model's own names (Phi-3:
+        ``qkv_proj`` and ``gate_up_proj``, each one module; ``coserve/model/linear_modules.py``)."""
         c = self.cfg
-        return {"q_proj": (c.hidden_size, c.q_size), "k_proj": (c.hidden_size, c.kv_size),
-                "v_proj": (c.hidden_size, c.kv_size), "o_proj": (c.q_size, c.hidden_size),
-                "gate_proj": (c.hidden_size, c.intermediate_size),
-                "up_proj": (c.hidden_size, c.intermediate_size),
-                "down_proj": (c.intermediate_size, c.hidden_size)}
+        h, i = c.hidden_size, c.intermediate_size
+        if c.fused:
+            return {"qkv_proj": (h, c.q_size + 2 * c.kv_size), "o_proj": (c.q_size, h), "gate_up_proj": (h, 2 * i),
+                    "down_proj": (i, h)}
+        return {"q_proj": (h, c.q_size), "k_proj": (h, c.kv_size), "v_proj": (h, c.kv_size), "o_proj": (c.q_size, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def module_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen ``[out, in]`` weight and the bias (or None) of one targetable module (views of the fused ones)."""
         c, lay = self.cfg, self.layers[layer]
         bounds = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.q_size + c.kv_size),
-                  "v_proj": (c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)}
+                  "v_proj": (c.q_size + c.kv_size, c.q_size + 2 * c.kv_size),
+                  "qkv_proj": (0, c.q_size + 2 * c.kv_size)}
         if module in bounds:
             lo, hi = bounds[module]
             return lay.qkv[lo:hi], None if lay.qkv_bias is None else lay.qkv_bias[lo:hi]
-        weights = {"o_proj": lay.o, "gate_proj": lay.gate_weight, "up_proj": lay.up_weight, "down_proj": lay.down}
+        weights = {"o_proj": lay.o, "gate_proj": lay.gate_weight, "up_proj": lay.up_weight, "down_proj": lay.down,
+                   "gate_up_proj": lay.gate_up}
         return weights[module], None
 
     @torch.inference_mode()
@@ -233,7 +230,7 @@ class DecoderModel:
         if tap is not None:
             tap("rms_attn", stats[1])
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps, stats)
-        qkv = linear(h, layer.qkv, layer.qkv_bias)
+        qkv = bypass_output(bypass, tap, i, "qkv_proj", h, linear(h, layer.qkv, layer.qkv_bias))  # Phi-3's bypass
         q0, k0, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = bypass_output(bypass, tap, i, "q_proj", h, q0)
         k = bypass_output(bypass, tap, i, "k_proj", h, k0)
@@ -259,7 +256,7 @@ class DecoderModel:
         if tap is not None:
             tap("rms_mlp", stats[1])
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps, stats)
-        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+        gate, up = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate)
         up = bypass_output(bypass, tap, i, "up_proj", h, up)
         if tap is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -14,7 +15,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from coserve.model.config import read_json_file
-from coserve.model.decoder import TARGET_MODULES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -48,12 +48,13 @@ def peft_type(config: dict) -> str:
     return str(config.get("peft_type", "")).upper()
 
 
-def check_target_names(cfg_file: Path, targets: list, kind: str) -> None:
-    """A ``target_modules`` list names only modules the decoder can adapt."""
-    unknown = sorted(set(targets) - set(TARGET_MODULES))
+def check_target_names(cfg_file: Path, targets: list, kind: str, modules: Iterable[str]) -> None:
+    """A ``target_modules`` list names only modules of the model (``modules``: ``DecoderModel.module_shapes``' keys)."""
+    modules = list(modules)
+    unknown = sorted(set(targets) - set(modules))
     if unknown:
         raise AdapterError(f"{cfg_file}: field 'target_modules' names {unknown}, which this model "
-                           f"does not have as {kind} targets ({', '.join(TARGET_MODULES)})")
+                           f"does not have as {kind} targets ({', '.join(modules)})")
 
 
 def read_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -2,31 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
-from coserve.model.decoder import INPUT_SCALABLE_MODULES, TARGET_MODULES
-
-
-ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module of the decoder layers (not the LM head)
+from coserve.model.linear_modules import ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES, resolve_targets
 
 
 def _targets(modules) -> list[str]:
-    """``target_modules`` as a list: PEFT's ``"all-linear"`` (alone, as a string or a one-item list) expanded."""
+    """``target_modules`` as a list; PEFT's ``"all-linear"`` (alone, as a string or a one-item list) kept as
+    ``["all-linear"]``: every linear module of the model the adapter is made for (``resolve_targets``)."""
     if isinstance(modules, str):
         if modules != ALL_LINEAR:
             raise ValueError(f"target_modules: a string must be {ALL_LINEAR!r} (PEFT's regular expressions over module "
                              f"paths are not supported); give a list of module names otherwise")
-        return list(TARGET_MODULES)
-    modules = list(modules)
-    return list(TARGET_MODULES) if modules == [ALL_LINEAR] else modules
+        return [ALL_LINEAR]
+    return list(modules)
 
 
-def _check_targets(name: str, modules: list[str]) -> None:
+def _check_targets(name: str, modules: list[str], all_linear: bool = False) -> None:
     if not modules:
         raise ValueError(f"{name}: at least one module is needed")
-    unknown = sorted(set(modules) - set(TARGET_MODULES))
+    if all_linear and modules == [ALL_LINEAR]:
+        return
+    unknown = sorted(set(modules) - set(ALL_TARGET_MODULES))
     if unknown:
-        raise ValueError(f"{name}: unknown module(s) {unknown}; choose from {', '.join(TARGET_MODULES)}")
+        raise ValueError(f"{name}: unknown module(s) {unknown}; choose from {', '.join(ALL_TARGET_MODULES)}"
+                         + (f" or {ALL_LINEAR!r}" if all_linear else ""))
 
 
 @dataclass(slots=True)
@@ -36,7 +37,8 @@ class LoraConfig:
     r: int = 16  # rank
     lora_alpha: float = 16  # scaling numerator
     lora_dropout: float = 0.0  # dropout on the bypass input
-    target_modules: list[str] = field(default_factory=lambda: ["down_proj"])  # the papers' setting; "all-linear"
+    # the papers' setting; "all-linear": every linear module of the model (resolved against it: ``resolve_targets``)
+    target_modules: list[str] = field(default_factory=lambda: ["down_proj"])
     use_rslora: bool = False  # scaling = alpha / sqrt(r) instead of alpha / r
     use_dora: bool = False  # DoRA (PEFT's): a trainable magnitude per output times the direction W + scaling B A
 
@@ -50,7 +52,7 @@ class LoraConfig:
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout!r}")
         self.target_modules = _targets(self.target_modules)
-        _check_targets("target_modules", self.target_modules)
+        _check_targets("target_modules", self.target_modules, all_linear=True)
 
     @property
     def scaling(self) -> float:
@@ -83,3 +85,10 @@ class IA3Config:
     @property
     def peft_type(self) -> str:
         return "IA3"
+
+
+def for_model(config: LoraConfig | IA3Config, modules: Iterable[str]) -> LoraConfig | IA3Config:
+    """``config`` with its ``target_modules`` as the model's own names (``modules``: ``DecoderModel.module_shapes``'
+    keys): ``all-linear`` resolved, a module the model lacks refused, naming the field."""
+    return replace(config, target_modules=resolve_targets(config.target_modules, modules))
+

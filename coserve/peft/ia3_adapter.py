@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from coserve.model.decoder import INPUT_SCALABLE_MODULES
+from coserve.model.linear_modules import INPUT_SCALABLE_MODULES
 from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
                                       peft_type, read_adapter_config, read_adapter_tensors)
 
@@ -53,7 +53,7 @@ def load_ia3_adapter(name: str, path: str | Path, module_shapes: dict[str, tuple
                      num_layers: int) -> IA3Adapter:
     """Read and check a PEFT IA3 adapter against the model's shapes; errors name the file and field."""
     path = Path(path)
-    placement = _read_placement(path)
+    placement = _read_placement(path, module_shapes)
     adapter = IA3Adapter(name=name, path=path)
     weights_file = path / WEIGHTS_FILE
     for key, tensor in read_adapter_tensors(path).items():
@@ -82,7 +82,7 @@ def load_ia3_adapter(name: str, path: str | Path, module_shapes: dict[str, tuple
     return adapter
 
 
-def _read_placement(path: Path) -> _Placement:
+def _read_placement(path: Path, module_shapes: dict[str, tuple[int, int]]) -> _Placement:
     config = read_adapter_config(path)
     cfg_file = path / CONFIG_FILE
     if peft_type(config) != "IA3":
@@ -93,7 +93,7 @@ def _read_placement(path: Path) -> _Placement:
         raise AdapterError(f"{cfg_file}: field 'modules_to_save' is not supported (saved modules)")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        check_target_names(cfg_file, targets, "IA3")
+        check_target_names(cfg_file, targets, "IA3", module_shapes)
     elif not isinstance(targets, str):
         raise AdapterError(f"{cfg_file}: field 'target_modules' must be a list of module names or a regex, "
                            f"got {targets!r}")

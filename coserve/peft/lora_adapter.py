@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from coserve.model.decoder import TARGET_MODULES
 from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
                                       peft_type, read_adapter_config, read_adapter_tensors)
 
@@ -67,7 +66,7 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
             raise AdapterError(f"{cfg_file}: field {fld!r} is not supported (per-module ranks or saved modules)")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        check_target_names(cfg_file, targets, "LoRA")
+        check_target_names(cfg_file, targets, "LoRA", module_shapes)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     adapter = LoraAdapter(name=name, path=path, rank=rank, scaling=float(scaling),
                           target_modules=frozenset())
@@ -108,7 +107,7 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
         m = _KEY.search(key)
         if m is None:
             raise AdapterError(f"{weights_file}: tensor {key!r} is not a LoRA weight of a decoder "
-                               f"layer's {', '.join(TARGET_MODULES)}")
+                               f"layer's {', '.join(module_shapes)}")
         layer, module = layer_module(weights_file, key, module_shapes, num_layers)
         which = m.group(3)
         fan_in, fan_out = module_shapes[module]

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file
 
-from coserve.model.decoder import TARGET_MODULES
-from coserve.peft.config import IA3Config, LoraConfig
+from coserve.model.linear_modules import ALL_TARGET_MODULES
+from coserve.peft.config import IA3Config, LoraConfig, for_model
 from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
 from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
@@ -23,14 +23,17 @@ from coserve.peft.lora_adapter import BaseWeight, dora_row_norm
 
 
 def _prefix(layer: int, module: str) -> str:
-    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj") else "mlp"
     return f"base_model.model.model.layers.{layer}.{block}.{module}"
 
 
 class TrainableBypass(ABC):
-    """Parameters keyed by ``(layer, module)``; a ``Bypass`` the decoder applies on the fly."""
+    """Parameters keyed by ``(layer, module)``; a ``Bypass`` the decoder applies on the fly. ``config``'s modules are
+    resolved against the model's (``module_shapes``' keys: ``all-linear``, a module the model lacks refused)."""
 
-    def __init__(self, config: LoraConfig | IA3Config, num_layers: int) -> None:
+    def __init__(self, config: LoraConfig | IA3Config, module_shapes: dict[str, tuple[int, int]],
+                 num_layers: int) -> None:
+        config = for_model(config, module_shapes)
         self.config = config
         self.num_layers = num_layers
         self.modules = frozenset(config.target_modules)
@@ -146,7 +149,8 @@ class TrainableLora(TrainableBypass):
     def __init__(self, config: LoraConfig, module_shapes: dict[str, tuple[int, int]], num_layers: int,
                  device: torch.device, generator: torch.Generator | None = None,
                  base_weight: BaseWeight | None = None) -> None:
-        super().__init__(config, num_layers)
+        super().__init__(config, module_shapes, num_layers)
+        config = self.config
         self.dropout = config.lora_dropout
         self.scaling = config.scaling
         self.a: dict[tuple[int, str], torch.Tensor] = {}
@@ -227,7 +231,7 @@ class TrainableLora(TrainableBypass):
         if self.dropout == 0 or self._rows is None:
             return None
         seed, positions = self._rows
-        return keep_mask(mix_seed(seed, layer, TARGET_MODULES.index(module)), positions, width, self.dropout, dtype)
+        return keep_mask(mix_seed(seed, layer, ALL_TARGET_MODULES.index(module)), positions, width, self.dropout, dtype)
 
     def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         key = (layer, module)
@@ -299,7 +303,8 @@ class TrainableIA3(TrainableBypass):
 
     def __init__(self, config: IA3Config, module_shapes: dict[str, tuple[int, int]], num_layers: int,
                  device: torch.device) -> None:
-        super().__init__(config, num_layers)
+        super().__init__(config, module_shapes, num_layers)
+        config = self.config
         self.feedforward = frozenset(config.feedforward_modules)
         self.vectors: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(num_layers):

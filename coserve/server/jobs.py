@@ -28,7 +28,7 @@ from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.finetune.memory_budget import job_memory
 from coserve.peft import AdapterError
 from coserve.peft.adapter_dir import peft_type, read_adapter_config
-from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.config import IA3Config, LoraConfig, for_model
 from coserve.peft.trainable import load_trainable
 from coserve.scheduler.sampling_params import Reasoning
 from coserve.server.config import ServerConfig
@@ -449,13 +449,16 @@ class JobManager:
 
     def _peft(self, options: CoserveOptions) -> dict:
         try:
+            modules = self.engine.model.module_shapes()  # the model's own names (Phi-3's fused ones)
             if options.peft == "ia3":
-                cfg = IA3Config(**({"target_modules": options.target_modules} if options.target_modules else {}))
+                cfg = for_model(IA3Config(**({"target_modules": options.target_modules} if options.target_modules
+                                             else {})), modules)
                 return {"peft": "ia3", "target_modules": cfg.target_modules,
                         "feedforward_modules": cfg.feedforward_modules}
-            cfg = LoraConfig(r=options.r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
-                             use_rslora=options.use_rslora, use_dora=options.use_dora,
-                             **({"target_modules": options.target_modules} if options.target_modules else {}))
+            cfg = for_model(LoraConfig(r=options.r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
+                                       use_rslora=options.use_rslora, use_dora=options.use_dora,
+                                       **({"target_modules": options.target_modules} if options.target_modules
+                                          else {})), modules)
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise bad_request(f"coserve.{e}", f"coserve.{field}") from e

@@ -1,0 +1,61 @@
+"""The decoder's linear modules by the names adapters target, per architecture (torch-free: the graph planner and
+the server read them too).
+
+Llama, Qwen and Mistral checkpoints hold q/k/v and gate/up as separate modules; Phi-3's hold each group as one
+(``qkv_proj``, ``gate_up_proj``), and a PEFT adapter of Phi-3 adapts the fused module as a whole: one LoRA ``A``
+over the input and one ``B`` over every row of q, k and v, one IA3 vector over them all. coserve runs the fused
+weights either way; a model's adapters name its own modules (``model_modules``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# Llama-family modules, in layer order.
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's fused modules, each with its parts in the order of its output rows.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Every name any model has (indices are stable: LoRA dropout seeds mix them in).
+ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS)
+# Modules whose input a bypass may rescale (IA3's feed-forward placement): each has its own matmul.
+INPUT_SCALABLE_MODULES = ("o_proj", "down_proj")
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module of the decoder layers (not the LM head)
+
+
+def model_modules(fused: bool) -> tuple[str, ...]:
+    """The module names a model's adapters target: Phi-3's fused ones, or the Llama family's."""
+    return FUSED_TARGET_MODULES if fused else TARGET_MODULES
+
+
+def ordered(modules: Iterable[str]) -> list[str]:
+    """``modules`` in layer order (``ALL_TARGET_MODULES``'s, fused modules beside their parts)."""
+    order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+    chosen = set(modules)
+    return [m for m in order if m in chosen]
+
+
+def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str = "target_modules") -> list[str]:
+    """``targets`` as the model's own module names, in the order given: ``all-linear`` (alone) is every one of
+    ``available``; a name the model lacks is refused, naming ``field`` and what the model has."""
+    targets, available = list(targets), list(available)
+    if targets == [ALL_LINEAR]:
+        return available
+    missing = [m for m in targets if m not in available]
+    if missing:
+        hint = ""
+        fused = [f for f, parts in FUSED_PARTS.items() if set(missing) & set(parts) and f in available]
+        split = [p for m in missing for p in FUSED_PARTS.get(m, ()) if p in available]
+        if fused:
+            hint = f" (its {', '.join(fused)} fuse {', '.join(p for f in fused for p in FUSED_PARTS[f])})"
+        elif split:
+            hint = f" (its {', '.join(split)} are separate modules)"
+        raise ValueError(f"{field}: {missing} are not modules of this model, which has {', '.join(available)}"
+                         f"{hint}")
+    return ordered(targets)
+
+
+def split_fused(modules: Iterable[str]) -> list[str]:
+    """``modules`` with each fused one replaced by its parts (how the graph planner prices a fused module's bypass:
+    the same tensors kept, the same inputs recomputed)."""
+    return ordered(p for m in modules for p in FUSED_PARTS.get(m, (m,)))
