@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -51,6 +53,26 @@ def model_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def config_variant(model_factory, tmp_path_factory):
+    """``variant(arch, **fields) -> Path``: a copy of the tiny ``arch`` model whose config.json has ``fields`` set
+    (e.g. ``sliding_window=8``: the same weights, every layer sliding over 8 positions), cached per argument set."""
+    made: dict[str, Path] = {}
+
+    def variant(arch: str, **fields) -> Path:
+        key = repr((arch, sorted(fields.items())))
+        if key not in made:
+            src = model_factory(arch)
+            out = tmp_path_factory.mktemp(f"tiny-{arch}-variant") / "model"
+            shutil.copytree(src, out)
+            cfg = json.loads((out / "config.json").read_text())
+            (out / "config.json").write_text(json.dumps({**cfg, **fields}))
+            made[key] = out
+        return made[key]
+
+    return variant
 
 
 @pytest.fixture(scope="session", params=ARCHS)

@@ -42,12 +42,14 @@ def test_unknown_architecture(model_factory, tmp_path):
     ("mistral", {"sliding_window": 64}),
     ("mistral", {"sliding_window": None}),
     ("mistral", {"sliding_window": "absent"}),  # transformers' default window, 4,096
+    ("phi3", {"sliding_window": 64}),
+    ("phi3", {}),
     ("llama", {}),
 ])
 def test_the_sliding_window_is_read_as_transformers_reads_it(model_factory, arch, change):
-    """``ModelConfig.sliding_window``: the window of the layers that slide in transformers' own model of the config
-    (its ``layer_types``, or Mistral's every layer), None where none does; ``max_context`` the shorter of it and the
-    context."""
+    """``ModelConfig.attention_windows``: each layer's window where it slides in transformers' own model of the config
+    (its ``layer_types``, or Mistral's and Phi-3's every layer), None where it does not; the context is not capped
+    by it (coserve attends within the window)."""
     from transformers import AutoConfig
 
     from coserve.model.config import ModelConfig
@@ -59,7 +61,9 @@ def test_the_sliding_window_is_read_as_transformers_reads_it(model_factory, arch
     slides = getattr(hf, "sliding_window", None) is not None and "sliding_attention" in kinds
     cfg = ModelConfig.from_dict(raw)
     assert cfg.sliding_window == (hf.sliding_window if slides else None)
-    assert cfg.max_context == min(cfg.max_position_embeddings, cfg.sliding_window or 10**9)
+    assert [cfg.attention_window(i) for i in range(cfg.num_layers)] == [
+        hf.sliding_window if slides and kind == "sliding_attention" else None for kind in kinds]
+    assert cfg.max_context == cfg.max_position_embeddings
 
 
 def test_layers_of_other_kinds_are_refused_by_field(model_factory):

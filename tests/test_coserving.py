@@ -62,9 +62,11 @@ BURSTS = pytest.mark.parametrize("burst_ms", [0.0, 100.0], ids=["slices", "burst
 
 
 @BURSTS
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, tmp_path, arch, burst_ms):
-    model_dir = model_factory(arch)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral:window=8"])
+def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, config_variant, tmp_path, arch,
+                                                                  burst_ms):
+    """``mistral:window=8``: every layer slides over 8 positions (requests and training sequences are longer)."""
+    model_dir = config_variant("mistral", sliding_window=8) if ":window=" in arch else model_factory(arch)
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 200) for _ in range(rng.randint(3, 30))] for _ in range(12)]
     alone = _generate(_engine(model_dir), prompts)

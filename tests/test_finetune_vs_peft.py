@@ -72,9 +72,10 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("qwen2", "ia3"), ("qwen2", "dora"),
                                           ("qwen3", ["q_proj", "k_proj", "v_proj", "down_proj"]),
                                           ("phi3", ["qkv_proj", "gate_up_proj"]), ("phi3", "ia3"),
-                                          ("phi3", "dora")])
-def test_training_matches_peft(model_factory, tmp_path, optimizer, tol, arch, targets):
-    model_dir = model_factory(arch)
+                                          ("phi3", "dora"), ("mistral:window=8", ["q_proj", "k_proj", "v_proj"])])
+def test_training_matches_peft(model_factory, config_variant, tmp_path, optimizer, tol, arch, targets):
+    """``mistral:window=8``: every layer slides over 8 positions, shorter than most training sequences."""
+    model_dir = config_variant("mistral", sliding_window=8) if ":window=" in arch else model_factory(arch)
     phi3 = arch == "phi3"  # Phi-3's fused modules: one bypass over all of q, k and v, one over gate and up
     if targets == "ia3":  # PEFT's default IA3 placement: k_proj and v_proj outputs, down_proj input
         start = make_ia3_adapter(model_dir, tmp_path / "start", seed=3,

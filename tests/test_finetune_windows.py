@@ -71,15 +71,19 @@ def _one_sequence(model, bypass, rng: random.Random, n: int):
                               model.cfg.head_dim, model.device, model.dtype), ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral:window=6"])
 @pytest.mark.parametrize("kind", list(BYPASSES))
 @pytest.mark.parametrize("seed,remat", [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap"), (0, "cheap:flops"),
                                         (0, "cheap:none"), (1, "cheap:every")])
-def test_random_window_schedules_match_whole_sequence_autograd(model_factory, arch, kind, seed, remat):
+def test_random_window_schedules_match_whole_sequence_autograd(model_factory, config_variant, arch, kind, seed, remat):
     """``cheap`` keeps the plan's tensors for these short sequences, as a job plans them (by its longest sequence);
     ``cheap:flops`` the plan FLOPs alone would pick for them (attention recomputed, gate and up kept); ``cheap:none``
-    recomputes q, resid, gate and up; ``cheap:every`` keeps them."""
-    model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
+    recomputes q, resid, gate and up; ``cheap:every`` keeps them (attention's output too: its kept-output backward
+    under the sliding window's mask). ``mistral:window=6``: every layer slides over 6 positions (most of these
+    sequences are longer)."""
+    path = config_variant("mistral", sliding_window=6) if ":window=" in arch else model_factory(arch)
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    assert model.cfg.sliding_window == (6 if ":window=" in arch else None)
     rng = random.Random(seed)
     bypass = _bypass(kind, model, seed)
     seqs = []

@@ -136,50 +136,39 @@ def test_heads_wider_than_hidden_over_heads_match_hf(model_factory, hf_model_cac
         assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 16)
 
 
-def _sliding_copy(src, dst, **fields):
-    """A copy of the model directory ``src`` whose config.json has ``fields`` set."""
-    import json
-    import shutil
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**cfg, **fields}))
-    return dst
-
-
 @pytest.mark.parametrize("arch,fields", [
     ("mistral", {"sliding_window": 24}),
     ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1, "layer_types": None}),
+    ("phi3", {"sliding_window": 24}),
 ])
-def test_a_sliding_window_model_serves_its_window_as_hf_does(model_factory, hf_model_cache, tmp_path, arch, fields):
+@pytest.mark.parametrize("setting", ["default", "chunked-odd", "preempting"])
+def test_a_sliding_window_model_attends_past_its_window_as_hf_does(model_factory, config_variant, hf_model_cache,
+                                                                   arch, fields, setting):
     """A model whose layers attend to a sliding window (Mistral-7B-v0.1's 4,096 tokens, Qwen2/3 with
-    ``use_sliding_window``) runs with its context capped at the window (vLLM's ``--disable-sliding-window``): every
-    token as HF's sliding-window attention computes it. Past the window HF's would differ from whole-context attention
-    (the cap is needed), a longer ``max_model_len`` is refused naming it, and so is a longer training sequence."""
-    from coserve import FinetuneConfig, LoraConfig
-    path = _sliding_copy(model_factory(arch), tmp_path / "sliding", **fields)
-    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7)
-    assert llm.engine.max_model_len == 24 and llm.engine.model_config.sliding_window == 24
+    ``use_sliding_window`` on some layers, Phi-3-mini-4k's 2,047) serves its whole context, each sliding layer over the
+    last ``sliding_window`` positions: logits and greedy tokens as HF's sliding-window model has them, well past the
+    window, through whole prompts, prefill chunks after a prefix and decode steps. HF's differ there from
+    whole-context attention (the window is needed)."""
+    path = config_variant(arch, **fields)
+    llm = LLM(path, dtype="float32", device="cpu", **ENGINE_SETTINGS[setting])
+    assert llm.engine.max_model_len == 512 and llm.engine.model_config.sliding_window == 24
     hf = hf_model_cache(path)
-    ids = [llm.tokenizer(p)["input_ids"][:12] for p in PROMPTS]
-    outs = llm.generate(ids, SamplingParams(max_tokens=24 - 12, temperature=0, ignore_eos=True))
+    ids = [(llm.tokenizer(p)["input_ids"] * 6)[:n] for p, n in zip(PROMPTS, (12, 30, 5, 38, 25))]
+    if setting == "default":
+        for seq, got in zip(ids, _flat_logits(path, ids)):
+            with torch.inference_mode():
+                torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
+    outs = llm.generate(ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     for seq, out in zip(ids, outs):
-        assert len(seq) + len(out.token_ids) <= 24 and out.token_ids == _hf_greedy(hf, seq, len(out.token_ids))
+        assert out.token_ids == _hf_greedy(hf, seq, 40)
     long = list(range(5, 45))
     full = hf_model_cache(model_factory(arch))  # the same weights, every layer over its whole context
     with torch.inference_mode():
         assert torch.equal(hf(torch.tensor([long[:24]])).logits, full(torch.tensor([long[:24]])).logits)
         assert not torch.allclose(hf(torch.tensor([long])).logits[0, -1], full(torch.tensor([long])).logits[0, -1])
-    with pytest.raises(ValueError, match="max_model_len: 48 is more than the model's sliding window of 24"):
-        LLM(path, dtype="float32", device="cpu", max_model_len=48)
-    data = tmp_path / "long.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "' + "word " * 40 + '"}, '
-                    '{"role": "assistant", "content": "ok"}]}\n')
-    with pytest.raises(ValueError, match="more than the model's sliding window of 24"):
-        llm.finetune(str(data), peft=LoraConfig(r=2, target_modules=["q_proj"]),
-                     config=FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=1, max_seq_len=64))
 
 
-def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(model_factory, hf_model_cache, tmp_path):
+def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(config_variant, hf_model_cache):
     """Phi-3.5/Phi-4-mini's rotary settings: the first half of each head rotates (``partial_rotary_factor``) by
     LongRoPE's short factors, cos and sin scaled by its attention factor; the context is capped at the original one
     (the long factors past it are not built): logits and greedy tokens as HF's, longer contexts refused naming it."""
@@ -188,7 +177,7 @@ def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(model_factory, hf_m
               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                   "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [4.0] * (head // 4),
                                   "original_max_position_embeddings": 32}}
-    path = _sliding_copy(model_factory("phi3"), tmp_path / "longrope", **fields)
+    path = config_variant("phi3", **fields)
     llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7)
     assert llm.engine.max_model_len == 32 and llm.engine.model_config.rotary_dim == 8
     assert llm.engine.model_config.rope.attention_factor > 1

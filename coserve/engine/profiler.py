@@ -102,7 +102,8 @@ class IterationRig:
             tokens.append([7] * p.prefill)
             row += p.prefill
         logits = [c.end - 1 for c in chunks]
-        return build_forward_batch(tokens, chunks, BLOCK, logits, self.model.device)
+        return build_forward_batch(tokens, chunks, BLOCK, logits, self.model.device,
+                                   varlen=not self.model.cfg.attention_windows)
 
     @staticmethod
     def shape(p: ProfilePoint) -> IterationShape:

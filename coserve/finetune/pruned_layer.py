@@ -123,12 +123,12 @@ def forward_layer(model: DecoderModel, layer: DecoderLayer, x: torch.Tensor, pos
 
 
 def window_attend(keep: LayerKeep | None, a: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int | None = None) -> torch.Tensor:
     """A forward window's attention (rows ``a:b`` of its sequence); stores its output and log-sum-exp
     into ``keep`` when the plan keeps them."""
     if keep is None or "attn.o" not in keep.base:
-        return window_attention(q, k, v, scale)
-    out, lse = window_attention_lse(q, k, v, scale)
+        return window_attention(q, k, v, scale, window)
+    out, lse = window_attention_lse(q, k, v, scale, window)
     keep.base["attn.o"][a:b] = out
     keep.base["attn.lse"][a:b] = lse
     return out
@@ -211,7 +211,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         q = q.detach().requires_grad_()
         k_win, v_win = k_all[:b].detach().requires_grad_(), v_all[:b].detach().requires_grad_()
         with torch.set_grad_enabled(last > 3):
-            attn = window_attention(q, k_win, v_win, model.scale)
+            attn = window_attention(q, k_win, v_win, model.scale, model.windows[i])
         o = attn.detach()
     resid = keep.get("resid", a, b)
     if resid is None:
@@ -253,7 +253,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         attn.backward(dattn)
         q_grad, k_grad, v_grad = q.grad, k_win.grad, v_win.grad
     else:
-        q_grad, k_grad, v_grad = window_attention_backward(dattn, q, k_all[:b], v_all[:b], o, lse, model.scale)
+        q_grad, k_grad, v_grad = window_attention_backward(dattn, q, k_all[:b], v_all[:b], o, lse, model.scale,
+                                                           model.windows[i])
     if a:
         dk_acc[:a] += k_grad[:a]
         dv_acc[:a] += v_grad[:a]

@@ -27,8 +27,8 @@ def whole_sequence_logits(model: DecoderModel, bypass: Bypass, token_ids: list[i
     """The sequence's logits ``[N, V]`` (float32) in one autograd forward."""
     ids = torch.tensor(token_ids, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
-    def attend(q, k, v, _i):
-        return window_attention(q, k, v, model.scale)
+    def attend(q, k, v, i):
+        return window_attention(q, k, v, model.scale, model.windows[i])
 
     x = model.embed[ids]
     with training_rows(bypass, dropout_seed, positions) if dropout_seed is not None else contextlib.nullcontext():

@@ -15,10 +15,13 @@ import functools
 import torch
 
 from coserve.model.attention import sdpa
+from coserve.model.forward_batch import causal_mask
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of the window's queries over the sequence's first ``p + n`` keys, causal within the window.
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """Attention of the window's queries over the sequence's first ``p + n`` keys, causal within the window (and
+    under a layer's sliding ``window``, over each query's last ``window`` positions alone).
 
     Args:
         q: ``[n, Hq, D]`` rotated queries of the window's tokens (positions ``p .. p + n - 1``).
@@ -29,9 +32,11 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Returns:
         ``[n, Hq * D]``.
     """
-    n, p = _sizes(q, k)
-    mask = _allowed(n, p, q.device) if p else None
-    out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not p, scale=scale, enable_gqa=True)  # [1, Hq, n, D]
+    n, p, w = _sizes(q, k, window)
+    masked = bool(p) or w is not None
+    mask = _allowed(n, p, q.device, w) if masked else None
+    out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not masked, scale=scale,
+               enable_gqa=True)  # [1, Hq, n, D]
     return _merged_heads(out)
 
 
@@ -40,27 +45,29 @@ def kept_attention_supported(device: torch.device) -> bool:
     return torch.device(device).type in ("cpu", "cuda")
 
 
-def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``window_attention`` and the log-sum-exp of each query's scaled scores: ``([n, Hq*D], [n, Hq] float32)``."""
-    n, p = _sizes(q, k)
+    n, p, w = _sizes(q, k, window)
+    masked = bool(p) or w is not None
     if q.is_cuda:
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            *_heads_first(q, *_repeat_kv(q, k, v)), _bias(n, p, q), True, 0.0, not p, scale=scale)
+            *_heads_first(q, *_repeat_kv(q, k, v)), _bias(n, p, q, w), True, 0.0, not masked, scale=scale)
         lse = lse[..., :n]  # padded to a multiple of 32 rows
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *_heads_first(q, k, v), 0.0, not p, attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None,
-            scale=scale)
+            *_heads_first(q, k, v), 0.0, not masked,
+            attn_mask=_additive_mask(n, p, q.device, q.dtype, w) if masked else None, scale=scale)
     return _merged_heads(out), _rows_first(lse).float()
 
 
 def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, scale: float
+                              out: torch.Tensor, lse: torch.Tensor, scale: float, window: int | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq [n, Hq, D], dk [p + n, Hkv, D], dv [p + n, Hkv, D])`` of ``window_attention`` given
     dL/d(output) ``dout`` ``[n, Hq*D]``, the kept ``out`` and ``lse`` of ``window_attention_lse``."""
-    n, p = _sizes(q, k)
+    n, p, w = _sizes(q, k, window)
+    masked = bool(p) or w is not None
     heads, d = q.shape[1], q.shape[2]
     as_heads = lambda t: _split_heads(t, heads, d)  # noqa: E731
     lse_h = _heads_first(lse)[0]  # [1, Hq, n]
@@ -69,18 +76,18 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         padded = torch.zeros(1, heads, -(-n // 32) * 32, device=q.device, dtype=torch.float32)
         padded[..., :n] = lse_h
         empty = torch.zeros((), dtype=torch.long, device=q.device)
-        bias = _bias(n, p, q)
+        bias = _bias(n, p, q, w)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             as_heads(dout).contiguous(), qh, kh, vh, bias, as_heads(out), padded, empty, empty, 0.0,
-            [True, True, True, False], not p, scale=scale)
+            [True, True, True, False], not masked, scale=scale)
         group = heads // k.shape[1]
         if group > 1:  # the repeated heads' gradients summed back onto their K/V head
             dk = dk.unflatten(1, (k.shape[1], group)).sum(2)
             dv = dv.unflatten(1, (k.shape[1], group)).sum(2)
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            as_heads(dout), *_heads_first(q, k, v), as_heads(out), lse_h, 0.0, not p,
-            attn_mask=_additive_mask(n, p, q.device, q.dtype) if p else None, scale=scale)
+            as_heads(dout), *_heads_first(q, k, v), as_heads(out), lse_h, 0.0, not masked,
+            attn_mask=_additive_mask(n, p, q.device, q.dtype, w) if masked else None, scale=scale)
     return _rows_first(dq), _rows_first(dk), _rows_first(dv)
 
 
@@ -92,20 +99,23 @@ def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-def _bias(n: int, p: int, q: torch.Tensor) -> torch.Tensor | None:
+def _bias(n: int, p: int, q: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
     """The memory-efficient kernels' additive mask ``[1, Hq, n, p + n]`` (a broadcast view over rows
-    whose stride is a multiple of 16, as they require), or None when the window is the whole prefix."""
-    if not p:
+    whose stride is a multiple of 16, as they require), or None when the window is the whole prefix (and no
+    sliding window narrows it)."""
+    if not p and window is None:
         return None
-    return _padded_mask(n, p, q.device, q.dtype)[:, :p + n].expand(1, q.shape[1], n, p + n)
+    return _padded_mask(n, p, q.device, q.dtype, window)[:, :p + n].expand(1, q.shape[1], n, p + n)
 
 
-def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+def _sizes(q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> tuple[int, int, int | None]:
+    """``(n, p, window)``: the window's queries, the prefix before them, and the layer's sliding window where it
+    masks anything (None where every query's window reaches back to the first position)."""
     n = q.shape[0]
     p = k.shape[0] - n
     if p < 0:
         raise ValueError(f"window_attention: {k.shape[0]} keys for {n} queries")
-    return n, p
+    return n, p, window if window is not None and p + n > window else None
 
 
 # Layouts change by views. Where autograd records nothing (the finetuning windows' passes) each is one
@@ -150,22 +160,24 @@ def _split_heads(t: torch.Tensor, heads: int, d: int) -> torch.Tensor:
 # A forward window's layers (and a backward window's forward and backward) share one mask: the
 # last few are kept (each at most a window's rows by the sequence's length).
 @functools.lru_cache(maxsize=4)
-def _allowed(n: int, p: int, device: torch.device) -> torch.Tensor:
-    """``[n, p + n]`` bool: whether query ``i`` (position ``p + i``) may attend to key ``j``."""
-    rows = torch.arange(n, device=device).unsqueeze(1) + p
-    return torch.arange(p + n, device=device).unsqueeze(0) <= rows
+def _allowed(n: int, p: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """``[n, p + n]`` bool: whether query ``i`` (position ``p + i``) may attend to key ``j`` (``causal_mask``)."""
+    return causal_mask(n, p, device, window)
 
 
 @functools.lru_cache(maxsize=4)
-def _additive_mask(n: int, p: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _additive_mask(n: int, p: int, device: torch.device, dtype: torch.dtype, window: int | None = None
+                   ) -> torch.Tensor:
     """``_allowed`` as the flash kernels take it: 0 where allowed, -inf elsewhere."""
-    return torch.zeros(n, p + n, device=device, dtype=dtype).masked_fill_(~_allowed(n, p, device), float("-inf"))
+    allowed = _allowed(n, p, device, window)
+    return torch.zeros(n, p + n, device=device, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
 
 @functools.lru_cache(maxsize=4)
-def _padded_mask(n: int, p: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _padded_mask(n: int, p: int, device: torch.device, dtype: torch.dtype, window: int | None = None
+                 ) -> torch.Tensor:
     """``_additive_mask`` in a buffer whose rows are padded to a multiple of 16 columns."""
     cols = -(-(p + n) // 16) * 16
     out = torch.full((n, cols), float("-inf"), device=device, dtype=dtype)
-    out[:, :p + n] = _additive_mask(n, p, device, dtype)
+    out[:, :p + n] = _additive_mask(n, p, device, dtype, window)
     return out

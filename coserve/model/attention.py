@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys
+from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys, causal_mask
 
 #: The attention kernels coserve lets ``scaled_dot_product_attention`` choose from. cuDNN's
 #: (which torch picks first for bfloat16/float16 on an H100) builds a graph for every new shape,
@@ -82,28 +84,46 @@ def _gather_heads_repeated(pool: torch.Tensor, index: torch.Tensor, num_heads: i
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    cache: PagedKVCache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                    cache: PagedKVCache, batch: ForwardBatch, scale: float, window: int | None = None) -> torch.Tensor:
     """Causal attention of each chunk's queries over its sequence's cached keys and values.
 
     Args:
         q: ``[T, Hq, D]`` rotated queries of the new tokens.
         k, v: ``[T, Hkv, D]`` rotated keys and values of the new tokens; written into ``cache``.
+        window: the layer's sliding window (each query attends to the last ``window`` positions, its own
+            included), or None: its whole context. A windowed layer needs the per-chunk layout (not ``varlen``).
 
     Returns:
         ``[T, Hq * D]`` attention outputs in row order.
     """
     cache.write(layer, batch.slot_mapping, k, v)
     if batch.varlen is not None:
+        if window is not None:
+            raise ValueError("paged_attention: a sliding window needs the batch laid out per chunk "
+                             "(build_forward_batch(..., varlen=False))")
         return _varlen_attention(q, layer, cache, batch.varlen, scale).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     for group in batch.single_groups:
-        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale)
+        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale, window)
     for chunk in batch.multi_chunks:  # a whole prompt (or its first chunk): causal over its own rows
-        _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, None, scale, out)
+        mask = _windowed_mask(chunk.num_new, 0, window, q.device) if window is not None else None
+        _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, mask, scale, out)
     for pc in batch.prefixed_chunks:  # a later prefill chunk: over the cached prefix and itself
         kc, vc = cache.gather(layer, pc.block_table)
-        _chunk_attention(q, kc[:pc.chunk.context_len], vc[:pc.chunk.context_len], pc.chunk, pc.mask, scale, out)
+        n, context = pc.chunk.num_new, pc.chunk.context_len
+        mask = _windowed_mask(n, context - n, window, q.device) if window is not None else None
+        _chunk_attention(q, kc[:context], vc[:context], pc.chunk, pc.mask if mask is None else mask, scale, out)
     return out.reshape(q.shape[0], -1)
+
+
+@functools.lru_cache(maxsize=8)
+def _windowed_mask(n: int, p: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """The mask of ``n`` queries after ``p`` cached positions under a sliding ``window`` (``causal_mask``), or None
+    where the window reaches back past the first position (plain causal attention); kept for the batch's other
+    layers (the same sizes come back in every layer of a forward)."""
+    if window is None or p + n <= window:
+        return None
+    return causal_mask(n, p, device, window)
 
 
 def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: VarlenKeys, scale: float
@@ -131,7 +151,7 @@ def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk:
 
 
 def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
-                            scale: float) -> torch.Tensor:
+                            scale: float, window: int | None = None) -> torch.Tensor:
     """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes.
 
     On a CPU the query heads that share a K/V head are that head's rows of queries (``[D, Hkv, Hq // Hkv, Dh]``;
@@ -141,8 +161,9 @@ def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, gr
     per-chunk forms) keeps ``enable_gqa``: the grouped form is not yet measured there."""
     kc, vc = cache.gather(layer, group.block_tables)  # [D, L, Hkv, Dh]
     k, v = kc.transpose(1, 2), vc.transpose(1, 2)  # [D, Hkv, L, Dh]
+    valid = group.valid_within(window)
     if q.is_cuda:  # [D, Hq, 1, Dh]
-        return sdpa(q.unsqueeze(2), k, v, attn_mask=group.valid, scale=scale, enable_gqa=True).squeeze(2)
+        return sdpa(q.unsqueeze(2), k, v, attn_mask=valid, scale=scale, enable_gqa=True).squeeze(2)
     d, hq, dh = q.shape
     grouped = q.view(d, k.shape[1], hq // k.shape[1], dh)  # [D, Hkv, Hq // Hkv, Dh]
-    return sdpa(grouped, k, v, attn_mask=group.valid, scale=scale).reshape(d, hq, dh)
+    return sdpa(grouped, k, v, attn_mask=valid, scale=scale).reshape(d, hq, dh)

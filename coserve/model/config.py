@@ -66,9 +66,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before the rotation
-    # the shortest window a layer attends over (tokens), where any layer slides (Mistral's sliding_window, Qwen2's and
-    # Qwen3's use_sliding_window, layer_types); None where every layer attends to its whole context
-    sliding_window: int | None = None
+    # each layer's sliding window (tokens: a query attends to the last so many positions, its own included), None
+    # for a layer that attends to its whole context (Mistral's sliding_window, Qwen2's and Qwen3's
+    # use_sliding_window and layer_types, Phi-3's sliding_window); empty where no layer slides
+    attention_windows: tuple[int | None, ...] = ()
     fused: bool = False  # Phi-3: qkv_proj and gate_up_proj, each one module of the checkpoint and of its adapters
 
     def __post_init__(self) -> None:
@@ -76,7 +77,10 @@ class ModelConfig:
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
+        if self.attention_windows and len(self.attention_windows) != self.num_layers:
+            raise ModelConfigError(f"config.json: {len(self.attention_windows)} attention windows for "
+                                   f"{self.num_layers} layers")
+        if any(w is not None and w <= 0 for w in self.attention_windows):
             raise ModelConfigError(f"config.json: sliding_window must be positive, got {self.sliding_window}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
@@ -100,22 +104,24 @@ class ModelConfig:
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property
+    def sliding_window(self) -> int | None:
+        """The shortest window a layer slides over, or None where every layer attends to its whole context."""
+        return min((w for w in self.attention_windows if w is not None), default=None)
+
+    def attention_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None where it attends to its whole context."""
+        return self.attention_windows[layer] if self.attention_windows else None
+
+    @property
     def context_cap(self) -> tuple[int, str] | None:
-        """Where coserve runs a shorter context than ``max_position_embeddings``, and why: a sliding window (coserve
-        attends to whole contexts, which is what a window of W tokens attends to in a sequence of at most W: vLLM's
-        ``--disable-sliding-window`` caps the context so too), or LongRoPE's original context (past it the model
-        rotates every position by its long factors, which coserve does not build). None where nothing caps it."""
-        caps = []
-        if self.sliding_window is not None:
-            caps.append((self.sliding_window, f"the model's sliding window of {self.sliding_window} tokens (coserve "
-                                              "attends to whole contexts, which is what the window attends to only "
-                                              "within it)"))
-        if self.rope.rope_type == "longrope":
-            n = self.rope.original_max_position_embeddings
-            caps.append((n, f"the model's LongRoPE original context of {n} tokens (coserve rotates by its "
-                            "short factors; the long factors past it are not built)"))
-        caps = [c for c in caps if c[0] < self.max_position_embeddings]
-        return min(caps) if caps else None
+        """Where coserve runs a shorter context than ``max_position_embeddings``, and why: LongRoPE's original
+        context (past it the model rotates every position by its long factors, which coserve does not build). None
+        where nothing caps it."""
+        n = self.rope.original_max_position_embeddings
+        if self.rope.rope_type == "longrope" and n < self.max_position_embeddings:
+            return n, (f"the model's LongRoPE original context of {n} tokens (coserve rotates by its short factors; "
+                       "the long factors past it are not built)")
+        return None
 
     @property
     def max_context(self) -> int:
@@ -172,7 +178,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
                 qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
-                sliding_window=_attention_window(raw, arch),
+                attention_windows=_attention_windows(raw, arch),
                 fused=SUPPORTED_ARCHITECTURES[arch]["fused"],
             )
             _check_activation(raw)
@@ -188,36 +194,33 @@ class ModelConfig:
 MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig where config.json has no sliding_window
 
 
-def _attention_window(raw: dict[str, Any], arch: str) -> int | None:
-    """``ModelConfig.sliding_window`` as transformers reads the config: Mistral slides every layer over
+def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
+    """``ModelConfig.attention_windows`` as transformers reads the config: Mistral slides every layer over
     ``sliding_window`` (4096 where the field is absent, none where it is null); Qwen2 and Qwen3 slide only with
     ``use_sliding_window`` (off in their released checkpoints), the layers ``layer_types`` names (from
     ``max_window_layers`` on, in configs without them); other kinds of layer are refused, naming the field. Phi-3
-    slides every layer where ``sliding_window`` is set. Llama's layers attend to their whole context."""
-    if arch == "MistralForCausalLM":
-        window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
-        return int(window) if window else None
-    if arch == "Phi3ForCausalLM":  # every layer slides where the field is set (Phi-3-mini-4k: 2047)
-        window = raw.get("sliding_window")
-        return int(window) if window else None
+    slides every layer where ``sliding_window`` is set. Llama's layers attend to their whole context. Empty where no
+    layer slides."""
+    layers = int(raw.get("num_hidden_layers", 0))
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer, where the field is set (Phi-3-mini-4k: 2047)
+        window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch == "MistralForCausalLM" else None)
+        return (int(window),) * layers if window else ()
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not raw.get("use_sliding_window"):
-        kinds = ["full_attention"]
-    else:
-        kinds = raw.get("layer_types")
-        if kinds is None:
-            first = int(raw.get("max_window_layers", 0))
-            kinds = ["full_attention" if i < first else "sliding_attention"
-                     for i in range(int(raw.get("num_hidden_layers", 0)))]
-    sliding = False
-    for i, kind in enumerate(kinds or []):
+        return ()
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        first = int(raw.get("max_window_layers", 0))
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    for i, kind in enumerate(kinds):
         if kind not in ("full_attention", "sliding_attention"):
             raise ModelConfigError(f"field 'layer_types': layer {i} is {kind!r}; full_attention and "
                                    "sliding_attention are supported")
-        sliding = sliding or kind == "sliding_attention"
     window = raw.get("sliding_window")
-    if not sliding or not window:
-        return None
-    return int(window)
+    if not window or "sliding_attention" not in kinds:
+        return ()
+    if len(kinds) != layers:
+        raise ModelConfigError(f"field 'layer_types': {len(kinds)} entries for {layers} layers")
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
 
 
 def _check_activation(raw: dict[str, Any]) -> None:

@@ -123,6 +123,8 @@ class DecoderModel:
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype, cfg.rotary_dim)
         self.scale = cfg.head_dim ** -0.5
+        # each layer's sliding window (None: its whole context), as attention reads it
+        self.windows = [cfg.attention_window(i) for i in range(cfg.num_layers)]
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
         self.packed: PackedWeights | None = None
         self.pack_gemms(gemm_backend(device, dtype) if pack_gemms else None)
@@ -193,7 +195,7 @@ class DecoderModel:
         pad = max(0, min_rows - t)
 
         def attend(q, k, v, layer):
-            out = paged_attention(q[:t], k[:t], v[:t], layer, cache, batch, self.scale)
+            out = paged_attention(q[:t], k[:t], v[:t], layer, cache, batch, self.scale, self.windows[layer])
             return torch.cat([out, out.new_zeros(pad, out.shape[1])]) if pad else out
 
         x = self.embed[batch.token_ids]  # [T, H]

@@ -41,6 +41,18 @@ class SingleTokenGroup:
     block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0
     context_lens: torch.Tensor  # [D] long
     valid: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool: the gathered positions each chunk attends to
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> ``valid`` within it
+
+    def valid_within(self, window: int | None) -> torch.Tensor:
+        """``valid``, narrowed to each chunk's last ``window`` positions where a layer slides (made once a batch)."""
+        if window is None:
+            return self.valid
+        mask = self.windowed.get(window)
+        if mask is None:
+            positions = torch.arange(self.valid.shape[-1], device=self.valid.device)
+            recent = positions.unsqueeze(0) >= (self.context_lens - window).unsqueeze(1)
+            mask = self.windowed[window] = self.valid & recent[:, None, None, :]
+        return mask
 
 
 @dataclass(slots=True)
@@ -51,6 +63,16 @@ class PrefixedChunk:
     chunk: SequenceChunk
     block_table: torch.Tensor  # [blocks covering context_len] long
     mask: torch.Tensor  # [num_new, context_len] bool: row i sees positions <= prefix + i
+
+
+def causal_mask(n: int, p: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """``[n, p + n]`` bool: whether query ``i`` (position ``p + i``) attends to key ``j``: ``j <= p + i``, and
+    within a sliding ``window`` also ``j > p + i - window`` (the last ``window`` positions, its own included, as
+    transformers' sliding-window masks have it)."""
+    rows = torch.arange(n, device=device).unsqueeze(1) + p
+    keys = torch.arange(p + n, device=device).unsqueeze(0)
+    allowed = keys <= rows
+    return allowed if window is None else allowed & (keys > rows - window)
 
 
 @dataclass(slots=True)
@@ -131,8 +153,9 @@ class ForwardBatch:
 
 
 def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChunk], block_size: int,
-                        logits_rows: list[int], device: torch.device) -> ForwardBatch:
-    """Assemble a ForwardBatch from per-sequence token lists and chunk descriptions."""
+                        logits_rows: list[int], device: torch.device, varlen: bool = True) -> ForwardBatch:
+    """Assemble a ForwardBatch from per-sequence token lists and chunk descriptions; ``varlen`` False lays it out
+    per chunk on CUDA too (a model whose layers slide over a window: ``paged_attention`` masks those)."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -145,7 +168,7 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
     batch = ForwardBatch(token_ids=long_tensor(token_ids, device), positions=long_tensor(positions, device),
                          slot_mapping=long_tensor(slots, device), chunks=chunks,
                          logits_rows=long_tensor(logits_rows, device))
-    if device.type == "cuda" and CUDA_VARLEN:
+    if device.type == "cuda" and CUDA_VARLEN and varlen:
         batch.varlen = varlen_keys(chunks, block_size, device) if chunks else None  # none: a window's forward alone
         return batch
     singles = sorted((c for c in chunks if c.num_new == 1), key=lambda c: -c.context_len)
@@ -158,9 +181,8 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
 
 def _prefixed(chunk: SequenceChunk, block_size: int, device: torch.device) -> PrefixedChunk:
     nb = -(-chunk.context_len // block_size)
-    rows = torch.arange(chunk.num_new, device=device).unsqueeze(1) + (chunk.context_len - chunk.num_new)
     return PrefixedChunk(chunk, long_tensor(chunk.block_table[:nb], device),
-                         torch.arange(chunk.context_len, device=device).unsqueeze(0) <= rows)
+                         causal_mask(chunk.num_new, chunk.context_len - chunk.num_new, device))
 
 
 def _split_by_length(singles: list[SequenceChunk]) -> list[list[SequenceChunk]]:
