@@ -97,8 +97,9 @@ def test_llama3_rope_scaling_tied_embeddings_and_shards(model_factory, hf_model_
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_runs_close_to_hf(model_factory, hf_model_cache, dtype):
-    path = model_factory("llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma: norm weights (1 + w) applied in float32 before the cast
+def test_half_precision_runs_close_to_hf(model_factory, hf_model_cache, dtype, arch):
+    path = model_factory(arch)
     llm = LLM(path, dtype=dtype, device="cpu")
     assert llm.engine.model.embed.dtype == getattr(torch, dtype)
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]

@@ -89,7 +89,7 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
     positions = torch.cat([batch.positions, st.positions[a:b], batch.positions.new_zeros(pad)])
     bypass = RowSplitBypass(adapters, ft.bypass, t, e, adapter_rows)
     with torch.no_grad(), training_rows(ft.bypass, st, st.positions[a:b]):
-        x = model.embed[torch.cat([batch.token_ids, st.token_ids[a:b]])]
+        x = model.embed_tokens(torch.cat([batch.token_ids, st.token_ids[a:b]]))
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         for layer in model.layers:

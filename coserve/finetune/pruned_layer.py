@@ -14,6 +14,7 @@ up from the residual.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ from coserve.finetune.window_attention import (kept_attention_supported, window_
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
 from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
 from coserve.peft.trainable import LowRank
+
+log = logging.getLogger(__name__)
 
 # The base layer's tensors a plan may store or recompute (attention's two outputs go together); the norms' per-row
 # statistics (rsqrt(mean(x^2) + eps), float32) by their graph names.
@@ -61,6 +64,23 @@ def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
     how = "flash" if kept_attention_supported(model.device) else "recompute"
     return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward=how,
                       memory_target=memory_target, op_flops=dispatch_flops / tokens)
+
+
+def pruned_backward_supported(model: DecoderModel) -> bool:
+    """Whether ``backward_layer`` covers the model's layer: the Llama family's (Llama, Qwen2/3, Mistral, Phi-3). Gemma
+    3's norms around the attention's and the MLP's outputs are not written here: its jobs rematerialize all
+    (autograd over each recomputed window)."""
+    return not model.cfg.gemma
+
+
+def job_rematerialize(model: DecoderModel, policy: str) -> str:
+    """The policy a job over ``model`` runs: ``policy``, or ``all`` where it asks for the pruned executor
+    (``cheap``) and that does not cover the model."""
+    if policy == "cheap" and not pruned_backward_supported(model):
+        log.info("rematerialize: cheap's pruned backward does not cover %s; the job recomputes all",
+                 model.cfg.architecture)
+        return "all"
+    return policy
 
 
 def planned_keeps(plan: PruningPlan) -> frozenset[str]:

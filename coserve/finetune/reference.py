@@ -30,7 +30,7 @@ def whole_sequence_logits(model: DecoderModel, bypass: Bypass, token_ids: list[i
     def attend(q, k, v, i):
         return window_attention(q, k, v, model.scale, model.windows[i])
 
-    x = model.embed[ids]
+    x = model.embed_tokens(ids)
     with training_rows(bypass, dropout_seed, positions) if dropout_seed is not None else contextlib.nullcontext():
         for layer in model.layers:
             x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)

@@ -43,7 +43,7 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
         raise ValueError("forward_window: the sequence's forward pass is already finished")
     positions = state.positions[a:b]
     with torch.no_grad(), training_rows(bypass, state, positions):
-        x = model.embed[state.token_ids[a:b]]
+        x = model.embed_tokens(state.token_ids[a:b])
         for layer in model.layers:
             i = layer.index
             state.layer_inputs[i][a:b] = x

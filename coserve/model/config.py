@@ -18,8 +18,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
+    "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
 }
-ROPE_TYPES = ("default", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 class ModelConfigError(ValueError):
@@ -32,7 +33,7 @@ class RopeConfig:
 
     theta: float = 10000.0
     rope_type: str = "default"  # one of ROPE_TYPES
-    factor: float = 1.0  # llama3: how much longer the new context is
+    factor: float = 1.0  # llama3, linear: how much longer the new context is (linear: every frequency divided by it)
     low_freq_factor: float = 1.0  # llama3: wavelengths above orig/low are scaled by 1/factor
     high_freq_factor: float = 4.0  # llama3: wavelengths below orig/high are kept
     original_max_position_embeddings: int = 8192  # llama3, longrope: the pre-scaling context
@@ -71,6 +72,13 @@ class ModelConfig:
     # use_sliding_window and layer_types, Phi-3's sliding_window); empty where no layer slides
     attention_windows: tuple[int | None, ...] = ()
     fused: bool = False  # Phi-3: qkv_proj and gate_up_proj, each one module of the checkpoint and of its adapters
+    # Gemma 3: the embedding scaled by sqrt(hidden_size); every norm's weight 1 + w, applied in float32 before the
+    # cast; the attention's and the MLP's outputs each normalised before their residual add (post_attention and
+    # post_feedforward norms; the MLP's input norm is pre_feedforward_layernorm); the MLP gated by tanh-approximated
+    # GELU; scores scaled by query_pre_attn_scalar ** -0.5; the sliding layers rotated by their own RoPE (rope_local)
+    gemma: bool = False
+    attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
+    rope_local: RopeConfig | None = None  # the sliding layers' RoPE, where it differs from ``rope``
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -102,6 +110,15 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """How many of each head's dimensions rotate (the first: HF's ``int(head_dim * partial_rotary_factor)``)."""
         return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE that rotates layer ``layer``'s q and k (Gemma 3's sliding layers have their own)."""
+        return self.rope_local if self.rope_local is not None and self.attention_window(layer) is not None else self.rope
 
     @property
     def sliding_window(self) -> int | None:
@@ -174,14 +191,15 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]["qkv_bias"])),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-                rope=_rope_from_dict(raw),
+                rope=_rope_from_dict(_gemma_rope(raw, "full_attention") if arch == "Gemma3ForCausalLM" else raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
                 qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
                 attention_windows=_attention_windows(raw, arch),
                 fused=SUPPORTED_ARCHITECTURES[arch]["fused"],
+                **(_gemma_fields(raw) if arch == "Gemma3ForCausalLM" else {}),
             )
-            _check_activation(raw)
+            _check_activation(raw, "gelu_pytorch_tanh" if arch == "Gemma3ForCausalLM" else "silu")
         except KeyError as e:
             raise ModelConfigError(f"missing field {e.args[0]!r}") from e
         except (TypeError, ValueError) as e:
@@ -202,6 +220,11 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
     slides every layer where ``sliding_window`` is set. Llama's layers attend to their whole context. Empty where no
     layer slides."""
     layers = int(raw.get("num_hidden_layers", 0))
+    if arch == "Gemma3ForCausalLM":  # layer_types, else every sliding_window_pattern-th layer full, the rest sliding
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(layers)]
+        return _windows_of(kinds, raw.get("sliding_window", 4096), layers)
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer, where the field is set (Phi-3-mini-4k: 2047)
         window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch == "MistralForCausalLM" else None)
         return (int(window),) * layers if window else ()
@@ -211,11 +234,15 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
     if kinds is None:
         first = int(raw.get("max_window_layers", 0))
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    return _windows_of(kinds, raw.get("sliding_window"), layers)
+
+
+def _windows_of(kinds: list, window: int | None, layers: int) -> tuple[int | None, ...]:
+    """Each layer's window from its kind in ``layer_types`` (empty where none slides); other kinds refused."""
     for i, kind in enumerate(kinds):
         if kind not in ("full_attention", "sliding_attention"):
             raise ModelConfigError(f"field 'layer_types': layer {i} is {kind!r}; full_attention and "
                                    "sliding_attention are supported")
-    window = raw.get("sliding_window")
     if not window or "sliding_attention" not in kinds:
         return ()
     if len(kinds) != layers:
@@ -223,11 +250,39 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
     return tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
 
 
-def _check_activation(raw: dict[str, Any]) -> None:
-    """Every supported architecture gates its MLP with SiLU; another ``hidden_act`` is refused, naming it."""
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"field 'hidden_act': {act!r} is not supported (the MLP runs SiLU)")
+def _check_activation(raw: dict[str, Any], expected: str) -> None:
+    """The MLP's gate runs ``expected`` (SiLU; Gemma's tanh-approximated GELU); another activation is refused,
+    naming the field."""
+    name = "hidden_activation" if "hidden_activation" in raw else "hidden_act"
+    act = raw.get(name, expected)
+    if act != expected:
+        raise ModelConfigError(f"field {name!r}: {act!r} is not supported (this model's MLP runs {expected})")
+
+
+def _gemma_rope(raw: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``raw`` with Gemma 3's RoPE of one kind of layer (``full_attention`` or ``sliding_attention``) as a plain
+    ``rope_parameters`` (transformers 5 nests them by kind; 4.x has ``rope_theta``/``rope_scaling`` for the full
+    layers and ``rope_local_base_freq`` for the sliding ones)."""
+    nested = raw.get("rope_parameters") or {}
+    if kind in nested:
+        return {**raw, "rope_parameters": nested[kind], "rope_scaling": None}
+    if kind == "sliding_attention":
+        return {**raw, "rope_parameters": {"rope_type": "default",
+                                           "rope_theta": raw.get("rope_local_base_freq", 10000.0)},
+                "rope_scaling": None}
+    return {**raw, "rope_parameters": None, "rope_theta": raw.get("rope_theta", 1_000_000.0)}
+
+
+def _gemma_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig``'s Gemma 3 fields; what coserve does not run (logit soft-capping, bidirectional attention) is
+    refused naming the field."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(name) is not None:
+            raise ModelConfigError(f"field {name!r}: soft-capping is not supported (Gemma 2's; Gemma 3 has none)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelConfigError("field 'use_bidirectional_attention': only causal attention is supported")
+    return {"gemma": True, "attn_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "rope_local": _rope_from_dict(_gemma_rope(raw, "sliding_attention"))}
 
 
 def read_json_file(path: Path, where: str, error: type[ValueError]) -> dict:
@@ -260,6 +315,9 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
     partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     if rope_type == "longrope":
         return _longrope(raw, params, theta, partial)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params.get("factor", 1.0)),
+                          partial_rotary_factor=partial)
     if rope_type != "llama3":
         return RopeConfig(theta=theta, rope_type=rope_type, partial_rotary_factor=partial)
     try:

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Phi3Config,
-                          PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig, MistralConfig,
+                          Phi3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -105,7 +105,8 @@ def _check_shard_size(max_shard_size: str | int | None) -> None:
 def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float32",
                  tie_word_embeddings: bool | None = None,
                  rope_scaling: dict[str, Any] | None = None, head_dim: int | None = None) -> PreTrainedConfig:
-    """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``, ``Qwen3Config`` or ``Phi3Config``)
+    """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``, ``Qwen3Config``, ``Phi3Config`` or
+    ``Gemma3TextConfig``)
     ``create_model`` uses.
 
     Raises ``ValueError`` naming the field for an unknown preset, arch or dtype, or a bad
@@ -137,6 +138,8 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
             cfg = Qwen2Config(**common, use_sliding_window=False)
         elif arch == "qwen3":  # no biases; q and k each RMS-normalised per head before the rotation
             cfg = Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False)
+        elif arch == "gemma3":  # see gemma3_config
+            cfg = gemma3_config(common, p, head_dim)
         elif arch == "phi3":  # q/k/v in one matrix (qkv_proj), gate and up in another (gate_up_proj)
             cfg = Phi3Config(**common, original_max_position_embeddings=p.max_position_embeddings,
                              sliding_window=None)
@@ -146,6 +149,21 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         field = "rope_scaling" if rope_scaling is not None else "preset"
         raise ValueError(f"{field}: invalid {arch} config ({type(e).__name__}: {e})") from e
     return cfg
+
+
+def gemma3_config(common: dict[str, Any], p: ModelPreset, head_dim: int) -> PreTrainedConfig:
+    """Gemma 3 (text) of the preset's shape: layers alternately sliding over a sixteenth of the context and attending
+    to all of it (Gemma 3 slides five layers in six, over 512 of 32,768 positions), the sliding ones rotated by RoPE
+    of theta 10,000, the full ones by the preset's theta with linear scaling (factor 2; Gemma 3 4B and up: 8), and
+    q.k scaled by (2 * head_dim) ** -0.5 (``query_pre_attn_scalar``; 256 = head_dim in Gemma 3 1B), so that a decoder
+    reading any of these wrong does not match."""
+    kwargs = {k: v for k, v in common.items() if k not in ("hidden_act", "rope_parameters")}
+    return Gemma3TextConfig(
+        **kwargs, head_dim=head_dim, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=2 * head_dim,
+        sliding_window=max(16, p.max_position_embeddings // 16),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p.num_hidden_layers)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": p.rope_theta}})
 
 
 def shape_init(model: PreTrainedModel) -> None:
@@ -170,11 +188,17 @@ def shape_init(model: PreTrainedModel) -> None:
                 ramp = torch.linspace(0.5, 1.5, layer.self_attn.q_norm.weight.numel())
                 layer.self_attn.q_norm.weight.copy_(ramp)
                 layer.self_attn.k_norm.weight.copy_(ramp.flip(0))
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's four norms (1 + w: zeros at init), told apart
+                for j, name in enumerate(("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                          "post_feedforward_layernorm")):
+                    weight = getattr(layer, name).weight
+                    weight.copy_(torch.linspace(-0.3, 0.3, weight.numel()).roll(j * weight.numel() // 4))
             if tied:
                 layer.self_attn.o_proj.weight.mul_(TIED_RESIDUAL_GAIN)
                 layer.mlp.down_proj.weight.mul_(TIED_RESIDUAL_GAIN)
-        if tied:
-            model.model.norm.weight.fill_(LOGIT_STD / (INITIALIZER_RANGE * math.sqrt(hidden)))
+        if tied:  # Gemma's norm scales by 1 + w
+            gemma = hasattr(model.model.layers[0], "pre_feedforward_layernorm")
+            model.model.norm.weight.fill_(LOGIT_STD / (INITIALIZER_RANGE * math.sqrt(hidden)) - gemma)
         else:
             model.get_output_embeddings().weight.mul_(LOGIT_STD / (INITIALIZER_RANGE * math.sqrt(hidden)))
 
@@ -196,7 +220,7 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     The same arguments always give the same weights; the weights depend on ``seed``.
 
     ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``, ``medium``), ``arch``
-    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``dtype`` one of ``float32``, ``bfloat16``,
+    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``gemma3``, ``dtype`` one of ``float32``, ``bfloat16``,
     ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
     only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;

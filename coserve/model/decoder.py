@@ -59,9 +59,16 @@ class DecoderLayer:
         def w(name: str) -> torch.Tensor:
             return state[p + name].to(device=device, dtype=dtype)
 
+        def norm(name: str) -> torch.Tensor:  # Gemma's 1 + w, kept in float32 (``rms_norm`` applies it before the cast)
+            return (1 + state[p + name].float()).to(device) if cfg.gemma else w(name)
+
         self.index = index
-        self.input_norm = w("input_layernorm.weight")
-        self.post_norm = w("post_attention_layernorm.weight")
+        self.input_norm = norm("input_layernorm.weight")
+        # the MLP's input norm; Gemma's post_attention_layernorm normalises the attention's output instead
+        self.post_norm = norm("pre_feedforward_layernorm.weight" if cfg.gemma else "post_attention_layernorm.weight")
+        # Gemma: the attention's and the MLP's outputs, each normalised before its residual add
+        self.attn_out_norm = norm("post_attention_layernorm.weight") if cfg.gemma else None
+        self.mlp_out_norm = norm("post_feedforward_layernorm.weight") if cfg.gemma else None
         # in float32 for their backward (the same tensors in a float32 model; else one copy, not one per window)
         self.input_norm_f32, self.post_norm_f32 = self.input_norm.float(), self.post_norm.float()
         self.qkv = gemm_layout(w("self_attn.qkv_proj.weight") if cfg.fused else  # [q + 2kv, H]
@@ -73,8 +80,8 @@ class DecoderLayer:
         # rows of a head repeated), so that q and k side by side are normalised in one pass
         self.qk_norm = self.qk_norm_f32 = self.k_weight = None
         if cfg.qk_norm:
-            self.qk_norm = torch.cat([w("self_attn.q_norm.weight").expand(cfg.num_heads, -1),
-                                      w("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
+            self.qk_norm = torch.cat([norm("self_attn.q_norm.weight").expand(cfg.num_heads, -1),
+                                      norm("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
             self.qk_norm_f32 = self.qk_norm.float()
             self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]  # k before its norm, for its backward
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
@@ -116,13 +123,23 @@ class DecoderModel:
         self.device = device
         self.dtype = dtype
         self.embed = state["model.embed_tokens.weight"].to(device=device, dtype=dtype)
+        # Gemma: embeddings scaled by sqrt(hidden_size), the factor cast to the model's dtype first (as HF)
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(device=device, dtype=dtype) if cfg.gemma else None
         self.lm_head = (self.embed if cfg.tie_word_embeddings  # the embedding's own rows: gathered by token
                         else gemm_layout(state["lm_head.weight"].to(device=device, dtype=dtype)))
-        self.norm = state["model.norm.weight"].to(device=device, dtype=dtype)
+        self.norm = ((1 + state["model.norm.weight"].float()).to(device) if cfg.gemma  # as DecoderLayer's norms
+                     else state["model.norm.weight"].to(device=device, dtype=dtype))
         self.norm_f32 = self.norm.float()  # for the finetuning head's backward, as DecoderLayer's
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype, cfg.rotary_dim)
-        self.scale = cfg.head_dim ** -0.5
+        local = (RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_positions, device, dtype, cfg.rotary_dim)
+                 if cfg.rope_local is not None else self.rope)
+        # each layer's rotation (Gemma 3's sliding layers have their own)
+        self.ropes = [local if cfg.rope_local is not None and cfg.attention_window(i) is not None else self.rope
+                      for i in range(cfg.num_layers)]
+        self.scale = cfg.scale
+        # the MLP's gate: SiLU, or Gemma's tanh-approximated GELU (HF's gelu_pytorch_tanh)
+        self.act = functools.partial(F.gelu, approximate="tanh") if cfg.gemma else F.silu
         # each layer's sliding window (None: its whole context), as attention reads it
         self.windows = [cfg.attention_window(i) for i in range(cfg.num_layers)]
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
@@ -198,7 +215,7 @@ class DecoderModel:
             out = paged_attention(q[:t], k[:t], v[:t], layer, cache, batch, self.scale, self.windows[layer])
             return torch.cat([out, out.new_zeros(pad, out.shape[1])]) if pad else out
 
-        x = self.embed[batch.token_ids]  # [T, H]
+        x = self.embed_tokens(batch.token_ids)  # [T, H]
         positions = batch.positions
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
@@ -206,6 +223,11 @@ class DecoderModel:
         for layer in self.layers:
             x, _, _ = self.layer_forward(layer, x, positions, attend, bypass)
         return self.final_norm(x[:t])
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The layers' input ``[T, H]`` for ``token_ids`` (Gemma's scaled by sqrt(hidden_size))."""
+        x = self.embed[token_ids]
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def final_norm(self, x: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, stats)
@@ -227,6 +249,7 @@ class DecoderModel:
         """
         cfg, i = self.cfg, layer.index
         linear = functools.partial(self.linear, split=split)
+        rope = self.ropes[i]
         t = x.shape[0]
         stats = rms_norm_stats(x, cfg.rms_norm_eps)
         if tap is not None:
@@ -241,17 +264,20 @@ class DecoderModel:
             qk = qkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim))
             if layer.qk_norm is not None:
                 qk = self.head_norm(qk, layer.qk_norm, tap)
-            q, k = self.rope.rotate(qk, positions).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            q, k = rope.rotate(qk, positions).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         else:
             q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             if layer.qk_norm is not None:
                 q = self.head_norm(q, layer.qk_norm[:cfg.num_heads], tap, "q")
                 k = self.head_norm(k, layer.qk_norm[cfg.num_heads:], tap, "k")
-            q, k = self.rope(q, k, positions)
+            q, k = rope(q, k, positions)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if tap is not None:
             tap("q", q)
-        x = x + bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, linear)
+        attn = bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, linear)
+        if layer.attn_out_norm is not None:  # Gemma
+            attn = rms_norm(attn, layer.attn_out_norm, cfg.rms_norm_eps)
+        x = x + attn
         if tap is not None:
             tap("resid", x)
         stats = rms_norm_stats(x, cfg.rms_norm_eps)
@@ -264,8 +290,10 @@ class DecoderModel:
         if tap is not None:
             tap("gate", gate)
             tap("up", up)
-        x = x + bypassed_linear(bypass, tap, i, "down_proj", F.silu(gate) * up, layer.down, linear)
-        return x, k, v
+        mlp = bypassed_linear(bypass, tap, i, "down_proj", self.act(gate) * up, layer.down, linear)
+        if layer.mlp_out_norm is not None:  # Gemma
+            mlp = rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
+        return x + mlp, k, v
 
     def head_norm(self, x: torch.Tensor, weight: torch.Tensor, tap: Tap | None, which: str = "qk") -> torch.Tensor:
         """Qwen3's RMSNorm of each head of ``x`` ``[T, heads, D]`` (``weight`` ``[heads, D]``): q's heads, k's, or
@@ -309,6 +337,9 @@ def bypassed_linear(bypass: Bypass | None, tap: Tap | None, layer: int, module: 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back, as HF's LlamaRMSNorm does; ``stats``: ``rms_norm_stats(x, eps)``
-    where the caller keeps them for the backward."""
+    where the caller keeps them for the backward. A float32 ``weight`` over other rows is Gemma's (``1 + w``),
+    applied before the cast, as HF's Gemma3RMSNorm applies it (in float32 models the two orders are the same)."""
     xf, rstd = stats if stats is not None else rms_norm_stats(x, eps)
+    if weight.dtype != x.dtype:
+        return (xf * rstd * weight).to(x.dtype)
     return weight * (xf * rstd).to(x.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3")
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3")
 #: Weight dtypes ``create_model`` can write.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -39,10 +39,10 @@ class ModelPreset:
         attn = h * q + 2 * h * kv + q * h
         if arch == "qwen2":  # q/k/v biases
             attn += q + 2 * kv
-        if arch == "qwen3":  # q and k RMSNorm over each head
+        if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
         mlp = 3 * h * self.intermediate_size
-        layer = attn + mlp + 2 * h  # input and post-attention RMSNorm
+        layer = attn + mlp + (4 if arch == "gemma3" else 2) * h  # input and post-attention RMSNorm (Gemma: 2 more)
         embed = self.vocab_size * h
         return self.num_hidden_layers * layer + h + embed * (1 if tied else 2)
 

@@ -1,5 +1,5 @@
-"""Rotary position embeddings: plain RoPE, Llama-3 frequency scaling and Phi-3's LongRoPE (within its original
-context), over all of each head or its first dimensions (``partial_rotary_factor``), as HF computes them."""
+"""Rotary position embeddings: plain RoPE, linear and Llama-3 frequency scaling and Phi-3's LongRoPE (within its
+original context), over all of each head or its first dimensions (``partial_rotary_factor``), as HF computes them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     if rope.rope_type == "longrope":  # each frequency divided by its short factor (transformers' order of operations)
         return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** exponents)
     inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.rope_type == "linear":  # positions interpolated: every frequency divided by the factor
+        return inv_freq / rope.factor
     if rope.rope_type != "llama3":
         return inv_freq
     # Llama 3.1: long wavelengths are stretched by `factor`, short ones kept, the middle band blended.

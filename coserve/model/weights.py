@@ -81,6 +81,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
             shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if cfg.gemma:  # the MLP's input and output norms (its post_attention_layernorm: the attention's output)
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)

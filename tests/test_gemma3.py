@@ -1,0 +1,88 @@
+"""Gemma 3 (text): finetuned by windows whose backward is autograd over each recomputed window (the pruned backward
+does not cover its norms around the attention's and the MLP's outputs), exact against one whole-sequence backward,
+past its sliding window; what coserve does not run is refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from coserve.finetune.config import FinetuneConfig
+from coserve.finetune.job import Example, FinetuneJob
+from coserve.finetune.pruned_layer import pruned_backward_supported
+from coserve.finetune.reference import whole_sequence_loss
+from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
+from coserve.finetune.token_windows import backward_window, forward_window
+from coserve.model.config import ModelConfig, ModelConfigError
+from coserve.model.loader import load_model
+from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.trainable import TrainableIA3, TrainableLora
+
+BYPASSES = {
+    "lora-dropout": LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["all-linear"]),
+    "dora": LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+    "ia3": IA3Config(target_modules=["k_proj", "v_proj", "o_proj", "down_proj"], feedforward_modules=["o_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma(model_factory):
+    return load_model(model_factory("gemma3"), torch.float32, torch.device("cpu"))
+
+
+def _bypass(kind: str, model, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    cfg = BYPASSES[kind]
+    if isinstance(cfg, IA3Config):
+        bypass = TrainableIA3(cfg, model.module_shapes(), model.cfg.num_layers, model.device)
+    else:
+        bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, gen,
+                               base_weight=model.module_weight)
+    with torch.no_grad():  # every parameter away from its init, so that every path carries gradient
+        for p in bypass.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return bypass
+
+
+@pytest.mark.parametrize("kind", list(BYPASSES))
+def test_window_schedules_match_one_whole_sequence_backward_past_the_window(gemma, kind):
+    model = gemma
+    assert model.cfg.attention_windows == (32, None) and not pruned_backward_supported(model)
+    bypass = _bypass(kind, model, seed=4)
+    rng = random.Random(1)
+    n = 47  # past the sliding layer's 32 positions
+    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(n)]
+    targets = [t if rng.random() > 0.3 else IGNORE_INDEX for t in ids[1:]] + [IGNORE_INDEX]
+    total = sum(t != IGNORE_INDEX for t in targets)
+    bypass.zero_grad()
+    (whole_sequence_loss(model, bypass, ids, targets, dropout_seed=2) / total).backward()
+    ref = [p.grad.clone() for p in bypass.parameters()]
+    bypass.zero_grad()
+    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
+                               model.cfg.head_dim, model.device, model.dtype)
+    state.dropout_seed = 2
+    for size in (5, 1, 30, 11):
+        forward_window(model, bypass, state, size, 1.0 / total)
+    while not state.finished:
+        backward_window(model, bypass, state, rng.choice([1, 3, 16, 47]))
+    for p, r in zip(bypass.parameters(), ref):
+        assert r.abs().max() > 0
+        assert (p.grad - r).norm() / r.norm() <= 1e-5
+
+
+def test_a_job_asked_to_prune_recomputes_all(gemma, tmp_path):
+    bypass = _bypass("lora-dropout", gemma, seed=0)
+    job = FinetuneJob(gemma, bypass, [Example(list(range(5, 25)), list(range(6, 25)) + [IGNORE_INDEX])],
+                      FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=1, rematerialize="cheap"))
+    assert job.cfg.rematerialize == "all"
+
+
+@pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+                                         ("use_bidirectional_attention", True), ("hidden_activation", "gelu")])
+def test_what_is_not_run_is_refused_naming_the_field(model_factory, field, value):
+    raw = json.loads((model_factory("gemma3") / "config.json").read_text())
+    with pytest.raises(ModelConfigError, match=f"field '{field}'"):
+        ModelConfig.from_dict({**raw, field: value})
