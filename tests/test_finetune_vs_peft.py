@@ -130,7 +130,8 @@ def test_all_linear_wraps_the_modules_peft_wraps(model_factory, arch):
     from coserve.model.loader import load_model
     from coserve.peft.config import LoraConfig, for_model
     path = model_factory(arch)
-    hf = get_peft_model(AutoModelForCausalLM.from_pretrained(str(path)), PeftLoraConfig(r=4, target_modules="all-linear"))
+    hf = get_peft_model(AutoModelForCausalLM.from_pretrained(str(path)),
+                        PeftLoraConfig(r=4, target_modules="all-linear"))
     wrapped = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in hf.named_parameters()
                if name.endswith("lora_A.default.weight")}
     modules = load_model(path, torch.float32, torch.device("cpu")).module_shapes()

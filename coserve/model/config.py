@@ -29,7 +29,7 @@ class ModelConfigError(ValueError):
 
 @dataclass(slots=True)
 class RopeConfig:
-    """Rotary embedding parameters (plain RoPE, Llama-3 frequency scaling, or Phi-3's LongRoPE)."""
+    """Rotary embedding parameters (plain RoPE, linear or Llama-3 frequency scaling, or Phi-3's LongRoPE)."""
 
     theta: float = 10000.0
     rope_type: str = "default"  # one of ROPE_TYPES
@@ -115,10 +115,6 @@ class ModelConfig:
     def scale(self) -> float:
         """What q.k is multiplied by before the softmax."""
         return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
-
-    def layer_rope(self, layer: int) -> RopeConfig:
-        """The RoPE that rotates layer ``layer``'s q and k (Gemma 3's sliding layers have their own)."""
-        return self.rope_local if self.rope_local is not None and self.attention_window(layer) is not None else self.rope
 
     @property
     def sliding_window(self) -> int | None:
@@ -310,7 +306,7 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ("su", "yarn") and raw.get("architectures", [None])[0] == "Phi3ForCausalLM":
+    if rope_type in ("su", "yarn") and (raw.get("architectures") or [None])[0] == "Phi3ForCausalLM":
         rope_type = "longrope"  # Phi3Config's reading of the older names
     partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     if rope_type == "longrope":

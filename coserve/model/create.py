@@ -220,8 +220,8 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     The same arguments always give the same weights; the weights depend on ``seed``.
 
     ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``, ``medium``), ``arch``
-    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``gemma3``, ``dtype`` one of ``float32``, ``bfloat16``,
-    ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
+    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``gemma3``, ``dtype`` one of ``float32``,
+    ``bfloat16``, ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
     only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;
     ``rope_theta`` defaults to the preset's. ``head_dim`` (not for qwen2 or phi3) sets each head's width apart from
