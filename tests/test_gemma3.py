@@ -1,6 +1,6 @@
-"""Gemma 3 (text): finetuned by windows whose backward is autograd over each recomputed window (the pruned backward
-does not cover its norms around the attention's and the MLP's outputs), exact against one whole-sequence backward,
-past its sliding window; what coserve does not run is refused naming the field."""
+"""Gemma 3 (text): finetuning windows, pruned (the plan's keeps; through the norms around the attention's and the
+MLP's outputs, tanh-GELU and the sliding layers' own RoPE) or recomputed under autograd, exact against one
+whole-sequence backward past the sliding window; what coserve does not run is refused naming the field."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import random
 import pytest
 import torch
 
-from coserve.finetune.config import FinetuneConfig
-from coserve.finetune.job import Example, FinetuneJob
-from coserve.finetune.pruned_layer import pruned_backward_supported
+from coserve.finetune.pruned_layer import BASE_KEEPS, executor_plan, new_keeps, planned_keeps
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
@@ -48,9 +46,12 @@ def _bypass(kind: str, model, seed: int):
 
 
 @pytest.mark.parametrize("kind", list(BYPASSES))
-def test_window_schedules_match_one_whole_sequence_backward_past_the_window(gemma, kind):
+@pytest.mark.parametrize("remat", ["all", "cheap", "cheap:none", "cheap:every"])
+def test_window_schedules_match_one_whole_sequence_backward_past_the_window(gemma, kind, remat):
+    """``cheap``: the plan's keeps for this sequence; ``cheap:none`` recomputes q, the residual, gate and up;
+    ``cheap:every`` keeps them and attention's output (its kept-output backward under the sliding mask)."""
     model = gemma
-    assert model.cfg.attention_windows == (32, None) and not pruned_backward_supported(model)
+    assert model.cfg.attention_windows == (32, None)
     bypass = _bypass(kind, model, seed=4)
     rng = random.Random(1)
     n = 47  # past the sliding layer's 32 positions
@@ -64,6 +65,10 @@ def test_window_schedules_match_one_whole_sequence_backward_past_the_window(gemm
     state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
                                model.cfg.head_dim, model.device, model.dtype)
     state.dropout_seed = 2
+    if remat != "all":
+        names = {"cheap": planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=n)),
+                 "cheap:none": (), "cheap:every": BASE_KEEPS}[remat]
+        state.keeps = new_keeps(model, n, names)
     for size in (5, 1, 30, 11):
         forward_window(model, bypass, state, size, 1.0 / total)
     while not state.finished:
@@ -71,13 +76,6 @@ def test_window_schedules_match_one_whole_sequence_backward_past_the_window(gemm
     for p, r in zip(bypass.parameters(), ref):
         assert r.abs().max() > 0
         assert (p.grad - r).norm() / r.norm() <= 1e-5
-
-
-def test_a_job_asked_to_prune_recomputes_all(gemma, tmp_path):
-    bypass = _bypass("lora-dropout", gemma, seed=0)
-    job = FinetuneJob(gemma, bypass, [Example(list(range(5, 25)), list(range(6, 25)) + [IGNORE_INDEX])],
-                      FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=1, rematerialize="cheap"))
-    assert job.cfg.rematerialize == "all"
 
 
 @pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),

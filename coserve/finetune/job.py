@@ -9,7 +9,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from coserve.finetune.checkpoint import (CHECKPOINT_PREFIX, LOG_FILE, Checkpoint
                                         snapshot_checkpoint, write_checkpoint)
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.optim import make_optimizer, make_scheduler
-from coserve.finetune.pruned_layer import executor_plan, job_rematerialize, new_keeps, planned_keeps
+from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
 from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState, new_sequence_state
 from coserve.finetune.token_windows import FinetuneSlice, backward_window, forward_window
 from coserve.model.decoder import DecoderModel
@@ -73,8 +73,6 @@ class FinetuneJob:
                  base_model: str = "", resume_from: Path | None = None, validation: list | None = None) -> None:
         if not examples:
             raise ValueError("examples: the job has no training examples")
-        if job_rematerialize(model, cfg.rematerialize) != cfg.rematerialize:  # Gemma: all
-            cfg = replace(cfg, rematerialize=job_rematerialize(model, cfg.rematerialize))
         self.model, self.bypass, self.cfg, self.base_model = model, bypass, cfg, base_model
         self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
         self.validation = [Example(list(e.token_ids), list(e.targets)) for e in validation or ()]

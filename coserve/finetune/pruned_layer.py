@@ -14,12 +14,10 @@ up from the residual.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from coserve.finetune.graph import LayerShape
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET, PruningPlan, plan_model
@@ -28,8 +26,6 @@ from coserve.finetune.window_attention import (kept_attention_supported, window_
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
 from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
 from coserve.peft.trainable import LowRank
-
-log = logging.getLogger(__name__)
 
 # The base layer's tensors a plan may store or recompute (attention's two outputs go together); the norms' per-row
 # statistics (rsqrt(mean(x^2) + eps), float32) by their graph names.
@@ -64,23 +60,6 @@ def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
     how = "flash" if kept_attention_supported(model.device) else "recompute"
     return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward=how,
                       memory_target=memory_target, op_flops=dispatch_flops / tokens)
-
-
-def pruned_backward_supported(model: DecoderModel) -> bool:
-    """Whether ``backward_layer`` covers the model's layer: the Llama family's (Llama, Qwen2/3, Mistral, Phi-3). Gemma
-    3's norms around the attention's and the MLP's outputs are not written here: its jobs rematerialize all
-    (autograd over each recomputed window)."""
-    return not model.cfg.gemma
-
-
-def job_rematerialize(model: DecoderModel, policy: str) -> str:
-    """The policy a job over ``model`` runs: ``policy``, or ``all`` where it asks for the pruned executor
-    (``cheap``) and that does not cover the model."""
-    if policy == "cheap" and not pruned_backward_supported(model):
-        log.info("rematerialize: cheap's pruned backward does not cover %s; the job recomputes all",
-                 model.cfg.architecture)
-        return "all"
-    return policy
 
 
 def planned_keeps(plan: PruningPlan) -> frozenset[str]:
@@ -222,10 +201,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     q_stats = _norm_stats(q_pre, keep.get("q_rms", a, b), eps) if q_pre is not None else None
     if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
         if cfg.qk_norm:
-            q = model.rope.rotate(rms_norm(q_pre, layer.qk_norm[:cfg.num_heads], eps, q_stats), positions)
+            q = model.ropes[i].rotate(rms_norm(q_pre, layer.qk_norm[:cfg.num_heads], eps, q_stats), positions)
         else:
             q = _projection(model, layer, bypass, "q_proj", h1)
-            q = model.rope.rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
+            q = model.ropes[i].rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
     if o is None:  # attention, recomputed from q, K and V (under autograd when its backward runs)
         q = q.detach().requires_grad_()
@@ -234,8 +213,11 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
             attn = window_attention(q, k_win, v_win, model.scale, model.windows[i])
         o = attn.detach()
     resid = keep.get("resid", a, b)
+    # Gemma: the attention's projection, normalised before the residual add (its norm's backward reads it)
+    o_proj = (bypassed_linear(bypass, None, i, "o_proj", o, layer.o, model.linear)
+              if resid is None or layer.attn_out_norm is not None else None)
     if resid is None:
-        resid = x + bypassed_linear(bypass, None, i, "o_proj", o, layer.o, model.linear)
+        resid = x + (o_proj if layer.attn_out_norm is None else rms_norm(o_proj, layer.attn_out_norm, eps))
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     rstd2, stats2 = keep.get("rms_mlp", a, b), None
     h2 = None
@@ -249,16 +231,24 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         gate = bypass_output(bypass, None, i, "gate_proj", h2, model.linear(h2, layer.gate_weight))
     if up is None:
         up = bypass_output(bypass, None, i, "up_proj", h2, model.linear(h2, layer.up_weight))
-    # MLP: out = resid + down(silu(gate) * up)
-    silu = F.silu(gate)
-    mlp_in = silu * up if _touches(bypass, "down_proj") else None  # only the down_proj bypass reads it
-    dact = _module_backward(model, bypass, keep, i, "down_proj", mlp_in, layer.down, dout, a, b, need_dx=last > 1)
+    # MLP: out = resid + down(act(gate) * up) (Gemma: the down projection normalised first)
+    act = model.act(gate)
+    # the down_proj bypass reads the MLP's input; Gemma's output norm, the projection recomputed from it
+    mlp_in = act * up if _touches(bypass, "down_proj") or layer.mlp_out_norm is not None else None
+    dmlp = dout
+    if layer.mlp_out_norm is not None:
+        mlp_out = bypassed_linear(bypass, None, i, "down_proj", mlp_in, layer.down, model.linear)
+        dmlp = rms_norm_backward(dout, mlp_out, layer.mlp_out_norm, eps)
+    dact = _module_backward(model, bypass, keep, i, "down_proj", mlp_in, layer.down, dmlp, a, b, need_dx=last > 1)
     if last == 1:
         return None
     dgu = torch.empty(n, 2 * inter, device=x.device, dtype=x.dtype)  # [dgate | dup]
     dgate, dup = dgu.chunk(2, dim=-1)
-    torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgate)
-    torch.mul(dact, silu, out=dup)
+    if cfg.gemma:  # tanh-approximated GELU
+        torch.ops.aten.gelu_backward.grad_input(dact * up, gate, approximate="tanh", grad_input=dgate)
+    else:
+        torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgate)
+    torch.mul(dact, act, out=dup)
     ex_g = _out_backward_into(bypass, keep, i, "gate_proj", h2, dgate, a, b)
     ex_u = _out_backward_into(bypass, keep, i, "up_proj", h2, dup, a, b)
     ex_gu = _out_backward_into(bypass, keep, i, "gate_up_proj", h2, dgu, a, b)
@@ -266,7 +256,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         return None
     dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u, ex_gu)
     dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps))
-    dattn = _module_backward(model, bypass, keep, i, "o_proj", o, layer.o, dresid, a, b, need_dx=last > 3)
+    do_proj = dresid if layer.attn_out_norm is None else rms_norm_backward(dresid, o_proj, layer.attn_out_norm, eps)
+    dattn = _module_backward(model, bypass, keep, i, "o_proj", o, layer.o, do_proj, a, b, need_dx=last > 3)
     if last == 3:
         return None
     if lse is None:
@@ -285,7 +276,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     dqkv = torch.empty(n, cfg.q_size + 2 * cfg.kv_size, device=x.device, dtype=x.dtype)  # [dq | dk | dv]
     dq, dk, dv = dqkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     dqk = dqkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim))
-    model.rope.rotate_backward(torch.cat([q_grad, k_own_grad], dim=1), positions, dqk)  # q and k in one pass
+    model.ropes[i].rotate_backward(torch.cat([q_grad, k_own_grad], dim=1), positions, dqk)  # q and k in one pass
     if cfg.qk_norm:  # through the norms of q's and k's heads, in one pass too
         k_stats = _norm_stats(k_pre, keep.get("k_rms", a, b), eps)
         stats = torch.cat([q_stats[0], k_stats[0]], dim=1), torch.cat([q_stats[1], k_stats[1]], dim=1)
