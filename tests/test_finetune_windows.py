@@ -71,7 +71,7 @@ def _one_sequence(model, bypass, rng: random.Random, n: int):
                               model.cfg.head_dim, model.device, model.dtype), ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral:window=6", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral:window=6", "gemma2", "gemma3"])
 @pytest.mark.parametrize("kind", list(BYPASSES))
 @pytest.mark.parametrize("seed,remat", [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap"), (0, "cheap:flops"),
                                         (0, "cheap:none"), (1, "cheap:every")])
@@ -83,7 +83,7 @@ def test_random_window_schedules_match_whole_sequence_autograd(model_factory, co
     sequences are longer)."""
     path = config_variant("mistral", sliding_window=6) if ":window=" in arch else model_factory(arch)
     model = load_model(path, torch.float32, torch.device("cpu"))
-    assert model.cfg.sliding_window == {"mistral:window=6": 6, "gemma3": 32}.get(arch)
+    assert model.cfg.sliding_window == {"mistral:window=6": 6, "gemma2": 32, "gemma3": 32}.get(arch)
     rng = random.Random(seed)
     bypass = _bypass(kind, model, seed)
     seqs = []

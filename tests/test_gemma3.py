@@ -78,9 +78,27 @@ def test_window_schedules_match_one_whole_sequence_backward_past_the_window(gemm
         assert (p.grad - r).norm() / r.norm() <= 1e-5
 
 
-@pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
-                                         ("use_bidirectional_attention", True), ("hidden_activation", "gelu")])
+@pytest.mark.parametrize("field,value", [("use_bidirectional_attention", True), ("hidden_activation", "gelu"),
+                                         ("final_logit_softcapping", -1.0)])
 def test_what_is_not_run_is_refused_naming_the_field(model_factory, field, value):
     raw = json.loads((model_factory("gemma3") / "config.json").read_text())
     with pytest.raises(ModelConfigError, match=f"field '{field}'"):
         ModelConfig.from_dict({**raw, field: value})
+
+
+def test_gemma3_caps_its_logits_where_set_and_never_its_scores_as_hf_does(config_variant, hf_model_cache):
+    """Gemma 3's attention ignores ``attn_logit_softcapping`` (Gemma 2's scores are capped); its LM head caps the
+    logits where ``final_logit_softcapping`` is set: logits and greedy tokens as HF's."""
+    from coserve import LLM, SamplingParams
+    path = config_variant("gemma3", attn_logit_softcapping=1.0, final_logit_softcapping=4.0)
+    llm = LLM(path, dtype="float32", device="cpu")
+    assert llm.engine.model_config.attn_softcap is None and llm.engine.model_config.final_softcap == 4.0
+    hf = hf_model_cache(path)
+    ids = list(range(5, 45))
+    out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3))[0]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1].log_softmax(-1)
+    assert out.token_ids == ref.argmax(-1).tolist()
+    for step, lp in enumerate(out.outputs[0].logprobs):
+        for token, value in lp.top.items():
+            assert abs(value - ref[step, token].item()) <= 1e-4

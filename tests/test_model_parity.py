@@ -97,7 +97,7 @@ def test_llama3_rope_scaling_tied_embeddings_and_shards(model_factory, hf_model_
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma: norm weights (1 + w) applied in float32 before the cast
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])  # Gemma: norm weights (1 + w) in float32, then the cast
 def test_half_precision_runs_close_to_hf(model_factory, hf_model_cache, dtype, arch):
     path = model_factory(arch)
     llm = LLM(path, dtype=dtype, device="cpu")

@@ -333,7 +333,7 @@ class ModelExecutor:
                 logits_rows.extend(range(row + n - 1 - c.num_drafts, row + n))
             row += n
         return build_forward_batch(tokens, chunks, self.cache.block_size, logits_rows, self.model.device,
-                                   varlen=not self.model.cfg.attention_windows)
+                                   varlen=not self.model.cfg.per_chunk_attention)
 
     def _adapter_batch(self, plan: IterationPlan, num_rows: int):
         """The adapters (LoRA, IA3 or both) of the plan's rows; rows past its tokens (padding) use the base model."""

@@ -98,9 +98,10 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
 
             def attend(q, k, v, _i, i=i):
                 window = model.windows[i]
-                parts = [sequence_attend(st, i, a, b, q[t:e], k[t:e], v[t:e], model.scale, window)]
+                parts = [sequence_attend(st, i, a, b, q[t:e], k[t:e], v[t:e], model.scale, window, model.softcap)]
                 if t:
-                    parts.insert(0, paged_attention(q[:t], k[:t], v[:t], i, cache, batch, model.scale, window))
+                    parts.insert(0, paged_attention(q[:t], k[:t], v[:t], i, cache, batch, model.scale, window,
+                                                    model.softcap))
                 if pad:
                     parts.append(q.new_zeros(pad, parts[0].shape[1]))
                 return torch.cat(parts) if len(parts) > 1 else parts[0]

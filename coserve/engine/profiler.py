@@ -103,7 +103,7 @@ class IterationRig:
             row += p.prefill
         logits = [c.end - 1 for c in chunks]
         return build_forward_batch(tokens, chunks, BLOCK, logits, self.model.device,
-                                   varlen=not self.model.cfg.attention_windows)
+                                   varlen=not self.model.cfg.per_chunk_attention)
 
     @staticmethod
     def shape(p: ProfilePoint) -> IterationShape:

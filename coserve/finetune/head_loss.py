@@ -3,7 +3,7 @@
 Cross-entropy is ``logsumexp(logits) - logits[target]``; its gradient with respect to the
 logits is ``softmax(logits) - onehot(target)``, computed in place over the logits buffer (no
 log-softmax buffer, no zero-filled gradient), only for rows that have a target. The gradient
-then goes back through the LM head matmul and the final RMSNorm by hand.
+then goes back through a soft cap on the logits (Gemma 2's), the LM head matmul and the final RMSNorm by hand.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
     t = targets[rows]
     stats = rms_norm_stats(xs, model.cfg.rms_norm_eps)  # the final norm's, for its backward too
     logits = model.logits(model.final_norm(xs, stats))  # [m, V] float32
+    cap = model.cfg.final_softcap  # Gemma 2's capped logits c = cap tanh(z / cap): dc/dz = 1 - (c / cap)^2
+    capped = (1 - (logits / cap).square()) if cap is not None and need_grad else None
     picked = logits.gather(1, t.unsqueeze(1))  # [m, 1]
     top, predicted = logits.max(dim=-1, keepdim=True)
     probs = logits.sub_(top).exp_()  # exp(logits - max), in the logits' buffer
@@ -44,6 +46,8 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
     probs.div_(total)  # softmax
     probs[torch.arange(m, device=probs.device), t] -= 1.0
     probs.mul_(loss_scale)
+    if capped is not None:
+        probs.mul_(capped)
     dh = model.input_grad(probs.to(x.dtype), model.lm_head)  # [m, H]
     dx = rms_norm_backward(dh, xs, model.norm_f32, model.cfg.rms_norm_eps, stats)
     if m == x.shape[0]:

@@ -19,9 +19,10 @@ from coserve.model.forward_batch import causal_mask
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of the window's queries over the sequence's first ``p + n`` keys, causal within the window (and
-    under a layer's sliding ``window``, over each query's last ``window`` positions alone).
+    under a layer's sliding ``window``, over each query's last ``window`` positions alone; with ``softcap``, Gemma
+    2's capped scores: ``capped_attention``, whose backward autograd takes: no kept-output backward).
 
     Args:
         q: ``[n, Hq, D]`` rotated queries of the window's tokens (positions ``p .. p + n - 1``).
@@ -36,7 +37,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     masked = bool(p) or w is not None
     mask = _allowed(n, p, q.device, w) if masked else None
     out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not masked, scale=scale,
-               enable_gqa=True)  # [1, Hq, n, D]
+               enable_gqa=True, softcap=softcap)  # [1, Hq, n, D]
     return _merged_heads(out)
 
 

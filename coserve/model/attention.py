@@ -20,13 +20,34 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT = 2  # the memory-efficient kernel's ``custom_mask_type`` for chunks after a prefix
 
 
-def sdpa(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def sdpa(q: torch.Tensor, *args, softcap: float | None = None, **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` restricted to :data:`SDPA_BACKENDS` on CUDA (elsewhere there is no cuDNN
-    kernel to keep out, and entering the restriction costs ~11 us a call on this CPU, per layer per iteration)."""
+    kernel to keep out, and entering the restriction costs ~11 us a call on this CPU, per layer per iteration); with
+    ``softcap`` (Gemma 2's), ``capped_attention``."""
+    if softcap is not None:
+        return capped_attention(q, *args, softcap=softcap, **kwargs)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, *args, **kwargs)
     with sdpa_kernel(SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, *args, **kwargs)
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """Attention whose scaled scores are soft-capped, ``cap * tanh(s / cap)``, before the mask and the softmax (in
+    float32), as HF's eager Gemma 2 attention computes it; ``scaled_dot_product_attention``'s arguments (a boolean
+    ``attn_mask``), its fused kernels having no cap. K/V heads shared by several query heads are repeated."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        attn_mask = causal_mask(q.shape[-2], k.shape[-2] - q.shape[-2], q.device)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class PagedKVCache:
@@ -83,8 +104,9 @@ def _gather_heads_repeated(pool: torch.Tensor, index: torch.Tensor, num_heads: i
     return repeated.flatten(-3, -2)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    cache: PagedKVCache, batch: ForwardBatch, scale: float, window: int | None = None) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache,
+                    batch: ForwardBatch, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each chunk's queries over its sequence's cached keys and values.
 
     Args:
@@ -92,27 +114,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         k, v: ``[T, Hkv, D]`` rotated keys and values of the new tokens; written into ``cache``.
         window: the layer's sliding window (each query attends to the last ``window`` positions, its own
             included), or None: its whole context. A windowed layer needs the per-chunk layout (not ``varlen``).
+        softcap: the scores' soft cap (Gemma 2's ``attn_logit_softcapping``), or None; per-chunk layout too.
 
     Returns:
         ``[T, Hq * D]`` attention outputs in row order.
     """
     cache.write(layer, batch.slot_mapping, k, v)
     if batch.varlen is not None:
-        if window is not None:
-            raise ValueError("paged_attention: a sliding window needs the batch laid out per chunk "
+        if window is not None or softcap is not None:
+            raise ValueError("paged_attention: a sliding window or a soft cap needs the batch laid out per chunk "
                              "(build_forward_batch(..., varlen=False))")
         return _varlen_attention(q, layer, cache, batch.varlen, scale).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     for group in batch.single_groups:
-        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale, window)
+        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale, window, softcap)
     for chunk in batch.multi_chunks:  # a whole prompt (or its first chunk): causal over its own rows
         mask = _windowed_mask(chunk.num_new, 0, window, q.device) if window is not None else None
-        _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, mask, scale, out)
+        _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, mask, scale, out, softcap)
     for pc in batch.prefixed_chunks:  # a later prefill chunk: over the cached prefix and itself
         kc, vc = cache.gather(layer, pc.block_table)
         n, context = pc.chunk.num_new, pc.chunk.context_len
         mask = _windowed_mask(n, context - n, window, q.device) if window is not None else None
-        _chunk_attention(q, kc[:context], vc[:context], pc.chunk, pc.mask if mask is None else mask, scale, out)
+        _chunk_attention(q, kc[:context], vc[:context], pc.chunk, pc.mask if mask is None else mask, scale, out,
+                         softcap)
     return out.reshape(q.shape[0], -1)
 
 
@@ -142,16 +166,16 @@ def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: Va
 
 
 def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk: SequenceChunk,
-                     mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
+                     mask: torch.Tensor | None, scale: float, out: torch.Tensor, softcap: float | None = None) -> None:
     """One chunk's queries over keys/values ``[L, Hkv, D]``: causal without ``mask``, else as it says."""
     qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     o = sdpa(qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
-             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True, softcap=softcap)
     out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
 
 def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
-                            scale: float, window: int | None = None) -> torch.Tensor:
+                            scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes.
 
     On a CPU the query heads that share a K/V head are that head's rows of queries (``[D, Hkv, Hq // Hkv, Dh]``;
@@ -163,7 +187,7 @@ def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, gr
     k, v = kc.transpose(1, 2), vc.transpose(1, 2)  # [D, Hkv, L, Dh]
     valid = group.valid_within(window)
     if q.is_cuda:  # [D, Hq, 1, Dh]
-        return sdpa(q.unsqueeze(2), k, v, attn_mask=valid, scale=scale, enable_gqa=True).squeeze(2)
+        return sdpa(q.unsqueeze(2), k, v, attn_mask=valid, scale=scale, enable_gqa=True, softcap=softcap).squeeze(2)
     d, hq, dh = q.shape
     grouped = q.view(d, k.shape[1], hq // k.shape[1], dh)  # [D, Hkv, Hq // Hkv, Dh]
-    return sdpa(grouped, k, v, attn_mask=valid, scale=scale).reshape(d, hq, dh)
+    return sdpa(grouped, k, v, attn_mask=valid, scale=scale, softcap=softcap).reshape(d, hq, dh)

@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
+    "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
 }
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -72,13 +73,15 @@ class ModelConfig:
     # use_sliding_window and layer_types, Phi-3's sliding_window); empty where no layer slides
     attention_windows: tuple[int | None, ...] = ()
     fused: bool = False  # Phi-3: qkv_proj and gate_up_proj, each one module of the checkpoint and of its adapters
-    # Gemma 3: the embedding scaled by sqrt(hidden_size); every norm's weight 1 + w, applied in float32 before the
+    # Gemma 2 and 3: the embedding scaled by sqrt(hidden_size); every norm's weight 1 + w, applied in float32 before the
     # cast; the attention's and the MLP's outputs each normalised before their residual add (post_attention and
     # post_feedforward norms; the MLP's input norm is pre_feedforward_layernorm); the MLP gated by tanh-approximated
     # GELU; scores scaled by query_pre_attn_scalar ** -0.5; the sliding layers rotated by their own RoPE (rope_local)
     gemma: bool = False
     attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
-    rope_local: RopeConfig | None = None  # the sliding layers' RoPE, where it differs from ``rope``
+    rope_local: RopeConfig | None = None  # the sliding layers' RoPE, where it differs from ``rope`` (Gemma 3)
+    attn_softcap: float | None = None  # Gemma 2: scores capped at cap * tanh(s / cap) before the softmax
+    final_softcap: float | None = None  # Gemma 2 (Gemma 3 where set): logits capped likewise
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -115,6 +118,12 @@ class ModelConfig:
     def scale(self) -> float:
         """What q.k is multiplied by before the softmax."""
         return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
+
+    @property
+    def per_chunk_attention(self) -> bool:
+        """Whether attention needs each chunk's own call (a sliding window or capped scores), not CUDA's one
+        variable-length call over every chunk (``build_forward_batch``'s ``varlen``), nor decode graphs of it."""
+        return bool(self.attention_windows) or self.attn_softcap is not None
 
     @property
     def sliding_window(self) -> int | None:
@@ -193,9 +202,9 @@ class ModelConfig:
                 qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
                 attention_windows=_attention_windows(raw, arch),
                 fused=SUPPORTED_ARCHITECTURES[arch]["fused"],
-                **(_gemma_fields(raw) if arch == "Gemma3ForCausalLM" else {}),
+                **(_gemma_fields(raw, arch) if arch in GEMMAS else {}),
             )
-            _check_activation(raw, "gelu_pytorch_tanh" if arch == "Gemma3ForCausalLM" else "silu")
+            _check_activation(raw, "gelu_pytorch_tanh" if arch in GEMMAS else "silu")
         except KeyError as e:
             raise ModelConfigError(f"missing field {e.args[0]!r}") from e
         except (TypeError, ValueError) as e:
@@ -206,6 +215,7 @@ class ModelConfig:
 
 
 MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig where config.json has no sliding_window
+GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]:
@@ -216,8 +226,8 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
     slides every layer where ``sliding_window`` is set. Llama's layers attend to their whole context. Empty where no
     layer slides."""
     layers = int(raw.get("num_hidden_layers", 0))
-    if arch == "Gemma3ForCausalLM":  # layer_types, else every sliding_window_pattern-th layer full, the rest sliding
-        pattern = int(raw.get("sliding_window_pattern", 6))
+    if arch in GEMMAS:  # layer_types, else every sliding_window_pattern-th layer full (Gemma 2: every other)
+        pattern = int(raw.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 2))
         kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(layers)]
         return _windows_of(kinds, raw.get("sliding_window", 4096), layers)
@@ -269,16 +279,30 @@ def _gemma_rope(raw: dict[str, Any], kind: str) -> dict[str, Any]:
     return {**raw, "rope_parameters": None, "rope_theta": raw.get("rope_theta", 1_000_000.0)}
 
 
-def _gemma_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """``ModelConfig``'s Gemma 3 fields; what coserve does not run (logit soft-capping, bidirectional attention) is
-    refused naming the field."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if raw.get(name) is not None:
-            raise ModelConfigError(f"field {name!r}: soft-capping is not supported (Gemma 2's; Gemma 3 has none)")
+def _gemma_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """``ModelConfig``'s Gemma 2 and 3 fields as transformers reads them: Gemma 2 caps the attention scores and the
+    logits (50 and 30 where the fields are absent); Gemma 3 caps the logits where ``final_logit_softcapping`` is set
+    and never the scores (its attention ignores ``attn_logit_softcapping``), and rotates its sliding layers by their own
+    RoPE. Bidirectional attention is refused, naming the field."""
     if raw.get("use_bidirectional_attention"):
         raise ModelConfigError("field 'use_bidirectional_attention': only causal attention is supported")
-    return {"gemma": True, "attn_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
-            "rope_local": _rope_from_dict(_gemma_rope(raw, "sliding_attention"))}
+    fields: dict[str, Any] = {"gemma": True, "attn_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5}
+    if arch == "Gemma2ForCausalLM":
+        fields["attn_softcap"] = _positive_or_none(raw, "attn_logit_softcapping", 50.0)
+        fields["final_softcap"] = _positive_or_none(raw, "final_logit_softcapping", 30.0)
+    else:
+        fields["final_softcap"] = _positive_or_none(raw, "final_logit_softcapping", None)
+        fields["rope_local"] = _rope_from_dict(_gemma_rope(raw, "sliding_attention"))
+    return fields
+
+
+def _positive_or_none(raw: dict[str, Any], name: str, default: float | None) -> float | None:
+    value = raw.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelConfigError(f"field {name!r}: must be a positive number or null, got {value!r}")
+    return float(value)
 
 
 def read_json_file(path: Path, where: str, error: type[ValueError]) -> dict:

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig, MistralConfig,
-                          Phi3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, LlamaConfig,
+                          MistralConfig, Phi3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -105,8 +105,8 @@ def _check_shard_size(max_shard_size: str | int | None) -> None:
 def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float32",
                  tie_word_embeddings: bool | None = None,
                  rope_scaling: dict[str, Any] | None = None, head_dim: int | None = None) -> PreTrainedConfig:
-    """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``, ``Qwen3Config``, ``Phi3Config`` or
-    ``Gemma3TextConfig``)
+    """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``, ``Qwen3Config``, ``Phi3Config``,
+    ``Gemma2Config`` or ``Gemma3TextConfig``)
     ``create_model`` uses.
 
     Raises ``ValueError`` naming the field for an unknown preset, arch or dtype, or a bad
@@ -140,6 +140,8 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
             cfg = Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False)
         elif arch == "gemma3":  # see gemma3_config
             cfg = gemma3_config(common, p, head_dim)
+        elif arch == "gemma2":  # see gemma2_config
+            cfg = gemma2_config(common, p, head_dim)
         elif arch == "phi3":  # q/k/v in one matrix (qkv_proj), gate and up in another (gate_up_proj)
             cfg = Phi3Config(**common, original_max_position_embeddings=p.max_position_embeddings,
                              sliding_window=None)
@@ -164,6 +166,19 @@ def gemma3_config(common: dict[str, Any], p: ModelPreset, head_dim: int) -> PreT
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p.num_hidden_layers)],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": p.rope_theta}})
+
+
+def gemma2_config(common: dict[str, Any], p: ModelPreset, head_dim: int) -> PreTrainedConfig:
+    """Gemma 2 of the preset's shape: every other layer sliding over a sixteenth of the context (Gemma 2: 4,096 of
+    8,192), q.k scaled by (2 * head_dim) ** -0.5, and the scores and the logits soft-capped at 2 and 5 (Gemma 2: 50 and
+    30, which a random model's small scores and logits would barely reach: these caps bend them, so that a decoder
+    that skipped them would not match)."""
+    kwargs = {k: v for k, v in common.items() if k != "hidden_act"}
+    return Gemma2Config(
+        **kwargs, head_dim=head_dim, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=2 * head_dim,
+        sliding_window=max(16, p.max_position_embeddings // 16), attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p.num_hidden_layers)])
 
 
 def shape_init(model: PreTrainedModel) -> None:
@@ -220,9 +235,9 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     The same arguments always give the same weights; the weights depend on ``seed``.
 
     ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``, ``medium``), ``arch``
-    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``gemma3``, ``dtype`` one of ``float32``,
-    ``bfloat16``, ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling`` (llama
-    only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
+    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``gemma2``, ``gemma3``, ``dtype`` one of
+    ``float32``, ``bfloat16``, ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling``
+    (llama only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;
     ``rope_theta`` defaults to the preset's. ``head_dim`` (not for qwen2 or phi3) sets each head's width apart from
     ``hidden_size / num_attention_heads``, as Qwen3 and Llama-3.2 checkpoints do. Raises ``ValueError`` naming the

@@ -142,6 +142,7 @@ class DecoderModel:
         self.act = functools.partial(F.gelu, approximate="tanh") if cfg.gemma else F.silu
         # each layer's sliding window (None: its whole context), as attention reads it
         self.windows = [cfg.attention_window(i) for i in range(cfg.num_layers)]
+        self.softcap = cfg.attn_softcap  # Gemma 2's cap on the attention scores, or None
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
         self.packed: PackedWeights | None = None
         self.pack_gemms(gemm_backend(device, dtype) if pack_gemms else None)
@@ -212,7 +213,8 @@ class DecoderModel:
         pad = max(0, min_rows - t)
 
         def attend(q, k, v, layer):
-            out = paged_attention(q[:t], k[:t], v[:t], layer, cache, batch, self.scale, self.windows[layer])
+            out = paged_attention(q[:t], k[:t], v[:t], layer, cache, batch, self.scale, self.windows[layer],
+                                  self.softcap)
             return torch.cat([out, out.new_zeros(pad, out.shape[1])]) if pad else out
 
         x = self.embed_tokens(batch.token_ids)  # [T, H]
@@ -233,8 +235,11 @@ class DecoderModel:
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, stats)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits ``[N, V]`` in float32 for hidden states ``[N, H]``."""
-        return self.linear(hidden, self.lm_head).float()
+        """Next-token logits ``[N, V]`` in float32 for hidden states ``[N, H]`` (Gemma 2's soft-capped,
+        ``cap * tanh(z / cap)``)."""
+        logits = self.linear(hidden, self.lm_head).float()
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def layer_forward(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
                       bypass: Bypass | None, tap: Tap | None = None, split: int = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3")
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3")
 #: Weight dtypes ``create_model`` can write.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -42,7 +42,7 @@ class ModelPreset:
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
         mlp = 3 * h * self.intermediate_size
-        layer = attn + mlp + (4 if arch == "gemma3" else 2) * h  # input and post-attention RMSNorm (Gemma: 2 more)
+        layer = attn + mlp + (4 if arch.startswith("gemma") else 2) * h  # input, post-attention RMSNorm (Gemma: 2 more)
         embed = self.vocab_size * h
         return self.num_hidden_layers * layer + h + embed * (1 if tied else 2)
 
