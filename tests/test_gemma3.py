@@ -5,19 +5,14 @@ whole-sequence backward past the sliding window; what coserve does not run is re
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
-from coserve.finetune.pruned_layer import BASE_KEEPS, executor_plan, new_keeps, planned_keeps
-from coserve.finetune.reference import whole_sequence_loss
-from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
-from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.config import ModelConfig, ModelConfigError
 from coserve.model.loader import load_model
 from coserve.peft.config import IA3Config, LoraConfig
-from coserve.peft.trainable import TrainableIA3, TrainableLora
+from window_helpers import check_windows_match_autograd, perturbed_bypass
 
 BYPASSES = {
     "lora-dropout": LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["all-linear"]),
@@ -31,51 +26,15 @@ def gemma(model_factory):
     return load_model(model_factory("gemma3"), torch.float32, torch.device("cpu"))
 
 
-def _bypass(kind: str, model, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    cfg = BYPASSES[kind]
-    if isinstance(cfg, IA3Config):
-        bypass = TrainableIA3(cfg, model.module_shapes(), model.cfg.num_layers, model.device)
-    else:
-        bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, gen,
-                               base_weight=model.module_weight)
-    with torch.no_grad():  # every parameter away from its init, so that every path carries gradient
-        for p in bypass.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return bypass
-
-
 @pytest.mark.parametrize("kind", list(BYPASSES))
 @pytest.mark.parametrize("remat", ["all", "cheap", "cheap:none", "cheap:every"])
 def test_window_schedules_match_one_whole_sequence_backward_past_the_window(gemma, kind, remat):
     """``cheap``: the plan's keeps for this sequence; ``cheap:none`` recomputes q, the residual, gate and up;
-    ``cheap:every`` keeps them and attention's output (its kept-output backward under the sliding mask)."""
-    model = gemma
-    assert model.cfg.attention_windows == (32, None)
-    bypass = _bypass(kind, model, seed=4)
-    rng = random.Random(1)
-    n = 47  # past the sliding layer's 32 positions
-    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(n)]
-    targets = [t if rng.random() > 0.3 else IGNORE_INDEX for t in ids[1:]] + [IGNORE_INDEX]
-    total = sum(t != IGNORE_INDEX for t in targets)
-    bypass.zero_grad()
-    (whole_sequence_loss(model, bypass, ids, targets, dropout_seed=2) / total).backward()
-    ref = [p.grad.clone() for p in bypass.parameters()]
-    bypass.zero_grad()
-    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
-                               model.cfg.head_dim, model.device, model.dtype)
-    state.dropout_seed = 2
-    if remat != "all":
-        names = {"cheap": planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=n)),
-                 "cheap:none": (), "cheap:every": BASE_KEEPS}[remat]
-        state.keeps = new_keeps(model, n, names)
-    for size in (5, 1, 30, 11):
-        forward_window(model, bypass, state, size, 1.0 / total)
-    while not state.finished:
-        backward_window(model, bypass, state, rng.choice([1, 3, 16, 47]))
-    for p, r in zip(bypass.parameters(), ref):
-        assert r.abs().max() > 0
-        assert (p.grad - r).norm() / r.norm() <= 1e-5
+    ``cheap:every`` keeps them and attention's output (its kept-output backward under the sliding mask). 47 tokens:
+    past the sliding layer's 32 positions."""
+    assert gemma.cfg.attention_windows == (32, None)
+    bypass = perturbed_bypass(BYPASSES[kind], gemma, seed=4)
+    check_windows_match_autograd(gemma, bypass, 47, remat, (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2)
 
 
 @pytest.mark.parametrize("field,value", [("use_bidirectional_attention", True), ("hidden_activation", "gelu"),

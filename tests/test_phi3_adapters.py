@@ -4,22 +4,18 @@ backward for every window schedule."""
 
 from __future__ import annotations
 
-import random
 import re
 
 import pytest
 import torch
 
 from coserve import LLM, SamplingParams
-from coserve.finetune.reference import whole_sequence_loss
-from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
-from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
-from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.loader import load_model
 from coserve.peft import AdapterError
 from coserve.peft.config import IA3Config, LoraConfig
-from coserve.peft.trainable import TrainableIA3, TrainableLora, load_trainable
+from coserve.peft.trainable import TrainableIA3, load_trainable
 from peft_helpers import hf_greedy, make_dora_adapter, make_ia3_adapter, make_lora_adapter, peft_model
+from window_helpers import check_windows_match_autograd, perturbed_bypass
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides which tokens run",
            "JSON: {\"key\": [1, 2", "Once upon"]
@@ -77,8 +73,7 @@ def test_an_adapter_of_split_modules_is_refused_on_phi3_naming_what_it_has(phi3,
     with pytest.raises(ValueError, match=re.escape("target_modules: ['k_proj', 'v_proj'] are not modules of this "
                                                    "model, which has qkv_proj, o_proj, gate_up_proj, down_proj (its "
                                                    "qkv_proj fuse q_proj, k_proj, v_proj)")):
-        IA3Config().target_modules and TrainableIA3(IA3Config(), llm.engine.model.module_shapes(), 2,
-                                                    torch.device("cpu"))
+        TrainableIA3(IA3Config(), llm.engine.model.module_shapes(), 2, torch.device("cpu"))
 
 
 FUSED_BYPASSES = {
@@ -89,55 +84,20 @@ FUSED_BYPASSES = {
 }
 
 
-def _fused_bypass(kind: str, model, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    cfg = FUSED_BYPASSES[kind]
-    if isinstance(cfg, IA3Config):
-        bypass = TrainableIA3(cfg, model.module_shapes(), model.cfg.num_layers, model.device)
-    else:
-        bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, gen,
-                               base_weight=model.module_weight)
-    with torch.no_grad():  # every parameter away from its init, so that every path carries gradient
-        for p in bypass.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return bypass
-
-
 @pytest.mark.parametrize("kind", list(FUSED_BYPASSES))
 @pytest.mark.parametrize("remat", ["all", "cheap", "cheap:none"])
 def test_window_schedules_of_fused_bypasses_match_whole_sequence_autograd(phi3, kind, remat):
     model = load_model(phi3, torch.float32, torch.device("cpu"))
-    bypass = _fused_bypass(kind, model, seed=7)
+    bypass = perturbed_bypass(FUSED_BYPASSES[kind], model, seed=7)
     assert bypass.config.target_modules[0] in ("qkv_proj", "o_proj")  # all-linear: the model's own names
-    rng = random.Random(3)
-    n = 19
-    ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(n)]
-    targets = [t if rng.random() > 0.3 else IGNORE_INDEX for t in ids[1:]] + [IGNORE_INDEX]
-    total = sum(t != IGNORE_INDEX for t in targets)
-    bypass.zero_grad()
-    (whole_sequence_loss(model, bypass, ids, targets, dropout_seed=5) / total).backward()
-    ref = [p.grad.clone() for p in bypass.parameters()]
-    bypass.zero_grad()
-    state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
-                               model.cfg.head_dim, model.device, model.dtype)
-    state.dropout_seed = 5
-    if remat != "all":
-        names = planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=n)) if remat == "cheap" else ()
-        state.keeps = new_keeps(model, n, names)
-    for size in (3, 1, 7, 8):
-        forward_window(model, bypass, state, size, 1.0 / total)
-    while not state.finished:
-        backward_window(model, bypass, state, rng.choice([1, 2, 5, 19]))
-    for p, r in zip(bypass.parameters(), ref):
-        assert r.abs().max() > 0
-        assert (p.grad - r).norm() / r.norm() <= 1e-5
+    check_windows_match_autograd(model, bypass, 19, remat, (3, 1, 7, 8), [1, 2, 5, 19], seed=3, dropout_seed=5)
 
 
 def test_a_trained_fused_adapter_is_served_as_peft_serves_it(phi3, hf_model_cache, tmp_path):
     """An adapter coserve trained on Phi-3's fused modules is a PEFT adapter of them: saved under their names, it
     loads in PEFT and generates there as coserve serves it; it loads back as a trainable copy, tensor for tensor."""
     model = load_model(phi3, torch.float32, torch.device("cpu"))
-    bypass = _fused_bypass("lora", model, seed=2)
+    bypass = perturbed_bypass(FUSED_BYPASSES["lora"], model, seed=2)
     bypass.save_pretrained(tmp_path / "trained", base_model=str(phi3))
     names = set(bypass.state_dict())
     assert "base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight" in names
