@@ -4,7 +4,7 @@ the server read them too).
 Llama, Qwen and Mistral checkpoints hold q/k/v and gate/up as separate modules; Phi-3's hold each group as one
 (``qkv_proj``, ``gate_up_proj``), and a PEFT adapter of Phi-3 adapts the fused module as a whole: one LoRA ``A``
 over the input and one ``B`` over every row of q, k and v, one IA3 vector over them all. coserve runs the fused
-weights either way; a model's adapters name its own modules (``model_modules``).
+weights either way; a model's adapters name its own modules (``DecoderModel.module_shapes``' keys).
 """
 
 from __future__ import annotations
@@ -15,17 +15,11 @@ from collections.abc import Iterable
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Phi-3's fused modules, each with its parts in the order of its output rows.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-FUSED_TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Every name any model has (indices are stable: LoRA dropout seeds mix them in).
 ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS)
 # Modules whose input a bypass may rescale (IA3's feed-forward placement): each has its own matmul.
 INPUT_SCALABLE_MODULES = ("o_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module of the decoder layers (not the LM head)
-
-
-def model_modules(fused: bool) -> tuple[str, ...]:
-    """The module names a model's adapters target: Phi-3's fused ones, or the Llama family's."""
-    return FUSED_TARGET_MODULES if fused else TARGET_MODULES
 
 
 def ordered(modules: Iterable[str]) -> list[str]:
@@ -36,8 +30,9 @@ def ordered(modules: Iterable[str]) -> list[str]:
 
 
 def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str = "target_modules") -> list[str]:
-    """``targets`` as the model's own module names, in the order given: ``all-linear`` (alone) is every one of
-    ``available``; a name the model lacks is refused, naming ``field`` and what the model has."""
+    """``targets`` as the model's own module names, in layer order (``ordered``: the order PEFT wraps them in, whatever
+    order they were given in): ``all-linear`` (alone) is every one of ``available``; a name the model lacks is
+    refused, naming ``field`` and what the model has."""
     targets, available = list(targets), list(available)
     if targets == [ALL_LINEAR]:
         return available

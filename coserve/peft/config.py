@@ -91,4 +91,3 @@ def for_model(config: LoraConfig | IA3Config, modules: Iterable[str]) -> LoraCon
     """``config`` with its ``target_modules`` as the model's own names (``modules``: ``DecoderModel.module_shapes``'
     keys): ``all-linear`` resolved, a module the model lacks refused, naming the field."""
     return replace(config, target_modules=resolve_targets(config.target_modules, modules))
-
