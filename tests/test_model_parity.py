@@ -169,7 +169,7 @@ def test_a_sliding_window_model_attends_past_its_window_as_hf_does(model_factory
         assert not torch.allclose(hf(torch.tensor([long])).logits[0, -1], full(torch.tensor([long])).logits[0, -1])
 
 
-def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(config_variant, hf_model_cache):
+def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(config_variant, hf_model_cache, tmp_path):
     """Phi-3.5/Phi-4-mini's rotary settings: the first half of each head rotates (``partial_rotary_factor``) by
     LongRoPE's short factors, cos and sin scaled by its attention factor; the context is capped at the original one
     (the long factors past it are not built): logits and greedy tokens as HF's, longer contexts refused naming it."""
@@ -192,3 +192,10 @@ def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(config_variant, hf_
         assert out.token_ids == _hf_greedy(hf, seq, len(out.token_ids))
     with pytest.raises(ValueError, match="max_model_len: 48 is more than the model's LongRoPE original context of 32"):
         LLM(path, dtype="float32", device="cpu", max_model_len=48)
+    from coserve import FinetuneConfig, LoraConfig
+    data = tmp_path / "long.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "' + "word " * 40 + '"}, '
+                    '{"role": "assistant", "content": "ok"}]}\n')
+    with pytest.raises(ValueError, match="more than the model's LongRoPE original context of 32"):
+        llm.finetune(str(data), peft=LoraConfig(r=2, target_modules=["o_proj"]),
+                     config=FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=1, max_seq_len=64))
