@@ -62,7 +62,7 @@ BURSTS = pytest.mark.parametrize("burst_ms", [0.0, 100.0], ids=["slices", "burst
 
 
 @BURSTS
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral:window=8", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral:window=8", "gemma2", "gemma3", "granite"])
 def test_greedy_outputs_unchanged_by_a_concurrent_finetuning_job(model_factory, config_variant, tmp_path, arch,
                                                                   burst_ms):
     """``mistral:window=8``: every layer slides over 8 positions (requests and training sequences are longer)."""

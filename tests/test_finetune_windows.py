@@ -71,7 +71,7 @@ def _one_sequence(model, bypass, rng: random.Random, n: int):
                               model.cfg.head_dim, model.device, model.dtype), ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral:window=6", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral:window=6", "gemma2", "gemma3", "granite"])
 @pytest.mark.parametrize("kind", list(BYPASSES))
 @pytest.mark.parametrize("seed,remat", [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap"), (0, "cheap:flops"),
                                         (0, "cheap:none"), (1, "cheap:every")])

@@ -45,7 +45,7 @@ def head_loss_and_grad(model: DecoderModel, x: torch.Tensor, targets: torch.Tens
         return loss, None, correct
     probs.div_(total)  # softmax
     probs[torch.arange(m, device=probs.device), t] -= 1.0
-    probs.mul_(loss_scale)
+    probs.mul_(loss_scale if model.cfg.logits_scaling is None else loss_scale / model.cfg.logits_scaling)  # Granite
     if capped is not None:
         probs.mul_(capped)
     dh = model.input_grad(probs.to(x.dtype), model.lm_head)  # [m, H]

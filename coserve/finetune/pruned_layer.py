@@ -218,8 +218,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     # Gemma: the attention's projection, normalised before the residual add (its norm's backward reads it)
     o_proj = (bypassed_linear(bypass, None, i, "o_proj", o, layer.o, model.linear)
               if resid is None or layer.attn_out_norm is not None else None)
+    rm = cfg.residual_multiplier  # Granite: each block's output scaled before its residual add
     if resid is None:
-        resid = x + (o_proj if layer.attn_out_norm is None else rms_norm(o_proj, layer.attn_out_norm, eps))
+        attn_out = o_proj if layer.attn_out_norm is None else rms_norm(o_proj, layer.attn_out_norm, eps)
+        resid = x + (attn_out if rm is None else attn_out * rm)
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     rstd2, stats2 = keep.get("rms_mlp", a, b), None
     h2 = None
@@ -237,10 +239,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     act = model.act(gate)
     # the down_proj bypass reads the MLP's input; Gemma's output norm, the projection recomputed from it
     mlp_in = act * up if _touches(bypass, "down_proj") or layer.mlp_out_norm is not None else None
-    dmlp = dout
+    dmlp = dout if rm is None else dout * rm
     if layer.mlp_out_norm is not None:
         mlp_out = bypassed_linear(bypass, None, i, "down_proj", mlp_in, layer.down, model.linear)
-        dmlp = rms_norm_backward(dout, mlp_out, layer.mlp_out_norm, eps)
+        dmlp = rms_norm_backward(dmlp, mlp_out, layer.mlp_out_norm, eps)
     dact = _module_backward(model, bypass, keep, i, "down_proj", mlp_in, layer.down, dmlp, a, b, need_dx=last > 1)
     if last == 1:
         return None
@@ -258,7 +260,9 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         return None
     dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u, ex_gu)
     dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps))
-    do_proj = dresid if layer.attn_out_norm is None else rms_norm_backward(dresid, o_proj, layer.attn_out_norm, eps)
+    do_proj = dresid if rm is None else dresid * rm
+    if layer.attn_out_norm is not None:
+        do_proj = rms_norm_backward(do_proj, o_proj, layer.attn_out_norm, eps)
     dattn = _module_backward(model, bypass, keep, i, "o_proj", o, layer.o, do_proj, a, b, need_dx=last > 3)
     if last == 3:
         return None

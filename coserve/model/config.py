@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
+    "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
 }
@@ -82,6 +83,11 @@ class ModelConfig:
     rope_local: RopeConfig | None = None  # the sliding layers' RoPE, where it differs from ``rope`` (Gemma 3)
     attn_softcap: float | None = None  # Gemma 2: scores capped at cap * tanh(s / cap) before the softmax
     final_softcap: float | None = None  # Gemma 2 (Gemma 3 where set): logits capped likewise
+    # Granite: the embedding times embedding_multiplier, each block's attention and MLP output times
+    # residual_multiplier before its residual add, the logits divided by logits_scaling (None: 1, no operation)
+    embed_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -203,6 +209,7 @@ class ModelConfig:
                 attention_windows=_attention_windows(raw, arch),
                 fused=SUPPORTED_ARCHITECTURES[arch]["fused"],
                 **(_gemma_fields(raw, arch) if arch in GEMMAS else {}),
+                **(_granite_fields(raw) if arch == "GraniteForCausalLM" else {}),
             )
             _check_activation(raw, "gelu_pytorch_tanh" if arch in GEMMAS else "silu")
         except KeyError as e:
@@ -293,6 +300,17 @@ def _gemma_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     else:
         fields["final_softcap"] = _positive_or_none(raw, "final_logit_softcapping", None)
         fields["rope_local"] = _rope_from_dict(_gemma_rope(raw, "sliding_attention"))
+    return fields
+
+
+def _granite_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers (transformers' defaults, 1, where absent); q.k scaled by ``attention_multiplier``."""
+    fields = {}
+    for name, field_name in (("embedding_multiplier", "embed_multiplier"), ("residual_multiplier",
+                                                                           "residual_multiplier"),
+                             ("logits_scaling", "logits_scaling"), ("attention_multiplier", "attn_scale")):
+        value = _positive_or_none(raw, name, 1.0)
+        fields[field_name] = None if value == 1.0 and name != "attention_multiplier" else value
     return fields
 
 

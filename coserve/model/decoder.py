@@ -227,8 +227,11 @@ class DecoderModel:
         return self.final_norm(x[:t])
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The layers' input ``[T, H]`` for ``token_ids`` (Gemma's scaled by sqrt(hidden_size))."""
+        """The layers' input ``[T, H]`` for ``token_ids`` (Gemma's scaled by sqrt(hidden_size), Granite's by its
+        ``embedding_multiplier``)."""
         x = self.embed[token_ids]
+        if self.cfg.embed_multiplier is not None:  # Granite
+            return x * self.cfg.embed_multiplier
         return x if self.embed_scale is None else x * self.embed_scale
 
     def final_norm(self, x: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -238,6 +241,8 @@ class DecoderModel:
         """Next-token logits ``[N, V]`` in float32 for hidden states ``[N, H]`` (Gemma 2's soft-capped,
         ``cap * tanh(z / cap)``)."""
         logits = self.linear(hidden, self.lm_head).float()
+        if self.cfg.logits_scaling is not None:  # Granite
+            logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -282,7 +287,7 @@ class DecoderModel:
         attn = bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, linear)
         if layer.attn_out_norm is not None:  # Gemma
             attn = rms_norm(attn, layer.attn_out_norm, cfg.rms_norm_eps)
-        x = x + attn
+        x = x + (attn if cfg.residual_multiplier is None else attn * cfg.residual_multiplier)  # Granite's
         if tap is not None:
             tap("resid", x)
         stats = rms_norm_stats(x, cfg.rms_norm_eps)
@@ -298,7 +303,7 @@ class DecoderModel:
         mlp = bypassed_linear(bypass, tap, i, "down_proj", self.act(gate) * up, layer.down, linear)
         if layer.mlp_out_norm is not None:  # Gemma
             mlp = rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
-        return x + mlp, k, v
+        return x + (mlp if cfg.residual_multiplier is None else mlp * cfg.residual_multiplier), k, v
 
     def head_norm(self, x: torch.Tensor, weight: torch.Tensor, tap: Tap | None, which: str = "qk") -> torch.Tensor:
         """Qwen3's RMSNorm of each head of ``x`` ``[T, heads, D]`` (``weight`` ``[heads, D]``): q's heads, k's, or
