@@ -177,7 +177,9 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     kept or recomputed from the input), attention from q, K and V,
     the residual from attention's output, gate and up from the residual. With
     ``need_input_grad`` False it returns None, having run only the stages down to the lowest
-    bypassed module (as autograd does when the layer input does not require grad).
+    bypassed module (as autograd does when the layer input does not require grad). Gemma's norms of the attention's
+    and the MLP's outputs (their inputs recomputed from attention's output and the MLP's input), its tanh-GELU and
+    Granite's residual multiplier are run through as the forward has them.
     """
     cfg, i = model.cfg, layer.index
     n = x.shape[0]
