@@ -72,7 +72,7 @@ def test_an_adapter_of_split_modules_is_refused_on_phi3_naming_what_it_has(phi3,
         llm.load_adapter("wrong", llama_style)
     with pytest.raises(ValueError, match=re.escape("target_modules: ['k_proj', 'v_proj'] are not modules of this "
                                                    "model, which has qkv_proj, o_proj, gate_up_proj, down_proj (its "
-                                                   "qkv_proj fuse q_proj, k_proj, v_proj)")):
+                                                   "qkv_proj holds q_proj, k_proj, v_proj)")):
         TrainableIA3(IA3Config(), llm.engine.model.module_shapes(), 2, torch.device("cpu"))
 
 

@@ -42,7 +42,7 @@ def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str
         fused = [f for f, parts in FUSED_PARTS.items() if set(missing) & set(parts) and f in available]
         split = [p for m in missing for p in FUSED_PARTS.get(m, ()) if p in available]
         if fused:
-            hint = f" (its {', '.join(fused)} fuse {', '.join(p for f in fused for p in FUSED_PARTS[f])})"
+            hint = " (" + "; ".join(f"its {f} holds {', '.join(FUSED_PARTS[f])}" for f in fused) + ")"
         elif split:
             hint = f" (its {', '.join(split)} are separate modules)"
         raise ValueError(f"{field}: {missing} are not modules of this model, which has {', '.join(available)}"
