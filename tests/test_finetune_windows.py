@@ -181,11 +181,13 @@ def test_dropout_masks_are_window_independent_and_change_gradients(model_factory
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))])
 @pytest.mark.parametrize("kind", ["lora-attn", "lora-mlp"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_kept_attention_output_backward_matches_autograd_on_the_device(model_factory, device, kind, arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral:window=8"])
+def test_kept_attention_output_backward_matches_autograd_on_the_device(model_factory, config_variant, device, kind,
+                                                                       arch):
     """Attention's output and log-sum-exp kept (the device's kernel pair), everything else recomputed (on Qwen3
-    the per-head q/k norms' backward too)."""
-    model = load_model(model_factory(arch), torch.float32, torch.device(device))
+    the per-head q/k norms' backward too; on a Mistral sliding over 8 positions, under the window's mask)."""
+    path = config_variant("mistral", sliding_window=8) if ":window=" in arch else model_factory(arch)
+    model = load_model(path, torch.float32, torch.device(device))
     rng = random.Random(3)
     bypass = _bypass(kind, model, 3)
     state, ref = _one_sequence(model, bypass, rng, 29)
