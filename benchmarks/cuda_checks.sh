@@ -46,7 +46,8 @@ git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/steps.log"
 
 run cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_decode_graphs.py tests/test_decode_attention.py \
   tests/test_batch_invariance.py tests/test_finetune_windows.py tests/test_engine_faults.py tests/test_sampling.py \
-  tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own
+  tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own \
+  "tests/test_model_parity.py::test_a_sliding_window_model_attends_past_its_window_as_hf_does"
 run generation_lora 150 $CS bench-generation --model "$MODEL" --device "$DEVICE" --adapters "$ADAPTERS" \
   --sharegpt "$DATA/sharegpt_trace.json" --out "$OUT/generation_lora.json"
 run generation_base 90 $CS bench-generation --model "$MODEL" --device "$DEVICE" \
