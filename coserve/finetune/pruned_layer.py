@@ -205,10 +205,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     q_stats = _norm_stats(q_pre, keep.get("q_rms", a, b), eps) if q_pre is not None else None
     if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
         if cfg.qk_norm:
-            q = model.ropes[i].rotate(rms_norm(q_pre, layer.qk_norm[:cfg.num_heads], eps, q_stats), positions)
+            q = _rotated(model, i, rms_norm(q_pre, layer.qk_norm[:cfg.num_heads], eps, q_stats), positions)
         else:
             q = _projection(model, layer, bypass, "q_proj", h1)
-            q = model.ropes[i].rotate(q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
+            q = _rotated(model, i, q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
     if o is None:  # attention, recomputed from q, K and V (under autograd when its backward runs)
         q = q.detach().requires_grad_()
@@ -284,7 +284,10 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     dqkv = torch.empty(n, cfg.q_size + 2 * cfg.kv_size, device=x.device, dtype=x.dtype)  # [dq | dk | dv]
     dq, dk, dv = dqkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     dqk = dqkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim))
-    model.ropes[i].rotate_backward(torch.cat([q_grad, k_own_grad], dim=1), positions, dqk)  # q and k in one pass
+    if model.ropes[i] is None:  # SmolLM3's layers without position encoding
+        dqk.copy_(torch.cat([q_grad, k_own_grad], dim=1))
+    else:
+        model.ropes[i].rotate_backward(torch.cat([q_grad, k_own_grad], dim=1), positions, dqk)  # q and k in one pass
     if cfg.qk_norm:  # through the norms of q's and k's heads, in one pass too
         k_stats = _norm_stats(k_pre, keep.get("k_rms", a, b), eps)
         stats = torch.cat([q_stats[0], k_stats[0]], dim=1), torch.cat([q_stats[1], k_stats[1]], dim=1)
@@ -310,6 +313,12 @@ def _projection(model: DecoderModel, layer: DecoderLayer, bypass, module: str, h
         return qkv[:, lo:lo + weight.shape[0]]
     bias = layer.qkv_bias[lo:lo + weight.shape[0]] if layer.qkv_bias is not None else None
     return bypass_output(bypass, None, layer.index, module, h, model.linear(h, weight, bias))
+
+
+def _rotated(model: DecoderModel, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated by layer ``i``'s RoPE (as it is in a layer without one)."""
+    rope = model.ropes[i]
+    return x if rope is None else rope.rotate(x, positions)
 
 
 def _norm_stats(x: torch.Tensor, rstd: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

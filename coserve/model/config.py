@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
+    "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
 }
@@ -88,6 +89,7 @@ class ModelConfig:
     embed_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k are not rotated (no position encoding)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -202,7 +204,8 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]["qkv_bias"])),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-                rope=_rope_from_dict(_gemma_rope(raw, "full_attention") if arch == "Gemma3ForCausalLM" else raw),
+                rope=_rope_from_dict(_gemma_rope(raw, "full_attention") if arch == "Gemma3ForCausalLM" else
+                                     {"rope_theta": 2_000_000.0, **raw} if arch == "SmolLM3ForCausalLM" else raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
                 qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
@@ -210,6 +213,7 @@ class ModelConfig:
                 fused=SUPPORTED_ARCHITECTURES[arch]["fused"],
                 **(_gemma_fields(raw, arch) if arch in GEMMAS else {}),
                 **(_granite_fields(raw) if arch == "GraniteForCausalLM" else {}),
+                nope_layers=_nope_layers(raw) if arch == "SmolLM3ForCausalLM" else (),
             )
             _check_activation(raw, "gelu_pytorch_tanh" if arch in GEMMAS else "silu")
         except KeyError as e:
@@ -238,6 +242,13 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
         kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(layers)]
         return _windows_of(kinds, raw.get("sliding_window", 4096), layers)
+    if arch == "SmolLM3ForCausalLM":  # with use_sliding_window, layer_types (else its NoPE layers) slide
+        if not raw.get("use_sliding_window") or not raw.get("sliding_window"):
+            return ()
+        nope = set(_nope_layers(raw))
+        kinds = raw.get("layer_types") or ["sliding_attention" if i in nope else "full_attention"
+                                           for i in range(layers)]
+        return _windows_of(kinds, raw.get("sliding_window"), layers)
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer, where the field is set (Phi-3-mini-4k: 2047)
         window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch == "MistralForCausalLM" else None)
         return (int(window),) * layers if window else ()
@@ -301,6 +312,19 @@ def _gemma_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         fields["final_softcap"] = _positive_or_none(raw, "final_logit_softcapping", None)
         fields["rope_local"] = _rope_from_dict(_gemma_rope(raw, "sliding_attention"))
     return fields
+
+
+def _nope_layers(raw: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: rotated, 0: not), else every
+    ``no_rope_layer_interval``-th layer (4 where absent)."""
+    layers = int(raw.get("num_hidden_layers", 0))
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ModelConfigError(f"field 'no_rope_layers': {len(flags)} entries for {layers} layers")
+    return tuple(i for i, rotated in enumerate(flags) if not rotated)
 
 
 def _granite_fields(raw: dict[str, Any]) -> dict[str, Any]:

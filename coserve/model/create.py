@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, GraniteConfig,
                           LlamaConfig, MistralConfig, Phi3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config,
-                          Qwen3Config)
+                          Qwen3Config, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -120,7 +120,7 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         head_dim = p.head_dim
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: must be a positive even integer, got {head_dim!r}")
-    elif arch in ("qwen2", "phi3", "granite") and head_dim != p.head_dim:
+    elif arch in ("qwen2", "phi3", "granite", "smollm3") and head_dim != p.head_dim:
         raise ValueError(f"head_dim: {arch} heads are hidden_size / num_attention_heads ({p.head_dim}) wide")
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     common: dict[str, Any] = dict(
@@ -143,6 +143,8 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
             cfg = gemma3_config(common, p, head_dim)
         elif arch == "gemma2":  # see gemma2_config
             cfg = gemma2_config(common, p, head_dim)
+        elif arch == "smollm3":  # Llama's layer; every other layer without RoPE here (SmolLM3: every fourth)
+            cfg = SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=False)
         elif arch == "granite":  # Llama's layer with multipliers (Granite 3: 12, 0.22, 1/128 and 8), set apart from 1
             cfg = GraniteConfig(**common, embedding_multiplier=4.0, residual_multiplier=0.5,
                                 attention_multiplier=0.5 / math.sqrt(p.head_dim), logits_scaling=2.0)
@@ -239,9 +241,9 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     The same arguments always give the same weights; the weights depend on ``seed``.
 
     ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``, ``medium``), ``arch``
-    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``gemma2``, ``gemma3``, ``granite``, ``dtype`` one of
-    ``float32``, ``bfloat16``, ``float16``. ``tie_word_embeddings`` overrides the preset's choice. ``rope_scaling``
-    (llama only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
+    one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``gemma2``, ``gemma3``, ``granite``, ``smollm3``,
+    ``dtype`` one of ``float32``, ``bfloat16``, ``float16``. ``tie_word_embeddings`` overrides the preset's choice.
+    ``rope_scaling`` (llama only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;
     ``rope_theta`` defaults to the preset's. ``head_dim`` (not for qwen2 or phi3) sets each head's width apart from
     ``hidden_size / num_attention_heads``, as Qwen3 and Llama-3.2 checkpoints do. Raises ``ValueError`` naming the

@@ -135,7 +135,9 @@ class DecoderModel:
         local = (RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_positions, device, dtype, cfg.rotary_dim)
                  if cfg.rope_local is not None else self.rope)
         # each layer's rotation (Gemma 3's sliding layers have their own)
-        self.ropes = [local if cfg.rope_local is not None and cfg.attention_window(i) is not None else self.rope
+        # (None: SmolLM3's layers without position encoding)
+        self.ropes = [None if i in cfg.nope_layers else
+                      local if cfg.rope_local is not None and cfg.attention_window(i) is not None else self.rope
                       for i in range(cfg.num_layers)]
         self.scale = cfg.scale
         # the MLP's gate: SiLU, or Gemma's tanh-approximated GELU (HF's gelu_pytorch_tanh)
@@ -274,13 +276,14 @@ class DecoderModel:
             qk = qkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim))
             if layer.qk_norm is not None:
                 qk = self.head_norm(qk, layer.qk_norm, tap)
-            q, k = rope.rotate(qk, positions).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            q, k = (qk if rope is None else rope.rotate(qk, positions)).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         else:
             q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             if layer.qk_norm is not None:
                 q = self.head_norm(q, layer.qk_norm[:cfg.num_heads], tap, "q")
                 k = self.head_norm(k, layer.qk_norm[cfg.num_heads:], tap, "k")
-            q, k = rope(q, k, positions)
+            if rope is not None:
+                q, k = rope(q, k, positions)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if tap is not None:
             tap("q", q)

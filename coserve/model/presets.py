@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite")
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3")
 #: Weight dtypes ``create_model`` can write.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
