@@ -76,15 +76,18 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("gemma3", ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),
                                           ("gemma3", "ia3"), ("gemma2", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
                                           ("granite", ["q_proj", "o_proj", "up_proj", "down_proj"]),
-                                          ("smollm3", ["q_proj", "k_proj", "v_proj", "down_proj"])])
+                                          ("smollm3", ["q_proj", "k_proj", "v_proj", "down_proj"]),
+                                          ("olmo2", ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),
+                                          ("olmo2", "ia3")])
 def test_training_matches_peft(model_factory, config_variant, tmp_path, optimizer, tol, arch, targets):
     """``mistral:window=8``: every layer slides over 8 positions, shorter than most training sequences."""
     model_dir = config_variant("mistral", sliding_window=8) if ":window=" in arch else model_factory(arch)
     phi3 = arch == "phi3"  # Phi-3's fused modules: one bypass over all of q, k and v, one over gate and up
     if targets == "ia3":  # PEFT's default IA3 placement: k_proj and v_proj outputs, down_proj input
-        start = make_ia3_adapter(model_dir, tmp_path / "start", seed=3,
-                                 **({"target_modules": ["qkv_proj", "down_proj"], "feedforward_modules": ["down_proj"]}
-                                    if phi3 else {}))
+        placement = ({"target_modules": ["qkv_proj", "down_proj"], "feedforward_modules": ["down_proj"]} if phi3 else
+                     {"target_modules": ["k_proj", "v_proj", "down_proj"], "feedforward_modules": ["down_proj"]}
+                     if arch == "olmo2" else {})  # PEFT has no default placement for these
+        start = make_ia3_adapter(model_dir, tmp_path / "start", seed=3, **placement)
     elif targets == "dora":  # q/v with Qwen2's biases, which DoRA leaves unscaled
         start = make_dora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8,
                                   target_modules=["qkv_proj", "gate_up_proj"] if phi3 else

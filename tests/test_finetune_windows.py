@@ -75,7 +75,7 @@ SCHEDULES = [(0, "all"), (1, "all"), (0, "cheap"), (1, "cheap"), (0, "cheap:flop
              (1, "cheap:every")]
 # The Llama family's three layers under every schedule; the later architectures under one of each keep set.
 CASES = [(arch, seed, remat) for arch in ("llama", "qwen2", "qwen3") for seed, remat in SCHEDULES] + [
-    (arch, seed, remat) for arch in ("mistral:window=6", "gemma2", "gemma3", "granite", "smollm3")
+    (arch, seed, remat) for arch in ("mistral:window=6", "gemma2", "gemma3", "granite", "smollm3", "olmo2")
     for seed, remat in ((0, "all"), (1, "cheap"), (0, "cheap:none"), (1, "cheap:every"))]
 
 

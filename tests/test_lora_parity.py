@@ -31,7 +31,7 @@ def adapters(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "smollm3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "smollm3", "olmo2"])
 def test_mixed_adapter_batch_matches_peft(model_factory, hf_model_cache, adapters, arch):
     model_dir = model_factory(arch)
     paths = adapters(model_dir)

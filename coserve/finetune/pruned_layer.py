@@ -195,9 +195,13 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     need_k_pre = cfg.qk_norm and last > 3 and k_pre is None
     rstd1, stats1 = keep.get("rms_attn", a, b), None  # the input norm's statistic, kept or recomputed
     h1 = None  # the input norm, where recomputed (its backward reads the statistics too)
-    if (q is None and not cfg.qk_norm) or need_q_pre or need_k_pre or _touches(bypass, *_STAGES[3]):
-        stats1 = _norm_stats(x, rstd1, eps)
-        h1 = rms_norm(x, layer.input_norm, eps, stats1)
+    whole = layer.q_norm_whole is not None  # OLMo 2's norms of all of q's heads and of k's: their inputs recomputed
+    if (q is None and not cfg.qk_norm) or need_q_pre or need_k_pre or _touches(bypass, *_STAGES[3]) or whole:
+        if layer.input_norm is None:  # OLMo 2: the attention reads the layer input as it is
+            h1 = x
+        else:
+            stats1 = _norm_stats(x, rstd1, eps)
+            h1 = rms_norm(x, layer.input_norm, eps, stats1)
     if need_q_pre:
         q_pre = _projection(model, layer, bypass, "q_proj", h1).view(n, cfg.num_heads, cfg.head_dim)
     if need_k_pre:
@@ -208,6 +212,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
             q = _rotated(model, i, rms_norm(q_pre, layer.qk_norm[:cfg.num_heads], eps, q_stats), positions)
         else:
             q = _projection(model, layer, bypass, "q_proj", h1)
+            if whole:
+                q = rms_norm(q, layer.q_norm_whole, eps)
             q = _rotated(model, i, q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
     if o is None:  # attention, recomputed from q, K and V (under autograd when its backward runs)
@@ -227,7 +233,9 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     rstd2, stats2 = keep.get("rms_mlp", a, b), None
     h2 = None
-    if gate is None or up is None or _touches(bypass, *_STAGES[1]):
+    if layer.post_norm is None:  # OLMo 2: the MLP reads the residual as it is
+        h2 = resid
+    elif gate is None or up is None or _touches(bypass, *_STAGES[1]):
         stats2 = _norm_stats(resid, rstd2, eps)
         h2 = rms_norm(resid, layer.post_norm, eps, stats2)
     inter = cfg.intermediate_size
@@ -261,7 +269,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if last == 2:
         return None
     dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u, ex_gu)
-    dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps))
+    dresid = dout + (dh2 if layer.post_norm is None else
+                     rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps)))
     do_proj = dresid if rm is None else dresid * rm
     if layer.attn_out_norm is not None:
         do_proj = rms_norm_backward(do_proj, o_proj, layer.attn_out_norm, eps)
@@ -292,6 +301,9 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         k_stats = _norm_stats(k_pre, keep.get("k_rms", a, b), eps)
         stats = torch.cat([q_stats[0], k_stats[0]], dim=1), torch.cat([q_stats[1], k_stats[1]], dim=1)
         dqk.copy_(rms_norm_backward(dqk, stats[0], layer.qk_norm_f32, eps, stats))
+    if whole:  # through OLMo 2's norms of all of q's heads and of k's, from their inputs recomputed
+        for part, module, weight in ((dq, "q_proj", layer.q_norm_whole), (dk, "k_proj", layer.k_norm_whole)):
+            part.copy_(rms_norm_backward(part, _projection(model, layer, bypass, module, h1), weight, eps))
     dv.copy_(v_own_grad.flatten(1))
     ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)
     ex_k = _out_backward_into(bypass, keep, i, "k_proj", h1, dk, a, b)
@@ -300,6 +312,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if not need_input_grad:
         return None
     dh1 = _plus(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v, ex_qkv)
+    if layer.input_norm is None:
+        return dresid + dh1
     return dresid + rms_norm_backward(dh1, x, layer.input_norm_f32, eps, stats1 or _norm_stats(x, rstd1, eps))
 
 

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
+    "Olmo2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
 }
@@ -90,6 +91,9 @@ class ModelConfig:
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
     nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k are not rotated (no position encoding)
+    # OLMo 2: no norms of the attention's and the MLP's inputs, each output normalised before its residual add (norm
+    # weights applied in float32 before the cast), and q and k each RMS-normalised over all their heads at once
+    olmo2: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -214,6 +218,7 @@ class ModelConfig:
                 **(_gemma_fields(raw, arch) if arch in GEMMAS else {}),
                 **(_granite_fields(raw) if arch == "GraniteForCausalLM" else {}),
                 nope_layers=_nope_layers(raw) if arch == "SmolLM3ForCausalLM" else (),
+                olmo2=arch == "Olmo2ForCausalLM",
             )
             _check_activation(raw, "gelu_pytorch_tanh" if arch in GEMMAS else "silu")
         except KeyError as e:

@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, GraniteConfig,
-                          LlamaConfig, MistralConfig, Phi3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config,
-                          Qwen3Config, SmolLM3Config)
+                          LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, PreTrainedConfig, PreTrainedModel,
+                          Qwen2Config, Qwen3Config, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -120,7 +120,7 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         head_dim = p.head_dim
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: must be a positive even integer, got {head_dim!r}")
-    elif arch in ("qwen2", "phi3", "granite", "smollm3") and head_dim != p.head_dim:
+    elif arch in ("qwen2", "phi3", "granite", "smollm3", "olmo2") and head_dim != p.head_dim:
         raise ValueError(f"head_dim: {arch} heads are hidden_size / num_attention_heads ({p.head_dim}) wide")
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     common: dict[str, Any] = dict(
@@ -143,6 +143,8 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
             cfg = gemma3_config(common, p, head_dim)
         elif arch == "gemma2":  # see gemma2_config
             cfg = gemma2_config(common, p, head_dim)
+        elif arch == "olmo2":  # norms of the outputs, not of the inputs; q and k each normalised over all heads
+            cfg = Olmo2Config(**common)
         elif arch == "smollm3":  # Llama's layer; every other layer without RoPE here (SmolLM3: every fourth)
             cfg = SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=False)
         elif arch == "granite":  # Llama's layer with multipliers (Granite 3: 12, 0.22, 1/128 and 8), set apart from 1
@@ -205,10 +207,14 @@ def shape_init(model: PreTrainedModel) -> None:
             else:
                 layer.self_attn.q_proj.weight.mul_(qk_gain)
                 layer.self_attn.k_proj.weight.mul_(qk_gain)
-            if hasattr(layer.self_attn, "q_norm"):  # Qwen3's per-head norms (see the module docstring)
-                ramp = torch.linspace(0.5, 1.5, layer.self_attn.q_norm.weight.numel())
-                layer.self_attn.q_norm.weight.copy_(ramp)
-                layer.self_attn.k_norm.weight.copy_(ramp.flip(0))
+            if hasattr(layer.self_attn, "q_norm"):  # Qwen3's per-head norms (OLMo 2's over all heads; see above)
+                q_norm, k_norm = layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight
+                q_norm.copy_(torch.linspace(0.5, 1.5, q_norm.numel()))
+                k_norm.copy_(torch.linspace(0.5, 1.5, k_norm.numel()).flip(0))
+            if hasattr(layer, "post_feedforward_layernorm") and not hasattr(layer, "pre_feedforward_layernorm"):
+                for j, name in enumerate(("post_attention_layernorm", "post_feedforward_layernorm")):  # OLMo 2's
+                    weight = getattr(layer, name).weight
+                    weight.copy_(torch.linspace(0.7, 1.3, weight.numel()).roll(j * weight.numel() // 2))
             if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's four norms (1 + w: zeros at init), told apart
                 for j, name in enumerate(("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                                           "post_feedforward_layernorm")):
@@ -242,12 +248,12 @@ def create_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
 
     ``preset`` is a name in :data:`coserve.model.presets.PRESETS` (``tiny``, ``small``, ``medium``), ``arch``
     one of ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``, ``gemma2``, ``gemma3``, ``granite``, ``smollm3``,
-    ``dtype`` one of ``float32``, ``bfloat16``, ``float16``. ``tie_word_embeddings`` overrides the preset's choice.
-    ``rope_scaling`` (llama only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type": "llama3", "factor": 8.0,
-    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}``;
-    ``rope_theta`` defaults to the preset's. ``head_dim`` (not for qwen2 or phi3) sets each head's width apart from
-    ``hidden_size / num_attention_heads``, as Qwen3 and Llama-3.2 checkpoints do. Raises ``ValueError`` naming the
-    offending field.
+    ``olmo2``, ``dtype`` one of ``float32``, ``bfloat16``, ``float16``. ``tie_word_embeddings`` overrides the
+    preset's choice. ``rope_scaling`` (llama only) sets transformers-5 ``rope_parameters``, e.g. ``{"rope_type":
+    "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings":
+    128}``; ``rope_theta`` defaults to the preset's. ``head_dim`` (llama, mistral, qwen3, gemma2, gemma3) sets each
+    head's width apart from ``hidden_size / num_attention_heads``, as Qwen3 and Llama-3.2 checkpoints do. Raises
+    ``ValueError`` naming the offending field.
     """
     cfg = build_config(preset, arch, dtype, tie_word_embeddings, rope_scaling, head_dim)
     _check_shard_size(max_shard_size)

@@ -59,18 +59,26 @@ class DecoderLayer:
         def w(name: str) -> torch.Tensor:
             return state[p + name].to(device=device, dtype=dtype)
 
-        def norm(name: str) -> torch.Tensor:  # Gemma's 1 + w, kept in float32 (``rms_norm`` applies it before the cast)
-            return (1 + state[p + name].float()).to(device) if cfg.gemma else w(name)
+        def norm(name: str) -> torch.Tensor:
+            """A norm's weight: Gemma's 1 + w and OLMo 2's w kept in float32 (``rms_norm`` applies them before the
+            cast, as their HF norms do), else in the model's dtype."""
+            if cfg.gemma:
+                return (1 + state[p + name].float()).to(device)
+            return state[p + name].float().to(device) if cfg.olmo2 else w(name)
 
         self.index = index
-        self.input_norm = norm("input_layernorm.weight")
-        # the MLP's input norm; Gemma's post_attention_layernorm normalises the attention's output instead
-        self.post_norm = norm("pre_feedforward_layernorm.weight" if cfg.gemma else "post_attention_layernorm.weight")
-        # Gemma: the attention's and the MLP's outputs, each normalised before its residual add
-        self.attn_out_norm = norm("post_attention_layernorm.weight") if cfg.gemma else None
-        self.mlp_out_norm = norm("post_feedforward_layernorm.weight") if cfg.gemma else None
+        # the attention's input norm, and the MLP's (Gemma's pre_feedforward_layernorm; its post_attention_layernorm
+        # normalises the attention's output instead); OLMo 2 normalises neither input
+        self.input_norm = norm("input_layernorm.weight") if not cfg.olmo2 else None
+        self.post_norm = (None if cfg.olmo2 else
+                          norm("pre_feedforward_layernorm.weight" if cfg.gemma else "post_attention_layernorm.weight"))
+        # Gemma and OLMo 2: the attention's and the MLP's outputs, each normalised before its residual add
+        outputs = cfg.gemma or cfg.olmo2
+        self.attn_out_norm = norm("post_attention_layernorm.weight") if outputs else None
+        self.mlp_out_norm = norm("post_feedforward_layernorm.weight") if outputs else None
         # in float32 for their backward (the same tensors in a float32 model; else one copy, not one per window)
-        self.input_norm_f32, self.post_norm_f32 = self.input_norm.float(), self.post_norm.float()
+        self.input_norm_f32 = self.input_norm.float() if self.input_norm is not None else None
+        self.post_norm_f32 = self.post_norm.float() if self.post_norm is not None else None
         self.qkv = gemm_layout(w("self_attn.qkv_proj.weight") if cfg.fused else  # [q + 2kv, H]
                                torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                                           w("self_attn.v_proj.weight")]))
@@ -84,6 +92,12 @@ class DecoderLayer:
                                       norm("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
             self.qk_norm_f32 = self.qk_norm.float()
             self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]  # k before its norm, for its backward
+        # OLMo 2: q and k each normalised over all their heads at once (weights [1, Hq * D] and [1, Hkv * D])
+        self.q_norm_whole = self.k_norm_whole = None
+        if cfg.olmo2:
+            self.q_norm_whole = norm("self_attn.q_norm.weight").unsqueeze(0)
+            self.k_norm_whole = norm("self_attn.k_norm.weight").unsqueeze(0)
+            self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
         self.gate_up = gemm_layout(w("mlp.gate_up_proj.weight") if cfg.fused else  # [2I, H]
                                    torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
@@ -263,16 +277,18 @@ class DecoderModel:
         linear = functools.partial(self.linear, split=split)
         rope = self.ropes[i]
         t = x.shape[0]
-        stats = rms_norm_stats(x, cfg.rms_norm_eps)
-        if tap is not None:
-            tap("rms_attn", stats[1])
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps, stats)
+        h = self.input_norm(x, layer.input_norm, tap, "rms_attn")
         qkv = bypass_output(bypass, tap, i, "qkv_proj", h, linear(h, layer.qkv, layer.qkv_bias))  # Phi-3's bypass
         q0, k0, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = bypass_output(bypass, tap, i, "q_proj", h, q0)
         k = bypass_output(bypass, tap, i, "k_proj", h, k0)
         v = bypass_output(bypass, tap, i, "v_proj", h, v)
-        if q is q0 and k is k0:  # side by side in the projection's output: rotated in one pass (half the kernels)
+        if layer.q_norm_whole is not None:  # OLMo 2: over all of q's heads, and of k's
+            q, k = rms_norm(q, layer.q_norm_whole, cfg.rms_norm_eps), rms_norm(k, layer.k_norm_whole, cfg.rms_norm_eps)
+            q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if rope is not None:
+                q, k = rope(q, k, positions)
+        elif q is q0 and k is k0:  # side by side in the projection's output: rotated in one pass (half the kernels)
             qk = qkv[:, :cfg.q_size + cfg.kv_size].unflatten(1, (-1, cfg.head_dim))
             if layer.qk_norm is not None:
                 qk = self.head_norm(qk, layer.qk_norm, tap)
@@ -293,10 +309,7 @@ class DecoderModel:
         x = x + (attn if cfg.residual_multiplier is None else attn * cfg.residual_multiplier)  # Granite's
         if tap is not None:
             tap("resid", x)
-        stats = rms_norm_stats(x, cfg.rms_norm_eps)
-        if tap is not None:
-            tap("rms_mlp", stats[1])
-        h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps, stats)
+        h = self.input_norm(x, layer.post_norm, tap, "rms_mlp")
         gate, up = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate)
         up = bypass_output(bypass, tap, i, "up_proj", h, up)
@@ -307,6 +320,16 @@ class DecoderModel:
         if layer.mlp_out_norm is not None:  # Gemma
             mlp = rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x + (mlp if cfg.residual_multiplier is None else mlp * cfg.residual_multiplier), k, v
+
+    def input_norm(self, x: torch.Tensor, weight: torch.Tensor | None, tap: Tap | None, name: str) -> torch.Tensor:
+        """``x`` RMS-normalised by ``weight`` (the attention's or the MLP's input norm), its statistic to the tap as
+        ``name``; ``x`` itself where the layer has no such norm (OLMo 2)."""
+        if weight is None:
+            return x
+        stats = rms_norm_stats(x, self.cfg.rms_norm_eps)
+        if tap is not None:
+            tap(name, stats[1])
+        return rms_norm(x, weight, self.cfg.rms_norm_eps, stats)
 
     def head_norm(self, x: torch.Tensor, weight: torch.Tensor, tap: Tap | None, which: str = "qk") -> torch.Tensor:
         """Qwen3's RMSNorm of each head of ``x`` ``[T, heads, D]`` (``weight`` ``[heads, D]``): q's heads, k's, or

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3")
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3",
+                          "olmo2")
 #: Weight dtypes ``create_model`` can write.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -41,6 +42,8 @@ class ModelPreset:
             attn += q + 2 * kv
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
+        if arch == "olmo2":  # q and k RMSNorm over all their heads; no input norm (below: the two output norms)
+            attn += q + kv
         mlp = 3 * h * self.intermediate_size
         layer = attn + mlp + (4 if arch.startswith("gemma") else 2) * h  # input, post-attention RMSNorm (Gemma: 2 more)
         embed = self.vocab_size * h

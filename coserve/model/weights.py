@@ -61,7 +61,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
         shapes.update({
-            p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.o_proj.weight": (h, cfg.q_size),
             p + "mlp.down_proj.weight": (h, i),
@@ -81,9 +80,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
             shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if not cfg.olmo2:  # OLMo 2 normalises no layer's input
+            shapes[p + "input_layernorm.weight"] = (h,)
         if cfg.gemma:  # the MLP's input and output norms (its post_attention_layernorm: the attention's output)
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+        if cfg.gemma or cfg.olmo2:
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if cfg.olmo2:  # q's and k's norms over all their heads
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.q_size,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.kv_size,)
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
