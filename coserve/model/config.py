@@ -132,6 +132,22 @@ class ModelConfig:
         return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
 
     @property
+    def input_norms(self) -> bool:
+        """Whether each layer normalises the attention's and the MLP's inputs (all but OLMo 2)."""
+        return not self.olmo2
+
+    @property
+    def output_norms(self) -> bool:
+        """Whether each layer normalises the attention's and the MLP's outputs before their residual adds (Gemma 2
+        and 3, OLMo 2)."""
+        return self.gemma or self.olmo2
+
+    @property
+    def activation(self) -> str:
+        """The MLP gate's activation: ``silu``, or ``gelu_tanh`` (Gemma's tanh-approximated GELU)."""
+        return "gelu_tanh" if self.gemma else "silu"
+
+    @property
     def per_chunk_attention(self) -> bool:
         """Whether attention needs each chunk's own call (a sliding window or capped scores), not CUDA's one
         variable-length call over every chunk (``build_forward_batch``'s ``varlen``), nor decode graphs of it."""

@@ -69,13 +69,12 @@ class DecoderLayer:
         self.index = index
         # the attention's input norm, and the MLP's (Gemma's pre_feedforward_layernorm; its post_attention_layernorm
         # normalises the attention's output instead); OLMo 2 normalises neither input
-        self.input_norm = norm("input_layernorm.weight") if not cfg.olmo2 else None
-        self.post_norm = (None if cfg.olmo2 else
-                          norm("pre_feedforward_layernorm.weight" if cfg.gemma else "post_attention_layernorm.weight"))
+        self.input_norm = norm("input_layernorm.weight") if cfg.input_norms else None
+        self.post_norm = (norm("pre_feedforward_layernorm.weight" if cfg.gemma else "post_attention_layernorm.weight")
+                          if cfg.input_norms else None)
         # Gemma and OLMo 2: the attention's and the MLP's outputs, each normalised before its residual add
-        outputs = cfg.gemma or cfg.olmo2
-        self.attn_out_norm = norm("post_attention_layernorm.weight") if outputs else None
-        self.mlp_out_norm = norm("post_feedforward_layernorm.weight") if outputs else None
+        self.attn_out_norm = norm("post_attention_layernorm.weight") if cfg.output_norms else None
+        self.mlp_out_norm = norm("post_feedforward_layernorm.weight") if cfg.output_norms else None
         # in float32 for their backward (the same tensors in a float32 model; else one copy, not one per window)
         self.input_norm_f32 = self.input_norm.float() if self.input_norm is not None else None
         self.post_norm_f32 = self.post_norm.float() if self.post_norm is not None else None
@@ -155,7 +154,7 @@ class DecoderModel:
                       for i in range(cfg.num_layers)]
         self.scale = cfg.scale
         # the MLP's gate: SiLU, or Gemma's tanh-approximated GELU (HF's gelu_pytorch_tanh)
-        self.act = functools.partial(F.gelu, approximate="tanh") if cfg.gemma else F.silu
+        self.act = functools.partial(F.gelu, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu
         # each layer's sliding window (None: its whole context), as attention reads it
         self.windows = [cfg.attention_window(i) for i in range(cfg.num_layers)]
         self.softcap = cfg.attn_softcap  # Gemma 2's cap on the attention scores, or None

@@ -80,11 +80,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
             shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
-        if not cfg.olmo2:  # OLMo 2 normalises no layer's input
+        if cfg.input_norms:  # OLMo 2 normalises no layer's input
             shapes[p + "input_layernorm.weight"] = (h,)
         if cfg.gemma:  # the MLP's input and output norms (its post_attention_layernorm: the attention's output)
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
-        if cfg.gemma or cfg.olmo2:
+        if cfg.output_norms:
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if cfg.olmo2:  # q's and k's norms over all their heads
             shapes[p + "self_attn.q_norm.weight"] = (cfg.q_size,)
