@@ -206,14 +206,14 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         q_pre = _projection(model, layer, bypass, "q_proj", h1).view(n, cfg.num_heads, cfg.head_dim)
     if need_k_pre:
         k_pre = _projection(model, layer, bypass, "k_proj", h1).view(n, cfg.num_kv_heads, cfg.head_dim)
+    # OLMo 2: q's projection before its norm, recomputed once for q and for the norm's backward
+    q_proj = _projection(model, layer, bypass, "q_proj", h1) if whole and (q is None or last > 3) else None
     q_stats = _norm_stats(q_pre, keep.get("q_rms", a, b), eps) if q_pre is not None else None
     if q is None:  # recomputed values, not graphs: no gradient flows through a recomputation
         if cfg.qk_norm:
             q = _rotated(model, i, rms_norm(q_pre, layer.qk_norm[:cfg.num_heads], eps, q_stats), positions)
         else:
-            q = _projection(model, layer, bypass, "q_proj", h1)
-            if whole:
-                q = rms_norm(q, layer.q_norm_whole, eps)
+            q = rms_norm(q_proj, layer.q_norm_whole, eps) if whole else _projection(model, layer, bypass, "q_proj", h1)
             q = _rotated(model, i, q.reshape(n, cfg.num_heads, cfg.head_dim), positions)
     o, lse = keep.get("attn.o", a, b), keep.get("attn.lse", a, b)
     if o is None:  # attention, recomputed from q, K and V (under autograd when its backward runs)
@@ -258,7 +258,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         return None
     dgu = torch.empty(n, 2 * inter, device=x.device, dtype=x.dtype)  # [dgate | dup]
     dgate, dup = dgu.chunk(2, dim=-1)
-    if cfg.gemma:  # tanh-approximated GELU
+    if cfg.activation == "gelu_tanh":  # Gemma's
         torch.ops.aten.gelu_backward.grad_input(dact * up, gate, approximate="tanh", grad_input=dgate)
     else:
         torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgate)
@@ -302,8 +302,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         stats = torch.cat([q_stats[0], k_stats[0]], dim=1), torch.cat([q_stats[1], k_stats[1]], dim=1)
         dqk.copy_(rms_norm_backward(dqk, stats[0], layer.qk_norm_f32, eps, stats))
     if whole:  # through OLMo 2's norms of all of q's heads and of k's, from their inputs recomputed
-        for part, module, weight in ((dq, "q_proj", layer.q_norm_whole), (dk, "k_proj", layer.k_norm_whole)):
-            part.copy_(rms_norm_backward(part, _projection(model, layer, bypass, module, h1), weight, eps))
+        dq.copy_(rms_norm_backward(dq, q_proj, layer.q_norm_whole, eps))
+        dk.copy_(rms_norm_backward(dk, _projection(model, layer, bypass, "k_proj", h1), layer.k_norm_whole, eps))
     dv.copy_(v_own_grad.flatten(1))
     ex_q = _out_backward_into(bypass, keep, i, "q_proj", h1, dq, a, b)
     ex_k = _out_backward_into(bypass, keep, i, "k_proj", h1, dk, a, b)
