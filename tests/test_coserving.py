@@ -29,11 +29,12 @@ def _examples(vocab: int, seed: int, n: int = 4) -> list[Example]:
     return out
 
 
-def _job(engine: LLMEngine, out_dir, seed: int = 0, max_steps: int = 2, use_dora: bool = False) -> FinetuneJob:
+def _job(engine: LLMEngine, out_dir, seed: int = 0, max_steps: int = 2, use_dora: bool = False,
+         targets: tuple[str, ...] = ("q_proj", "down_proj")) -> FinetuneJob:
     model = engine.model
     cfg = FinetuneConfig(output_dir=str(out_dir), batch_size=2, max_steps=max_steps, epochs=max_steps, lr=1e-2,
                          optimizer="sgd", lr_scheduler="constant", seed=seed, shuffle=False)
-    bypass = TrainableLora(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=use_dora),
+    bypass = TrainableLora(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), use_dora=use_dora),
                            model.module_shapes(), model.cfg.num_layers, model.device,
                            torch.Generator().manual_seed(seed), base_weight=model.module_weight if use_dora else None)
     return FinetuneJob(model, bypass, _examples(model.cfg.vocab_size, seed), cfg)

@@ -309,9 +309,14 @@ class DecoderModel:
         if tap is not None:
             tap("resid", x)
         h = self.input_norm(x, layer.post_norm, tap, "rms_mlp")
-        gate, up = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
-        gate = bypass_output(bypass, tap, i, "gate_proj", h, gate)
-        up = bypass_output(bypass, tap, i, "up_proj", h, up)
+        gate0, up0 = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
+        gate = bypass_output(bypass, tap, i, "gate_proj", h, gate0)
+        up = bypass_output(bypass, tap, i, "up_proj", h, up0)
+        if gate is not gate0:
+            # back into one [T, 2I] buffer: the activation then reads gate as without a bypass, every row on its own
+            # (a CPU kernel run over one contiguous block computes a few elements by its scalar path, whose bits
+            # differ, and which elements depends on the row count: co-served rows would round unlike alone ones)
+            gate, up = torch.cat([gate, up], dim=-1).chunk(2, dim=-1)
         if tap is not None:
             tap("gate", gate)
             tap("up", up)
