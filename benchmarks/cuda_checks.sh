@@ -44,7 +44,8 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device'
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/steps.log"
 [ -f "$MODEL/config.json" ] || $CS create-model "$MODEL" --preset small > /dev/null || exit 1
 
-run cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_decode_graphs.py tests/test_decode_attention.py \
+run cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda_architectures.py tests/test_decode_graphs.py \
+  tests/test_decode_attention.py \
   tests/test_batch_invariance.py tests/test_finetune_windows.py tests/test_engine_faults.py tests/test_sampling.py \
   tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own \
   "tests/test_model_parity.py::test_a_sliding_window_model_attends_past_its_window_as_hf_does"

@@ -26,7 +26,7 @@ def perturbed_bypass(cfg, model, seed: int):
                                base_weight=model.module_weight)
     with torch.no_grad():
         for p in bypass.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+            p.add_(0.3 * torch.randn(p.shape, generator=gen).to(p.device))
     return bypass
 
 
