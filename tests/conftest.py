@@ -90,7 +90,11 @@ def hf_model_cache():
     def get(path: Path, dtype=torch.float32):
         key = f"{path}:{dtype}"
         if key not in cache:
-            cache[key] = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+            # Gemma 2 through HF's eager attention, the one that caps its scores (transformers 5.17 chose SDPA by
+            # default and left the cap out; later versions refuse SDPA for it)
+            gemma2 = json.loads((Path(path) / "config.json").read_text()).get("model_type") == "gemma2"
+            cache[key] = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=dtype, **({"attn_implementation": "eager"} if gemma2 else {})).eval()
         return cache[key]
 
     return get

@@ -1,8 +1,8 @@
 """Every architecture on a CUDA device (skipped without one): greedy tokens as HF's on the same device, logprobs of
 co-served requests bit for bit as alone, and finetuning windows (the plan's keeps, and attention's kept output under
-the device's kernel pair and a sliding window's mask) as one whole-sequence autograd backward. On CUDA a model with a
-sliding window or capped scores (Mistral, Gemma 2 and 3) lays its batches out per chunk, without decode graphs;
-the others run CUDA's one variable-length attention call and replay decode graphs."""
+the device's kernel pair and a sliding window's mask) as one whole-sequence autograd backward. On CUDA a model with
+capped scores (Gemma 2) lays its batches out per chunk, without decode graphs; the others (sliding windows
+included: Mistral here, Gemma 3) run CUDA's one variable-length attention call and replay decode graphs."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def test_greedy_tokens_on_cuda_are_hfs(model_factory, config_variant, arch, chun
     llm = LLM(path, dtype="float32", device="cuda", **kw)
     graphs = llm.engine.executor.graphs
     assert (graphs is None) == llm.engine.model_config.per_chunk_attention
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().to("cuda")
+    # eager: HF's reference attention (transformers 5.17 ran Gemma 2 through SDPA by default, without its score cap)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    hf = hf.to("cuda")
     ids = [(llm.tokenizer(p)["input_ids"] * 6)[:n] for p, n in zip(PROMPTS, (12, 30, 5, 38, 25))]
     outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for seq, out in zip(ids, outs):
@@ -77,8 +79,9 @@ def test_co_served_logprobs_on_cuda_are_bit_for_bit_as_alone(model_factory, conf
 @pytest.mark.parametrize("arch", ARCHS)
 def test_window_schedules_on_cuda_match_one_whole_sequence_backward(model_factory, config_variant, arch, remat):
     """47 tokens: past the 24 (Mistral) and 32 (Gemma) positions the sliding layers attend to. Every linear module
-    bypassed: float32's rounding, in another order than autograd's, reaches 1.06e-5 here on a CPU (Mistral)."""
+    bypassed: float32's rounding, in another order than autograd's, reached 1.06e-5 on a CPU (Mistral) and 3.6e-5 on
+    an H200 (Gemma 2; SmolLM3 3.0e-5); a wrong mask or a missing term moves the gradients by 1e-3 or more."""
     model = load_model(_model(model_factory, config_variant, arch), torch.float32, torch.device("cuda"))
     bypass = perturbed_bypass(LoraConfig(r=4, lora_alpha=8, target_modules=["all-linear"]), model, seed=4)
     check_windows_match_autograd(model, bypass, 47, remat, (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2,
-                                 tol=2e-5)
+                                 tol=1e-4)

@@ -151,7 +151,7 @@ def test_a_sliding_window_model_attends_past_its_window_as_hf_does(model_factory
     window, through whole prompts, prefill chunks after a prefix and decode steps. HF's differ there from
     whole-context attention (the window is needed)."""
     if setting == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device (there a windowed model's batches are laid out per chunk, without decode graphs)")
+        pytest.skip("no CUDA device (there the variable-length kernel masks the window, decode graphs too)")
     path = config_variant(arch, **fields)
     llm = LLM(path, dtype="float32", device="cuda" if setting == "cuda" else "cpu",
               **ENGINE_SETTINGS.get(setting, {}))

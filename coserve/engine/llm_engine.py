@@ -118,8 +118,8 @@ class LLMEngine:
             log.log(logging.INFO if fusion.tile_rows or fusion.repacked else logging.WARNING,
                     "matmuls here are not batch-invariant (%s): %s", "; ".join(fusion.violations), how)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
-        # decode graphs lay attention out for one variable-length call, which runs no sliding window or soft cap here:
-        # such a model runs its decode steps eagerly, laid out per chunk (build_forward_batch's varlen)
+        # decode graphs lay attention out for one variable-length call, which caps no scores: such a model (Gemma 2)
+        # runs its decode steps eagerly, laid out per chunk (build_forward_batch's varlen)
         graphed = config.cuda_graphs and self.device.type == "cuda" and not model_cfg.per_chunk_attention
         # with CUDA graphs, one more block than the scheduler hands out: the graphs' dummy rows write there
         self.cache = PagedKVCache(model_cfg.num_layers, num_blocks + graphed, config.block_size,

@@ -113,18 +113,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         q: ``[T, Hq, D]`` rotated queries of the new tokens.
         k, v: ``[T, Hkv, D]`` rotated keys and values of the new tokens; written into ``cache``.
         window: the layer's sliding window (each query attends to the last ``window`` positions, its own
-            included), or None: its whole context. A windowed layer needs the per-chunk layout (not ``varlen``).
-        softcap: the scores' soft cap (Gemma 2's ``attn_logit_softcapping``), or None; per-chunk layout too.
+            included), or None: its whole context.
+        softcap: the scores' soft cap (Gemma 2's ``attn_logit_softcapping``), or None; it needs the batch laid out
+            per chunk (not ``varlen``).
 
     Returns:
         ``[T, Hq * D]`` attention outputs in row order.
     """
     cache.write(layer, batch.slot_mapping, k, v)
     if batch.varlen is not None:
-        if window is not None or softcap is not None:
-            raise ValueError("paged_attention: a sliding window or a soft cap needs the batch laid out per chunk "
+        if softcap is not None:
+            raise ValueError("paged_attention: a soft cap needs the batch laid out per chunk "
                              "(build_forward_batch(..., varlen=False))")
-        return _varlen_attention(q, layer, cache, batch.varlen, scale).reshape(q.shape[0], -1)
+        return _varlen_attention(q, layer, cache, batch.varlen, scale, window).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     for group in batch.single_groups:
         out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale, window, softcap)
@@ -150,10 +151,11 @@ def _windowed_mask(n: int, p: int, window: int | None, device: torch.device) -> 
     return causal_mask(n, p, device, window)
 
 
-def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: VarlenKeys, scale: float
-                      ) -> torch.Tensor:
+def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: VarlenKeys, scale: float,
+                      window: int | None = None) -> torch.Tensor:
     """Every chunk in one variable-length call of the memory-efficient kernel (CUDA), causal from the bottom right
-    (query ``i`` of a chunk after a prefix of ``p`` sees keys ``<= p + i``; a decode token sees its whole context).
+    (query ``i`` of a chunk after a prefix of ``p`` sees keys ``<= p + i``; a decode token sees its whole context),
+    under a sliding ``window`` the last ``window`` of them (the kernel's ``window_size``: keys ``> p + i - window``).
     Keys and values: the chunks' blocks gathered whole with their heads repeated (the kernel wants as many K/V heads
     as query heads), each chunk reading its first ``seqlen_k`` slots. Each (chunk, head, block of queries) is one
     thread block over that chunk's keys alone, so a row's result does not depend on the chunks beside it. Returns
@@ -161,7 +163,8 @@ def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: Va
     k, v = cache.gather_repeated(layer, keys.blocks, q.shape[1])  # [B * block_size, Hq, D]
     o = torch.ops.aten._efficient_attention_forward(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, keys.cu_q, keys.cu_k, keys.max_q, keys.max_k, 0.0,
-        EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=scale, seqlen_k=keys.seqlen_k)[0]  # [1, T, Hq, D]
+        EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=scale, seqlen_k=keys.seqlen_k,
+        window_size=window)[0]  # [1, T, Hq, D]
     return o[0]
 
 

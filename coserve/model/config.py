@@ -149,9 +149,10 @@ class ModelConfig:
 
     @property
     def per_chunk_attention(self) -> bool:
-        """Whether attention needs each chunk's own call (a sliding window or capped scores), not CUDA's one
-        variable-length call over every chunk (``build_forward_batch``'s ``varlen``), nor decode graphs of it."""
-        return bool(self.attention_windows) or self.attn_softcap is not None
+        """Whether attention needs each chunk's own call (Gemma 2's capped scores), not CUDA's one variable-length
+        call over every chunk (``build_forward_batch``'s ``varlen``), nor decode graphs of it. A sliding window
+        needs neither: the variable-length kernel masks it (its ``window_size``)."""
+        return self.attn_softcap is not None
 
     @property
     def sliding_window(self) -> int | None:

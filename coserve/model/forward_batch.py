@@ -155,7 +155,7 @@ class ForwardBatch:
 def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChunk], block_size: int,
                         logits_rows: list[int], device: torch.device, varlen: bool = True) -> ForwardBatch:
     """Assemble a ForwardBatch from per-sequence token lists and chunk descriptions; ``varlen`` False lays it out
-    per chunk on CUDA too (a model whose layers slide over a window: ``paged_attention`` masks those)."""
+    per chunk on CUDA too (a model whose attention caps its scores: ``paged_attention`` caps those)."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
