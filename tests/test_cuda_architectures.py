@@ -79,9 +79,12 @@ def test_co_served_logprobs_on_cuda_are_bit_for_bit_as_alone(model_factory, conf
 @pytest.mark.parametrize("arch", ARCHS)
 def test_window_schedules_on_cuda_match_one_whole_sequence_backward(model_factory, config_variant, arch, remat):
     """47 tokens: past the 24 (Mistral) and 32 (Gemma) positions the sliding layers attend to. Every linear module
-    bypassed: float32's rounding, in another order than autograd's, reached 1.06e-5 on a CPU (Mistral) and 3.6e-5 on
-    an H200 (Gemma 2; SmolLM3 3.0e-5); a wrong mask or a missing term moves the gradients by 1e-3 or more."""
+    bypassed. A window's matmuls have other shapes than the whole sequence's, and cuBLAS rounds them otherwise (MKL's
+    strict mode, on a CPU, does not): on an H200 the worst parameter's relative error was 3.7e-6 to 3.6e-5 in float32,
+    and 1.6e-4 on Gemma 2, whose scores the tiny model caps at 2 (``create-model``): the tanh saturates and
+    ``1 - tanh^2`` magnifies a last-bit difference. A wrong mask or a missing term moves the gradients by 1e-3 or
+    more."""
     model = load_model(_model(model_factory, config_variant, arch), torch.float32, torch.device("cuda"))
     bypass = perturbed_bypass(LoraConfig(r=4, lora_alpha=8, target_modules=["all-linear"]), model, seed=4)
     check_windows_match_autograd(model, bypass, 47, remat, (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2,
-                                 tol=1e-4)
+                                 tol=5e-4 if arch == "gemma2" else 1e-4)
