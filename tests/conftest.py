@@ -84,17 +84,13 @@ def tiny_model(request, model_factory) -> Path:
 @pytest.fixture(scope="session")
 def hf_model_cache():
     """Loads HF reference models once per directory."""
-    from transformers import AutoModelForCausalLM
+    from coserve.bench.hf_reference import load_hf_model
     cache: dict[str, object] = {}
 
     def get(path: Path, dtype=torch.float32):
         key = f"{path}:{dtype}"
         if key not in cache:
-            # Gemma 2 through HF's eager attention, the one that caps its scores (transformers 5.17 chose SDPA by
-            # default and left the cap out; later versions refuse SDPA for it)
-            gemma2 = json.loads((Path(path) / "config.json").read_text()).get("model_type") == "gemma2"
-            cache[key] = AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=dtype, **({"attn_implementation": "eager"} if gemma2 else {})).eval()
+            cache[key] = load_hf_model(path, dtype).eval()  # Gemma 2 through eager attention (hf_reference.py)
         return cache[key]
 
     return get

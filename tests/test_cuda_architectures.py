@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coserve import LLM, SamplingParams
+from coserve.bench.hf_reference import load_hf_model
 from coserve.finetune.job import FinetuneJob
 from coserve.finetune.config import FinetuneConfig
 from coserve.model.loader import load_model
@@ -18,7 +19,7 @@ from coserve.peft.trainable import TrainableLora
 from tests.conftest import ARCHS
 from tests.test_batch_invariance import _logprobs, _prompts
 from tests.test_coserving import _engine, _examples
-from tests.test_model_parity import PROMPTS, _hf_greedy
+from tests.test_model_parity import PROMPTS
 from window_helpers import check_windows_match_autograd, perturbed_bypass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -32,15 +33,12 @@ def _model(model_factory, config_variant, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole-prompts", "chunks-of-7"])
 def test_greedy_tokens_on_cuda_are_hfs(model_factory, config_variant, arch, chunk):
-    from transformers import AutoModelForCausalLM
     path = _model(model_factory, config_variant, arch)
     kw = {"max_num_batched_tokens": chunk} if chunk else {}
     llm = LLM(path, dtype="float32", device="cuda", **kw)
     graphs = llm.engine.executor.graphs
     assert (graphs is None) == llm.engine.model_config.per_chunk_attention
-    # eager: HF's reference attention (transformers 5.17 ran Gemma 2 through SDPA by default, without its score cap)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    hf = hf.to("cuda")
+    hf = load_hf_model(path).eval().to("cuda")
     ids = [(llm.tokenizer(p)["input_ids"] * 6)[:n] for p, n in zip(PROMPTS, (12, 30, 5, 38, 25))]
     outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for seq, out in zip(ids, outs):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from coserve.bench.hf_reference import load_hf_model
 from coserve.bench.workload import DEFAULT_SHAREGPT
 from coserve.output_path import prepare_output
 
@@ -249,8 +250,7 @@ def _run_hf(spec: dict, warmup: list[list[int]], seqs: list[list[int]], device: 
     """HF PEFT: get_peft_model, plain loop of forward, loss.backward(), AdamW step."""
     from coserve.finetune.memory import saved_activation_bytes
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    base = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).to(device)
+    base = load_hf_model(spec["model"], dtype).to(device)
     model = get_peft_model(base, LoraConfig(r=spec["r"], lora_alpha=spec["r"], use_dora=spec.get("use_dora", False),
                                             target_modules=spec["targets"].split(",")))
     for p in model.parameters():  # the adapter trains in float32, as coserve's does

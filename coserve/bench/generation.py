@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from coserve.bench.hf_reference import load_hf_model
 from coserve.bench.lora_adapters import ALL_LINEAR, make_lora_adapters
 from coserve.bench.workload import sharegpt_prompts
 from coserve.output_path import prepare_output
@@ -124,9 +125,9 @@ def _run_hf(args, prompts: list[list[int]], device: torch.device, adapters: list
             names: list[str] | None = None) -> tuple[dict, list[list[int]], int]:
     """One static left-padded batch through ``model.generate`` (with ``adapters``, a PEFT model holding them all,
     each row through its own: PEFT's mixed adapter batch); returns timings and its tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model = load_hf_model(args.model, dtype)
     extra = {}
     if adapters:
         from peft import PeftModel

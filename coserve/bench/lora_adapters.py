@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from coserve.bench.hf_reference import load_hf_model
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 B_STD = 0.05  # the spread of B's entries: enough that the adapters' outputs differ from the base model's
 
@@ -16,10 +18,9 @@ def make_lora_adapters(model_dir: str | Path, out_root: Path, count: int, rank: 
     """``count`` PEFT LoRA adapter directories under ``out_root`` (``a0``, ``a1``, ...), adapter ``i`` drawn from
     ``seed + i``; returns their paths."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     paths = []
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32) if count else None
+    base = load_hf_model(model_dir) if count else None
     for i in range(count):
         torch.manual_seed(seed + i)
         model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)))
