@@ -8,6 +8,7 @@ import torch
 
 from coserve.model import attention
 from coserve.model.attention import PagedKVCache
+from coserve.model.attention_spec import AttentionSpec
 from coserve.model import forward_batch
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch, varlen_keys
 
@@ -72,7 +73,7 @@ def test_the_varlen_layout_gives_the_attention_of_the_per_chunk_forms():
                                                                                                     generator=g)
     cache = _cache(device)
     batch = build_forward_batch([[1] * c.num_new for c in _MIXED], _MIXED, cache.block_size, [0], device)
-    expected = attention.paged_attention(q, k, v, 0, cache, batch, 0.35).view(rows, 6, 8)
+    expected = attention.paged_attention(q, k, v, 0, cache, batch, AttentionSpec(0.35)).view(rows, 6, 8)
     keys = varlen_keys(_MIXED, cache.block_size, device)
     kg, vg = cache.gather_repeated(0, keys.blocks, 6)  # [B * block_size, Hq, D], K/V written above
     for i, c in enumerate(_MIXED):
@@ -98,5 +99,5 @@ def test_one_variable_length_call_equals_the_per_chunk_forms(monkeypatch):
         cache = _cache(device)
         batch = build_forward_batch([[1] * c.num_new for c in _MIXED], _MIXED, cache.block_size, [4], device)
         assert (batch.varlen is not None) == varlen and bool(batch.single_groups) != varlen
-        outs.append(attention.paged_attention(q, k, v, 0, cache, batch, 0.35))
+        outs.append(attention.paged_attention(q, k, v, 0, cache, batch, AttentionSpec(0.35)))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

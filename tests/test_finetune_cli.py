@@ -54,7 +54,7 @@ def test_finetune_writes_an_adapter_peft_loads_identically(model_factory, tmp_pa
     with torch.no_grad():
         for layer in model.layers:
             x, _, _ = model.layer_forward(layer, x, torch.arange(len(ids)),
-                                          lambda q, k, v, i: window_attention(q, k, v, model.scale),
+                                          lambda q, k, v, i: window_attention(q, k, v, model.attention[i]),
                                           bypass)
         ours = model.logits(model.final_norm(x))
         ref = peft_model(model_dir, out)(ids.unsqueeze(0)).logits[0]

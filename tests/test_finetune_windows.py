@@ -270,3 +270,17 @@ def test_the_backward_reads_the_norms_statistics_the_forward_kept(model_factory)
     assert rsqrts.count == 0
     for g, r in zip(_grads(bypass), ref):
         assert float((g - r).norm() / r.norm()) <= 1e-5
+
+
+def test_the_kept_output_kernels_refuse_capped_scores():
+    """Gemma 2's capped scores have no kept-output backward: its plan keeps no attention output, and the kernels
+    refuse a capped layer rather than attend without the cap."""
+    from coserve.finetune.window_attention import window_attention_backward, window_attention_lse
+    from coserve.model.attention_spec import AttentionSpec
+    q, k = torch.randn(3, 2, 8), torch.randn(5, 1, 8)
+    capped = AttentionSpec(0.3, window=4, softcap=2.0)
+    with pytest.raises(ValueError, match="window_attention_lse: the kernels keep no capped attention"):
+        window_attention_lse(q, k, k, capped)
+    out, lse = window_attention_lse(q, k, k, AttentionSpec(0.3, window=4))
+    with pytest.raises(ValueError, match="window_attention_backward: the kernels keep no capped attention"):
+        window_attention_backward(out, q, k, k, out, lse, capped)

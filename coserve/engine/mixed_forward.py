@@ -97,11 +97,10 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
             st.layer_inputs[i][a:b] = x[t:e]
 
             def attend(q, k, v, _i, i=i):
-                window = model.windows[i]
-                parts = [sequence_attend(st, i, a, b, q[t:e], k[t:e], v[t:e], model.scale, window, model.softcap)]
+                spec = model.attention[i]
+                parts = [sequence_attend(st, i, a, b, q[t:e], k[t:e], v[t:e], spec)]
                 if t:
-                    parts.insert(0, paged_attention(q[:t], k[:t], v[:t], i, cache, batch, model.scale, window,
-                                                    model.softcap))
+                    parts.insert(0, paged_attention(q[:t], k[:t], v[:t], i, cache, batch, spec))
                 if pad:
                     parts.append(q.new_zeros(pad, parts[0].shape[1]))
                 return torch.cat(parts) if len(parts) > 1 else parts[0]

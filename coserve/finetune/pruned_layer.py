@@ -23,6 +23,7 @@ from coserve.finetune.graph import LayerShape
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET, PruningPlan, plan_model
 from coserve.finetune.window_attention import (kept_attention_supported, window_attention, window_attention_backward,
                                                window_attention_lse)
+from coserve.model.attention_spec import AttentionSpec
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
 from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
 from coserve.peft.trainable import LowRank
@@ -57,7 +58,7 @@ def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
     shape = LayerShape.from_model_config(model.cfg, model.embed.element_size(), context_tokens=max(1, tokens // 2))
     # Where attention's kept-output backward exists, the plan may keep the output; else the
     # executor recomputes attention from q, K and V in its backward.
-    how = "flash" if kept_attention_supported(model.device) and model.softcap is None else "recompute"
+    how = "flash" if kept_attention_supported(model.device) and model.cfg.attn_softcap is None else "recompute"
     return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward=how,
                       memory_target=memory_target, op_flops=dispatch_flops / tokens)
 
@@ -102,7 +103,7 @@ def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[st
         raise ValueError("new_layer_keep: attention's output and log-sum-exp are kept together or not at all")
     if not c.qk_norm:  # no q/k norms: nothing of theirs to keep
         names = set(names) - set(_QK_NORM_KEEPS)
-    if model.softcap is not None:  # capped scores: no kept-output backward (autograd recomputes attention)
+    if c.attn_softcap is not None:  # capped scores: no kept-output backward (autograd recomputes attention)
         names = set(names) - {"attn.o", "attn.lse"}
     if "attn.o" in names and not kept_attention_supported(model.device):
         raise ValueError(f"new_layer_keep: no kept-output attention backward on {model.device.type}")
@@ -124,12 +125,12 @@ def forward_layer(model: DecoderModel, layer: DecoderLayer, x: torch.Tensor, pos
 
 
 def window_attend(keep: LayerKeep | None, a: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                  spec: AttentionSpec) -> torch.Tensor:
     """A forward window's attention (rows ``a:b`` of its sequence); stores its output and log-sum-exp
     into ``keep`` when the plan keeps them."""
     if keep is None or "attn.o" not in keep.base:
-        return window_attention(q, k, v, scale, window, softcap)
-    out, lse = window_attention_lse(q, k, v, scale, window)
+        return window_attention(q, k, v, spec)
+    out, lse = window_attention_lse(q, k, v, spec)
     keep.base["attn.o"][a:b] = out
     keep.base["attn.lse"][a:b] = lse
     return out
@@ -220,7 +221,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         q = q.detach().requires_grad_()
         k_win, v_win = k_all[:b].detach().requires_grad_(), v_all[:b].detach().requires_grad_()
         with torch.set_grad_enabled(last > 3):
-            attn = window_attention(q, k_win, v_win, model.scale, model.windows[i], model.softcap)
+            attn = window_attention(q, k_win, v_win, model.attention[i])
         o = attn.detach()
     resid = keep.get("resid", a, b)
     # Gemma: the attention's projection, normalised before the residual add (its norm's backward reads it)
@@ -281,8 +282,8 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         attn.backward(dattn)
         q_grad, k_grad, v_grad = q.grad, k_win.grad, v_win.grad
     else:
-        q_grad, k_grad, v_grad = window_attention_backward(dattn, q, k_all[:b], v_all[:b], o, lse, model.scale,
-                                                           model.windows[i])
+        q_grad, k_grad, v_grad = window_attention_backward(dattn, q, k_all[:b], v_all[:b], o, lse,
+                                                           model.attention[i])
     if a:
         dk_acc[:a] += k_grad[:a]
         dv_acc[:a] += v_grad[:a]

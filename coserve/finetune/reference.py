@@ -28,7 +28,7 @@ def whole_sequence_logits(model: DecoderModel, bypass: Bypass, token_ids: list[i
     ids = torch.tensor(token_ids, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
     def attend(q, k, v, i):
-        return window_attention(q, k, v, model.scale, model.windows[i], model.softcap)
+        return window_attention(q, k, v, model.attention[i])
 
     x = model.embed_tokens(ids)
     with training_rows(bypass, dropout_seed, positions) if dropout_seed is not None else contextlib.nullcontext():

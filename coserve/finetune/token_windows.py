@@ -17,6 +17,7 @@ from coserve.finetune import pruned_layer
 from coserve.finetune.head_loss import head_loss_and_grad
 from coserve.finetune.sequence_state import SequenceState
 from coserve.finetune.window_attention import window_attention
+from coserve.model.attention_spec import AttentionSpec
 from coserve.model.decoder import Bypass, DecoderModel
 
 
@@ -49,7 +50,7 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
             state.layer_inputs[i][a:b] = x
 
             def attend(q, k, v, _i, i=i):
-                return sequence_attend(state, i, a, b, q, k, v, model.scale, model.windows[i], model.softcap)
+                return sequence_attend(state, i, a, b, q, k, v, model.attention[i])
 
             if state.keeps is None:
                 x, _, _ = model.layer_forward(layer, x, positions, attend, bypass)
@@ -59,13 +60,12 @@ def forward_window(model: DecoderModel, bypass: Bypass, state: SequenceState, nu
 
 
 def sequence_attend(state: SequenceState, i: int, a: int, b: int, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Layer ``i`` of a forward window over rows ``a:b``: store their K/V in the sequence's cache, attend over
     the cache so far, and keep attention's output when the plan does."""
     state.k[i][a:b], state.v[i][a:b] = k, v
     keep = state.keeps[i] if state.keeps is not None else None
-    return pruned_layer.window_attend(keep, a, b, q, state.k[i][:b], state.v[i][:b], scale, window, softcap)
+    return pruned_layer.window_attend(keep, a, b, q, state.k[i][:b], state.v[i][:b], spec)
 
 
 def finish_forward_window(model: DecoderModel, state: SequenceState, x: torch.Tensor, a: int, b: int,
@@ -149,8 +149,7 @@ def _recompute_backward(model: DecoderModel, bypass: Bypass, state: SequenceStat
     v_prefix = state.v[i][:a].detach().requires_grad_(kv_grads)
 
     def attend(q, k, v, _i):
-        return window_attention(q, torch.cat([k_prefix, k]), torch.cat([v_prefix, v]), model.scale, model.windows[i],
-                                model.softcap)
+        return window_attention(q, torch.cat([k_prefix, k]), torch.cat([v_prefix, v]), model.attention[i])
 
     with torch.enable_grad():
         out, k_own, v_own = model.layer_forward(layer, x, state.positions[a:b], attend, bypass)

@@ -15,13 +15,13 @@ import functools
 import torch
 
 from coserve.model.attention import sdpa
+from coserve.model.attention_spec import AttentionSpec
 from coserve.model.forward_batch import causal_mask
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Attention of the window's queries over the sequence's first ``p + n`` keys, causal within the window (and
-    under a layer's sliding ``window``, over each query's last ``window`` positions alone; with ``softcap``, Gemma
+    under the layer's sliding window, over each query's last ``window`` positions alone; with a soft cap, Gemma
     2's capped scores: ``capped_attention``, whose backward autograd takes: no kept-output backward).
 
     Args:
@@ -33,11 +33,11 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Returns:
         ``[n, Hq * D]``.
     """
-    n, p, w = _sizes(q, k, window)
+    n, p, w = _sizes(q, k, spec.window)
     masked = bool(p) or w is not None
     mask = _allowed(n, p, q.device, w) if masked else None
-    out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not masked, scale=scale,
-               enable_gqa=True, softcap=softcap)  # [1, Hq, n, D]
+    out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not masked, scale=spec.scale,
+               enable_gqa=True, softcap=spec.softcap)  # [1, Hq, n, D]
     return _merged_heads(out)
 
 
@@ -46,10 +46,12 @@ def kept_attention_supported(device: torch.device) -> bool:
     return torch.device(device).type in ("cpu", "cuda")
 
 
-def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``window_attention`` and the log-sum-exp of each query's scaled scores: ``([n, Hq*D], [n, Hq] float32)``."""
-    n, p, w = _sizes(q, k, window)
+    """``window_attention`` and the log-sum-exp of each query's scaled scores: ``([n, Hq*D], [n, Hq] float32)``;
+    uncapped scores only (a capped layer's plan keeps no attention output)."""
+    _uncapped(spec, "window_attention_lse")
+    n, p, w, scale = *_sizes(q, k, spec.window), spec.scale
     masked = bool(p) or w is not None
     if q.is_cuda:
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -63,11 +65,12 @@ def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
 
 def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, scale: float, window: int | None = None
+                              out: torch.Tensor, lse: torch.Tensor, spec: AttentionSpec
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq [n, Hq, D], dk [p + n, Hkv, D], dv [p + n, Hkv, D])`` of ``window_attention`` given
     dL/d(output) ``dout`` ``[n, Hq*D]``, the kept ``out`` and ``lse`` of ``window_attention_lse``."""
-    n, p, w = _sizes(q, k, window)
+    _uncapped(spec, "window_attention_backward")
+    n, p, w, scale = *_sizes(q, k, spec.window), spec.scale
     masked = bool(p) or w is not None
     heads, d = q.shape[1], q.shape[2]
     as_heads = lambda t: _split_heads(t, heads, d)  # noqa: E731
@@ -90,6 +93,11 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
             as_heads(dout), *_heads_first(q, k, v), as_heads(out), lse_h, 0.0, not masked,
             attn_mask=_additive_mask(n, p, q.device, q.dtype, w) if masked else None, scale=scale)
     return _rows_first(dq), _rows_first(dk), _rows_first(dv)
+
+
+def _uncapped(spec: AttentionSpec, name: str) -> None:
+    if spec.softcap is not None:
+        raise ValueError(f"{name}: the kernels keep no capped attention (softcap {spec.softcap}); recompute it")
 
 
 def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from coserve.model.attention_spec import AttentionSpec
 from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys, causal_mask
 
 #: The attention kernels coserve lets ``scaled_dot_product_attention`` choose from. cuDNN's
@@ -105,39 +106,35 @@ def _gather_heads_repeated(pool: torch.Tensor, index: torch.Tensor, num_heads: i
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache,
-                    batch: ForwardBatch, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
-    """Causal attention of each chunk's queries over its sequence's cached keys and values.
+                    batch: ForwardBatch, spec: AttentionSpec) -> torch.Tensor:
+    """Causal attention of each chunk's queries over its sequence's cached keys and values, as the layer's ``spec``
+    says (its sliding window; its soft cap, which needs the batch laid out per chunk, not ``varlen``).
 
     Args:
         q: ``[T, Hq, D]`` rotated queries of the new tokens.
         k, v: ``[T, Hkv, D]`` rotated keys and values of the new tokens; written into ``cache``.
-        window: the layer's sliding window (each query attends to the last ``window`` positions, its own
-            included), or None: its whole context.
-        softcap: the scores' soft cap (Gemma 2's ``attn_logit_softcapping``), or None; it needs the batch laid out
-            per chunk (not ``varlen``).
 
     Returns:
         ``[T, Hq * D]`` attention outputs in row order.
     """
     cache.write(layer, batch.slot_mapping, k, v)
+    window = spec.window
     if batch.varlen is not None:
-        if softcap is not None:
+        if spec.softcap is not None:
             raise ValueError("paged_attention: a soft cap needs the batch laid out per chunk "
                              "(build_forward_batch(..., varlen=False))")
-        return _varlen_attention(q, layer, cache, batch.varlen, scale, window).reshape(q.shape[0], -1)
+        return _varlen_attention(q, layer, cache, batch.varlen, spec).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     for group in batch.single_groups:
-        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, scale, window, softcap)
+        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, spec)
     for chunk in batch.multi_chunks:  # a whole prompt (or its first chunk): causal over its own rows
         mask = _windowed_mask(chunk.num_new, 0, window, q.device) if window is not None else None
-        _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, mask, scale, out, softcap)
+        _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, mask, spec, out)
     for pc in batch.prefixed_chunks:  # a later prefill chunk: over the cached prefix and itself
         kc, vc = cache.gather(layer, pc.block_table)
         n, context = pc.chunk.num_new, pc.chunk.context_len
         mask = _windowed_mask(n, context - n, window, q.device) if window is not None else None
-        _chunk_attention(q, kc[:context], vc[:context], pc.chunk, pc.mask if mask is None else mask, scale, out,
-                         softcap)
+        _chunk_attention(q, kc[:context], vc[:context], pc.chunk, pc.mask if mask is None else mask, spec, out)
     return out.reshape(q.shape[0], -1)
 
 
@@ -151,11 +148,11 @@ def _windowed_mask(n: int, p: int, window: int | None, device: torch.device) -> 
     return causal_mask(n, p, device, window)
 
 
-def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: VarlenKeys, scale: float,
-                      window: int | None = None) -> torch.Tensor:
+def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: VarlenKeys, spec: AttentionSpec
+                      ) -> torch.Tensor:
     """Every chunk in one variable-length call of the memory-efficient kernel (CUDA), causal from the bottom right
     (query ``i`` of a chunk after a prefix of ``p`` sees keys ``<= p + i``; a decode token sees its whole context),
-    under a sliding ``window`` the last ``window`` of them (the kernel's ``window_size``: keys ``> p + i - window``).
+    under a sliding window the last ``window`` of them (the kernel's ``window_size``: keys ``> p + i - window``).
     Keys and values: the chunks' blocks gathered whole with their heads repeated (the kernel wants as many K/V heads
     as query heads), each chunk reading its first ``seqlen_k`` slots. Each (chunk, head, block of queries) is one
     thread block over that chunk's keys alone, so a row's result does not depend on the chunks beside it. Returns
@@ -163,22 +160,22 @@ def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: Va
     k, v = cache.gather_repeated(layer, keys.blocks, q.shape[1])  # [B * block_size, Hq, D]
     o = torch.ops.aten._efficient_attention_forward(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, keys.cu_q, keys.cu_k, keys.max_q, keys.max_k, 0.0,
-        EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=scale, seqlen_k=keys.seqlen_k,
-        window_size=window)[0]  # [1, T, Hq, D]
+        EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=spec.scale, seqlen_k=keys.seqlen_k,
+        window_size=spec.window)[0]  # [1, T, Hq, D]
     return o[0]
 
 
 def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk: SequenceChunk,
-                     mask: torch.Tensor | None, scale: float, out: torch.Tensor, softcap: float | None = None) -> None:
+                     mask: torch.Tensor | None, spec: AttentionSpec, out: torch.Tensor) -> None:
     """One chunk's queries over keys/values ``[L, Hkv, D]``: causal without ``mask``, else as it says."""
     qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     o = sdpa(qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
-             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True, softcap=softcap)
+             attn_mask=mask, is_causal=mask is None, scale=spec.scale, enable_gqa=True, softcap=spec.softcap)
     out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
 
 def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
-                            scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                            spec: AttentionSpec) -> torch.Tensor:
     """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes.
 
     On a CPU the query heads that share a K/V head are that head's rows of queries (``[D, Hkv, Hq // Hkv, Dh]``;
@@ -188,9 +185,10 @@ def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, gr
     per-chunk forms) keeps ``enable_gqa``: the grouped form is not yet measured there."""
     kc, vc = cache.gather(layer, group.block_tables)  # [D, L, Hkv, Dh]
     k, v = kc.transpose(1, 2), vc.transpose(1, 2)  # [D, Hkv, L, Dh]
-    valid = group.valid_within(window)
+    valid = group.valid_within(spec.window)
     if q.is_cuda:  # [D, Hq, 1, Dh]
-        return sdpa(q.unsqueeze(2), k, v, attn_mask=valid, scale=scale, enable_gqa=True, softcap=softcap).squeeze(2)
+        return sdpa(q.unsqueeze(2), k, v, attn_mask=valid, scale=spec.scale, enable_gqa=True,
+                    softcap=spec.softcap).squeeze(2)
     d, hq, dh = q.shape
     grouped = q.view(d, k.shape[1], hq // k.shape[1], dh)  # [D, Hkv, Hq // Hkv, Dh]
-    return sdpa(grouped, k, v, attn_mask=valid, scale=scale, softcap=softcap).reshape(d, hq, dh)
+    return sdpa(grouped, k, v, attn_mask=valid, scale=spec.scale, softcap=spec.softcap).reshape(d, hq, dh)

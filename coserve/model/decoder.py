@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from coserve.model.attention import PagedKVCache, paged_attention
+from coserve.model.attention_spec import AttentionSpec
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
 from coserve.model.norm_grad import rms_norm_stats
@@ -152,12 +153,11 @@ class DecoderModel:
         self.ropes = [None if i in cfg.nope_layers else
                       local if cfg.rope_local is not None and cfg.attention_window(i) is not None else self.rope
                       for i in range(cfg.num_layers)]
-        self.scale = cfg.scale
         # the MLP's gate: SiLU, or Gemma's tanh-approximated GELU (HF's gelu_pytorch_tanh)
         self.act = functools.partial(F.gelu, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu
-        # each layer's sliding window (None: its whole context), as attention reads it
-        self.windows = [cfg.attention_window(i) for i in range(cfg.num_layers)]
-        self.softcap = cfg.attn_softcap  # Gemma 2's cap on the attention scores, or None
+        # each layer's attention: scale, sliding window (None: its whole context), Gemma 2's cap on the scores
+        self.attention = [AttentionSpec(cfg.scale, cfg.attention_window(i), cfg.attn_softcap)
+                          for i in range(cfg.num_layers)]
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
         self.packed: PackedWeights | None = None
         self.pack_gemms(gemm_backend(device, dtype) if pack_gemms else None)
@@ -228,8 +228,7 @@ class DecoderModel:
         pad = max(0, min_rows - t)
 
         def attend(q, k, v, layer):
-            out = paged_attention(q[:t], k[:t], v[:t], layer, cache, batch, self.scale, self.windows[layer],
-                                  self.softcap)
+            out = paged_attention(q[:t], k[:t], v[:t], layer, cache, batch, self.attention[layer])
             return torch.cat([out, out.new_zeros(pad, out.shape[1])]) if pad else out
 
         x = self.embed_tokens(batch.token_ids)  # [T, H]

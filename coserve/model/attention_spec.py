@@ -1,0 +1,18 @@
+"""How one layer's queries attend to their keys, beyond the causal order: the scores' scale, a sliding window and a
+soft cap. Every attention path (paged inference, finetuning windows and their backward, the autograd reference)
+takes one, so that a new kind of layer changes this record and the kernels that read it, not every caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """One layer's attention: ``scale`` multiplies q·k; ``window`` (sliding layers: Mistral, Gemma's local layers)
+    lets each query see only the last ``window`` positions, its own included, None its whole context; ``softcap``
+    (Gemma 2's ``attn_logit_softcapping``) bends the scaled scores to ``cap * tanh(s / cap)``, None leaves them."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
