@@ -74,6 +74,8 @@ def invariance_violations(model: DecoderModel, linear: Callable[[torch.Tensor, t
     layer = model.layers[0]
     weights = {"qkv": layer.qkv, "o_proj": layer.o, "gate_up": layer.gate_up, "down_proj": layer.down,
                "lm_head": model.lm_head}
+    if layer.router is not None:  # a mixture: its router and an expert's matrices (each expert's the same shapes)
+        weights.update(gate_up=layer.expert_gate_up[0], down_proj=layer.expert_down[0], router=layer.router)
     generator = torch.Generator(device=model.device).manual_seed(0)
     found = []
     with torch.inference_mode():

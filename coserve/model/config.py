@@ -23,7 +23,10 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
 }
+MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -94,6 +97,14 @@ class ModelConfig:
     # OLMo 2: no norms of the attention's and the MLP's inputs, each output normalised before its residual add (norm
     # weights applied in float32 before the cast), and q and k each RMS-normalised over all their heads at once
     olmo2: bool = False
+    # Mixtral and Qwen3-MoE: every layer's MLP is ``num_experts`` SiLU-gated experts of ``intermediate_size``, each
+    # token through the ``experts_per_token`` its router scores highest (softmax in float32), weighted by those
+    # scores, renormalised to sum to one where ``norm_topk_prob`` (Mixtral always); Mixtral weighs the experts'
+    # outputs by the float32 scores, Qwen3-MoE casts them to the model's dtype first (``moe_weights_float32``)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
+    moe_weights_float32: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -116,6 +127,9 @@ class ModelConfig:
             raise ModelConfigError(f"config.json: partial_rotary_factor {self.rope.partial_rotary_factor} leaves "
                                    f"{self.rotary_dim} of {self.head_dim} dimensions to rotate (an even, positive "
                                    "number is needed)")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ModelConfigError(f"config.json: num_experts_per_tok must be 1 to {self.num_experts}, got "
+                                   f"{self.experts_per_token}")
         if self.rope.rope_type == "longrope" and len(self.rope.short_factor) != self.rotary_dim // 2:
             raise ModelConfigError(f"field 'rope_scaling': short_factor has {len(self.rope.short_factor)} values; "
                                    f"the model rotates {self.rotary_dim} dimensions, so {self.rotary_dim // 2} are "
@@ -153,6 +167,11 @@ class ModelConfig:
         call over every chunk (``build_forward_batch``'s ``varlen``), nor decode graphs of it. A sliding window
         needs neither: the variable-length kernel masks it (its ``window_size``)."""
         return self.attn_softcap is not None
+
+    @property
+    def moe(self) -> bool:
+        """Whether the layers' MLPs are mixtures of experts (Mixtral, Qwen3-MoE)."""
+        return self.num_experts > 0
 
     @property
     def sliding_window(self) -> int | None:
@@ -215,7 +234,8 @@ class ModelConfig:
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                intermediate_size=int(raw["moe_intermediate_size" if arch == "Qwen3MoeForCausalLM"
+                                          else "intermediate_size"]),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -236,6 +256,7 @@ class ModelConfig:
                 **(_granite_fields(raw) if arch == "GraniteForCausalLM" else {}),
                 nope_layers=_nope_layers(raw) if arch == "SmolLM3ForCausalLM" else (),
                 olmo2=arch == "Olmo2ForCausalLM",
+                **(_moe_fields(raw, arch) if arch in MOES else {}),
             )
             _check_activation(raw, "gelu_pytorch_tanh" if arch in GEMMAS else "silu")
         except KeyError as e:
@@ -271,7 +292,8 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
         kinds = raw.get("layer_types") or ["sliding_attention" if i in nope else "full_attention"
                                            for i in range(layers)]
         return _windows_of(kinds, raw.get("sliding_window"), layers)
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer, where the field is set (Phi-3-mini-4k: 2047)
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):  # every layer, where set (Phi-3-mini-4k:
+        # 2047; Mixtral's released checkpoints: null)
         window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch == "MistralForCausalLM" else None)
         return (int(window),) * layers if window else ()
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not raw.get("use_sliding_window"):
@@ -334,6 +356,27 @@ def _gemma_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         fields["final_softcap"] = _positive_or_none(raw, "final_logit_softcapping", None)
         fields["rope_local"] = _rope_from_dict(_gemma_rope(raw, "sliding_attention"))
     return fields
+
+
+def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """``ModelConfig``'s mixture-of-experts fields as transformers reads them. Qwen3-MoE's dense layers
+    (``mlp_only_layers``, a ``decoder_sparse_step`` above 1) are refused, naming the field: every layer here is a
+    mixture."""
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": int(raw.get("num_local_experts", 8)),
+                "experts_per_token": int(raw.get("num_experts_per_tok", 2)), "norm_topk_prob": True,
+                "moe_weights_float32": True}
+    if raw.get("use_sliding_window"):
+        raise ModelConfigError("field 'use_sliding_window': sliding layers are not supported in Qwen3-MoE")
+    if raw.get("mlp_only_layers"):
+        raise ModelConfigError("field 'mlp_only_layers': layers with a dense MLP among the experts' are not supported")
+    if int(raw.get("decoder_sparse_step", 1)) != 1:
+        raise ModelConfigError(f"field 'decoder_sparse_step': {raw['decoder_sparse_step']} leaves dense layers among "
+                               "the experts'; only 1 is supported")
+    # the released checkpoints' num_experts; transformers 5 writes it as num_local_experts
+    experts = raw.get("num_experts", raw.get("num_local_experts", 128))
+    return {"num_experts": int(experts), "experts_per_token": int(raw.get("num_experts_per_tok", 8)),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False))}
 
 
 def _nope_layers(raw: dict[str, Any]) -> tuple[int, ...]:

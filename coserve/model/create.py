@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, GraniteConfig,
-                          LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, PreTrainedConfig, PreTrainedModel,
-                          Qwen2Config, Qwen3Config, SmolLM3Config)
+                          LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, PreTrainedConfig,
+                          PreTrainedModel, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -58,6 +58,11 @@ LOGIT_STD = 3.0
 INITIALIZER_RANGE = 0.02
 #: Target standard deviation of the attention scores ``q.k / sqrt(head_dim)``.
 ATTN_SCORE_STD = 1.0
+#: Target standard deviation of a mixture-of-experts router's logits (see ``shape_init``).
+ROUTER_LOGIT_STD = 2.0
+#: The mixtures ``create-model`` writes: experts per layer and per token (Mixtral 8x7B: 8 and 2; Qwen3-30B-A3B: 128
+#: and 8).
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 #: With tied embeddings, ``o_proj`` and ``down_proj`` weights are scaled by this.
 TIED_RESIDUAL_GAIN = 10.0
 
@@ -150,6 +155,14 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         elif arch == "granite":  # Llama's layer with multipliers (Granite 3: 12, 0.22, 1/128 and 8), set apart from 1
             cfg = GraniteConfig(**common, embedding_multiplier=4.0, residual_multiplier=0.5,
                                 attention_multiplier=0.5 / math.sqrt(p.head_dim), logits_scaling=2.0)
+        elif arch == "mixtral":  # Mistral's layer with a mixture of experts; top-k scores renormalised
+            cfg = MixtralConfig(**common, head_dim=head_dim, sliding_window=None, num_local_experts=NUM_EXPERTS,
+                                num_experts_per_tok=EXPERTS_PER_TOKEN)
+        elif arch == "qwen3_moe":  # Qwen3's attention with experts of half the preset's MLP width; scores as they come
+            cfg = Qwen3MoeConfig(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False,
+                                 num_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False,
+                                 moe_intermediate_size=p.intermediate_size // 2, decoder_sparse_step=1,
+                                 mlp_only_layers=[])
         elif arch == "phi3":  # q/k/v in one matrix (qkv_proj), gate and up in another (gate_up_proj)
             cfg = Phi3Config(**common, original_max_position_embeddings=p.max_position_embeddings,
                              sliding_window=None)
@@ -200,7 +213,7 @@ def shape_init(model: PreTrainedModel) -> None:
     qk_gain = math.sqrt(ATTN_SCORE_STD / hidden) / INITIALIZER_RANGE
     tied = bool(cfg.tie_word_embeddings)
     with torch.no_grad():
-        for layer in model.model.layers:
+        for index, layer in enumerate(model.model.layers):
             if hasattr(layer.self_attn, "qkv_proj"):  # Phi-3: q's and k's rows of the fused matrix
                 q_and_k = (cfg.num_attention_heads + cfg.num_key_value_heads) * layer.self_attn.head_dim
                 layer.self_attn.qkv_proj.weight[:q_and_k].mul_(qk_gain)
@@ -220,9 +233,16 @@ def shape_init(model: PreTrainedModel) -> None:
                                           "post_feedforward_layernorm")):
                     weight = getattr(layer, name).weight
                     weight.copy_(torch.linspace(-0.3, 0.3, weight.numel()).roll(j * weight.numel() // 4))
+            moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
+            if hasattr(moe, "experts"):  # a router (HF initialises Qwen3-MoE's to zeros): logits of std
+                # ROUTER_LOGIT_STD, so that each token's top experts stand apart by far more than round-off
+                gen = torch.Generator().manual_seed(index)
+                moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen) * ROUTER_LOGIT_STD
+                                      / math.sqrt(hidden))
             if tied:
                 layer.self_attn.o_proj.weight.mul_(TIED_RESIDUAL_GAIN)
-                layer.mlp.down_proj.weight.mul_(TIED_RESIDUAL_GAIN)
+                (moe.experts.down_proj if hasattr(moe, "experts") else layer.mlp.down_proj.weight).mul_(
+                    TIED_RESIDUAL_GAIN)
         if tied:  # Gemma's norm scales by 1 + w
             gemma = hasattr(model.model.layers[0], "pre_feedforward_layernorm")
             model.model.norm.weight.fill_(LOGIT_STD / (INITIALIZER_RANGE * math.sqrt(hidden)) - gemma)

@@ -13,6 +13,7 @@ from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.attention_spec import AttentionSpec
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
+from coserve.model.moe import expert_names, moe_mlp, router_name
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
 from coserve.model.rope import RotaryEmbedding
@@ -99,16 +100,30 @@ class DecoderLayer:
             self.k_norm_whole = norm("self_attn.k_norm.weight").unsqueeze(0)
             self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
-        self.gate_up = gemm_layout(w("mlp.gate_up_proj.weight") if cfg.fused else  # [2I, H]
-                                   torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
-        self.down = gemm_layout(w("mlp.down_proj.weight"))
+        # Mixtral, Qwen3-MoE: the router [E, H] and each expert's fused gate/up [2I, H] and down [H, I] (moe.py), in
+        # place of the one MLP
+        self.router, self.expert_gate_up, self.expert_down = None, [], []
+        self.gate_up = self.down = self.gate_weight = self.up_weight = None
+        if cfg.moe:
+            self.router = gemm_layout(state[router_name(cfg, index)].to(device=device, dtype=dtype))
+            for e in range(cfg.num_experts):
+                gate, up, down = (state[n].to(device=device, dtype=dtype) for n in expert_names(cfg, index, e))
+                self.expert_gate_up.append(gemm_layout(torch.cat([gate, up])))
+                self.expert_down.append(gemm_layout(down))
+        else:
+            self.gate_up = gemm_layout(w("mlp.gate_up_proj.weight") if cfg.fused else  # [2I, H]
+                                       torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+            self.down = gemm_layout(w("mlp.down_proj.weight"))
+            self.gate_weight, self.up_weight = self.gate_up.chunk(2)
         # Views of the fused weights that a finetuning backward recomputes alone (one object each, so that a
         # packed copy can be found for them: coserve/model/packed_gemm.py).
         self.q_weight = self.qkv[:cfg.q_size]
-        self.gate_weight, self.up_weight = self.gate_up.chunk(2)
 
     def frozen_weights(self) -> tuple[torch.Tensor, ...]:
         """The matmul weights, and the views of them a backward recomputes alone."""
+        if self.router is not None:
+            experts = (self.router, *self.expert_gate_up, *self.expert_down)
+            return self.qkv, self.o, *experts, self.q_weight, *((self.k_weight,) if self.k_weight is not None else ())
         views = (self.q_weight, self.gate_weight, self.up_weight) + ((self.k_weight,) if self.k_weight is not None
                                                                       else ())
         return self.qkv, self.o, self.gate_up, self.down, *views
@@ -196,6 +211,9 @@ class DecoderModel:
         ``qkv_proj`` and ``gate_up_proj``, each one module; ``coserve/model/linear_modules.py``)."""
         c = self.cfg
         h, i = c.hidden_size, c.intermediate_size
+        if c.moe:  # the experts' matrices are no modules PEFT adapts (nor "all-linear" selects)
+            return {"q_proj": (h, c.q_size), "k_proj": (h, c.kv_size), "v_proj": (h, c.kv_size),
+                    "o_proj": (c.q_size, h)}
         if c.fused:
             return {"qkv_proj": (h, c.q_size + 2 * c.kv_size), "o_proj": (c.q_size, h), "gate_up_proj": (h, 2 * i),
                     "down_proj": (i, h)}
@@ -308,6 +326,11 @@ class DecoderModel:
         if tap is not None:
             tap("resid", x)
         h = self.input_norm(x, layer.post_norm, tap, "rms_mlp")
+        if layer.router is not None:  # Mixtral, Qwen3-MoE: no adapter here (module_shapes)
+            # the router over every row, as the other matmuls; each expert over its rows in calls of their own
+            mlp = moe_mlp(cfg, h, linear(h, layer.router), layer.expert_gate_up, layer.expert_down, self.linear,
+                          self.act, self.padded_rows)
+            return x + mlp, k, v
         gate0, up0 = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate0)
         up = bypass_output(bypass, tap, i, "up_proj", h, up0)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3",
-                          "olmo2")
+                          "olmo2", "mixtral", "qwen3_moe")
 #: Weight dtypes ``create_model`` can write.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 

@@ -10,6 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from coserve.model.config import ModelConfig
+from coserve.model.moe import expert_names, router_name
 
 
 class WeightLoadError(ValueError):
@@ -63,8 +64,14 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({
             p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.o_proj.weight": (h, cfg.q_size),
-            p + "mlp.down_proj.weight": (h, i),
         })
+        if cfg.moe:  # a router and each expert's gate, up and down
+            shapes[router_name(cfg, layer)] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                gate, up, down = expert_names(cfg, layer, e)
+                shapes.update({gate: (i, h), up: (i, h), down: (h, i)})
+        else:
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
         if cfg.fused:  # Phi-3: q, k and v in one matrix, gate and up in another
             shapes[p + "self_attn.qkv_proj.weight"] = (cfg.q_size + 2 * cfg.kv_size, h)
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, h)
@@ -73,9 +80,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_proj.weight": (cfg.q_size, h),
                 p + "self_attn.k_proj.weight": (cfg.kv_size, h),
                 p + "self_attn.v_proj.weight": (cfg.kv_size, h),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
             })
+            if not cfg.moe:
+                shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h)})
         if cfg.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)

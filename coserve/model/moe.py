@@ -1,0 +1,71 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE): the checkpoint's names, and the forward over a flat batch.
+
+Each token's router logits (a linear map of the MLP's input) go through a float32 softmax; the token runs through
+the ``experts_per_token`` experts scoring highest, each a SiLU-gated MLP, and their outputs are summed weighted by
+those scores (renormalised to sum to one where the config says), as HF's ``MixtralExperts`` and ``Qwen3MoeExperts``
+compute them: expert by expert in index order, each adding into a zero-initialised output.
+
+Batch invariance: an expert's matmul runs over the rows routed to it, whose count depends on the batch beside them;
+each expert's rows are therefore padded with zero rows to ``padded_rows`` of their count (at least
+``BATCH_INVARIANT_ROWS``; whole GEMM tiles where tiles are on), the sizes from which a row's result does not depend
+on its neighbours (``batch_invariance.py``). A token's sum over its experts runs in the same order whatever rows are
+beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from coserve.model.config import ModelConfig
+
+
+def router_name(cfg: ModelConfig, layer: int) -> str:
+    """The checkpoint's router weight ``[E, H]`` of ``layer``."""
+    block = "block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer}.{block}.gate.weight"
+
+
+def expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """The checkpoint's ``(gate [I, H], up [I, H], down [H, I])`` weights of one expert (Mixtral's w1, w3, w2)."""
+    if cfg.architecture == "MixtralForCausalLM":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's experts ``[T, k]`` (highest score first) and their weights ``[T, k]`` (float32 for Mixtral, else
+    the logits' dtype) from router logits ``[T, E]``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, cfg.experts_per_token, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights if cfg.moe_weights_float32 else weights.to(logits.dtype)
+
+
+def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: list[torch.Tensor],
+            down: list[torch.Tensor], linear: Callable[..., torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor],
+            padded_rows: Callable[[int], int]) -> torch.Tensor:
+    """The mixture's output ``[T, H]`` for MLP inputs ``h`` ``[T, H]`` and their router logits ``[T, E]``: each
+    expert's fused ``gate_up`` ``[2I, H]`` and ``down`` ``[H, I]``; ``linear`` runs a frozen matmul,
+    ``padded_rows(n)`` the rows an expert's call over ``n`` routed rows runs in. Differentiable (a finetuning
+    window's recompute runs it under autograd)."""
+    experts, weights = route(cfg, logits)
+    out = torch.zeros_like(h)
+    hit = torch.zeros(cfg.num_experts, dtype=torch.bool, device=h.device)
+    hit[experts.flatten()] = True
+    for e in hit.nonzero().flatten().tolist():
+        rows, slot = torch.where(experts == e)
+        n = rows.numel()
+        x = h[rows]
+        pad = padded_rows(n) - n
+        if pad > 0:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        gate, up = linear(x, gate_up[e]).chunk(2, dim=-1)
+        y = linear(act(gate) * up, down[e])[:n] * weights[rows, slot, None]
+        out = out.index_add(0, rows, y.to(out.dtype))
+    return out
