@@ -14,7 +14,7 @@ from coserve.bench.hf_reference import load_hf_model
 from coserve.finetune.job import FinetuneJob
 from coserve.finetune.config import FinetuneConfig
 from coserve.model.loader import load_model
-from coserve.peft.config import LoraConfig, for_model
+from coserve.peft.config import LoraConfig
 from coserve.peft.trainable import TrainableLora
 from tests.conftest import ARCHS
 from tests.test_batch_invariance import _logprobs, _prompts
@@ -51,9 +51,10 @@ def test_greedy_tokens_on_cuda_are_hfs(model_factory, config_variant, arch, chun
         assert graphs.replays > 0
 
 
-def _all_linear_job(engine, out_dir) -> FinetuneJob:
+def _every_module_job(engine, out_dir) -> FinetuneJob:
+    """LoRA on every module the model adapts (PEFT's all-linear; a mixture's attention)."""
     model = engine.model
-    peft = for_model(LoraConfig(r=4, lora_alpha=8, target_modules=["all-linear"]), model.module_shapes())
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=list(model.module_shapes()))
     bypass = TrainableLora(peft, model.module_shapes(), model.cfg.num_layers, model.device,
                            torch.Generator().manual_seed(0))
     cfg = FinetuneConfig(output_dir=str(out_dir), batch_size=2, max_steps=2, epochs=2, lr=1e-2, optimizer="sgd",
@@ -67,7 +68,7 @@ def test_co_served_logprobs_on_cuda_are_bit_for_bit_as_alone(model_factory, conf
     prompts = _prompts(7)
     alone = _logprobs(_engine(model_dir, device="cuda"), prompts)
     engine = _engine(model_dir, device="cuda")
-    job = _all_linear_job(engine, tmp_path / "job")
+    job = _every_module_job(engine, tmp_path / "job")
     engine.add_finetune_job(job)
     assert _logprobs(engine, prompts) == alone
     assert job.tokens_done > 0
@@ -83,6 +84,6 @@ def test_window_schedules_on_cuda_match_one_whole_sequence_backward(model_factor
     ``1 - tanh^2`` magnifies a last-bit difference. A wrong mask or a missing term moves the gradients by 1e-3 or
     more."""
     model = load_model(_model(model_factory, config_variant, arch), torch.float32, torch.device("cuda"))
-    bypass = perturbed_bypass(LoraConfig(r=4, lora_alpha=8, target_modules=["all-linear"]), model, seed=4)
+    bypass = perturbed_bypass(LoraConfig(r=4, lora_alpha=8, target_modules=list(model.module_shapes())), model, seed=4)
     check_windows_match_autograd(model, bypass, 47, remat, (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2,
                                  tol=5e-4 if arch == "gemma2" else 1e-4)

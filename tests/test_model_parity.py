@@ -70,7 +70,9 @@ ENGINE_SETTINGS = {
 def test_greedy_generation_matches_hf_generate(tiny_model, hf_model_cache, setting):
     llm = LLM(tiny_model, dtype="float32", device="cpu", **ENGINE_SETTINGS[setting])
     hf = hf_model_cache(tiny_model)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    # min_tokens: the end-of-sequence tokens (<|end_of_text|>, <|im_end|>) masked to the last, as HF's min_new_tokens
+    # masks them (ignore_eos would let the model pick one: the tiny Mixtral's 32nd token here)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, min_tokens=32, temperature=0))
     for prompt, out in zip(PROMPTS, outs):
         assert out.prompt_token_ids == llm.tokenizer(prompt)["input_ids"]
         assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 32), prompt

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from coserve.engine.mixed_forward import FinetuneSlice, mixed_forward
-from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
+from coserve.finetune.pruned_layer import effective_rematerialize, executor_plan, new_keeps, planned_keeps
 from coserve.finetune.sequence_state import SequenceState, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.attention import PagedKVCache
@@ -72,20 +72,25 @@ class IterationRig:
         c = model.cfg
         self.model = model
         self.fuse = fuse  # the forward window in the inference rows' calls, as the engine runs it (fuse_finetuning)
-        self.bypass = TrainableLora(LoraConfig(r=16, lora_alpha=16), model.module_shapes(), c.num_layers,
+        # LoRA on down_proj (on a mixture of experts, whose experts take no adapter: o_proj, the last before it)
+        shapes = model.module_shapes()
+        target = "down_proj" if "down_proj" in shapes else "o_proj"
+        self.bypass = TrainableLora(LoraConfig(r=16, lora_alpha=16, target_modules=[target]), shapes, c.num_layers,
                                     model.device, torch.Generator().manual_seed(0))
         self.shared = -(-max_ctx // BLOCK)  # blocks 0 .. shared-1: the common prefix
         self.cache = PagedKVCache(c.num_layers, self.shared * 2 + max_decode + 1, BLOCK, c.num_kv_heads,
                                   c.head_dim, model.device, model.dtype)
         self.max_decode = max_decode
-        self.keep_names = planned_keeps(executor_plan(model, self.bypass.config, "cheap"))
+        # the default plan's keeps (None: a mixture of experts recomputes its windows, as its jobs do)
+        pruned = effective_rematerialize(model, "cheap") == "cheap"
+        self.keep_names = planned_keeps(executor_plan(model, self.bypass.config, "cheap")) if pruned else None
 
     def _state(self, n: int) -> SequenceState:
         c = self.model.cfg
         ids = torch.randint(5, c.vocab_size, (n,)).tolist()
         state = new_sequence_state(ids, ids[1:] + [-100], c.num_layers, c.hidden_size, c.num_kv_heads, c.head_dim,
                                    self.model.device, self.model.dtype)
-        state.keeps = new_keeps(self.model, n, self.keep_names)
+        state.keeps = new_keeps(self.model, n, self.keep_names) if self.keep_names is not None else None
         return state
 
     def _batch(self, p: ProfilePoint):

@@ -45,6 +45,12 @@ _QK_NORM_KEEPS = ("q_pre", "q_rms", "k_pre", "k_rms")
 DISPATCH_FLOPS = {"cpu": 2e6, "cuda": 5e8}
 
 
+def effective_rematerialize(model: DecoderModel, rematerialize: str) -> str:
+    """What a job's ``rematerialize`` runs as on ``model``: a mixture of experts (Mixtral, Qwen3-MoE) has no pruned
+    backward of its MLP, so its windows recompute each layer under autograd (``all``) whatever was asked."""
+    return "all" if model.cfg.moe else rematerialize
+
+
 def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
                   memory_target: float = DEFAULT_MEMORY_TARGET, max_tokens: int = 1024,
                   dispatch_flops: float | None = None) -> PruningPlan:
@@ -96,6 +102,8 @@ def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[st
               "gate": (n, c.intermediate_size), "up": (n, c.intermediate_size),
               "q_pre": (n, c.num_heads, c.head_dim), "q_rms": (n, c.num_heads, 1),
               "k_pre": (n, c.num_kv_heads, c.head_dim), "k_rms": (n, c.num_kv_heads, 1)}
+    if c.moe:
+        raise ValueError("new_layer_keep: a mixture of experts has no pruned backward (effective_rematerialize)")
     unknown = set(names) - set(shapes)
     if unknown:
         raise ValueError(f"new_layer_keep: unknown tensors {sorted(unknown)}; choose from {', '.join(BASE_KEEPS)}")

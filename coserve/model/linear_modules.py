@@ -32,9 +32,13 @@ def ordered(modules: Iterable[str]) -> list[str]:
 def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str = "target_modules") -> list[str]:
     """``targets`` as the model's own module names, in layer order (``ordered``: the order PEFT wraps them in, whatever
     order they were given in): ``all-linear`` (alone) is every one of ``available``; a name the model lacks is
-    refused, naming ``field`` and what the model has."""
+    refused, naming ``field`` and what the model has. A mixture of experts (no adaptable MLP module) refuses
+    ``all-linear``: PEFT's wraps its router and experts too, which coserve does not adapt."""
     targets, available = list(targets), list(available)
     if targets == [ALL_LINEAR]:
+        if "down_proj" not in available:
+            raise ValueError(f"{field}: 'all-linear' on a mixture of experts is, in PEFT, the attention, the router and "
+                             f"the experts; coserve adapts the attention alone: name them ({', '.join(available)})")
         return available
     missing = [m for m in targets if m not in available]
     if missing:

@@ -1,0 +1,111 @@
+"""Mixtures of experts (Mixtral, Qwen3-MoE; coserve/model/moe.py). HF parity of logits and greedy tokens runs in
+test_model_parity.py (both are in conftest's ARCHS), training against PEFT in test_finetune_vs_peft.py. Here: a
+co-served job changes no inference logprob, finetuning windows (recomputed under autograd: no pruned backward of the
+experts) match one whole-sequence backward, the expert calls are padded to batch-invariant sizes, and what coserve
+does not run is refused naming the field or module."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from coserve.finetune.pruned_layer import effective_rematerialize, new_keeps
+from coserve.model.config import ModelConfig, ModelConfigError
+from coserve.model.loader import load_model
+from coserve.model.moe import route
+from coserve.peft.config import IA3Config, LoraConfig, for_model
+from tests.test_batch_invariance import _logprobs, _prompts
+from tests.test_coserving import _engine
+from tests.test_cuda_architectures import _every_module_job
+from window_helpers import check_windows_match_autograd, perturbed_bypass
+
+MOES = ("mixtral", "qwen3_moe")
+
+
+@pytest.mark.parametrize("arch", MOES)
+def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp_path, arch):
+    model_dir = model_factory(arch)
+    prompts = _prompts(7)
+    alone = _logprobs(_engine(model_dir), prompts)
+    engine = _engine(model_dir)
+    assert engine.batch_invariant and engine.executor.fuse_finetuning  # windows share the router's and experts' calls
+    job = _every_module_job(engine, tmp_path / "job")
+    engine.add_finetune_job(job)
+    assert _logprobs(engine, prompts) == alone
+    assert job.tokens_done > 0 and job.rematerialize == "all"
+
+
+@pytest.mark.parametrize("arch", MOES)
+@pytest.mark.parametrize("peft", [LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+                                  IA3Config(target_modules=["k_proj", "v_proj", "o_proj"], feedforward_modules=["o_proj"])],
+                         ids=["lora-dropout", "ia3"])
+def test_window_schedules_match_one_whole_sequence_backward(model_factory, arch, peft):
+    model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
+    assert effective_rematerialize(model, "cheap") == "all"
+    with pytest.raises(ValueError, match="a mixture of experts has no pruned backward"):
+        new_keeps(model, 4)
+    bypass = perturbed_bypass(peft, model, seed=4)
+    check_windows_match_autograd(model, bypass, 47, "cheap", (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2)
+
+
+def test_each_experts_rows_run_in_a_call_of_batch_invariant_size(model_factory, monkeypatch):
+    """An expert's call over one routed row (a decode step) runs over ``padded_rows(1)`` rows, as the dense matmuls'
+    do: calls of fewer rows round otherwise on a CPU."""
+    model = load_model(model_factory("mixtral"), torch.float32, torch.device("cpu"))
+    calls = []
+    linear = model.linear
+    monkeypatch.setattr(model, "linear", lambda x, w, *a, **k: calls.append((x.shape[0], w.shape)) or linear(x, w, *a, **k))
+    layer = model.layers[0]
+    h = torch.randn(1, model.cfg.hidden_size)
+    from coserve.model.moe import moe_mlp
+    moe_mlp(model.cfg, h, linear(h, layer.router), layer.expert_gate_up, layer.expert_down, model.linear, model.act,
+            model.padded_rows)
+    assert calls and all(rows == model.padded_rows(1) for rows, _ in calls)
+    assert len(calls) == 2 * model.cfg.experts_per_token  # gate/up and down of each of the token's experts
+
+
+def test_routing_renormalises_where_the_config_says():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    cfg = ModelConfig.from_dict({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 4,
+                                 "moe_intermediate_size": 4, "num_hidden_layers": 1, "num_attention_heads": 1,
+                                 "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False})
+    experts, weights = route(cfg, logits)
+    probs = torch.softmax(logits, -1)
+    assert experts.tolist() == [[0, 1]] and torch.allclose(weights, probs[:, :2])
+    cfg.norm_topk_prob = True
+    assert torch.allclose(route(cfg, logits)[1].sum(-1), torch.ones(1))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("mlp_only_layers", [0], "field 'mlp_only_layers'"),
+    ("decoder_sparse_step", 2, "field 'decoder_sparse_step'"),
+    ("use_sliding_window", True, "field 'use_sliding_window'"),
+    ("num_experts_per_tok", 9, "num_experts_per_tok must be 1 to 4"),
+])
+def test_what_is_not_run_is_refused_naming_the_field(model_factory, field, value, message):
+    raw = json.loads((model_factory("qwen3_moe") / "config.json").read_text())
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_dict({**raw, field: value})
+
+
+@pytest.mark.parametrize("arch", MOES)
+def test_adapters_of_the_experts_are_refused_naming_the_modules(model_factory, arch):
+    """coserve adapts a mixture's attention; PEFT's ``all-linear`` there wraps the router and the experts too (seen
+    with PEFT 0.21), so it is refused rather than read as the attention alone."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    path = model_factory(arch)
+    modules = load_model(path, torch.float32, torch.device("cpu")).module_shapes()
+    assert set(modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    with pytest.raises(ValueError, match=r"\['down_proj'\] are not modules of this model, which has q_proj"):
+        for_model(LoraConfig(target_modules=["q_proj", "down_proj"]), modules)
+    with pytest.raises(ValueError, match="'all-linear' on a mixture of experts is, in PEFT, the attention, the router"):
+        for_model(LoraConfig(target_modules="all-linear"), modules)
+    wrapped = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(path)), PeftLoraConfig(r=4, target_modules="all-linear")
+    ).named_parameters() if ".lora_A" in n}
+    assert wrapped - set(modules)  # PEFT's reaches past the attention
