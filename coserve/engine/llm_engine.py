@@ -119,8 +119,10 @@ class LLMEngine:
                     "matmuls here are not batch-invariant (%s): %s", "; ".join(fusion.violations), how)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
         # decode graphs lay attention out for one variable-length call, which caps no scores: such a model (Gemma 2)
-        # runs its decode steps eagerly, laid out per chunk (build_forward_batch's varlen)
-        graphed = config.cuda_graphs and self.device.type == "cuda" and not model_cfg.per_chunk_attention
+        # runs its decode steps eagerly, laid out per chunk (build_forward_batch's varlen); a mixture of experts too,
+        # whose experts' calls take the rows routed to them, a count no recorded graph fixes
+        graphed = (config.cuda_graphs and self.device.type == "cuda" and not model_cfg.per_chunk_attention
+                   and not model_cfg.moe)
         # with CUDA graphs, one more block than the scheduler hands out: the graphs' dummy rows write there
         self.cache = PagedKVCache(model_cfg.num_layers, num_blocks + graphed, config.block_size,
                                   model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
