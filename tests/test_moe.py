@@ -1,8 +1,8 @@
 """Mixtures of experts (Mixtral, Qwen3-MoE; coserve/model/moe.py). HF parity of logits and greedy tokens runs in
 test_model_parity.py (both are in conftest's ARCHS), training against PEFT in test_finetune_vs_peft.py. Here: a
-co-served job changes no inference logprob, finetuning windows (recomputed under autograd: no pruned backward of the
-experts) match one whole-sequence backward, the expert calls are padded to batch-invariant sizes, and what coserve
-does not run is refused naming the field or module."""
+co-served job changes no inference logprob, finetuning windows (the pruned backward, from the kept routing and
+experts' gate/up or recomputing them; every layer under autograd) match one whole-sequence backward, the expert calls
+are padded to batch-invariant sizes, and what coserve does not run is refused naming the field or module."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from coserve.finetune.pruned_layer import effective_rematerialize, new_keeps
+from coserve.finetune.pruned_layer import BASE_KEEPS, new_keeps
 from coserve.model.config import ModelConfig, ModelConfigError
 from coserve.model.loader import load_model
 from coserve.model.moe import route
@@ -34,19 +34,22 @@ def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp
     job = _every_module_job(engine, tmp_path / "job")
     engine.add_finetune_job(job)
     assert _logprobs(engine, prompts) == alone
-    assert job.tokens_done > 0 and job.rematerialize == "all"
+    assert job.tokens_done > 0
 
 
+@pytest.mark.parametrize("remat", ["cheap", "cheap:every", "cheap:none", "all"])
 @pytest.mark.parametrize("arch", MOES)
 @pytest.mark.parametrize("peft", [LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3,
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
                                   IA3Config(target_modules=["k_proj", "v_proj", "o_proj"], feedforward_modules=["o_proj"])],
                          ids=["lora-dropout", "ia3"])
-def test_window_schedules_match_one_whole_sequence_backward(model_factory, arch, peft):
+def test_window_schedules_match_one_whole_sequence_backward(model_factory, arch, peft, remat):
+    """``cheap:every`` keeps the experts' gate/up outputs (and attention's output); ``cheap:none`` the router's
+    probabilities alone, the experts' gate/up recomputed from the input."""
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
-    assert effective_rematerialize(model, "cheap") == "all"
-    with pytest.raises(ValueError, match="a mixture of experts has no pruned backward"):
-        new_keeps(model, 4)
+    every, none = new_keeps(model, 4, BASE_KEEPS)[0].base, new_keeps(model, 4, ())[0].base
+    assert {"moe.probs", "moe.gu", "attn.o"} <= set(every) and not {"gate", "up"} & set(every)
+    assert set(none) == {"moe.probs"}
     bypass = perturbed_bypass(peft, model, seed=4)
     check_windows_match_autograd(model, bypass, 47, "cheap", (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2)
 

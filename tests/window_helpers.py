@@ -7,8 +7,7 @@ import random
 
 import torch
 
-from coserve.finetune.pruned_layer import (BASE_KEEPS, effective_rematerialize, executor_plan, new_keeps,
-                                          planned_keeps)
+from coserve.finetune.pruned_layer import BASE_KEEPS, executor_plan, new_keeps, planned_keeps
 from coserve.finetune.reference import whole_sequence_loss
 from coserve.finetune.sequence_state import IGNORE_INDEX, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
@@ -39,7 +38,6 @@ def check_windows_match_autograd(model, bypass, n: int, remat: str, forward_size
     dropout masks), keeping what ``remat`` says (``all``: nothing; ``cheap``: the plan's
     tensors; ``cheap:none``; ``cheap:every``): the bypass's gradients equal one whole-sequence autograd backward's
     (relative error <= ``tol``)."""
-    remat = effective_rematerialize(model, remat) if remat.startswith("cheap") else remat  # MoE: "all"
     rng = random.Random(seed)
     ids = [rng.randrange(5, model.cfg.vocab_size) for _ in range(n)]
     targets = [t if rng.random() > 0.3 else IGNORE_INDEX for t in ids[1:]] + [IGNORE_INDEX]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from coserve.engine.mixed_forward import FinetuneSlice, mixed_forward
-from coserve.finetune.pruned_layer import effective_rematerialize, executor_plan, new_keeps, planned_keeps
+from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
 from coserve.finetune.sequence_state import SequenceState, new_sequence_state
 from coserve.finetune.token_windows import backward_window, forward_window
 from coserve.model.attention import PagedKVCache
@@ -81,16 +81,14 @@ class IterationRig:
         self.cache = PagedKVCache(c.num_layers, self.shared * 2 + max_decode + 1, BLOCK, c.num_kv_heads,
                                   c.head_dim, model.device, model.dtype)
         self.max_decode = max_decode
-        # the default plan's keeps (None: a mixture of experts recomputes its windows, as its jobs do)
-        pruned = effective_rematerialize(model, "cheap") == "cheap"
-        self.keep_names = planned_keeps(executor_plan(model, self.bypass.config, "cheap")) if pruned else None
+        self.keep_names = planned_keeps(executor_plan(model, self.bypass.config, "cheap"))
 
     def _state(self, n: int) -> SequenceState:
         c = self.model.cfg
         ids = torch.randint(5, c.vocab_size, (n,)).tolist()
         state = new_sequence_state(ids, ids[1:] + [-100], c.num_layers, c.hidden_size, c.num_kv_heads, c.head_dim,
                                    self.model.device, self.model.dtype)
-        state.keeps = new_keeps(self.model, n, self.keep_names) if self.keep_names is not None else None
+        state.keeps = new_keeps(self.model, n, self.keep_names)
         return state
 
     def _batch(self, p: ProfilePoint):

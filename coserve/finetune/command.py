@@ -255,7 +255,7 @@ def _memory_report(path: str, job: FinetuneJob, examples) -> None:
         "executor_kept_bytes_per_token": job.kept_bytes_per_token,
         "autograd_bytes_per_token": autograd / len(sample.token_ids),
         "peak_rss_bytes": peak_rss_bytes(),
-        "rematerialize": job.rematerialize,
+        "rematerialize": job.cfg.rematerialize,
         "measured_on_tokens": len(sample.token_ids),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)

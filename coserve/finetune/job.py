@@ -19,7 +19,7 @@ from coserve.finetune.checkpoint import (CHECKPOINT_PREFIX, LOG_FILE, Checkpoint
                                         snapshot_checkpoint, write_checkpoint)
 from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.optim import make_optimizer, make_scheduler
-from coserve.finetune.pruned_layer import effective_rematerialize, executor_plan, new_keeps, planned_keeps
+from coserve.finetune.pruned_layer import executor_plan, new_keeps, planned_keeps
 from coserve.finetune.sequence_state import IGNORE_INDEX, SequenceState, new_sequence_state
 from coserve.finetune.token_windows import FinetuneSlice, backward_window, forward_window
 from coserve.model.decoder import DecoderModel
@@ -112,8 +112,7 @@ class FinetuneJob:
         self._eval_targets = 0  # target tokens of the queued validation sequences
         self._start = time.perf_counter()
         self.kept_bytes_per_token = 0.0  # what the executor keeps between forward and backward, per token
-        self.rematerialize = effective_rematerialize(model, cfg.rematerialize)  # "all" on a mixture of experts
-        self.plan = executor_plan(model, bypass.config, self.rematerialize, cfg.memory_target, longest)  # what it keeps
+        self.plan = executor_plan(model, bypass.config, cfg.rematerialize, cfg.memory_target, longest)  # what it keeps
         self.on_step: Callable[[FinetuneJob], None] | None = None  # called after every optimizer step (checkpoints)
         self.write_later: Callable[[Callable[[], None]], None] | None = None  # runs a checkpoint write elsewhere
 
@@ -279,7 +278,7 @@ class FinetuneJob:
         self._next_in_batch += 1
         self._seq = self._sequence(ex)
         self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, self._next_in_batch)
-        if self.rematerialize == "cheap":
+        if self.cfg.rematerialize == "cheap":
             self._seq.keeps = new_keeps(self.model, len(ex.token_ids), planned_keeps(self.plan))
 
     def _start_eval_sequence(self) -> None:

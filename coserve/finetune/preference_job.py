@@ -234,7 +234,7 @@ class PreferenceJob(FinetuneJob):
             self._seq.eval_only = True  # no dropout, no gradient stored
             return
         self._seq.dropout_seed = mix_seed(self.cfg.seed, self.step, 2 * self._next_in_batch - (role == CHOSEN))
-        if self.rematerialize == "cheap":
+        if self.cfg.rematerialize == "cheap":
             self._seq.keeps = new_keeps(self.model, len(example.token_ids), planned_keeps(self.plan))
 
     def _window_bypass(self):

@@ -21,6 +21,7 @@ import torch
 
 from coserve.finetune.graph import LayerShape
 from coserve.finetune.graph_pruning import DEFAULT_MEMORY_TARGET, PruningPlan, plan_model
+from coserve.finetune.moe_backward import moe_input_grad
 from coserve.finetune.window_attention import (kept_attention_supported, window_attention, window_attention_backward,
                                                window_attention_lse)
 from coserve.model.attention_spec import AttentionSpec
@@ -31,8 +32,10 @@ from coserve.peft.trainable import LowRank
 # The base layer's tensors a plan may store or recompute (attention's two outputs go together); the norms' per-row
 # statistics (rsqrt(mean(x^2) + eps), float32) by their graph names.
 BASE_KEEPS = ("rms_attn", "q", "attn.o", "attn.lse", "resid", "rms_mlp", "gate", "up",
-              "q_pre", "q_rms", "k_pre", "k_rms")  # the last four: Qwen3's q/k norms' inputs and per-head statistics
-_FLOAT32_KEEPS = ("rms_attn", "attn.lse", "rms_mlp", "q_rms", "k_rms")
+              "q_pre", "q_rms", "k_pre", "k_rms",  # these four: Qwen3's q/k norms' inputs and per-head statistics
+              "moe.probs", "moe.gu")  # a mixture of experts': its router's probabilities, its experts' gate/up outputs
+_FLOAT32_KEEPS = ("rms_attn", "attn.lse", "rms_mlp", "q_rms", "k_rms", "moe.probs")
+_MOE_KEEPS = ("moe.probs", "moe.gu")
 _QK_NORM_KEEPS = ("q_pre", "q_rms", "k_pre", "k_rms")
 
 
@@ -43,12 +46,6 @@ _QK_NORM_KEEPS = ("q_pre", "q_rms", "k_pre", "k_rms")
 # GFLOP/s its packed GEMMs reach. CUDA: an estimate, not a measurement (some 10 us a launch from Python at 50 TFLOP/s);
 # a GPU session should time it.
 DISPATCH_FLOPS = {"cpu": 2e6, "cuda": 5e8}
-
-
-def effective_rematerialize(model: DecoderModel, rematerialize: str) -> str:
-    """What a job's ``rematerialize`` runs as on ``model``: a mixture of experts (Mixtral, Qwen3-MoE) has no pruned
-    backward of its MLP, so its windows recompute each layer under autograd (``all``) whatever was asked."""
-    return "all" if model.cfg.moe else rematerialize
 
 
 def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
@@ -101,9 +98,8 @@ def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[st
               "attn.lse": (n, c.num_heads), "resid": (n, c.hidden_size), "rms_mlp": (n, 1),
               "gate": (n, c.intermediate_size), "up": (n, c.intermediate_size),
               "q_pre": (n, c.num_heads, c.head_dim), "q_rms": (n, c.num_heads, 1),
-              "k_pre": (n, c.num_kv_heads, c.head_dim), "k_rms": (n, c.num_kv_heads, 1)}
-    if c.moe:
-        raise ValueError("new_layer_keep: a mixture of experts has no pruned backward (effective_rematerialize)")
+              "k_pre": (n, c.num_kv_heads, c.head_dim), "k_rms": (n, c.num_kv_heads, 1),
+              "moe.probs": (n, c.num_experts), "moe.gu": (n, c.experts_per_token, 2 * c.intermediate_size)}
     unknown = set(names) - set(shapes)
     if unknown:
         raise ValueError(f"new_layer_keep: unknown tensors {sorted(unknown)}; choose from {', '.join(BASE_KEEPS)}")
@@ -111,6 +107,11 @@ def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[st
         raise ValueError("new_layer_keep: attention's output and log-sum-exp are kept together or not at all")
     if not c.qk_norm:  # no q/k norms: nothing of theirs to keep
         names = set(names) - set(_QK_NORM_KEEPS)
+    if c.moe:  # the router's probabilities always (a few bytes), the experts' gate/up where the plan keeps gate/up
+        gu = bool({"gate", "up", "moe.gu"} & set(names))
+        names = set(names) - {"gate", "up"} | {"moe.probs"} | ({"moe.gu"} if gu else set())
+    else:
+        names = set(names) - set(_MOE_KEEPS)
     if c.attn_softcap is not None:  # capped scores: no kept-output backward (autograd recomputes attention)
         names = set(names) - {"attn.o", "attn.lse"}
     if "attn.o" in names and not kept_attention_supported(model.device):
@@ -239,47 +240,55 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if resid is None:
         attn_out = o_proj if layer.attn_out_norm is None else rms_norm(o_proj, layer.attn_out_norm, eps)
         resid = x + (attn_out if rm is None else attn_out * rm)
-    gate, up = keep.get("gate", a, b), keep.get("up", a, b)
     rstd2, stats2 = keep.get("rms_mlp", a, b), None
-    h2 = None
-    if layer.post_norm is None:  # OLMo 2: the MLP reads the residual as it is
-        h2 = resid
-    elif gate is None or up is None or _touches(bypass, *_STAGES[1]):
+    if layer.router is not None:  # a mixture of experts (no bypass in it): by hand from its kept routing
         stats2 = _norm_stats(resid, rstd2, eps)
-        h2 = rms_norm(resid, layer.post_norm, eps, stats2)
-    inter = cfg.intermediate_size
-    if (gate is None or up is None) and _touches(bypass, "gate_up_proj"):  # Phi-3's bypass: over both at once
-        gate, up = bypass_output(bypass, None, i, "gate_up_proj", h2, model.linear(h2, layer.gate_up)).chunk(2, dim=-1)
-    if gate is None:
-        gate = bypass_output(bypass, None, i, "gate_proj", h2, model.linear(h2, layer.gate_weight))
-    if up is None:
-        up = bypass_output(bypass, None, i, "up_proj", h2, model.linear(h2, layer.up_weight))
-    # MLP: out = resid + down(act(gate) * up) (Gemma: the down projection normalised first)
-    act = model.act(gate)
-    # the down_proj bypass reads the MLP's input; Gemma's output norm, the projection recomputed from it
-    mlp_in = act * up if _touches(bypass, "down_proj") or layer.mlp_out_norm is not None else None
-    dmlp = dout if rm is None else dout * rm
-    if layer.mlp_out_norm is not None:
-        mlp_out = bypassed_linear(bypass, None, i, "down_proj", mlp_in, layer.down, model.linear)
-        dmlp = rms_norm_backward(dmlp, mlp_out, layer.mlp_out_norm, eps)
-    dact = _module_backward(model, bypass, keep, i, "down_proj", mlp_in, layer.down, dmlp, a, b, need_dx=last > 1)
-    if last == 1:
-        return None
-    dgu = torch.empty(n, 2 * inter, device=x.device, dtype=x.dtype)  # [dgate | dup]
-    dgate, dup = dgu.chunk(2, dim=-1)
-    if cfg.activation == "gelu_tanh":  # Gemma's
-        torch.ops.aten.gelu_backward.grad_input(dact * up, gate, approximate="tanh", grad_input=dgate)
+        gu = keep.get("moe.gu", a, b)
+        h2 = rms_norm(resid, layer.post_norm, eps, stats2) if gu is None else None
+        dh2 = moe_input_grad(model, layer, h2, dout, keep.get("moe.probs", a, b), gu)
+        dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2)
     else:
-        torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgate)
-    torch.mul(dact, act, out=dup)
-    ex_g = _out_backward_into(bypass, keep, i, "gate_proj", h2, dgate, a, b)
-    ex_u = _out_backward_into(bypass, keep, i, "up_proj", h2, dup, a, b)
-    ex_gu = _out_backward_into(bypass, keep, i, "gate_up_proj", h2, dgu, a, b)
-    if last == 2:
-        return None
-    dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u, ex_gu)
-    dresid = dout + (dh2 if layer.post_norm is None else
-                     rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps)))
+        gate, up = keep.get("gate", a, b), keep.get("up", a, b)
+        h2 = None
+        if layer.post_norm is None:  # OLMo 2: the MLP reads the residual as it is
+            h2 = resid
+        elif gate is None or up is None or _touches(bypass, *_STAGES[1]):
+            stats2 = _norm_stats(resid, rstd2, eps)
+            h2 = rms_norm(resid, layer.post_norm, eps, stats2)
+        inter = cfg.intermediate_size
+        if (gate is None or up is None) and _touches(bypass, "gate_up_proj"):  # Phi-3's bypass: over both at once
+            gate, up = bypass_output(bypass, None, i, "gate_up_proj", h2,
+                                     model.linear(h2, layer.gate_up)).chunk(2, dim=-1)
+        if gate is None:
+            gate = bypass_output(bypass, None, i, "gate_proj", h2, model.linear(h2, layer.gate_weight))
+        if up is None:
+            up = bypass_output(bypass, None, i, "up_proj", h2, model.linear(h2, layer.up_weight))
+        # MLP: out = resid + down(act(gate) * up) (Gemma: the down projection normalised first)
+        act = model.act(gate)
+        # the down_proj bypass reads the MLP's input; Gemma's output norm, the projection recomputed from it
+        mlp_in = act * up if _touches(bypass, "down_proj") or layer.mlp_out_norm is not None else None
+        dmlp = dout if rm is None else dout * rm
+        if layer.mlp_out_norm is not None:
+            mlp_out = bypassed_linear(bypass, None, i, "down_proj", mlp_in, layer.down, model.linear)
+            dmlp = rms_norm_backward(dmlp, mlp_out, layer.mlp_out_norm, eps)
+        dact = _module_backward(model, bypass, keep, i, "down_proj", mlp_in, layer.down, dmlp, a, b, need_dx=last > 1)
+        if last == 1:
+            return None
+        dgu = torch.empty(n, 2 * inter, device=x.device, dtype=x.dtype)  # [dgate | dup]
+        dgate, dup = dgu.chunk(2, dim=-1)
+        if cfg.activation == "gelu_tanh":  # Gemma's
+            torch.ops.aten.gelu_backward.grad_input(dact * up, gate, approximate="tanh", grad_input=dgate)
+        else:
+            torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgate)
+        torch.mul(dact, act, out=dup)
+        ex_g = _out_backward_into(bypass, keep, i, "gate_proj", h2, dgate, a, b)
+        ex_u = _out_backward_into(bypass, keep, i, "up_proj", h2, dup, a, b)
+        ex_gu = _out_backward_into(bypass, keep, i, "gate_up_proj", h2, dgu, a, b)
+        if last == 2:
+            return None
+        dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u, ex_gu)
+        dresid = dout + (dh2 if layer.post_norm is None else rms_norm_backward(
+            dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps)))
     do_proj = dresid if rm is None else dresid * rm
     if layer.attn_out_norm is not None:
         do_proj = rms_norm_backward(do_proj, o_proj, layer.attn_out_norm, eps)

@@ -292,8 +292,8 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
         kinds = raw.get("layer_types") or ["sliding_attention" if i in nope else "full_attention"
                                            for i in range(layers)]
         return _windows_of(kinds, raw.get("sliding_window"), layers)
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):  # every layer, where set (Phi-3-mini-4k:
-        # 2047; Mixtral's released checkpoints: null)
+    # every layer, where set (Phi-3-mini-4k: 2047; Mixtral's released checkpoints: null)
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch == "MistralForCausalLM" else None)
         return (int(window),) * layers if window else ()
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not raw.get("use_sliding_window"):

@@ -329,7 +329,7 @@ class DecoderModel:
         if layer.router is not None:  # Mixtral, Qwen3-MoE: no adapter here (module_shapes)
             # the router over every row, as the other matmuls; each expert over its rows in calls of their own
             mlp = moe_mlp(cfg, h, linear(h, layer.router), layer.expert_gate_up, layer.expert_down, self.linear,
-                          self.act, self.padded_rows)
+                          self.act, self.padded_rows, tap)
             return x + mlp, k, v
         gate0, up0 = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate0)

@@ -37,8 +37,8 @@ def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str
     targets, available = list(targets), list(available)
     if targets == [ALL_LINEAR]:
         if "down_proj" not in available:
-            raise ValueError(f"{field}: 'all-linear' on a mixture of experts is, in PEFT, the attention, the router and "
-                             f"the experts; coserve adapts the attention alone: name them ({', '.join(available)})")
+            raise ValueError(f"{field}: 'all-linear' on a mixture of experts is, in PEFT, the attention, the router "
+                             f"and the experts; coserve adapts the attention alone: name them ({', '.join(available)})")
         return available
     missing = [m for m in targets if m not in available]
     if missing:

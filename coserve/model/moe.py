@@ -40,21 +40,30 @@ def expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, s
 def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's experts ``[T, k]`` (highest score first) and their weights ``[T, k]`` (float32 for Mixtral, else
     the logits' dtype) from router logits ``[T, E]``."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return route_probs(cfg, torch.softmax(logits, dim=-1, dtype=torch.float32), logits.dtype)
+
+
+def route_probs(cfg: ModelConfig, probs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` from the router's float32 probabilities ``[T, E]`` (the softmax of its logits)."""
     weights, experts = torch.topk(probs, cfg.experts_per_token, dim=-1)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return experts, weights if cfg.moe_weights_float32 else weights.to(logits.dtype)
+    return experts, weights if cfg.moe_weights_float32 else weights.to(dtype)
 
 
 def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: list[torch.Tensor],
             down: list[torch.Tensor], linear: Callable[..., torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor],
-            padded_rows: Callable[[int], int]) -> torch.Tensor:
+            padded_rows: Callable[[int], int], tap: Callable[[str, torch.Tensor], None] | None = None
+            ) -> torch.Tensor:
     """The mixture's output ``[T, H]`` for MLP inputs ``h`` ``[T, H]`` and their router logits ``[T, E]``: each
     expert's fused ``gate_up`` ``[2I, H]`` and ``down`` ``[H, I]``; ``linear`` runs a frozen matmul,
     ``padded_rows(n)`` the rows an expert's call over ``n`` routed rows runs in. Differentiable (a finetuning
-    window's recompute runs it under autograd)."""
-    experts, weights = route(cfg, logits)
+    window's recompute runs it under autograd). A finetuning window's ``tap`` gets the router's probabilities
+    (``moe.probs`` ``[T, E]`` float32) and each row's experts' gate/up outputs (``moe.gu`` ``[T, k, 2I]``, in the order
+    of its experts), which its pruned backward reads (``coserve/finetune/moe_backward.py``)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    experts, weights = route_probs(cfg, probs, logits.dtype)
+    kept = h.new_empty(h.shape[0], cfg.experts_per_token, gate_up[0].shape[0]) if tap is not None else None
     out = torch.zeros_like(h)
     hit = torch.zeros(cfg.num_experts, dtype=torch.bool, device=h.device)
     hit[experts.flatten()] = True
@@ -65,7 +74,13 @@ def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: li
         pad = padded_rows(n) - n
         if pad > 0:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        gate, up = linear(x, gate_up[e]).chunk(2, dim=-1)
+        gu = linear(x, gate_up[e])
+        if kept is not None:
+            kept[rows, slot] = gu[:n]
+        gate, up = gu.chunk(2, dim=-1)
         y = linear(act(gate) * up, down[e])[:n] * weights[rows, slot, None]
         out = out.index_add(0, rows, y.to(out.dtype))
+    if tap is not None:
+        tap("moe.probs", probs)
+        tap("moe.gu", kept)
     return out

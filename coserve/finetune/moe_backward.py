@@ -1,0 +1,62 @@
+"""The pruned backward of a mixture of experts (Mixtral, Qwen3-MoE): dL/d(input) of ``moe.moe_mlp`` by hand, from
+what its forward window kept (the router's probabilities, and each token's experts' gate/up outputs where the plan
+keeps them, else recomputed), without running the experts' down projections again.
+
+For a token routed to expert ``e`` with weight ``w``: its output adds ``w * y_e``, ``y_e = down_e(act(g) * u)``. So
+``dm = w * (dy @ down_e)`` reaches ``m = act(g) * u``, then g and u, then the input through ``gate_up_e``; and the
+weight's own gradient is ``<dy, y_e> = <dy @ down_e, m>``, which needs no ``y_e``. The weights are the router's
+softmax probabilities of the token's top experts (renormalised to sum to one where the config says): their gradient
+goes back through the renormalisation and the softmax to the router's logits, then through the router to the input,
+as autograd takes it in a whole-sequence backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coserve.model.decoder import DecoderLayer, DecoderModel
+from coserve.model.moe import route_probs
+
+
+@torch.no_grad()
+def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | None, dout: torch.Tensor,
+                   probs: torch.Tensor, gu: torch.Tensor | None) -> torch.Tensor:
+    """dL/d(input) ``[n, H]`` of ``layer``'s mixture given dL/d(output) ``dout`` ``[n, H]``, the router's
+    probabilities ``probs`` ``[n, E]`` (float32) and the experts' gate/up outputs ``gu`` ``[n, k, 2I]`` (None:
+    recomputed from the input ``h``)."""
+    cfg = model.cfg
+    experts, weights = route_probs(cfg, probs, dout.dtype)
+    n, k = experts.shape
+    dh = torch.zeros_like(dout)
+    dw = torch.zeros(n, k, dtype=torch.float32, device=dout.device)  # dL/d(each routing weight)
+    present = torch.zeros(cfg.num_experts, dtype=torch.bool, device=dout.device)
+    present[experts.flatten()] = True
+    for e in present.nonzero().flatten().tolist():
+        rows, slot = torch.where(experts == e)
+        if gu is not None:
+            g_u = gu[rows, slot]
+        else:  # the expert's gate/up, recomputed as the forward ran them (a call of batch-invariant size)
+            x = h[rows]
+            pad = model.padded_rows(rows.numel()) - rows.numel()
+            if pad > 0:
+                x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            g_u = model.linear(x, layer.expert_gate_up[e])[:rows.numel()]
+        gate, up = g_u.chunk(2, dim=-1)
+        act = model.act(gate)
+        dmw = model.input_grad(dout[rows], layer.expert_down[e])  # dL/dm, the weight not yet applied
+        dw[rows, slot] = (dmw.float() * (act * up).float()).sum(-1)
+        dm = (dmw * weights[rows, slot, None]).to(dout.dtype)
+        dgu = torch.empty_like(g_u)
+        dgate, dup = dgu.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(dm * up, gate, grad_input=dgate)
+        torch.mul(dm, act, out=dup)
+        dh.index_add_(0, rows, model.input_grad(dgu, layer.expert_gate_up[e]))
+    chosen = probs.gather(1, experts)
+    if cfg.norm_topk_prob:  # w = p / sum(p): dp_j = (dw_j - sum_i dw_i w_i) / sum(p)
+        total = chosen.sum(-1, keepdim=True)
+        dchosen = (dw - (dw * (chosen / total)).sum(-1, keepdim=True)) / total
+    else:
+        dchosen = dw
+    dprobs = torch.zeros_like(probs).scatter_(1, experts, dchosen)
+    dlogits = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))  # the softmax's backward
+    return dh.add_(model.input_grad(dlogits.to(dout.dtype), layer.router))
