@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from coserve.model.config import ModelConfig
 
