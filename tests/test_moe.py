@@ -112,3 +112,24 @@ def test_adapters_of_the_experts_are_refused_naming_the_modules(model_factory, a
         AutoModelForCausalLM.from_pretrained(str(path)), PeftLoraConfig(r=4, target_modules="all-linear")
     ).named_parameters() if ".lora_A" in n}
     assert wrapped - set(modules)  # PEFT's reaches past the attention
+
+
+def test_a_job_naming_no_modules_gets_pefts_default_for_the_model(model_factory, tmp_path):
+    """With no modules named (the OpenAI API's jobs, ``coserve finetune`` without ``--target-modules``, ``LLM.finetune``
+    without ``peft``), a mixture's adapter goes where PEFT's default puts Mixtral's within the attention (LoRA on q/v,
+    IA3 on k/v), not on the down_proj it has none of; a dense model keeps coserve's defaults. The adapter serves."""
+    from coserve import LLM, FinetuneConfig, SamplingParams
+    from coserve.peft.config import default_targets
+    from tests.test_llm_finetune import _data
+    dense = load_model(model_factory("llama"), torch.float32, torch.device("cpu")).module_shapes()
+    moe = load_model(model_factory("mixtral"), torch.float32, torch.device("cpu")).module_shapes()
+    assert default_targets("lora", dense) == {} and default_targets("ia3", dense) == {}
+    assert default_targets("lora", moe) == {"target_modules": ["q_proj", "v_proj"]}
+    assert for_model(IA3Config(**default_targets("ia3", moe)), moe).target_modules == ["k_proj", "v_proj"]
+    llm = LLM(model_factory("mixtral"), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    job = llm.finetune(_data(tmp_path / "d.jsonl"), config=FinetuneConfig(output_dir=str(tmp_path / "out"),
+                                                                        max_steps=2, batch_size=2, lr=5e-2))
+    assert job.wait(timeout=120)["status"] == "succeeded"
+    assert json.loads((job.output_dir / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
+    llm.load_adapter("tuned", job.output_dir)
+    assert len(llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0), adapter="tuned")[0].token_ids)

@@ -12,7 +12,7 @@ from coserve.finetune.preference import load_preference_dataset
 from coserve.finetune.preference_job import PreferenceJob
 from coserve.model.decoder import DecoderModel
 from coserve.model.linear_modules import resolve_targets
-from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.config import IA3Config, LoraConfig, default_targets
 from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora, load_trainable
 
 
@@ -53,7 +53,7 @@ def starting_bypass(peft: LoraConfig | IA3Config | None, model: DecoderModel,
             raise ValueError(f"peft: a job from an adapter ({field}) trains a copy of that adapter (give no peft "
                              "config)")
         return load_trainable(source, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
-    return make_bypass(peft or LoraConfig(), model, cfg.seed)
+    return make_bypass(peft or LoraConfig(**default_targets("lora", model.module_shapes())), model, cfg.seed)
 
 
 def load_training(path, tokenizer, cfg: FinetuneConfig) -> tuple[list, DatasetReport]:

@@ -16,7 +16,7 @@ from coserve.model.loader import load_model, resolve_device, resolve_dtype
 from coserve.model.config import ModelConfig
 from coserve.model.tokenizer import load_tokenizer
 from coserve.output_path import prepare_directory
-from coserve.peft.config import IA3Config, LoraConfig
+from coserve.peft.config import IA3Config, LoraConfig, default_targets
 from coserve.finetune.build import load_training, make_bypass, new_job, starting_bypass
 from coserve.peft.trainable import TrainableBypass, load_trainable
 
@@ -159,17 +159,19 @@ def _bypass(args, model, device: torch.device, cfg: FinetuneConfig) -> Trainable
         return load_trainable(args.init_adapter, shapes, layers, device, model.module_weight)
     if cfg.start_adapter or cfg.dpo_reference:
         return starting_bypass(None, model, cfg)
-    return make_bypass(_peft_config(args), model, cfg.seed)
+    return make_bypass(_peft_config(args, model.module_shapes()), model, cfg.seed)
 
 
-def _peft_config(args) -> LoraConfig | IA3Config:
+def _peft_config(args, modules) -> LoraConfig | IA3Config:
+    """``--peft`` and its options; with no ``--target-modules``, the model's defaults (``default_targets``)."""
     targets = args.target_modules.split(",") if args.target_modules else None
     if args.peft == "ia3":
         return IA3Config(**({"target_modules": targets,
-                             "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets else {}))
+                             "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets
+                            else default_targets("ia3", modules)))
     return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                       use_rslora=args.use_rslora, use_dora=args.use_dora,
-                      **({"target_modules": targets} if targets else {}))
+                      **({"target_modules": targets} if targets else default_targets("lora", modules)))
 
 
 def load_reward(spec: str, judge=None):
@@ -224,9 +226,10 @@ def _grpo(args, cfg: FinetuneConfig) -> int:
     funcs = [load_reward(spec, lambda calls: engine_judge[0](calls)) for spec in args.reward]
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     engine_judge.append(llm_judge(llm))
-    handle = llm.finetune(args.data, peft=None if cfg.start_adapter or args.init_adapter else _peft_config(args),
-                          config=cfg, reward_funcs=funcs, reward_weights=args.reward_weight or None,
-                          resume_from=args.init_adapter, validation=args.validation_data)
+    peft = None if cfg.start_adapter or args.init_adapter else _peft_config(args, llm.engine.model.module_shapes())
+    handle = llm.finetune(args.data, peft=peft, config=cfg, reward_funcs=funcs,
+                          reward_weights=args.reward_weight or None, resume_from=args.init_adapter,
+                          validation=args.validation_data)
     print(handle.data_report)
     shown = 0
     while handle.status()["status"] == "running":

@@ -87,6 +87,18 @@ class IA3Config:
         return "IA3"
 
 
+def default_targets(peft: str, modules: Iterable[str]) -> dict[str, list[str]]:
+    """The fields of a ``peft`` ("lora" or "ia3") config whose modules nobody named, for a model of ``modules``: none
+    (the class defaults: LoRA on down_proj, IA3 on k/v/down) where it has down_proj; on a mixture of experts, whose
+    MLP takes no adapter, PEFT's defaults for Mixtral within the attention: LoRA on q_proj and v_proj, IA3 on k_proj
+    and v_proj (PEFT's also scales the experts' w2, which coserve does not adapt)."""
+    if "down_proj" in set(modules):
+        return {}
+    if peft == "ia3":
+        return {"target_modules": ["k_proj", "v_proj"], "feedforward_modules": []}
+    return {"target_modules": ["q_proj", "v_proj"]}
+
+
 def for_model(config: LoraConfig | IA3Config, modules: Iterable[str]) -> LoraConfig | IA3Config:
     """``config`` with its ``target_modules`` as the model's own names (``modules``: ``DecoderModel.module_shapes``'
     keys): ``all-linear`` resolved, a module the model lacks refused, naming the field."""

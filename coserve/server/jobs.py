@@ -28,7 +28,7 @@ from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.finetune.memory_budget import job_memory
 from coserve.peft import AdapterError
 from coserve.peft.adapter_dir import peft_type, read_adapter_config
-from coserve.peft.config import IA3Config, LoraConfig, for_model
+from coserve.peft.config import IA3Config, LoraConfig, default_targets, for_model
 from coserve.peft.trainable import load_trainable
 from coserve.scheduler.sampling_params import Reasoning
 from coserve.server.config import ServerConfig
@@ -452,13 +452,13 @@ class JobManager:
             modules = self.engine.model.module_shapes()  # the model's own names (Phi-3's fused ones)
             if options.peft == "ia3":
                 cfg = for_model(IA3Config(**({"target_modules": options.target_modules} if options.target_modules
-                                             else {})), modules)
+                                             else default_targets("ia3", modules))), modules)
                 return {"peft": "ia3", "target_modules": cfg.target_modules,
                         "feedforward_modules": cfg.feedforward_modules}
             cfg = for_model(LoraConfig(r=options.r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
                                        use_rslora=options.use_rslora, use_dora=options.use_dora,
                                        **({"target_modules": options.target_modules} if options.target_modules
-                                          else {})), modules)
+                                          else default_targets("lora", modules))), modules)
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise bad_request(f"coserve.{e}", f"coserve.{field}") from e
