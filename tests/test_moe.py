@@ -133,3 +133,30 @@ def test_a_job_naming_no_modules_gets_pefts_default_for_the_model(model_factory,
     assert json.loads((job.output_dir / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
     llm.load_adapter("tuned", job.output_dir)
     assert len(llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0), adapter="tuned")[0].token_ids)
+
+
+def test_an_openai_fine_tuning_job_on_a_mixture_serves_its_model(model_factory, tmp_path):
+    """Through a live server and the ``openai`` client: a job with no adapter settings on a Mixtral succeeds (LoRA on
+    q/v, PEFT's default there), its model chats and differs from the base; an expert as a target is a 400 naming the
+    modules the model has."""
+    import io
+
+    from openai import BadRequestError, OpenAI
+    from server_helpers import chat_jsonl, start_server, wait_for_job
+    srv = start_server(model_factory("mixtral"), tmp_path / "state", "--served-model-name", "tiny-mixtral")
+    try:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        f = client.files.create(file=("train.jsonl", io.BytesIO(chat_jsonl())), purpose="fine-tune")
+        with pytest.raises(BadRequestError, match=r"\['down_proj'\] are not modules of this model, which has q_proj"):
+            client.fine_tuning.jobs.create(model="tiny-mixtral", training_file=f.id,
+                                           extra_body={"coserve": {"target_modules": ["down_proj"]}})
+        job = client.fine_tuning.jobs.create(model="tiny-mixtral", training_file=f.id, seed=1,
+                                             hyperparameters={"n_epochs": 1, "learning_rate_multiplier": 100})
+        done = wait_for_job(client, job.id)
+        assert done.status == "succeeded", done.error
+        hello = [{"role": "user", "content": "Hello"}]
+        kwargs = {"messages": hello, "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        tuned = client.chat.completions.create(model=done.fine_tuned_model, **kwargs).choices[0].message.content
+        assert tuned != client.chat.completions.create(model="tiny-mixtral", **kwargs).choices[0].message.content
+    finally:
+        srv.stop()
