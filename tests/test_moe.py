@@ -160,3 +160,14 @@ def test_an_openai_fine_tuning_job_on_a_mixture_serves_its_model(model_factory, 
         assert tuned != client.chat.completions.create(model="tiny-mixtral", **kwargs).choices[0].message.content
     finally:
         srv.stop()
+
+
+def test_expert_groups_are_each_experts_rows_in_order():
+    """One sort and one transfer of counts find what ``torch.where(experts == e)`` finds for each expert picked."""
+    from coserve.model.moe import expert_groups
+    experts = torch.tensor([[2, 0], [0, 3], [3, 2], [2, 0], [1, 0]])
+    groups = expert_groups(experts, 5)
+    assert [e for e, _, _ in groups] == [0, 1, 2, 3]  # expert 4 picked by none
+    for e, rows, slot in groups:
+        want_rows, want_slot = torch.where(experts == e)
+        assert rows.tolist() == want_rows.tolist() and slot.tolist() == want_slot.tolist()

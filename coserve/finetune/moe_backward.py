@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from coserve.model.decoder import DecoderLayer, DecoderModel
-from coserve.model.moe import route_probs
+from coserve.model.moe import expert_groups, route_probs
 
 
 @torch.no_grad()
@@ -29,10 +29,7 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
     n, k = experts.shape
     dh = torch.zeros_like(dout)
     dw = torch.zeros(n, k, dtype=torch.float32, device=dout.device)  # dL/d(each routing weight)
-    present = torch.zeros(cfg.num_experts, dtype=torch.bool, device=dout.device)
-    present[experts.flatten()] = True
-    for e in present.nonzero().flatten().tolist():
-        rows, slot = torch.where(experts == e)
+    for e, rows, slot in expert_groups(experts, cfg.num_experts):
         if gu is not None:
             g_u = gu[rows, slot]
         else:  # the expert's gate/up, recomputed as the forward ran them (a call of batch-invariant size)

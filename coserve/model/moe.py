@@ -50,6 +50,23 @@ def route_probs(cfg: ModelConfig, probs: torch.Tensor, dtype: torch.dtype) -> tu
     return experts, weights if cfg.moe_weights_float32 else weights.to(dtype)
 
 
+def expert_groups(experts: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(expert, rows, slots)`` for each expert some row of ``experts`` ``[T, k]`` picks, in expert order; each
+    expert's rows ascending (``torch.where(experts == e)``'s), found with one stable sort and one transfer of the
+    counts to the host (not one search and one transfer an expert)."""
+    k = experts.shape[1]
+    flat = experts.flatten()
+    order = torch.sort(flat, stable=True).indices  # by expert, then by row (row-major [T, k] order)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    groups, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            picked = order[start:start + count]
+            groups.append((e, picked // k, picked % k))
+            start += count
+    return groups
+
+
 def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: list[torch.Tensor],
             down: list[torch.Tensor], linear: Callable[..., torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor],
             padded_rows: Callable[[int], int], tap: Callable[[str, torch.Tensor], None] | None = None
@@ -64,10 +81,7 @@ def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: li
     experts, weights = route_probs(cfg, probs, logits.dtype)
     kept = h.new_empty(h.shape[0], cfg.experts_per_token, gate_up[0].shape[0]) if tap is not None else None
     out = torch.zeros_like(h)
-    hit = torch.zeros(cfg.num_experts, dtype=torch.bool, device=h.device)
-    hit[experts.flatten()] = True
-    for e in hit.nonzero().flatten().tolist():
-        rows, slot = torch.where(experts == e)
+    for e, rows, slot in expert_groups(experts, cfg.num_experts):
         n = rows.numel()
         x = h[rows]
         pad = padded_rows(n) - n
