@@ -141,6 +141,14 @@ def test_sharded_tied_llama3_rope_model_loads(model_factory):
     assert (logits.argmax(-1) != torch.tensor(ids)).float().mean() > 0.5  # not just copying the input
 
 
+def test_mixtures_of_experts_count_their_parameters_as_hf_does():
+    from coserve.model.presets import MOE_ARCHS
+    for arch in MOE_ARCHS:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(build_config("small", arch))
+        assert sum(p.numel() for p in model.parameters()) == PRESETS["small"].num_parameters(arch)
+
+
 def test_small_preset_has_about_30m_parameters():
     for arch in ARCHS:
         cfg = build_config("small", arch)

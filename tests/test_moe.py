@@ -1,4 +1,4 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE; coserve/model/moe.py). HF parity of logits and greedy tokens runs in
+"""Mixtures of experts (Mixtral, Qwen3-MoE, OLMoE; coserve/model/moe.py). HF parity of logits and greedy tokens runs in
 test_model_parity.py (both are in conftest's ARCHS), training against PEFT in test_finetune_vs_peft.py. Here: a
 co-served job changes no inference logprob, finetuning windows (the pruned backward, from the kept routing and
 experts' gate/up or recomputing them; every layer under autograd) match one whole-sequence backward, the expert calls
@@ -21,7 +21,7 @@ from tests.test_coserving import _engine
 from tests.test_cuda_architectures import _every_module_job
 from window_helpers import check_windows_match_autograd, perturbed_bypass
 
-MOES = ("mixtral", "qwen3_moe")
+MOES = ("mixtral", "qwen3_moe", "olmoe")
 
 
 @pytest.mark.parametrize("arch", MOES)
@@ -41,7 +41,8 @@ def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp
 @pytest.mark.parametrize("arch", MOES)
 @pytest.mark.parametrize("peft", [LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3,
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-                                  IA3Config(target_modules=["k_proj", "v_proj", "o_proj"], feedforward_modules=["o_proj"])],
+                                  IA3Config(target_modules=["k_proj", "v_proj", "o_proj"],
+                                            feedforward_modules=["o_proj"])],
                          ids=["lora-dropout", "ia3"])
 def test_window_schedules_match_one_whole_sequence_backward(model_factory, arch, peft, remat):
     """``cheap:every`` keeps the experts' gate/up outputs (and attention's output); ``cheap:none`` the router's
@@ -60,7 +61,8 @@ def test_each_experts_rows_run_in_a_call_of_batch_invariant_size(model_factory, 
     model = load_model(model_factory("mixtral"), torch.float32, torch.device("cpu"))
     calls = []
     linear = model.linear
-    monkeypatch.setattr(model, "linear", lambda x, w, *a, **k: calls.append((x.shape[0], w.shape)) or linear(x, w, *a, **k))
+    monkeypatch.setattr(model, "linear",
+                        lambda x, w, *a, **k: calls.append((x.shape[0], w.shape)) or linear(x, w, *a, **k))
     layer = model.layers[0]
     h = torch.randn(1, model.cfg.hidden_size)
     from coserve.model.moe import moe_mlp

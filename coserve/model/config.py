@@ -25,8 +25,9 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
     "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
+    "OlmoeForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
 }
-MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -97,6 +98,8 @@ class ModelConfig:
     # OLMo 2: no norms of the attention's and the MLP's inputs, each output normalised before its residual add (norm
     # weights applied in float32 before the cast), and q and k each RMS-normalised over all their heads at once
     olmo2: bool = False
+    # OLMo 2 and OLMoE: q and k each RMS-normalised over all their heads at once (weights [Hq * D] and [Hkv * D])
+    qk_norm_whole: bool = False
     # Mixtral and Qwen3-MoE: every layer's MLP is ``num_experts`` SiLU-gated experts of ``intermediate_size``, each
     # token through the ``experts_per_token`` its router scores highest (softmax in float32), weighted by those
     # scores, renormalised to sum to one where ``norm_topk_prob`` (Mixtral always); Mixtral weighs the experts'
@@ -256,6 +259,7 @@ class ModelConfig:
                 **(_granite_fields(raw) if arch == "GraniteForCausalLM" else {}),
                 nope_layers=_nope_layers(raw) if arch == "SmolLM3ForCausalLM" else (),
                 olmo2=arch == "Olmo2ForCausalLM",
+                qk_norm_whole=arch in ("Olmo2ForCausalLM", "OlmoeForCausalLM"),
                 **(_moe_fields(raw, arch) if arch in MOES else {}),
             )
             _check_activation(raw, "gelu_pytorch_tanh" if arch in GEMMAS else "silu")
@@ -359,13 +363,15 @@ def _gemma_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
-    """``ModelConfig``'s mixture-of-experts fields as transformers reads them. Qwen3-MoE's dense layers
-    (``mlp_only_layers``, a ``decoder_sparse_step`` above 1) are refused, naming the field: every layer here is a
-    mixture."""
+    """``ModelConfig``'s mixture-of-experts fields as transformers reads them (OLMoE's as Qwen3-MoE's). Qwen3-MoE's
+    dense layers (``mlp_only_layers``, a ``decoder_sparse_step`` above 1) are refused, naming the field: every layer
+    here is a mixture."""
     if arch == "MixtralForCausalLM":
         return {"num_experts": int(raw.get("num_local_experts", 8)),
                 "experts_per_token": int(raw.get("num_experts_per_tok", 2)), "norm_topk_prob": True,
                 "moe_weights_float32": True}
+    if raw.get("clip_qkv") is not None:  # OLMoE's option (null in its released checkpoints)
+        raise ModelConfigError(f"field 'clip_qkv': clamping q, k and v ({raw['clip_qkv']}) is not supported")
     if raw.get("use_sliding_window"):
         raise ModelConfigError("field 'use_sliding_window': sliding layers are not supported in Qwen3-MoE")
     if raw.get("mlp_only_layers"):

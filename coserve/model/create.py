@@ -43,12 +43,12 @@ from typing import Any
 
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, GraniteConfig,
-                          LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, PreTrainedConfig,
-                          PreTrainedModel, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                          LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config,
+                          PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
-from coserve.model.presets import ARCHS, DTYPES, ModelPreset, get_preset
+from coserve.model.presets import ARCHS, DTYPES, EXPERTS_PER_TOKEN, NUM_EXPERTS, ModelPreset, get_preset
 from coserve.model.tokenizer_builder import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, build_tokenizer,
                                              save_tokenizer)
 
@@ -60,9 +60,6 @@ INITIALIZER_RANGE = 0.02
 ATTN_SCORE_STD = 1.0
 #: Target standard deviation of a mixture-of-experts router's logits (see ``shape_init``).
 ROUTER_LOGIT_STD = 2.0
-#: The mixtures ``create-model`` writes: experts per layer and per token (Mixtral 8x7B: 8 and 2; Qwen3-30B-A3B: 128
-#: and 8).
-NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 #: With tied embeddings, ``o_proj`` and ``down_proj`` weights are scaled by this.
 TIED_RESIDUAL_GAIN = 10.0
 
@@ -125,7 +122,7 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         head_dim = p.head_dim
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: must be a positive even integer, got {head_dim!r}")
-    elif arch in ("qwen2", "phi3", "granite", "smollm3", "olmo2") and head_dim != p.head_dim:
+    elif arch in ("qwen2", "phi3", "granite", "smollm3", "olmo2", "olmoe") and head_dim != p.head_dim:
         raise ValueError(f"head_dim: {arch} heads are hidden_size / num_attention_heads ({p.head_dim}) wide")
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     common: dict[str, Any] = dict(
@@ -161,8 +158,11 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         elif arch == "qwen3_moe":  # Qwen3's attention with experts of half the preset's MLP width; scores as they come
             cfg = Qwen3MoeConfig(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False,
                                  num_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False,
-                                 moe_intermediate_size=p.intermediate_size // 2, decoder_sparse_step=1,
+                                 moe_intermediate_size=p.expert_size(arch), decoder_sparse_step=1,
                                  mlp_only_layers=[])
+        elif arch == "olmoe":  # Llama's layer, q and k each normalised over all their heads, experts as Qwen3-MoE's
+            cfg = OlmoeConfig(**{**common, "intermediate_size": p.expert_size(arch)}, num_experts=NUM_EXPERTS,
+                              num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False, clip_qkv=None)
         elif arch == "phi3":  # q/k/v in one matrix (qkv_proj), gate and up in another (gate_up_proj)
             cfg = Phi3Config(**common, original_max_position_embeddings=p.max_position_embeddings,
                              sliding_window=None)

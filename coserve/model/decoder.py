@@ -93,9 +93,9 @@ class DecoderLayer:
                                       norm("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
             self.qk_norm_f32 = self.qk_norm.float()
             self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]  # k before its norm, for its backward
-        # OLMo 2: q and k each normalised over all their heads at once (weights [1, Hq * D] and [1, Hkv * D])
+        # OLMo 2, OLMoE: q and k each normalised over all their heads at once (weights [1, Hq * D] and [1, Hkv * D])
         self.q_norm_whole = self.k_norm_whole = None
-        if cfg.olmo2:
+        if cfg.qk_norm_whole:
             self.q_norm_whole = norm("self_attn.q_norm.weight").unsqueeze(0)
             self.k_norm_whole = norm("self_attn.k_norm.weight").unsqueeze(0)
             self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]
@@ -299,7 +299,7 @@ class DecoderModel:
         q = bypass_output(bypass, tap, i, "q_proj", h, q0)
         k = bypass_output(bypass, tap, i, "k_proj", h, k0)
         v = bypass_output(bypass, tap, i, "v_proj", h, v)
-        if layer.q_norm_whole is not None:  # OLMo 2: over all of q's heads, and of k's
+        if layer.q_norm_whole is not None:  # OLMo 2, OLMoE: over all of q's heads, and of k's
             q, k = rms_norm(q, layer.q_norm_whole, cfg.rms_norm_eps), rms_norm(k, layer.k_norm_whole, cfg.rms_norm_eps)
             q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             if rope is not None:

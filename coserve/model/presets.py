@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3",
-                          "olmo2", "mixtral", "qwen3_moe")
+                          "olmo2", "mixtral", "qwen3_moe", "olmoe")
+#: The mixtures of experts among them: each layer's MLP is ``NUM_EXPERTS`` experts, ``EXPERTS_PER_TOKEN`` a token
+#: (Mixtral 8x7B: 8 and 2; Qwen3-30B-A3B: 128 and 8; OLMoE-1B-7B: 64 and 8), each as wide as the preset's MLP
+#: (Qwen3-MoE's and OLMoE's: half as wide, their moe_intermediate_size or intermediate_size)
+MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "olmoe")
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 #: Weight dtypes ``create_model`` can write.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -32,6 +37,10 @@ class ModelPreset:
         """Per-head width: ``hidden_size // num_attention_heads``."""
         return self.hidden_size // self.num_attention_heads
 
+    def expert_size(self, arch: str) -> int:
+        """An expert's MLP width as ``create-model`` writes ``arch`` (a mixture of experts)."""
+        return self.intermediate_size if arch == "mixtral" else self.intermediate_size // 2
+
     def num_parameters(self, arch: str = "llama", tie_word_embeddings: bool | None = None) -> int:
         """Parameter count of this preset as ``arch`` (analytic; matches the HF model's count)."""
         tied = self.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
@@ -42,9 +51,14 @@ class ModelPreset:
             attn += q + 2 * kv
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
-        if arch == "olmo2":  # q and k RMSNorm over all their heads; no input norm (below: the two output norms)
+        if arch in ("olmo2", "olmoe"):  # q and k RMSNorm over all their heads (OLMo 2: no input norm; below: the
+            # two output norms)
             attn += q + kv
+        if arch == "qwen3_moe":  # q and k RMSNorm over each head
+            attn += 2 * self.head_dim
         mlp = 3 * h * self.intermediate_size
+        if arch in MOE_ARCHS:  # the router, and each expert (half the preset's width but Mixtral's)
+            mlp = NUM_EXPERTS * (h + 3 * h * self.expert_size(arch))
         layer = attn + mlp + (4 if arch.startswith("gemma") else 2) * h  # input, post-attention RMSNorm (Gemma: 2 more)
         embed = self.vocab_size * h
         return self.num_hidden_layers * layer + h + embed * (1 if tied else 2)

@@ -93,7 +93,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
         if cfg.output_norms:
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
-        if cfg.olmo2:  # q's and k's norms over all their heads
+        if cfg.qk_norm_whole:  # q's and k's norms over all their heads (OLMo 2, OLMoE)
             shapes[p + "self_attn.q_norm.weight"] = (cfg.q_size,)
             shapes[p + "self_attn.k_norm.weight"] = (cfg.kv_size,)
         if cfg.qk_norm:
