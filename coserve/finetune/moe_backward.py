@@ -1,4 +1,4 @@
-"""The pruned backward of a mixture of experts (Mixtral, Qwen3-MoE): dL/d(input) of ``moe.moe_mlp`` by hand, from
+"""The pruned backward of a mixture of experts (Mixtral, Qwen3-MoE, OLMoE): dL/d(input) of ``moe.moe_mlp`` by hand, from
 what its forward window kept (the router's probabilities, and each token's experts' gate/up outputs where the plan
 keeps them, else recomputed), without running the experts' down projections again.
 

@@ -100,7 +100,7 @@ class ModelConfig:
     olmo2: bool = False
     # OLMo 2 and OLMoE: q and k each RMS-normalised over all their heads at once (weights [Hq * D] and [Hkv * D])
     qk_norm_whole: bool = False
-    # Mixtral and Qwen3-MoE: every layer's MLP is ``num_experts`` SiLU-gated experts of ``intermediate_size``, each
+    # Mixtral, Qwen3-MoE, OLMoE: every layer's MLP is ``num_experts`` SiLU-gated experts of ``intermediate_size``, each
     # token through the ``experts_per_token`` its router scores highest (softmax in float32), weighted by those
     # scores, renormalised to sum to one where ``norm_topk_prob`` (Mixtral always); Mixtral weighs the experts'
     # outputs by the float32 scores, Qwen3-MoE casts them to the model's dtype first (``moe_weights_float32``)
@@ -173,7 +173,7 @@ class ModelConfig:
 
     @property
     def moe(self) -> bool:
-        """Whether the layers' MLPs are mixtures of experts (Mixtral, Qwen3-MoE)."""
+        """Whether the layers' MLPs are mixtures of experts (Mixtral, Qwen3-MoE, OLMoE)."""
         return self.num_experts > 0
 
     @property

@@ -1,9 +1,9 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE): the checkpoint's names, and the forward over a flat batch.
+"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, OLMoE): the checkpoint's names, and the forward over a flat batch.
 
 Each token's router logits (a linear map of the MLP's input) go through a float32 softmax; the token runs through
 the ``experts_per_token`` experts scoring highest, each a SiLU-gated MLP, and their outputs are summed weighted by
-those scores (renormalised to sum to one where the config says), as HF's ``MixtralExperts`` and ``Qwen3MoeExperts``
-compute them: expert by expert in index order, each adding into a zero-initialised output.
+those scores (renormalised to sum to one where the config says), as HF's ``MixtralExperts``, ``Qwen3MoeExperts`` and
+``OlmoeExperts`` compute them: expert by expert in index order, each adding into a zero-initialised output.
 
 Batch invariance: an expert's matmul runs over the rows routed to it, whose count depends on the batch beside them;
 each expert's rows are therefore padded with zero rows to ``padded_rows`` of their count (at least
