@@ -1,5 +1,5 @@
 """Mixtures of experts (Mixtral, Qwen3-MoE, OLMoE; coserve/model/moe.py). HF parity of logits and greedy tokens runs in
-test_model_parity.py (both are in conftest's ARCHS), training against PEFT in test_finetune_vs_peft.py. Here: a
+test_model_parity.py (all three are in conftest's ARCHS), training against PEFT in test_finetune_vs_peft.py. Here: a
 co-served job changes no inference logprob, finetuning windows (the pruned backward, from the kept routing and
 experts' gate/up or recomputing them; every layer under autograd) match one whole-sequence backward, the expert calls
 are padded to batch-invariant sizes, and what coserve does not run is refused naming the field or module."""
