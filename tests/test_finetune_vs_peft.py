@@ -80,7 +80,8 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("olmo2", ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),
                                           ("olmo2", "ia3"), ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),
                                           ("qwen3_moe", ["q_proj", "v_proj"]),
-                                          ("olmoe", ["q_proj", "k_proj", "o_proj"])])
+                                          ("olmoe", ["q_proj", "k_proj", "o_proj"]),
+                                          ("qwen2_moe", ["q_proj", "v_proj", "o_proj"])])
 def test_training_matches_peft(model_factory, config_variant, tmp_path, optimizer, tol, arch, targets):
     """``mistral:window=8``: every layer slides over 8 positions, shorter than most training sequences."""
     model_dir = config_variant("mistral", sliding_window=8) if ":window=" in arch else model_factory(arch)

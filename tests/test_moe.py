@@ -1,8 +1,9 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE, OLMoE; coserve/model/moe.py). HF parity of logits and greedy tokens runs in
-test_model_parity.py (all three are in conftest's ARCHS), training against PEFT in test_finetune_vs_peft.py. Here: a
-co-served job changes no inference logprob, finetuning windows (the pruned backward, from the kept routing and
-experts' gate/up or recomputing them; every layer under autograd) match one whole-sequence backward, the expert calls
-are padded to batch-invariant sizes, and what coserve does not run is refused naming the field or module."""
+"""Mixtures of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and its shared expert; coserve/model/moe.py). HF parity of
+logits and greedy tokens runs in test_model_parity.py (all four are in conftest's ARCHS), training against PEFT in
+test_finetune_vs_peft.py. Here: a co-served job changes no inference logprob, finetuning windows (the pruned
+backward, from the kept routing and experts' gate/up or recomputing them; every layer under autograd) match one
+whole-sequence backward, the expert calls are padded to batch-invariant sizes, and what coserve does not run is
+refused naming the field or module."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.test_coserving import _engine
 from tests.test_cuda_architectures import _every_module_job
 from window_helpers import check_windows_match_autograd, perturbed_bypass
 
-MOES = ("mixtral", "qwen3_moe", "olmoe")
+MOES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 
 
 @pytest.mark.parametrize("arch", MOES)
@@ -46,13 +47,16 @@ def test_co_served_requests_get_the_same_logprobs_bit_for_bit(model_factory, tmp
                          ids=["lora-dropout", "ia3"])
 def test_window_schedules_match_one_whole_sequence_backward(model_factory, arch, peft, remat):
     """``cheap:every`` keeps the experts' gate/up outputs (and attention's output); ``cheap:none`` the router's
-    probabilities alone, the experts' gate/up recomputed from the input."""
+    probabilities alone, the experts' gate/up recomputed from the input. 2e-5: LoRA with dropout on Qwen2-MoE gave
+    1.02e-5 under every keep set alike, ``all`` (each layer by autograd) included: float32's floor here, not the
+    pruned backward's."""
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
     every, none = new_keeps(model, 4, BASE_KEEPS)[0].base, new_keeps(model, 4, ())[0].base
     assert {"moe.probs", "moe.gu", "attn.o"} <= set(every) and not {"gate", "up"} & set(every)
     assert set(none) == {"moe.probs"}
     bypass = perturbed_bypass(peft, model, seed=4)
-    check_windows_match_autograd(model, bypass, 47, "cheap", (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2)
+    check_windows_match_autograd(model, bypass, 47, remat, (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2,
+                                 tol=2e-5)
 
 
 def test_each_experts_rows_run_in_a_call_of_batch_invariant_size(model_factory, monkeypatch):

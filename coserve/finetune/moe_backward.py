@@ -23,7 +23,7 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
                    probs: torch.Tensor, gu: torch.Tensor | None) -> torch.Tensor:
     """dL/d(input) ``[n, H]`` of ``layer``'s mixture given dL/d(output) ``dout`` ``[n, H]``, the router's
     probabilities ``probs`` ``[n, E]`` (float32) and the experts' gate/up outputs ``gu`` ``[n, k, 2I]`` (None:
-    recomputed from the input ``h``)."""
+    recomputed from the input ``h``, which Qwen2-MoE's shared expert always needs)."""
     cfg = model.cfg
     experts, weights = route_probs(cfg, probs, dout.dtype)
     n, k = experts.shape
@@ -56,4 +56,23 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
         dchosen = dw
     dprobs = torch.zeros_like(probs).scatter_(1, experts, dchosen)
     dlogits = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))  # the softmax's backward
-    return dh.add_(model.input_grad(dlogits.to(dout.dtype), layer.router))
+    dh.add_(model.input_grad(dlogits.to(dout.dtype), layer.router))
+    if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, recomputed from the input
+        dh.add_(_shared_expert_input_grad(model, layer, h, dout))
+    return dh
+
+
+def _shared_expert_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor, dout: torch.Tensor
+                              ) -> torch.Tensor:
+    """dL/d(input) of Qwen2-MoE's ``sigmoid(h @ g) * shared(h)``: through the shared expert scaled by its gate, and
+    through the gate (``s (1 - s)`` times the output's projection on ``dout``)."""
+    _, gu, out, scale = model.shared_expert(layer, h)
+    gate, up = gu.chunk(2, dim=-1)
+    act = model.act(gate)
+    dm = model.input_grad(dout * scale, layer.shared_down)
+    dgu = torch.empty_like(gu)
+    dgate, dup = dgu.chunk(2, dim=-1)
+    torch.ops.aten.silu_backward.grad_input(dm * up, gate, grad_input=dgate)
+    torch.mul(dm, act, out=dup)
+    dz = (dout * out).sum(-1, keepdim=True) * scale * (1 - scale)
+    return model.input_grad(dgu, layer.shared_gate_up).add_(model.input_grad(dz, layer.shared_gate))

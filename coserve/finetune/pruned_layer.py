@@ -244,7 +244,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     if layer.router is not None:  # a mixture of experts (no bypass in it): by hand from its kept routing
         stats2 = _norm_stats(resid, rstd2, eps)
         gu = keep.get("moe.gu", a, b)
-        h2 = rms_norm(resid, layer.post_norm, eps, stats2) if gu is None else None
+        h2 = rms_norm(resid, layer.post_norm, eps, stats2) if gu is None or layer.shared_gate_up is not None else None
         dh2 = moe_input_grad(model, layer, h2, dout, keep.get("moe.probs", a, b), gu)
         dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2)
     else:

@@ -26,8 +26,9 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
     "OlmoeForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
 }
-MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -108,6 +109,9 @@ class ModelConfig:
     experts_per_token: int = 0
     norm_topk_prob: bool = False
     moe_weights_float32: bool = False
+    # Qwen2-MoE: beside the experts, a shared SiLU-gated expert of this width that every token runs through, its output
+    # scaled by sigmoid(h @ shared_expert_gate) (0: none)
+    shared_expert_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -237,7 +241,8 @@ class ModelConfig:
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["moe_intermediate_size" if arch == "Qwen3MoeForCausalLM"
+                intermediate_size=int(raw["moe_intermediate_size" if arch in ("Qwen3MoeForCausalLM",
+                                                                              "Qwen2MoeForCausalLM")
                                           else "intermediate_size"]),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=heads,
@@ -246,7 +251,8 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]["qkv_bias"])),
+                qkv_bias=bool(raw.get("qkv_bias" if arch == "Qwen2MoeForCausalLM" else "attention_bias",
+                                      SUPPORTED_ARCHITECTURES[arch]["qkv_bias"])),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 rope=_rope_from_dict(_gemma_rope(raw, "full_attention") if arch == "Gemma3ForCausalLM" else
                                      {"rope_theta": 2_000_000.0, **raw} if arch == "SmolLM3ForCausalLM" else raw),
@@ -373,7 +379,7 @@ def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     if raw.get("clip_qkv") is not None:  # OLMoE's option (null in its released checkpoints)
         raise ModelConfigError(f"field 'clip_qkv': clamping q, k and v ({raw['clip_qkv']}) is not supported")
     if raw.get("use_sliding_window"):
-        raise ModelConfigError("field 'use_sliding_window': sliding layers are not supported in Qwen3-MoE")
+        raise ModelConfigError("field 'use_sliding_window': sliding layers are not supported in a mixture of experts")
     if raw.get("mlp_only_layers"):
         raise ModelConfigError("field 'mlp_only_layers': layers with a dense MLP among the experts' are not supported")
     if int(raw.get("decoder_sparse_step", 1)) != 1:
@@ -382,7 +388,9 @@ def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     # the released checkpoints' num_experts; transformers 5 writes it as num_local_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", 128))
     return {"num_experts": int(experts), "experts_per_token": int(raw.get("num_experts_per_tok", 8)),
-            "norm_topk_prob": bool(raw.get("norm_topk_prob", False))}
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "shared_expert_size": int(raw.get("shared_expert_intermediate_size", 0))
+            if arch == "Qwen2MoeForCausalLM" else 0}
 
 
 def _nope_layers(raw: dict[str, Any]) -> tuple[int, ...]:

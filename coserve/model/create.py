@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, GraniteConfig,
                           LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config,
-                          PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                          PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                          SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -122,7 +123,7 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         head_dim = p.head_dim
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: must be a positive even integer, got {head_dim!r}")
-    elif arch in ("qwen2", "phi3", "granite", "smollm3", "olmo2", "olmoe") and head_dim != p.head_dim:
+    elif arch in ("qwen2", "phi3", "granite", "smollm3", "olmo2", "olmoe", "qwen2_moe") and head_dim != p.head_dim:
         raise ValueError(f"head_dim: {arch} heads are hidden_size / num_attention_heads ({p.head_dim}) wide")
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     common: dict[str, Any] = dict(
@@ -159,6 +160,12 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
             cfg = Qwen3MoeConfig(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False,
                                  num_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False,
                                  moe_intermediate_size=p.expert_size(arch), decoder_sparse_step=1,
+                                 mlp_only_layers=[])
+        elif arch == "qwen2_moe":  # Qwen2's attention (q/k/v biases), experts as Qwen3-MoE's and a gated shared expert
+            cfg = Qwen2MoeConfig(**{**common, "intermediate_size": p.intermediate_size}, qkv_bias=True,
+                                 use_sliding_window=False, num_experts=NUM_EXPERTS,
+                                 num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False, moe_intermediate_size=p.expert_size(arch),
+                                 shared_expert_intermediate_size=p.intermediate_size, decoder_sparse_step=1,
                                  mlp_only_layers=[])
         elif arch == "olmoe":  # Llama's layer, q and k each normalised over all their heads, experts as Qwen3-MoE's
             cfg = OlmoeConfig(**{**common, "intermediate_size": p.expert_size(arch)}, num_experts=NUM_EXPERTS,

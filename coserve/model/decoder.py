@@ -13,7 +13,7 @@ from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.attention_spec import AttentionSpec
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
-from coserve.model.moe import expert_names, moe_mlp, router_name
+from coserve.model.moe import expert_names, moe_mlp, router_name, row_sigmoid, shared_expert_names
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
 from coserve.model.rope import RotaryEmbedding
@@ -103,6 +103,8 @@ class DecoderLayer:
         # Mixtral, Qwen3-MoE: the router [E, H] and each expert's fused gate/up [2I, H] and down [H, I] (moe.py), in
         # place of the one MLP
         self.router, self.expert_gate_up, self.expert_down = None, [], []
+        # Qwen2-MoE: the shared expert's fused gate/up [2S, H] and down [H, S], and its gate [1, H]
+        self.shared_gate_up = self.shared_down = self.shared_gate = None
         self.gate_up = self.down = self.gate_weight = self.up_weight = None
         if cfg.moe:
             self.router = gemm_layout(state[router_name(cfg, index)].to(device=device, dtype=dtype))
@@ -110,6 +112,10 @@ class DecoderLayer:
                 gate, up, down = (state[n].to(device=device, dtype=dtype) for n in expert_names(cfg, index, e))
                 self.expert_gate_up.append(gemm_layout(torch.cat([gate, up])))
                 self.expert_down.append(gemm_layout(down))
+            if cfg.shared_expert_size:
+                gate, up, down, scale = (state[n].to(device=device, dtype=dtype) for n in shared_expert_names(index))
+                self.shared_gate_up = gemm_layout(torch.cat([gate, up]))
+                self.shared_down, self.shared_gate = gemm_layout(down), gemm_layout(scale)
         else:
             self.gate_up = gemm_layout(w("mlp.gate_up_proj.weight") if cfg.fused else  # [2I, H]
                                        torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
@@ -122,7 +128,8 @@ class DecoderLayer:
     def frozen_weights(self) -> tuple[torch.Tensor, ...]:
         """The matmul weights, and the views of them a backward recomputes alone."""
         if self.router is not None:
-            experts = (self.router, *self.expert_gate_up, *self.expert_down)
+            experts = (self.router, *self.expert_gate_up, *self.expert_down,
+                       *(w for w in (self.shared_gate_up, self.shared_down, self.shared_gate) if w is not None))
             return self.qkv, self.o, *experts, self.q_weight, *((self.k_weight,) if self.k_weight is not None else ())
         views = (self.q_weight, self.gate_weight, self.up_weight) + ((self.k_weight,) if self.k_weight is not None
                                                                       else ())
@@ -330,6 +337,8 @@ class DecoderModel:
             # the router over every row, as the other matmuls; each expert over its rows in calls of their own
             mlp = moe_mlp(cfg, h, linear(h, layer.router), layer.expert_gate_up, layer.expert_down, self.linear,
                           self.act, self.padded_rows, tap)
+            if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, over every row, gated
+                mlp = mlp + self.shared_expert(layer, h, linear)[0]
             return x + mlp, k, v
         gate0, up0 = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate0)
@@ -346,6 +355,17 @@ class DecoderModel:
         if layer.mlp_out_norm is not None:  # Gemma
             mlp = rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x + (mlp if cfg.residual_multiplier is None else mlp * cfg.residual_multiplier), k, v
+
+    def shared_expert(self, layer: DecoderLayer, h: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Qwen2-MoE's shared expert over rows ``h``: its gated output ``[T, H]``, and what its backward reads: the
+        gate/up product ``[T, 2S]``, the ungated output and the gate's sigmoid ``[T, 1]``."""
+        linear = linear or self.linear
+        gu = linear(h, layer.shared_gate_up)
+        gate, up = gu.chunk(2, dim=-1)
+        out = linear(self.act(gate) * up, layer.shared_down)
+        scale = row_sigmoid(linear(h, layer.shared_gate))
+        return scale * out, gu, out, scale
 
     def input_norm(self, x: torch.Tensor, weight: torch.Tensor | None, tap: Tap | None, name: str) -> torch.Tensor:
         """``x`` RMS-normalised by ``weight`` (the attention's or the MLP's input norm), its statistic to the tap as

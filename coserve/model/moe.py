@@ -36,6 +36,19 @@ def expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, s
     return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
 
+def shared_expert_names(layer: int) -> tuple[str, str, str, str]:
+    """Qwen2-MoE's shared expert's ``(gate [S, H], up [S, H], down [H, S])`` and its gate ``[1, H]``."""
+    p = f"model.layers.{layer}.mlp.shared_expert"
+    return p + ".gate_proj.weight", p + ".up_proj.weight", p + ".down_proj.weight", p + "_gate.weight"
+
+
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` of a column ``[T, 1]``, as ``softmax([x, 0])``'s first entry: the softmax kernel computes each row
+    on its own, where an elementwise kernel over a column computes its last few rows by a scalar path whose bits
+    differ from its vector path's (so a row's value would depend on the row count, and co-serving would change it)."""
+    return torch.softmax(torch.cat([x, torch.zeros_like(x)], dim=-1), dim=-1)[:, :1]
+
+
 def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's experts ``[T, k]`` (highest score first) and their weights ``[T, k]`` (float32 for Mixtral, else
     the logits' dtype) from router logits ``[T, E]``."""

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3",
-                          "olmo2", "mixtral", "qwen3_moe", "olmoe")
+                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 #: The mixtures of experts among them: each layer's MLP is ``NUM_EXPERTS`` experts, ``EXPERTS_PER_TOKEN`` a token
 #: (Mixtral 8x7B: 8 and 2; Qwen3-30B-A3B: 128 and 8; OLMoE-1B-7B: 64 and 8), each as wide as the preset's MLP
 #: (Qwen3-MoE's and OLMoE's: half as wide, their moe_intermediate_size or intermediate_size)
-MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "olmoe")
+MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 #: Weight dtypes ``create_model`` can write.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -47,7 +47,7 @@ class ModelPreset:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h
-        if arch == "qwen2":  # q/k/v biases
+        if arch in ("qwen2", "qwen2_moe"):  # q/k/v biases
             attn += q + 2 * kv
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
@@ -59,6 +59,8 @@ class ModelPreset:
         mlp = 3 * h * self.intermediate_size
         if arch in MOE_ARCHS:  # the router, and each expert (half the preset's width but Mixtral's)
             mlp = NUM_EXPERTS * (h + 3 * h * self.expert_size(arch))
+            if arch == "qwen2_moe":  # the shared expert (the preset's MLP width) and its gate
+                mlp += 3 * h * self.intermediate_size + h
         layer = attn + mlp + (4 if arch.startswith("gemma") else 2) * h  # input, post-attention RMSNorm (Gemma: 2 more)
         embed = self.vocab_size * h
         return self.num_hidden_layers * layer + h + embed * (1 if tied else 2)

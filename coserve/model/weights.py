@@ -10,7 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from coserve.model.config import ModelConfig
-from coserve.model.moe import expert_names, router_name
+from coserve.model.moe import expert_names, router_name, shared_expert_names
 
 
 class WeightLoadError(ValueError):
@@ -70,6 +70,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             for e in range(cfg.num_experts):
                 gate, up, down = expert_names(cfg, layer, e)
                 shapes.update({gate: (i, h), up: (i, h), down: (h, i)})
+            if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its gate
+                s = cfg.shared_expert_size
+                gate, up, down, scale = shared_expert_names(layer)
+                shapes.update({gate: (s, h), up: (s, h), down: (h, s), scale: (1, h)})
         else:
             shapes[p + "mlp.down_proj.weight"] = (h, i)
         if cfg.fused:  # Phi-3: q, k and v in one matrix, gate and up in another
