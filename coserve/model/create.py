@@ -164,7 +164,8 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         elif arch == "qwen2_moe":  # Qwen2's attention (q/k/v biases), experts as Qwen3-MoE's and a gated shared expert
             cfg = Qwen2MoeConfig(**{**common, "intermediate_size": p.intermediate_size}, qkv_bias=True,
                                  use_sliding_window=False, num_experts=NUM_EXPERTS,
-                                 num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False, moe_intermediate_size=p.expert_size(arch),
+                                 num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False,
+                                 moe_intermediate_size=p.expert_size(arch),
                                  shared_expert_intermediate_size=p.intermediate_size, decoder_sparse_step=1,
                                  mlp_only_layers=[])
         elif arch == "olmoe":  # Llama's layer, q and k each normalised over all their heads, experts as Qwen3-MoE's
