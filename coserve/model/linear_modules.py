@@ -29,6 +29,12 @@ def ordered(modules: Iterable[str]) -> list[str]:
     return [m for m in order if m in chosen]
 
 
+def attention_only(modules: Iterable[str]) -> bool:
+    """Whether a model's adaptable modules are its attention's alone (a mixture of experts: no MLP module of its
+    takes an adapter, ``DecoderModel.module_shapes``)."""
+    return "down_proj" not in set(modules)
+
+
 def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str = "target_modules") -> list[str]:
     """``targets`` as the model's own module names, in layer order (``ordered``: the order PEFT wraps them in, whatever
     order they were given in): ``all-linear`` (alone) is every one of ``available``; a name the model lacks is
@@ -36,7 +42,7 @@ def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str
     ``all-linear``: PEFT's wraps its router and experts too, which coserve does not adapt."""
     targets, available = list(targets), list(available)
     if targets == [ALL_LINEAR]:
-        if "down_proj" not in available:
+        if attention_only(available):
             raise ValueError(f"{field}: 'all-linear' on a mixture of experts is, in PEFT, the attention, the router "
                              f"and the experts; coserve adapts the attention alone: name them ({', '.join(available)})")
         return available

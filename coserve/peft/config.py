@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from coserve.model.linear_modules import ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES, resolve_targets
+from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES, attention_only,
+                                          resolve_targets)
 
 
 def _targets(modules) -> list[str]:
@@ -92,7 +93,7 @@ def default_targets(peft: str, modules: Iterable[str]) -> dict[str, list[str]]:
     (the class defaults: LoRA on down_proj, IA3 on k/v/down) where it has down_proj; on a mixture of experts, whose
     MLP takes no adapter, PEFT's defaults for Mixtral within the attention: LoRA on q_proj and v_proj, IA3 on k_proj
     and v_proj (PEFT's also scales the experts' w2, which coserve does not adapt)."""
-    if "down_proj" in set(modules):
+    if not attention_only(modules):
         return {}
     if peft == "ia3":
         return {"target_modules": ["k_proj", "v_proj"], "feedforward_modules": []}
