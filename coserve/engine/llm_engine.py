@@ -134,7 +134,7 @@ class LLMEngine:
         self._adapter_installs: dict[str, int] = {}  # adapter name -> its latest install (prefix caching's salt)
         shapes = self.model.module_shapes()
         slots = AdapterSlots(LoraBank(shapes, model_cfg.num_layers, config.max_loras, config.max_lora_rank,
-                                      self.device, self.dtype),
+                                      self.device, self.dtype, self.model.expert_shapes()),
                              IA3Bank(shapes, model_cfg.num_layers, config.max_loras, self.device))
         self.eos_token_ids = frozenset(self._eos_ids(model_cfg))
         guided = GuidedDecoding(lambda: token_bytes(self.tokenizer, model_cfg.vocab_size), self.eos_token_ids,
@@ -244,7 +244,7 @@ class LLMEngine:
         if not name or not isinstance(name, str):
             raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
         adapter = load_peft_adapter(name, path, self.model.module_shapes(), self.model_config.num_layers,
-                                    self.model.module_weight)
+                                    self.model.module_weight, self.model.expert_shapes())
         if isinstance(adapter, LoraAdapter) and adapter.rank > self.config.max_lora_rank:
             raise AdapterError(f"{path}: r={adapter.rank} exceeds max_lora_rank={self.config.max_lora_rank}")
         return adapter

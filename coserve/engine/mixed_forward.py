@@ -23,13 +23,15 @@ class RowSplitBypass:
 
     The inference adapters run over ``inference_rows`` rows (the inference rows, then zero rows), as
     the inference batch alone would (``DecoderModel.forward``'s ``min_rows``), so that their matmuls
-    round the same with or without the finetuning rows.
+    round the same with or without the finetuning rows. Within a mixture's expert, whose call takes both kinds of
+    rows, each kind's adapter runs over its own rows, the inference ones in a call of ``padded_rows`` of their count.
     """
 
     def __init__(self, inference: Bypass | None, finetune: Bypass, split: int, end: int,
-                 inference_rows: int = 0) -> None:
+                 inference_rows: int = 0, padded_rows=None) -> None:
         self.inference, self.finetune, self.split, self.end = inference, finetune, split, end
         self.pad = max(0, inference_rows - split)
+        self.padded_rows = padded_rows
         self.modules = finetune.modules | (inference.modules if inference is not None else frozenset())
 
     def _inference_output(self, inf: Bypass, layer: int, module: str, x: torch.Tensor, y: torch.Tensor):
@@ -68,6 +70,36 @@ class RowSplitBypass:
             bottom = ft.output(layer, module, x[s:e], y[s:e])
         return torch.cat([top, bottom, y[e:]]), kept  # kept: the finetuning rows' only, as the tap stores it
 
+    def expert_output(self, layer: int, module: str, expert: int, rows: torch.Tensor, x: torch.Tensor,
+                      y: torch.Tensor) -> torch.Tensor:
+        return self.expert_output_keep(layer, module, expert, rows, x, y, keep=False)[0]
+
+    def expert_output_keep(self, layer: int, module: str, expert: int, rows: torch.Tensor, x: torch.Tensor,
+                           y: torch.Tensor, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An expert's rows ``rows`` (then padding): the inference ones through their adapters, in a call of their
+        own padded as their count alone would be; the finetuning ones through the trainable bypass, whose kept
+        tensor comes back for every one of ``rows`` (zeros for the inference rows)."""
+        inf, ft = self._parts(module)
+        out, kept = y.clone(), None
+        if inf is not None:
+            idx = (rows < self.split).nonzero().squeeze(1)
+            if idx.numel():
+                n = idx.numel()
+                pad = self.padded_rows(n) - n
+                xi, yi = (torch.cat([t[idx], t.new_zeros(pad, t.shape[1])]) if pad > 0 else t[idx] for t in (x, y))
+                out[idx] = inf.expert_output(layer, module, expert, rows[idx], xi, yi)[:n]
+        if ft is not None:
+            idx = ((rows >= self.split) & (rows < self.end)).nonzero().squeeze(1)
+            if idx.numel():
+                own = rows[idx] - self.split
+                if keep:
+                    out[idx], xa = ft.expert_output_keep(layer, module, expert, own, x[idx], y[idx])
+                    kept = xa.new_zeros(rows.numel(), xa.shape[1])
+                    kept[idx] = xa
+                else:
+                    out[idx] = ft.expert_output(layer, module, expert, own, x[idx], y[idx])
+        return out, kept
+
 
 @torch.inference_mode(False)  # the finetuning rows' kept tensors must stay usable by autograd later
 def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache, adapters: Bypass | None,
@@ -87,7 +119,7 @@ def mixed_forward(model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache,
     split = model.padded_rows(t) if t else 0  # the inference rows' matmul calls, as alone (tiled_gemm.py)
     pad = max(0, split - e)  # zero rows, where the window does not fill the inference rows' padding
     positions = torch.cat([batch.positions, st.positions[a:b], batch.positions.new_zeros(pad)])
-    bypass = RowSplitBypass(adapters, ft.bypass, t, e, adapter_rows)
+    bypass = RowSplitBypass(adapters, ft.bypass, t, e, adapter_rows, model.padded_rows)
     with torch.no_grad(), training_rows(ft.bypass, st, st.positions[a:b]):
         x = model.embed_tokens(torch.cat([batch.token_ids, st.token_ids[a:b]]))
         if pad:

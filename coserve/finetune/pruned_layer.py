@@ -26,6 +26,7 @@ from coserve.finetune.window_attention import (kept_attention_supported, window_
                                                window_attention_lse)
 from coserve.model.attention_spec import AttentionSpec
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
+from coserve.model.linear_modules import EXPERT_MODULES
 from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
 from coserve.peft.trainable import LowRank
 
@@ -159,6 +160,8 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
             if first_row or last_row != value.shape[0]:  # else every row is the window's: no slice to dispatch
                 value = value[first_row:last_row]
         else:
+            if name in EXPERT_MODULES and (first_row or last_row != value.shape[0]):  # an expert LoRA's: every row's
+                value = value[first_row:last_row]
             store = keep.bypass.get(name)
             if store is None:  # a bypass's own kept tensor, allocated on first sight
                 store = keep.bypass[name] = torch.empty(keep.num_tokens, value.shape[1], device=value.device,
@@ -170,7 +173,7 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
 
 # The backward's stages, last module first; a layer whose input needs no gradient (layer 0:
 # its input is the frozen embedding) stops after the stage of its lowest bypassed module.
-_STAGES = (("down_proj",), ("gate_proj", "up_proj", "gate_up_proj"), ("o_proj",),
+_STAGES = (("down_proj", *EXPERT_MODULES), ("gate_proj", "up_proj", "gate_up_proj"), ("o_proj",),
            ("q_proj", "k_proj", "v_proj", "qkv_proj"))
 
 
@@ -241,11 +244,16 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         attn_out = o_proj if layer.attn_out_norm is None else rms_norm(o_proj, layer.attn_out_norm, eps)
         resid = x + (attn_out if rm is None else attn_out * rm)
     rstd2, stats2 = keep.get("rms_mlp", a, b), None
-    if layer.router is not None:  # a mixture of experts (no bypass in it): by hand from its kept routing
+    if layer.router is not None:  # a mixture of experts: by hand from its kept routing (and its experts' LoRA's)
         stats2 = _norm_stats(resid, rstd2, eps)
         gu = keep.get("moe.gu", a, b)
-        h2 = rms_norm(resid, layer.post_norm, eps, stats2) if gu is None or layer.shared_gate_up is not None else None
-        dh2 = moe_input_grad(model, layer, h2, dout, keep.get("moe.probs", a, b), gu)
+        need_h2 = gu is None or layer.shared_gate_up is not None or _touches(bypass, EXPERT_MODULES[0])
+        h2 = rms_norm(resid, layer.post_norm, eps, stats2) if need_h2 else None
+        kept = {m: keep.bypass[m][a:b].unflatten(1, (cfg.experts_per_token, -1)) for m in EXPERT_MODULES
+                if m in keep.bypass}
+        dh2 = moe_input_grad(model, layer, h2, dout, keep.get("moe.probs", a, b), gu, bypass, kept)
+        if last < 3:  # only the experts were adapted below here
+            return None
         dresid = dout + rms_norm_backward(dh2, resid, layer.post_norm_f32, eps, stats2)
     else:
         gate, up = keep.get("gate", a, b), keep.get("up", a, b)

@@ -13,6 +13,7 @@ from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.attention_spec import AttentionSpec
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
+from coserve.model.linear_modules import ExpertShapes
 from coserve.model.moe import expert_names, moe_mlp, router_name, row_sigmoid, shared_expert_names
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
@@ -40,6 +41,19 @@ class Bypass(Protocol):
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``output`` plus the tensor its backward will read, over the rows it trains (only called when a tap is
         given: every row of ``x`` for a trainable bypass; a co-served forward's finetuning rows, ``RowSplitBypass``)."""
+        ...
+
+    def expert_output(self, layer: int, module: str, expert: int, rows: torch.Tensor, x: torch.Tensor,
+                      y: torch.Tensor) -> torch.Tensor:
+        """A mixture's ``expert`` (only for ``EXPERT_MODULES`` in ``modules``): its ``module``'s output given its input
+        ``x`` ``[P, in]`` and frozen output ``y`` ``[P, out]``, over the batch's rows ``rows`` ``[n]`` then ``P - n``
+        padding rows (``moe.moe_mlp``)."""
+        ...
+
+    def expert_output_keep(self, layer: int, module: str, expert: int, rows: torch.Tensor, x: torch.Tensor,
+                           y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``expert_output`` plus the tensor its backward reads for each of ``rows`` ``[n, r]`` (zeros for rows it
+        does not train), or None."""
         ...
 
 
@@ -227,6 +241,15 @@ class DecoderModel:
         return {"q_proj": (h, c.q_size), "k_proj": (h, c.kv_size), "v_proj": (h, c.kv_size), "o_proj": (c.q_size, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def expert_shapes(self) -> ExpertShapes | None:
+        """A mixture's adaptable expert parameters (PEFT's ``target_parameters``: each expert's fused gate/up
+        ``(H, 2I)`` and down ``(I, H)``), or None for a dense model."""
+        c = self.cfg
+        if not c.moe:
+            return None
+        h, i = c.hidden_size, c.intermediate_size
+        return ExpertShapes(c.num_experts, {"experts.gate_up_proj": (h, 2 * i), "experts.down_proj": (i, h)})
+
     def module_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen ``[out, in]`` weight and the bias (or None) of one targetable module (views of the fused ones)."""
         c, lay = self.cfg, self.layers[layer]
@@ -333,10 +356,10 @@ class DecoderModel:
         if tap is not None:
             tap("resid", x)
         h = self.input_norm(x, layer.post_norm, tap, "rms_mlp")
-        if layer.router is not None:  # Mixtral, Qwen3-MoE: no adapter here (module_shapes)
+        if layer.router is not None:  # Mixtral, Qwen3-MoE: adapters of the experts only (expert_shapes)
             # the router over every row, as the other matmuls; each expert over its rows in calls of their own
             mlp = moe_mlp(cfg, h, linear(h, layer.router), layer.expert_gate_up, layer.expert_down, self.linear,
-                          self.act, self.padded_rows, tap)
+                          self.act, self.padded_rows, tap, bypass, i)
             if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, over every row, gated
                 mlp = mlp + self.shared_expert(layer, h, linear)[0]
             return x + mlp, k, v

@@ -10,6 +10,7 @@ weights either way; a model's adapters name its own modules (``DecoderModel.modu
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 # Llama-family modules, in layer order.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -20,6 +21,19 @@ ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS)
 # Modules whose input a bypass may rescale (IA3's feed-forward placement): each has its own matmul.
 INPUT_SCALABLE_MODULES = ("o_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module of the decoder layers (not the LM head)
+# A mixture's experts, as PEFT's ``target_parameters`` name them (transformers 5 holds each layer's experts as two
+# parameters, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``): the names coserve
+# keys their adapters by, in the order of the experts' parameters (the order PEFT nests its wrappers in).
+EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShapes:
+    """A mixture of experts' adaptable parameters: ``(in_features, out_features)`` of each expert's matrix by its
+    ``EXPERT_MODULES`` name, and how many experts each layer has."""
+
+    num_experts: int
+    modules: dict[str, tuple[int, int]]
 
 
 def ordered(modules: Iterable[str]) -> list[str]:
@@ -58,6 +72,25 @@ def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str
         raise ValueError(f"{field}: {missing} are not modules of this model, which has {', '.join(available)}"
                          f"{hint}")
     return ordered(targets)
+
+
+def resolve_expert_targets(targets: Iterable[str], experts: ExpertShapes | None,
+                           field: str = "target_parameters") -> list[str]:
+    """PEFT's ``target_parameters`` as ``EXPERT_MODULES`` names: each matches as PEFT matches it, a parameter's name
+    ending in it (``gate_up_proj``, ``experts.gate_up_proj`` or ``mlp.experts.gate_up_proj``, and the same of
+    ``down_proj``). A model without experts, a name that is no expert parameter, or one of some layers only
+    (``7.mlp.experts.down_proj``) is refused, naming ``field``."""
+    targets = list(targets)
+    if targets and experts is None:
+        raise ValueError(f"{field}: {targets} name experts' parameters; this model is no mixture of experts")
+    out = set()
+    for t in targets:
+        found = [m for m in EXPERT_MODULES if isinstance(t, str) and f".mlp.{m}".endswith(f".{t}")]
+        if not found:
+            raise ValueError(f"{field}: {t!r} is not an expert parameter coserve adapts; choose from "
+                             f"{', '.join(EXPERT_MODULES)} (every layer's)")
+        out.add(found[0])
+    return [m for m in EXPERT_MODULES if m in out]
 
 
 def split_fused(modules: Iterable[str]) -> list[str]:

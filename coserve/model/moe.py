@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from coserve.model.config import ModelConfig
+from coserve.model.linear_modules import EXPERT_MODULES
 
 
 def router_name(cfg: ModelConfig, layer: int) -> str:
@@ -82,17 +83,36 @@ def expert_groups(experts: torch.Tensor, num_experts: int) -> list[tuple[int, to
 
 def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: list[torch.Tensor],
             down: list[torch.Tensor], linear: Callable[..., torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor],
-            padded_rows: Callable[[int], int], tap: Callable[[str, torch.Tensor], None] | None = None
-            ) -> torch.Tensor:
+            padded_rows: Callable[[int], int], tap: Callable[[str, torch.Tensor], None] | None = None,
+            bypass=None, layer: int = 0) -> torch.Tensor:
     """The mixture's output ``[T, H]`` for MLP inputs ``h`` ``[T, H]`` and their router logits ``[T, E]``: each
     expert's fused ``gate_up`` ``[2I, H]`` and ``down`` ``[H, I]``; ``linear`` runs a frozen matmul,
     ``padded_rows(n)`` the rows an expert's call over ``n`` routed rows runs in. Differentiable (a finetuning
     window's recompute runs it under autograd). A finetuning window's ``tap`` gets the router's probabilities
     (``moe.probs`` ``[T, E]`` float32) and each row's experts' gate/up outputs (``moe.gu`` ``[T, k, 2I]``, in the order
-    of its experts), which its pruned backward reads (``coserve/finetune/moe_backward.py``)."""
+    of its experts), which its pruned backward reads (``coserve/finetune/moe_backward.py``). A ``bypass`` (a
+    ``Bypass`` of layer ``layer``) adapting the experts (``EXPERT_MODULES`` in its ``modules``) adds its LoRA to each
+    expert's call (``expert_output``); a tap then also gets what its backward reads, under the module's name
+    (``[T, k * r]``: each row's, by its experts in order)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     experts, weights = route_probs(cfg, probs, logits.dtype)
-    kept = h.new_empty(h.shape[0], cfg.experts_per_token, gate_up[0].shape[0]) if tap is not None else None
+    k = cfg.experts_per_token
+    kept = h.new_empty(h.shape[0], k, gate_up[0].shape[0]) if tap is not None else None
+    adapted = [m for m in EXPERT_MODULES if bypass is not None and m in bypass.modules]
+    lora_kept: dict[str, torch.Tensor] = {}
+
+    def adapt(module: str, e: int, rows: torch.Tensor, slot: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
+        if module not in adapted:
+            return y
+        if tap is None:
+            return bypass.expert_output(layer, module, e, rows, x, y)
+        y, xa = bypass.expert_output_keep(layer, module, e, rows, x, y)
+        if xa is not None:
+            if module not in lora_kept:
+                lora_kept[module] = xa.new_zeros(h.shape[0], k, xa.shape[1])
+            lora_kept[module][rows, slot] = xa
+        return y
+
     out = torch.zeros_like(h)
     for e, rows, slot in expert_groups(experts, cfg.num_experts):
         n = rows.numel()
@@ -100,13 +120,16 @@ def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: li
         pad = padded_rows(n) - n
         if pad > 0:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        gu = linear(x, gate_up[e])
+        gu = adapt(EXPERT_MODULES[0], e, rows, slot, x, linear(x, gate_up[e]))
         if kept is not None:
             kept[rows, slot] = gu[:n]
         gate, up = gu.chunk(2, dim=-1)
-        y = linear(act(gate) * up, down[e])[:n] * weights[rows, slot, None]
+        m = act(gate) * up
+        y = adapt(EXPERT_MODULES[1], e, rows, slot, m, linear(m, down[e]))[:n] * weights[rows, slot, None]
         out = out.index_add(0, rows, y.to(out.dtype))
     if tap is not None:
         tap("moe.probs", probs)
         tap("moe.gu", kept)
+        for module, xa in lora_kept.items():
+            tap(module, xa.flatten(1))
     return out

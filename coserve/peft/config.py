@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES, attention_only,
-                                          resolve_targets)
+from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES,
+                                          ExpertShapes, attention_only, resolve_expert_targets, resolve_targets)
 
 
 def _targets(modules) -> list[str]:
@@ -42,6 +42,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["down_proj"])
     use_rslora: bool = False  # scaling = alpha / sqrt(r) instead of alpha / r
     use_dora: bool = False  # DoRA (PEFT's): a trainable magnitude per output times the direction W + scaling B A
+    # a mixture's experts, by PEFT's names: "experts.gate_up_proj", "experts.down_proj" (an A [r, in] and a B [out, r]
+    # for each expert of each layer; ``EXPERT_MODULES``)
+    target_parameters: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
@@ -52,8 +55,18 @@ class LoraConfig:
             raise ValueError(f"use_dora: must be true or false, got {self.use_dora!r}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout!r}")
-        self.target_modules = _targets(self.target_modules)
-        _check_targets("target_modules", self.target_modules, all_linear=True)
+        self.target_parameters = list(self.target_parameters or [])
+        self.target_modules = _targets(self.target_modules) if self.target_modules or not self.target_parameters else []
+        if self.target_modules:
+            _check_targets("target_modules", self.target_modules, all_linear=True)
+        if self.target_parameters:
+            self.target_parameters = resolve_expert_targets(self.target_parameters, ExpertShapes(0, {}))
+            # PEFT's ParamWrapper refuses both: dropout cannot be factored out of a weight's delta, nor DoRA's norm
+            if self.lora_dropout:
+                raise ValueError(f"lora_dropout: must be 0 with target_parameters (PEFT's adapters of experts take no "
+                                 f"dropout), got {self.lora_dropout!r}")
+            if self.use_dora:
+                raise ValueError("use_dora: DoRA does not adapt experts (target_parameters); PEFT refuses it too")
 
     @property
     def scaling(self) -> float:
@@ -100,7 +113,13 @@ def default_targets(peft: str, modules: Iterable[str]) -> dict[str, list[str]]:
     return {"target_modules": ["q_proj", "v_proj"]}
 
 
-def for_model(config: LoraConfig | IA3Config, modules: Iterable[str]) -> LoraConfig | IA3Config:
+def for_model(config: LoraConfig | IA3Config, modules: Iterable[str], experts: ExpertShapes | None = None
+              ) -> LoraConfig | IA3Config:
     """``config`` with its ``target_modules`` as the model's own names (``modules``: ``DecoderModel.module_shapes``'
-    keys): ``all-linear`` resolved, a module the model lacks refused, naming the field."""
-    return replace(config, target_modules=resolve_targets(config.target_modules, modules))
+    keys): ``all-linear`` resolved, a module the model lacks refused, naming the field; LoRA's ``target_parameters``
+    checked against the model's experts (``DecoderModel.expert_shapes``; None: it has none)."""
+    targets = resolve_targets(config.target_modules, modules) if config.target_modules else []
+    if isinstance(config, LoraConfig):
+        return replace(config, target_modules=targets,
+                       target_parameters=resolve_expert_targets(config.target_parameters, experts))
+    return replace(config, target_modules=targets)

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
+from coserve.model.linear_modules import ExpertShapes, resolve_expert_targets
 from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
                                       peft_type, read_adapter_config, read_adapter_tensors)
+from coserve.peft.expert_lora import EXPERT_KEY, a_from_peft, b_from_peft
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(?:([AB])\.weight|(magnitude_vector))$")
 # (layer, module) -> the frozen module's weight [out, in] and bias (or None), to compute DoRA's column norms with
@@ -35,13 +37,18 @@ class LoraAdapter:
     # PEFT's DoraLinearLayer), served as y' = s * (y + lora) + (1 - s) * bias: per (layer, module), s and (1 - s) * bias
     dora_scale: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [out]
     dora_offset: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [out]
+    # a mixture's experts (PEFT's ``target_parameters``), per (layer, "experts.gate_up_proj" | "experts.down_proj"):
+    # each expert's A and B (``expert_lora.py``); those modules are in ``target_modules`` too
+    expert_a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [E, r, in]
+    expert_b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [E, out, r]
 
 
 def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tuple[int, int]],
-                      num_layers: int, base_weight: BaseWeight | None = None) -> LoraAdapter:
-    """Read and check a PEFT LoRA adapter against the model's shapes; errors name the file and field. A DoRA
-    adapter (``use_dora``) needs ``base_weight``: its magnitudes are turned into output scales against the frozen
-    weights once, here."""
+                      num_layers: int, base_weight: BaseWeight | None = None,
+                      experts: ExpertShapes | None = None) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter against the model's shapes (``experts``: a mixture's, for adapters of its
+    experts, PEFT's ``target_parameters``); errors name the file and field. A DoRA adapter (``use_dora``) needs
+    ``base_weight``: its magnitudes are turned into output scales against the frozen weights once, here."""
     path = Path(path)
     config = read_adapter_config(path)
     cfg_file = path / CONFIG_FILE
@@ -67,10 +74,15 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
     targets = config.get("target_modules")
     if isinstance(targets, list):
         check_target_names(cfg_file, targets, "LoRA", module_shapes)
+    parameters = config.get("target_parameters") or []
+    try:
+        resolve_expert_targets(parameters if isinstance(parameters, list) else [parameters], experts)
+    except ValueError as e:
+        raise AdapterError(f"{cfg_file}: field {e}") from e
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     adapter = LoraAdapter(name=name, path=path, rank=rank, scaling=float(scaling),
                           target_modules=frozenset())
-    magnitudes = _read_weights(adapter, path, module_shapes, num_layers)
+    magnitudes = _read_weights(adapter, path, module_shapes, num_layers, experts)
     weights_file = path / WEIGHTS_FILE
     if dora:
         missing = sorted(set(adapter.a) - set(magnitudes))
@@ -97,13 +109,24 @@ def _dora_terms(adapter: LoraAdapter, key: tuple[int, str], magnitude: torch.Ten
 
 
 def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tuple[int, int]],
-                  num_layers: int) -> dict[tuple[int, str], torch.Tensor]:
-    """Fill ``adapter.a`` / ``adapter.b``; returns DoRA's magnitude vectors, by (layer, module)."""
+                  num_layers: int, experts: ExpertShapes | None) -> dict[tuple[int, str], torch.Tensor]:
+    """Fill ``adapter.a`` / ``adapter.b`` (and the experts'); returns DoRA's magnitude vectors, by (layer, module)."""
     weights_file = path / WEIGHTS_FILE
     tensors = read_adapter_tensors(path)
     targets = set()
     magnitudes = {}
+    wrapped: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}  # (layer, inner) -> {"A": ..., "B": ...}
     for key, tensor in tensors.items():
+        e = EXPERT_KEY.search(key)
+        if e is not None:
+            layer = int(e.group(1))
+            if experts is None:
+                raise AdapterError(f"{weights_file}: tensor {key!r} adapts experts; this model is no mixture of experts")
+            if layer >= num_layers:
+                raise AdapterError(f"{weights_file}: tensor {key!r} is for layer {layer}; the model has {num_layers} "
+                                   "layers")
+            wrapped.setdefault((layer, e.group(2) is not None), {})[e.group(3)] = tensor
+            continue
         m = _KEY.search(key)
         if m is None:
             raise AdapterError(f"{weights_file}: tensor {key!r} is not a LoRA weight of a decoder "
@@ -123,9 +146,32 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
                                f"the model and r={adapter.rank} need {want}")
         (adapter.a if which == "A" else adapter.b)[(layer, module)] = tensor.float()
         targets.add(module)
+    for (layer, _), pair in wrapped.items():
+        targets.add(_read_expert_pair(adapter, weights_file, layer, pair, experts))
     for key in set(adapter.a) ^ set(adapter.b):
         raise AdapterError(f"{weights_file}: layer {key[0]} {key[1]} has only one of lora_A and lora_B")
     for key in set(magnitudes) - set(adapter.a):
         raise AdapterError(f"{weights_file}: layer {key[0]} {key[1]} has a lora_magnitude_vector but no lora_A/B")
     adapter.target_modules = frozenset(targets)
     return magnitudes
+
+
+def _read_expert_pair(adapter: LoraAdapter, weights_file: Path, layer: int, pair: dict[str, torch.Tensor],
+                      experts: ExpertShapes) -> str:
+    """One layer's ``lora_A`` / ``lora_B`` of one expert parameter into ``adapter.expert_a`` / ``expert_b``, the
+    parameter told by the shapes (``expert_lora.py``); returns its name."""
+    if set(pair) != {"A", "B"}:
+        raise AdapterError(f"{weights_file}: layer {layer}'s experts have a lora_{next(iter(pair))} without its "
+                           f"lora_{'B' if 'A' in pair else 'A'}")
+    a, b = pair["A"], pair["B"]
+    width = experts.num_experts * adapter.rank
+    for module, (fan_in, fan_out) in experts.modules.items():
+        if tuple(a.shape) == (width, fan_in) and tuple(b.shape) == (fan_out, width):
+            if (layer, module) in adapter.expert_a:
+                raise AdapterError(f"{weights_file}: layer {layer}'s {module} is adapted twice")
+            adapter.expert_a[(layer, module)] = a_from_peft(a.float(), experts.num_experts)
+            adapter.expert_b[(layer, module)] = b_from_peft(b.float(), experts.num_experts)
+            return module
+    want = " or ".join(f"{m} A {(width, i)} and B {(o, width)}" for m, (i, o) in experts.modules.items())
+    raise AdapterError(f"{weights_file}: layer {layer}'s experts have lora_A {tuple(a.shape)} and lora_B "
+                       f"{tuple(b.shape)}; {experts.num_experts} experts at r={adapter.rank} need {want}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from coserve.model.linear_modules import ExpertShapes
 from coserve.peft.lora_adapter import LoraAdapter
 from coserve.peft.slot_table import SlotBank
 
@@ -13,11 +14,13 @@ class LoraBank(SlotBank):
 
     Slot ``s`` of module ``m`` at layer ``l`` lives in rows ``s*R:(s+1)*R`` of ``a[m][l]``
     (``[slots*R, in]``) and columns ``s*R:(s+1)*R`` of ``b[m][l]`` (``[out, slots*R]``), so one
-    matmul pair covers every adapter in a batch; padding rows are zero and add exact zeros.
+    matmul pair covers every adapter in a batch; padding rows are zero and add exact zeros. A mixture's experts
+    (``experts``) have such slots per expert: ``ea[m][l, e]`` ``[slots*R, in]`` and ``eb[m][l, e]`` ``[out, slots*R]``.
     """
 
     def __init__(self, module_shapes: dict[str, tuple[int, int]], num_layers: int, max_loras: int,
-                 max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+                 max_rank: int, device: torch.device, dtype: torch.dtype,
+                 experts: ExpertShapes | None = None) -> None:
         super().__init__(max_loras)
         self.module_shapes = module_shapes
         self.num_layers = num_layers
@@ -27,6 +30,9 @@ class LoraBank(SlotBank):
         self.dtype = dtype
         self.a: dict[str, torch.Tensor] = {}  # module -> [layers, slots*R, in]
         self.b: dict[str, torch.Tensor] = {}  # module -> [layers, out, slots*R]
+        self.experts = experts
+        self.ea: dict[str, torch.Tensor] = {}  # expert module -> [layers, E, slots*R, in]
+        self.eb: dict[str, torch.Tensor] = {}  # expert module -> [layers, E, out, slots*R]
         self.scaling = [0.0] * max_loras
         self.slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
         # DoRA: per module [layers, slots + 1, out] output scales and bias terms; row ``max_loras`` (base-model
@@ -50,9 +56,21 @@ class LoraBank(SlotBank):
             self.b[module] = torch.zeros(self.num_layers, fan_out, width, device=self.device, dtype=self.dtype)
         return self.a[module], self.b[module]
 
+    def _expert_tensors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if module not in self.ea:
+            fan_in, fan_out = self.experts.modules[module]
+            width, n = self.max_loras * self.max_rank, self.experts.num_experts
+            self.ea[module] = torch.zeros(self.num_layers, n, width, fan_in, device=self.device, dtype=self.dtype)
+            self.eb[module] = torch.zeros(self.num_layers, n, fan_out, width, device=self.device, dtype=self.dtype)
+        return self.ea[module], self.eb[module]
+
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         self._clear(slot)
         lo = slot * self.max_rank
+        for (layer, module), a in adapter.expert_a.items():
+            bank_a, bank_b = self._expert_tensors(module)
+            bank_a[layer, :, lo:lo + adapter.rank] = a.to(self.device, self.dtype)
+            bank_b[layer, :, :, lo:lo + adapter.rank] = adapter.expert_b[(layer, module)].to(self.device, self.dtype)
         for (layer, module), a in adapter.a.items():
             bank_a, bank_b = self._module_tensors(module)
             bank_a[layer, lo:lo + adapter.rank] = a.to(self.device, self.dtype)
@@ -78,6 +96,9 @@ class LoraBank(SlotBank):
         for module in self.a:
             self.a[module][:, lo:hi] = 0
             self.b[module][:, :, lo:hi] = 0
+        for module in self.ea:
+            self.ea[module][:, :, lo:hi] = 0
+            self.eb[module][:, :, :, lo:hi] = 0
         for module in self.dora_scale:
             self.dora_scale[module][:, slot] = 1
             self.dora_offset[module][:, slot] = 0
@@ -131,3 +152,19 @@ class LoraBatch:
             return y
         rows = self.token_rows
         return y * self.bank.dora_scale[module][layer, rows] + self.bank.dora_offset[module][layer, rows]
+
+    def expert_output(self, layer: int, module: str, expert: int, rows: torch.Tensor, x: torch.Tensor,
+                      y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus each row's own adapter's LoRA of ``expert``'s ``module`` (an ``EXPERT_MODULES`` name) for its
+        input ``x`` ``[P, in]``: the batch's rows ``rows`` ``[n]`` in an expert's call, then ``P - n`` padding rows
+        (which no adapter touches)."""
+        if module not in self.modules:
+            return y
+        width, n, pad = self.num_slots * self.bank.max_rank, rows.numel(), x.shape[0] - rows.numel()
+        a = self.bank.ea[module][layer, expert, :width]  # [S*R, in]
+        b = self.bank.eb[module][layer, expert, :, :width]  # [out, S*R]
+        scale = self.token_scale[rows]
+        if pad:
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        xa = (x @ a.T).view(n + pad, self.num_slots, self.bank.max_rank) * scale.unsqueeze(-1)
+        return y + xa.view(n + pad, width) @ b.T

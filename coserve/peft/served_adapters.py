@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from coserve.model.linear_modules import ExpertShapes
 from coserve.peft.adapter_dir import CONFIG_FILE, AdapterError, peft_type, read_adapter_config
 from coserve.peft.ia3_adapter import IA3Adapter, load_ia3_adapter
 from coserve.peft.ia3_bank import IA3Bank, IA3Batch
@@ -16,14 +17,15 @@ ServedAdapter = LoraAdapter | IA3Adapter
 
 
 def load_peft_adapter(name: str, path: str | Path, module_shapes: dict[str, tuple[int, int]],
-                      num_layers: int, base_weight: BaseWeight | None = None) -> ServedAdapter:
-    """A LoRA (DoRA too, given ``base_weight``) or IA3 adapter directory (told apart by ``peft_type``), checked
-    against the model's shapes."""
+                      num_layers: int, base_weight: BaseWeight | None = None,
+                      experts: ExpertShapes | None = None) -> ServedAdapter:
+    """A LoRA (DoRA too, given ``base_weight``; a mixture's experts too, given ``experts``) or IA3 adapter directory
+    (told apart by ``peft_type``), checked against the model's shapes."""
     path = Path(path)
     config = read_adapter_config(path)
     kind = peft_type(config)
     if kind == "LORA":
-        return load_lora_adapter(name, path, module_shapes, num_layers, base_weight)
+        return load_lora_adapter(name, path, module_shapes, num_layers, base_weight, experts)
     if kind == "IA3":
         return load_ia3_adapter(name, path, module_shapes, num_layers)
     raise AdapterError(f"{path / CONFIG_FILE}: field 'peft_type' = {config.get('peft_type')!r}; "
@@ -86,3 +88,7 @@ class MixedAdapterBatch:
 
     def output(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.ia3.output(layer, module, x, self.lora.output(layer, module, x, y))
+
+    def expert_output(self, layer: int, module: str, expert: int, rows: torch.Tensor, x: torch.Tensor,
+                      y: torch.Tensor) -> torch.Tensor:
+        return self.lora.expert_output(layer, module, expert, rows, x, y)  # IA3 adapts no expert

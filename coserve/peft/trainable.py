@@ -13,12 +13,13 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file
 
-from coserve.model.linear_modules import ALL_TARGET_MODULES
+from coserve.model.linear_modules import ALL_TARGET_MODULES, ExpertShapes
 from coserve.peft.config import IA3Config, LoraConfig, for_model
 from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
 from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from coserve.peft.adapter_dir import AdapterError, write_adapter_files
+from coserve.peft.expert_lora import a_from_peft, a_to_peft, b_from_peft, b_to_peft, peft_prefix
 from coserve.peft.lora_adapter import BaseWeight, dora_row_norm
 
 
@@ -32,11 +33,11 @@ class TrainableBypass(ABC):
     resolved against the model's (``module_shapes``' keys: ``all-linear``, a module the model lacks refused)."""
 
     def __init__(self, config: LoraConfig | IA3Config, module_shapes: dict[str, tuple[int, int]],
-                 num_layers: int) -> None:
-        config = for_model(config, module_shapes)
+                 num_layers: int, experts: ExpertShapes | None = None) -> None:
+        config = for_model(config, module_shapes, experts)
         self.config = config
         self.num_layers = num_layers
-        self.modules = frozenset(config.target_modules)
+        self.modules = frozenset(config.target_modules) | frozenset(getattr(config, "target_parameters", ()))
         self._rows: tuple[int, torch.Tensor] | None = None  # (dropout seed, positions) of a training window
 
     def parameters(self) -> list[torch.Tensor]:
@@ -65,8 +66,16 @@ class TrainableBypass(ABC):
         return False
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors under their HF PEFT names."""
-        return {name: p.detach().contiguous() for name, p in self.named_parameters()}
+        """Tensors under their HF PEFT names, in PEFT's layout."""
+        return {name: self._saved(name, p.detach()).contiguous() for name, p in self.named_parameters()}
+
+    def _saved(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A parameter as PEFT's file holds it (``_loaded``'s inverse)."""
+        return tensor
+
+    def _loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor of PEFT's file in the layout of the parameter ``name``."""
+        return tensor
 
     def save_pretrained(self, out_dir: str | Path, base_model: str = "") -> None:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into ``out_dir`` (see
@@ -93,10 +102,11 @@ class TrainableBypass(ABC):
                                f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         with torch.no_grad():
             for name, p in own.items():
-                if tensors[name].shape != p.shape:
+                want = self._saved(name, p.detach()).shape
+                if tensors[name].shape != want:
                     raise AdapterError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                                       f"expected {tuple(p.shape)}")
-                p.copy_(tensors[name])
+                                       f"expected {tuple(want)}")
+                p.copy_(self._loaded(name, tensors[name]))
 
 
 class LowRank(NamedTuple):
@@ -121,6 +131,13 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad.detach().to(param.dtype).clone()
     else:
         param.grad.add_(grad.detach().to(param.dtype))
+
+
+def _expert_grad(param: torch.Tensor, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s slice of ``param.grad`` (``[E, ...]``), the gradient made (zeros) where there is none."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad[expert]
 
 
 def _accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float = 1.0) -> None:
@@ -148,8 +165,8 @@ class TrainableLora(TrainableBypass):
 
     def __init__(self, config: LoraConfig, module_shapes: dict[str, tuple[int, int]], num_layers: int,
                  device: torch.device, generator: torch.Generator | None = None,
-                 base_weight: BaseWeight | None = None) -> None:
-        super().__init__(config, module_shapes, num_layers)
+                 base_weight: BaseWeight | None = None, experts: ExpertShapes | None = None) -> None:
+        super().__init__(config, module_shapes, num_layers, experts)
         config = self.config
         self.dropout = config.lora_dropout
         self.scaling = config.scaling
@@ -175,6 +192,22 @@ class TrainableLora(TrainableBypass):
                     self.base[(layer, module)] = (weight, bias)
                     norm = torch.linalg.norm(weight.float(), dim=1)
                     self.m[(layer, module)] = norm.to(device).requires_grad_()
+        # a mixture's experts (PEFT's target_parameters): per expert an A [r, in] and a B [out, r], as one [E, r, in]
+        # and one [E, out, r] (coserve/peft/expert_lora.py); A drawn as PEFT's nn.Linear(in, E * r) draws it
+        self.ea: dict[tuple[int, str], torch.Tensor] = {}
+        self.eb: dict[tuple[int, str], torch.Tensor] = {}
+        self._expert_names: dict[str, tuple[tuple[int, str], str]] = {}  # PEFT name -> (key, "A" | "B")
+        for layer in range(num_layers):
+            for module in config.target_parameters:
+                fan_in, fan_out = experts.modules[module]
+                n = experts.num_experts
+                a = torch.empty(n * config.r, fan_in)
+                a.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in), generator=generator)
+                self.ea[(layer, module)] = a.view(n, config.r, fan_in).to(device).requires_grad_()
+                self.eb[(layer, module)] = torch.zeros(n, fan_out, config.r, device=device, requires_grad=True)
+                prefix = peft_prefix(layer, module, config.target_parameters)
+                self._expert_names[f"{prefix}.lora_A.weight"] = ((layer, module), "A")
+                self._expert_names[f"{prefix}.lora_B.weight"] = ((layer, module), "B")
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         out = []
@@ -183,7 +216,21 @@ class TrainableLora(TrainableBypass):
             out.append((f"{_prefix(*key)}.lora_B.weight", self.b[key]))
             if key in self.m:
                 out.append((f"{_prefix(*key)}.lora_magnitude_vector", self.m[key]))
+        for name, (key, which) in self._expert_names.items():
+            out.append((name, (self.ea if which == "A" else self.eb)[key]))
         return out
+
+    def _saved(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in self._expert_names:
+            return tensor
+        return a_to_peft(tensor) if self._expert_names[name][1] == "A" else b_to_peft(tensor)
+
+    def _loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in self._expert_names:
+            return tensor
+        key, which = self._expert_names[name]
+        n = self.ea[key].shape[0]
+        return a_from_peft(tensor, n) if which == "A" else b_from_peft(tensor, n)
 
     def _weights_t(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A^T, B^T)`` cut from autograd. Without grad (the finetuning executors' windows) the views are made once
@@ -289,11 +336,45 @@ class TrainableLora(TrainableBypass):
     def input_backward(self, layer: int, module: str, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
         return dx  # LoRA leaves the input alone
 
+    # ---- a mixture's experts (``moe.moe_mlp`` calls these over each expert's rows; no dropout, as PEFT's) --------
+    def expert_output(self, layer: int, module: str, expert: int, rows: torch.Tensor, x: torch.Tensor,
+                      y: torch.Tensor) -> torch.Tensor:
+        """``y + (x A_e^T) B_e^T * s`` (differentiable: the ``all`` executor runs it under autograd)."""
+        a, b = self.ea[(layer, module)][expert], self.eb[(layer, module)][expert]
+        return y + (x.to(a.dtype) @ a.T @ b.T * self.scaling).to(y.dtype)
+
+    def expert_output_keep(self, layer: int, module: str, expert: int, rows: torch.Tensor, x: torch.Tensor,
+                           y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``expert_output``, keeping ``x A_e^T`` ``[n, r]`` of ``rows`` (dB_e reads it)."""
+        a, b = _frozen(self.ea[(layer, module)][expert]), _frozen(self.eb[(layer, module)][expert])
+        xa = x.to(a.dtype) @ a.T
+        out = (torch.addmm(y, xa, b.T, alpha=self.scaling) if y.dtype == xa.dtype
+               else y + (xa @ b.T * self.scaling).to(y.dtype))
+        return out, xa[:rows.numel()]
+
+    def expert_backward(self, layer: int, module: str, expert: int, x: torch.Tensor, xa: torch.Tensor | None,
+                        dy: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The expert's ``module`` on rows ``x`` ``[n, in]`` (``xa``: their ``x A_e^T`` kept, or None): accumulates
+        dA_e and dB_e for the gradient ``dy * row_scale`` at its output (``row_scale`` ``[n, 1]``: each row's routing
+        weight, or None), and returns what its LoRA adds to dL/dx for ``dy`` itself, ``s (dy B_e) A_e``."""
+        key = (layer, module)
+        a, b = _frozen(self.ea[key][expert]), _frozen(self.eb[key][expert])
+        x, dyf = x.to(a.dtype), dy.to(a.dtype)
+        if xa is None:
+            xa = x @ a.T
+        t = dyf @ b  # [n, r]
+        scaled_t = t if row_scale is None else (t * row_scale).to(a.dtype)
+        scaled_dy = dyf if row_scale is None else (dyf * row_scale).to(a.dtype)
+        _expert_grad(self.ea[key], expert).addmm_(scaled_t.T, x, alpha=self.scaling)  # [r, in]
+        _expert_grad(self.eb[key], expert).addmm_(scaled_dy.T, xa, alpha=self.scaling)  # [out, r]
+        return (t @ a).mul_(self.scaling).to(dy.dtype)
+
     def peft_config(self, base_model: str) -> dict:
         c = self.config
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
                 "r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
                 "target_modules": sorted(c.target_modules), "use_rslora": c.use_rslora, "bias": "none",
+                "target_parameters": list(c.target_parameters) or None,
                 "fan_in_fan_out": False, "use_dora": c.use_dora, "init_lora_weights": True,
                 "inference_mode": True, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
 
@@ -361,9 +442,10 @@ class TrainableIA3(TrainableBypass):
 
 
 def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], num_layers: int,
-                   device: torch.device, base_weight: BaseWeight | None = None) -> TrainableBypass:
-    """A saved LoRA (DoRA too: give ``base_weight``) or IA3 adapter (HF PEFT format) as a trainable bypass, e.g.
-    to resume training."""
+                   device: torch.device, base_weight: BaseWeight | None = None,
+                   experts: ExpertShapes | None = None) -> TrainableBypass:
+    """A saved LoRA (DoRA too: give ``base_weight``; a mixture's experts: give ``experts``) or IA3 adapter (HF PEFT
+    format) as a trainable bypass, e.g. to resume training."""
     path = Path(path)
     cfg_file = path / ADAPTER_CONFIG
     try:
@@ -373,11 +455,13 @@ def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], 
     kind = str(raw.get("peft_type", "")).upper()
     if kind == "LORA":
         config = LoraConfig(r=raw["r"], lora_alpha=raw["lora_alpha"], lora_dropout=raw.get("lora_dropout", 0.0),
-                            target_modules=list(raw["target_modules"]), use_rslora=bool(raw.get("use_rslora")),
-                            use_dora=bool(raw.get("use_dora")))
+                            target_modules=list(raw.get("target_modules") or []),
+                            use_rslora=bool(raw.get("use_rslora")), use_dora=bool(raw.get("use_dora")),
+                            target_parameters=list(raw.get("target_parameters") or []))
         if config.use_dora and base_weight is None:
             raise AdapterError(f"{cfg_file}: a DoRA adapter (use_dora) needs the base model's weights to be loaded")
-        bypass: TrainableBypass = TrainableLora(config, module_shapes, num_layers, device, base_weight=base_weight)
+        bypass: TrainableBypass = TrainableLora(config, module_shapes, num_layers, device, base_weight=base_weight,
+                                                experts=experts)
     elif kind == "IA3":
         config = IA3Config(target_modules=list(raw["target_modules"]),
                            feedforward_modules=list(raw.get("feedforward_modules") or []))
