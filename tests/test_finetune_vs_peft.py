@@ -15,7 +15,7 @@ from coserve.finetune.job import Example, FinetuneJob
 from coserve.finetune.runner import run_job
 from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.model.loader import load_model
-from coserve.peft.trainable import load_trainable
+from coserve.peft.trainable import load_model_trainable
 from peft_helpers import PeftTraining, make_dora_adapter, make_ia3_adapter, make_lora_adapter
 
 
@@ -81,7 +81,12 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("olmo2", "ia3"), ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),
                                           ("qwen3_moe", ["q_proj", "v_proj"]),
                                           ("olmoe", ["q_proj", "k_proj", "o_proj"]),
-                                          ("qwen2_moe", ["q_proj", "v_proj", "o_proj"])])
+                                          ("qwen2_moe", ["q_proj", "v_proj", "o_proj"]),
+                                          ("mixtral", {"target_modules": ["q_proj"], "target_parameters":
+                                                       ["experts.gate_up_proj", "experts.down_proj"]}),
+                                          ("qwen2_moe", {"target_modules": [], "target_parameters": ["down_proj"]}),
+                                          ("olmoe", {"target_modules": ["v_proj"],
+                                                     "target_parameters": ["experts.gate_up_proj"]})])
 def test_training_matches_peft(model_factory, config_variant, tmp_path, optimizer, tol, arch, targets):
     """``mistral:window=8``: every layer slides over 8 positions, shorter than most training sequences."""
     model_dir = config_variant("mistral", sliding_window=8) if ":window=" in arch else model_factory(arch)
@@ -95,15 +100,16 @@ def test_training_matches_peft(model_factory, config_variant, tmp_path, optimize
         start = make_dora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8,
                                   target_modules=["qkv_proj", "gate_up_proj"] if phi3 else
                                   ["q_proj", "v_proj", "up_proj", "down_proj"])
-    else:
-        start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, target_modules=targets)
+    else:  # a dict: a mixture's experts too (PEFT's target_parameters)
+        kwargs = targets if isinstance(targets, dict) else {"target_modules": targets}
+        start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, **kwargs)
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     examples = _greedy_halves(model_dir, start, _examples(model.cfg.vocab_size, 6, seed=5))
     steps = 3
     cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), batch_size=2, lr=0.05 if optimizer == "sgd" else 0.01,
                          optimizer=optimizer, warmup_steps=1, lr_scheduler="linear", max_grad_norm=1.0,
                          weight_decay=0.01, shuffle=False, window_schedule="random:7")
-    bypass = load_trainable(start, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
+    bypass = load_model_trainable(start, model)
     job = FinetuneJob(model, bypass, examples, cfg, base_model=str(model_dir))
     run_job(job, progress=False)
     ref_losses, ref_accuracies, ref_state = _peft_train(model_dir, start, examples, cfg, steps)
@@ -116,8 +122,7 @@ def test_training_matches_peft(model_factory, config_variant, tmp_path, optimize
         rel = (ours[name] - ref).norm() / ref.norm()
         assert rel <= tol, (name, float(rel))
     # the saved adapter is what PEFT loads, with the same outputs
-    saved = load_trainable(cfg.output_dir, model.module_shapes(), model.cfg.num_layers, model.device,
-                           model.module_weight)
+    saved = load_model_trainable(cfg.output_dir, model)
     for name, tensor in saved.state_dict().items():
         assert torch.equal(tensor, ours[name])
     lines = [json.loads(x) for x in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]

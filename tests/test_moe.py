@@ -101,9 +101,10 @@ def test_what_is_not_run_is_refused_naming_the_field(model_factory, field, value
 
 
 @pytest.mark.parametrize("arch", MOES)
-def test_adapters_of_the_experts_are_refused_naming_the_modules(model_factory, arch):
-    """coserve adapts a mixture's attention; PEFT's ``all-linear`` there wraps the router and the experts too (seen
-    with PEFT 0.21), so it is refused rather than read as the attention alone."""
+def test_experts_as_modules_and_all_linear_are_refused_naming_what_the_model_takes(model_factory, arch):
+    """coserve adapts a mixture's attention as modules and its experts as parameters (PEFT's ``target_parameters``,
+    test_expert_lora.py); PEFT's ``all-linear`` there wraps the router too (seen with PEFT 0.21), which coserve does
+    not adapt, so it is refused rather than read as less."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -142,9 +143,10 @@ def test_a_job_naming_no_modules_gets_pefts_default_for_the_model(model_factory,
 
 
 def test_an_openai_fine_tuning_job_on_a_mixture_serves_its_model(model_factory, tmp_path):
-    """Through a live server and the ``openai`` client: a job with no adapter settings on a Mixtral succeeds (LoRA on
-    q/v, PEFT's default there), its model chats and differs from the base; an expert as a target is a 400 naming the
-    modules the model has."""
+    """Through a live server and the ``openai`` client: a job naming only the experts' down projection (PEFT's
+    ``target_parameters``) on a Mixtral succeeds (LoRA on q/v too, PEFT's default modules there), its model chats and
+    differs from the base; an expert as a target module is a 400 naming the modules the model has, and IA3 of the
+    experts a 400 naming the field."""
     import io
 
     from openai import BadRequestError, OpenAI
@@ -156,10 +158,16 @@ def test_an_openai_fine_tuning_job_on_a_mixture_serves_its_model(model_factory, 
         with pytest.raises(BadRequestError, match=r"\['down_proj'\] are not modules of this model, which has q_proj"):
             client.fine_tuning.jobs.create(model="tiny-mixtral", training_file=f.id,
                                            extra_body={"coserve": {"target_modules": ["down_proj"]}})
+        with pytest.raises(BadRequestError, match=r"coserve.target_parameters: only LoRA adapts experts"):
+            client.fine_tuning.jobs.create(model="tiny-mixtral", training_file=f.id, extra_body={
+                "coserve": {"peft": "ia3", "target_parameters": ["experts.down_proj"]}})
         job = client.fine_tuning.jobs.create(model="tiny-mixtral", training_file=f.id, seed=1,
-                                             hyperparameters={"n_epochs": 1, "learning_rate_multiplier": 100})
+                                             hyperparameters={"n_epochs": 1, "learning_rate_multiplier": 100},
+                                             extra_body={"coserve": {"target_parameters": ["experts.down_proj"]}})
         done = wait_for_job(client, job.id)
         assert done.status == "succeeded", done.error
+        saved = json.loads(next((tmp_path / "state").rglob("adapter_config.json")).read_text())
+        assert saved["target_modules"] == ["q_proj", "v_proj"] and saved["target_parameters"] == ["experts.down_proj"]
         hello = [{"role": "user", "content": "Hello"}]
         kwargs = {"messages": hello, "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
         tuned = client.chat.completions.create(model=done.fine_tuned_model, **kwargs).choices[0].message.content

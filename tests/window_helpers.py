@@ -23,7 +23,7 @@ def perturbed_bypass(cfg, model, seed: int):
         bypass = TrainableIA3(cfg, model.module_shapes(), model.cfg.num_layers, model.device)
     else:
         bypass = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, gen,
-                               base_weight=model.module_weight)
+                               base_weight=model.module_weight, experts=model.expert_shapes())
     with torch.no_grad():
         for p in bypass.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=gen).to(p.device))

@@ -20,12 +20,11 @@ from coserve.finetune.config import FinetuneConfig
 from coserve.finetune.grpo_prompts import load_prompts
 from coserve.model.chat_prompt import ChatPromptError, render_conversation
 from coserve.peft.config import IA3Config, LoraConfig
-from coserve.peft.trainable import load_trainable
+from coserve.peft.trainable import load_model_trainable
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                      ScoringRequestOutput)
 from coserve.scheduler import PoolingParams, SamplingParams
-from coserve.scheduler.sampling_params import sequence_seed
 
 Prompt = str | list[int]
 
@@ -100,8 +99,7 @@ class LLM:
             return starting_bypass(peft, model, config)
         if not Path(resume_from).is_dir():
             raise ValueError(f"resume_from: {resume_from} is not a directory")
-        return load_trainable(resume_from, model.module_shapes(), model.cfg.num_layers, model.device,
-                              model.module_weight)
+        return load_model_trainable(resume_from, model)
 
     def _grpo(self, data, peft, config: FinetuneConfig, tenant: str, validation, reward_funcs,
               reward_weights, resume_from) -> GRPOHandle:

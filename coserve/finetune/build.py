@@ -13,7 +13,7 @@ from coserve.finetune.preference_job import PreferenceJob
 from coserve.model.decoder import DecoderModel
 from coserve.model.linear_modules import resolve_targets
 from coserve.peft.config import IA3Config, LoraConfig, default_targets
-from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora, load_trainable
+from coserve.peft.trainable import TrainableBypass, TrainableIA3, TrainableLora, load_model_trainable
 
 
 def make_bypass(peft: LoraConfig | IA3Config, model: DecoderModel, seed: int) -> TrainableBypass:
@@ -24,7 +24,8 @@ def make_bypass(peft: LoraConfig | IA3Config, model: DecoderModel, seed: int) ->
     if isinstance(peft, LoraConfig):
         try:
             return TrainableLora(peft, shapes, layers, model.device, torch.Generator().manual_seed(seed),
-                                 base_weight=model.module_weight if peft.use_dora else None)
+                                 base_weight=model.module_weight if peft.use_dora else None,
+                                 experts=model.expert_shapes())
         except (RuntimeError, TypeError, OverflowError) as e:
             if isinstance(e, RuntimeError) and not _allocation_failed(e):
                 raise  # not the rank's size: a fault of its own, reported as it is
@@ -52,7 +53,7 @@ def starting_bypass(peft: LoraConfig | IA3Config | None, model: DecoderModel,
             field = "start_adapter" if cfg.start_adapter else "dpo_reference"
             raise ValueError(f"peft: a job from an adapter ({field}) trains a copy of that adapter (give no peft "
                              "config)")
-        return load_trainable(source, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
+        return load_model_trainable(source, model)
     return make_bypass(peft or LoraConfig(**default_targets("lora", model.module_shapes())), model, cfg.seed)
 
 

@@ -18,7 +18,7 @@ from coserve.model.tokenizer import load_tokenizer
 from coserve.output_path import prepare_directory
 from coserve.peft.config import IA3Config, LoraConfig, default_targets
 from coserve.finetune.build import load_training, make_bypass, new_job, starting_bypass
-from coserve.peft.trainable import TrainableBypass, load_trainable
+from coserve.peft.trainable import TrainableBypass, load_model_trainable
 
 
 def add_arguments(p) -> None:
@@ -83,6 +83,8 @@ def add_arguments(p) -> None:
     p.add_argument("--use-dora", action="store_true", help="DoRA (PEFT's use_dora): a trainable magnitude per output")
     p.add_argument("--target-modules", default=None, help="comma-separated, or all-linear as in PEFT (lora "
                    "default: down_proj; ia3 default: k_proj,v_proj,down_proj)")
+    p.add_argument("--target-parameters", default=None, help="a mixture's experts, comma-separated, as PEFT's "
+                   "target_parameters (lora): experts.gate_up_proj,experts.down_proj")
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--lr-scheduler", default=d.lr_scheduler, choices=["constant", "linear", "cosine"])
@@ -154,9 +156,8 @@ def run(args) -> int:
 
 
 def _bypass(args, model, device: torch.device, cfg: FinetuneConfig) -> TrainableBypass:
-    shapes, layers = model.module_shapes(), model.cfg.num_layers
     if args.init_adapter:
-        return load_trainable(args.init_adapter, shapes, layers, device, model.module_weight)
+        return load_model_trainable(args.init_adapter, model)
     if cfg.start_adapter or cfg.dpo_reference:
         return starting_bypass(None, model, cfg)
     return make_bypass(_peft_config(args, model.module_shapes()), model, cfg.seed)
@@ -165,12 +166,15 @@ def _bypass(args, model, device: torch.device, cfg: FinetuneConfig) -> Trainable
 def _peft_config(args, modules) -> LoraConfig | IA3Config:
     """``--peft`` and its options; with no ``--target-modules``, the model's defaults (``default_targets``)."""
     targets = args.target_modules.split(",") if args.target_modules else None
+    experts = args.target_parameters.split(",") if args.target_parameters else []
     if args.peft == "ia3":
+        if experts:
+            raise ValueError("--target-parameters: only LoRA adapts experts (as PEFT's IA3 does not)")
         return IA3Config(**({"target_modules": targets,
                              "feedforward_modules": [m for m in targets if m == "down_proj"]} if targets
                             else default_targets("ia3", modules)))
     return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      use_rslora=args.use_rslora, use_dora=args.use_dora,
+                      use_rslora=args.use_rslora, use_dora=args.use_dora, target_parameters=experts,
                       **({"target_modules": targets} if targets else default_targets("lora", modules)))
 
 

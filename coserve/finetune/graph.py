@@ -233,7 +233,7 @@ class LayerShape:
 
 def peft_summary(peft: Any) -> str:
     """A one-line name of a PEFT config, e.g. ``LoRA r=16 on down_proj``."""
-    mods = ", ".join(ordered(peft.target_modules)) or ALL_LINEAR
+    mods = ", ".join(ordered(peft.target_modules) + list(getattr(peft, "target_parameters", None) or [])) or ALL_LINEAR
     if peft.peft_type == "LORA":
         return f"{'DoRA' if getattr(peft, 'use_dora', False) else 'LoRA'} r={peft.r} on {mods}"
     ff = ordered(peft.feedforward_modules)
@@ -245,7 +245,7 @@ def _check_peft(peft: Any) -> None:
     if kind not in ("LORA", "IA3"):
         raise ValueError(f"peft_config.peft_type: must be 'LORA' or 'IA3', got {kind!r}")
     unknown = sorted(set(peft.target_modules) - set(ALL_TARGET_MODULES) - {ALL_LINEAR})
-    if unknown or not peft.target_modules:
+    if unknown or not (peft.target_modules or getattr(peft, "target_parameters", None)):
         raise ValueError(f"peft_config.target_modules: {list(peft.target_modules)!r} must be a non-empty "
                          f"subset of {', '.join(ALL_TARGET_MODULES)}")
     if kind == "LORA" and (not isinstance(peft.r, int) or peft.r <= 0):

@@ -31,7 +31,7 @@ from coserve.finetune.preference import PreferencePair
 from coserve.finetune.pruned_layer import new_keeps, planned_keeps
 from coserve.model.decoder import DecoderModel
 from coserve.peft.dropout import mix_seed
-from coserve.peft.trainable import TrainableBypass, load_trainable
+from coserve.peft.trainable import TrainableBypass, load_model_trainable
 
 CHOSEN, REJECTED = "chosen", "rejected"
 
@@ -47,7 +47,7 @@ NO_BYPASS = NoBypass()
 
 def reference_adapter(model: DecoderModel, path: str) -> TrainableBypass:
     """The adapter directory ``path`` as a frozen reference bypass (its forward windows run without dropout)."""
-    reference = load_trainable(path, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
+    reference = load_model_trainable(path, model)
     for p in reference.parameters():
         p.requires_grad_(False)
     return reference

@@ -53,12 +53,14 @@ def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str
     """``targets`` as the model's own module names, in layer order (``ordered``: the order PEFT wraps them in, whatever
     order they were given in): ``all-linear`` (alone) is every one of ``available``; a name the model lacks is
     refused, naming ``field`` and what the model has. A mixture of experts (no adaptable MLP module) refuses
-    ``all-linear``: PEFT's wraps its router and experts too, which coserve does not adapt."""
+    ``all-linear``: PEFT's wraps its router too, which coserve does not adapt (its experts: ``target_parameters``)."""
     targets, available = list(targets), list(available)
     if targets == [ALL_LINEAR]:
         if attention_only(available):
             raise ValueError(f"{field}: 'all-linear' on a mixture of experts is, in PEFT, the attention, the router "
-                             f"and the experts; coserve adapts the attention alone: name them ({', '.join(available)})")
+                             f"and the experts; coserve does not adapt the router: name the attention's modules "
+                             f"({', '.join(available)}) and the experts as target_parameters "
+                             f"({', '.join(EXPERT_MODULES)})")
         return available
     missing = [m for m in targets if m not in available]
     if missing:

@@ -38,8 +38,9 @@ class LoraConfig:
     r: int = 16  # rank
     lora_alpha: float = 16  # scaling numerator
     lora_dropout: float = 0.0  # dropout on the bypass input
-    # the papers' setting; "all-linear": every linear module of the model (resolved against it: ``resolve_targets``)
-    target_modules: list[str] = field(default_factory=lambda: ["down_proj"])
+    # the papers' setting, down_proj, where neither these nor ``target_parameters`` are named; "all-linear": every
+    # linear module of the model (resolved against it: ``resolve_targets``)
+    target_modules: list[str] | None = None
     use_rslora: bool = False  # scaling = alpha / sqrt(r) instead of alpha / r
     use_dora: bool = False  # DoRA (PEFT's): a trainable magnitude per output times the direction W + scaling B A
     # a mixture's experts, by PEFT's names: "experts.gate_up_proj", "experts.down_proj" (an A [r, in] and a B [out, r]
@@ -56,8 +57,10 @@ class LoraConfig:
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout!r}")
         self.target_parameters = list(self.target_parameters or [])
-        self.target_modules = _targets(self.target_modules) if self.target_modules or not self.target_parameters else []
-        if self.target_modules:
+        if self.target_modules is None:
+            self.target_modules = [] if self.target_parameters else ["down_proj"]
+        self.target_modules = _targets(self.target_modules)
+        if self.target_modules or not self.target_parameters:
             _check_targets("target_modules", self.target_modules, all_linear=True)
         if self.target_parameters:
             self.target_parameters = resolve_expert_targets(self.target_parameters, ExpertShapes(0, {}))

@@ -474,3 +474,9 @@ def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], 
         raise AdapterError(f"{path / ADAPTER_WEIGHTS}: cannot read ({e})") from e
     bypass.load_state(tensors, path / ADAPTER_WEIGHTS)
     return bypass
+
+
+def load_model_trainable(path: str | Path, model) -> TrainableBypass:
+    """``load_trainable`` for a ``DecoderModel``: its modules, layers, device, frozen weights (DoRA) and experts."""
+    return load_trainable(path, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight,
+                          model.expert_shapes())

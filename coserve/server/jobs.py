@@ -29,7 +29,7 @@ from coserve.finetune.memory_budget import job_memory
 from coserve.peft import AdapterError
 from coserve.peft.adapter_dir import peft_type, read_adapter_config
 from coserve.peft.config import IA3Config, LoraConfig, default_targets, for_model
-from coserve.peft.trainable import load_trainable
+from coserve.peft.trainable import load_model_trainable
 from coserve.scheduler.sampling_params import Reasoning
 from coserve.server.config import ServerConfig
 from coserve.server.errors import APIError, bad_request, found, not_found
@@ -57,7 +57,8 @@ ACTIVE = ("validating_files", "queued", "running")
 HOLDS_FILES = (*ACTIVE, "paused")  # jobs whose files must stay (a paused job reads them again when resumed)
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 REFERENCE_FREE = ("simpo", "orpo")  # preference methods a DPO job's coserve.dpo_loss may name
-PEFT_OPTIONS = ("peft", "r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "target_modules")
+PEFT_OPTIONS = ("peft", "r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "target_modules",
+                "target_parameters")
 _SHOW = 5  # bad data lines named in a job's error
 
 
@@ -451,14 +452,18 @@ class JobManager:
         try:
             modules = self.engine.model.module_shapes()  # the model's own names (Phi-3's fused ones)
             if options.peft == "ia3":
+                if options.target_parameters:
+                    raise ValueError("target_parameters: only LoRA adapts experts (as PEFT's IA3 does not)")
                 cfg = for_model(IA3Config(**({"target_modules": options.target_modules} if options.target_modules
                                              else default_targets("ia3", modules))), modules)
                 return {"peft": "ia3", "target_modules": cfg.target_modules,
                         "feedforward_modules": cfg.feedforward_modules}
             cfg = for_model(LoraConfig(r=options.r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
                                        use_rslora=options.use_rslora, use_dora=options.use_dora,
+                                       target_parameters=options.target_parameters or [],
                                        **({"target_modules": options.target_modules} if options.target_modules
-                                          else default_targets("lora", modules))), modules)
+                                          else default_targets("lora", modules))), modules,
+                            self.engine.model.expert_shapes())
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise bad_request(f"coserve.{e}", f"coserve.{field}") from e
@@ -466,7 +471,8 @@ class JobManager:
             raise bad_request(f"coserve.r: {cfg.r} exceeds the server's max_lora_rank "
                               f"({self.engine.config.max_lora_rank}), so the model could not be served", "coserve.r")
         return {"peft": "lora", "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
-                "use_rslora": cfg.use_rslora, "use_dora": cfg.use_dora, "target_modules": cfg.target_modules}
+                "use_rslora": cfg.use_rslora, "use_dora": cfg.use_dora, "target_modules": cfg.target_modules,
+                "target_parameters": cfg.target_parameters}
 
     # ---- the watcher's side --------------------------------------------------------------------------------
     def _start_queued(self) -> None:
@@ -524,8 +530,7 @@ class JobManager:
         try:
             if found is not None:
                 resume = Path(found[1])
-                bypass = load_trainable(resume, model.module_shapes(), model.cfg.num_layers, model.device,
-                                        model.module_weight)
+                bypass = load_model_trainable(resume, model)
             elif start:
                 resume, bypass = None, starting_bypass(None, model, cfg)
             else:

@@ -307,6 +307,7 @@ class CoserveOptions(Body):
     use_rslora: bool = False
     use_dora: bool = False
     target_modules: list[str] | None = None
+    target_parameters: list[str] | None = None  # a mixture's experts (LoRA), PEFT's: experts.gate_up_proj, ...
     max_seq_len: int | None = Field(None, ge=2)  # None = min(1024, the server's context)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"

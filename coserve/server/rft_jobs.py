@@ -25,7 +25,7 @@ from coserve.finetune.graders import grader_reward, parse_grader
 from coserve.finetune.grpo_prompts import load_prompts
 from coserve.peft.adapter_dir import CONFIG_FILE, WEIGHTS_FILE
 from coserve.peft.config import IA3Config, LoraConfig
-from coserve.peft.trainable import load_trainable
+from coserve.peft.trainable import load_model_trainable
 from coserve.server.grader_judge import server_judge
 from coserve.server.response_format import guided_schema
 
@@ -151,7 +151,7 @@ def start_rft(mgr: JobManager, tenant: str, job: dict, name: str, cfg: FinetuneC
     saved = load_optimizer_state(out)
     resume = out if saved is not None else None
     if resume is not None:
-        bypass = load_trainable(out, model.module_shapes(), model.cfg.num_layers, model.device, model.module_weight)
+        bypass = load_model_trainable(out, model)
     elif opts.get("start_from"):
         bypass = starting_bypass(None, model, FinetuneConfig(output_dir=str(out),
                                                              start_adapter=str(mgr.state_dir / opts["start_from"])))

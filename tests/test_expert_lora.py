@@ -1,0 +1,217 @@
+"""LoRA of a mixture's experts, as HF PEFT's ``LoraConfig(target_parameters=["experts.gate_up_proj",
+"experts.down_proj"])`` makes it (coserve/peft/expert_lora.py): PEFT is the oracle of serving (greedy tokens, logprobs,
+a batch mixing adapters and the base), of the file layout both ways, and of training (test_finetune_vs_peft.py); a
+co-served job training the experts changes no inference logprob, the experts' adapters of inference requests
+included; windows match one whole-sequence autograd backward; what is not supported is refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from coserve import LLM, SamplingParams
+from coserve.model.loader import load_model
+from coserve.peft.adapter_dir import AdapterError
+from coserve.peft.config import LoraConfig, for_model
+from coserve.peft.trainable import TrainableLora, load_model_trainable
+from peft_helpers import hf_greedy, make_lora_adapter, peft_model
+from tests.test_coserving import _engine
+from tests.test_cuda_architectures import _every_module_job
+from window_helpers import check_windows_match_autograd, perturbed_bypass
+
+MOES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides which tokens run", "Once upon", "JSON"]
+
+
+@pytest.fixture(scope="module")
+def expert_adapters(tmp_path_factory):
+    """Per model: ``experts`` (q_proj and both expert parameters, r=4) and ``down`` (the experts' down projection
+    alone, PEFT's bare parameter name, r=2 with rsLoRA)."""
+    made = {}
+
+    def get(model_dir):
+        if model_dir not in made:
+            root = tmp_path_factory.mktemp("expert-adapters")
+            made[model_dir] = {
+                "experts": make_lora_adapter(model_dir, root / "experts", seed=1, r=4, lora_alpha=8,
+                                             target_modules=["q_proj"], target_parameters=EXPERTS),
+                "down": make_lora_adapter(model_dir, root / "down", seed=2, r=2, lora_alpha=4, use_rslora=True,
+                                          target_modules=[], target_parameters=["down_proj"]),
+            }
+        return made[model_dir]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", MOES)
+def test_a_batch_mixing_expert_adapters_and_the_base_matches_peft(model_factory, hf_model_cache, expert_adapters,
+                                                                   arch):
+    model_dir = model_factory(arch)
+    paths = expert_adapters(model_dir)
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=11)
+    for name, path in paths.items():
+        llm.load_adapter(name, path)
+    which = [None, "experts", "down", "experts", "down", None]
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), adapter=which)
+    oracles = {None: hf_model_cache(model_dir), **{n: peft_model(model_dir, p) for n, p in paths.items()}}
+    differs = 0
+    for out, name in zip(outs, which):
+        assert out.token_ids == hf_greedy(oracles[name], out.prompt_token_ids, 16), (name, out.prompt)
+        if name is not None:
+            differs += out.token_ids != hf_greedy(oracles[None], out.prompt_token_ids, 16)
+    assert differs >= 2, "the adapters should change the outputs"
+
+
+def test_expert_adapter_logprobs_match_peft(model_factory, expert_adapters):
+    model_dir = model_factory("mixtral")
+    path = expert_adapters(model_dir)["experts"]
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    llm.load_adapter("experts", path)
+    ids = llm.tokenizer(PROMPTS[3])["input_ids"]
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, logprobs=5), adapter="experts")[0]
+    with torch.inference_mode():
+        ref = peft_model(model_dir, path)(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+    for token, lp in out.outputs[0].logprobs[0].top.items():
+        assert abs(lp - ref[token].item()) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_co_served_requests_on_expert_adapters_get_the_same_logprobs_bit_for_bit(model_factory, expert_adapters,
+                                                                                  tmp_path, arch):
+    """Requests on both expert adapters and on the base, alone and beside a job training the attention and the
+    experts: each expert's call then holds inference rows of several adapters and finetuning rows, and each kind's
+    adapter runs over its own rows."""
+    from tests.test_batch_invariance import _prompts
+    model_dir = model_factory(arch)
+    paths = expert_adapters(model_dir)
+
+    def logprobs(engine):
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+        ids = [engine.add_request(p, params, adapter=[None, "experts", "down"][i % 3])
+               for i, p in enumerate(_prompts(11))]
+        done = {}
+        while len(done) < len(ids) or engine.has_running_jobs():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [[(lp.token_id, lp.logprob, lp.top) for lp in done[i].outputs[0].logprobs] for i in ids]
+
+    engines = [_engine(model_dir), _engine(model_dir)]
+    for engine in engines:
+        for name, path in paths.items():
+            engine.load_adapter(name, path)
+    alone = logprobs(engines[0])
+    job = _every_module_job(engines[1], tmp_path / "job")
+    assert job.bypass.config.target_parameters == EXPERTS
+    engines[1].add_finetune_job(job)
+    assert logprobs(engines[1]) == alone
+    assert job.tokens_done > 0
+
+
+@pytest.mark.parametrize("remat", ["cheap", "cheap:every", "cheap:none", "all"])
+@pytest.mark.parametrize("arch", MOES)
+@pytest.mark.parametrize("targets", [(["q_proj", "o_proj"], EXPERTS), ([], ["experts.gate_up_proj"]),
+                                     ([], ["experts.down_proj"])], ids=["attention-and-experts", "gate-up", "down"])
+def test_expert_windows_match_one_whole_sequence_backward(model_factory, arch, targets, remat):
+    """With the experts alone adapted, the first layer's backward stops after its mixture (its input needs no
+    gradient)."""
+    model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
+    bypass = perturbed_bypass(LoraConfig(r=4, lora_alpha=8, target_modules=targets[0], target_parameters=targets[1]),
+                              model, seed=5)
+    check_windows_match_autograd(model, bypass, 41, remat, (7, 1, 22, 11), [1, 4, 13, 41], seed=3, tol=2e-5)
+
+
+def test_the_file_layout_is_pefts_both_ways(model_factory, expert_adapters, tmp_path):
+    """PEFT's adapter loads trainable into coserve with every tensor as PEFT holds it; coserve's saved adapter loads
+    into PEFT with the same delta weight of every expert, and its config names the parameters as PEFT's does."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    model_dir = model_factory("qwen3_moe")
+    path = expert_adapters(model_dir)["experts"]
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    bypass = load_model_trainable(path, model)
+    theirs = load_file(str(path / "adapter_model.safetensors"))
+    ours = bypass.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    out = tmp_path / "saved"
+    with torch.no_grad():
+        for p in bypass.parameters():
+            p.mul_(1.5)
+    bypass.save_pretrained(out, base_model=str(model_dir))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_parameters"] == EXPERTS and config["target_modules"] == ["q_proj"]
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+                                     str(out))
+    for layer in range(model.cfg.num_layers):
+        experts = peft.base_model.model.model.layers[layer].mlp.experts
+        for wrapper, module in ((experts.base_layer, "experts.gate_up_proj"), (experts, "experts.down_proj")):
+            a, b = bypass.ea[(layer, module)], bypass.eb[(layer, module)]
+            mine = torch.einsum("eor,eri->eoi", b, a) * bypass.scaling
+            assert torch.allclose(wrapper.get_delta_weight("default"), mine, atol=1e-6)
+
+
+def test_what_is_not_supported_is_refused_naming_the_field(model_factory, expert_adapters, tmp_path):
+    dense = load_model(model_factory("llama"), torch.float32, torch.device("cpu"))
+    moe = load_model(model_factory("mixtral"), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="target_parameters: .* this model is no mixture of experts"):
+        for_model(LoraConfig(target_parameters=EXPERTS), dense.module_shapes(), dense.expert_shapes())
+    with pytest.raises(ValueError, match="target_parameters: 'router' is not an expert parameter"):
+        LoraConfig(target_parameters=["router"])
+    with pytest.raises(ValueError, match="target_parameters: '7.mlp.experts.down_proj' is not an expert parameter"):
+        LoraConfig(target_parameters=["7.mlp.experts.down_proj"])
+    with pytest.raises(ValueError, match="lora_dropout: must be 0 with target_parameters"):
+        LoraConfig(target_parameters=EXPERTS, lora_dropout=0.1)
+    with pytest.raises(ValueError, match="use_dora: DoRA does not adapt experts"):
+        LoraConfig(target_parameters=EXPERTS, use_dora=True)
+    assert LoraConfig(target_parameters=["down_proj"]).target_modules == []  # the experts alone
+    assert LoraConfig().target_modules == ["down_proj"]
+    with pytest.raises(ValueError, match="coserve does not adapt the router: name the attention's modules"):
+        for_model(LoraConfig(target_modules="all-linear"), moe.module_shapes(), moe.expert_shapes())
+    # an experts' adapter on a dense model, or one whose shapes do not fit: the file and tensor named
+    path = expert_adapters(model_factory("mixtral"))["experts"]
+    llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
+    with pytest.raises(AdapterError, match="adapter_config.json: field target_parameters: .* no mixture of experts"):
+        llm.load_adapter("x", path)
+    other = tmp_path / "other"
+    make_lora_adapter(model_factory("qwen3_moe"), other, r=4, lora_alpha=8, target_modules=["q_proj"],
+                      target_parameters=EXPERTS)
+    with pytest.raises(AdapterError, match=r"layer 0's experts have lora_A \(16, 64\) and lora_B"):
+        LLM(model_factory("mixtral"), dtype="float32", device="cpu").load_adapter("x", other)
+
+
+def test_a_trainable_experts_adapter_starts_as_pefts_does(model_factory):
+    """A fresh adapter of the experts: A drawn as PEFT's ``nn.Linear(in, E * r)`` (Kaiming-uniform bound 1/sqrt(in)),
+    B zeros, so that it starts as the base model."""
+    model = load_model(model_factory("olmoe"), torch.float32, torch.device("cpu"))
+    bypass = TrainableLora(LoraConfig(r=3, target_parameters=EXPERTS), model.module_shapes(), model.cfg.num_layers,
+                           model.device, torch.Generator().manual_seed(0), experts=model.expert_shapes())
+    e, h, i = model.cfg.num_experts, model.cfg.hidden_size, model.cfg.intermediate_size
+    a, b = bypass.ea[(0, "experts.gate_up_proj")], bypass.eb[(0, "experts.gate_up_proj")]
+    assert a.shape == (e, 3, h) and b.shape == (e, 2 * i, 3) and not b.any()
+    assert a.abs().max() <= h ** -0.5 and a.std() > 0.5 * h ** -0.5 / 3 ** 0.5
+    assert bypass.ea[(0, "experts.down_proj")].shape == (e, 3, i)
+    assert set(bypass.modules) == set(EXPERTS)
+
+
+def test_coserve_finetune_trains_the_experts_into_an_adapter_the_engine_serves(model_factory, tmp_path, capsys):
+    """``coserve finetune --target-parameters``: the adapter names the experts as PEFT does and serves; IA3 of the
+    experts is refused naming the option."""
+    from coserve.cli import main
+    model_dir = model_factory("olmoe")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Sample {i}: the quick brown fox jumps."}) + "\n" for i in range(4)))
+    out = tmp_path / "adapter"
+    args = ["finetune", "--model", str(model_dir), "--data", str(data), "--output", str(out), "--max-steps", "2",
+            "--batch-size", "2", "--lr", "0.05", "--lora-r", "2", "--target-modules", "q_proj", "--no-progress",
+            "--target-parameters", "experts.gate_up_proj,experts.down_proj"]
+    assert main(args) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj"] and config["target_parameters"] == EXPERTS
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    llm.load_adapter("tuned", out)
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), adapter="tuned")[0].token_ids)
+    capsys.readouterr()
+    assert main(args[:-2] + ["--peft", "ia3", "--target-parameters", "experts.down_proj"]) != 0
+    assert "--target-parameters: only LoRA adapts experts" in capsys.readouterr().err
