@@ -22,8 +22,8 @@ ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS)
 INPUT_SCALABLE_MODULES = ("o_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module of the decoder layers (not the LM head)
 # A mixture's experts, as PEFT's ``target_parameters`` name them (transformers 5 holds each layer's experts as two
-# parameters, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``): the names coserve
-# keys their adapters by, in the order of the experts' parameters (the order PEFT nests its wrappers in).
+# parameters, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``): the names
+# coserve keys their adapters by, in the order of the experts' parameters (the order PEFT nests its wrappers in).
 EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
 
 
