@@ -21,6 +21,7 @@ import torch
 
 from coserve.bench.hf_reference import load_hf_model
 from coserve.bench.workload import DEFAULT_SHAREGPT
+from coserve.model.linear_modules import EXPERT_MODULES
 from coserve.output_path import prepare_output
 
 DEFAULT_ALPACA = DEFAULT_SHAREGPT.with_name("alpaca_en_demo.json")
@@ -34,7 +35,9 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=5, help="measured optimizer steps (one 1-sequence batch each)")
     p.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps before them")
     p.add_argument("--targets", action="append", default=None,
-                   help="comma-separated target modules; repeat (default: down_proj, and all linear modules)")
+                   help="comma-separated target modules, a mixture's experts among them by PEFT's target_parameters "
+                        "names (experts.gate_up_proj, experts.down_proj); repeat (default: down_proj, and all linear "
+                        "modules)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--use-dora", action="store_true", help="DoRA on both sides (PEFT's use_dora)")
     p.add_argument("--config", action="append", default=None, metavar="REMAT:WINDOW[:MEMORY_TARGET]",
@@ -251,8 +254,9 @@ def _run_hf(spec: dict, warmup: list[list[int]], seqs: list[list[int]], device: 
     from coserve.finetune.memory import saved_activation_bytes
     from peft import LoraConfig, get_peft_model
     base = load_hf_model(spec["model"], dtype).to(device)
+    modules, experts = split_targets(spec["targets"])
     model = get_peft_model(base, LoraConfig(r=spec["r"], lora_alpha=spec["r"], use_dora=spec.get("use_dora", False),
-                                            target_modules=spec["targets"].split(",")))
+                                            target_modules=modules, target_parameters=experts or None))
     for p in model.parameters():  # the adapter trains in float32, as coserve's does
         if p.requires_grad:
             p.data = p.data.float()
@@ -278,6 +282,13 @@ def _run_hf(spec: dict, warmup: list[list[int]], seqs: list[list[int]], device: 
     return times, {"autograd_bytes_per_token": per_token, "kept_bytes_per_token": per_token}
 
 
+def split_targets(text: str) -> tuple[list[str], list[str]]:
+    """``--targets``' comma list as PEFT's ``target_modules`` and ``target_parameters`` (a mixture's experts:
+    ``EXPERT_MODULES``' names)."""
+    names = text.split(",")
+    return [n for n in names if n not in EXPERT_MODULES], [n for n in names if n in EXPERT_MODULES]
+
+
 def _timed(device: torch.device, steps: list) -> list[float]:
     """Seconds each of ``steps`` (callables) takes, the device's queued work included."""
     times = []
@@ -299,10 +310,11 @@ def _run_coserve(spec: dict, warmup: list[list[int]], seqs: list[list[int]], dev
     from coserve.peft.trainable import TrainableLora
     model = load_model(spec["model"], dtype, device)
     dora = spec.get("use_dora", False)
-    bypass = TrainableLora(LoraConfig(r=spec["r"], lora_alpha=spec["r"], target_modules=spec["targets"].split(","),
-                                      use_dora=dora),
+    modules, experts = split_targets(spec["targets"])
+    bypass = TrainableLora(LoraConfig(r=spec["r"], lora_alpha=spec["r"], target_modules=modules, use_dora=dora,
+                                      target_parameters=experts),
                            model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(0),
-                           base_weight=model.module_weight if dora else None)
+                           base_weight=model.module_weight if dora else None, experts=model.expert_shapes())
     examples = [Example(ids, ids[1:] + [-100]) for ids in warmup + seqs]
     out = tempfile.mkdtemp(prefix="coserve-bench-ft-")
     memory = {"memory_target": spec["memory_target"]} if spec.get("memory_target") is not None else {}
