@@ -28,8 +28,8 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides whi
 
 @pytest.fixture(scope="module")
 def expert_adapters(tmp_path_factory):
-    """Per model: ``experts`` (q_proj and both expert parameters, r=4) and ``down`` (the experts' down projection
-    alone, PEFT's bare parameter name, r=2 with rsLoRA)."""
+    """Per model: ``experts`` (q_proj, the router's weight and both expert parameters, r=4; PEFT 0.21 adapts Qwen2-MoE's
+    router only so) and ``down`` (the experts' down projection alone, PEFT's bare parameter name, r=2 with rsLoRA)."""
     made = {}
 
     def get(model_dir):
@@ -37,7 +37,7 @@ def expert_adapters(tmp_path_factory):
             root = tmp_path_factory.mktemp("expert-adapters")
             made[model_dir] = {
                 "experts": make_lora_adapter(model_dir, root / "experts", seed=1, r=4, lora_alpha=8,
-                                             target_modules=["q_proj"], target_parameters=EXPERTS),
+                                             target_modules=["q_proj"], target_parameters=["gate.weight", *EXPERTS]),
                 "down": make_lora_adapter(model_dir, root / "down", seed=2, r=2, lora_alpha=4, use_rslora=True,
                                           target_modules=[], target_parameters=["down_proj"]),
             }
@@ -112,19 +112,24 @@ def test_co_served_requests_on_expert_adapters_get_the_same_logprobs_bit_for_bit
 @pytest.mark.parametrize("remat", ["cheap", "cheap:every", "cheap:none", "all"])
 @pytest.mark.parametrize("arch", MOES)
 @pytest.mark.parametrize("targets", [(["q_proj", "o_proj"], EXPERTS), ([], ["experts.gate_up_proj"]),
-                                     ([], ["experts.down_proj"])], ids=["attention-and-experts", "gate-up", "down"])
+                                     ([], ["experts.down_proj"]), (["gate", "v_proj"], EXPERTS), (["gate"], []),
+                                     "ia3"],
+                         ids=["attention-and-experts", "gate-up", "down", "router-and-experts", "router", "ia3-router"])
 def test_expert_windows_match_one_whole_sequence_backward(model_factory, arch, targets, remat):
-    """With the experts alone adapted, the first layer's backward stops after its mixture (its input needs no
-    gradient)."""
+    """With the experts or the router alone adapted, the first layer's backward stops after its mixture (its input
+    needs no gradient). IA3 scales the router's logits."""
+    from coserve.peft.config import IA3Config
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
-    bypass = perturbed_bypass(LoraConfig(r=4, lora_alpha=8, target_modules=targets[0], target_parameters=targets[1]),
-                              model, seed=5)
+    config = (IA3Config(target_modules=["k_proj", "gate"], feedforward_modules=[]) if targets == "ia3" else
+              LoraConfig(r=4, lora_alpha=8, target_modules=targets[0], target_parameters=targets[1]))
+    bypass = perturbed_bypass(config, model, seed=5)
     check_windows_match_autograd(model, bypass, 41, remat, (7, 1, 22, 11), [1, 4, 13, 41], seed=3, tol=2e-5)
 
 
 def test_the_file_layout_is_pefts_both_ways(model_factory, expert_adapters, tmp_path):
     """PEFT's adapter loads trainable into coserve with every tensor as PEFT holds it; coserve's saved adapter loads
-    into PEFT with the same delta weight of every expert, and its config names the parameters as PEFT's does."""
+    into PEFT with the same delta weight of every expert, and its config names the parameters as PEFT's does (the
+    router's weight among them, as PEFT 0.21 adapts it)."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -141,7 +146,7 @@ def test_the_file_layout_is_pefts_both_ways(model_factory, expert_adapters, tmp_
             p.mul_(1.5)
     bypass.save_pretrained(out, base_model=str(model_dir))
     config = json.loads((out / "adapter_config.json").read_text())
-    assert config["target_parameters"] == EXPERTS and config["target_modules"] == ["q_proj"]
+    assert config["target_parameters"] == ["gate.weight", *EXPERTS] and config["target_modules"] == ["q_proj"]
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
                                      str(out))
     for layer in range(model.cfg.num_layers):
@@ -167,8 +172,9 @@ def test_what_is_not_supported_is_refused_naming_the_field(model_factory, expert
         LoraConfig(target_parameters=EXPERTS, use_dora=True)
     assert LoraConfig(target_parameters=["down_proj"]).target_modules == []  # the experts alone
     assert LoraConfig().target_modules == ["down_proj"]
-    with pytest.raises(ValueError, match="coserve does not adapt the router: name the attention's modules"):
-        for_model(LoraConfig(target_modules="all-linear"), moe.module_shapes(), moe.expert_shapes())
+    qwen2_moe = load_model(model_factory("qwen2_moe"), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"target_modules: \['all-linear'\] on Qwen2-MoE are, in PEFT, its shared"):
+        for_model(LoraConfig(target_modules="all-linear"), qwen2_moe.module_shapes(), qwen2_moe.expert_shapes())
     # an experts' adapter on a dense model, or one whose shapes do not fit: the file and tensor named
     path = expert_adapters(model_factory("mixtral"))["experts"]
     llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
@@ -215,3 +221,43 @@ def test_coserve_finetune_trains_the_experts_into_an_adapter_the_engine_serves(m
     capsys.readouterr()
     assert main(args[:-2] + ["--peft", "ia3", "--target-parameters", "experts.down_proj"]) != 0
     assert "--target-parameters: only LoRA adapts experts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch,targets", [("mixtral", "all-linear"), ("qwen3_moe", "all-linear"),
+                                          ("olmoe", "all-linear"), ("mixtral", ["q_proj", "w1", "w3", "w2"]),
+                                          ("mixtral", ["w2"]), ("qwen3_moe", ["gate_proj", "up_proj", "down_proj"]),
+                                          ("olmoe", ["gate_proj", "up_proj"])])
+def test_pefts_names_on_a_mixture_adapt_what_peft_adapts(model_factory, arch, targets):
+    """PEFT 0.21 on transformers 5 reads ``all-linear`` (the attention, the router and both expert parameters) and
+    transformers 4's names of the experts (Mixtral's w1/w3/w2, the others' gate_proj/up_proj/down_proj) as the
+    experts' parameters, gate and up together at twice the rank and alpha (``rank_pattern``): coserve's adapter has
+    PEFT's tensors, name for name and shape for shape, and its config."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    path = model_factory(arch)
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    cfg = for_model(LoraConfig(r=4, lora_alpha=8, target_modules=targets), model.module_shapes(),
+                    model.expert_shapes())
+    ours = TrainableLora(cfg, model.module_shapes(), model.cfg.num_layers, model.device, experts=model.expert_shapes())
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(str(path)),
+                          PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    theirs = {n.replace(".default", ""): tuple(p.shape) for n, p in peft.named_parameters() if p.requires_grad}
+    assert {n: tuple(t.shape) for n, t in ours.state_dict().items()} == theirs
+    saved = ours.peft_config("")
+    pc = peft.peft_config["default"]
+    assert set(saved["target_parameters"] or ()) == {f"experts.{p}" if "gate.weight" != p else p
+                                                     for p in pc.target_parameters}
+    assert saved["rank_pattern"] == pc.rank_pattern and saved["alpha_pattern"] == pc.alpha_pattern
+
+
+def test_transformers_4_names_refused_as_peft_refuses_them(model_factory):
+    moe = load_model(model_factory("olmoe"), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="target_modules: gate_proj without up_proj: the experts' two are fused"):
+        for_model(LoraConfig(target_modules=["gate_proj"]), moe.module_shapes(), moe.expert_shapes())
+    qwen2_moe = load_model(model_factory("qwen2_moe"), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"target_modules: \['down_proj'\] on Qwen2-MoE are, in PEFT, its shared"):
+        for_model(LoraConfig(target_modules=["down_proj"]), qwen2_moe.module_shapes(), qwen2_moe.expert_shapes())
+    with pytest.raises(ValueError, match="alpha_pattern: experts.gate_up_proj at r=8, lora_alpha=8 scales"):
+        TrainableLora(LoraConfig(r=4, lora_alpha=8, target_parameters=EXPERTS, rank_pattern={"gate_up_proj": 8}),
+                      moe.module_shapes(), moe.cfg.num_layers, moe.device, experts=moe.expert_shapes())

@@ -101,24 +101,14 @@ def test_what_is_not_run_is_refused_naming_the_field(model_factory, field, value
 
 
 @pytest.mark.parametrize("arch", MOES)
-def test_experts_as_modules_and_all_linear_are_refused_naming_what_the_model_takes(model_factory, arch):
-    """coserve adapts a mixture's attention as modules and its experts as parameters (PEFT's ``target_parameters``,
-    test_expert_lora.py); PEFT's ``all-linear`` there wraps the router too (seen with PEFT 0.21), which coserve does
-    not adapt, so it is refused rather than read as less."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-    path = model_factory(arch)
-    modules = load_model(path, torch.float32, torch.device("cpu")).module_shapes()
-    assert set(modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    with pytest.raises(ValueError, match=r"\['down_proj'\] are not modules of this model, which has q_proj"):
-        for_model(LoraConfig(target_modules=["q_proj", "down_proj"]), modules)
-    with pytest.raises(ValueError, match="'all-linear' on a mixture of experts is, in PEFT, the attention, the router"):
-        for_model(LoraConfig(target_modules="all-linear"), modules)
-    wrapped = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in get_peft_model(
-        AutoModelForCausalLM.from_pretrained(str(path)), PeftLoraConfig(r=4, target_modules="all-linear")
-    ).named_parameters() if ".lora_A" in n}
-    assert wrapped - set(modules)  # PEFT's reaches past the attention
+def test_a_mixtures_modules_are_its_attention_and_its_router(model_factory, arch):
+    """A mixture's adaptable modules are its attention's and its router's (``gate``, PEFT's name); its experts are
+    parameters (PEFT's ``target_parameters``, test_expert_lora.py). A module it lacks is refused naming what it has
+    (Qwen2-MoE: transformers 4's names of the experts, which PEFT reads as its shared expert's modules)."""
+    modules = load_model(model_factory(arch), torch.float32, torch.device("cpu")).module_shapes()
+    assert set(modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate"}
+    with pytest.raises(ValueError, match=r"\['gate_up_proj'\] are not modules of this model, which has q_proj"):
+        for_model(LoraConfig(target_modules=["q_proj", "gate_up_proj"]), modules)
 
 
 def test_a_job_naming_no_modules_gets_pefts_default_for_the_model(model_factory, tmp_path):
@@ -145,8 +135,9 @@ def test_a_job_naming_no_modules_gets_pefts_default_for_the_model(model_factory,
 def test_an_openai_fine_tuning_job_on_a_mixture_serves_its_model(model_factory, tmp_path):
     """Through a live server and the ``openai`` client: a job naming only the experts' down projection (PEFT's
     ``target_parameters``) on a Mixtral succeeds (LoRA on q/v too, PEFT's default modules there), its model chats and
-    differs from the base; an expert as a target module is a 400 naming the modules the model has, and IA3 of the
-    experts a 400 naming the field."""
+    differs from the base; so does one naming the experts' gate and up by transformers 4's names (w1, w3: gate/up at
+    twice the rank); an expert as a target module is a 400 naming the modules the model has, and IA3 of the experts a
+    400 naming the field."""
     import io
 
     from openai import BadRequestError, OpenAI
@@ -168,6 +159,13 @@ def test_an_openai_fine_tuning_job_on_a_mixture_serves_its_model(model_factory, 
         assert done.status == "succeeded", done.error
         saved = json.loads(next((tmp_path / "state").rglob("adapter_config.json")).read_text())
         assert saved["target_modules"] == ["q_proj", "v_proj"] and saved["target_parameters"] == ["experts.down_proj"]
+        # transformers 4's names of Mixtral's experts, as PEFT reads them: w1 and w3, gate/up at twice the rank
+        job = client.fine_tuning.jobs.create(model="tiny-mixtral", training_file=f.id, seed=1, extra_body={
+            "coserve": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "w1", "w3"], "max_steps": 1}})
+        other = wait_for_job(client, job.id)
+        assert other.status == "succeeded", other.error
+        hi = [{"role": "user", "content": "Hi"}]
+        assert client.chat.completions.create(model=other.fine_tuned_model, messages=hi, max_tokens=2).choices
         hello = [{"role": "user", "content": "Hello"}]
         kwargs = {"messages": hello, "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
         tuned = client.chat.completions.create(model=done.fine_tuned_model, **kwargs).choices[0].message.content

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from coserve.model.decoder import DecoderLayer, DecoderModel
-from coserve.model.linear_modules import EXPERT_MODULES
+from coserve.model.linear_modules import EXPERT_MODULES, ROUTER
+from coserve.peft.trainable import LowRank
 from coserve.model.moe import expert_groups, route_probs
 
 
@@ -27,8 +28,9 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
     """dL/d(input) ``[n, H]`` of ``layer``'s mixture given dL/d(output) ``dout`` ``[n, H]``, the router's
     probabilities ``probs`` ``[n, E]`` (float32) and the experts' gate/up outputs ``gu`` ``[n, k, 2I]`` (None:
     recomputed from the input ``h``, which Qwen2-MoE's shared expert always needs). A trainable ``bypass`` adapting
-    the experts (``EXPERT_MODULES``; it needs ``h`` for gate/up's) gets its gradients, from the ``x A_e^T`` its forward
-    kept (``kept``: by module, ``[n, k, r]``) or recomputed."""
+    the experts (``EXPERT_MODULES``; it needs ``h`` for gate/up's) or the router (``ROUTER``; ``h`` too) gets its
+    gradients, from what its forward kept (``kept``: by module, the experts' ``x A_e^T`` ``[n, k, r]`` or recomputed,
+    the router's as ``moe.router``)."""
     cfg = model.cfg
     experts, weights = route_probs(cfg, probs, dout.dtype)
     n, k = experts.shape
@@ -72,8 +74,15 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
     else:
         dchosen = dw
     dprobs = torch.zeros_like(probs).scatter_(1, experts, dchosen)
-    dlogits = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))  # the softmax's backward
-    dh.add_(model.input_grad(dlogits.to(dout.dtype), layer.router))
+    dlogits = (probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))).to(dout.dtype)  # the softmax's backward
+    extra = None
+    if bypass is not None and ROUTER in bypass.modules:  # the router's adapter (LoRA, DoRA, IA3), from its kept tensor
+        dlogits, extra = bypass.output_backward(layer.index, ROUTER, h, kept.get("moe.router"), dlogits)
+    dh.add_(model.input_grad(dlogits, layer.router))
+    if isinstance(extra, LowRank):
+        extra.add_to(dh)
+    elif extra is not None:
+        dh.add_(extra)
     if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, recomputed from the input
         dh.add_(_shared_expert_input_grad(model, layer, h, dout))
     return dh

@@ -13,7 +13,7 @@ from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.attention_spec import AttentionSpec
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
-from coserve.model.linear_modules import ExpertShapes
+from coserve.model.linear_modules import MIXTRAL_EXPERT_NAMES, ROUTER, V4_EXPERT_NAMES, ExpertShapes
 from coserve.model.moe import expert_names, moe_mlp, router_name, row_sigmoid, shared_expert_names
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
@@ -232,9 +232,9 @@ class DecoderModel:
         ``qkv_proj`` and ``gate_up_proj``, each one module; ``coserve/model/linear_modules.py``)."""
         c = self.cfg
         h, i = c.hidden_size, c.intermediate_size
-        if c.moe:  # the experts' matrices are no modules PEFT adapts (nor "all-linear" selects)
+        if c.moe:  # the router; the experts' matrices are no modules: PEFT adapts them as parameters (expert_shapes)
             return {"q_proj": (h, c.q_size), "k_proj": (h, c.kv_size), "v_proj": (h, c.kv_size),
-                    "o_proj": (c.q_size, h)}
+                    "o_proj": (c.q_size, h), ROUTER: (h, c.num_experts)}
         if c.fused:
             return {"qkv_proj": (h, c.q_size + 2 * c.kv_size), "o_proj": (c.q_size, h), "gate_up_proj": (h, 2 * i),
                     "down_proj": (i, h)}
@@ -248,7 +248,9 @@ class DecoderModel:
         if not c.moe:
             return None
         h, i = c.hidden_size, c.intermediate_size
-        return ExpertShapes(c.num_experts, {"experts.gate_up_proj": (h, 2 * i), "experts.down_proj": (i, h)})
+        names = MIXTRAL_EXPERT_NAMES if c.architecture == "MixtralForCausalLM" else V4_EXPERT_NAMES
+        return ExpertShapes(c.num_experts, {"experts.gate_up_proj": (h, 2 * i), "experts.down_proj": (i, h)},
+                            bool(c.shared_expert_size), names)
 
     def module_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen ``[out, in]`` weight and the bias (or None) of one targetable module (views of the fused ones)."""
@@ -260,7 +262,7 @@ class DecoderModel:
             lo, hi = bounds[module]
             return lay.qkv[lo:hi], None if lay.qkv_bias is None else lay.qkv_bias[lo:hi]
         weights = {"o_proj": lay.o, "gate_proj": lay.gate_weight, "up_proj": lay.up_weight, "down_proj": lay.down,
-                   "gate_up_proj": lay.gate_up}
+                   "gate_up_proj": lay.gate_up, ROUTER: lay.router}
         return weights[module], None
 
     @torch.inference_mode()
@@ -356,10 +358,14 @@ class DecoderModel:
         if tap is not None:
             tap("resid", x)
         h = self.input_norm(x, layer.post_norm, tap, "rms_mlp")
-        if layer.router is not None:  # Mixtral, Qwen3-MoE: adapters of the experts only (expert_shapes)
-            # the router over every row, as the other matmuls; each expert over its rows in calls of their own
-            mlp = moe_mlp(cfg, h, linear(h, layer.router), layer.expert_gate_up, layer.expert_down, self.linear,
-                          self.act, self.padded_rows, tap, bypass, i)
+        if layer.router is not None:  # a mixture of experts: adapters of its router and its experts (expert_shapes)
+            # the router over every row, as the other matmuls; each expert over its rows in calls of their own. A
+            # bypass's kept tensor of the router goes to the tap as "moe.router" (its PEFT name, "gate", is the dense
+            # MLP's gate output among the kept tensors)
+            logits = bypass_output(bypass, tap and _renamed(tap, ROUTER, "moe.router"), i, ROUTER, h,
+                                   linear(h, layer.router))
+            mlp = moe_mlp(cfg, h, logits, layer.expert_gate_up, layer.expert_down, self.linear, self.act,
+                          self.padded_rows, tap, bypass, i)
             if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, over every row, gated
                 mlp = mlp + self.shared_expert(layer, h, linear)[0]
             return x + mlp, k, v
@@ -429,6 +435,11 @@ def bypass_output(bypass: Bypass | None, tap: Tap | None, layer: int, module: st
     if kept is not None:
         tap(module, kept)
     return y
+
+
+def _renamed(tap: Tap, name: str, to: str) -> Tap:
+    """``tap`` seeing ``name`` as ``to``."""
+    return lambda n, value: tap(to if n == name else n, value)
 
 
 def bypassed_linear(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,

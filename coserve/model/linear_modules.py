@@ -16,8 +16,15 @@ from dataclasses import dataclass
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Phi-3's fused modules, each with its parts in the order of its output rows.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# A mixture's router, by the name its PEFT module has (``mlp.gate``: ``[E, H]``), and as a parameter
+ROUTER = "gate"
+ROUTER_PARAMETER = "gate.weight"
 # Every name any model has (indices are stable: LoRA dropout seeds mix them in).
-ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS)
+ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS) + (ROUTER,)
+# A mixture's experts' gate, up and down modules in transformers 4 (Mixtral's: w1, w3, w2), which PEFT 0.21 reads as
+# its experts' parameters on transformers 5 (``peft.rank_pattern.expert_targets_from_v4``)
+V4_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 # Modules whose input a bypass may rescale (IA3's feed-forward placement): each has its own matmul.
 INPUT_SCALABLE_MODULES = ("o_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module of the decoder layers (not the LM head)
@@ -34,33 +41,31 @@ class ExpertShapes:
 
     num_experts: int
     modules: dict[str, tuple[int, int]]
+    shared_expert: bool = False  # Qwen2-MoE's, beside the experts (no adapter of coserve's reaches it)
+    v4_names: tuple[str, str, str] = V4_EXPERT_NAMES  # its experts' modules by transformers 4's names
 
 
 def ordered(modules: Iterable[str]) -> list[str]:
     """``modules`` in layer order (``ALL_TARGET_MODULES``'s, fused modules beside their parts)."""
-    order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+    order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", ROUTER, "gate_proj", "up_proj", "gate_up_proj",
+             "down_proj")
     chosen = set(modules)
     return [m for m in order if m in chosen]
 
 
 def attention_only(modules: Iterable[str]) -> bool:
-    """Whether a model's adaptable modules are its attention's alone (a mixture of experts: no MLP module of its
-    takes an adapter, ``DecoderModel.module_shapes``)."""
+    """Whether a model's adaptable modules are its attention's (and its router's) alone: a mixture of experts, whose
+    experts are parameters (``DecoderModel.module_shapes``, ``expert_shapes``)."""
     return "down_proj" not in set(modules)
 
 
 def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str = "target_modules") -> list[str]:
     """``targets`` as the model's own module names, in layer order (``ordered``: the order PEFT wraps them in, whatever
-    order they were given in): ``all-linear`` (alone) is every one of ``available``; a name the model lacks is
-    refused, naming ``field`` and what the model has. A mixture of experts (no adaptable MLP module) refuses
-    ``all-linear``: PEFT's wraps its router too, which coserve does not adapt (its experts: ``target_parameters``)."""
+    order they were given in): ``all-linear`` (alone) is every one of ``available`` (on a mixture of experts, the
+    attention and the router; PEFT's also takes the experts, as ``target_parameters``: ``peft.config.for_model``); a
+    name the model lacks is refused, naming ``field`` and what the model has."""
     targets, available = list(targets), list(available)
     if targets == [ALL_LINEAR]:
-        if attention_only(available):
-            raise ValueError(f"{field}: 'all-linear' on a mixture of experts is, in PEFT, the attention, the router "
-                             f"and the experts; coserve does not adapt the router: name the attention's modules "
-                             f"({', '.join(available)}) and the experts as target_parameters "
-                             f"({', '.join(EXPERT_MODULES)})")
         return available
     missing = [m for m in targets if m not in available]
     if missing:
@@ -76,13 +81,21 @@ def resolve_targets(targets: Iterable[str], available: Iterable[str], field: str
     return ordered(targets)
 
 
+def is_router_parameter(name: str) -> bool:
+    """Whether a ``target_parameters`` name is a mixture's router weight (``gate.weight``: PEFT 0.21 with transformers
+    5 adapts Mixtral's router, named ``gate`` among ``target_modules``, as that parameter; its tensors are named as a
+    module's, ``mlp.gate.lora_A.weight``, and it is the ``ROUTER`` module here)."""
+    return isinstance(name, str) and f".mlp.{ROUTER_PARAMETER}".endswith(f".{name}")
+
+
 def resolve_expert_targets(targets: Iterable[str], experts: ExpertShapes | None,
                            field: str = "target_parameters") -> list[str]:
     """PEFT's ``target_parameters`` as ``EXPERT_MODULES`` names: each matches as PEFT matches it, a parameter's name
     ending in it (``gate_up_proj``, ``experts.gate_up_proj`` or ``mlp.experts.gate_up_proj``, and the same of
-    ``down_proj``). A model without experts, a name that is no expert parameter, or one of some layers only
-    (``7.mlp.experts.down_proj``) is refused, naming ``field``."""
-    targets = list(targets)
+    ``down_proj``); the router's weight (``is_router_parameter``) is left out, being the ``ROUTER`` module. A model
+    without experts, a name that is no expert parameter, or one of some layers only (``7.mlp.experts.down_proj``) is
+    refused, naming ``field``."""
+    targets = [t for t in targets if not is_router_parameter(t)]
     if targets and experts is None:
         raise ValueError(f"{field}: {targets} name experts' parameters; this model is no mixture of experts")
     out = set()

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, OLMoE): the checkpoint's names, and the forward over a flat batch.
+"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): the checkpoint's names, and the forward over a flat
+batch, with the LoRA of the experts where an adapter has one (PEFT's ``target_parameters``).
 
 Each token's router logits (a linear map of the MLP's input) go through a float32 softmax; the token runs through
 the ``experts_per_token`` experts scoring highest, each a SiLU-gated MLP, and their outputs are summed weighted by

@@ -6,7 +6,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES,
-                                          ExpertShapes, attention_only, resolve_expert_targets, resolve_targets)
+                                          MIXTRAL_EXPERT_NAMES, ROUTER, ExpertShapes, attention_only,
+                                          is_router_parameter, resolve_expert_targets, resolve_targets)
+from coserve.peft.rank_pattern import check_patterns, expert_targets_from_v4
 
 
 def _targets(modules) -> list[str]:
@@ -25,7 +27,7 @@ def _check_targets(name: str, modules: list[str], all_linear: bool = False) -> N
         raise ValueError(f"{name}: at least one module is needed")
     if all_linear and modules == [ALL_LINEAR]:
         return
-    unknown = sorted(set(modules) - set(ALL_TARGET_MODULES))
+    unknown = sorted(set(modules) - set(ALL_TARGET_MODULES) - set(MIXTRAL_EXPERT_NAMES))
     if unknown:
         raise ValueError(f"{name}: unknown module(s) {unknown}; choose from {', '.join(ALL_TARGET_MODULES)}"
                          + (f" or {ALL_LINEAR!r}" if all_linear else ""))
@@ -46,6 +48,9 @@ class LoraConfig:
     # a mixture's experts, by PEFT's names: "experts.gate_up_proj", "experts.down_proj" (an A [r, in] and a B [out, r]
     # for each expert of each layer; ``EXPERT_MODULES``)
     target_parameters: list[str] = field(default_factory=list)
+    # PEFT's per-module ranks and alphas, by patterns of module paths (``rank_pattern.py``: one scaling per adapter)
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
@@ -60,8 +65,13 @@ class LoraConfig:
         if self.target_modules is None:
             self.target_modules = [] if self.target_parameters else ["down_proj"]
         self.target_modules = _targets(self.target_modules)
+        if any(is_router_parameter(t) for t in self.target_parameters):  # the router's weight: the module "gate"
+            self.target_modules = [*self.target_modules, *([] if ROUTER in self.target_modules else [ROUTER])]
+            self.target_parameters = [t for t in self.target_parameters if not is_router_parameter(t)]
         if self.target_modules or not self.target_parameters:
             _check_targets("target_modules", self.target_modules, all_linear=True)
+        self.rank_pattern, self.alpha_pattern = dict(self.rank_pattern or {}), dict(self.alpha_pattern or {})
+        check_patterns(self.rank_pattern, self.alpha_pattern)
         if self.target_parameters:
             self.target_parameters = resolve_expert_targets(self.target_parameters, ExpertShapes(0, {}))
             # PEFT's ParamWrapper refuses both: dropout cannot be factored out of a weight's delta, nor DoRA's norm
@@ -121,8 +131,21 @@ def for_model(config: LoraConfig | IA3Config, modules: Iterable[str], experts: E
     """``config`` with its ``target_modules`` as the model's own names (``modules``: ``DecoderModel.module_shapes``'
     keys): ``all-linear`` resolved, a module the model lacks refused, naming the field; LoRA's ``target_parameters``
     checked against the model's experts (``DecoderModel.expert_shapes``; None: it has none)."""
-    targets = resolve_targets(config.target_modules, modules) if config.target_modules else []
-    if isinstance(config, LoraConfig):
-        return replace(config, target_modules=targets,
-                       target_parameters=resolve_expert_targets(config.target_parameters, experts))
-    return replace(config, target_modules=targets)
+    if not isinstance(config, LoraConfig):
+        return replace(config, target_modules=resolve_targets(config.target_modules, modules))
+    names, extra = config.target_modules, {}
+    all_linear = names == [ALL_LINEAR]
+    if experts is not None and experts.shared_expert and (all_linear or set(names) & set(experts.v4_names)):
+        raise ValueError(f"target_modules: {names} on Qwen2-MoE are, in PEFT, its shared expert's modules (gate_proj, "
+                         "up_proj, down_proj, shared_expert_gate), which coserve does not adapt; name the attention's "
+                         f"({', '.join(modules)}) and the experts as target_parameters")
+    if experts is not None and not experts.shared_expert:  # transformers 4's names of the experts, as PEFT reads them
+        rest, parameters, rank_pattern, alpha_pattern = expert_targets_from_v4(
+            [] if all_linear else names, experts.v4_names, config.r, config.lora_alpha, all_linear)
+        names = [ALL_LINEAR] if all_linear else rest
+        extra = {"rank_pattern": {**rank_pattern, **config.rank_pattern},
+                 "alpha_pattern": {**alpha_pattern, **config.alpha_pattern},
+                 "target_parameters": list(dict.fromkeys(config.target_parameters + parameters))}
+    return replace(config, **{**extra, "target_modules": resolve_targets(names, modules) if names else [],
+                              "target_parameters": resolve_expert_targets(extra.get("target_parameters",
+                                                                                    config.target_parameters), experts)})

@@ -14,6 +14,7 @@ from coserve.model.linear_modules import ExpertShapes, resolve_expert_targets
 from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
                                       peft_type, read_adapter_config, read_adapter_tensors)
 from coserve.peft.expert_lora import EXPERT_KEY, a_from_peft, b_from_peft
+from coserve.peft.rank_pattern import check_patterns, module_ranks
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(?:([AB])\.weight|(magnitude_vector))$")
 # (layer, module) -> the frozen module's weight [out, in] and bias (or None), to compute DoRA's column norms with
@@ -68,9 +69,8 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
         raise AdapterError(f"{cfg_file}: a DoRA adapter (use_dora) needs the base model's weights to be loaded")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{cfg_file}: field 'bias' = {config['bias']!r} is not supported (only 'none')")
-    for fld in ("rank_pattern", "alpha_pattern", "modules_to_save"):
-        if config.get(fld):
-            raise AdapterError(f"{cfg_file}: field {fld!r} is not supported (per-module ranks or saved modules)")
+    if config.get("modules_to_save"):
+        raise AdapterError(f"{cfg_file}: field 'modules_to_save' is not supported (whole modules saved)")
     targets = config.get("target_modules")
     if isinstance(targets, list):
         check_target_names(cfg_file, targets, "LoRA", module_shapes)
@@ -80,9 +80,16 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
     except ValueError as e:
         raise AdapterError(f"{cfg_file}: field {e}") from e
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    adapter = LoraAdapter(name=name, path=path, rank=rank, scaling=float(scaling),
+    try:  # each module's rank (PEFT's rank_pattern, alpha_pattern: one scaling per adapter)
+        patterns = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+        check_patterns(*patterns)
+        ranks = module_ranks(rank, alpha, bool(config.get("use_rslora")), *patterns,
+                             [*module_shapes, *(experts.modules if experts is not None else ())], num_layers)
+    except ValueError as e:
+        raise AdapterError(f"{cfg_file}: field {e}") from e
+    adapter = LoraAdapter(name=name, path=path, rank=max(ranks.values()), scaling=float(scaling),
                           target_modules=frozenset())
-    magnitudes = _read_weights(adapter, path, module_shapes, num_layers, experts)
+    magnitudes = _read_weights(adapter, path, module_shapes, num_layers, experts, ranks)
     weights_file = path / WEIGHTS_FILE
     if dora:
         missing = sorted(set(adapter.a) - set(magnitudes))
@@ -109,7 +116,8 @@ def _dora_terms(adapter: LoraAdapter, key: tuple[int, str], magnitude: torch.Ten
 
 
 def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tuple[int, int]],
-                  num_layers: int, experts: ExpertShapes | None) -> dict[tuple[int, str], torch.Tensor]:
+                  num_layers: int, experts: ExpertShapes | None, ranks: dict[str, int]
+                  ) -> dict[tuple[int, str], torch.Tensor]:
     """Fill ``adapter.a`` / ``adapter.b`` (and the experts'); returns DoRA's magnitude vectors, by (layer, module)."""
     weights_file = path / WEIGHTS_FILE
     tensors = read_adapter_tensors(path)
@@ -140,14 +148,14 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
                                    f"needs ({fan_out},)")
             magnitudes[(layer, module)] = tensor.float()
             continue
-        want = (adapter.rank, fan_in) if which == "A" else (fan_out, adapter.rank)
+        want = (ranks[module], fan_in) if which == "A" else (fan_out, ranks[module])
         if tuple(tensor.shape) != want:
             raise AdapterError(f"{weights_file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
-                               f"the model and r={adapter.rank} need {want}")
+                               f"the model and r={ranks[module]} need {want}")
         (adapter.a if which == "A" else adapter.b)[(layer, module)] = tensor.float()
         targets.add(module)
     for (layer, _), pair in wrapped.items():
-        targets.add(_read_expert_pair(adapter, weights_file, layer, pair, experts))
+        targets.add(_read_expert_pair(adapter, weights_file, layer, pair, experts, ranks))
     for key in set(adapter.a) ^ set(adapter.b):
         raise AdapterError(f"{weights_file}: layer {key[0]} {key[1]} has only one of lora_A and lora_B")
     for key in set(magnitudes) - set(adapter.a):
@@ -157,21 +165,23 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
 
 
 def _read_expert_pair(adapter: LoraAdapter, weights_file: Path, layer: int, pair: dict[str, torch.Tensor],
-                      experts: ExpertShapes) -> str:
+                      experts: ExpertShapes, ranks: dict[str, int]) -> str:
     """One layer's ``lora_A`` / ``lora_B`` of one expert parameter into ``adapter.expert_a`` / ``expert_b``, the
     parameter told by the shapes (``expert_lora.py``); returns its name."""
     if set(pair) != {"A", "B"}:
         raise AdapterError(f"{weights_file}: layer {layer}'s experts have a lora_{next(iter(pair))} without its "
                            f"lora_{'B' if 'A' in pair else 'A'}")
     a, b = pair["A"], pair["B"]
-    width = experts.num_experts * adapter.rank
     for module, (fan_in, fan_out) in experts.modules.items():
+        width = experts.num_experts * ranks[module]
         if tuple(a.shape) == (width, fan_in) and tuple(b.shape) == (fan_out, width):
             if (layer, module) in adapter.expert_a:
                 raise AdapterError(f"{weights_file}: layer {layer}'s {module} is adapted twice")
             adapter.expert_a[(layer, module)] = a_from_peft(a.float(), experts.num_experts)
             adapter.expert_b[(layer, module)] = b_from_peft(b.float(), experts.num_experts)
             return module
-    want = " or ".join(f"{m} A {(width, i)} and B {(o, width)}" for m, (i, o) in experts.modules.items())
+    n = experts.num_experts
+    want = " or ".join(f"{m} (r={ranks[m]}) A {(n * ranks[m], i)} and B {(o, n * ranks[m])}"
+                       for m, (i, o) in experts.modules.items())
     raise AdapterError(f"{weights_file}: layer {layer}'s experts have lora_A {tuple(a.shape)} and lora_B "
-                       f"{tuple(b.shape)}; {experts.num_experts} experts at r={adapter.rank} need {want}")
+                       f"{tuple(b.shape)}; {n} experts need {want}")

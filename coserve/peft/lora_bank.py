@@ -67,14 +67,14 @@ class LoraBank(SlotBank):
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         self._clear(slot)
         lo = slot * self.max_rank
-        for (layer, module), a in adapter.expert_a.items():
+        for (layer, module), a in adapter.expert_a.items():  # a module's own rank (PEFT's rank_pattern)
             bank_a, bank_b = self._expert_tensors(module)
-            bank_a[layer, :, lo:lo + adapter.rank] = a.to(self.device, self.dtype)
-            bank_b[layer, :, :, lo:lo + adapter.rank] = adapter.expert_b[(layer, module)].to(self.device, self.dtype)
+            bank_a[layer, :, lo:lo + a.shape[1]] = a.to(self.device, self.dtype)
+            bank_b[layer, :, :, lo:lo + a.shape[1]] = adapter.expert_b[(layer, module)].to(self.device, self.dtype)
         for (layer, module), a in adapter.a.items():
             bank_a, bank_b = self._module_tensors(module)
-            bank_a[layer, lo:lo + adapter.rank] = a.to(self.device, self.dtype)
-            bank_b[layer, :, lo:lo + adapter.rank] = adapter.b[(layer, module)].to(self.device, self.dtype)
+            bank_a[layer, lo:lo + a.shape[0]] = a.to(self.device, self.dtype)
+            bank_b[layer, :, lo:lo + a.shape[0]] = adapter.b[(layer, module)].to(self.device, self.dtype)
         for (layer, module), scale in adapter.dora_scale.items():
             bank_scale, bank_offset = self._dora_tensors(module)
             bank_scale[layer, slot] = scale.to(self.device, self.dtype)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file
 
-from coserve.model.linear_modules import ALL_TARGET_MODULES, ExpertShapes
+from coserve.model.linear_modules import ALL_TARGET_MODULES, ROUTER, ROUTER_PARAMETER, ExpertShapes
 from coserve.peft.config import IA3Config, LoraConfig, for_model
 from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
@@ -21,6 +21,7 @@ from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from coserve.peft.adapter_dir import AdapterError, write_adapter_files
 from coserve.peft.expert_lora import a_from_peft, a_to_peft, b_from_peft, b_to_peft, peft_prefix
 from coserve.peft.lora_adapter import BaseWeight, dora_row_norm
+from coserve.peft.rank_pattern import module_ranks
 
 
 def _prefix(layer: int, module: str) -> str:
@@ -178,15 +179,19 @@ class TrainableLora(TrainableBypass):
         self._transposed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if config.use_dora and base_weight is None:
             raise ValueError("use_dora: DoRA needs the base model's weights (base_weight)")
+        # each module's rank (PEFT's rank_pattern; the scaling is the adapter's)
+        self.ranks = module_ranks(config.r, config.lora_alpha, config.use_rslora, config.rank_pattern,
+                                  config.alpha_pattern, [*config.target_modules, *config.target_parameters], num_layers)
         for layer in range(num_layers):
             for module in config.target_modules:
                 fan_in, fan_out = module_shapes[module]
-                a = torch.empty(config.r, fan_in)
+                rank = self.ranks[module]
+                a = torch.empty(rank, fan_in)
                 # nn.Linear's default init, as PEFT uses for A: Kaiming-uniform with a = sqrt(5).
                 bound = 1 / math.sqrt(fan_in)
                 a.uniform_(-bound, bound, generator=generator)
                 self.a[(layer, module)] = a.to(device).requires_grad_()
-                self.b[(layer, module)] = torch.zeros(fan_out, config.r, device=device, requires_grad=True)
+                self.b[(layer, module)] = torch.zeros(fan_out, rank, device=device, requires_grad=True)
                 if config.use_dora:
                     weight, bias = base_weight(layer, module)
                     self.base[(layer, module)] = (weight, bias)
@@ -200,11 +205,11 @@ class TrainableLora(TrainableBypass):
         for layer in range(num_layers):
             for module in config.target_parameters:
                 fan_in, fan_out = experts.modules[module]
-                n = experts.num_experts
-                a = torch.empty(n * config.r, fan_in)
+                n, rank = experts.num_experts, self.ranks[module]
+                a = torch.empty(n * rank, fan_in)
                 a.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in), generator=generator)
-                self.ea[(layer, module)] = a.view(n, config.r, fan_in).to(device).requires_grad_()
-                self.eb[(layer, module)] = torch.zeros(n, fan_out, config.r, device=device, requires_grad=True)
+                self.ea[(layer, module)] = a.view(n, rank, fan_in).to(device).requires_grad_()
+                self.eb[(layer, module)] = torch.zeros(n, fan_out, rank, device=device, requires_grad=True)
                 prefix = peft_prefix(layer, module, config.target_parameters)
                 self._expert_names[f"{prefix}.lora_A.weight"] = ((layer, module), "A")
                 self._expert_names[f"{prefix}.lora_B.weight"] = ((layer, module), "B")
@@ -371,12 +376,16 @@ class TrainableLora(TrainableBypass):
 
     def peft_config(self, base_model: str) -> dict:
         c = self.config
+        # a mixture's router as PEFT 0.21 adapts it: a parameter (Qwen2-MoE's router is no module PEFT wraps)
+        router = [ROUTER_PARAMETER] if ROUTER in c.target_modules else []
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
                 "r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
-                "target_modules": sorted(c.target_modules), "use_rslora": c.use_rslora, "bias": "none",
-                "target_parameters": list(c.target_parameters) or None,
+                "target_modules": sorted(set(c.target_modules) - ({ROUTER} if router else set())),
+                "use_rslora": c.use_rslora, "bias": "none",
+                "target_parameters": router + list(c.target_parameters) or None,
+                "rank_pattern": dict(c.rank_pattern), "alpha_pattern": dict(c.alpha_pattern),
                 "fan_in_fan_out": False, "use_dora": c.use_dora, "init_lora_weights": True,
-                "inference_mode": True, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+                "inference_mode": True, "modules_to_save": None}
 
 
 class TrainableIA3(TrainableBypass):
@@ -457,7 +466,8 @@ def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], 
         config = LoraConfig(r=raw["r"], lora_alpha=raw["lora_alpha"], lora_dropout=raw.get("lora_dropout", 0.0),
                             target_modules=list(raw.get("target_modules") or []),
                             use_rslora=bool(raw.get("use_rslora")), use_dora=bool(raw.get("use_dora")),
-                            target_parameters=list(raw.get("target_parameters") or []))
+                            target_parameters=list(raw.get("target_parameters") or []),
+                            rank_pattern=raw.get("rank_pattern") or {}, alpha_pattern=raw.get("alpha_pattern") or {})
         if config.use_dora and base_weight is None:
             raise AdapterError(f"{cfg_file}: a DoRA adapter (use_dora) needs the base model's weights to be loaded")
         bypass: TrainableBypass = TrainableLora(config, module_shapes, num_layers, device, base_weight=base_weight,

@@ -467,12 +467,14 @@ class JobManager:
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise bad_request(f"coserve.{e}", f"coserve.{field}") from e
-        if cfg.r > self.engine.config.max_lora_rank:
-            raise bad_request(f"coserve.r: {cfg.r} exceeds the server's max_lora_rank "
+        rank = max([cfg.r, *cfg.rank_pattern.values()])  # the experts' gate/up at twice r, as PEFT reads gate and up
+        if rank > self.engine.config.max_lora_rank:
+            raise bad_request(f"coserve.r: {rank} exceeds the server's max_lora_rank "
                               f"({self.engine.config.max_lora_rank}), so the model could not be served", "coserve.r")
         return {"peft": "lora", "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
                 "use_rslora": cfg.use_rslora, "use_dora": cfg.use_dora, "target_modules": cfg.target_modules,
-                "target_parameters": cfg.target_parameters}
+                "target_parameters": cfg.target_parameters, "rank_pattern": cfg.rank_pattern,
+                "alpha_pattern": cfg.alpha_pattern}
 
     # ---- the watcher's side --------------------------------------------------------------------------------
     def _start_queued(self) -> None:
