@@ -146,6 +146,6 @@ def for_model(config: LoraConfig | IA3Config, modules: Iterable[str], experts: E
         extra = {"rank_pattern": {**rank_pattern, **config.rank_pattern},
                  "alpha_pattern": {**alpha_pattern, **config.alpha_pattern},
                  "target_parameters": list(dict.fromkeys(config.target_parameters + parameters))}
+    parameters = resolve_expert_targets(extra.get("target_parameters", config.target_parameters), experts)
     return replace(config, **{**extra, "target_modules": resolve_targets(names, modules) if names else [],
-                              "target_parameters": resolve_expert_targets(extra.get("target_parameters",
-                                                                                    config.target_parameters), experts)})
+                              "target_parameters": parameters})

@@ -129,7 +129,8 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
         if e is not None:
             layer = int(e.group(1))
             if experts is None:
-                raise AdapterError(f"{weights_file}: tensor {key!r} adapts experts; this model is no mixture of experts")
+                raise AdapterError(f"{weights_file}: tensor {key!r} adapts experts; this model is no mixture of "
+                                   "experts")
             if layer >= num_layers:
                 raise AdapterError(f"{weights_file}: tensor {key!r} is for layer {layer}; the model has {num_layers} "
                                    "layers")
