@@ -113,14 +113,17 @@ def test_co_served_requests_on_expert_adapters_get_the_same_logprobs_bit_for_bit
 @pytest.mark.parametrize("arch", MOES)
 @pytest.mark.parametrize("targets", [(["q_proj", "o_proj"], EXPERTS), ([], ["experts.gate_up_proj"]),
                                      ([], ["experts.down_proj"]), (["gate", "v_proj"], EXPERTS), (["gate"], []),
-                                     "ia3"],
-                         ids=["attention-and-experts", "gate-up", "down", "router-and-experts", "router", "ia3-router"])
+                                     "ia3", "dora"],
+                         ids=["attention-and-experts", "gate-up", "down", "router-and-experts", "router", "ia3-router",
+                              "dora-router"])
 def test_expert_windows_match_one_whole_sequence_backward(model_factory, arch, targets, remat):
     """With the experts or the router alone adapted, the first layer's backward stops after its mixture (its input
-    needs no gradient). IA3 scales the router's logits."""
+    needs no gradient). IA3 scales the router's logits; DoRA of the router (with LoRA dropout) scales its rows."""
     from coserve.peft.config import IA3Config
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
     config = (IA3Config(target_modules=["k_proj", "gate"], feedforward_modules=[]) if targets == "ia3" else
+              LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, use_dora=True, target_modules=["gate", "o_proj"])
+              if targets == "dora" else
               LoraConfig(r=4, lora_alpha=8, target_modules=targets[0], target_parameters=targets[1]))
     bypass = perturbed_bypass(config, model, seed=5)
     check_windows_match_autograd(model, bypass, 41, remat, (7, 1, 22, 11), [1, 4, 13, 41], seed=3, tol=2e-5)
