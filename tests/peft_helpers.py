@@ -85,6 +85,25 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def check_mixed_batch_matches_peft(model_dir: Path, base_oracle, paths: dict, which: list, prompts: list[str],
+                                   n: int) -> None:
+    """One ``LLM.generate`` batch of ``prompts``, each on its adapter of ``which`` (names of ``paths``, None: the base
+    model), chunked prefill of 11 tokens: each request's ``n`` greedy tokens are its PEFT oracle's (``base_oracle``
+    for the base), and at least two adapted requests differ from the base's."""
+    from coserve import LLM, SamplingParams
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=11)
+    for name, path in paths.items():
+        llm.load_adapter(name, path)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), adapter=which)
+    oracles = {None: base_oracle, **{name: peft_model(model_dir, p) for name, p in paths.items()}}
+    differs = 0
+    for out, name in zip(outs, which):
+        assert out.token_ids == hf_greedy(oracles[name], out.prompt_token_ids, n), (name, out.prompt)
+        if name is not None:
+            differs += out.token_ids != hf_greedy(oracles[None], out.prompt_token_ids, n)
+    assert differs >= 2, "the adapters should change the outputs"
+
+
 class PeftTraining:
     """HF PEFT trained in a plain torch loop, the oracle of coserve's optimizer steps: the adapter loaded trainable,
     SGD or AdamW and a linear warm-up schedule as ``cfg`` (a ``FinetuneConfig``) has them for ``steps`` steps."""

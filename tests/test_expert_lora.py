@@ -16,7 +16,7 @@ from coserve.model.loader import load_model
 from coserve.peft.adapter_dir import AdapterError
 from coserve.peft.config import LoraConfig, for_model
 from coserve.peft.trainable import TrainableLora, load_model_trainable
-from peft_helpers import hf_greedy, make_lora_adapter, peft_model
+from peft_helpers import check_mixed_batch_matches_peft, make_lora_adapter, peft_model
 from tests.test_coserving import _engine
 from tests.test_cuda_architectures import _every_module_job
 from window_helpers import check_windows_match_autograd, perturbed_bypass
@@ -50,19 +50,8 @@ def expert_adapters(tmp_path_factory):
 def test_a_batch_mixing_expert_adapters_and_the_base_matches_peft(model_factory, hf_model_cache, expert_adapters,
                                                                    arch):
     model_dir = model_factory(arch)
-    paths = expert_adapters(model_dir)
-    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=11)
-    for name, path in paths.items():
-        llm.load_adapter(name, path)
-    which = [None, "experts", "down", "experts", "down", None]
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), adapter=which)
-    oracles = {None: hf_model_cache(model_dir), **{n: peft_model(model_dir, p) for n, p in paths.items()}}
-    differs = 0
-    for out, name in zip(outs, which):
-        assert out.token_ids == hf_greedy(oracles[name], out.prompt_token_ids, 16), (name, out.prompt)
-        if name is not None:
-            differs += out.token_ids != hf_greedy(oracles[None], out.prompt_token_ids, 16)
-    assert differs >= 2, "the adapters should change the outputs"
+    check_mixed_batch_matches_peft(model_dir, hf_model_cache(model_dir), expert_adapters(model_dir),
+                                   [None, "experts", "down", "experts", "down", None], PROMPTS, 16)
 
 
 def test_expert_adapter_logprobs_match_peft(model_factory, expert_adapters):

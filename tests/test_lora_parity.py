@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coserve import LLM, SamplingParams
-from peft_helpers import hf_greedy, make_lora_adapter, peft_model
+from peft_helpers import check_mixed_batch_matches_peft, make_lora_adapter, peft_model
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides which tokens run",
            "JSON: {\"key\": [1, 2", "Once upon"]
@@ -34,20 +34,8 @@ def adapters(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "smollm3", "olmo2"])
 def test_mixed_adapter_batch_matches_peft(model_factory, hf_model_cache, adapters, arch):
     model_dir = model_factory(arch)
-    paths = adapters(model_dir)
-    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=11)
-    for name, path in paths.items():
-        llm.load_adapter(name, path)
-    which = [None, "attn", "mlp", "attn", "mlp", None]
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), adapter=which)
-    oracles = {None: hf_model_cache(model_dir), **{n: peft_model(model_dir, p) for n, p in paths.items()}}
-    differs = 0
-    for out, name in zip(outs, which):
-        ref = hf_greedy(oracles[name], out.prompt_token_ids, 24)
-        assert out.token_ids == ref, (name, out.prompt)
-        if name is not None:
-            differs += out.token_ids != hf_greedy(oracles[None], out.prompt_token_ids, 24)
-    assert differs >= 2, "the adapters should change the outputs"
+    check_mixed_batch_matches_peft(model_dir, hf_model_cache(model_dir), adapters(model_dir),
+                                   [None, "attn", "mlp", "attn", "mlp", None], PROMPTS, 24)
 
 
 def test_adapter_logits_match_peft(model_factory, adapters):
