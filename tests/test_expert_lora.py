@@ -163,9 +163,6 @@ def test_what_is_not_supported_is_refused_naming_the_field(model_factory, expert
         LoraConfig(target_parameters=EXPERTS, use_dora=True)
     assert LoraConfig(target_parameters=["down_proj"]).target_modules == []  # the experts alone
     assert LoraConfig().target_modules == ["down_proj"]
-    qwen2_moe = load_model(model_factory("qwen2_moe"), torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"target_modules: \['all-linear'\] on Qwen2-MoE are, in PEFT, its shared"):
-        for_model(LoraConfig(target_modules="all-linear"), qwen2_moe.module_shapes(), qwen2_moe.expert_shapes())
     # an experts' adapter on a dense model, or one whose shapes do not fit: the file and tensor named
     path = expert_adapters(model_factory("mixtral"))["experts"]
     llm = LLM(model_factory("llama"), dtype="float32", device="cpu")
@@ -217,12 +214,15 @@ def test_coserve_finetune_trains_the_experts_into_an_adapter_the_engine_serves(m
 @pytest.mark.parametrize("arch,targets", [("mixtral", "all-linear"), ("qwen3_moe", "all-linear"),
                                           ("olmoe", "all-linear"), ("mixtral", ["q_proj", "w1", "w3", "w2"]),
                                           ("mixtral", ["w2"]), ("qwen3_moe", ["gate_proj", "up_proj", "down_proj"]),
-                                          ("olmoe", ["gate_proj", "up_proj"])])
+                                          ("olmoe", ["gate_proj", "up_proj"]), ("qwen2_moe", "all-linear"),
+                                          ("qwen2_moe", ["gate_proj", "up_proj", "down_proj"]),
+                                          ("qwen2_moe", ["q_proj", "shared_expert_gate"])])
 def test_pefts_names_on_a_mixture_adapt_what_peft_adapts(model_factory, arch, targets):
     """PEFT 0.21 on transformers 5 reads ``all-linear`` (the attention, the router and both expert parameters) and
     transformers 4's names of the experts (Mixtral's w1/w3/w2, the others' gate_proj/up_proj/down_proj) as the
-    experts' parameters, gate and up together at twice the rank and alpha (``rank_pattern``): coserve's adapter has
-    PEFT's tensors, name for name and shape for shape, and its config."""
+    experts' parameters, gate and up together at twice the rank and alpha (``rank_pattern``); on Qwen2-MoE those
+    names, and ``all-linear`` beside the attention, are its shared expert's modules: coserve's adapter has PEFT's
+    tensors, name for name and shape for shape, and its config."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -238,7 +238,7 @@ def test_pefts_names_on_a_mixture_adapt_what_peft_adapts(model_factory, arch, ta
     saved = ours.peft_config("")
     pc = peft.peft_config["default"]
     assert set(saved["target_parameters"] or ()) == {f"experts.{p}" if "gate.weight" != p else p
-                                                     for p in pc.target_parameters}
+                                                     for p in pc.target_parameters or ()}
     assert saved["rank_pattern"] == pc.rank_pattern and saved["alpha_pattern"] == pc.alpha_pattern
 
 
@@ -246,9 +246,34 @@ def test_transformers_4_names_refused_as_peft_refuses_them(model_factory):
     moe = load_model(model_factory("olmoe"), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="target_modules: gate_proj without up_proj: the experts' two are fused"):
         for_model(LoraConfig(target_modules=["gate_proj"]), moe.module_shapes(), moe.expert_shapes())
-    qwen2_moe = load_model(model_factory("qwen2_moe"), torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"target_modules: \['down_proj'\] on Qwen2-MoE are, in PEFT, its shared"):
-        for_model(LoraConfig(target_modules=["down_proj"]), qwen2_moe.module_shapes(), qwen2_moe.expert_shapes())
     with pytest.raises(ValueError, match="alpha_pattern: experts.gate_up_proj at r=8, lora_alpha=8 scales"):
         TrainableLora(LoraConfig(r=4, lora_alpha=8, target_parameters=EXPERTS, rank_pattern={"gate_up_proj": 8}),
                       moe.module_shapes(), moe.cfg.num_layers, moe.device, experts=moe.expert_shapes())
+
+
+@pytest.mark.parametrize("remat", ["cheap", "cheap:every", "all"])
+@pytest.mark.parametrize("peft", [LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, target_modules=[
+    "gate_proj", "up_proj", "down_proj", "shared_expert_gate", "k_proj"]), "ia3"], ids=["lora-dropout", "ia3"])
+def test_the_shared_experts_adapters_windows_match_one_whole_sequence_backward(model_factory, peft, remat):
+    """Qwen2-MoE's shared expert's modules (PEFT's gate_proj, up_proj, down_proj there) and its gate: LoRA with
+    dropout; IA3 scaling their outputs."""
+    from coserve.peft.config import IA3Config
+    model = load_model(model_factory("qwen2_moe"), torch.float32, torch.device("cpu"))
+    if peft == "ia3":
+        peft = IA3Config(target_modules=["shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate"],
+                         feedforward_modules=[])
+    check_windows_match_autograd(model, perturbed_bypass(peft, model, seed=6), 37, remat, (9, 1, 27), [1, 5, 37],
+                                 seed=2, tol=2e-5)
+
+
+def test_a_qwen2_moe_all_linear_adapter_serves_as_peft_serves_it(model_factory, hf_model_cache, tmp_path):
+    """PEFT's ``all-linear`` on Qwen2-MoE (the attention and the shared expert's four modules), in a batch with the
+    base model, and one on the experts' parameters and the router's weight."""
+    model_dir = model_factory("qwen2_moe")
+    paths = {"all": make_lora_adapter(model_dir, tmp_path / "all", seed=4, r=4, lora_alpha=8,
+                                      target_modules="all-linear"),
+             "experts": make_lora_adapter(model_dir, tmp_path / "experts", seed=5, r=2, lora_alpha=4,
+                                          target_modules=["shared_expert_gate"],
+                                          target_parameters=["gate.weight", *EXPERTS])}
+    check_mixed_batch_matches_peft(model_dir, hf_model_cache(model_dir), paths,
+                                   ["all", None, "experts", "all", "experts", None], PROMPTS, 12)

@@ -87,7 +87,8 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("qwen2_moe", {"target_modules": [], "target_parameters": ["down_proj"]}),
                                           ("olmoe", {"target_modules": ["v_proj"],
                                                      "target_parameters": ["experts.gate_up_proj"]}),
-                                          ("qwen3_moe", {"target_modules": "all-linear"})])
+                                          ("qwen3_moe", {"target_modules": "all-linear"}),
+                                          ("qwen2_moe", {"target_modules": "all-linear"})])
 def test_training_matches_peft(model_factory, config_variant, tmp_path, optimizer, tol, arch, targets):
     """``mistral:window=8``: every layer slides over 8 positions, shorter than most training sequences."""
     model_dir = config_variant("mistral", sliding_window=8) if ":window=" in arch else model_factory(arch)

@@ -102,11 +102,12 @@ def test_what_is_not_run_is_refused_naming_the_field(model_factory, field, value
 
 @pytest.mark.parametrize("arch", MOES)
 def test_a_mixtures_modules_are_its_attention_and_its_router(model_factory, arch):
-    """A mixture's adaptable modules are its attention's and its router's (``gate``, PEFT's name); its experts are
-    parameters (PEFT's ``target_parameters``, test_expert_lora.py). A module it lacks is refused naming what it has
-    (Qwen2-MoE: transformers 4's names of the experts, which PEFT reads as its shared expert's modules)."""
+    """A mixture's adaptable modules are its attention's and its router's (``gate``, PEFT's name), and Qwen2-MoE's
+    shared expert's; its experts are parameters (PEFT's ``target_parameters``, test_expert_lora.py). A module it lacks
+    is refused naming what it has."""
     modules = load_model(model_factory(arch), torch.float32, torch.device("cpu")).module_shapes()
-    assert set(modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate"}
+    shared = {"shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate"}
+    assert set(modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate"} | (shared if arch == "qwen2_moe" else set())
     with pytest.raises(ValueError, match=r"\['gate_up_proj'\] are not modules of this model, which has q_proj"):
         for_model(LoraConfig(target_modules=["q_proj", "gate_up_proj"]), modules)
 

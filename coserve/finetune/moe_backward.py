@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from coserve.model.decoder import DecoderLayer, DecoderModel
-from coserve.model.linear_modules import EXPERT_MODULES, ROUTER
+from coserve.model.linear_modules import EXPERT_MODULES, ROUTER, SHARED_EXPERT_MODULES
 from coserve.peft.trainable import LowRank
 from coserve.model.moe import expert_groups, route_probs
 
@@ -30,7 +30,7 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
     recomputed from the input ``h``, which Qwen2-MoE's shared expert always needs). A trainable ``bypass`` adapting
     the experts (``EXPERT_MODULES``; it needs ``h`` for gate/up's) or the router (``ROUTER``; ``h`` too) gets its
     gradients, from what its forward kept (``kept``: by module, the experts' ``x A_e^T`` ``[n, k, r]`` or recomputed,
-    the router's as ``moe.router``)."""
+    the router's as ``moe.router``, Qwen2-MoE's shared expert's modules' as theirs)."""
     cfg = model.cfg
     experts, weights = route_probs(cfg, probs, dout.dtype)
     n, k = experts.shape
@@ -78,27 +78,52 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
     extra = None
     if bypass is not None and ROUTER in bypass.modules:  # the router's adapter (LoRA, DoRA, IA3), from its kept tensor
         dlogits, extra = bypass.output_backward(layer.index, ROUTER, h, kept.get("moe.router"), dlogits)
-    dh.add_(model.input_grad(dlogits, layer.router))
-    if isinstance(extra, LowRank):
-        extra.add_to(dh)
-    elif extra is not None:
-        dh.add_(extra)
+    _plus(dh, model.input_grad(dlogits, layer.router), extra)
     if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, recomputed from the input
-        dh.add_(_shared_expert_input_grad(model, layer, h, dout))
+        dh.add_(_shared_expert_input_grad(model, layer, h, dout, bypass, kept))
     return dh
 
 
-def _shared_expert_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor, dout: torch.Tensor
-                              ) -> torch.Tensor:
-    """dL/d(input) of Qwen2-MoE's ``sigmoid(h @ g) * shared(h)``: through the shared expert scaled by its gate, and
-    through the gate (``s (1 - s)`` times the output's projection on ``dout``)."""
-    _, gu, out, scale = model.shared_expert(layer, h)
+def _shared_expert_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor, dout: torch.Tensor,
+                              bypass=None, kept: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """dL/d(input) of Qwen2-MoE's ``sigmoid(z(h)) * shared(h)``: through the shared expert scaled by its gate, and
+    through the gate (``s (1 - s)`` times the output's projection on ``dout``); a ``bypass`` of its modules
+    (``SHARED_EXPERT_MODULES``) gets its gradients from what its forward kept (``kept``, by module), as a dense MLP's."""
+    kept = kept or {}
+    i = layer.index
+    gate_module, up_module, down_module, gate_z = SHARED_EXPERT_MODULES
+
+    def through(module: str, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """The bypass's backward of ``module`` (its gradients accumulate): the gradient for the frozen output and
+        any extra one for the input."""
+        if bypass is None or module not in bypass.modules:
+            return dy, None
+        return bypass.output_backward(i, module, x, kept.get(module), dy)
+
+    _, gu, out, scale = model.shared_expert(layer, h, bypass=bypass)
     gate, up = gu.chunk(2, dim=-1)
     act = model.act(gate)
-    dm = model.input_grad(dout * scale, layer.shared_down)
+    mlp_in = act * up
+    dy, extra_m = through(down_module, mlp_in, dout * scale)
+    dm = _plus(model.input_grad(dy, layer.shared_down), extra_m)
     dgu = torch.empty_like(gu)
     dgate, dup = dgu.chunk(2, dim=-1)
     torch.ops.aten.silu_backward.grad_input(dm * up, gate, grad_input=dgate)
     torch.mul(dm, act, out=dup)
-    dz = (dout * out).sum(-1, keepdim=True) * scale * (1 - scale)
-    return model.input_grad(dgu, layer.shared_gate_up).add_(model.input_grad(dz, layer.shared_gate))
+    dgate_frozen, extra_g = through(gate_module, h, dgate)
+    dup_frozen, extra_u = through(up_module, h, dup)
+    dgate.copy_(dgate_frozen)
+    dup.copy_(dup_frozen)
+    dz, extra_z = through(gate_z, h, (dout * out).sum(-1, keepdim=True) * scale * (1 - scale))
+    return _plus(model.input_grad(dgu, layer.shared_gate_up), model.input_grad(dz, layer.shared_gate), extra_g,
+                 extra_u, extra_z)
+
+
+def _plus(t: torch.Tensor, *extras) -> torch.Tensor:
+    """``t`` (fresh, added into in place) plus each extra gradient: a tensor, a ``LowRank`` product, or None."""
+    for e in extras:
+        if isinstance(e, LowRank):
+            t = e.add_to(t)
+        elif e is not None:
+            t = t.add_(e)
+    return t

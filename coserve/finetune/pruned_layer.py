@@ -26,7 +26,7 @@ from coserve.finetune.window_attention import (kept_attention_supported, window_
                                                window_attention_lse)
 from coserve.model.attention_spec import AttentionSpec
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
-from coserve.model.linear_modules import EXPERT_MODULES, ROUTER
+from coserve.model.linear_modules import EXPERT_MODULES, ROUTER, SHARED_EXPERT_MODULES
 from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
 from coserve.peft.trainable import LowRank
 
@@ -173,7 +173,8 @@ def keep_tap(keep: LayerKeep, a: int, b: int, first_row: int = 0):
 
 # The backward's stages, last module first; a layer whose input needs no gradient (layer 0:
 # its input is the frozen embedding) stops after the stage of its lowest bypassed module.
-_STAGES = (("down_proj", *EXPERT_MODULES, ROUTER), ("gate_proj", "up_proj", "gate_up_proj"), ("o_proj",),
+_STAGES = (("down_proj", *EXPERT_MODULES, ROUTER, *SHARED_EXPERT_MODULES), ("gate_proj", "up_proj", "gate_up_proj"),
+           ("o_proj",),
            ("q_proj", "k_proj", "v_proj", "qkv_proj"))
 
 
@@ -251,8 +252,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         h2 = rms_norm(resid, layer.post_norm, eps, stats2) if need_h2 else None
         kept = {m: keep.bypass[m][a:b].unflatten(1, (cfg.experts_per_token, -1)) for m in EXPERT_MODULES
                 if m in keep.bypass}
-        if "moe.router" in keep.bypass:
-            kept["moe.router"] = keep.bypass["moe.router"][a:b]
+        kept.update({m: keep.bypass[m][a:b] for m in ("moe.router", *SHARED_EXPERT_MODULES) if m in keep.bypass})
         dh2 = moe_input_grad(model, layer, h2, dout, keep.get("moe.probs", a, b), gu, bypass, kept)
         if last < 3:  # only the experts were adapted below here
             return None

@@ -13,7 +13,8 @@ from coserve.model.attention import PagedKVCache, paged_attention
 from coserve.model.attention_spec import AttentionSpec
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
-from coserve.model.linear_modules import MIXTRAL_EXPERT_NAMES, ROUTER, V4_EXPERT_NAMES, ExpertShapes
+from coserve.model.linear_modules import (MIXTRAL_EXPERT_NAMES, ROUTER, SHARED_EXPERT_MODULES, V4_EXPERT_NAMES,
+                                          ExpertShapes)
 from coserve.model.moe import expert_names, moe_mlp, router_name, row_sigmoid, shared_expert_names
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
@@ -233,8 +234,10 @@ class DecoderModel:
         c = self.cfg
         h, i = c.hidden_size, c.intermediate_size
         if c.moe:  # the router; the experts' matrices are no modules: PEFT adapts them as parameters (expert_shapes)
+            s = c.shared_expert_size
+            shared = dict(zip(SHARED_EXPERT_MODULES, ((h, s), (h, s), (s, h), (h, 1)))) if s else {}
             return {"q_proj": (h, c.q_size), "k_proj": (h, c.kv_size), "v_proj": (h, c.kv_size),
-                    "o_proj": (c.q_size, h), ROUTER: (h, c.num_experts)}
+                    "o_proj": (c.q_size, h), ROUTER: (h, c.num_experts), **shared}
         if c.fused:
             return {"qkv_proj": (h, c.q_size + 2 * c.kv_size), "o_proj": (c.q_size, h), "gate_up_proj": (h, 2 * i),
                     "down_proj": (i, h)}
@@ -263,6 +266,8 @@ class DecoderModel:
             return lay.qkv[lo:hi], None if lay.qkv_bias is None else lay.qkv_bias[lo:hi]
         weights = {"o_proj": lay.o, "gate_proj": lay.gate_weight, "up_proj": lay.up_weight, "down_proj": lay.down,
                    "gate_up_proj": lay.gate_up, ROUTER: lay.router}
+        if lay.shared_gate_up is not None:  # Qwen2-MoE's shared expert
+            weights.update(zip(SHARED_EXPERT_MODULES, (*lay.shared_gate_up.chunk(2), lay.shared_down, lay.shared_gate)))
         return weights[module], None
 
     @torch.inference_mode()
@@ -367,7 +372,7 @@ class DecoderModel:
             mlp = moe_mlp(cfg, h, logits, layer.expert_gate_up, layer.expert_down, self.linear, self.act,
                           self.padded_rows, tap, bypass, i)
             if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, over every row, gated
-                mlp = mlp + self.shared_expert(layer, h, linear)[0]
+                mlp = mlp + self.shared_expert(layer, h, linear, bypass, tap)[0]
             return x + mlp, k, v
         gate0, up0 = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
         gate = bypass_output(bypass, tap, i, "gate_proj", h, gate0)
@@ -385,15 +390,23 @@ class DecoderModel:
             mlp = rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x + (mlp if cfg.residual_multiplier is None else mlp * cfg.residual_multiplier), k, v
 
-    def shared_expert(self, layer: DecoderLayer, h: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None
+    def shared_expert(self, layer: DecoderLayer, h: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None,
+                      bypass: Bypass | None = None, tap: Tap | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Qwen2-MoE's shared expert over rows ``h``: its gated output ``[T, H]``, and what its backward reads: the
-        gate/up product ``[T, 2S]``, the ungated output and the gate's sigmoid ``[T, 1]``."""
-        linear = linear or self.linear
+        gate/up product ``[T, 2S]``, the ungated output and the gate's sigmoid ``[T, 1]``. A ``bypass`` of its modules
+        (``SHARED_EXPERT_MODULES``: its gate, up and down projections, and its gate) acts as on a dense MLP's."""
+        linear, i = linear or self.linear, layer.index
         gu = linear(h, layer.shared_gate_up)
+        gate0, up0 = gu.chunk(2, dim=-1)
+        gate_module, up_module, down_module, gate_z = SHARED_EXPERT_MODULES
+        gate = bypass_output(bypass, tap, i, gate_module, h, gate0)
+        up = bypass_output(bypass, tap, i, up_module, h, up0)
+        if gate is not gate0 or up is not up0:  # one buffer again, as the dense MLP's (each row's activation alike)
+            gu = torch.cat([gate, up], dim=-1)
         gate, up = gu.chunk(2, dim=-1)
-        out = linear(self.act(gate) * up, layer.shared_down)
-        scale = row_sigmoid(linear(h, layer.shared_gate))
+        out = bypassed_linear(bypass, tap, i, down_module, self.act(gate) * up, layer.shared_down, linear)
+        scale = row_sigmoid(bypass_output(bypass, tap, i, gate_z, h, linear(h, layer.shared_gate)))
         return scale * out, gu, out, scale
 
     def input_norm(self, x: torch.Tensor, weight: torch.Tensor | None, tap: Tap | None, name: str) -> torch.Tensor:

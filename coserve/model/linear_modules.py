@@ -9,6 +9,7 @@ weights either way; a model's adapters name its own modules (``DecoderModel.modu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,8 +20,12 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 # A mixture's router, by the name its PEFT module has (``mlp.gate``: ``[E, H]``), and as a parameter
 ROUTER = "gate"
 ROUTER_PARAMETER = "gate.weight"
+# Qwen2-MoE's shared expert's modules and its gate, by their PEFT paths under the MLP (PEFT's gate_proj, up_proj and
+# down_proj there: no expert's, these)
+SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                         "shared_expert_gate")
 # Every name any model has (indices are stable: LoRA dropout seeds mix them in).
-ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS) + (ROUTER,)
+ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS) + (ROUTER,) + SHARED_EXPERT_MODULES
 # A mixture's experts' gate, up and down modules in transformers 4 (Mixtral's: w1, w3, w2), which PEFT 0.21 reads as
 # its experts' parameters on transformers 5 (``peft.rank_pattern.expert_targets_from_v4``)
 V4_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -45,10 +50,16 @@ class ExpertShapes:
     v4_names: tuple[str, str, str] = V4_EXPERT_NAMES  # its experts' modules by transformers 4's names
 
 
+def module_name(target: str) -> str:
+    """A saved adapter's ``target_modules`` entry as a module name: PEFT writes the ones ``all-linear`` found as full
+    paths (``model.layers.0.mlp.shared_expert.down_proj``), which end in the module's name under its block."""
+    return re.sub(r"^(?:.*\.)?layers\.\d+\.(?:self_attn|mlp)\.", "", target)
+
+
 def ordered(modules: Iterable[str]) -> list[str]:
     """``modules`` in layer order (``ALL_TARGET_MODULES``'s, fused modules beside their parts)."""
-    order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", ROUTER, "gate_proj", "up_proj", "gate_up_proj",
-             "down_proj")
+    order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", ROUTER, *SHARED_EXPERT_MODULES, "gate_proj",
+             "up_proj", "gate_up_proj", "down_proj")
     chosen = set(modules)
     return [m for m in order if m in chosen]
 

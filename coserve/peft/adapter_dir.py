@@ -15,12 +15,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from coserve.model.config import read_json_file
+from coserve.model.linear_modules import module_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-# The decoder-layer part of a PEFT tensor name: "...layers.<i>.<self_attn|mlp>.<module>.<rest>".
-_LAYER_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.")
+# The decoder-layer part of a PEFT tensor name: "...layers.<i>.<self_attn|mlp>.<module>.<rest>" (Qwen2-MoE's shared
+# expert's modules: "mlp.shared_expert.<module>")
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)\.")
 
 
 class AdapterError(ValueError):
@@ -51,7 +53,7 @@ def peft_type(config: dict) -> str:
 def check_target_names(cfg_file: Path, targets: list, kind: str, modules: Iterable[str]) -> None:
     """A ``target_modules`` list names only modules of the model (``modules``: ``DecoderModel.module_shapes``' keys)."""
     modules = list(modules)
-    unknown = sorted(set(targets) - set(modules))
+    unknown = sorted({module_name(t) for t in targets} - set(modules))
     if unknown:
         raise AdapterError(f"{cfg_file}: field 'target_modules' names {unknown}, which this model "
                            f"does not have as {kind} targets ({', '.join(modules)})")

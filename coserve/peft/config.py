@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES,
-                                          MIXTRAL_EXPERT_NAMES, ROUTER, ExpertShapes, attention_only,
+                                          MIXTRAL_EXPERT_NAMES, ROUTER, V4_EXPERT_NAMES, ExpertShapes, attention_only,
                                           is_router_parameter, resolve_expert_targets, resolve_targets)
 from coserve.peft.rank_pattern import check_patterns, expert_targets_from_v4
 
@@ -130,15 +130,18 @@ def for_model(config: LoraConfig | IA3Config, modules: Iterable[str], experts: E
               ) -> LoraConfig | IA3Config:
     """``config`` with its ``target_modules`` as the model's own names (``modules``: ``DecoderModel.module_shapes``'
     keys): ``all-linear`` resolved, a module the model lacks refused, naming the field; LoRA's ``target_parameters``
-    checked against the model's experts (``DecoderModel.expert_shapes``; None: it has none)."""
+    checked against the model's experts (``DecoderModel.expert_shapes``; None: it has none). On a mixture, LoRA's
+    names are read as PEFT 0.21 reads them on transformers 5: ``all-linear`` and transformers 4's names of the experts
+    take the experts' parameters (``rank_pattern.expert_targets_from_v4``); on Qwen2-MoE, gate_proj, up_proj and
+    down_proj are its shared expert's, and ``all-linear`` the attention and the shared expert."""
     if not isinstance(config, LoraConfig):
         return replace(config, target_modules=resolve_targets(config.target_modules, modules))
     names, extra = config.target_modules, {}
     all_linear = names == [ALL_LINEAR]
-    if experts is not None and experts.shared_expert and (all_linear or set(names) & set(experts.v4_names)):
-        raise ValueError(f"target_modules: {names} on Qwen2-MoE are, in PEFT, its shared expert's modules (gate_proj, "
-                         "up_proj, down_proj, shared_expert_gate), which coserve does not adapt; name the attention's "
-                         f"({', '.join(modules)}) and the experts as target_parameters")
+    if experts is not None and experts.shared_expert:  # Qwen2-MoE: PEFT's names are its shared expert's modules
+        names = [m for m in modules if m != ROUTER] if all_linear else [  # PEFT wraps no router there, no expert
+            f"shared_expert.{m}" if m in V4_EXPERT_NAMES else m for m in names]
+        all_linear = False
     if experts is not None and not experts.shared_expert:  # transformers 4's names of the experts, as PEFT reads them
         rest, parameters, rank_pattern, alpha_pattern = expert_targets_from_v4(
             [] if all_linear else names, experts.v4_names, config.r, config.lora_alpha, all_linear)

@@ -16,7 +16,8 @@ from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, c
 from coserve.peft.expert_lora import EXPERT_KEY, a_from_peft, b_from_peft
 from coserve.peft.rank_pattern import check_patterns, module_ranks
 
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(?:([AB])\.weight|(magnitude_vector))$")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)\.lora_(?:([AB])\.weight|"
+                  r"(magnitude_vector))$")
 # (layer, module) -> the frozen module's weight [out, in] and bias (or None), to compute DoRA's column norms with
 BaseWeight = Callable[[int, str], tuple[torch.Tensor, torch.Tensor | None]]
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file
 
-from coserve.model.linear_modules import ALL_TARGET_MODULES, ROUTER, ROUTER_PARAMETER, ExpertShapes
+from coserve.model.linear_modules import ALL_TARGET_MODULES, ROUTER, ROUTER_PARAMETER, ExpertShapes, module_name
 from coserve.peft.config import IA3Config, LoraConfig, for_model
 from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
@@ -464,7 +464,7 @@ def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], 
     kind = str(raw.get("peft_type", "")).upper()
     if kind == "LORA":
         config = LoraConfig(r=raw["r"], lora_alpha=raw["lora_alpha"], lora_dropout=raw.get("lora_dropout", 0.0),
-                            target_modules=list(raw.get("target_modules") or []),
+                            target_modules=list(dict.fromkeys(map(module_name, raw.get("target_modules") or []))),
                             use_rslora=bool(raw.get("use_rslora")), use_dora=bool(raw.get("use_dora")),
                             target_parameters=list(raw.get("target_parameters") or []),
                             rank_pattern=raw.get("rank_pattern") or {}, alpha_pattern=raw.get("alpha_pattern") or {})
