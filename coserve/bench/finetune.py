@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from coserve.bench.hf_reference import load_hf_model
+from coserve.bench.lora_adapters import split_targets
 from coserve.bench.workload import DEFAULT_SHAREGPT
-from coserve.model.linear_modules import EXPERT_MODULES
 from coserve.output_path import prepare_output
 
 DEFAULT_ALPACA = DEFAULT_SHAREGPT.with_name("alpaca_en_demo.json")
@@ -254,7 +254,7 @@ def _run_hf(spec: dict, warmup: list[list[int]], seqs: list[list[int]], device: 
     from coserve.finetune.memory import saved_activation_bytes
     from peft import LoraConfig, get_peft_model
     base = load_hf_model(spec["model"], dtype).to(device)
-    modules, experts = split_targets(spec["targets"])
+    modules, experts = split_targets(spec["targets"].split(","))
     model = get_peft_model(base, LoraConfig(r=spec["r"], lora_alpha=spec["r"], use_dora=spec.get("use_dora", False),
                                             target_modules=modules, target_parameters=experts or None))
     for p in model.parameters():  # the adapter trains in float32, as coserve's does
@@ -282,13 +282,6 @@ def _run_hf(spec: dict, warmup: list[list[int]], seqs: list[list[int]], device: 
     return times, {"autograd_bytes_per_token": per_token, "kept_bytes_per_token": per_token}
 
 
-def split_targets(text: str) -> tuple[list[str], list[str]]:
-    """``--targets``' comma list as PEFT's ``target_modules`` and ``target_parameters`` (a mixture's experts:
-    ``EXPERT_MODULES``' names)."""
-    names = text.split(",")
-    return [n for n in names if n not in EXPERT_MODULES], [n for n in names if n in EXPERT_MODULES]
-
-
 def _timed(device: torch.device, steps: list) -> list[float]:
     """Seconds each of ``steps`` (callables) takes, the device's queued work included."""
     times = []
@@ -310,7 +303,7 @@ def _run_coserve(spec: dict, warmup: list[list[int]], seqs: list[list[int]], dev
     from coserve.peft.trainable import TrainableLora
     model = load_model(spec["model"], dtype, device)
     dora = spec.get("use_dora", False)
-    modules, experts = split_targets(spec["targets"])
+    modules, experts = split_targets(spec["targets"].split(","))
     bypass = TrainableLora(LoraConfig(r=spec["r"], lora_alpha=spec["r"], target_modules=modules, use_dora=dora,
                                       target_parameters=experts),
                            model.module_shapes(), model.cfg.num_layers, model.device, torch.Generator().manual_seed(0),

@@ -14,6 +14,7 @@ import torch
 from coserve.bench.hf_reference import load_hf_model
 from coserve.bench.lora_adapters import ALL_LINEAR, make_lora_adapters
 from coserve.bench.workload import sharegpt_prompts
+from coserve.model.linear_modules import EXPERT_MODULES, ROUTER
 from coserve.output_path import prepare_output
 
 
@@ -42,10 +43,10 @@ def run(args) -> int:
     if args.adapters < 0 or args.lora_rank < 1:
         raise ValueError("--adapters must be >= 0 and --lora-rank >= 1")
     targets = [t for t in args.lora_targets.split(",") if t]
-    unknown = sorted(set(targets) - set(ALL_LINEAR))
+    unknown = sorted(set(targets) - set(ALL_LINEAR) - set(EXPERT_MODULES) - {ROUTER})
     if unknown or not targets:
-        raise ValueError(f"--lora-targets: {', '.join(unknown) or 'none given'}; "
-                         f"expected some of {', '.join(ALL_LINEAR)}")
+        raise ValueError(f"--lora-targets: {', '.join(unknown) or 'none given'}; expected some of "
+                         f"{', '.join(ALL_LINEAR)} (a mixture's: {ROUTER}, {', '.join(EXPERT_MODULES)})")
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.num_requests, 1),
               max_loras=max(args.adapters, 1), max_lora_rank=args.lora_rank)
@@ -124,7 +125,8 @@ def _timed(fn):
 def _run_hf(args, prompts: list[list[int]], device: torch.device, adapters: list[Path] | None = None,
             names: list[str] | None = None) -> tuple[dict, list[list[int]], int]:
     """One static left-padded batch through ``model.generate`` (with ``adapters``, a PEFT model holding them all,
-    each row through its own: PEFT's mixed adapter batch); returns timings and its tokens."""
+    each row through its own: PEFT's mixed adapter batch, where there are several); returns timings and its
+    tokens."""
     from transformers import AutoTokenizer
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model = load_hf_model(args.model, dtype)
@@ -142,7 +144,7 @@ def _run_hf(args, prompts: list[list[int]], device: torch.device, adapters: list
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
 
     def gen(n: int, rows: slice = slice(None)):
-        if names:
+        if names and len(adapters) > 1:  # one adapter: the active one (PEFT 0.21 mixes no adapters of experts)
             extra["adapter_names"] = names[rows]
         with torch.inference_mode():
             return model.generate(input_ids=ids[rows], attention_mask=mask[rows], max_new_tokens=n,

@@ -8,9 +8,16 @@ from pathlib import Path
 import torch
 
 from coserve.bench.hf_reference import load_hf_model
+from coserve.model.linear_modules import EXPERT_MODULES
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 B_STD = 0.05  # the spread of B's entries: enough that the adapters' outputs differ from the base model's
+
+
+def split_targets(names: list[str]) -> tuple[list[str], list[str]]:
+    """A benchmark's target list as PEFT's ``target_modules`` and ``target_parameters`` (a mixture's experts:
+    ``EXPERT_MODULES``' names)."""
+    return [n for n in names if n not in EXPERT_MODULES], [n for n in names if n in EXPERT_MODULES]
 
 
 def make_lora_adapters(model_dir: str | Path, out_root: Path, count: int, rank: int, targets: list[str],
@@ -23,7 +30,9 @@ def make_lora_adapters(model_dir: str | Path, out_root: Path, count: int, rank: 
     base = load_hf_model(model_dir) if count else None
     for i in range(count):
         torch.manual_seed(seed + i)
-        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)))
+        modules, experts = split_targets(list(targets))
+        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules=modules,
+                                                target_parameters=experts or None))
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
