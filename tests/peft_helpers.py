@@ -133,3 +133,42 @@ class PeftTraining:
         """The trained adapter's tensors under the names PEFT saves them with."""
         return {n.replace(".default", "").replace("magnitude_vector.weight", "magnitude_vector"): p.detach()
                 for n, p in self.model.named_parameters() if p.requires_grad}
+
+
+def make_v4_expert_adapter(model_dir: Path, out_dir: Path, names: tuple[str, ...], block: str, rank: int = 2,
+                           seed: int = 0, router: bool = False) -> Path:
+    """A LoRA adapter of a mixture's experts in transformers 4's layout, one LoRA per expert module
+    (``...layers.<i>.<block>.experts.<e>.<name>.lora_A.weight``; Mixtral's ``block`` is ``block_sparse_moe``, its
+    ``names`` w1/w3/w2), with q_proj (and the router, ``router``) beside them: what PEFT wrote before transformers 5,
+    and PEFT 0.21 converts on loading. Written by hand (transformers 4 is not installed), random A and B."""
+    import json
+
+    from safetensors.torch import save_file
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    h = cfg["hidden_size"]
+    i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"w1": (h, i), "w3": (h, i), "w2": (i, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    tensors = {}
+
+    def lora(prefix: str, fan_in: int, fan_out: int) -> None:
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * fan_in ** -0.5
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.3
+
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"base_model.model.model.layers.{layer}"
+        heads = cfg["num_attention_heads"]
+        lora(f"{p}.self_attn.q_proj", h, heads * (cfg.get("head_dim") or h // heads))
+        if router:
+            lora(f"{p}.{block}.gate", h, experts)
+        for e in range(experts):
+            for name in names:
+                lora(f"{p}.{block}.experts.{e}.{name}", *shapes[name])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "bias": "none", "base_model_name_or_path": str(model_dir),
+        "target_modules": ["q_proj", *names, *(["gate"] if router else [])]}))
+    return out_dir

@@ -277,3 +277,45 @@ def test_a_qwen2_moe_all_linear_adapter_serves_as_peft_serves_it(model_factory, 
                                           target_parameters=["gate.weight", *EXPERTS])}
     check_mixed_batch_matches_peft(model_dir, hf_model_cache(model_dir), paths,
                                    ["all", None, "experts", "all", "experts", None], PROMPTS, 12)
+
+
+@pytest.mark.parametrize("arch,names,block", [("mixtral", ("w1", "w3", "w2"), "block_sparse_moe"),
+                                              ("mixtral", ("w2",), "block_sparse_moe"),
+                                              ("qwen3_moe", ("gate_proj", "up_proj", "down_proj"), "mlp"),
+                                              ("olmoe", ("gate_proj", "up_proj", "down_proj"), "mlp")])
+def test_an_adapter_in_transformers_4s_layout_serves_as_peft_converts_it(model_factory, hf_model_cache, tmp_path,
+                                                                          arch, names, block):
+    """One LoRA per expert module (and Mixtral's router as ``block_sparse_moe.gate``), as PEFT wrote adapters before
+    transformers 5 fused the experts: read as PEFT 0.21 converts them on loading (gate and up at twice the rank,
+    their B block-diagonal) and served as PEFT serves them, in a batch with the base model. (Not gate and up without
+    down: PEFT 0.21 then loads neither, seen on OLMoE and Qwen3-MoE: its converter names the fused wrapper
+    ``base_layer`` whether or not another wraps it; ``test_transformers_4s_experts_convert_to_the_same_updates``.)"""
+    from peft_helpers import make_v4_expert_adapter
+    model_dir = model_factory(arch)
+    path = make_v4_expert_adapter(model_dir, tmp_path / "v4", names, block, router=arch == "mixtral")
+    check_mixed_batch_matches_peft(model_dir, hf_model_cache(model_dir), {"v4": path},
+                                   ["v4", None, "v4", "v4", None, "v4"], PROMPTS, 12)
+
+
+@pytest.mark.parametrize("names", [("w1", "w3", "w2"), ("w1", "w3"), ("w3",)])
+def test_transformers_4s_experts_convert_to_the_same_updates(names):
+    """Each expert's update ``B A`` of the fused gate/up is gate's over up's (zeros where one was not adapted), and
+    down's is its own."""
+    from coserve.peft.expert_lora import from_v4
+    gen = torch.Generator().manual_seed(0)
+    e, r, h, i = 3, 2, 8, 5
+    shapes = {"w1": (h, i), "w3": (h, i), "w2": (i, h)}
+    tensors = {(n, x, "A"): torch.randn(r, shapes[n][0], generator=gen) for n in names for x in range(e)}
+    tensors.update({(n, x, "B"): torch.randn(shapes[n][1], r, generator=gen) for n in names for x in range(e)})
+    out = from_v4(tensors, ("w1", "w3", "w2"), e, "here")
+    for x in range(e):
+        def update(n):
+            return tensors[(n, x, "B")] @ tensors[(n, x, "A")] if n in names else torch.zeros(i, h)
+        if "w1" in names or "w3" in names:
+            a, b = out["experts.gate_up_proj"]
+            assert torch.allclose(b[x] @ a[x], torch.cat([update("w1"), update("w3")]), atol=1e-6)
+        if "w2" in names:
+            a, b = out["experts.down_proj"]
+            assert torch.allclose(b[x] @ a[x], update("w2"), atol=1e-6)
+    with pytest.raises(ValueError, match=f"here: expert 2's {names[0]} has no lora_A"):
+        from_v4({k: v for k, v in tensors.items() if k != (names[0], 2, "A")}, ("w1", "w3", "w2"), e, "here")

@@ -21,8 +21,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # The decoder-layer part of a PEFT tensor name: "...layers.<i>.<self_attn|mlp>.<module>.<rest>" (Qwen2-MoE's shared
-# expert's modules: "mlp.shared_expert.<module>")
-_LAYER_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)\.")
+# expert's modules: "mlp.shared_expert.<module>"; Mixtral's MLP in transformers 4: "block_sparse_moe")
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp|block_sparse_moe)\.((?:shared_expert\.)?\w+)\.")
 
 
 class AdapterError(ValueError):

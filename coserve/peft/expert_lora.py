@@ -48,3 +48,44 @@ def peft_prefix(layer: int, module: str, modules: frozenset[str] | set[str]) -> 
     ``modules`` being every expert parameter the adapter adapts."""
     inner = module == EXPERT_MODULES[0] and len(set(modules) & set(EXPERT_MODULES)) > 1
     return f"base_model.model.model.layers.{layer}.mlp.experts" + (".base_layer" if inner else "")
+
+
+# transformers 4's layout: one LoRA per expert module, "...layers.<i>.<block_sparse_moe|mlp>.experts.<e>.<name>.lora_A"
+V4_EXPERT_KEY = re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.lora_([AB])\.weight$")
+
+
+def from_v4(tensors: dict[tuple[str, int, str], torch.Tensor], names: tuple[str, str, str], num_experts: int,
+            where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One layer's experts' LoRAs in transformers 4's layout (``tensors``: by (module name, expert, "A" | "B");
+    ``names``: the gate, up and down modules' names, Mixtral's w1, w3, w2) as transformers 5's expert parameters, as
+    PEFT 0.21 converts them on loading: gate's and up's A stacked (``[2r, H]``) and their B's block-diagonal
+    (``[2I, 2r]``), a rank twice the adapter's; down as it is. Returns ``{module: (A [E, r', in], B [E, out, r'])}``;
+    ``where`` names the file and layer in errors."""
+    gate, up, down = names
+    present = {name for name, _, _ in tensors}
+    unknown = sorted(present - set(names))
+    if unknown:
+        raise ValueError(f"{where}: experts' modules {unknown} are not this model's ({', '.join(names)})")
+
+    def stacked(name: str, which: str) -> torch.Tensor:
+        missing = [e for e in range(num_experts) if (name, e, which) not in tensors]
+        if missing:
+            raise ValueError(f"{where}: expert {missing[0]}'s {name} has no lora_{which}")
+        return torch.stack([tensors[(name, e, which)].float() for e in range(num_experts)])
+
+    out = {}
+    parts = [n for n in (gate, up) if n in present]
+    if parts:
+        a = torch.cat([stacked(n, "A") for n in parts], dim=1)  # [E, r * parts, H]
+        bs = [stacked(n, "B") for n in (gate, up)] if len(parts) == 2 else None
+        if bs is None:  # one of the two: the other's rows of the fused output get no update
+            b_one = stacked(parts[0], "B")
+            zeros = torch.zeros_like(b_one)
+            bs = [b_one, zeros] if parts[0] == gate else [zeros, b_one]
+            out[EXPERT_MODULES[0]] = (a, torch.cat(bs, dim=1))
+        else:
+            out[EXPERT_MODULES[0]] = (a, torch.cat([torch.cat([bs[0], torch.zeros_like(bs[1])], dim=2),
+                                                   torch.cat([torch.zeros_like(bs[0]), bs[1]], dim=2)], dim=1))
+    if down in present:
+        out[EXPERT_MODULES[1]] = (stacked(down, "A"), stacked(down, "B"))
+    return out

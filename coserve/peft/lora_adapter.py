@@ -13,11 +13,11 @@ import torch
 from coserve.model.linear_modules import ExpertShapes, resolve_expert_targets
 from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
                                       peft_type, read_adapter_config, read_adapter_tensors)
-from coserve.peft.expert_lora import EXPERT_KEY, a_from_peft, b_from_peft
+from coserve.peft.expert_lora import EXPERT_KEY, V4_EXPERT_KEY, a_from_peft, b_from_peft, from_v4
 from coserve.peft.rank_pattern import check_patterns, module_ranks
 
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)\.lora_(?:([AB])\.weight|"
-                  r"(magnitude_vector))$")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp|block_sparse_moe)\.((?:shared_expert\.)?\w+)\.lora_(?:([AB])\."
+                  r"weight|(magnitude_vector))$")
 # (layer, module) -> the frozen module's weight [out, in] and bias (or None), to compute DoRA's column norms with
 BaseWeight = Callable[[int, str], tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -73,8 +73,8 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
     if config.get("modules_to_save"):
         raise AdapterError(f"{cfg_file}: field 'modules_to_save' is not supported (whole modules saved)")
     targets = config.get("target_modules")
-    if isinstance(targets, list):
-        check_target_names(cfg_file, targets, "LoRA", module_shapes)
+    if isinstance(targets, list):  # a mixture's experts may be named as transformers 4 had them (Mixtral's w1, ...)
+        check_target_names(cfg_file, targets, "LoRA", [*module_shapes, *(experts.v4_names if experts else ())])
     parameters = config.get("target_parameters") or []
     try:
         resolve_expert_targets(parameters if isinstance(parameters, list) else [parameters], experts)
@@ -125,7 +125,15 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
     targets = set()
     magnitudes = {}
     wrapped: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}  # (layer, inner) -> {"A": ..., "B": ...}
+    per_expert: dict[int, dict[tuple[str, int, str], torch.Tensor]] = {}  # transformers 4's layout, by layer
     for key, tensor in tensors.items():
+        v4 = V4_EXPERT_KEY.search(key)
+        if v4 is not None:
+            layer, expert = int(v4.group(1)), int(v4.group(2))
+            if experts is None or layer >= num_layers or expert >= experts.num_experts:
+                raise AdapterError(f"{weights_file}: tensor {key!r} adapts an expert this model does not have")
+            per_expert.setdefault(layer, {})[(v4.group(3), expert, v4.group(4))] = tensor
+            continue
         e = EXPERT_KEY.search(key)
         if e is not None:
             layer = int(e.group(1))
@@ -158,6 +166,19 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
         targets.add(module)
     for (layer, _), pair in wrapped.items():
         targets.add(_read_expert_pair(adapter, weights_file, layer, pair, experts, ranks))
+    for layer, found in per_expert.items():  # as PEFT converts them: gate/up at twice the rank
+        try:
+            converted = from_v4(found, experts.v4_names, experts.num_experts, f"{weights_file}: layer {layer}")
+        except ValueError as err:
+            raise AdapterError(str(err)) from err
+        for module, (a, b) in converted.items():
+            fan_in, fan_out = experts.modules[module]
+            if a.shape[2] != fan_in or b.shape[1] != fan_out or a.shape[1] != b.shape[2]:
+                raise AdapterError(f"{weights_file}: layer {layer}'s experts' LoRA of {module} has A {tuple(a.shape)} "
+                                   f"and B {tuple(b.shape)}; the model needs [E, r, {fan_in}] and [E, {fan_out}, r]")
+            adapter.expert_a[(layer, module)], adapter.expert_b[(layer, module)] = a, b
+            adapter.rank = max(adapter.rank, a.shape[1])
+            targets.add(module)
     for key in set(adapter.a) ^ set(adapter.b):
         raise AdapterError(f"{weights_file}: layer {key[0]} {key[1]} has only one of lora_A and lora_B")
     for key in set(magnitudes) - set(adapter.a):
