@@ -295,6 +295,14 @@ def test_an_adapter_in_transformers_4s_layout_serves_as_peft_converts_it(model_f
     path = make_v4_expert_adapter(model_dir, tmp_path / "v4", names, block, router=arch == "mixtral")
     check_mixed_batch_matches_peft(model_dir, hf_model_cache(model_dir), {"v4": path},
                                    ["v4", None, "v4", "v4", None, "v4"], PROMPTS, 12)
+    # trained on (a start adapter, a resumed job): the same experts' LoRA as served, in PEFT's layout
+    from coserve.peft.lora_adapter import load_lora_adapter
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    trainable = load_model_trainable(path, model)
+    served = load_lora_adapter("v4", path, model.module_shapes(), model.cfg.num_layers, experts=model.expert_shapes())
+    assert set(trainable.ea) == set(served.expert_a) and trainable.config.target_parameters
+    for key, a in served.expert_a.items():
+        assert torch.equal(trainable.ea[key], a) and torch.equal(trainable.eb[key], served.expert_b[key])
 
 
 @pytest.mark.parametrize("names", [("w1", "w3", "w2"), ("w1", "w3"), ("w3",)])

@@ -89,3 +89,22 @@ def from_v4(tensors: dict[tuple[str, int, str], torch.Tensor], names: tuple[str,
     if down in present:
         out[EXPERT_MODULES[1]] = (stacked(down, "A"), stacked(down, "B"))
     return out
+
+
+def v4_to_peft(tensors: dict[str, torch.Tensor], names: tuple[str, str, str], num_experts: int, where: str
+               ) -> dict[str, torch.Tensor]:
+    """An adapter file's tensors with its experts' in transformers 4's layout (and Mixtral's ``block_sparse_moe``
+    router) renamed and converted to transformers 5's PEFT layout (``from_v4``); others as they are."""
+    out, per_layer = {}, {}
+    for key, tensor in tensors.items():
+        m = V4_EXPERT_KEY.search(key)
+        if m is None:
+            out[key.replace(".block_sparse_moe.", ".mlp.")] = tensor
+            continue
+        per_layer.setdefault(int(m.group(1)), {})[(m.group(3), int(m.group(2)), m.group(4))] = tensor
+    for layer, found in per_layer.items():
+        converted = from_v4(found, names, num_experts, f"{where}: layer {layer}")
+        for module, (a, b) in converted.items():
+            prefix = peft_prefix(layer, module, set(converted))
+            out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a_to_peft(a), b_to_peft(b)
+    return out

@@ -19,7 +19,7 @@ from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
 from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from coserve.peft.adapter_dir import AdapterError, write_adapter_files
-from coserve.peft.expert_lora import a_from_peft, a_to_peft, b_from_peft, b_to_peft, peft_prefix
+from coserve.peft.expert_lora import a_from_peft, a_to_peft, b_from_peft, b_to_peft, peft_prefix, v4_to_peft
 from coserve.peft.lora_adapter import BaseWeight, dora_row_norm
 from coserve.peft.rank_pattern import module_ranks
 
@@ -482,6 +482,11 @@ def load_trainable(path: str | Path, module_shapes: dict[str, tuple[int, int]], 
         tensors = load_file(str(path / ADAPTER_WEIGHTS), device=str(device))
     except Exception as e:  # safetensors raises several kinds for a bad file
         raise AdapterError(f"{path / ADAPTER_WEIGHTS}: cannot read ({e})") from e
+    if experts is not None:  # a mixture's experts in transformers 4's layout, as PEFT 0.21 converts them
+        try:
+            tensors = v4_to_peft(tensors, experts.v4_names, experts.num_experts, str(path / ADAPTER_WEIGHTS))
+        except ValueError as e:
+            raise AdapterError(str(e)) from e
     bypass.load_state(tensors, path / ADAPTER_WEIGHTS)
     return bypass
 
