@@ -327,3 +327,40 @@ def test_transformers_4s_experts_convert_to_the_same_updates(names):
             assert torch.allclose(b[x] @ a[x], update("w2"), atol=1e-6)
     with pytest.raises(ValueError, match=f"here: expert 2's {names[0]} has no lora_A"):
         from_v4({k: v for k, v in tensors.items() if k != (names[0], 2, "A")}, ("w1", "w3", "w2"), e, "here")
+
+
+@pytest.mark.parametrize("remat,memory_target", [("cheap", 0.5), ("cheap", 1.0), ("all", 0.5)])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("peft", [LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+                                  LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"],
+                                             target_parameters=["experts.down_proj"]), "ia3"],
+                         ids=["all-linear", "down", "ia3-router"])
+def test_the_executor_keeps_exactly_the_plans_bytes_on_a_mixture(model_factory, tmp_path, arch, peft, remat,
+                                                                 memory_target):
+    """The planner prices a mixture as its executors run it (``graph._mixture``): the router's float32 probabilities
+    kept, every expert of a token's gate/up outputs together kept or recomputed, the experts' LoRA at ``k`` times the
+    rank (PEFT's gate/up at twice it, with ``all-linear``); ``memory_target`` 1.0 keeps the gate/up outputs."""
+    import random
+
+    from coserve.finetune.config import FinetuneConfig
+    from coserve.finetune.job import Example, FinetuneJob
+    from coserve.finetune.runner import run_job
+    from coserve.peft.config import IA3Config
+    from coserve.peft.trainable import TrainableIA3
+    model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
+    if peft == "ia3":
+        bypass = TrainableIA3(IA3Config(target_modules=["gate", "k_proj"], feedforward_modules=[]),
+                              model.module_shapes(), model.cfg.num_layers, model.device)
+    else:
+        bypass = TrainableLora(peft, model.module_shapes(), model.cfg.num_layers, model.device,
+                               torch.Generator().manual_seed(0), experts=model.expert_shapes())
+    rng = random.Random(0)
+    examples = [Example(ids, ids[1:] + [-100]) for ids in ([rng.randrange(5, 200) for _ in range(20)]
+                                                           for _ in range(2))]
+    job = FinetuneJob(model, bypass, examples, FinetuneConfig(output_dir=str(tmp_path / "o"), batch_size=2,
+                                                              max_steps=1, window_tokens=5, rematerialize=remat,
+                                                              memory_target=memory_target))
+    run_job(job, progress=False)
+    assert job.kept_bytes_per_token == job.plan.model_kept_bytes_per_token
+    kept = {k.name for k in job.plan.kept}
+    assert ("moe.probs" in kept) == (remat == "cheap") and ("moe.gu" in kept) == (memory_target == 1.0)

@@ -11,6 +11,13 @@ plans over it. The op sequence is ``DecoderModel.layer_forward``'s, one op per s
     silu       gate -> act                       gate_mul  act * up -> mlp_in
     down_proj  mlp_in -> mlp_out (+ bypass)      mlp_residual  resid + mlp_out -> out
 
+A mixture of experts (``LayerShape.experts_per_token``) replaces the MLP after ``mlp_norm``:
+
+    gate (router)  h_mlp -> moe.logits (+ bypass)   moe.softmax  moe.logits -> moe.probs (float32)
+    experts.gate_up_proj  h_mlp -> moe.gu (every expert of a token's, + bypass)
+    moe.act_mul  moe.gu -> moe.mlp_in           experts.down_proj  moe.mlp_in -> moe.y (+ bypass)
+    moe.route  moe.y, moe.probs -> mlp_out
+
 A bypassed module's frozen matmul writes ``<module>.y`` and the bypass writes the name
 downstream ops read, so base tensors keep their names whatever the PEFT config.
 
@@ -30,7 +37,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from coserve.model.linear_modules import ALL_LINEAR, ALL_TARGET_MODULES, TARGET_MODULES, ordered, split_fused
+from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, EXPERT_MODULES, ROUTER, TARGET_MODULES,
+                                          ordered, split_fused)
+from coserve.model.rank_pattern import module_ranks
 
 
 FLOPS_PER_ELEMENT = {"mul": 1, "scale": 1, "add": 1, "silu": 4, "relu": 1, "norm": 4, "rope": 3}
@@ -199,6 +208,10 @@ class LayerShape:
     qk_norm: bool = False  # Qwen3: q and k RMS-normalised per head before the rotation
     element_size: int = 2  # bytes per element: 2 for bf16/fp16, 4 for fp32
     context_tokens: int = 512  # keys attended per token on average (half a causal sequence); prices attention
+    # a mixture of experts: its experts and how many each token runs through (0: a dense MLP); intermediate_size is
+    # then one expert's
+    num_experts: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
@@ -221,12 +234,18 @@ class LayerShape:
     @classmethod
     def from_model_config(cls, cfg: Any, element_size: int, context_tokens: int = 512) -> "LayerShape":
         """From a ``coserve.model.config.ModelConfig`` (or anything with its field names)."""
+        moe = bool(getattr(cfg, "moe", False))
         return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   bool(cfg.qkv_bias), bool(getattr(cfg, "qk_norm", False)), element_size, context_tokens)
+                   bool(cfg.qkv_bias), bool(getattr(cfg, "qk_norm", False)), element_size, context_tokens,
+                   cfg.num_experts if moe else 0, cfg.experts_per_token if moe else 0)
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` per target module, as ``DecoderModel.module_shapes``."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        if self.experts_per_token:  # the router; every token's experts together (EXPERT_MODULES)
+            k = self.experts_per_token
+            return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                    ROUTER: (h, self.num_experts), EXPERT_MODULES[0]: (h, 2 * k * i), EXPERT_MODULES[1]: (k * i, h)}
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
@@ -272,7 +291,14 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     # bypass keeps as much (an IA3 output as wide, a LoRA x A^T per part: r values a token more than one) and reads
     # the same input
     targets = set(TARGET_MODULES if list(peft.target_modules) == [ALL_LINEAR] else split_fused(peft.target_modules))
+    targets |= set(getattr(peft, "target_parameters", None) or ())  # a mixture's experts
     input_scaled = set(getattr(peft, "feedforward_modules", ())) if peft.peft_type == "IA3" else set()
+    ranks = {}
+    if peft.peft_type == "LORA":  # each module's (PEFT's rank_pattern); the experts' over every expert of a token
+        ranks = module_ranks(peft.r, peft.lora_alpha, bool(getattr(peft, "use_rslora", False)),
+                             getattr(peft, "rank_pattern", None) or {}, getattr(peft, "alpha_pattern", None) or {},
+                             sorted(targets & set(dims)), 1)
+        ranks.update({m: ranks[m] * shape.experts_per_token for m in EXPERT_MODULES if m in ranks})
 
     def linear(module: str, x: str, out: str, bias: bool = False) -> str:
         """Frozen ``module`` on ``x`` plus its bypass; writes ``out`` (the name consumers read)."""
@@ -288,7 +314,7 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
         if peft.peft_type == "IA3":  # scale the output
             l_out = b.weight(f"{module}.ia3_l", trainable=True)
             return b.op(f"{module}.ia3", OpKind.ELEMENTWISE, (y, l_out), ((out, fan_out),), fan_out, "mul")
-        r = peft.r
+        r = ranks.get(module, peft.r)
         xa = b.matmul(f"{module}.lora_A", x, fan_in, r, f"{module}.lora_a", trainable=True)  # [r]
         xab = b.matmul(f"{module}.lora_B", xa, r, fan_out, f"{module}.lora_b", trainable=True)  # [out]
         scaled = b.pointwise(f"{module}.lora_scale", OpKind.ELEMENTWISE, "scale", (xab,), f"{module}.lora_s")
@@ -324,11 +350,15 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     proj = linear("o_proj", o, "attn_proj")  # [H]
     resid = b.pointwise("attn_residual", OpKind.ADD, "add", (x, proj), "resid")  # [H]
     h2 = b.norm("mlp_norm", resid, "h_mlp", "rms_mlp")  # [H], [1]
-    gate = linear("gate_proj", h2, "gate")  # [I]
-    up = linear("up_proj", h2, "up")  # [I]
-    act = b.pointwise("silu", OpKind.ACTIVATION, "silu", (gate,), "act")  # [I]
-    mlp_in = b.pointwise("gate_mul", OpKind.ELEMENTWISE, "mul", (act, up), "mlp_in")  # [I]
-    mlp_out = linear("down_proj", mlp_in, "mlp_out")  # [H]
+    if shape.experts_per_token:
+        mlp_out, projections = _mixture(b, shape, linear, h2)
+    else:
+        gate = linear("gate_proj", h2, "gate")  # [I]
+        up = linear("up_proj", h2, "up")  # [I]
+        act = b.pointwise("silu", OpKind.ACTIVATION, "silu", (gate,), "act")  # [I]
+        mlp_in = b.pointwise("gate_mul", OpKind.ELEMENTWISE, "mul", (act, up), "mlp_in")  # [I]
+        mlp_out = linear("down_proj", mlp_in, "mlp_out")  # [H]
+        projections = (gate, up)
     out = b.pointwise("mlp_residual", OpKind.ADD, "add", (resid, mlp_out), "out")  # [H]
     title = (f"{peft_summary(peft)}; hidden {shape.hidden_size}, intermediate {shape.intermediate_size}, "
              f"heads {shape.num_heads}/{shape.num_kv_heads} x {shape.head_dim}"
@@ -339,5 +369,29 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     # backward reads them.
     pre = (q_pre, k_pre) if shape.qk_norm else ()
     return b.build(x, out, always_kept=(x, k, v), required_grads=(x, k, v), title=title,
-                   projections=(*pre, q, o, resid, gate, up) if attention_backward == "flash"
-                   else (*pre, q, resid, gate, up))
+                   projections=(*pre, q, o, resid, *projections) if attention_backward == "flash"
+                   else (*pre, q, resid, *projections))
+
+
+def _mixture(b: GraphBuilder, shape: LayerShape, linear, h: str) -> tuple[str, tuple[str, ...]]:
+    """A mixture of experts over the MLP's input ``h``, as ``moe.moe_mlp`` and its pruned backward
+    (``moe_backward.py``) run it; returns its output and what may be recomputed. The router's float32 probabilities
+    ``moe.probs`` (kept: the backward routes by them, and nothing it keeps recomputes them); each token's experts'
+    gate/up outputs together, ``moe.gu`` (``k * 2I``: kept or recomputed from ``h``), the product of their activation
+    (``k * I``), the down projections summed into ``[H]``, and the routing weights' product: its gradient to the
+    output reads the probabilities, the one to the probabilities reads the product (``<dy @ down_e, m>``), not the
+    experts' outputs. The router and each expert parameter take their bypass (``linear``: a LoRA of the experts has
+    ``k`` times the rank, one per expert a token runs through). Qwen2-MoE's shared expert is not priced: the
+    executor keeps nothing of it but its adapters' own tensors (``r`` values a token per adapted module)."""
+    k, e, i = shape.experts_per_token, shape.num_experts, shape.intermediate_size
+    logits = linear(ROUTER, h, "moe.logits")  # [E]
+    probs = b.op("moe.softmax", OpKind.ACTIVATION, (logits,), (("moe.probs", e),), SOFTMAX_FLOPS_PER_SCORE * e,
+                 "softmax")
+    b.set_element_size(probs, 4)
+    gu = linear(EXPERT_MODULES[0], h, "moe.gu")  # [k * 2I]
+    mlp_in = b.op("moe.act_mul", OpKind.ELEMENTWISE, (gu, gu), (("moe.mlp_in", k * i),),
+                  (FLOPS_PER_ELEMENT["silu"] + FLOPS_PER_ELEMENT["mul"]) * k * i, "mul")  # act(gate) * up
+    y = linear(EXPERT_MODULES[1], mlp_in, "moe.y")  # [H]: every expert's down projection, summed
+    out = b.op("moe.route", OpKind.ELEMENTWISE, (y, probs, mlp_in), (("mlp_out", shape.hidden_size),),
+               k * shape.hidden_size, "route")
+    return out, (gu,)

@@ -99,6 +99,11 @@ def _rule(op: Op) -> list[tuple[int, tuple[Read, ...]]]:
         return [(0, r(ins[1])), (1, r(ins[0]))]
     if op.kind is OpKind.ELEMENTWISE and op.fn == "scale":  # by a constant
         return [(0, ())]
+    if op.kind is OpKind.ELEMENTWISE and op.fn == "route":  # a mixture's sum of its experts' outputs y_e weighted by
+        # the probabilities p (ins[1]): d(y) reads p; d(p) reads the experts' activation product (ins[2], <dy W, m>)
+        return [(0, r(ins[1])), (1, r(ins[2]))]
+    if op.kind is OpKind.ACTIVATION and op.fn == "softmax":  # softmax'(x) needs its output
+        return [(0, r(outs[0]))]
     if op.kind is OpKind.ADD:
         return [(i, ()) for i in range(len(ins))]
     if op.kind is OpKind.ACTIVATION and op.fn == "silu":  # silu'(x) needs x

@@ -27,7 +27,7 @@ SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "sh
 # Every name any model has (indices are stable: LoRA dropout seeds mix them in).
 ALL_TARGET_MODULES = TARGET_MODULES + tuple(FUSED_PARTS) + (ROUTER,) + SHARED_EXPERT_MODULES
 # A mixture's experts' gate, up and down modules in transformers 4 (Mixtral's: w1, w3, w2), which PEFT 0.21 reads as
-# its experts' parameters on transformers 5 (``peft.rank_pattern.expert_targets_from_v4``)
+# its experts' parameters on transformers 5 (``rank_pattern.expert_targets_from_v4``)
 V4_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 # Modules whose input a bypass may rescale (IA3's feed-forward placement): each has its own matmul.

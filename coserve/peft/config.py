@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES,
                                           MIXTRAL_EXPERT_NAMES, ROUTER, V4_EXPERT_NAMES, ExpertShapes, attention_only,
                                           is_router_parameter, resolve_expert_targets, resolve_targets)
-from coserve.peft.rank_pattern import check_patterns, expert_targets_from_v4
+from coserve.model.rank_pattern import check_patterns, expert_targets_from_v4
 
 
 def _targets(modules) -> list[str]:

@@ -14,7 +14,7 @@ from coserve.model.linear_modules import ExpertShapes, resolve_expert_targets
 from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
                                       peft_type, read_adapter_config, read_adapter_tensors)
 from coserve.peft.expert_lora import EXPERT_KEY, V4_EXPERT_KEY, a_from_peft, b_from_peft, from_v4
-from coserve.peft.rank_pattern import check_patterns, module_ranks
+from coserve.model.rank_pattern import check_patterns, module_ranks
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp|block_sparse_moe)\.((?:shared_expert\.)?\w+)\.lora_(?:([AB])\."
                   r"weight|(magnitude_vector))$")

@@ -21,7 +21,7 @@ from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from coserve.peft.adapter_dir import AdapterError, write_adapter_files
 from coserve.peft.expert_lora import a_from_peft, a_to_peft, b_from_peft, b_to_peft, peft_prefix, v4_to_peft
 from coserve.peft.lora_adapter import BaseWeight, dora_row_norm
-from coserve.peft.rank_pattern import module_ranks
+from coserve.model.rank_pattern import module_ranks
 
 
 def _prefix(layer: int, module: str) -> str:
