@@ -17,8 +17,8 @@ import torch
 
 from coserve.model.decoder import DecoderLayer, DecoderModel
 from coserve.model.linear_modules import EXPERT_MODULES, ROUTER, SHARED_EXPERT_MODULES
-from coserve.peft.trainable import LowRank
 from coserve.model.moe import expert_groups, route_probs
+from coserve.peft.trainable import LowRank
 
 
 @torch.no_grad()

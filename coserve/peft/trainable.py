@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from coserve.model.linear_modules import ALL_TARGET_MODULES, ROUTER, ROUTER_PARAMETER, ExpertShapes, module_name
+from coserve.model.rank_pattern import module_ranks
 from coserve.peft.config import IA3Config, LoraConfig, for_model
 from coserve.peft.dropout import keep_mask, mix_seed
 from coserve.peft.adapter_dir import CONFIG_FILE as ADAPTER_CONFIG
@@ -21,7 +22,6 @@ from coserve.peft.adapter_dir import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from coserve.peft.adapter_dir import AdapterError, write_adapter_files
 from coserve.peft.expert_lora import a_from_peft, a_to_peft, b_from_peft, b_to_peft, peft_prefix, v4_to_peft
 from coserve.peft.lora_adapter import BaseWeight, dora_row_norm
-from coserve.model.rank_pattern import module_ranks
 
 
 def _prefix(layer: int, module: str) -> str:
