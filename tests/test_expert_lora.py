@@ -101,19 +101,13 @@ def test_co_served_requests_on_expert_adapters_get_the_same_logprobs_bit_for_bit
 @pytest.mark.parametrize("remat", ["cheap", "cheap:every", "cheap:none", "all"])
 @pytest.mark.parametrize("arch", MOES)
 @pytest.mark.parametrize("targets", [(["q_proj", "o_proj"], EXPERTS), ([], ["experts.gate_up_proj"]),
-                                     ([], ["experts.down_proj"]), (["gate", "v_proj"], EXPERTS), (["gate"], []),
-                                     "ia3", "dora"],
-                         ids=["attention-and-experts", "gate-up", "down", "router-and-experts", "router", "ia3-router",
-                              "dora-router"])
+                                     ([], ["experts.down_proj"]), (["gate", "v_proj"], EXPERTS), (["gate"], [])],
+                         ids=["attention-and-experts", "gate-up", "down", "router-and-experts", "router"])
 def test_expert_windows_match_one_whole_sequence_backward(model_factory, arch, targets, remat):
     """With the experts or the router alone adapted, the first layer's backward stops after its mixture (its input
-    needs no gradient). IA3 scales the router's logits; DoRA of the router (with LoRA dropout) scales its rows."""
-    from coserve.peft.config import IA3Config
+    needs no gradient)."""
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
-    config = (IA3Config(target_modules=["k_proj", "gate"], feedforward_modules=[]) if targets == "ia3" else
-              LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, use_dora=True, target_modules=["gate", "o_proj"])
-              if targets == "dora" else
-              LoraConfig(r=4, lora_alpha=8, target_modules=targets[0], target_parameters=targets[1]))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets[0], target_parameters=targets[1])
     bypass = perturbed_bypass(config, model, seed=5)
     check_windows_match_autograd(model, bypass, 41, remat, (7, 1, 22, 11), [1, 4, 13, 41], seed=3, tol=2e-5)
 
@@ -161,6 +155,14 @@ def test_what_is_not_supported_is_refused_naming_the_field(model_factory, expert
         LoraConfig(target_parameters=EXPERTS, lora_dropout=0.1)
     with pytest.raises(ValueError, match="use_dora: DoRA does not adapt experts"):
         LoraConfig(target_parameters=EXPERTS, use_dora=True)
+    # the router as PEFT 0.21 adapts it (a parameter): LoRA, without dropout or DoRA; no IA3
+    from coserve.peft.config import IA3Config
+    moe = load_model(model_factory("olmoe"), torch.float32, torch.device("cpu"))
+    for bad, message in ((LoraConfig(target_modules=["gate"], lora_dropout=0.1), "lora_dropout: a mixture's router"),
+                         (LoraConfig(target_modules=["q_proj", "gate"], use_dora=True), "use_dora: a mixture's router"),
+                         (IA3Config(target_modules=["gate"], feedforward_modules=[]), "target_modules: IA3 of a")):
+        with pytest.raises(ValueError, match=message):
+            for_model(bad, moe.module_shapes(), moe.expert_shapes())
     assert LoraConfig(target_parameters=["down_proj"]).target_modules == []  # the experts alone
     assert LoraConfig().target_modules == ["down_proj"]
     # an experts' adapter on a dense model, or one whose shapes do not fit: the file and tensor named
@@ -334,12 +336,13 @@ def test_transformers_4s_experts_convert_to_the_same_updates(names):
 @pytest.mark.parametrize("peft", [LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
                                   LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"],
                                              target_parameters=["experts.down_proj"]), "ia3"],
-                         ids=["all-linear", "down", "ia3-router"])
+                         ids=["all-linear", "down", "ia3"])
 def test_the_executor_keeps_exactly_the_plans_bytes_on_a_mixture(model_factory, tmp_path, arch, peft, remat,
                                                                  memory_target):
     """The planner prices a mixture as its executors run it (``graph._mixture``): the router's float32 probabilities
     kept, every expert of a token's gate/up outputs together kept or recomputed, the experts' LoRA at ``k`` times the
-    rank (PEFT's gate/up at twice it, with ``all-linear``); ``memory_target`` 1.0 keeps the gate/up outputs."""
+    rank (PEFT's gate/up at twice it, with ``all-linear``; the router's as a dense module's); ``memory_target`` 1.0
+    keeps the gate/up outputs."""
     import random
 
     from coserve.finetune.config import FinetuneConfig
@@ -349,7 +352,7 @@ def test_the_executor_keeps_exactly_the_plans_bytes_on_a_mixture(model_factory, 
     from coserve.peft.trainable import TrainableIA3
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
     if peft == "ia3":
-        bypass = TrainableIA3(IA3Config(target_modules=["gate", "k_proj"], feedforward_modules=[]),
+        bypass = TrainableIA3(IA3Config(target_modules=["k_proj", "o_proj"], feedforward_modules=["o_proj"]),
                               model.module_shapes(), model.cfg.num_layers, model.device)
     else:
         bypass = TrainableLora(peft, model.module_shapes(), model.cfg.num_layers, model.device,

@@ -135,7 +135,11 @@ def for_model(config: LoraConfig | IA3Config, modules: Iterable[str], experts: E
     take the experts' parameters (``rank_pattern.expert_targets_from_v4``); on Qwen2-MoE, gate_proj, up_proj and
     down_proj are its shared expert's, and ``all-linear`` the attention and the shared expert."""
     if not isinstance(config, LoraConfig):
-        return replace(config, target_modules=resolve_targets(config.target_modules, modules))
+        config = replace(config, target_modules=resolve_targets(config.target_modules, modules))
+        if ROUTER in config.target_modules:
+            raise ValueError(f"target_modules: IA3 of a mixture's router ({ROUTER!r}) makes no adapter PEFT loads "
+                             "(PEFT 0.21 adapts the router only with LoRA, as the parameter gate.weight)")
+        return config
     names, extra = config.target_modules, {}
     all_linear = names == [ALL_LINEAR]
     if experts is not None and experts.shared_expert:  # Qwen2-MoE: PEFT's names are its shared expert's modules
@@ -150,5 +154,10 @@ def for_model(config: LoraConfig | IA3Config, modules: Iterable[str], experts: E
                  "alpha_pattern": {**alpha_pattern, **config.alpha_pattern},
                  "target_parameters": list(dict.fromkeys(config.target_parameters + parameters))}
     parameters = resolve_expert_targets(extra.get("target_parameters", config.target_parameters), experts)
-    return replace(config, **{**extra, "target_modules": resolve_targets(names, modules) if names else [],
-                              "target_parameters": parameters})
+    config = replace(config, **{**extra, "target_modules": resolve_targets(names, modules) if names else [],
+                                "target_parameters": parameters})
+    if ROUTER in config.target_modules and (config.lora_dropout or config.use_dora):
+        field = "use_dora" if config.use_dora else "lora_dropout"
+        raise ValueError(f"{field}: a mixture's router ({ROUTER!r}) takes LoRA without dropout or DoRA, as PEFT 0.21 "
+                         "adapts it (a parameter, gate.weight); leave the router out or drop the option")
+    return config
