@@ -18,7 +18,7 @@ import torch
 from coserve.model.decoder import DecoderLayer, DecoderModel
 from coserve.model.linear_modules import EXPERT_MODULES, ROUTER, SHARED_EXPERT_MODULES
 from coserve.model.moe import expert_groups, route_probs
-from coserve.peft.trainable import LowRank
+from coserve.peft.trainable import add_grads
 
 
 @torch.no_grad()
@@ -78,7 +78,7 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
     extra = None
     if bypass is not None and ROUTER in bypass.modules:  # the router's adapter (LoRA, DoRA, IA3), from its kept tensor
         dlogits, extra = bypass.output_backward(layer.index, ROUTER, h, kept.get("moe.router"), dlogits)
-    _plus(dh, model.input_grad(dlogits, layer.router), extra)
+    add_grads(dh, model.input_grad(dlogits, layer.router), extra)
     if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, recomputed from the input
         dh.add_(_shared_expert_input_grad(model, layer, h, dout, bypass, kept))
     return dh
@@ -88,7 +88,8 @@ def _shared_expert_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch
                               bypass=None, kept: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """dL/d(input) of Qwen2-MoE's ``sigmoid(z(h)) * shared(h)``: through the shared expert scaled by its gate, and
     through the gate (``s (1 - s)`` times the output's projection on ``dout``); a ``bypass`` of its modules
-    (``SHARED_EXPERT_MODULES``) gets its gradients from what its forward kept (``kept``, by module), as a dense MLP's."""
+    (``SHARED_EXPERT_MODULES``) gets its gradients from what its forward kept (``kept``, by module), as a dense
+    MLP's."""
     kept = kept or {}
     i = layer.index
     gate_module, up_module, down_module, gate_z = SHARED_EXPERT_MODULES
@@ -105,7 +106,7 @@ def _shared_expert_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch
     act = model.act(gate)
     mlp_in = act * up
     dy, extra_m = through(down_module, mlp_in, dout * scale)
-    dm = _plus(model.input_grad(dy, layer.shared_down), extra_m)
+    dm = add_grads(model.input_grad(dy, layer.shared_down), extra_m)
     dgu = torch.empty_like(gu)
     dgate, dup = dgu.chunk(2, dim=-1)
     torch.ops.aten.silu_backward.grad_input(dm * up, gate, grad_input=dgate)
@@ -115,15 +116,5 @@ def _shared_expert_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch
     dgate.copy_(dgate_frozen)
     dup.copy_(dup_frozen)
     dz, extra_z = through(gate_z, h, (dout * out).sum(-1, keepdim=True) * scale * (1 - scale))
-    return _plus(model.input_grad(dgu, layer.shared_gate_up), model.input_grad(dz, layer.shared_gate), extra_g,
-                 extra_u, extra_z)
-
-
-def _plus(t: torch.Tensor, *extras) -> torch.Tensor:
-    """``t`` (fresh, added into in place) plus each extra gradient: a tensor, a ``LowRank`` product, or None."""
-    for e in extras:
-        if isinstance(e, LowRank):
-            t = e.add_to(t)
-        elif e is not None:
-            t = t.add_(e)
-    return t
+    return add_grads(model.input_grad(dgu, layer.shared_gate_up), model.input_grad(dz, layer.shared_gate), extra_g,
+                     extra_u, extra_z)

@@ -28,7 +28,7 @@ from coserve.model.attention_spec import AttentionSpec
 from coserve.model.decoder import DecoderLayer, DecoderModel, bypass_output, bypassed_linear, rms_norm
 from coserve.model.linear_modules import EXPERT_MODULES, ROUTER, SHARED_EXPERT_MODULES
 from coserve.model.norm_grad import rms_norm_backward, rms_norm_stats
-from coserve.peft.trainable import LowRank
+from coserve.peft.trainable import add_grads
 
 # The base layer's tensors a plan may store or recompute (attention's two outputs go together); the norms' per-row
 # statistics (rsqrt(mean(x^2) + eps), float32) by their graph names.
@@ -296,7 +296,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         ex_gu = _out_backward_into(bypass, keep, i, "gate_up_proj", h2, dgu, a, b)
         if last == 2:
             return None
-        dh2 = _plus(model.input_grad(dgu, layer.gate_up), ex_g, ex_u, ex_gu)
+        dh2 = add_grads(model.input_grad(dgu, layer.gate_up), ex_g, ex_u, ex_gu)
         dresid = dout + (dh2 if layer.post_norm is None else rms_norm_backward(
             dh2, resid, layer.post_norm_f32, eps, stats2 or _norm_stats(resid, rstd2, eps)))
     do_proj = dresid if rm is None else dresid * rm
@@ -339,7 +339,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
     ex_qkv = _out_backward_into(bypass, keep, i, "qkv_proj", h1, dqkv, a, b)
     if not need_input_grad:
         return None
-    dh1 = _plus(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v, ex_qkv)
+    dh1 = add_grads(model.input_grad(dqkv, layer.qkv), ex_q, ex_k, ex_v, ex_qkv)
     if layer.input_norm is None:
         return dresid + dh1
     return dresid + rms_norm_backward(dh1, x, layer.input_norm_f32, eps, stats1 or _norm_stats(x, rstd1, eps))
@@ -402,16 +402,5 @@ def _module_backward(model, bypass, keep, i, module, x, weight, dy, a, b, need_d
     dy, extra = _out_backward(bypass, keep, i, module, x_in, dy, a, b)
     if not need_dx and not bypass.scales_input(module):
         return None
-    dx = bypass.input_backward(i, module, x, _plus(model.input_grad(dy, weight), extra))
+    dx = bypass.input_backward(i, module, x, add_grads(model.input_grad(dy, weight), extra))
     return dx if need_dx else None
-
-
-def _plus(t: torch.Tensor, *extras) -> torch.Tensor:
-    """``t`` (a fresh tensor of this backward's, added into in place) plus each extra gradient: a tensor,
-    a ``LowRank`` product (one ``addmm_``), or None."""
-    for e in extras:
-        if isinstance(e, LowRank):
-            t = e.add_to(t)
-        elif e is not None:
-            t = t.add_(e)
-    return t

@@ -120,6 +120,17 @@ class LowRank(NamedTuple):
         return t.addmm_(self.left, self.right)
 
 
+def add_grads(t: torch.Tensor, *extras) -> torch.Tensor:
+    """``t`` (a fresh tensor of a backward's, added into in place) plus each extra gradient: a tensor, a ``LowRank``
+    product (one ``addmm_``), or None."""
+    for e in extras:
+        if isinstance(e, LowRank):
+            t = e.add_to(t)
+        elif e is not None:
+            t = t.add_(e)
+    return t
+
+
 def _frozen(t: torch.Tensor) -> torch.Tensor:
     """``t`` cut from autograd where it would record (grad mode on); as it is where it records nothing anyway (the
     finetuning executors' forward and backward windows run without grad): a dispatched ``detach`` fewer."""
