@@ -332,7 +332,7 @@ def test_transformers_4s_experts_convert_to_the_same_updates(names):
 
 
 @pytest.mark.parametrize("remat,memory_target", [("cheap", 0.5), ("cheap", 1.0), ("all", 0.5)])
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("peft", [LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
                                   LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"],
                                              target_parameters=["experts.down_proj"]), "ia3"],
@@ -341,8 +341,9 @@ def test_the_executor_keeps_exactly_the_plans_bytes_on_a_mixture(model_factory, 
                                                                  memory_target):
     """The planner prices a mixture as its executors run it (``graph._mixture``): the router's float32 probabilities
     kept, every expert of a token's gate/up outputs together kept or recomputed, the experts' LoRA at ``k`` times the
-    rank (PEFT's gate/up at twice it, with ``all-linear``; the router's as a dense module's); ``memory_target`` 1.0
-    keeps the gate/up outputs."""
+    rank (PEFT's gate/up at twice it, with ``all-linear``; the router's as a dense module's), Qwen2-MoE's shared
+    expert's adapters' own tensors alone (``all-linear`` there: the shared expert); ``memory_target`` 1.0 keeps the
+    gate/up outputs."""
     import random
 
     from coserve.finetune.config import FinetuneConfig
@@ -352,7 +353,8 @@ def test_the_executor_keeps_exactly_the_plans_bytes_on_a_mixture(model_factory, 
     from coserve.peft.trainable import TrainableIA3
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
     if peft == "ia3":
-        bypass = TrainableIA3(IA3Config(target_modules=["k_proj", "o_proj"], feedforward_modules=["o_proj"]),
+        shared = ["shared_expert.up_proj", "shared_expert_gate"] if arch == "qwen2_moe" else []
+        bypass = TrainableIA3(IA3Config(target_modules=["k_proj", "o_proj", *shared], feedforward_modules=["o_proj"]),
                               model.module_shapes(), model.cfg.num_layers, model.device)
     else:
         bypass = TrainableLora(peft, model.module_shapes(), model.cfg.num_layers, model.device,

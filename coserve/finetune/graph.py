@@ -16,7 +16,7 @@ A mixture of experts (``LayerShape.experts_per_token``) replaces the MLP after `
     gate (router)  h_mlp -> moe.logits (+ bypass)   moe.softmax  moe.logits -> moe.probs (float32)
     experts.gate_up_proj  h_mlp -> moe.gu (every expert of a token's, + bypass)
     moe.act_mul  moe.gu -> moe.mlp_in           experts.down_proj  moe.mlp_in -> moe.y (+ bypass)
-    moe.route  moe.y, moe.probs -> mlp_out
+    moe.route  moe.y, moe.probs -> mlp_out      (Qwen2-MoE: + each adapted shared-expert module's output)
 
 A bypassed module's frozen matmul writes ``<module>.y`` and the bypass writes the name
 downstream ops read, so base tensors keep their names whatever the PEFT config.
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, EXPERT_MODULES, ROUTER, TARGET_MODULES,
-                                          ordered, split_fused)
+from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, EXPERT_MODULES, ROUTER,
+                                          SHARED_EXPERT_MODULES, TARGET_MODULES, ordered, split_fused)
 from coserve.model.rank_pattern import module_ranks
 
 
@@ -212,6 +212,7 @@ class LayerShape:
     # then one expert's
     num_experts: int = 0
     experts_per_token: int = 0
+    shared_expert_size: int = 0  # Qwen2-MoE's shared expert's intermediate size (0: none)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
@@ -237,15 +238,19 @@ class LayerShape:
         moe = bool(getattr(cfg, "moe", False))
         return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    bool(cfg.qkv_bias), bool(getattr(cfg, "qk_norm", False)), element_size, context_tokens,
-                   cfg.num_experts if moe else 0, cfg.experts_per_token if moe else 0)
+                   cfg.num_experts if moe else 0, cfg.experts_per_token if moe else 0,
+                   (getattr(cfg, "shared_expert_size", 0) or 0) if moe else 0)
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` per target module, as ``DecoderModel.module_shapes``."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
         if self.experts_per_token:  # the router; every token's experts together (EXPERT_MODULES)
             k = self.experts_per_token
+            s = self.shared_expert_size
+            shared = dict(zip(SHARED_EXPERT_MODULES, ((h, s), (h, s), (s, h), (h, 1)))) if s else {}
             return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                    ROUTER: (h, self.num_experts), EXPERT_MODULES[0]: (h, 2 * k * i), EXPERT_MODULES[1]: (k * i, h)}
+                    ROUTER: (h, self.num_experts), EXPERT_MODULES[0]: (h, 2 * k * i), EXPERT_MODULES[1]: (k * i, h),
+                    **shared}
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
@@ -351,7 +356,7 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
     resid = b.pointwise("attn_residual", OpKind.ADD, "add", (x, proj), "resid")  # [H]
     h2 = b.norm("mlp_norm", resid, "h_mlp", "rms_mlp")  # [H], [1]
     if shape.experts_per_token:
-        mlp_out, projections = _mixture(b, shape, linear, h2)
+        mlp_out, projections = _mixture(b, shape, linear, h2, targets)
     else:
         gate = linear("gate_proj", h2, "gate")  # [I]
         up = linear("up_proj", h2, "up")  # [I]
@@ -373,7 +378,7 @@ def build_layer_graph(shape: LayerShape, peft: Any, attention_backward: str = "f
                    else (*pre, q, resid, *projections))
 
 
-def _mixture(b: GraphBuilder, shape: LayerShape, linear, h: str) -> tuple[str, tuple[str, ...]]:
+def _mixture(b: GraphBuilder, shape: LayerShape, linear, h: str, targets: set[str]) -> tuple[str, tuple[str, ...]]:
     """A mixture of experts over the MLP's input ``h``, as ``moe.moe_mlp`` and its pruned backward
     (``moe_backward.py``) run it; returns its output and what may be recomputed. The router's float32 probabilities
     ``moe.probs`` (kept: the backward routes by them, and nothing it keeps recomputes them); each token's experts'
@@ -381,8 +386,8 @@ def _mixture(b: GraphBuilder, shape: LayerShape, linear, h: str) -> tuple[str, t
     (``k * I``), the down projections summed into ``[H]``, and the routing weights' product: its gradient to the
     output reads the probabilities, the one to the probabilities reads the product (``<dy @ down_e, m>``), not the
     experts' outputs. The router and each expert parameter take their bypass (``linear``: a LoRA of the experts has
-    ``k`` times the rank, one per expert a token runs through). Qwen2-MoE's shared expert is not priced: the
-    executor keeps nothing of it but its adapters' own tensors (``r`` values a token per adapted module)."""
+    ``k`` times the rank, one per expert a token runs through); Qwen2-MoE's shared expert's adapters' own tensors
+    (``_shared_expert_bypasses``: the executor keeps nothing else of it)."""
     k, e, i = shape.experts_per_token, shape.num_experts, shape.intermediate_size
     logits = linear(ROUTER, h, "moe.logits")  # [E]
     probs = b.op("moe.softmax", OpKind.ACTIVATION, (logits,), (("moe.probs", e),), SOFTMAX_FLOPS_PER_SCORE * e,
@@ -392,6 +397,23 @@ def _mixture(b: GraphBuilder, shape: LayerShape, linear, h: str) -> tuple[str, t
     mlp_in = b.op("moe.act_mul", OpKind.ELEMENTWISE, (gu, gu), (("moe.mlp_in", k * i),),
                   (FLOPS_PER_ELEMENT["silu"] + FLOPS_PER_ELEMENT["mul"]) * k * i, "mul")  # act(gate) * up
     y = linear(EXPERT_MODULES[1], mlp_in, "moe.y")  # [H]: every expert's down projection, summed
-    out = b.op("moe.route", OpKind.ELEMENTWISE, (y, probs, mlp_in), (("mlp_out", shape.hidden_size),),
-               k * shape.hidden_size, "route")
-    return out, (gu,)
+    shared = [m for m in SHARED_EXPERT_MODULES if m in targets] if shape.shared_expert_size else []
+    out = b.op("moe.route", OpKind.ELEMENTWISE, (y, probs, mlp_in), (("moe.out" if shared else "mlp_out",
+                                                                     shape.hidden_size),), k * shape.hidden_size,
+               "route")
+    return (_shared_expert_bypasses(b, shape, linear, h, out, shared) if shared else out), (gu,)
+
+
+def _shared_expert_bypasses(b: GraphBuilder, shape: LayerShape, linear, h: str, out: str, adapted: list[str]) -> str:
+    """Qwen2-MoE's shared expert, as its pruned backward runs it: recomputed whole from the MLP's input, so only its
+    ``adapted`` modules' own tensors are kept (LoRA's ``x A^T``, IA3's frozen output, DoRA's unscaled one). Each is
+    priced as its frozen matmul and bypass from ``h`` (the down projection's from a product recomputed from ``h``),
+    its output added to the mixture's ``out``; returns the sum, ``mlp_out``."""
+    outputs = [out]
+    for module in adapted:
+        x = h
+        if module == SHARED_EXPERT_MODULES[2]:  # the down projection reads act(gate) * up, recomputed from h
+            x = b.op("shared.act_mul", OpKind.ELEMENTWISE, (h, h), (("shared.mlp_in", shape.shared_expert_size),),
+                     (FLOPS_PER_ELEMENT["silu"] + FLOPS_PER_ELEMENT["mul"]) * shape.shared_expert_size, "mul")
+        outputs.append(linear(module, x, f"shared.{module}"))
+    return b.op("shared.sum", OpKind.ADD, tuple(outputs), (("mlp_out", shape.hidden_size),), len(outputs) - 1)
