@@ -46,7 +46,7 @@ class ExpertShapes:
 
     num_experts: int
     modules: dict[str, tuple[int, int]]
-    shared_expert: bool = False  # Qwen2-MoE's, beside the experts (no adapter of coserve's reaches it)
+    shared_expert: bool = False  # Qwen2-MoE's, beside the experts (its modules: SHARED_EXPERT_MODULES)
     v4_names: tuple[str, str, str] = V4_EXPERT_NAMES  # its experts' modules by transformers 4's names
 
 

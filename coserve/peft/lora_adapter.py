@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from coserve.model.linear_modules import ExpertShapes, resolve_expert_targets
+from coserve.model.rank_pattern import check_patterns, module_ranks
 from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
                                       peft_type, read_adapter_config, read_adapter_tensors)
 from coserve.peft.expert_lora import EXPERT_KEY, V4_EXPERT_KEY, a_from_peft, b_from_peft, from_v4
-from coserve.model.rank_pattern import check_patterns, module_ranks
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp|block_sparse_moe)\.((?:shared_expert\.)?\w+)\.lora_(?:([AB])\."
                   r"weight|(magnitude_vector))$")
@@ -88,9 +88,11 @@ def load_lora_adapter(name: str, path: str | Path, module_shapes: dict[str, tupl
                              [*module_shapes, *(experts.modules if experts is not None else ())], num_layers)
     except ValueError as e:
         raise AdapterError(f"{cfg_file}: field {e}") from e
-    adapter = LoraAdapter(name=name, path=path, rank=max(ranks.values()), scaling=float(scaling),
-                          target_modules=frozenset())
+    adapter = LoraAdapter(name=name, path=path, rank=rank, scaling=float(scaling), target_modules=frozenset())
     magnitudes = _read_weights(adapter, path, module_shapes, num_layers, experts, ranks)
+    # the largest rank it has (PEFT's rank_pattern; the experts' gate/up of a transformers 4 adapter at twice r)
+    adapter.rank = max([a.shape[0] for a in adapter.a.values()] + [a.shape[1] for a in adapter.expert_a.values()]
+                       or [rank])
     weights_file = path / WEIGHTS_FILE
     if dora:
         missing = sorted(set(adapter.a) - set(magnitudes))
@@ -177,7 +179,6 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
                 raise AdapterError(f"{weights_file}: layer {layer}'s experts' LoRA of {module} has A {tuple(a.shape)} "
                                    f"and B {tuple(b.shape)}; the model needs [E, r, {fan_in}] and [E, {fan_out}, r]")
             adapter.expert_a[(layer, module)], adapter.expert_b[(layer, module)] = a, b
-            adapter.rank = max(adapter.rank, a.shape[1])
             targets.add(module)
     for key in set(adapter.a) ^ set(adapter.b):
         raise AdapterError(f"{weights_file}: layer {key[0]} {key[1]} has only one of lora_A and lora_B")
