@@ -1,8 +1,10 @@
-"""LoRA of a mixture's experts, as HF PEFT's ``LoraConfig(target_parameters=["experts.gate_up_proj",
-"experts.down_proj"])`` makes it (coserve/peft/expert_lora.py): PEFT is the oracle of serving (greedy tokens, logprobs,
-a batch mixing adapters and the base), of the file layout both ways, and of training (test_finetune_vs_peft.py); a
-co-served job training the experts changes no inference logprob, the experts' adapters of inference requests
-included; windows match one whole-sequence autograd backward; what is not supported is refused naming the field."""
+"""Adapters of a mixture's experts (HF PEFT's ``LoraConfig(target_parameters=["experts.gate_up_proj",
+"experts.down_proj"])``, coserve/peft/expert_lora.py), of its router and of Qwen2-MoE's shared expert, and PEFT's names
+on a mixture (``all-linear``, transformers 4's, its layout of one LoRA per expert). PEFT is the oracle of serving
+(greedy tokens, logprobs, a batch mixing adapters and the base), of the file layout both ways, of the names, and of
+training (test_finetune_vs_peft.py); a co-served job training the experts changes no inference logprob, the experts'
+adapters of inference requests included; windows match one whole-sequence autograd backward; the executor keeps
+exactly the planner's bytes; what is not supported is refused naming the field."""
 
 from __future__ import annotations
 
