@@ -38,7 +38,8 @@ from enum import Enum
 from typing import Any
 
 from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, EXPERT_MODULES, ROUTER,
-                                          SHARED_EXPERT_MODULES, TARGET_MODULES, ordered, split_fused)
+                                          SHARED_EXPERT_MODULES, TARGET_MODULES, ordered, shared_expert_shapes,
+                                          split_fused)
 from coserve.model.rank_pattern import module_ranks
 
 
@@ -246,8 +247,7 @@ class LayerShape:
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
         if self.experts_per_token:  # the router; every token's experts together (EXPERT_MODULES)
             k = self.experts_per_token
-            s = self.shared_expert_size
-            shared = dict(zip(SHARED_EXPERT_MODULES, ((h, s), (h, s), (s, h), (h, 1)))) if s else {}
+            shared = shared_expert_shapes(h, self.shared_expert_size)
             return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                     ROUTER: (h, self.num_experts), EXPERT_MODULES[0]: (h, 2 * k * i), EXPERT_MODULES[1]: (k * i, h),
                     **shared}

@@ -14,7 +14,7 @@ from coserve.model.attention_spec import AttentionSpec
 from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
 from coserve.model.linear_modules import (MIXTRAL_EXPERT_NAMES, ROUTER, SHARED_EXPERT_MODULES, V4_EXPERT_NAMES,
-                                          ExpertShapes)
+                                          ExpertShapes, shared_expert_shapes)
 from coserve.model.moe import expert_names, moe_mlp, router_name, row_sigmoid, shared_expert_names
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
@@ -234,8 +234,7 @@ class DecoderModel:
         c = self.cfg
         h, i = c.hidden_size, c.intermediate_size
         if c.moe:  # the router; the experts' matrices are no modules: PEFT adapts them as parameters (expert_shapes)
-            s = c.shared_expert_size
-            shared = dict(zip(SHARED_EXPERT_MODULES, ((h, s), (h, s), (s, h), (h, 1)))) if s else {}
+            shared = shared_expert_shapes(h, c.shared_expert_size)
             return {"q_proj": (h, c.q_size), "k_proj": (h, c.kv_size), "v_proj": (h, c.kv_size),
                     "o_proj": (c.q_size, h), ROUTER: (h, c.num_experts), **shared}
         if c.fused:

@@ -50,6 +50,14 @@ class ExpertShapes:
     v4_names: tuple[str, str, str] = V4_EXPERT_NAMES  # its experts' modules by transformers 4's names
 
 
+def shared_expert_shapes(hidden: int, size: int) -> dict[str, tuple[int, int]]:
+    """``(in_features, out_features)`` of Qwen2-MoE's shared expert's modules (``SHARED_EXPERT_MODULES``) for its
+    intermediate ``size`` (none where 0)."""
+    if not size:
+        return {}
+    return dict(zip(SHARED_EXPERT_MODULES, ((hidden, size), (hidden, size), (size, hidden), (hidden, 1))))
+
+
 def module_name(target: str) -> str:
     """A saved adapter's ``target_modules`` entry as a module name: PEFT writes the ones ``all-linear`` found as full
     paths (``model.layers.0.mlp.shared_expert.down_proj``), which end in the module's name under its block."""
@@ -109,7 +117,14 @@ def resolve_expert_targets(targets: Iterable[str], experts: ExpertShapes | None,
     targets = [t for t in targets if not is_router_parameter(t)]
     if targets and experts is None:
         raise ValueError(f"{field}: {targets} name experts' parameters; this model is no mixture of experts")
+    return expert_parameter_names(targets, field)
+
+
+def expert_parameter_names(targets: Iterable[str], field: str = "target_parameters") -> list[str]:
+    """``resolve_expert_targets`` without a model: each name as its ``EXPERT_MODULES`` name (the router's weight left
+    out), a name that is no expert parameter refused, naming ``field``."""
     out = set()
+    targets = [t for t in targets if not is_router_parameter(t)]
     for t in targets:
         found = [m for m in EXPERT_MODULES if isinstance(t, str) and f".mlp.{m}".endswith(f".{t}")]
         if not found:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 from coserve.model.linear_modules import (ALL_LINEAR, ALL_TARGET_MODULES, INPUT_SCALABLE_MODULES,
                                           MIXTRAL_EXPERT_NAMES, ROUTER, V4_EXPERT_NAMES, ExpertShapes, attention_only,
-                                          is_router_parameter, resolve_expert_targets, resolve_targets)
+                                          expert_parameter_names, is_router_parameter, resolve_expert_targets,
+                                          resolve_targets)
 from coserve.model.rank_pattern import check_patterns, expert_targets_from_v4
 
 
@@ -73,7 +74,7 @@ class LoraConfig:
         self.rank_pattern, self.alpha_pattern = dict(self.rank_pattern or {}), dict(self.alpha_pattern or {})
         check_patterns(self.rank_pattern, self.alpha_pattern)
         if self.target_parameters:
-            self.target_parameters = resolve_expert_targets(self.target_parameters, ExpertShapes(0, {}))
+            self.target_parameters = expert_parameter_names(self.target_parameters)
             # PEFT's ParamWrapper refuses both: dropout cannot be factored out of a weight's delta, nor DoRA's norm
             if self.lora_dropout:
                 raise ValueError(f"lora_dropout: must be 0 with target_parameters (PEFT's adapters of experts take no "
