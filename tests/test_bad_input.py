@@ -49,7 +49,7 @@ def test_unknown_architecture(model_factory, tmp_path):
 def test_the_sliding_window_is_read_as_transformers_reads_it(model_factory, arch, change):
     """``ModelConfig.attention_windows``: each layer's window where it slides in transformers' own model of the config
     (its ``layer_types``, or Mistral's and Phi-3's every layer), None where it does not; the context is not capped
-    by it (coserve attends within the window)."""
+    by it (coserve attends within the window); ``kv_window`` where every layer slides."""
     from transformers import AutoConfig
 
     from coserve.model.config import ModelConfig
@@ -64,6 +64,8 @@ def test_the_sliding_window_is_read_as_transformers_reads_it(model_factory, arch
     assert [cfg.attention_window(i) for i in range(cfg.num_layers)] == [
         hf.sliding_window if slides and kind == "sliding_attention" else None for kind in kinds]
     assert cfg.max_context == cfg.max_position_embeddings
+    # the KV blocks behind a window are freed only where every layer slides
+    assert cfg.kv_window == (hf.sliding_window if slides and set(kinds) == {"sliding_attention"} else None)
 
 
 def test_layers_of_other_kinds_are_refused_by_field(model_factory):

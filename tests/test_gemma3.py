@@ -32,7 +32,7 @@ def test_window_schedules_match_one_whole_sequence_backward_past_the_window(gemm
     """``cheap``: the plan's keeps for this sequence; ``cheap:none`` recomputes q, the residual, gate and up;
     ``cheap:every`` keeps them and attention's output (its kept-output backward under the sliding mask). 47 tokens:
     past the sliding layer's 32 positions."""
-    assert gemma.cfg.attention_windows == (32, None)
+    assert gemma.cfg.attention_windows == (32, None) and gemma.cfg.kv_window is None  # a full layer keeps every block
     bypass = perturbed_bypass(BYPASSES[kind], gemma, seed=4)
     check_windows_match_autograd(gemma, bypass, 47, remat, (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2)
 

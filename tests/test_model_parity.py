@@ -174,6 +174,63 @@ def test_a_sliding_window_model_attends_past_its_window_as_hf_does(model_factory
         assert not torch.allclose(hf(torch.tensor([long])).logits[0, -1], full(torch.tensor([long])).logits[0, -1])
 
 
+@pytest.mark.parametrize("arch,fields,window", [
+    ("mistral", {"sliding_window": 24}, 24),
+    ("phi3", {"sliding_window": 24}, 24),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1, "layer_types": None}, None),
+])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(config_variant, hf_model_cache, arch,
+                                                                            fields, window, device):
+    """Where every layer slides (Mistral-7B-v0.1, Phi-3-mini-4k), a running request gives up its KV blocks once they
+    are wholly behind the window, and other requests take them: five requests that together held more than 60 blocks
+    run in 40 without a preemption, greedy tokens as HF's well past the window (with n-gram drafts too) and logprobs
+    bit for bit those of a cache that holds everything. A model with a layer over its whole context (Qwen3 sliding above its first layer
+    only) keeps every block: there the same requests preempt."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device (there released places are read by the variable-length kernel and decode graphs)")
+    path = config_variant(arch, **fields)
+    hf = hf_model_cache(path)
+    ids = [(list(range(7 + i, 300, 3 + i)) * 3)[:n] for i, n in enumerate((12, 30, 5, 38, 25))]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run(num_blocks: int, release: bool = True, **settings):
+        llm = LLM(path, dtype="float32", device=device, block_size=4, num_kv_blocks=num_blocks,
+                  max_num_batched_tokens=13, **settings)
+        sampling = params if "speculative_tokens" not in settings else SamplingParams(
+            max_tokens=40, temperature=0, ignore_eos=True)  # (drafts are for requests that ask no logprobs)
+        scheduler, peak = llm.engine.scheduler, [0]
+        assert scheduler.config.kv_window == window
+        if not release:
+            scheduler.config.kv_window = None
+        update = scheduler.update
+
+        def watched(plan, result):
+            events = update(plan, result)
+            scheduler.blocks.check_invariants()
+            peak[0] = max(peak[0], scheduler.blocks.num_blocks - scheduler.blocks.num_free_blocks)
+            return events
+
+        scheduler.update = watched
+        return llm.generate(ids, sampling), scheduler, peak[0]
+
+    _, _, kept_peak = run(100, release=False)
+    assert kept_peak > 60  # every block of every request held to its end
+    if window is not None:
+        assert run(40, release=False)[1].num_preemptions > 0  # without releasing, the small cache preempts
+    roomy, _, _ = run(100)
+    tight, scheduler, peak = run(40)
+    if window is None:
+        assert scheduler.num_preemptions > 0
+        return
+    assert scheduler.num_preemptions == 0 and peak <= 40
+    drafted, speculating, _ = run(40, speculative_tokens=3)  # rejected drafts: positions written, then given back
+    assert speculating.num_draft_tokens > speculating.num_accepted_drafts > 0
+    for seq, a, b, c in zip(ids, roomy, tight, drafted):
+        assert b.token_ids == c.token_ids == _hf_greedy(hf, seq, 40)
+        assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(config_variant, hf_model_cache, tmp_path):
     """Phi-3.5/Phi-4-mini's rotary settings: the first half of each head rotates (``partial_rotary_factor``) by
     LongRoPE's short factors, cos and sin scaled by its attention factor; the context is capped at the original one

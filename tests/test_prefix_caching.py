@@ -26,13 +26,13 @@ def keys_of(tokens: list[int], salt: str = "") -> list[int]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(num_blocks=st.integers(1, 16), ops=st.lists(st.tuples(st.sampled_from(["start", "grow", "free"]),
+@given(num_blocks=st.integers(1, 16), ops=st.lists(st.tuples(st.sampled_from(["start", "grow", "free", "release"]),
                                                               st.integers(0, 4), st.integers(0, 3),
                                                               st.integers(1, 20)), max_size=50))
 def test_shared_blocks_are_counted_and_evicted_without_loss(num_blocks, ops):
     """Sequences drawn from four prompt families share cached blocks; after every operation each block is held,
     free or evictable exactly once, reference counts match the tables, and a cached block's key matches what
-    its holder's tokens make of it."""
+    its holder's tokens make of it; a sliding window's releases of a sequence's first blocks included."""
     bm = BlockManager(num_blocks, BS, enable_caching=True)
     families = [[random.Random(f).randrange(50) for _ in range(80)] for f in range(4)]
     live: dict[str, tuple[int, int, int]] = {}  # seq -> (family, tokens held, blocks registered)
@@ -54,6 +54,8 @@ def test_shared_blocks_are_counted_and_evicted_without_loss(num_blocks, ops):
             for i in range(registered, len(full)):
                 bm.register(sid, i, full[i])
             live[sid] = (f, held, len(full))
+        elif op == "release" and sid in live:  # blocks behind a sliding window, registered ones among them
+            bm.release_front(sid, n // BS)
         elif op == "free" and sid in live:
             bm.free(sid)
             del live[sid]
@@ -61,8 +63,8 @@ def test_shared_blocks_are_counted_and_evicted_without_loss(num_blocks, ops):
         for s, (f, held, registered) in live.items():
             table, keys = bm.block_table(s), keys_of(families[f][:held])
             assert len(table) == bm.blocks_for(held)
-            for i in range(registered):  # a registered block of this sequence, if cached, is cached under its key
-                key = bm._key_of.get(table[i])
+            for i in range(bm.num_released(s), registered):  # a registered block it holds, if cached, is cached
+                key = bm._key_of.get(table[i])  # under its key
                 assert key is None or key == keys[i]
 
 
@@ -202,3 +204,28 @@ def test_an_adapter_installed_again_under_its_name_does_not_reuse_the_old_ones_b
     fresh = LLM(model_dir, dtype="float32", device="cpu", block_size=4)
     fresh.load_adapter("a", tmp_path / "two")
     assert replaced.outputs[0].token_ids == fresh.generate([prompt], params, adapter="a")[0].outputs[0].token_ids
+
+
+def test_a_sliding_window_models_released_blocks_stay_cached_for_the_next_request(config_variant, hf_model_cache):
+    """Mistral sliding over 12 positions: a request gives up its blocks behind the window while it runs, and the ones
+    the cache registered stay cached (evictable), so the same prompt again starts after them; greedy tokens as HF's
+    both times."""
+    path = config_variant("mistral", sliding_window=12)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=16, max_num_batched_tokens=16,
+              enable_prefix_caching=True)
+    blocks, released = llm.engine.scheduler.blocks, []
+    release_front = blocks.release_front
+    blocks.release_front = lambda seq, count: released.append(release_front(seq, count)) or released[-1]
+    prompt = list(range(20, 60))  # 10 blocks
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    second = llm.generate([prompt], params)[0]
+    scheduler = llm.engine.scheduler
+    assert scheduler.prefix_cache_hits == 36 and second.num_cached_tokens == 36  # all but the last block
+    assert sum(released) == 2 * 13  # each gave up all but its last 3 of 16 blocks while it ran
+    import torch
+    hf = hf_model_cache(path)
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert first.token_ids == second.token_ids == want

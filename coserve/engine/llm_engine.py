@@ -368,7 +368,8 @@ class LLMEngine:
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,
                                          scheduling_policy=c.scheduling_policy,
-                                         scheduler_delay_factor=c.scheduler_delay_factor),
+                                         scheduler_delay_factor=c.scheduler_delay_factor,
+                                         kv_window=self.model_config.kv_window),
                          BlockManager(num_blocks, c.block_size, c.enable_prefix_caching), latency=latency)
 
     def reset_after_fault(self, error: BaseException) -> list[RequestOutput]:

@@ -6,11 +6,19 @@ and a salt (the caller's: tenant and adapter). A sequence whose first blocks' ke
 those blocks in its table (their reference counts raised) and computes only the rest. A block nobody holds
 any longer stays cached, evictable, until a new allocation needs it (least recently freed first). Cached
 blocks are full, and no sequence writes a position it has not reached, so a shared block is never written.
+
+Where no layer reads further back than a sliding window, a running sequence gives up its first blocks once every
+position in them has left the window (``release_front``): their places in its table read ``RELEASED_BLOCK``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+
+#: What a released block's place in a table reads: block 0, which attention gathers and masks out as it does the
+#: padding of a short table (the cache is zero-initialised and holds only finite K/V, so a masked read adds zero).
+RELEASED_BLOCK = 0
 
 
 class OutOfBlocks(RuntimeError):
@@ -41,6 +49,7 @@ class BlockManager:
         # Free blocks are a stack: the most recently freed block is reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
+        self._released: dict[str, int] = {}  # seq -> how many of its first blocks it has given up (release_front)
         self._refs = [0] * num_blocks  # sequences holding each block
         self._cached: dict[int, int] = {}  # key -> block
         self._key_of: dict[int, int] = {}  # block -> key, for cached blocks
@@ -128,23 +137,52 @@ class BlockManager:
         if not self.enable_caching or key in self._cached:
             return
         block = self._tables[seq_id][index]
-        if block in self._key_of:
+        if block in self._key_of or index < self._released.get(seq_id, 0):
             return
         self._cached[key] = block
         self._key_of[block] = key
 
     def free(self, seq_id: str) -> int:
-        """Release all of ``seq_id``'s blocks; returns how many. Unknown ids free nothing. Cached blocks stay
-        cached until reused, its last blocks first in line."""
+        """Release all of ``seq_id``'s blocks; returns how many it still held. Unknown ids free nothing. Cached
+        blocks stay cached until reused, its last blocks first in line."""
         table = self._tables.pop(seq_id, [])
-        for b in reversed(table):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                if b in self._key_of:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
-        return len(table)
+        held = table[self._released.pop(seq_id, 0):]
+        for b in reversed(held):
+            self._drop(b)
+        return len(held)
+
+    def release_front(self, seq_id: str, count: int) -> int:
+        """Give up ``seq_id``'s first ``count`` blocks (those not given up already), which no position it will
+        compute reads (under a sliding window); their places in its table then read ``RELEASED_BLOCK``. The table
+        keeps its length: later positions keep their blocks, and growing it counts every position. Returns how
+        many blocks this freed."""
+        table = self._tables.get(seq_id)
+        done = self._released.get(seq_id, 0)
+        if table is None or count <= done:
+            return 0
+        count = min(count, len(table))
+        for i in range(done, count):
+            self._drop(table[i])
+            table[i] = RELEASED_BLOCK
+        self._released[seq_id] = count
+        return count - done
+
+    def num_released(self, seq_id: str) -> int:
+        """How many of ``seq_id``'s first blocks it has given up (``release_front``)."""
+        return self._released.get(seq_id, 0)
+
+    def num_held(self, seq_id: str) -> int:
+        """Blocks ``seq_id`` holds: its table less the places it has given up."""
+        return self.num_blocks_of(seq_id) - self.num_released(seq_id)
+
+    def _drop(self, b: int) -> None:
+        """One holder fewer for block ``b``: with none left, evictable if cached, else free."""
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            if b in self._key_of:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
 
     def block_table(self, seq_id: str) -> list[int]:
         """A copy of ``seq_id``'s blocks in position order."""
@@ -156,7 +194,11 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Assert no block is lost, duplicated, or counted wrongly (used by tests)."""
         refs = [0] * self.num_blocks
-        for table in self._tables.values():
+        held_by = {seq: table[self._released.get(seq, 0):] for seq, table in self._tables.items()}
+        assert set(self._released) <= set(self._tables), "a finished sequence's releases are remembered"
+        for seq, table in self._tables.items():
+            assert all(b == RELEASED_BLOCK for b in table[:self._released.get(seq, 0)]), "a released place is held"
+        for table in held_by.values():
             assert len(set(table)) == len(table), "a block appears twice in one table"
             for b in table:
                 refs[b] += 1
@@ -169,6 +211,6 @@ class BlockManager:
         assert evictable <= set(self._key_of), "an evictable block is not cached"
         assert all(self._cached[k] == b for b, k in self._key_of.items()) and len(self._cached) == len(self._key_of)
         assert not (free & set(self._key_of)), "a free block is still cached"
-        for table in self._tables.values():
+        for table in held_by.values():
             if not self.enable_caching:
                 assert all(refs[b] == 1 for b in table), "a block is shared without caching"

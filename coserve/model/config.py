@@ -185,6 +185,16 @@ class ModelConfig:
         """The shortest window a layer slides over, or None where every layer attends to its whole context."""
         return min((w for w in self.attention_windows if w is not None), default=None)
 
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer reads the KV cache where every layer slides: the longest window (a running
+        sequence's blocks wholly behind it are freed); None where a layer attends to its whole context (Gemma 2
+        and 3, which alternate the two, keep every block)."""
+        windows = self.attention_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
+
     def attention_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None where it attends to its whole context."""
         return self.attention_windows[layer] if self.attention_windows else None

@@ -310,6 +310,7 @@ class Scheduler:
             request.num_computed_tokens = chunk.end
             if self.blocks.enable_caching:
                 register_blocks(self.blocks, request)
+            self._release_behind(request)
             if chunk.prompt_targets is not None and len(request.prompt_logprobs) == chunk.start:
                 request.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if not chunk.sample:
@@ -354,6 +355,7 @@ class Scheduler:
         request.num_computed_tokens = chunk.start + 1 + len(more)  # the fed token and the accepted drafts
         if self.blocks.enable_caching:
             register_blocks(self.blocks, request)
+        self._release_behind(request)
         token = None
         for token in [result.sampled[chunk.request_id], *more]:
             self._append(request, token)
@@ -362,6 +364,15 @@ class Scheduler:
         return TokenEvent(request.request_id, token, None, request.is_finished, request.finish_reason)
 
     # ---- internals -----------------------------------------------------------
+    def _release_behind(self, request: Request) -> None:
+        """Where every layer slides (``config.kv_window``), free ``request``'s first blocks once no position from
+        its next one on reads them: the next query, at ``p = num_computed_tokens``, reads positions from
+        ``p - window + 1``, so the blocks wholly before that go (after the prefix cache has registered them)."""
+        window = self.config.kv_window
+        if window is not None:
+            self.blocks.release_front(request.request_id,
+                                      (request.num_computed_tokens - window + 1) // self.blocks.block_size)
+
     def _reserve(self, request: Request, num_tokens: int, plan: IterationPlan, position: int) -> bool:
         """Make room for ``num_tokens`` of ``request`` (at ``position`` in the running list; those before it are
         in the plan already), preempting from the tail, or under the priority policy the lowest-priority request
