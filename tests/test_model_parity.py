@@ -185,8 +185,8 @@ def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(con
     """Where every layer slides (Mistral-7B-v0.1, Phi-3-mini-4k), a running request gives up its KV blocks once they
     are wholly behind the window, and other requests take them: five requests that together held more than 60 blocks
     run in 40 without a preemption, greedy tokens as HF's well past the window (with n-gram drafts too) and logprobs
-    bit for bit those of a cache that holds everything. A model with a layer over its whole context (Qwen3 sliding above its first layer
-    only) keeps every block: there the same requests preempt."""
+    bit for bit those of a cache that holds everything. A model with a layer over its whole context (Qwen3 sliding
+    above its first layer only) keeps every block: there the same requests preempt."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device (there released places are read by the variable-length kernel and decode graphs)")
     path = config_variant(arch, **fields)
