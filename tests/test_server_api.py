@@ -941,10 +941,70 @@ def test_a_background_response_is_queued_polled_and_cancellable(alice, bob):
     with pytest.raises(openai.BadRequestError) as e:
         alice.responses.cancel(foreground.id)
     assert e.value.body["code"] == "response_not_cancellable"
-    for extra in ({"stream": True}, {"store": False}):
-        with pytest.raises(openai.BadRequestError) as e:
-            alice.responses.create(**ask, background=True, **extra)
-        assert e.value.body["param"] == "background"
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.create(**ask, background=True, store=False)
+    assert e.value.body["param"] == "background"
+
+
+def _text_of(events) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_a_background_response_streams_and_a_dropped_stream_picks_up_where_it_left_off(alice, bob):
+    """``background`` with ``stream``: OpenAI's events, the response queued first; the stream can be dropped (the
+    response runs on) and read again from any sequence number (``GET ?stream=true&starting_after=N``), while it runs
+    and after it has ended, each reading the same events; a background response made without a stream streams by GET
+    too. Only the owner's background responses stream; a cancelled one's stream ends there."""
+    ask = {"model": BASE, "input": "Remember the word apple.", "max_output_tokens": 8, "temperature": 0}
+    whole = list(alice.responses.create(**ask, background=True, stream=True))
+    kinds = [e.type for e in whole]
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert whole[0].response.status == "queued" and whole[0].response.background
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in whole] == list(range(len(whole)))
+    rid = whole[0].response.id
+    foreground = alice.responses.create(**ask)
+    assert _text_of(whole) == whole[-1].response.output_text == foreground.output_text
+    assert alice.responses.retrieve(rid).output_text == foreground.output_text
+    again = list(alice.responses.retrieve(rid, stream=True, starting_after=4))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in whole[5:]]
+    assert [e.sequence_number for e in alice.responses.retrieve(rid, stream=True)] == list(range(len(whole)))
+
+    long = alice.responses.create(model=BASE, input="Count.", max_output_tokens=120, temperature=0, background=True,
+                                  stream=True)
+    head = []
+    for event in long:  # drop the stream a few events in
+        head.append(event)
+        if len(head) == 6:
+            break
+    long.close()
+    rid = head[0].response.id
+    rest = list(alice.responses.retrieve(rid, stream=True, starting_after=head[-1].sequence_number))
+    assert rest[0].sequence_number == head[-1].sequence_number + 1 and rest[-1].type.startswith("response.")
+    final = alice.responses.retrieve(rid)
+    assert final.status in ("completed", "incomplete") and _text_of(head + rest) == final.output_text
+    assert final.usage.output_tokens > 6  # it ran on with no stream reading it
+
+    polled = alice.responses.create(**ask, background=True)  # made without a stream: streamed by GET all the same
+    streamed = list(alice.responses.retrieve(polled.id, stream=True))
+    assert streamed[-1].response.output_text == foreground.output_text
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(rid, stream=True)
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.retrieve(foreground.id, stream=True)
+    assert e.value.body["param"] == "stream"
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.retrieve(rid, stream=True, starting_after=-2)
+    assert e.value.body["param"] == "starting_after"
+
+    cut = alice.responses.create(model=BASE, input="Count.", max_output_tokens=450, background=True, stream=True)
+    first = next(iter(cut))
+    assert alice.responses.cancel(first.response.id).status == "cancelled"
+    assert not any(e.type == "response.completed" for e in cut)  # the stream ends where it was cancelled
+    assert alice.responses.retrieve(first.response.id).status == "cancelled"
+    alice.responses.delete(rid)  # a deleted response's events go with it
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(rid, stream=True)
 
 
 def test_the_responses_api_gives_the_reply_texts_logprobs_as_the_chat_api_does(alice):

@@ -13,7 +13,8 @@ streamed, the typed events OpenAI's clients read (``response.created`` ... ``res
 false) in the server's SQLite state with their conversation, for the tenant alone: ``previous_response_id``
 continues one (its instructions are not carried over, as OpenAI's are not), ``GET`` and ``DELETE
 /v1/responses/{id}`` read and forget one, ``GET /v1/responses/{id}/input_items`` lists what it answered
-(``coserve/server/response_items.py``).
+(``coserve/server/response_items.py``). ``background`` responses run on the server, streamed or not, their events
+kept for ``GET /v1/responses/{id}?stream=true`` (``coserve/server/background_responses.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import secrets
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from coserve.engine.outputs import RequestOutput
@@ -128,9 +130,6 @@ def _renamed(e: APIError) -> APIError:
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext = Depends(context)):
     tenant = tenant_of(request)
-    if body.background and body.stream:
-        raise bad_request("background: a background response is polled with GET /v1/responses/{id}, not streamed",
-                          "background")
     if body.background and body.store is False:
         raise bad_request("background: a background response is stored for GET to read: leave store true",
                           "background")
@@ -164,7 +163,8 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
     shape = ResponseShape(job, body, tools, tenant, conversation, ctx.reasoning,
                           (lambda items: chat_logprobs(ctx, items)) if num_top is not None else None)
     if body.background:
-        return await ctx.background.start(ctx, shape)
+        queued = await ctx.background.start(ctx, shape)
+        return event_stream(ctx.background.logs[job.ident].follow()) if body.stream else queued
     if body.stream:
         return streaming(shape.events(ctx), job, ctx)
     await gather_all(job, ctx, request)
@@ -186,11 +186,24 @@ def wants_logprobs(body: ResponsesRequest) -> bool:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request, ctx: ServerContext = Depends(context)):
+async def get_response(response_id: str, request: Request, stream: bool = False, starting_after: int | None = None,
+                       ctx: ServerContext = Depends(context)):
+    """The stored response; with ``stream``, a background response's events (after ``starting_after``), followed
+    to its end."""
     stored = ctx.store.get_response(tenant_of(request), response_id)
     if stored is None:
         raise not_found("response", response_id)
+    if stream:
+        after = -1 if starting_after is None else starting_after
+        return event_stream(ctx.background.events(response_id, stored[0], starting_after).follow(after))
     return stored[0]
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events read from a background response's log: a reader that goes away stops reading, and the
+    response runs on."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -222,6 +235,7 @@ async def cancel_response(response_id: str, request: Request, ctx: ServerContext
 async def delete_response(response_id: str, request: Request, ctx: ServerContext = Depends(context)):
     if not ctx.store.delete_response(tenant_of(request), response_id):
         raise not_found("response", response_id)
+    ctx.background.forget(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -245,6 +259,7 @@ class ResponseShape:
         self.streamed_call_ids: list[str] = []  # a listed call's call_id where a stream announced it
         self.call_item_ids: list[str] = []  # each listed call's item id, made as first needed
         self.final: dict | None = None  # the finished response, where a stream of listed calls read it
+        self.failure: APIError | None = None  # what ended the events early, where something did
 
     @property
     def _named_events(self) -> str:
@@ -295,10 +310,15 @@ class ResponseShape:
         return [self.message(text, status)]
 
     def keep(self, ctx: ServerContext, final: dict) -> None:
-        """Store the finished response with its conversation (its output appended), unless ``store`` is false."""
+        """Store the finished response with its conversation (its output appended), unless ``store`` is false; a
+        background response's stored state is replaced by it."""
         if self.body.store is False:
             return
-        ctx.store.add_response(self.tenant, final, self.conversation + output_messages(final["output"]))
+        conversation = self.conversation + output_messages(final["output"])
+        if self.body.background:
+            ctx.store.replace_response(self.tenant, final, conversation)
+        else:
+            ctx.store.add_response(self.tenant, final, conversation)
 
     def message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
@@ -338,8 +358,11 @@ class ResponseShape:
         return obj
 
     async def events(self, ctx: ServerContext) -> AsyncIterator[str]:
-        """The streamed response: typed server-sent events, as OpenAI's Responses API sends them."""
+        """The streamed response: typed server-sent events, as OpenAI's Responses API sends them. A background
+        response's start ``queued`` (``response.created``, ``response.queued``), and its failure is
+        ``response.failed`` with the failed response (``failure`` holds why), as OpenAI's are."""
         seq = itertools.count()
+        background = bool(self.body.background)
 
         def event(kind: str, **fields) -> str:
             data = json.dumps({"type": kind, "sequence_number": next(seq), **fields}, separators=(",", ":"))
@@ -350,7 +373,11 @@ class ResponseShape:
         listed = self.tools is not None and self.tools.listed  # calls (required, or auto's after any text)
         failed = False
         try:
-            yield event("response.created", response=self.response(None, "in_progress"))
+            if background:
+                yield event("response.created", response=self.response(None, "queued"))
+                yield event("response.queued", response=self.response(None, "queued"))
+            else:
+                yield event("response.created", response=self.response(None, "in_progress"))
             yield event("response.in_progress", response=self.response(None, "in_progress"))
             if self.parser is not None:  # the reasoning first, as an item of its own where there is one
                 async for e in self._reasoning_events(ctx, event):
@@ -393,11 +420,19 @@ class ResponseShape:
                         response=final)
         except Exception as e:
             failed = True
-            error = e if isinstance(e, APIError) else APIError(500, f"generation failed ({e})")
-            yield event("error", code=error.code, message=error.message, param=error.param)
+            self.failure = e if isinstance(e, APIError) else APIError(
+                500, f"generation failed ({type(e).__name__}: {e})")
+            if background:
+                yield event("response.failed", response=self.failed_response())
+            else:
+                yield event("error", code=self.failure.code, message=self.failure.message, param=self.failure.param)
         finally:
             await close_all(job)
             count_outcomes(job, ctx, "error" if failed else "cancelled")
+
+    def failed_response(self) -> dict:
+        """The response as ``failure`` ended it: ``failed``, naming why."""
+        return {**self.response(None, "failed"), "error": {"code": "server_error", "message": self.failure.message}}
 
     async def _reasoning_events(self, ctx: ServerContext, event) -> AsyncIterator[str]:
         """The output up to the end of its reasoning: the reasoning item (opened at its first text, at index 0) with
