@@ -9,11 +9,17 @@ blocks are full, and no sequence writes a position it has not reached, so a shar
 
 Where no layer reads further back than a sliding window, a running sequence gives up its first blocks once every
 position in them has left the window (``release_front``): their places in its table read ``RELEASED_BLOCK``.
+Where sliding layers sit beside whole-context ones, the main blocks serve the whole-context layers, and the sliding
+layers keep K/V only for the blocks some sequence reads within its window, in a pool of their own (``window_pool``;
+``cover``, ``uncover_front``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import accumulate
+
+from coserve.kvcache.window_pool import WindowPool
 
 
 #: What a released block's place in a table reads: block 0, which attention gathers and masks out as it does the
@@ -38,11 +44,19 @@ class BlockManager:
     sequences allocated with that prefix (``match``, then ``allocate(..., prefix=...)``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, window_storages: int = 0,
+                 window: int | None = None) -> None:
+        """``window_storages``: the sliding layers' own pool (0: none; every layer keeps K/V in the main blocks),
+        for layers sliding over ``window`` positions."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if window_storages and not (isinstance(window, int) and window > 0):
+            raise ValueError(f"window must be a positive number of positions with window_storages, got {window!r}")
+        self.window = window
+        self.windows = WindowPool(window_storages) if window_storages else None
+        self._spans: dict[str, list[int]] = {}  # seq -> [lo, hi): places of its table it reads within its window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -91,14 +105,26 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(prefix)) + sum(1 for b in prefix if self._refs[b] == 0)
 
     def match(self, keys: list[int]) -> list[int]:
-        """The cached blocks of the longest run of ``keys`` from the first (empty without caching)."""
+        """The cached blocks of the longest run of ``keys`` from the first (empty without caching); with a window
+        pool, cut to the longest run whose last blocks within the window have their sliding layers' K/V (the first
+        position after the run reads them)."""
         out = []
         for key in keys:
             block = self._cached.get(key)
             if block is None:
                 break
             out.append(block)
-        return out
+        if self.windows is None or not out:
+            return out
+        missing = [0, *accumulate(0 if self.windows.has(b) else 1 for b in out)]
+        for cut in range(len(out), 0, -1):
+            if missing[cut] == missing[self._window_start(cut * self.block_size)]:
+                return out[:cut]
+        return []
+
+    def _window_start(self, position: int) -> int:
+        """The first place (block index) a query at ``position`` reads within the window."""
+        return max(0, (position - self.window + 1) // self.block_size)
 
     def allocate(self, seq_id: str, num_tokens: int, prefix: list[int] = ()) -> list[int]:
         """Grow ``seq_id``'s table to hold ``num_tokens`` tokens; returns the new block ids. ``prefix`` (from
@@ -129,6 +155,8 @@ class BlockManager:
             return self._free.pop()
         block, _ = self._evictable.popitem(last=False)
         del self._cached[self._key_of.pop(block)]
+        if self.windows is not None:
+            self.windows.forget(block)
         return block
 
     def register(self, seq_id: str, index: int, key: int) -> None:
@@ -145,11 +173,66 @@ class BlockManager:
     def free(self, seq_id: str) -> int:
         """Release all of ``seq_id``'s blocks; returns how many it still held. Unknown ids free nothing. Cached
         blocks stay cached until reused, its last blocks first in line."""
+        span = self._spans.pop(seq_id, None)
+        if span is not None:
+            self._unread(self._tables[seq_id], span[0], span[1])
         table = self._tables.pop(seq_id, [])
         held = table[self._released.pop(seq_id, 0):]
         for b in reversed(held):
             self._drop(b)
         return len(held)
+
+    # ---- the sliding layers' pool (``window_pool``) ----------------------------
+    def window_places(self, start: int, end: int) -> tuple[int, int]:
+        """The places a chunk of positions ``[start, end)`` reads within the window: its queries' keys."""
+        return self._window_start(start), self.blocks_for(end)
+
+    def can_cover(self, seq_id: str, lo: int, hi: int, prefix: list[int] = ()) -> bool:
+        """Whether ``cover(seq_id, lo, hi)`` will find storages for the places it adds (a sequence not yet
+        allocated: its table will start with ``prefix``, then new blocks)."""
+        if self.windows is None:
+            return True
+        table = self._tables.get(seq_id) or list(prefix)
+        span = self._spans.get(seq_id)
+        need = revive = 0
+        for i in range(max(lo, span[1]) if span else lo, hi):
+            block = table[i] if i < len(table) else None
+            if block is None or not self.windows.has(block):
+                need += 1
+            elif self.windows.is_idle(block):
+                revive += 1
+        return need <= self.windows.available - revive
+
+    def cover(self, seq_id: str, lo: int, hi: int) -> None:
+        """``seq_id`` reads places ``[lo, hi)`` of its table within its window from now on (its next chunk's keys):
+        the places it adds are lent storages (or keep theirs), the places before ``lo`` it no longer reads."""
+        if self.windows is None:
+            return
+        table = self._tables[seq_id]
+        if hi > len(table):
+            raise ValueError(f"{seq_id}: covers place {hi - 1} of a table of {len(table)}")
+        span = self._spans.setdefault(seq_id, [lo, lo])
+        self.uncover_front(seq_id, lo)
+        for i in range(span[1], hi):
+            self.windows.read(table[i])
+        span[1] = max(span[1], hi)
+
+    def uncover_front(self, seq_id: str, count: int) -> None:
+        """``seq_id`` no longer reads its first ``count`` places within its window."""
+        span = self._spans.get(seq_id)
+        if span is None or count <= span[0]:
+            return
+        self._unread(self._tables[seq_id], span[0], min(count, span[1]))
+        span[0] = count
+        span[1] = max(span[1], count)
+
+    def _unread(self, table: list[int], lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            self.windows.unread(table[i], table[i] in self._key_of)
+
+    def drain_window_changes(self) -> list[tuple[int, int]]:
+        """The (main block, storage) pairs lent since the last call, for the attention's map."""
+        return self.windows.drain() if self.windows is not None else []
 
     def release_front(self, seq_id: str, count: int) -> int:
         """Give up ``seq_id``'s first ``count`` blocks (those not given up already), which no position it will
@@ -183,6 +266,8 @@ class BlockManager:
                 self._evictable[b] = None
             else:
                 self._free.append(b)
+                if self.windows is not None:
+                    self.windows.forget(b)
 
     def block_table(self, seq_id: str) -> list[int]:
         """A copy of ``seq_id``'s blocks in position order."""
@@ -214,3 +299,10 @@ class BlockManager:
         for table in held_by.values():
             if not self.enable_caching:
                 assert all(refs[b] == 1 for b in table), "a block is shared without caching"
+        if self.windows is not None:
+            readers: dict[int, int] = {}
+            for seq, (lo, hi) in self._spans.items():
+                assert 0 <= lo <= hi <= len(self._tables[seq]), "a window spans places its table lacks"
+                for b in self._tables[seq][lo:hi]:
+                    readers[b] = readers.get(b, 0) + 1
+            self.windows.check_invariants(readers, set(self._key_of))
