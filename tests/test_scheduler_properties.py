@@ -16,14 +16,18 @@ workload = st.lists(st.tuples(st.integers(0, 6),   # arrival step
 @settings(max_examples=150, deadline=None)
 @given(reqs=workload, num_blocks=st.integers(11, 30), block_size=st.integers(1, 6),
        budget=st.integers(1, 40), max_seqs=st.integers(1, 6), max_loras=st.integers(1, 3),
-       kv_window=st.one_of(st.none(), st.integers(1, 20)), caching=st.booleans())
+       kv_window=st.one_of(st.none(), st.integers(1, 20)), caching=st.booleans(), spare=st.integers(-1, 8))
 def test_every_request_finishes_within_budgets_and_frees_its_blocks(reqs, num_blocks, block_size, budget,
-                                                                    max_seqs, max_loras, kv_window, caching):
+                                                                    max_seqs, max_loras, kv_window, caching, spare):
     """... under a sliding window too (``kv_window``: a request gives up the blocks behind it, never one its next
-    chunk reads), with the prefix cache on or off."""
+    chunk reads; or, with ``spare`` >= 0, sliding layers beside whole-context ones, their K/V in a pool of their own
+    just large enough for one request's chunk and window plus ``spare``), with the prefix cache on or off."""
     capacity = num_blocks * block_size
-    s = Scheduler(SchedulerConfig(budget, max_seqs, 64, max_loras, kv_window=kv_window),
-                  BlockManager(num_blocks, block_size, enable_caching=caching))
+    hybrid = kv_window is not None and spare >= 0
+    storages = -(-budget // block_size) + -(-kv_window // block_size) + 2 + spare if hybrid else 0
+    s = Scheduler(SchedulerConfig(budget, max_seqs, 64, max_loras, kv_window=None if hybrid else kv_window),
+                  BlockManager(num_blocks, block_size, enable_caching=caching, window_storages=storages,
+                               window=kv_window if hybrid else None))
     pending = []
     for i, (arrive, n_prompt, max_tokens, adapter) in enumerate(reqs):
         n_prompt = min(n_prompt, capacity - max_tokens)  # what the engine's validation guarantees
@@ -47,7 +51,10 @@ def test_every_request_finishes_within_budgets_and_frees_its_blocks(reqs, num_bl
             assert c.start == s.requests[c.request_id].num_computed_tokens
             first_read = 0 if kv_window is None else max(0, c.start - kv_window + 1)  # the chunk's first key
             assert s.blocks.num_released(c.request_id) <= first_read // block_size
-            if kv_window is not None and not caching:  # (a cached prefix is held until its first chunk has run)
+            if hybrid:  # every place the chunk reads in the sliding layers has its storage
+                table = s.blocks.block_table(c.request_id)
+                assert all(s.blocks.windows.has(b) for b in table[first_read // block_size:-(-c.end // block_size)])
+            elif kv_window is not None and not caching:  # (a cached prefix is held until its first chunk has run)
                 held = s.blocks.blocks_for(max(c.end, s.requests[c.request_id].num_prompt_tokens))
                 assert s.blocks.num_held(c.request_id) <= held - first_read // block_size  # the rest is released
         s.blocks.check_invariants()

@@ -60,6 +60,7 @@ class ModelExecutor:
 
     def execute(self, plan: IterationPlan) -> ExecutionResult:
         """Run one iteration's chunks in one forward call and sample where the plan asks."""
+        self.cache.map_window(plan.window_map)  # the sliding layers' storages lent while planning
         for request_id in plan.finished:
             self.generators.pop(request_id, None)
             if self.guided is not None:

@@ -117,7 +117,7 @@ class LLMEngine:
                        "in their last bits")
             log.log(logging.INFO if fusion.tile_rows or fusion.repacked else logging.WARNING,
                     "matmuls here are not batch-invariant (%s): %s", "; ".join(fusion.violations), how)
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(model_cfg)
+        num_blocks, storages = self._kv_blocks(model_cfg)
         # decode graphs lay attention out for one variable-length call, which caps no scores: such a model (Gemma 2)
         # runs its decode steps eagerly, laid out per chunk (build_forward_batch's varlen); a mixture of experts too,
         # whose experts' calls take the rows routed to them, a count no recorded graph fixes
@@ -125,7 +125,9 @@ class LLMEngine:
                    and not model_cfg.moe)
         # with CUDA graphs, one more block than the scheduler hands out: the graphs' dummy rows write there
         self.cache = PagedKVCache(model_cfg.num_layers, num_blocks + graphed, config.block_size,
-                                  model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype)
+                                  model_cfg.num_kv_heads, model_cfg.head_dim, self.device, self.dtype,
+                                  model_cfg.sliding_layers, storages)
+        self.window_storages = storages  # the sliding layers' own pool (0: they keep K/V in the main blocks)
         graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs,
                                -(-self.max_model_len // config.block_size)) if graphed else None)
         self.scheduler = self._new_scheduler(num_blocks, self._latency_model())
@@ -370,7 +372,9 @@ class LLMEngine:
                                          scheduling_policy=c.scheduling_policy,
                                          scheduler_delay_factor=c.scheduler_delay_factor,
                                          kv_window=self.model_config.kv_window),
-                         BlockManager(num_blocks, c.block_size, c.enable_prefix_caching), latency=latency)
+                         BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, self.window_storages,
+                                      self.model_config.pooled_window if self.window_storages else None),
+                         latency=latency)
 
     def reset_after_fault(self, error: BaseException) -> list[RequestOutput]:
         """After ``step`` raised outside the model work (the scheduler's own bookkeeping: its state can no longer
@@ -502,13 +506,33 @@ class LLMEngine:
                     time.perf_counter() - start, "n/a" if err is None else f"{err:.1f}%", path)
         self.scheduler.latency = latency
 
-    def _blocks_for_memory(self, cfg: ModelConfig) -> int:
-        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, self.config.block_size,
-                                                 cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        by_memory = int(self.config.kv_cache_memory_gb * 2**30) // per_block
-        # No point holding more than every running request at full length.
-        by_use = -(-self.config.max_num_seqs * self.max_model_len // self.config.block_size)
-        return max(1, min(by_memory, by_use))
+    def _kv_blocks(self, cfg: ModelConfig) -> tuple[int, int]:
+        """The main pool's blocks (``num_kv_blocks``, else as many as ``kv_cache_memory_gb`` holds, but no more
+        than every running request at full length) and, for a model whose sliding layers sit beside whole-context
+        ones, their own pool's storages: as many as the running requests' windows and one iteration's new tokens
+        can read (each request at most ``ceil((window - 1) / block_size) + 2`` blocks besides its new tokens'),
+        where that is fewer than the main blocks (else 0: those layers keep K/V in the main blocks)."""
+        c = self.config
+        by_use = -(-c.max_num_seqs * self.max_model_len // c.block_size)
+        window = cfg.pooled_window
+        demand = (0 if window is None else c.max_num_seqs * (-(-(window - 1) // c.block_size) + 2)
+                  + -(-c.max_num_batched_tokens // c.block_size))
+
+        def per_block(layers: int) -> int:
+            return PagedKVCache.bytes_per_block(layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+        if c.num_kv_blocks:
+            blocks = c.num_kv_blocks
+        else:
+            memory = int(c.kv_cache_memory_gb * 2**30)
+            blocks = max(1, min(memory // per_block(cfg.num_layers), by_use))
+            if window is not None:
+                sliding = len(cfg.sliding_layers)
+                pooled = (memory - demand * per_block(sliding)) // per_block(cfg.num_layers - sliding)
+                if pooled > demand:
+                    blocks = min(pooled, by_use)
+        storages = demand if window is not None and demand < blocks else 0
+        return blocks, storages
 
     def _eos_ids(self, cfg: ModelConfig) -> set[int]:
         ids = set(cfg.eos_token_ids)

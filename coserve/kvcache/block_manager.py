@@ -123,8 +123,8 @@ class BlockManager:
         return []
 
     def _window_start(self, position: int) -> int:
-        """The first place (block index) a query at ``position`` reads within the window."""
-        return max(0, (position - self.window + 1) // self.block_size)
+        """The first place (block index) a query at ``position`` reads within the window (0 with no window)."""
+        return 0 if self.window is None else max(0, (position - self.window + 1) // self.block_size)
 
     def allocate(self, seq_id: str, num_tokens: int, prefix: list[int] = ()) -> list[int]:
         """Grow ``seq_id``'s table to hold ``num_tokens`` tokens; returns the new block ids. ``prefix`` (from
@@ -202,6 +202,13 @@ class BlockManager:
             elif self.windows.is_idle(block):
                 revive += 1
         return need <= self.windows.available - revive
+
+    def covers(self, seq_id: str, hi: int) -> bool:
+        """Whether ``seq_id`` already reads every place below ``hi`` it will read (true without a window pool)."""
+        if self.windows is None:
+            return True
+        span = self._spans.get(seq_id)
+        return span is not None and span[1] >= hi
 
     def cover(self, seq_id: str, lo: int, hi: int) -> None:
         """``seq_id`` reads places ``[lo, hi)`` of its table within its window from now on (its next chunk's keys):

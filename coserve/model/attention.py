@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from coserve.model.attention_spec import AttentionSpec
-from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys, causal_mask
+from coserve.model.forward_batch import (ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys, causal_mask,
+                                         long_tensor)
 
 #: The attention kernels coserve lets ``scaled_dot_product_attention`` choose from. cuDNN's
 #: (which torch picks first for bfloat16/float16 on an H100) builds a graph for every new shape,
@@ -55,15 +56,48 @@ class PagedKVCache:
     """Per-layer K and V block pools: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     K is stored after RoPE, so attention never re-rotates the prefix.
+
+    With ``window_storages``, the ``window_layers`` (sliding layers beside whole-context ones) keep theirs in a
+    smaller pool of their own, ``[window_storages + 1, ...]`` (the last a scratch storage never lent): a main block's
+    K/V in those layers live at storage ``window_of[block]`` (``kvcache/window_pool.py`` lends them; ``map_window``
+    records each loan). Batches keep naming main blocks; reads and writes of those layers go through the map.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+                 head_dim: int, device: torch.device, dtype: torch.dtype, window_layers: tuple[int, ...] = (),
+                 window_storages: int = 0) -> None:
+        self.windowed = frozenset(window_layers) if window_storages else frozenset()
+
+        def pool(layer: int) -> torch.Tensor:
+            n = window_storages + 1 if layer in self.windowed else num_blocks
+            return torch.zeros((n, block_size, num_kv_heads, head_dim), device=device, dtype=dtype)
+
+        self.k = [pool(i) for i in range(num_layers)]
+        self.v = [pool(i) for i in range(num_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # main block -> its storage in the window layers' pools (the scratch storage until one is lent)
+        self.window_of = (torch.full((num_blocks,), window_storages, dtype=torch.long, device=device)
+                          if self.windowed else None)
+
+    def map_window(self, pairs: list[tuple[int, int]]) -> None:
+        """Record storages lent to main blocks: ``(block, storage)`` pairs, in order (a later one wins)."""
+        if pairs and self.window_of is not None:
+            blocks, storages = zip(*dict(pairs).items())  # (a block lent twice keeps its last: one write each)
+            self.window_of[long_tensor(blocks, self.window_of.device)] = long_tensor(storages, self.window_of.device)
+
+    def _blocks(self, layer: int, blocks: torch.Tensor, memo: dict | None) -> torch.Tensor:
+        """``blocks`` as layer ``layer``'s pool indexes them: through ``window_of`` for a window layer (made once per
+        forward where ``memo``, the batch's, is given)."""
+        if layer not in self.windowed:
+            return blocks
+        return _memoised(memo, blocks, lambda: self.window_of[blocks])
+
+    def _slots(self, layer: int, slots: torch.Tensor, memo: dict | None) -> torch.Tensor:
+        if layer not in self.windowed:
+            return slots
+        bs = self.block_size
+        return _memoised(memo, slots, lambda: self.window_of[slots // bs] * bs + slots % bs)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -72,29 +106,44 @@ class PagedKVCache:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memo: dict | None = None
+              ) -> None:
         """Store ``k``/``v`` ``[T, Hkv, D]`` at flat ``slots`` ``[T]``."""
+        slots = self._slots(layer, slots, memo)
         kv_heads, head_dim = k.shape[1], k.shape[2]
         self.k[layer].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
         self.v[layer].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
-    def gather_repeated(self, layer: int, blocks: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_repeated(self, layer: int, blocks: torch.Tensor, num_heads: int, memo: dict | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the blocks ``blocks`` ``[..., nb]`` as ``[..., nb * block_size, num_heads, Dh]``, each K/V head
         repeated for the ``num_heads // Hkv`` query heads it serves (as HF's ``repeat_kv``), in one gather each."""
+        blocks = self._blocks(layer, blocks, memo)
         k, v = (_gather_heads_repeated(pool, blocks, num_heads) for pool in (self.k[layer], self.v[layer]))
         return k.flatten(-4, -3), v.flatten(-4, -3)
 
-    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_table: torch.Tensor, memo: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the blocks ``block_table`` ``[..., nb]`` as ``[..., nb * block_size, Hkv, D]``.
 
         ``index_select`` copies whole blocks; advanced indexing (``pool[block_table]``) computes an offset per
         element and on CPU took 3.6x as long for the same copy (48 against 13 us for 150 blocks of the
         ``small`` preset, 2-core AMD EPYC): most of a decode step's attention time."""
-        index = block_table.reshape(-1)
+        index = self._blocks(layer, block_table, memo).reshape(-1)
         lead = block_table.shape[:-1]
         k, v = (pool[layer].index_select(0, index) for pool in (self.k, self.v))
         return (k.view(*lead, -1, k.shape[-2], k.shape[-1]),
                 v.view(*lead, -1, v.shape[-2], v.shape[-1]))
+
+
+def _memoised(memo: dict | None, key: torch.Tensor, make) -> torch.Tensor:
+    """``make()``, kept in ``memo`` under ``key``'s identity (the batch's tensors live as long as its memo)."""
+    if memo is None:
+        return make()
+    hit = memo.get(id(key))
+    if hit is None or hit[0] is not key:
+        hit = memo[id(key)] = (key, make())
+    return hit[1]
 
 
 def _gather_heads_repeated(pool: torch.Tensor, index: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -117,21 +166,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     Returns:
         ``[T, Hq * D]`` attention outputs in row order.
     """
-    cache.write(layer, batch.slot_mapping, k, v)
+    memo = batch.window_maps
+    cache.write(layer, batch.slot_mapping, k, v, memo)
     window = spec.window
     if batch.varlen is not None:
         if spec.softcap is not None:
             raise ValueError("paged_attention: a soft cap needs the batch laid out per chunk "
                              "(build_forward_batch(..., varlen=False))")
-        return _varlen_attention(q, layer, cache, batch.varlen, spec).reshape(q.shape[0], -1)
+        return _varlen_attention(q, layer, cache, batch.varlen, spec, memo).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     for group in batch.single_groups:
-        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, spec)
+        out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, spec, memo)
     for chunk in batch.multi_chunks:  # a whole prompt (or its first chunk): causal over its own rows
         mask = _windowed_mask(chunk.num_new, 0, window, q.device) if window is not None else None
         _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, mask, spec, out)
     for pc in batch.prefixed_chunks:  # a later prefill chunk: over the cached prefix and itself
-        kc, vc = cache.gather(layer, pc.block_table)
+        kc, vc = cache.gather(layer, pc.block_table, memo)
         n, context = pc.chunk.num_new, pc.chunk.context_len
         mask = _windowed_mask(n, context - n, window, q.device) if window is not None else None
         _chunk_attention(q, kc[:context], vc[:context], pc.chunk, pc.mask if mask is None else mask, spec, out)
@@ -148,8 +198,8 @@ def _windowed_mask(n: int, p: int, window: int | None, device: torch.device) -> 
     return causal_mask(n, p, device, window)
 
 
-def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: VarlenKeys, spec: AttentionSpec
-                      ) -> torch.Tensor:
+def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: VarlenKeys, spec: AttentionSpec,
+                      memo: dict | None = None) -> torch.Tensor:
     """Every chunk in one variable-length call of the memory-efficient kernel (CUDA), causal from the bottom right
     (query ``i`` of a chunk after a prefix of ``p`` sees keys ``<= p + i``; a decode token sees its whole context),
     under a sliding window the last ``window`` of them (the kernel's ``window_size``: keys ``> p + i - window``).
@@ -157,7 +207,7 @@ def _varlen_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, keys: Va
     as query heads), each chunk reading its first ``seqlen_k`` slots. Each (chunk, head, block of queries) is one
     thread block over that chunk's keys alone, so a row's result does not depend on the chunks beside it. Returns
     ``[T, Hq, D]``."""
-    k, v = cache.gather_repeated(layer, keys.blocks, q.shape[1])  # [B * block_size, Hq, D]
+    k, v = cache.gather_repeated(layer, keys.blocks, q.shape[1], memo)  # [B * block_size, Hq, D]
     o = torch.ops.aten._efficient_attention_forward(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, keys.cu_q, keys.cu_k, keys.max_q, keys.max_k, 0.0,
         EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT, False, scale=spec.scale, seqlen_k=keys.seqlen_k,
@@ -175,7 +225,7 @@ def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk:
 
 
 def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
-                            spec: AttentionSpec) -> torch.Tensor:
+                            spec: AttentionSpec, memo: dict | None = None) -> torch.Tensor:
     """A group of one-token chunks at once: ``q`` ``[D, Hq, Dh]`` over padded gathered prefixes.
 
     On a CPU the query heads that share a K/V head are that head's rows of queries (``[D, Hkv, Hq // Hkv, Dh]``;
@@ -183,7 +233,7 @@ def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, gr
     head once rather than a copy per query head (``enable_gqa``): 157 against 342 us for 10 sequences of 400
     tokens of ``small``, 1.05 against 2.08 ms for 40 of 512 (2-core Zen 4). CUDA (decode graphs, the tests'
     per-chunk forms) keeps ``enable_gqa``: the grouped form is not yet measured there."""
-    kc, vc = cache.gather(layer, group.block_tables)  # [D, L, Hkv, Dh]
+    kc, vc = cache.gather(layer, group.block_tables, memo)  # [D, L, Hkv, Dh]
     k, v = kc.transpose(1, 2), vc.transpose(1, 2)  # [D, Hkv, L, Dh]
     valid = group.valid_within(spec.window)
     if q.is_cuda:  # [D, Hq, 1, Dh]

@@ -195,6 +195,20 @@ class ModelConfig:
             return None
         return max(windows)
 
+    @property
+    def pooled_window(self) -> int | None:
+        """Where sliding layers sit beside whole-context ones (Gemma 2 and 3; Qwen with ``max_window_layers``): the
+        longest of their windows (their K/V live in a pool of their own, ``kvcache/window_pool.py``). None where no
+        layer slides or every layer does."""
+        windows = self.attention_windows
+        sliding = [w for w in windows if w is not None]
+        return max(sliding) if sliding and len(sliding) < len(windows) else None
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """The layers that attend to a sliding window."""
+        return tuple(i for i, w in enumerate(self.attention_windows) if w is not None)
+
     def attention_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None where it attends to its whole context."""
         return self.attention_windows[layer] if self.attention_windows else None

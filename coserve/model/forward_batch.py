@@ -146,6 +146,8 @@ class ForwardBatch:
     single_groups: list[SingleTokenGroup] = field(default_factory=list)  # 1-token chunks, by length
     multi_chunks: list[SequenceChunk] = field(default_factory=list)  # chunks of 2+ tokens without a prefix
     prefixed_chunks: list[PrefixedChunk] = field(default_factory=list)  # chunks of 2+ tokens after a prefix
+    window_maps: dict = field(default_factory=dict)  # a window pool's block and slot maps, made once a forward
+    #   (``PagedKVCache``; every sliding layer reads the same)
 
     @property
     def num_tokens(self) -> int:

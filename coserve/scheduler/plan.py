@@ -50,6 +50,8 @@ class IterationPlan:
     finetune: list[FinetuneWork] = field(default_factory=list)  # finetuning slices: at most one forward
     predicted_s: float = 0.0  # the latency model's estimate of this iteration (0 without a model)
     shape: IterationShape | None = None  # the token mix the finetuning slices were sized for
+    window_map: list[tuple[int, int]] = field(default_factory=list)  # (main block, sliding-layer storage) lent while
+    #   planning (a model whose sliding layers have a pool of their own: ``kvcache/window_pool.py``)
 
     @property
     def is_empty(self) -> bool:

@@ -174,6 +174,11 @@ class Scheduler:
     # ---- one iteration -------------------------------------------------------
     def schedule(self) -> IterationPlan:
         """Plan the next iteration: running requests first, then admissions."""
+        plan = self._schedule()
+        plan.window_map = self.blocks.drain_window_changes()
+        return plan
+
+    def _schedule(self) -> IterationPlan:
         self._step += 1
         plan = IterationPlan(step=self._step, chunks=[], finished=self._finished_since_plan)
         self._finished_since_plan = []
@@ -372,14 +377,19 @@ class Scheduler:
         if window is not None:
             self.blocks.release_front(request.request_id,
                                       (request.num_computed_tokens - window + 1) // self.blocks.block_size)
+        elif self.blocks.windows is not None:  # the sliding layers' pool: their blocks behind the window go
+            p = request.num_computed_tokens
+            self.blocks.uncover_front(request.request_id, self.blocks.window_places(p, p + 1)[0])
 
     def _reserve(self, request: Request, num_tokens: int, plan: IterationPlan, position: int) -> bool:
         """Make room for ``num_tokens`` of ``request`` (at ``position`` in the running list; those before it are
         in the plan already), preempting from the tail, or under the priority policy the lowest-priority request
         from ``position`` on (the latest of those); False if it was the victim."""
-        if not self.blocks.blocks_needed(request.request_id, num_tokens):  # most decode steps: room already held
-            return True
-        while not self.blocks.can_allocate(request.request_id, num_tokens):
+        rid = request.request_id
+        lo, hi = self.blocks.window_places(request.num_computed_tokens, num_tokens)  # its keys (sliding layers)
+        if not self.blocks.blocks_needed(rid, num_tokens) and self.blocks.covers(rid, hi):  # most decode steps:
+            return True  # room already held
+        while not (self.blocks.can_allocate(rid, num_tokens) and self.blocks.can_cover(rid, lo, hi)):
             if self.config.scheduling_policy == "priority":
                 at = max(range(position, len(self.running)), key=lambda i: (self.running[i].priority, i))
                 victim = self.running.pop(at)
@@ -389,7 +399,8 @@ class Scheduler:
             plan.preempted.append(victim.request_id)
             if victim is request:
                 return False
-        self.blocks.allocate(request.request_id, num_tokens)
+        self.blocks.allocate(rid, num_tokens)
+        self.blocks.cover(rid, lo, hi)
         return True
 
     def _delay_passed(self) -> bool:
@@ -418,10 +429,16 @@ class Scheduler:
             prefix = cached_prefix(self.blocks, request)
             if not self.blocks.can_allocate(request.request_id, request.num_tokens, prefix):
                 break  # admitted only when the whole prompt fits
+            start = len(prefix) * self.blocks.block_size
+            n = self._prefill_chunk(plan, request, min(request.num_tokens - start, budget), start)
+            window = self.blocks.window_places(start, start + n)  # its first chunk's keys (sliding layers)
+            if not self.blocks.can_cover(request.request_id, *window, prefix):
+                break
             self.waiting.remove(request)
             self._queued_at.pop(request.request_id, None)
             self.vtc.charge_input(request.tenant, request.num_tokens)
             self.blocks.allocate(request.request_id, request.num_tokens, prefix)
+            self.blocks.cover(request.request_id, *window)
             if prefix:  # those blocks' K/V are in the cache already: computing starts after them
                 request.num_registered_blocks = len(prefix)
                 request.num_computed_tokens = len(prefix) * self.blocks.block_size
@@ -434,12 +451,11 @@ class Scheduler:
             self.running.append(request)
             if request.adapter is not None:
                 adapters.add(request.adapter)
-            n = self._prefill_chunk(plan, request, min(request.num_tokens - request.num_computed_tokens, budget))
             plan.chunks.append(self._chunk(request, n))
             budget -= n
         return budget
 
-    def _prefill_chunk(self, plan: IterationPlan, request: Request, n: int) -> int:
+    def _prefill_chunk(self, plan: IterationPlan, request: Request, n: int, start: int | None = None) -> int:
         """The hybrid token scheduler's prefill chunk: with requests decoding, ``n`` prompt tokens of ``request`` cut
         to what keeps the iteration's predicted time within their TPOT budget (``iteration_budget_s``), but not
         below ``config.min_prefill_chunk`` (prompts keep moving when decodes are behind). Other policies, and
@@ -448,7 +464,8 @@ class Scheduler:
         if (self.config.policy != "coserve" or self.latency is None or n <= floor
                 or not any(r.first_token_time is not None for r in self.running)):
             return n
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens if start is None else start  # (a request being admitted: after its
+        #   cached prefix)
         fit = self.latency.max_tokens_within(inference_shape(plan.chunks), self.iteration_budget_s(),
                                              "prefill_tokens", start + min(n, 512) // 2, max_n=n)
         return max(floor, fit)
@@ -464,7 +481,9 @@ class Scheduler:
         if limit <= 0 or not p.speculable:
             return []
         drafts = propose_drafts(request.token_ids(0, request.num_tokens), limit)
-        if drafts and not self.blocks.can_allocate(request.request_id, request.num_tokens + len(drafts)):
+        end = request.num_tokens + len(drafts)
+        if drafts and not (self.blocks.can_allocate(request.request_id, end) and self.blocks.can_cover(
+                request.request_id, *self.blocks.window_places(request.num_computed_tokens, end))):
             return []
         self.num_draft_tokens += len(drafts)
         return drafts
