@@ -61,3 +61,24 @@ def test_gemma3_caps_its_logits_where_set_and_never_its_scores_as_hf_does(config
     for step, lp in enumerate(out.outputs[0].logprobs):
         for token, value in lp.top.items():
             assert abs(value - ref[step, token].item()) <= 1e-4
+
+
+def test_the_memory_its_sliding_layers_leave_goes_to_the_main_blocks(model_factory):
+    """``kv_cache_memory_gb`` sizes both pools: the sliding layers' for ``max_num_seqs`` windows and one iteration's
+    tokens, the main blocks whatever memory is left, more of them than if every layer kept K/V in them; the two
+    together within the memory given."""
+    from coserve import LLM
+    from coserve.model.attention import PagedKVCache
+    path = model_factory("gemma3")
+    cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+
+    def per_block(layers: int) -> int:
+        return PagedKVCache.bytes_per_block(layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+
+    memory = 100 * per_block(cfg.num_layers)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+              kv_cache_memory_gb=memory / 2**30)
+    storages, blocks = llm.engine.window_storages, llm.engine.scheduler.blocks.num_blocks
+    assert storages == 2 * (-(-31 // 4) + 2) + 4 == llm.engine.scheduler.blocks.windows.num_storages
+    assert blocks == (memory - storages * per_block(1)) // per_block(1) > 100  # one whole-context layer of two
+    assert blocks * per_block(1) + storages * per_block(1) <= memory

@@ -231,6 +231,69 @@ def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(con
         assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.parametrize("arch,fields", [
+    ("gemma3", {}),  # a sliding layer, then a whole-context one
+    ("gemma2", {}),  # the same, its scores soft-capped (laid out per chunk)
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1, "layer_types": None}),
+])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sliding_layers_beside_whole_context_ones_keep_their_k_v_in_a_pool_of_their_own(
+        model_factory, config_variant, hf_model_cache, arch, fields, device):
+    """Where sliding layers sit beside whole-context ones (Gemma 2 and 3; Qwen with ``max_window_layers``), the
+    sliding layers' K/V live in a smaller pool, one storage per block some request reads within its window (sized
+    for ``max_num_seqs`` windows): greedy tokens as HF's well past the window, with preemption, n-gram drafts, and
+    the prefix cache serving a second turn; logprobs bit for bit those of the same engine whose sliding layers keep
+    K/V in the main blocks (a ``max_num_seqs`` whose windows would need as many)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device (there the window layers' map is read by the variable-length kernel's gather and "
+                    "recorded in decode graphs)")
+    path = config_variant(arch, **fields) if fields else model_factory(arch)
+    hf = hf_model_cache(path)
+    ids = [(list(range(7 + i, 300, 3 + i)) * 3)[:n] for i, n in enumerate((12, 30, 5, 38, 25))]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run(max_num_seqs: int, num_blocks: int = 100, prompts=ids, **settings):
+        llm = LLM(path, dtype="float32", device=device, block_size=4, num_kv_blocks=num_blocks,
+                  max_num_batched_tokens=13, max_num_seqs=max_num_seqs, **settings)
+        scheduler, held = llm.engine.scheduler, [0]
+        update = scheduler.update
+
+        def watched(plan, result):
+            events = update(plan, result)
+            scheduler.blocks.check_invariants()
+            if scheduler.blocks.windows is not None:
+                held[0] = max(held[0], scheduler.blocks.windows.num_held)
+            return events
+
+        scheduler.update = watched
+        sampling = params if "speculative_tokens" not in settings else SamplingParams(
+            max_tokens=50, temperature=0, ignore_eos=True)  # (drafts are for requests that ask no logprobs)
+        return llm, llm.generate(prompts, sampling), held[0]
+
+    window = 32 if arch.startswith("gemma") else 24
+    plain, kept, _ = run(20)  # 20 requests' windows would need more than the 100 main blocks: no pool
+    assert plain.engine.window_storages == 0 and plain.engine.model_config.pooled_window == window
+    pooled, outs, held = run(5)
+    storages = pooled.engine.window_storages
+    assert storages == 5 * (-(-(window - 1) // 4) + 2) + 4 < 100 and 0 < held <= storages
+    assert pooled.engine.cache.k[pooled.engine.model_config.sliding_layers[0]].shape[0] == storages + 1
+    for seq, a, b in zip(ids, kept, outs):
+        assert b.token_ids == _hf_greedy(hf, seq, 50)
+        assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    tight, tight_outs, _ = run(3, num_blocks=40)  # preempting
+    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.window_storages < 40
+    drafting, drafted, _ = run(5, speculative_tokens=3)
+    assert drafting.engine.scheduler.num_accepted_drafts > 0
+    for a, b, c in zip(outs, tight_outs, drafted):
+        assert a.token_ids == b.token_ids == c.token_ids
+    caching, first, _ = run(5, enable_prefix_caching=True)
+    turns = [seq + out.token_ids + [9, 10, 11, 12, 13] for seq, out in zip(ids, first)]
+    second = caching.generate(turns, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert caching.engine.scheduler.prefix_cache_hits > 200  # the first turns' blocks, their windows kept
+    for seq, out in zip(turns, second):
+        assert out.token_ids == _hf_greedy(hf, seq, 12)
+
+
 def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(config_variant, hf_model_cache, tmp_path):
     """Phi-3.5/Phi-4-mini's rotary settings: the first half of each head rotates (``partial_rotary_factor``) by
     LongRoPE's short factors, cos and sin scaled by its attention factor; the context is capped at the original one
