@@ -243,7 +243,7 @@ def test_sliding_layers_beside_whole_context_ones_keep_their_k_v_in_a_pool_of_th
     sliding layers' K/V live in a smaller pool, one storage per block some request reads within its window (sized
     for ``max_num_seqs`` windows): greedy tokens as HF's well past the window, with preemption, n-gram drafts, and
     the prefix cache serving a second turn; logprobs bit for bit those of the same engine whose sliding layers keep
-    K/V in the main blocks (a ``max_num_seqs`` whose windows would need as many)."""
+    K/V in the main blocks (``disable_hybrid_kv_cache_manager``, as where a pool would need as many)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device (there the window layers' map is read by the variable-length kernel's gather and "
                     "recorded in decode graphs)")
@@ -271,8 +271,9 @@ def test_sliding_layers_beside_whole_context_ones_keep_their_k_v_in_a_pool_of_th
         return llm, llm.generate(prompts, sampling), held[0]
 
     window = 32 if arch.startswith("gemma") else 24
-    plain, kept, _ = run(20)  # 20 requests' windows would need more than the 100 main blocks: no pool
+    plain, kept, _ = run(5, disable_hybrid_kv_cache_manager=True)
     assert plain.engine.window_storages == 0 and plain.engine.model_config.pooled_window == window
+    assert run(20)[0].engine.window_storages == 0  # 20 requests' windows would need more than the 100 main blocks
     pooled, outs, held = run(5)
     storages = pooled.engine.window_storages
     assert storages == 5 * (-(-(window - 1) // 4) + 2) + 4 < 100 and 0 < held <= storages

@@ -69,6 +69,8 @@ class EngineConfig:
     #   decode step of a greedy request without per-token options (scheduler/ngram_drafts.py); 0 = off
     enable_prefix_caching: bool = True  # full KV blocks are shared by requests whose tokens (and tenant and
     #   adapter) agree up to them (kvcache/block_manager.py); a prompt's cached blocks are not computed again
+    disable_hybrid_kv_cache_manager: bool = False  # vLLM's flag: the sliding layers of a model that mixes them with
+    #   whole-context ones keep their K/V in the main blocks, not in a pool of their own (kvcache/window_pool.py)
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (requests' priority: lower first; vLLM's flag)
     scheduler_delay_factor: float = 0.0  # vLLM's: while requests run, new prompts wait until the oldest has waited
     #   this many times the last prompt iteration's latency, so that several share one prefill pass; 0 = off

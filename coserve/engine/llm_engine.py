@@ -511,10 +511,11 @@ class LLMEngine:
         than every running request at full length) and, for a model whose sliding layers sit beside whole-context
         ones, their own pool's storages: as many as the running requests' windows and one iteration's new tokens
         can read (each request at most ``ceil((window - 1) / block_size) + 2`` blocks besides its new tokens'),
-        where that is fewer than the main blocks (else 0: those layers keep K/V in the main blocks)."""
+        where that is fewer than the main blocks (else, or with ``disable_hybrid_kv_cache_manager``, 0: those
+        layers keep K/V in the main blocks)."""
         c = self.config
         by_use = -(-c.max_num_seqs * self.max_model_len // c.block_size)
-        window = cfg.pooled_window
+        window = None if c.disable_hybrid_kv_cache_manager else cfg.pooled_window
         demand = (0 if window is None else c.max_num_seqs * (-(-(window - 1) // c.block_size) + 2)
                   + -(-c.max_num_batched_tokens // c.block_size))
 

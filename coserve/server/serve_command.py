@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "change an inference output)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode iterations launch their kernels one by one (as vLLM's flag)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="a model whose sliding layers sit beside whole-context ones (Gemma 2 and 3) keeps their K/V "
+                        "in the main KV blocks rather than in a smaller pool of their own (as vLLM's flag)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share full KV blocks among requests with the same prefix (tenant and adapter too); "
                         "--no-enable-prefix-caching computes every prompt whole (as vLLM's flag)")
@@ -167,6 +170,7 @@ def configs(args: argparse.Namespace, warn_without_keys: bool = True):
                                  finetune_memory_gb=args.finetune_memory_gb, fuse_finetuning=args.fuse_finetuning,
                                  cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                                  speculative_tokens=args.speculative_ngram,
+                                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                                  scheduling_policy=args.scheduling_policy)
     return config, engine_config
 
