@@ -48,7 +48,10 @@ run cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda_arch
   tests/test_decode_attention.py \
   tests/test_batch_invariance.py tests/test_finetune_windows.py tests/test_engine_faults.py tests/test_sampling.py \
   tests/test_bench_serving.py::test_spatial_trains_on_a_cuda_stream_of_its_own \
-  "tests/test_model_parity.py::test_a_sliding_window_model_attends_past_its_window_as_hf_does"
+  "tests/test_model_parity.py::test_a_sliding_window_model_attends_past_its_window_as_hf_does" \
+  "tests/test_model_parity.py::test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window" \
+  "tests/test_model_parity.py::test_sliding_layers_beside_whole_context_ones_keep_their_k_v_in_a_pool_of_their_own" \
+  tests/test_expert_lora.py tests/test_moe.py
 run generation_lora 150 $CS bench-generation --model "$MODEL" --device "$DEVICE" --adapters "$ADAPTERS" \
   --sharegpt "$DATA/sharegpt_trace.json" --out "$OUT/generation_lora.json"
 run generation_base 90 $CS bench-generation --model "$MODEL" --device "$DEVICE" \

@@ -256,6 +256,50 @@ def test_stored_chat_completions_are_graded_as_stored_or_sampled_again(client):
     assert e.value.body["param"] == "data_source.source.type"
 
 
+def test_stored_responses_are_graded_as_stored_or_sampled_again(client):
+    """A ``logs`` eval over stored responses (a ``responses`` run whose source is ``responses``): with no model the
+    stored replies themselves are graded, picked by metadata, instructions, temperature and limit; with a model each
+    stored response's input is answered again through the Responses API. Unfinished responses are not items; a
+    filter coserve lacks, or stored responses as a completions run's source, is a 400 naming the field."""
+    tag = {"usecase": "stored-responses"}
+    asked = [q["q"] for q in ITEMS[:3]]
+    stored = [client.responses.create(model=BASE, input=q, max_output_tokens=5, temperature=0, metadata=tag,
+                                      instructions="Answer briefly." if i < 2 else None) for i, q in enumerate(asked)]
+    paris = {"type": "text_similarity", "name": "paris", "input": "{{ sample.output_text }}", "reference": "Paris",
+             "evaluation_metric": "fuzzy_match", "pass_threshold": 0.0}
+    ev = client.evals.create(data_source_config={"type": "logs", "metadata": tag}, testing_criteria=[paris])
+    assert ev.data_source_config.type == "logs"
+    as_stored = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
+        "type": "responses", "source": {"type": "responses", "metadata": tag}}).id)
+    assert as_stored.status == "completed", as_stored.error
+    items = _items(client, ev.id, as_stored.id)
+    assert [x.datasource_item["response_id"] for x in items] == [r.id for r in stored]
+    for x, r, q in zip(items, stored, asked):
+        assert x.datasource_item["input"] == [{"role": "user", "content": q}]
+        assert x.sample.output[0].content == r.output_text
+        assert x.results[0].score == pytest.approx(fuzz.ratio(r.output_text, "Paris") / 100, abs=1e-12)
+    picked = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
+        "type": "responses", "source": {"type": "responses", "metadata": tag, "instructions_search": "briefly",
+                                        "temperature": 0, "limit": 1}}).id)
+    assert [x.datasource_item["response_id"] for x in _items(client, ev.id, picked.id)] == [stored[0].id]
+    again = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
+        "type": "responses", "model": BASE, "sampling_params": {"temperature": 0.0, "max_completion_tokens": 3},
+        "source": {"type": "responses", "metadata": tag, "limit": 1}}).id)
+    (x,) = _items(client, ev.id, again.id)
+    fresh = client.responses.create(model=BASE, input=asked[0], max_output_tokens=3, temperature=0)
+    assert x.sample.output[0].content == fresh.output_text and x.sample.model == BASE
+    for data_source, param in (
+            ({"type": "responses", "source": {"type": "responses", "metadata": {"usecase": "none such"}}},
+             "data_source.source"),
+            ({"type": "responses", "source": {"type": "responses", "users": ["u"]}}, "data_source.source.users"),
+            ({"type": "responses", "source": {"type": "responses", "temperature": "hot"}},
+             "data_source.source.temperature"),
+            ({"type": "completions", "source": {"type": "responses"}}, "data_source.source.type")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.evals.runs.create(ev.id, data_source=data_source)
+        assert e.value.body["param"] == param
+
+
 def test_a_responses_run_samples_through_the_responses_api(client):
     """A ``responses`` run: each item's conversation sent to the Responses API (the same sampling), its reply text
     graded; the samples are what ``client.responses.create`` gives the same input."""

@@ -18,6 +18,7 @@ from coserve.guided.validate import SchemaValidator
 from coserve.server.errors import APIError, bad_request, found
 from coserve.server.grader_judge import request_grader
 from coserve.server.response_format import guided_schema
+from coserve.server.response_items import output_messages
 
 CRITERIA_TYPES = ("string_check", "text_similarity", "python", "score_model", "label_model")
 MAX_ITEMS = 10_000  # items a run may have
@@ -72,20 +73,21 @@ def _entry(obj: Any, where: str) -> dict:
 
 def check_data_source_config(config: Any) -> dict:
     """An eval's ``data_source_config`` as the eval object shows it: ``custom`` (items a run brings, their schema
-    given) or ``stored_completions`` (the tenant's stored chat completions: ``item.input`` the messages each
-    answered, ``sample`` its reply; ``metadata`` what a run's source usually filters them by)."""
+    given), or ``logs`` (OpenAI's newer name) or ``stored_completions`` (the tenant's stored chat completions or
+    responses: ``item.input`` the messages each answered, ``sample`` its reply; ``metadata`` what a run's source
+    usually filters them by)."""
     kind = config.get("type") if isinstance(config, dict) else None
-    if kind == "stored_completions":
+    if kind in ("logs", "stored_completions"):
         metadata = config.get("metadata") or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise bad_request("data_source_config.metadata: expected an object of strings",
                               "data_source_config.metadata")
         properties = {"item": STORED_ITEM_SCHEMA, "sample": SAMPLE_SCHEMA}
-        return {"type": "stored_completions", "metadata": metadata,
+        return {"type": kind, "metadata": metadata,
                 "schema": {"type": "object", "properties": properties, "required": list(properties)}}
     if kind != "custom":
-        raise bad_request(f"data_source_config.type: expected 'custom' (items a run brings) or 'stored_completions', "
-                          f"not {kind!r}", "data_source_config.type")
+        raise bad_request(f"data_source_config.type: expected 'custom' (items a run brings), 'logs' or "
+                          f"'stored_completions', not {kind!r}", "data_source_config.type")
     schema = config.get("item_schema")
     if not isinstance(schema, dict):
         raise bad_request("data_source_config.item_schema: expected a JSON schema object",
@@ -158,11 +160,16 @@ def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict
         kind = given.get("type") if isinstance(given, dict) else None
         raise bad_request(f"data_source.type: expected 'jsonl', 'completions' or 'responses', got {kind!r}",
                           "data_source.type")
-    stored = isinstance(given.get("source"), dict) and given["source"].get("type") == "stored_completions"
-    if stored and given["type"] != "completions":
+    kind = given["source"].get("type") if isinstance(given.get("source"), dict) else None
+    stored = kind in ("stored_completions", "responses")
+    if kind == "stored_completions" and given["type"] != "completions":
         raise bad_request("data_source.source.type: stored completions are a completions run's source",
                           "data_source.source.type")
-    entries = (stored_entries(given["source"], store, tenant, as_of) if stored
+    if kind == "responses" and given["type"] != "responses":
+        raise bad_request("data_source.source.type: stored responses are a responses run's source",
+                          "data_source.source.type")
+    entries = (stored_entries(given["source"], store, tenant, as_of) if kind == "stored_completions"
+               else stored_response_entries(given["source"], store, tenant, as_of) if stored
                else _source_entries(given.get("source"), store, tenant))
     try:
         validator = SchemaValidator(item_schema)
@@ -187,18 +194,17 @@ def check_run_source(given: Any, store, tenant: str, servable, item_schema: dict
     if not servable(model):
         raise APIError(404, f"The model '{model}' does not exist", "data_source.model", "model_not_found")
     asked = given.get("input_messages")
-    if stored and asked is None:  # sampled again from the messages each stored completion answered
+    if stored and asked is None:  # sampled again from the messages each stored completion or response answered
         asked = {"type": "item_reference", "item_reference": "item.input"}
     template, reference = parse_input_messages(asked)
     route = "responses" if given["type"] == "responses" else "chat"
     return RunSource(entries, model, template, reference, _sampling(given.get("sampling_params")), route)
 
 
-def stored_entries(source: dict, store, tenant: str, as_of: int | None = None) -> list[dict]:
-    """The tenant's stored chat completions a ``stored_completions`` source picks (``metadata``, ``model``,
-    ``created_after``, ``created_before``, at most ``limit``; none stored after ``as_of``, a run's creation, so that a
-    run resumed after a restart has the items it had), oldest first, as items (``input``: the messages each answered)
-    and samples (its first choice's reply, as a completions run's sample shows it)."""
+def _stored_filters(source: dict, as_of: int | None) -> dict:
+    """A stored source's filters that stored chat completions and stored responses share: ``metadata``, ``model``,
+    ``created`` (``created_after``, ``created_before``: none stored after ``as_of``, a run's creation, so that a run
+    resumed after a restart has the items it had) and ``limit`` (at most ``MAX_ITEMS``); a 400 naming the field."""
     where = "data_source.source"
     metadata = source.get("metadata") or {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
@@ -214,13 +220,21 @@ def stored_entries(source: dict, store, tenant: str, as_of: int | None = None) -
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise bad_request(f"{where}.{key}: expected an integer of at least {least}", f"{where}.{key}")
         bounds[key] = value
-    limit = min(bounds["limit"] if bounds["limit"] is not None else MAX_ITEMS, MAX_ITEMS)
     if as_of is not None:
         bounds["created_before"] = min(as_of, bounds["created_before"] if bounds["created_before"] is not None
                                        else as_of)
+    return {"model": model, "metadata": metadata,
+            "limit": min(bounds["limit"] if bounds["limit"] is not None else MAX_ITEMS, MAX_ITEMS),
+            "created": (bounds["created_after"], bounds["created_before"])}
+
+
+def stored_entries(source: dict, store, tenant: str, as_of: int | None = None) -> list[dict]:
+    """The tenant's stored chat completions a ``stored_completions`` source picks (``_stored_filters``), oldest
+    first, as items (``input``: the messages each answered) and samples (its first choice's reply, as a completions
+    run's sample shows it)."""
+    where = "data_source.source"
     try:
-        found, _ = store.list_chat_completions(tenant, model, metadata, limit=limit,
-                                               created=(bounds["created_after"], bounds["created_before"]))
+        found, _ = store.list_chat_completions(tenant, **_stored_filters(source, as_of))
     except ValueError as e:
         raise bad_request(f"{where}.{e}", f"{where}.metadata") from None
     if not found:
@@ -236,6 +250,55 @@ def stored_entries(source: dict, store, tenant: str, as_of: int | None = None) -
                   "usage": {k: usage.get(k, 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
                   "error": None}
         entries.append({"item": {"input": messages, "completion_id": c["id"]}, "sample": sample})
+    return entries
+
+
+def response_sample(reply: dict) -> dict:
+    """A Responses API reply as the sample OpenAI's output items show: its message text, and its usage."""
+    text = "".join(p.get("text", "") for o in reply.get("output", []) if o.get("type") == "message"
+                   for p in o.get("content", []))
+    usage = reply.get("usage") or {}
+    finish = "length" if reply.get("status") == "incomplete" else "stop"
+    return {"output": [{"role": "assistant", "content": text}], "finish_reason": finish, "model": reply.get("model"),
+            "usage": {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0),
+                      "total_tokens": usage.get("total_tokens", 0),
+                      "cached_tokens": (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)}}
+
+
+RESPONSE_FILTERS = ("type", "metadata", "model", "created_after", "created_before", "limit", "instructions_search",
+                    "temperature", "top_p")
+
+
+def stored_response_entries(source: dict, store, tenant: str, as_of: int | None = None) -> list[dict]:
+    """The tenant's finished stored responses a ``responses`` source picks (``_stored_filters``, and
+    ``instructions_search``, ``temperature``, ``top_p``), oldest first, as items (``input``: the messages each
+    answered, ``response_id``) and samples (its reply, as a responses run's sample shows it); a filter OpenAI has and
+    coserve does not (``users``, ``tools``, ``reasoning_effort``) is a 400 naming it."""
+    where = "data_source.source"
+    unknown = next((k for k in source if k not in RESPONSE_FILTERS), None)
+    if unknown is not None:
+        raise bad_request(f"{where}.{unknown}: not a filter coserve applies (it filters by "
+                          f"{', '.join(RESPONSE_FILTERS[1:])})", f"{where}.{unknown}")
+    search = source.get("instructions_search")
+    if search is not None and not isinstance(search, str):
+        raise bad_request(f"{where}.instructions_search: expected a string", f"{where}.instructions_search")
+    numbers = {}
+    for key in ("temperature", "top_p"):
+        value = source.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise bad_request(f"{where}.{key}: expected a number", f"{where}.{key}")
+        numbers[key] = value
+    try:
+        found = store.list_responses(tenant, **_stored_filters(source, as_of), instructions_search=search, **numbers)
+    except ValueError as e:
+        raise bad_request(f"{where}.{e}", f"{where}.metadata") from None
+    if not found:
+        raise bad_request(f"{where}: no stored response matches", where)
+    entries = []
+    for obj, conversation in found:
+        messages = conversation[:len(conversation) - len(output_messages(obj["output"]))]
+        sample = {"input": messages, **response_sample(obj), "error": None}
+        entries.append({"item": {"input": messages, "response_id": obj["id"]}, "sample": sample})
     return entries
 
 

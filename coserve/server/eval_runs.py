@@ -16,7 +16,7 @@ from coserve.finetune.graders import GradingError
 from coserve.scheduler.sampling_params import Reasoning
 from coserve.server.batches import COUNTS_EVERY_S, RETRY_SECONDS, RETRY_STATUSES, call_route
 from coserve.server.eval_data import (Criterion, RunSource, check_run_source, grader_sample, item_messages,
-                                     item_schema, parse_criterion)
+                                     item_schema, parse_criterion, response_sample)
 from coserve.server.grader_judge import GRADING_THREADS, server_judge
 from coserve.server.models import ModelRegistry
 from coserve.server.store import Store
@@ -190,18 +190,6 @@ def responses_body(model: str, messages: list[dict], sampling: dict) -> dict:
     if fmt is not None:  # the chat form's json_schema one level up, as the Responses API's text.format has it
         body["text"] = {"format": {"type": fmt["type"], **(fmt.get("json_schema") or {})}}
     return body
-
-
-def response_sample(reply: dict) -> dict:
-    """A Responses API reply as the sample OpenAI's output items show: its message text, and its usage."""
-    text = "".join(p.get("text", "") for o in reply.get("output", []) if o.get("type") == "message"
-                   for p in o.get("content", []))
-    usage = reply.get("usage") or {}
-    finish = "length" if reply.get("status") == "incomplete" else "stop"
-    return {"output": [{"role": "assistant", "content": text}], "finish_reason": finish, "model": reply.get("model"),
-            "usage": {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0),
-                      "total_tokens": usage.get("total_tokens", 0),
-                      "cached_tokens": (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)}}
 
 
 class Tally:

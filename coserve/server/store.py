@@ -398,6 +398,32 @@ class Store:
                                      (json.dumps(obj), json.dumps(conversation), obj["id"], tenant))
         return cur.rowcount > 0
 
+    def list_responses(self, tenant: str, model: str | None = None, metadata: dict[str, str] | None = None,
+                       limit: int = 20, created: tuple[int | None, int | None] = (None, None),
+                       instructions_search: str | None = None, temperature: float | None = None,
+                       top_p: float | None = None) -> list[tuple[dict, list[dict]]]:
+        """The tenant's finished stored responses (``completed`` or ``incomplete``), oldest first, each with its
+        conversation: those of ``model``, whose metadata holds every pair of ``metadata``, created within
+        ``created`` (bounds included), whose instructions contain ``instructions_search``, sampled at
+        ``temperature`` and ``top_p``, where given; at most ``limit``."""
+        where = "tenant = ? AND json_extract(obj, '$.status') IN ('completed', 'incomplete')"
+        params: list = [tenant]
+        for bound, op in zip(created, (">=", "<=")):
+            if bound is not None:
+                where += f" AND created_at {op} ?"
+                params.append(bound)
+        for path, value in (("$.model", model), ("$.temperature", temperature), ("$.top_p", top_p)):
+            if value is not None:
+                where += " AND json_extract(obj, ?) = ?"
+                params += [path, value]
+        if instructions_search is not None:
+            where += " AND instr(coalesce(json_extract(obj, '$.instructions'), ''), ?) > 0"
+            params.append(instructions_search)
+        where, params = _metadata_where(where, params, metadata)
+        rows = self._all(f"SELECT obj, conversation FROM responses WHERE {where} ORDER BY seq ASC LIMIT ?",
+                         [*params, limit])
+        return [(json.loads(obj), json.loads(conversation)) for obj, conversation in rows]
+
     def end_unfinished_responses(self, error: dict) -> list[str]:
         """Mark every stored response still queued or in progress (a background response a stopped server left)
         failed with ``error``; their ids."""
