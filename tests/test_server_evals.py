@@ -119,7 +119,9 @@ def test_a_jsonl_run_grades_the_samples_of_an_evals_file(client):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"data_source_config": {"type": "logs"}, "testing_criteria": [CONTAINS]}, "data_source_config.type"),
+    ({"data_source_config": {"type": "traces"}, "testing_criteria": [CONTAINS]}, "data_source_config.type"),
+    ({"data_source_config": {"type": "logs", "metadata": {"k": 1}}, "testing_criteria": [CONTAINS]},
+     "data_source_config.metadata"),
     ({"data_source_config": CONFIG, "testing_criteria": []}, "testing_criteria"),
     ({"data_source_config": CONFIG, "testing_criteria": [dict(CLOSE, pass_threshold=None)]},
      "testing_criteria.0.pass_threshold"),

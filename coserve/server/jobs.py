@@ -28,6 +28,7 @@ from coserve.finetune.job import FinetuneJob, StepRecord
 from coserve.finetune.memory_budget import job_memory
 from coserve.peft import AdapterError
 from coserve.peft.adapter_dir import peft_type, read_adapter_config
+from coserve.server.followed_job import FollowedJob
 from coserve.peft.config import IA3Config, LoraConfig, default_targets, for_model
 from coserve.peft.trainable import load_model_trainable
 from coserve.scheduler.sampling_params import Reasoning
@@ -96,17 +97,10 @@ class WaitForMemory(Exception):
 
 
 @dataclass(slots=True)
-class Running:
-    """A job the engine is co-serving, and how far the watcher has followed it."""
+class Running(FollowedJob):
+    """A supervised or preference job the engine is co-serving, and how far the watcher has followed it."""
 
-    job_id: str
-    tenant: str
-    name: str  # its fine_tuned_model, once it succeeds
-    checkpoint_every: int  # optimizer steps between checkpoints
     job: FinetuneJob
-    logged: int = 0  # records of job.log already turned into events
-    tokens: int = 0  # tokens_done already counted in the metrics
-    saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints written, not yet read
     writes: list[Future] = field(default_factory=list)  # its checkpoints still being written
     write_errors: list[str] = field(default_factory=list)  # checkpoints that could not be written, not yet told
 

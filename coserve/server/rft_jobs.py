@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from coserve.finetune.grpo_prompts import load_prompts
 from coserve.peft.adapter_dir import CONFIG_FILE, WEIGHTS_FILE
 from coserve.peft.config import IA3Config, LoraConfig
 from coserve.peft.trainable import load_model_trainable
+from coserve.server.followed_job import FollowedJob
 from coserve.server.grader_judge import server_judge
 from coserve.server.response_format import guided_schema
 
@@ -37,21 +38,14 @@ _SHOW = 5  # bad data lines named in a job's error
 
 
 @dataclass(slots=True)
-class RFTRunning:
+class RFTRunning(FollowedJob):
     """A reinforcement job the engine is co-serving, and how far the watcher has followed it."""
 
-    job_id: str
-    tenant: str
-    name: str  # its fine_tuned_model, once it succeeds
-    checkpoint_every: int  # steps between servable checkpoints
     run: GRPORun
     model_dir: Path
     grading: LoopClient  # the model grader's requests (aborted with the run's)
     grader: tuple[str, str]  # its name and type
-    logged: int = 0  # step records already turned into events
-    tokens: int = 0  # trained tokens already counted in the metrics
     first_step: int = 0  # the step it started (or resumed) at, read before its run's thread began
-    saved: list[tuple[int, Path]] = field(default_factory=list)  # checkpoints copied, not yet recorded
 
     @property
     def step(self) -> int:
