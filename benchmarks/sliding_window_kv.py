@@ -27,8 +27,8 @@ from coserve import LLM, SamplingParams
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, way: str) -> dict:
     scheduler = llm.engine.scheduler
-    window = llm.engine.model_config.kv_window
-    scheduler.config.kv_window = None if way == "keep" else window
+    window = scheduler.blocks.window
+    scheduler.blocks.window = None if way == "keep" else window
     before = scheduler.num_preemptions
     peak = [0]
     update = scheduler.update
@@ -43,7 +43,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, way: str) ->
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     scheduler.update = update
-    scheduler.config.kv_window = window
+    scheduler.blocks.window = window
     tokens = sum(len(o.token_ids) for o in outs)
     return {"way": way, "seconds": round(seconds, 3), "output_tokens_per_s": round(tokens / seconds, 1),
             "preemptions": scheduler.num_preemptions - before, "main_blocks": scheduler.blocks.num_blocks,

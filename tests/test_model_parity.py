@@ -200,9 +200,9 @@ def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(con
         sampling = params if "speculative_tokens" not in settings else SamplingParams(
             max_tokens=40, temperature=0, ignore_eos=True)  # (drafts are for requests that ask no logprobs)
         scheduler, peak = llm.engine.scheduler, [0]
-        assert scheduler.config.kv_window == window
+        assert scheduler.blocks.window == window
         if not release:
-            scheduler.config.kv_window = None
+            scheduler.blocks.window = None
         update = scheduler.update
 
         def watched(plan, result):

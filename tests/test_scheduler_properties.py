@@ -25,9 +25,9 @@ def test_every_request_finishes_within_budgets_and_frees_its_blocks(reqs, num_bl
     capacity = num_blocks * block_size
     hybrid = kv_window is not None and spare >= 0
     storages = -(-budget // block_size) + -(-kv_window // block_size) + 2 + spare if hybrid else 0
-    s = Scheduler(SchedulerConfig(budget, max_seqs, 64, max_loras, kv_window=None if hybrid else kv_window),
+    s = Scheduler(SchedulerConfig(budget, max_seqs, 64, max_loras),
                   BlockManager(num_blocks, block_size, enable_caching=caching, window_storages=storages,
-                               window=kv_window if hybrid else None))
+                               window=kv_window))
     pending = []
     for i, (arrive, n_prompt, max_tokens, adapter) in enumerate(reqs):
         n_prompt = min(n_prompt, capacity - max_tokens)  # what the engine's validation guarantees

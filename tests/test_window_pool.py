@@ -117,7 +117,9 @@ def test_a_prefix_is_cut_where_its_window_lost_its_sliding_k_v():
 
 
 def test_a_window_needs_its_width():
-    with pytest.raises(ValueError, match="window must be a positive"):
+    with pytest.raises(ValueError, match="window_storages needs the window"):
         BlockManager(8, 4, window_storages=4)
+    with pytest.raises(ValueError, match="window must be None or a positive"):
+        BlockManager(8, 4, window=0)
     with pytest.raises(ValueError, match="num_storages must be positive"):
         WindowPool(0)

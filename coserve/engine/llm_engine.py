@@ -370,10 +370,10 @@ class LLMEngine:
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,
                                          scheduling_policy=c.scheduling_policy,
-                                         scheduler_delay_factor=c.scheduler_delay_factor,
-                                         kv_window=self.model_config.kv_window),
+                                         scheduler_delay_factor=c.scheduler_delay_factor),
                          BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, self.window_storages,
-                                      self.model_config.pooled_window if self.window_storages else None),
+                                      self.model_config.kv_window or (self.model_config.pooled_window
+                                                                      if self.window_storages else None)),
                          latency=latency)
 
     def reset_after_fault(self, error: BaseException) -> list[RequestOutput]:

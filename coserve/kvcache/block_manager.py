@@ -46,14 +46,17 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, window_storages: int = 0,
                  window: int | None = None) -> None:
-        """``window_storages``: the sliding layers' own pool (0: none; every layer keeps K/V in the main blocks),
-        for layers sliding over ``window`` positions."""
+        """``window``: how far back (positions) a query reads where layers slide: with ``window_storages`` the
+        sliding layers' own pool (sliding layers beside whole-context ones), else every layer slides and a sequence
+        gives up the main blocks behind it (None: every block is kept to the end)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if window_storages and not (isinstance(window, int) and window > 0):
-            raise ValueError(f"window must be a positive number of positions with window_storages, got {window!r}")
+        if window is not None and not (isinstance(window, int) and window > 0):
+            raise ValueError(f"window must be None or a positive number of positions, got {window!r}")
+        if window_storages and window is None:
+            raise ValueError("window_storages needs the window its layers slide over")
         self.window = window
         self.windows = WindowPool(window_storages) if window_storages else None
         self._spans: dict[str, list[int]] = {}  # seq -> [lo, hi): places of its table it reads within its window
@@ -182,7 +185,19 @@ class BlockManager:
             self._drop(b)
         return len(held)
 
-    # ---- the sliding layers' pool (``window_pool``) ----------------------------
+    # ---- sliding windows --------------------------------------------------------
+    def pass_window(self, seq_id: str, position: int) -> None:
+        """``seq_id``'s next query is at ``position``: the places wholly behind its window are no longer read, so
+        their blocks are given up (every layer slides) or their sliding layers' storages let go (a window pool);
+        nothing without a window. (Called once the prefix cache has registered the blocks.)"""
+        if self.window is None:
+            return
+        count = self._window_start(position)
+        if self.windows is None:
+            self.release_front(seq_id, count)
+        else:
+            self.uncover_front(seq_id, count)
+
     def window_places(self, start: int, end: int) -> tuple[int, int]:
         """The places a chunk of positions ``[start, end)`` reads within the window: its queries' keys."""
         return self._window_start(start), self.blocks_for(end)

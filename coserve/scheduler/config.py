@@ -100,8 +100,6 @@ class SchedulerConfig:
     #   this many times the latency of the last iteration that admitted prompts, so that several share one
     #   prefill pass (where a pass costs its kernel launches whatever its tokens); 0 = admit at once
     fairness: FairnessWeights = field(default_factory=FairnessWeights)  # VTC cost of input, output, finetuning tokens
-    kv_window: int | None = None  # the most positions back any layer of the model reads (every layer sliding);
-    #   a running request's blocks wholly behind it are freed. None: every block is kept to the end
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_loras", "min_finetune_window",
@@ -109,8 +107,6 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.kv_window is not None and (not isinstance(self.kv_window, int) or self.kv_window <= 0):
-            raise ValueError(f"kv_window must be None or a positive integer, got {self.kv_window!r}")
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be a non-negative integer, got {self.speculative_tokens!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

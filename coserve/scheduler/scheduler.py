@@ -315,7 +315,7 @@ class Scheduler:
             request.num_computed_tokens = chunk.end
             if self.blocks.enable_caching:
                 register_blocks(self.blocks, request)
-            self._release_behind(request)
+            self.blocks.pass_window(request.request_id, request.num_computed_tokens)
             if chunk.prompt_targets is not None and len(request.prompt_logprobs) == chunk.start:
                 request.prompt_logprobs.extend(result.prompt_logprobs[chunk.request_id])
             if not chunk.sample:
@@ -360,7 +360,7 @@ class Scheduler:
         request.num_computed_tokens = chunk.start + 1 + len(more)  # the fed token and the accepted drafts
         if self.blocks.enable_caching:
             register_blocks(self.blocks, request)
-        self._release_behind(request)
+        self.blocks.pass_window(request.request_id, request.num_computed_tokens)
         token = None
         for token in [result.sampled[chunk.request_id], *more]:
             self._append(request, token)
@@ -369,18 +369,6 @@ class Scheduler:
         return TokenEvent(request.request_id, token, None, request.is_finished, request.finish_reason)
 
     # ---- internals -----------------------------------------------------------
-    def _release_behind(self, request: Request) -> None:
-        """Where every layer slides (``config.kv_window``), free ``request``'s first blocks once no position from
-        its next one on reads them: the next query, at ``p = num_computed_tokens``, reads positions from
-        ``p - window + 1``, so the blocks wholly before that go (after the prefix cache has registered them)."""
-        window = self.config.kv_window
-        if window is not None:
-            self.blocks.release_front(request.request_id,
-                                      (request.num_computed_tokens - window + 1) // self.blocks.block_size)
-        elif self.blocks.windows is not None:  # the sliding layers' pool: their blocks behind the window go
-            p = request.num_computed_tokens
-            self.blocks.uncover_front(request.request_id, self.blocks.window_places(p, p + 1)[0])
-
     def _reserve(self, request: Request, num_tokens: int, plan: IterationPlan, position: int) -> bool:
         """Make room for ``num_tokens`` of ``request`` (at ``position`` in the running list; those before it are
         in the plan already), preempting from the tail, or under the priority policy the lowest-priority request
