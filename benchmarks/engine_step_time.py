@@ -1,4 +1,5 @@
-"""Milliseconds per ``LLMEngine.step`` for a batch of greedy requests (host work shows on small models).
+"""Milliseconds per ``LLMEngine.step`` for a batch of greedy requests (host work shows on small models), and the
+median of the decode-only steps.
 
     python benchmarks/engine_step_time.py --model DIR [--requests 64] [--prompt-tokens 32] [--output-tokens 512]
         [--device cpu] [--texts OUT.json]
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 from coserve.engine.config import EngineConfig
@@ -36,12 +38,18 @@ def main() -> None:
     texts: dict[str, str] = {}
     steps = 0
     start = time.perf_counter()
+    decode: list[float] = []  # the steps whose chunks are all decode tokens
     while len(texts) < len(ids):
+        begun = time.perf_counter()
         texts.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
+        plan = engine.last_plan
+        if plan is not None and plan.chunks and all(len(c.token_ids) == 1 for c in plan.chunks):
+            decode.append(time.perf_counter() - begun)
         steps += 1
     elapsed = time.perf_counter() - start
     print(f"{steps} steps in {elapsed:.2f} s: {elapsed / steps * 1e3:.2f} ms per step, "
-          f"{args.requests * args.output_tokens / elapsed:.0f} output tokens/s")
+          f"{args.requests * args.output_tokens / elapsed:.0f} output tokens/s; {len(decode)} decode-only steps, "
+          f"median {statistics.median(decode) * 1e3 if decode else float('nan'):.2f} ms")
     if args.texts:
         with open(args.texts, "w") as f:
             json.dump([texts[i] for i in ids], f)

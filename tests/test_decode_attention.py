@@ -101,3 +101,40 @@ def test_one_variable_length_call_equals_the_per_chunk_forms(monkeypatch):
         assert (batch.varlen is not None) == varlen and bool(batch.single_groups) != varlen
         outs.append(attention.paged_attention(q, k, v, 0, cache, batch, AttentionSpec(0.35)))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 9, 40])
+def test_a_sliding_layer_reads_only_the_blocks_of_its_window(window):
+    """Decode tokens and prompt chunks after a prefix, under a sliding window: the CPU forms gather only the blocks
+    holding each query's last ``window`` positions (``SingleTokenGroup.within``, ``PrefixedChunk.within``), and give
+    the attention a plain masked softmax over the whole context gives (contexts shorter and longer than the window,
+    on and off block boundaries)."""
+    torch.manual_seed(0)
+    cache = PagedKVCache(1, 40, 4, 2, 8, torch.device("cpu"), torch.float32)
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    spec = AttentionSpec(scale=8 ** -0.5, window=window)
+    lengths, news = [23, 16, 5, 17, 7, 24], [1, 1, 1, 1, 3, 6]  # decode tokens, then two chunks after a prefix
+    chunks, row, block = [], 0, 0
+    for n, new in zip(lengths, news):
+        nb = -(-n // 4)
+        chunks.append(SequenceChunk(row, row + new, n, list(range(block, block + nb))[::-1]))
+        row, block = row + new, block + nb
+    batch = build_forward_batch([[0] * c.num_new for c in chunks], chunks, 4, [], torch.device("cpu"), varlen=False)
+    assert len(batch.prefixed_chunks) == 2 and sum(len(g.rows) for g in batch.single_groups) == 4
+    full = max(-(-n // 4) for n in lengths[:4])
+    gathered = [g.within(window, 4)[0].shape[1] for g in batch.single_groups]
+    assert all(w <= min(full, -(-window // 4) + 1) for w in gathered)
+    q = torch.randn(row, 4, 8)
+    keys = torch.randn(row, 2, 8)  # the new tokens' K/V (written into their slots first)
+    out = attention.paged_attention(q, keys, keys, 0, cache, batch, spec).view(row, 4, 8)
+    for c in chunks:  # one query at a time, over its whole context, masked to its window
+        k = cache.k[0][c.block_table].reshape(-1, 2, 8)[:c.context_len].repeat_interleave(2, dim=1)
+        v = cache.v[0][c.block_table].reshape(-1, 2, 8)[:c.context_len].repeat_interleave(2, dim=1)
+        for i in range(c.num_new):
+            p = c.context_len - c.num_new + i
+            seen = torch.arange(c.context_len)
+            allowed = (seen <= p) & (seen > p - window)
+            scores = torch.einsum("hd,khd->hk", q[c.start + i], k) * spec.scale
+            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+            torch.testing.assert_close(out[c.start + i], torch.einsum("hk,khd->hd", weights, v), atol=1e-5, rtol=0)

@@ -41,18 +41,34 @@ class SingleTokenGroup:
     block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0
     context_lens: torch.Tensor  # [D] long
     valid: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool: the gathered positions each chunk attends to
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> ``valid`` within it
+    lengths: tuple[int, ...] = ()  # the context lengths on the host (none in a decode graph's group)
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # window -> ``within``'s
 
-    def valid_within(self, window: int | None) -> torch.Tensor:
-        """``valid``, narrowed to each chunk's last ``window`` positions where a layer slides (made once a batch)."""
+    def within(self, window: int | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks each chunk's query reads and which of their positions it attends to (``[D, nb]``, ``[D, 1, 1,
+        nb * block_size]``): under a sliding ``window`` only the blocks that hold its last ``window`` positions (the
+        gather and the scores shrink from the context to the window), else the whole table; made once a batch. A
+        decode graph's group (no host ``lengths``) keeps its whole table, masked to the window."""
         if window is None:
-            return self.valid
-        mask = self.windowed.get(window)
-        if mask is None:
-            positions = torch.arange(self.valid.shape[-1], device=self.valid.device)
+            return self.block_tables, self.valid
+        hit = self.windowed.get(window)
+        if hit is not None:
+            return hit
+        device, max_blocks = self.block_tables.device, self.block_tables.shape[1]
+        firsts = [max(0, n - window) // block_size for n in self.lengths]
+        width = max((-(-n // block_size) - f for n, f in zip(self.lengths, firsts)), default=max_blocks)
+        if width >= max_blocks:  # nothing to skip: the whole table, masked to the window
+            positions = torch.arange(max_blocks * block_size, device=device)
             recent = positions.unsqueeze(0) >= (self.context_lens - window).unsqueeze(1)
-            mask = self.windowed[window] = self.valid & recent[:, None, None, :]
-        return mask
+            hit = self.windowed[window] = (self.block_tables, self.valid & recent[:, None, None, :])
+            return hit
+        index = (long_tensor(firsts, device).unsqueeze(1) + torch.arange(width, device=device))  # [D, width]
+        tables = self.block_tables.gather(1, index.clamp(max=max_blocks - 1))  # (past a row's end: masked below)
+        positions = (index.unsqueeze(2) * block_size + torch.arange(block_size, device=device)).flatten(1)
+        lens = self.context_lens.unsqueeze(1)
+        valid = (positions < lens) & (positions >= lens - window)
+        hit = self.windowed[window] = (tables, valid[:, None, None, :])
+        return hit
 
 
 @dataclass(slots=True)
@@ -63,6 +79,19 @@ class PrefixedChunk:
     chunk: SequenceChunk
     block_table: torch.Tensor  # [blocks covering context_len] long
     mask: torch.Tensor  # [num_new, context_len] bool: row i sees positions <= prefix + i
+    windowed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=dict)  # ``within``'s
+
+    def within(self, window: int, block_size: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Under a sliding ``window``: the blocks from the one holding the first query's first key on, how many of
+        their positions the keys run to, and the mask of the queries over those keys (made once a batch)."""
+        hit = self.windowed.get(window)
+        if hit is None:
+            n, context = self.chunk.num_new, self.chunk.context_len
+            first = max(0, context - n - window + 1) // block_size
+            skipped = first * block_size
+            hit = self.windowed[window] = (self.block_table[first:], context - skipped,
+                                           causal_mask(n, context - n - skipped, self.mask.device, window))
+        return hit
 
 
 def causal_mask(n: int, p: int, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -211,4 +240,5 @@ def _group(chunks: list[SequenceChunk], block_size: int, device: torch.device) -
     return SingleTokenGroup(
         rows=long_tensor([c.start for c in chunks], device),
         block_tables=long_tensor(tables, device).view(len(chunks), max_blocks), context_lens=context_lens,
-        valid=(positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :])
+        valid=(positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :],
+        lengths=tuple(c.context_len for c in chunks))
