@@ -28,12 +28,14 @@ def keys_of(tokens: list[int], salt: str = "") -> list[int]:
 @settings(max_examples=300, deadline=None)
 @given(num_blocks=st.integers(1, 16), ops=st.lists(st.tuples(st.sampled_from(["start", "grow", "free", "release"]),
                                                               st.integers(0, 4), st.integers(0, 3),
-                                                              st.integers(1, 20)), max_size=50))
-def test_shared_blocks_are_counted_and_evicted_without_loss(num_blocks, ops):
+                                                              st.integers(1, 20)), max_size=50),
+       window=st.one_of(st.none(), st.integers(1, 12)))
+def test_shared_blocks_are_counted_and_evicted_without_loss(num_blocks, ops, window):
     """Sequences drawn from four prompt families share cached blocks; after every operation each block is held,
     free or evictable exactly once, reference counts match the tables, and a cached block's key matches what
-    its holder's tokens make of it; a sliding window's releases of a sequence's first blocks included."""
-    bm = BlockManager(num_blocks, BS, enable_caching=True)
+    its holder's tokens make of it; a sliding window's releases of a sequence's first blocks included, and with
+    every layer sliding (``window``) a prefix matched by its last window alone, the places before it given up."""
+    bm = BlockManager(num_blocks, BS, enable_caching=True, window=window)
     families = [[random.Random(f).randrange(50) for _ in range(80)] for f in range(4)]
     live: dict[str, tuple[int, int, int]] = {}  # seq -> (family, tokens held, blocks registered)
     for op, seq, family, n in ops:
@@ -41,6 +43,9 @@ def test_shared_blocks_are_counted_and_evicted_without_loss(num_blocks, ops):
         if op == "start" and sid not in live:
             tokens = families[family][:n]
             prefix = bm.match(keys_of(tokens)[:(n - 1) // BS])
+            if window is not None and prefix:  # the window before the prefix's end is cached, the rest may not be
+                first = max(0, (len(prefix) * BS - window + 1) // BS)
+                assert prefix[:first] == [None] * first and None not in prefix[first:]
             if bm.can_allocate(sid, n, prefix):
                 bm.allocate(sid, n, prefix)
                 live[sid] = (family, n, len(prefix))
@@ -208,8 +213,9 @@ def test_an_adapter_installed_again_under_its_name_does_not_reuse_the_old_ones_b
 
 def test_a_sliding_window_models_released_blocks_stay_cached_for_the_next_request(config_variant, hf_model_cache):
     """Mistral sliding over 12 positions: a request gives up its blocks behind the window while it runs, and the ones
-    the cache registered stay cached (evictable), so the same prompt again starts after them; greedy tokens as HF's
-    both times."""
+    the cache registered stay cached (evictable). Once another request has taken the oldest of them, the same prompt
+    again still starts after its first nine blocks: only the last window before that point is read, so only those
+    blocks need to be cached (the places before are given up from the start). Greedy tokens as HF's both times."""
     path = config_variant("mistral", sliding_window=12)
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=16, max_num_batched_tokens=16,
               enable_prefix_caching=True)
@@ -219,10 +225,12 @@ def test_a_sliding_window_models_released_blocks_stay_cached_for_the_next_reques
     prompt = list(range(20, 60))  # 10 blocks
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     first = llm.generate([prompt], params)[0]
+    assert sum(released) == 13  # all but its last 3 of 16 blocks while it ran
+    llm.generate([list(range(100, 120))], SamplingParams(max_tokens=4, temperature=0))  # takes the 6 oldest
     second = llm.generate([prompt], params)[0]
     scheduler = llm.engine.scheduler
-    assert scheduler.prefix_cache_hits == 36 and second.num_cached_tokens == 36  # all but the last block
-    assert sum(released) == 2 * 13  # each gave up all but its last 3 of 16 blocks while it ran
+    assert second.num_cached_tokens == 36  # all but the last block: blocks 6-8 hold what position 36 reads
+    assert scheduler.prefix_cache_hits == 36
     import torch
     hf = hf_model_cache(path)
     with torch.inference_mode():

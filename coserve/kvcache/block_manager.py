@@ -105,12 +105,16 @@ class BlockManager:
         """Free blocks an allocation takes: new ones, and cached prefix blocks it revives from the evictable."""
         if not prefix:
             return self.blocks_needed(seq_id, num_tokens)
-        return max(0, self.blocks_for(num_tokens) - len(prefix)) + sum(1 for b in prefix if self._refs[b] == 0)
+        return max(0, self.blocks_for(num_tokens) - len(prefix)) + sum(1 for b in prefix
+                                                                       if b is not None and self._refs[b] == 0)
 
-    def match(self, keys: list[int]) -> list[int]:
+    def match(self, keys: list[int]) -> list[int | None]:
         """The cached blocks of the longest run of ``keys`` from the first (empty without caching); with a window
         pool, cut to the longest run whose last blocks within the window have their sliding layers' K/V (the first
-        position after the run reads them)."""
+        position after the run reads them). Where every layer slides, the longest prefix whose last window is
+        cached, the places before it None (no layer reads them: the sequence starts without them)."""
+        if self.window is not None and self.windows is None:
+            return self._match_window(keys)
         out = []
         for key in keys:
             block = self._cached.get(key)
@@ -125,13 +129,23 @@ class BlockManager:
                 return out[:cut]
         return []
 
+    def _match_window(self, keys: list[int]) -> list[int | None]:
+        found = [self._cached.get(key) for key in keys]
+        missing = [0, *accumulate(1 if b is None else 0 for b in found)]
+        for cut in range(len(found), 0, -1):
+            first = self._window_start(cut * self.block_size)
+            if missing[cut] == missing[first]:
+                return [None] * first + found[first:cut]
+        return []
+
     def _window_start(self, position: int) -> int:
         """The first place (block index) a query at ``position`` reads within the window (0 with no window)."""
         return 0 if self.window is None else max(0, (position - self.window + 1) // self.block_size)
 
     def allocate(self, seq_id: str, num_tokens: int, prefix: list[int] = ()) -> list[int]:
         """Grow ``seq_id``'s table to hold ``num_tokens`` tokens; returns the new block ids. ``prefix`` (from
-        ``match``, for a sequence that holds no blocks yet) becomes the start of its table, shared.
+        ``match``, for a sequence that holds no blocks yet) becomes the start of its table, shared; its None places
+        (behind a window) are given up from the start.
 
         Allocates nothing and raises OutOfBlocks when there are too few free blocks.
         """
@@ -142,11 +156,16 @@ class BlockManager:
         if prefix:
             if table:
                 raise ValueError(f"{seq_id}: a cached prefix can only start an empty block table")
-            for b in prefix:
+            behind = sum(1 for b in prefix if b is None)
+            if any(b is None for b in prefix[behind:]):
+                raise ValueError(f"{seq_id}: a prefix's places behind its window must come first")
+            for b in prefix[behind:]:
                 if self._refs[b] == 0:
                     del self._evictable[b]
                 self._refs[b] += 1
-            table.extend(prefix)
+            table.extend([RELEASED_BLOCK] * behind + list(prefix[behind:]))
+            if behind:
+                self._released[seq_id] = behind
         new = [self._take() for _ in range(self.blocks_needed(seq_id, num_tokens))]
         for b in new:
             self._refs[b] = 1
