@@ -33,7 +33,7 @@ def test_creates_layout_and_schema(tmp_path):
     try:
         assert (tmp_path / "a" / "b" / "state.db").is_file()
         assert (tmp_path / "a" / "b" / "files").is_dir()
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 7
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 8
         assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -54,7 +54,7 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
     conn.close()
     s = Store(tmp_path)
     try:
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 7
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 8
         assert s.get_job("alice", "ftjob-1")["status"] == "queued"
         s.add_response("alice", {"id": "resp_1", "created_at": 5}, [{"role": "user", "content": "hi"}])
         assert s.get_response("alice", "resp_1") == ({"id": "resp_1", "created_at": 5},
@@ -109,6 +109,17 @@ def test_a_version_1_state_directory_is_brought_up_to_date_and_keeps_its_jobs(tm
         assert s.get_response("alice", "resp_bg") == ({"id": "resp_bg", "created_at": 1, "status": "failed",
                                                        "error": {"code": "server_error"}}, [{"x": 1}])
         assert s.end_unfinished_responses({}) == []
+        conv = {"id": "conv_1", "object": "conversation", "created_at": 3, "metadata": {}}
+        s.add_conversation("alice", conv, [{"id": "msg_1", "type": "message"}])
+        assert s.add_conversation_items("alice", "conv_1", [{"id": "msg_2", "type": "message"}])
+        assert not s.add_conversation_items("bob", "conv_1", [{"id": "msg_3", "type": "message"}])
+        assert [i["id"] for i in s.conversation_items("alice", "conv_1")] == ["msg_1", "msg_2"]
+        assert s.conversation_items("bob", "conv_1") is None and s.get_conversation("bob", "conv_1") is None
+        assert s.update_conversation("alice", "conv_1", {"k": "v"})["metadata"] == {"k": "v"}
+        assert not s.delete_conversation_item("bob", "conv_1", "msg_1")
+        assert s.delete_conversation_item("alice", "conv_1", "msg_1")
+        assert not s.delete_conversation("bob", "conv_1") and s.delete_conversation("alice", "conv_1")
+        assert s._conn.execute("SELECT COUNT(*) FROM conversation_items").fetchone()[0] == 0
     finally:
         s.close()
 

@@ -16,8 +16,8 @@ from coserve.engine.config import EngineConfig
 from coserve.engine.engine_loop import EngineLoop
 from coserve.engine.llm_engine import LLMEngine
 from coserve.server.reasoning import reasoning_parser
-from coserve.server import (embeddings_api, errors, evals_api, graders_api, inference_api, lean_routes,
-                            responses_api, scores_api)
+from coserve.server import (conversations_api, embeddings_api, errors, evals_api, graders_api, inference_api,
+                            lean_routes, responses_api, scores_api)
 from coserve.server.auth import Authenticator
 from coserve.server.batches import BATCH_PRIORITY, BatchRunner
 from coserve.server.batches_api import router as batches_router
@@ -105,6 +105,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     errors.install(app)
     app.include_router(inference_api.router)
     app.include_router(responses_api.router)
+    app.include_router(conversations_api.router)
     app.include_router(embeddings_api.router)
     app.include_router(scores_api.router)
     app.include_router(fine_tuning_router)

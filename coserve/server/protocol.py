@@ -471,6 +471,10 @@ class ReasoningInput(Body):
     status: str | None = None
 
 
+class ConversationRef(Body):
+    id: str
+
+
 class ResponsesRequest(Body):
     model: str
     input: str | list[InputMessage | FunctionCallInput | FunctionCallOutputInput | CustomToolCallInput
@@ -485,6 +489,7 @@ class ResponsesRequest(Body):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | CustomChoice | None = None
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
+    conversation: str | ConversationRef | None = None  # OpenAI's Conversations API (conversations_api.py)
     store: bool | None = None
     background: bool = False  # OpenAI's: return at once, queued; poll GET (coserve/server/background_responses.py)
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -32,13 +32,13 @@ from coserve.engine.outputs import RequestOutput
 from coserve.server.choices import (Job, advance, close_all, count_outcomes, finish_reason, gather_all, new_job,
                                     streaming)
 from coserve.server.context import ServerContext, context, tenant_of
+from coserve.server.conversation_items import kept_items, messages_of, output_items, parse_items
 from coserve.server.errors import APIError, bad_request, not_found
 from coserve.server.inference_api import (chat_logprobs, make_request, max_tokens_for, messages_chars,
                                           off_loop_if_long, render_chat, sampling_params, submit)
 from coserve.server.json_text import TextJSONRoute
-from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, CustomToolCallInput, FunctionCallInput,
-                                     FunctionChoice, FunctionTool, InputMessage, ReasoningInput, ResponsesCustomTool,
-                                     ResponsesRequest, list_page)
+from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, FunctionChoice, FunctionTool, InputMessage,
+                                     ResponsesCustomTool, ResponsesRequest, list_page)
 from coserve.server.paging import check_limit, page_after
 from coserve.server.reasoning import END, ReasoningParser, ReasoningSplit
 from coserve.server.response_items import input_items, output_messages
@@ -53,28 +53,10 @@ PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "
 
 def input_messages(body: ResponsesRequest) -> list[dict]:
     """``input`` as chat messages (earlier calls as assistant ``tool_calls``, their outputs as ``tool`` messages)."""
-    messages: list[dict] = []
     items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     if not items:
         raise bad_request("input: is empty", "input")
-    for item in items:
-        if isinstance(item, InputMessage):
-            content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            messages.append({"role": item.role, "content": content})
-        elif isinstance(item, ReasoningInput):
-            continue  # earlier turns' reasoning: dropped, as reasoning models' chat templates drop it
-        elif isinstance(item, (FunctionCallInput, CustomToolCallInput)):
-            call = ({"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-                    if isinstance(item, FunctionCallInput)
-                    else {"id": item.call_id, "type": "custom", "custom": {"name": item.name, "input": item.input}})
-            last = messages[-1] if messages else {}
-            if last.get("role") == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)  # calls made together
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-    return messages
+    return messages_of(items)
 
 
 def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
@@ -134,6 +116,15 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
         raise bad_request("background: a background response is stored for GET to read: leave store true",
                           "background")
     history: list[dict] = []
+    conversation_id = None
+    if body.conversation is not None:  # a stored conversation goes on, and gains this response's input and output
+        conversation_id = body.conversation if isinstance(body.conversation, str) else body.conversation.id
+        if body.previous_response_id is not None:
+            raise bad_request("conversation: cannot be used with previous_response_id", "conversation")
+        items = ctx.store.conversation_items(tenant, conversation_id)
+        if items is None:
+            raise not_found("conversation", conversation_id, "conversation")
+        history = messages_of(parse_items(items, "conversation"))
     if body.previous_response_id is not None:  # its conversation goes on (its instructions do not, as OpenAI's)
         stored = ctx.store.get_response(tenant, body.previous_response_id)
         if stored is None:
@@ -161,7 +152,7 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
     except APIError as e:
         raise _renamed(e) from None
     shape = ResponseShape(job, body, tools, tenant, conversation, ctx.reasoning,
-                          (lambda items: chat_logprobs(ctx, items)) if num_top is not None else None)
+                          (lambda items: chat_logprobs(ctx, items)) if num_top is not None else None, conversation_id)
     if body.background:
         queued = await ctx.background.start(ctx, shape)
         return event_stream(ctx.background.logs[job.ident].follow()) if body.stream else queued
@@ -243,9 +234,12 @@ class ResponseShape:
     """A response's JSON, its output items' ids fixed up front (so that streamed events and the final object agree)."""
 
     def __init__(self, job: Job, body: ResponsesRequest, tools: ToolPlan | None, tenant: str,
-                 conversation: list[dict], reasoning: ReasoningParser | None = None, logprobs_of=None) -> None:
-        """``logprobs_of``: the chat API's form of token logprobs (OpenAI's output_text ``logprobs``), where asked."""
+                 conversation: list[dict], reasoning: ReasoningParser | None = None, logprobs_of=None,
+                 conversation_id: str | None = None) -> None:
+        """``logprobs_of``: the chat API's form of token logprobs (OpenAI's output_text ``logprobs``), where asked;
+        ``conversation_id``: the stored conversation (Conversations API) it goes on with."""
         self.job, self.body, self.tools = job, body, tools
+        self.conversation_id = conversation_id
         self.logprobs_of = logprobs_of
         self.text_logprobs: list[dict] = []  # the reply text's, once the output has ended
         self.tenant, self.conversation = tenant, conversation
@@ -310,8 +304,15 @@ class ResponseShape:
         return [self.message(text, status)]
 
     def keep(self, ctx: ServerContext, final: dict) -> None:
-        """Store the finished response with its conversation (its output appended), unless ``store`` is false; a
-        background response's stored state is replaced by it."""
+        """Add the finished response's input and output to its stored conversation (``conversation``), and store it
+        with its conversation (its output appended) unless ``store`` is false; a background response's stored state
+        is replaced by it."""
+        if self.conversation_id is not None:
+            said = self.body.input if isinstance(self.body.input, list) else [
+                InputMessage(role="user", content=self.body.input)]
+            taken = {i["id"] for i in ctx.store.conversation_items(self.tenant, self.conversation_id) or []}
+            added = kept_items(said, taken) + output_items(final["output"], taken)
+            ctx.store.add_conversation_items(self.tenant, self.conversation_id, added)  # (deleted meanwhile: none)
         if self.body.store is False:
             return
         conversation = self.conversation + output_messages(final["output"])
@@ -347,6 +348,7 @@ class ResponseShape:
                "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
                "text": b.text.model_dump(by_alias=True, exclude_none=True) if b.text else {"format": {"type": "text"}},
                "previous_response_id": b.previous_response_id, "store": b.store is not False,
+               "conversation": None if self.conversation_id is None else {"id": self.conversation_id},
                "background": b.background,
                "metadata": b.metadata or {}, "usage": None}
         if out is not None:

@@ -22,8 +22,9 @@ import threading
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 7  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads; 5: evals;
-#   6: fine-tuned models shared with other tenants (checkpoint permissions); 7: stored chat completions
+SCHEMA_VERSION = 8  # 2: stored responses (the Responses API's previous_response_id); 3: batches; 4: uploads; 5: evals;
+#   6: fine-tuned models shared with other tenants (checkpoint permissions); 7: stored chat completions;
+#   8: conversations (the Conversations API) and their items
 _FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 _UPLOAD_ID = re.compile(r"upload-[0-9a-f]{24}")
 
@@ -103,6 +104,14 @@ CREATE TABLE chat_completions (
     tenant TEXT NOT NULL REFERENCES tenants(name), created_at INTEGER NOT NULL,
     obj TEXT NOT NULL, messages TEXT NOT NULL);
 CREATE INDEX chat_completions_tenant ON chat_completions(tenant, seq);
+""", 8: """
+CREATE TABLE conversations (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL REFERENCES tenants(name), created_at INTEGER NOT NULL, obj TEXT NOT NULL);
+CREATE TABLE conversation_items (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL, conversation TEXT NOT NULL, obj TEXT NOT NULL,
+    UNIQUE (conversation, id));
+CREATE INDEX conversation_items_seq ON conversation_items(conversation, seq);
 """}
 
 
@@ -438,6 +447,68 @@ class Store:
     def delete_response(self, tenant: str, response_id: str) -> bool:
         with self._lock, self._conn:
             cur = self._conn.execute("DELETE FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant))
+        return cur.rowcount > 0
+
+    # ---- conversations (OpenAI's Conversations API) and their items
+
+    def add_conversation(self, tenant: str, obj: dict, items: list[dict]) -> None:
+        with self._lock, self._conn:
+            self._insert_tenant(tenant)
+            self._conn.execute("INSERT INTO conversations (id, tenant, created_at, obj) VALUES (?, ?, ?, ?)",
+                               (obj["id"], tenant, obj["created_at"], json.dumps(obj)))
+            self._insert_items(obj["id"], items)
+
+    def _insert_items(self, conversation: str, items: list[dict]) -> None:
+        self._conn.executemany("INSERT INTO conversation_items (id, conversation, obj) VALUES (?, ?, ?)",
+                               [(item["id"], conversation, json.dumps(item)) for item in items])
+
+    def get_conversation(self, tenant: str, conversation: str) -> dict | None:
+        row = self._one("SELECT obj FROM conversations WHERE id = ? AND tenant = ?", (conversation, tenant))
+        return None if row is None else json.loads(row[0])
+
+    def update_conversation(self, tenant: str, conversation: str, metadata: dict[str, str]) -> dict | None:
+        """Replace the conversation's metadata; the updated object, or None if the tenant has none by that id."""
+        with self._lock, self._conn:
+            row = self._conn.execute("SELECT obj FROM conversations WHERE id = ? AND tenant = ?",
+                                     (conversation, tenant)).fetchone()
+            if row is None:
+                return None
+            obj = {**json.loads(row[0]), "metadata": metadata}
+            self._conn.execute("UPDATE conversations SET obj = ? WHERE id = ?", (json.dumps(obj), conversation))
+        return obj
+
+    def delete_conversation(self, tenant: str, conversation: str) -> bool:
+        """Forget the conversation and its items."""
+        with self._lock, self._conn:
+            cur = self._conn.execute("DELETE FROM conversations WHERE id = ? AND tenant = ?", (conversation, tenant))
+            if cur.rowcount:
+                self._conn.execute("DELETE FROM conversation_items WHERE conversation = ?", (conversation,))
+        return cur.rowcount > 0
+
+    def add_conversation_items(self, tenant: str, conversation: str, items: list[dict]) -> bool:
+        """Append ``items`` (their ids new to the conversation) to the tenant's conversation; False if it has none
+        by that id."""
+        with self._lock, self._conn:
+            if self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
+                                  (conversation, tenant)).fetchone() is None:
+                return False
+            self._insert_items(conversation, items)
+        return True
+
+    def conversation_items(self, tenant: str, conversation: str) -> list[dict] | None:
+        """The tenant's conversation's items, oldest first; None if it has none by that id."""
+        with self._lock:
+            if self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
+                                  (conversation, tenant)).fetchone() is None:
+                return None
+            rows = self._conn.execute("SELECT obj FROM conversation_items WHERE conversation = ? ORDER BY seq",
+                                      (conversation,)).fetchall()
+        return [json.loads(obj) for (obj,) in rows]
+
+    def delete_conversation_item(self, tenant: str, conversation: str, item: str) -> bool:
+        with self._lock, self._conn:
+            cur = self._conn.execute("DELETE FROM conversation_items WHERE conversation = ? AND id = ? AND conversation"
+                                     " IN (SELECT id FROM conversations WHERE tenant = ?)", (conversation, item, tenant))
         return cur.rowcount > 0
 
     # ---- uploads (OpenAI's Uploads API: a file sent in parts)
