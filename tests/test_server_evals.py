@@ -221,6 +221,17 @@ def test_sigkill_mid_run_then_restart_grades_each_item_once(model_factory, tmp_p
         again.stop()
 
 
+PARIS = {"type": "text_similarity", "name": "paris", "input": "{{ sample.output_text }}", "reference": "Paris",
+         "evaluation_metric": "fuzzy_match", "pass_threshold": 0.0}
+
+
+def _run_items(client, eval_id: str, data_source: dict) -> list:
+    """A run of ``data_source``, completed, and its output items."""
+    run = _finished(client, eval_id, client.evals.runs.create(eval_id, data_source=data_source).id)
+    assert run.status == "completed", run.error
+    return _items(client, eval_id, run.id)
+
+
 def test_stored_chat_completions_are_graded_as_stored_or_sampled_again(client):
     """A ``stored_completions`` eval: a run with no model grades the stored replies themselves; one with a model
     samples it again on the messages each stored completion answered (``item.input``), as the chat API would."""
@@ -228,15 +239,11 @@ def test_stored_chat_completions_are_graded_as_stored_or_sampled_again(client):
     asked = [[{"role": "user", "content": q["q"]}] for q in ITEMS[:2]]
     stored = [client.chat.completions.create(model=BASE, messages=m, max_tokens=5, temperature=0, store=True,
                                              metadata=tag) for m in asked]
-    paris = {"type": "text_similarity", "name": "paris", "input": "{{ sample.output_text }}", "reference": "Paris",
-             "evaluation_metric": "fuzzy_match", "pass_threshold": 0.0}
     ev = client.evals.create(data_source_config={"type": "stored_completions", "metadata": tag},
-                             testing_criteria=[paris])
+                             testing_criteria=[PARIS])
     assert ev.data_source_config.type == "stored_completions"
-    as_stored = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
-        "type": "completions", "source": {"type": "stored_completions", "metadata": tag}}).id)
-    assert as_stored.status == "completed", as_stored.error
-    items = _items(client, ev.id, as_stored.id)
+    items = _run_items(client, ev.id, {"type": "completions",
+                                       "source": {"type": "stored_completions", "metadata": tag}})
     assert [x.datasource_item["completion_id"] for x in items] == [c.id for c in stored]
     for x, c, m in zip(items, stored, asked):
         reply = c.choices[0].message.content
@@ -267,23 +274,17 @@ def test_stored_responses_are_graded_as_stored_or_sampled_again(client):
     asked = [q["q"] for q in ITEMS[:3]]
     stored = [client.responses.create(model=BASE, input=q, max_output_tokens=5, temperature=0, metadata=tag,
                                       instructions="Answer briefly." if i < 2 else None) for i, q in enumerate(asked)]
-    paris = {"type": "text_similarity", "name": "paris", "input": "{{ sample.output_text }}", "reference": "Paris",
-             "evaluation_metric": "fuzzy_match", "pass_threshold": 0.0}
-    ev = client.evals.create(data_source_config={"type": "logs", "metadata": tag}, testing_criteria=[paris])
+    ev = client.evals.create(data_source_config={"type": "logs", "metadata": tag}, testing_criteria=[PARIS])
     assert ev.data_source_config.type == "logs"
-    as_stored = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
-        "type": "responses", "source": {"type": "responses", "metadata": tag}}).id)
-    assert as_stored.status == "completed", as_stored.error
-    items = _items(client, ev.id, as_stored.id)
+    items = _run_items(client, ev.id, {"type": "responses", "source": {"type": "responses", "metadata": tag}})
     assert [x.datasource_item["response_id"] for x in items] == [r.id for r in stored]
     for x, r, q in zip(items, stored, asked):
         assert x.datasource_item["input"] == [{"role": "user", "content": q}]
         assert x.sample.output[0].content == r.output_text
         assert x.results[0].score == pytest.approx(fuzz.ratio(r.output_text, "Paris") / 100, abs=1e-12)
-    picked = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
-        "type": "responses", "source": {"type": "responses", "metadata": tag, "instructions_search": "briefly",
-                                        "temperature": 0, "limit": 1}}).id)
-    assert [x.datasource_item["response_id"] for x in _items(client, ev.id, picked.id)] == [stored[0].id]
+    picked = _run_items(client, ev.id, {"type": "responses", "source": {
+        "type": "responses", "metadata": tag, "instructions_search": "briefly", "temperature": 0, "limit": 1}})
+    assert [x.datasource_item["response_id"] for x in picked] == [stored[0].id]
     again = _finished(client, ev.id, client.evals.runs.create(ev.id, data_source={
         "type": "responses", "model": BASE, "sampling_params": {"temperature": 0.0, "max_completion_tokens": 3},
         "source": {"type": "responses", "metadata": tag, "limit": 1}}).id)

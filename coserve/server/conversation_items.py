@@ -49,7 +49,8 @@ def messages_of(items: list[Item]) -> list[dict]:
         elif isinstance(item, ReasoningInput):
             continue
         elif isinstance(item, (FunctionCallInput, CustomToolCallInput)):
-            call = ({"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = ({"id": item.call_id, "type": "function",
+                     "function": {"name": item.name, "arguments": item.arguments}}
                     if isinstance(item, FunctionCallInput)
                     else {"id": item.call_id, "type": "custom", "custom": {"name": item.name, "input": item.input}})
             last = messages[-1] if messages else {}

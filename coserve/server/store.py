@@ -154,6 +154,15 @@ def _metadata_where(where: str, params: list, metadata: dict[str, str] | None) -
     return where, params
 
 
+def _created_where(where: str, params: list, created: tuple[int | None, int | None]) -> tuple[str, list]:
+    """``where``/``params`` narrowed to rows created within ``created`` (its bounds included, where given)."""
+    for bound, op in zip(created, (">=", "<=")):
+        if bound is not None:
+            where += f" AND created_at {op} ?"
+            params = [*params, bound]
+    return where, params
+
+
 def _in(statuses: tuple[str, ...]) -> tuple[str, list[str]]:
     """A ``status IN (...)`` clause (placeholders only) or none when no statuses."""
     if not statuses:
@@ -343,11 +352,7 @@ class Store:
         """One page of the tenant's stored chat completions, oldest first (or newest), past ``after``: those of
         ``model``, whose metadata holds every pair of ``metadata``, and created within ``created`` (bounds
         included), where given."""
-        where, params = "tenant = ?", [tenant]
-        for bound, op in zip(created, (">=", "<=")):
-            if bound is not None:
-                where += f" AND created_at {op} ?"
-                params.append(bound)
+        where, params = _created_where("tenant = ?", [tenant], created)
         if model is not None:
             where += " AND json_extract(obj, '$.model') = ?"
             params.append(model)
@@ -415,12 +420,8 @@ class Store:
         conversation: those of ``model``, whose metadata holds every pair of ``metadata``, created within
         ``created`` (bounds included), whose instructions contain ``instructions_search``, sampled at
         ``temperature`` and ``top_p``, where given; at most ``limit``."""
-        where = "tenant = ? AND json_extract(obj, '$.status') IN ('completed', 'incomplete')"
-        params: list = [tenant]
-        for bound, op in zip(created, (">=", "<=")):
-            if bound is not None:
-                where += f" AND created_at {op} ?"
-                params.append(bound)
+        where, params = _created_where("tenant = ? AND json_extract(obj, '$.status') IN ('completed', 'incomplete')",
+                                       [tenant], created)
         for path, value in (("$.model", model), ("$.temperature", temperature), ("$.top_p", top_p)):
             if value is not None:
                 where += " AND json_extract(obj, ?) = ?"
@@ -507,8 +508,9 @@ class Store:
 
     def delete_conversation_item(self, tenant: str, conversation: str, item: str) -> bool:
         with self._lock, self._conn:
-            cur = self._conn.execute("DELETE FROM conversation_items WHERE conversation = ? AND id = ? AND conversation"
-                                     " IN (SELECT id FROM conversations WHERE tenant = ?)", (conversation, item, tenant))
+            cur = self._conn.execute("DELETE FROM conversation_items WHERE conversation = ? AND id = ? AND "
+                                     "conversation IN (SELECT id FROM conversations WHERE tenant = ?)",
+                                     (conversation, item, tenant))
         return cur.rowcount > 0
 
     # ---- uploads (OpenAI's Uploads API: a file sent in parts)
