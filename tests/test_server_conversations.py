@@ -105,3 +105,26 @@ def test_bad_conversation_requests_are_refused_naming_the_field(alice, call, par
     with pytest.raises(openai.BadRequestError) as e:
         call(alice, conv)
     assert e.value.body["param"] == param
+
+
+def test_truncation_auto_drops_the_oldest_items_to_fit_the_context(alice):
+    """A conversation longer than the context: with ``truncation`` disabled (the default) the request is a 400
+    naming ``input``; with ``auto`` the oldest messages are dropped until it fits, the reply the one its kept
+    messages sent whole give (found by their token count), and the conversation keeps every item."""
+    said = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Line {i}: " + "lorem ipsum dolor " * 12}
+            for i in range(24)]
+    conv = alice.conversations.create(items=said[:20])
+    alice.conversations.items.create(conv.id, items=said[20:])
+    ask = {"model": BASE, "max_output_tokens": 4, "temperature": 0}
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.create(conversation=conv.id, input="Sum it up.", **ask)
+    assert e.value.body["code"] == "context_length_exceeded"
+    cut = alice.responses.create(conversation=conv.id, input="Sum it up.", truncation="auto", **ask)
+    assert cut.truncation == "auto" and cut.usage.input_tokens + 4 <= 512
+    messages = said + [{"role": "user", "content": "Sum it up."}]
+    for k in range(1, len(messages)):  # the suffix the server kept: the one of its token count
+        whole = alice.responses.create(input=messages[-k:], **ask)
+        if whole.usage.input_tokens >= cut.usage.input_tokens:
+            break
+    assert whole.usage.input_tokens == cut.usage.input_tokens and whole.output_text == cut.output_text
+    assert len(list(alice.conversations.items.list(conv.id, limit=100))) == 24 + 2

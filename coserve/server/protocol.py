@@ -490,6 +490,7 @@ class ResponsesRequest(Body):
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     conversation: str | ConversationRef | None = None  # OpenAI's Conversations API (conversations_api.py)
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest messages dropped to fit the context
     store: bool | None = None
     background: bool = False  # OpenAI's: return at once, queued; poll GET (coserve/server/background_responses.py)
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -135,6 +135,8 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
         chat = chat_request(body, conversation)
         adapter = await ctx.models.resolve(tenant, body.model)
         ids = await off_loop_if_long(messages_chars(chat.messages), render_chat, ctx, chat)
+        if body.truncation == "auto":
+            chat, ids = await _truncated(ctx, body, conversation, chat, ids)
         max_tokens = max_tokens_for(ctx, len(ids), body.max_output_tokens, "max_output_tokens", "input")
         tools = tool_plan(chat, ctx.config.tool_call_parser)
         if tools is not None and not tools.auto:
@@ -162,6 +164,22 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
     final = shape.response(job.choices[0].out)
     shape.keep(ctx, final)
     return final
+
+
+async def _truncated(ctx: ServerContext, body: ResponsesRequest, conversation: list[dict],
+                     chat: ChatCompletionRequest, ids: list[int]) -> tuple[ChatCompletionRequest, list[int]]:
+    """``truncation: auto``: the conversation's oldest messages dropped until the prompt leaves room for
+    ``max_output_tokens`` (one token where not given) within the context; a call's results go with it. The last
+    message is never dropped (a prompt still too long is the context's 400)."""
+    room = ctx.engine.max_model_len - (body.max_output_tokens or 1)
+    kept = conversation
+    while len(ids) > room and len(kept) > 1:
+        kept = kept[1:]
+        while len(kept) > 1 and kept[0]["role"] == "tool":  # results of a call no longer there
+            kept = kept[1:]
+        chat = chat_request(body, kept)
+        ids = await off_loop_if_long(messages_chars(chat.messages), render_chat, ctx, chat)
+    return chat, ids
 
 
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")  # the second: nothing to encrypt
@@ -349,6 +367,7 @@ class ResponseShape:
                "text": b.text.model_dump(by_alias=True, exclude_none=True) if b.text else {"format": {"type": "text"}},
                "previous_response_id": b.previous_response_id, "store": b.store is not False,
                "conversation": None if self.conversation_id is None else {"id": self.conversation_id},
+               "truncation": b.truncation or "disabled",
                "background": b.background,
                "metadata": b.metadata or {}, "usage": None}
         if out is not None:
