@@ -138,3 +138,33 @@ def test_a_sliding_layer_reads_only_the_blocks_of_its_window(window):
             scores = torch.einsum("hd,khd->hk", q[c.start + i], k) * spec.scale
             weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
             torch.testing.assert_close(out[c.start + i], torch.einsum("hk,khd->hd", weights, v), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [5, 100, 300])
+def test_a_sliding_layer_attends_a_long_chunk_in_pieces_as_one_masked_softmax_does(window):
+    """A long prompt (or its first chunk) and a long chunk after a prefix, under a sliding window: queries in pieces
+    of ``SLIDING_PIECE``, each over its own window's keys (``_sliding_pieces``), give what one masked softmax over
+    the whole context gives."""
+    torch.manual_seed(1)
+    bs = 16
+    cache = PagedKVCache(1, 128, bs, 2, 8, torch.device("cpu"), torch.float32)
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    spec = AttentionSpec(scale=8 ** -0.5, window=window)
+    first = SequenceChunk(0, 700, 700, list(range(0, 44)))  # a whole prompt
+    after = SequenceChunk(700, 1300, 900, list(range(44, 101))[::-1])  # 600 tokens after 300 cached
+    batch = build_forward_batch([[0] * 700, [0] * 600], [first, after], bs, [], torch.device("cpu"), varlen=False)
+    keys_after = batch.prefixed_chunks[0].within(window, bs)[1]
+    assert attention._in_pieces(700, 700, window) and attention._in_pieces(600, keys_after, window)
+    q, kv = torch.randn(1300, 4, 8), torch.randn(1300, 2, 8)
+    out = attention.paged_attention(q, kv, kv, 0, cache, batch, spec).view(1300, 4, 8)
+    for c in (first, after):
+        k = cache.k[0][c.block_table].reshape(-1, 2, 8)[:c.context_len].repeat_interleave(2, dim=1)
+        v = cache.v[0][c.block_table].reshape(-1, 2, 8)[:c.context_len].repeat_interleave(2, dim=1)
+        positions = torch.arange(c.context_len - c.num_new, c.context_len).unsqueeze(1)
+        seen = torch.arange(c.context_len).unsqueeze(0)
+        allowed = (seen <= positions) & (seen > positions - window)
+        scores = torch.einsum("qhd,khd->hqk", q[c.start:c.end], k) * spec.scale
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        want = torch.einsum("hqk,khd->qhd", weights, v)
+        torch.testing.assert_close(out[c.start:c.end], want, atol=1e-5, rtol=0)

@@ -178,14 +178,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     for group in batch.single_groups:
         out[group.rows] = _single_token_attention(q[group.rows], layer, cache, group, spec, memo)
     for chunk in batch.multi_chunks:  # a whole prompt (or its first chunk): causal over its own rows
+        kc, vc = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+        if window is not None and _in_pieces(chunk.num_new, chunk.num_new, window):
+            _sliding_pieces(q, kc, vc, chunk, window, spec, out)
+            continue
         mask = _windowed_mask(chunk.num_new, 0, window, q.device) if window is not None else None
-        _chunk_attention(q, k[chunk.start:chunk.end], v[chunk.start:chunk.end], chunk, mask, spec, out)
+        _chunk_attention(q, kc, vc, chunk, mask, spec, out)
     for pc in batch.prefixed_chunks:  # a later prefill chunk: over the cached prefix and itself
         if window is None:
             table, keys, mask = pc.block_table, pc.chunk.context_len, pc.mask
         else:  # from the block of its first query's first key
             table, keys, mask = pc.within(window, cache.block_size)
         kc, vc = cache.gather(layer, table, memo)
+        if window is not None and _in_pieces(pc.chunk.num_new, keys, window):
+            _sliding_pieces(q, kc[:keys], vc[:keys], pc.chunk, window, spec, out)
+            continue
         _chunk_attention(q, kc[:keys], vc[:keys], pc.chunk, mask, spec, out)
     return out.reshape(q.shape[0], -1)
 
@@ -224,6 +231,33 @@ def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk:
     o = sdpa(qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
              attn_mask=mask, is_causal=mask is None, scale=spec.scale, enable_gqa=True, softcap=spec.softcap)
     out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+
+
+# A sliding layer's long chunk attends in pieces of this many queries, each over its own keys within the window
+# (``_sliding_pieces``): a 2,000-token prompt under a 128-token window took 17.5 against 59.4 ms a layer on a 2-core
+# Xeon (the ``small`` preset's 8 heads of 64, 4 K/V heads; the whole chunk masked to the window against pieces of 256).
+SLIDING_PIECE = 256
+
+
+def _in_pieces(n: int, keys: int, window: int) -> bool:
+    """Whether a chunk of ``n`` queries over ``keys`` keys (its own last) attends in pieces: it is longer than a
+    piece, and a piece's keys (its own and the window before it) are fewer than the chunk's."""
+    return n > SLIDING_PIECE and SLIDING_PIECE + window - 1 < keys
+
+
+def _sliding_pieces(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk: SequenceChunk, window: int,
+                    spec: AttentionSpec, out: torch.Tensor) -> None:
+    """A sliding layer's chunk whose queries are the last ``chunk.num_new`` of keys ``kc``/``vc`` ``[L, Hkv, D]``,
+    ``SLIDING_PIECE`` queries at a time, each piece over the keys from its first query's first key within the
+    window to its last query's own: the scores shrink from the whole chunk's to a piece's window."""
+    n, keys = chunk.num_new, kc.shape[0]
+    for a in range(0, n, SLIDING_PIECE):
+        b = min(n, a + SLIDING_PIECE)
+        last = keys - n + b  # one past the piece's last query's own key
+        first = max(0, keys - n + a - window + 1)
+        piece = SequenceChunk(chunk.start + a, chunk.start + b, last, [])
+        mask = causal_mask(b - a, keys - n + a - first, q.device, window)
+        _chunk_attention(q, kc[first:last], vc[first:last], piece, mask, spec, out)
 
 
 def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, group: SingleTokenGroup,
