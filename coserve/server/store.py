@@ -372,13 +372,17 @@ class Store:
     def update_chat_completion(self, tenant: str, completion_id: str, metadata: dict[str, str] | None
                                ) -> dict | None:
         """Replace the stored completion's metadata (None: none); the updated object, or None if it has none."""
+        return self._set_metadata("chat_completions", tenant, completion_id, metadata)
+
+    def _set_metadata(self, table: str, tenant: str, ident: str, metadata: dict[str, str] | None) -> dict | None:
+        """Replace the metadata of the tenant's object ``ident`` in ``table`` (a constant of this module); the
+        updated object, or None if the tenant has none by that id."""
         with self._lock, self._conn:
-            row = self._conn.execute("SELECT obj FROM chat_completions WHERE id = ? AND tenant = ?",
-                                     (completion_id, tenant)).fetchone()
+            row = self._conn.execute(f"SELECT obj FROM {table} WHERE id = ? AND tenant = ?", (ident, tenant)).fetchone()
             if row is None:
                 return None
             obj = {**json.loads(row[0]), "metadata": metadata}
-            self._conn.execute("UPDATE chat_completions SET obj = ? WHERE id = ?", (json.dumps(obj), completion_id))
+            self._conn.execute(f"UPDATE {table} SET obj = ? WHERE id = ?", (json.dumps(obj), ident))
         return obj
 
     def delete_chat_completion(self, tenant: str, completion_id: str) -> bool:
@@ -469,14 +473,7 @@ class Store:
 
     def update_conversation(self, tenant: str, conversation: str, metadata: dict[str, str]) -> dict | None:
         """Replace the conversation's metadata; the updated object, or None if the tenant has none by that id."""
-        with self._lock, self._conn:
-            row = self._conn.execute("SELECT obj FROM conversations WHERE id = ? AND tenant = ?",
-                                     (conversation, tenant)).fetchone()
-            if row is None:
-                return None
-            obj = {**json.loads(row[0]), "metadata": metadata}
-            self._conn.execute("UPDATE conversations SET obj = ? WHERE id = ?", (json.dumps(obj), conversation))
-        return obj
+        return self._set_metadata("conversations", tenant, conversation, metadata)
 
     def delete_conversation(self, tenant: str, conversation: str) -> bool:
         """Forget the conversation and its items."""
