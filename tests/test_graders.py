@@ -150,6 +150,26 @@ def test_a_python_grader_cannot_take_more_than_its_memory_or_write_large_files(t
     assert out[1].kind == "python_grader_runtime_error" and "File too large" in str(out[1])
 
 
+def test_a_python_grader_has_no_network_where_the_kernel_gives_it_a_namespace():
+    """A grader that connects to a socket listening on this machine's loopback fails: its process runs in a network
+    namespace of its own (no interface up). Skipped where the kernel lets no process take one (the grader then runs
+    with the network, and the server logs it)."""
+    import socket
+
+    from coserve.finetune import python_grader
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        port = listening.getsockname()[1]
+        g = parse_grader({"type": "python", "name": "net", "source": (
+            "import socket\ndef grade(s, i):\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=5).close()\n    return 1.0\n")})
+        out = g.outcomes([make_sample("x")], [{}])[0]
+    if not python_grader.network_isolated:
+        pytest.skip("this kernel gives a process no network namespace of its own")
+    assert out[0].kind == "python_grader_runtime_error" and "OSError" in str(out[0])
+
+
 def test_a_python_grader_over_its_time_limit_fails(monkeypatch):
     from coserve.finetune import python_grader
     slow = parse_grader({"type": "python", "name": "slow",

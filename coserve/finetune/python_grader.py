@@ -1,16 +1,21 @@
 """OpenAI's ``python`` grader: source that defines ``grade(sample, item) -> float``, run in a separate Python process
 (isolated mode: no user site, no ``PYTHON*`` variables, a bare environment) with a time limit and, on POSIX systems,
 limits on its memory (2 GiB of address space) and on the files it writes (64 MiB each), on a whole batch of samples
-at once. Each sample's outcome comes back on its own: a number, or the error its call raised. It is not a sandbox:
-the code runs with the server user's rights (files it can read, the network)."""
+at once. On Linux, where the kernel lets a process take a network namespace of its own (as root, or through a user
+namespace), the process has no network, as OpenAI's python grader has none (``network_isolated`` says whether the
+last run had it; the first run without it logs a warning). Each sample's outcome comes back on its own: a number, or
+the error its call raised. It is not a sandbox: the code runs with the server user's rights on files."""
 
 from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import subprocess
 import sys
+
+log = logging.getLogger("coserve.finetune")
 
 TIMEOUT_S = 120.0  # a batch's limit (OpenAI's python grader allows two minutes)
 MAX_SOURCE = 256 * 1024  # characters of source
@@ -20,6 +25,13 @@ FILE_BYTES = 64 * 2**20  # the largest file it may write
 _RUNNER = r"""
 import json, math, sys
 job = json.load(sys.stdin)
+isolated = False
+try:  # no network: a network namespace of its own (no interface up), before the grader's code runs
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    isolated = libc.unshare(0x40000000) == 0 or libc.unshare(0x10000000 | 0x40000000) == 0  # NEWNET, +NEWUSER
+except (OSError, AttributeError):  # not Linux, or no unshare
+    pass
 try:  # the limits bind before the grader's code runs, soft and hard alike, so it cannot raise them
     import resource
     for limit, value in ((resource.RLIMIT_AS, job["memory"]), (resource.RLIMIT_FSIZE, job["file_bytes"])):
@@ -38,8 +50,19 @@ for sample, item in job["pairs"]:
         out.append({"value": float(value)})
     except Exception as e:
         out.append({"error": f"{type(e).__name__}: {e}"})
-sys.stdout.write("\n" + json.dumps(out))
+sys.stdout.write("\n" + json.dumps({"isolated": isolated, "out": out}))
 """
+
+
+network_isolated: bool | None = None  # whether the last python grader ran without network (None: none has run)
+
+
+def _note_isolation(isolated: bool) -> None:
+    global network_isolated
+    if not isolated and network_isolated is not False:
+        log.warning("python graders run with the network: this kernel lets no process take a network namespace of "
+                    "its own (unshare CLONE_NEWNET)")
+    network_isolated = isolated
 
 
 def check_source(source: object, where: str) -> str:
@@ -73,9 +96,11 @@ def run_python_grader(source: str, pairs: list[tuple[dict, dict]], timeout_s: fl
         last = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
         raise ValueError(f"the python grader failed: {last[0]}")
     try:  # what grade() printed comes before the results' line
-        results = json.loads(done.stdout.rsplit("\n", 1)[-1])
-    except ValueError:
+        reply = json.loads(done.stdout.rsplit("\n", 1)[-1])
+        results, isolated = reply["out"], reply["isolated"] is True
+    except (ValueError, TypeError, KeyError):
         raise ValueError("the python grader's process wrote no results") from None
+    _note_isolation(isolated)
     out: list[float | str] = []
     for r in results:
         value = r.get("value")
