@@ -60,4 +60,17 @@ run finetune_profile 120 $PY benchmarks/finetune_profile.py --model "$MODEL" --d
   --data "$DATA/alpaca_en_demo.json" --repeats 3
 run bench_finetune 180 $CS bench-finetune --model "$MODEL" --device "$DEVICE" --data "$DATA/alpaca_en_demo.json" \
   --config cheap:0 --out "$OUT/bench_finetune.json"
+# sliding windows' KV memory (not yet run on a GPU): a small Gemma 3 (its sliding layers' own pool against the main
+# blocks, on the same KV memory) and a small Mistral sliding over 256 positions (blocks behind the window released)
+SLIDING=${SLIDING:-models/sliding}
+[ -f "$SLIDING/gemma3/config.json" ] || $CS create-model "$SLIDING/gemma3" --preset small --arch gemma3 > /dev/null
+if [ ! -f "$SLIDING/mistral/config.json" ]; then
+  $CS create-model "$SLIDING/mistral" --preset small --arch mistral > /dev/null
+  $PY -c "import json, sys; p = sys.argv[1]; c = json.load(open(p)); c['sliding_window'] = 256; \
+json.dump(c, open(p, 'w'))" "$SLIDING/mistral/config.json"
+fi
+run sliding_pool 120 $PY benchmarks/sliding_window_kv.py --model "$SLIDING/gemma3" --device "$DEVICE" --requests 16 \
+  --prompt-tokens 128 --max-tokens 640 --kv-cache-memory-gb 0.0390625 --out "$OUT/sliding_pool.json"
+run sliding_release 120 $PY benchmarks/sliding_window_kv.py --model "$SLIDING/mistral" --device "$DEVICE" \
+  --requests 16 --prompt-tokens 128 --max-tokens 640 --num-kv-blocks 320 --out "$OUT/sliding_release.json"
 say "done"
