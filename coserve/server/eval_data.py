@@ -266,14 +266,14 @@ def response_sample(reply: dict) -> dict:
 
 
 RESPONSE_FILTERS = ("type", "metadata", "model", "created_after", "created_before", "limit", "instructions_search",
-                    "temperature", "top_p")
+                    "temperature", "top_p", "users", "tools")
 
 
 def stored_response_entries(source: dict, store, tenant: str, as_of: int | None = None) -> list[dict]:
     """The tenant's finished stored responses a ``responses`` source picks (``_stored_filters``, and
-    ``instructions_search``, ``temperature``, ``top_p``), oldest first, as items (``input``: the messages each
-    answered, ``response_id``) and samples (its reply, as a responses run's sample shows it); a filter OpenAI has and
-    coserve does not (``users``, ``tools``, ``reasoning_effort``) is a 400 naming it."""
+    ``instructions_search``, ``temperature``, ``top_p``, ``users``, ``tools``), oldest first, as items (``input``: the
+    messages each answered, ``response_id``) and samples (its reply, as a responses run's sample shows it); a filter
+    OpenAI has and coserve does not (``reasoning_effort``: no reasoning effort is kept) is a 400 naming it."""
     where = "data_source.source"
     unknown = next((k for k in source if k not in RESPONSE_FILTERS), None)
     if unknown is not None:
@@ -288,8 +288,15 @@ def stored_response_entries(source: dict, store, tenant: str, as_of: int | None 
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise bad_request(f"{where}.{key}: expected a number", f"{where}.{key}")
         numbers[key] = value
+    names = {}
+    for key in ("users", "tools"):
+        value = source.get(key)
+        if value is not None and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            raise bad_request(f"{where}.{key}: expected a non-empty array of strings", f"{where}.{key}")
+        names[key] = value
     try:
-        found = store.list_responses(tenant, **_stored_filters(source, as_of), instructions_search=search, **numbers)
+        found = store.list_responses(tenant, **_stored_filters(source, as_of), instructions_search=search, **numbers,
+                                     **names)
     except ValueError as e:
         raise bad_request(f"{where}.{e}", f"{where}.metadata") from None
     if not found:

@@ -369,7 +369,7 @@ class ResponseShape:
                "conversation": None if self.conversation_id is None else {"id": self.conversation_id},
                "truncation": b.truncation or "disabled",
                "background": b.background,
-               "metadata": b.metadata or {}, "usage": None}
+               "metadata": b.metadata or {}, "user": b.user, "usage": None}
         if out is not None:
             n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
             thought = self.job.reasoning.count(out.outputs[0].token_ids) if self.parser is not None else 0

@@ -419,11 +419,13 @@ class Store:
     def list_responses(self, tenant: str, model: str | None = None, metadata: dict[str, str] | None = None,
                        limit: int = 20, created: tuple[int | None, int | None] = (None, None),
                        instructions_search: str | None = None, temperature: float | None = None,
-                       top_p: float | None = None) -> list[tuple[dict, list[dict]]]:
+                       top_p: float | None = None, users: list[str] | None = None, tools: list[str] | None = None
+                       ) -> list[tuple[dict, list[dict]]]:
         """The tenant's finished stored responses (``completed`` or ``incomplete``), oldest first, each with its
         conversation: those of ``model``, whose metadata holds every pair of ``metadata``, created within
         ``created`` (bounds included), whose instructions contain ``instructions_search``, sampled at
-        ``temperature`` and ``top_p``, where given; at most ``limit``."""
+        ``temperature`` and ``top_p``, made for one of ``users``, offered one of ``tools`` (by name), where given;
+        at most ``limit``."""
         where, params = _created_where("tenant = ? AND json_extract(obj, '$.status') IN ('completed', 'incomplete')",
                                        [tenant], created)
         for path, value in (("$.model", model), ("$.temperature", temperature), ("$.top_p", top_p)):
@@ -433,6 +435,13 @@ class Store:
         if instructions_search is not None:
             where += " AND instr(coalesce(json_extract(obj, '$.instructions'), ''), ?) > 0"
             params.append(instructions_search)
+        if users is not None:
+            where += f" AND json_extract(obj, '$.user') IN ({','.join('?' * len(users))})"
+            params += users
+        if tools is not None:
+            where += (" AND EXISTS (SELECT 1 FROM json_each(obj, '$.tools') WHERE json_extract(value, '$.name') IN "
+                      f"({','.join('?' * len(tools))}))")
+            params += tools
         where, params = _metadata_where(where, params, metadata)
         rows = self._all(f"SELECT obj, conversation FROM responses WHERE {where} ORDER BY seq ASC LIMIT ?",
                          [*params, limit])
