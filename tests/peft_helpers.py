@@ -7,6 +7,20 @@ from pathlib import Path
 import torch
 
 
+def lora_adapters_per_model(tmp_path_factory, name: str, specs: dict[str, dict]):
+    """``get(model_dir) -> {adapter name: directory}``: the LoRA adapters ``specs`` names (``make_lora_adapter``'s
+    arguments each), made once per model under a directory called ``name``."""
+    made: dict = {}
+
+    def get(model_dir):
+        if model_dir not in made:
+            root = tmp_path_factory.mktemp(name)
+            made[model_dir] = {key: make_lora_adapter(model_dir, root / key, **kw) for key, kw in specs.items()}
+        return made[model_dir]
+
+    return get
+
+
 def make_lora_adapter(model_dir: Path, out_dir: Path, seed: int = 0, **lora_kwargs) -> Path:
     """Save a PEFT LoRA adapter of ``model_dir`` with both A and B random; returns ``out_dir``."""
     from peft import LoraConfig, get_peft_model

@@ -18,7 +18,7 @@ from coserve.model.loader import load_model
 from coserve.peft.adapter_dir import AdapterError
 from coserve.peft.config import LoraConfig, for_model
 from coserve.peft.trainable import TrainableLora, load_model_trainable
-from peft_helpers import check_mixed_batch_matches_peft, make_lora_adapter, peft_model
+from peft_helpers import check_mixed_batch_matches_peft, lora_adapters_per_model, make_lora_adapter, peft_model
 from tests.test_coserving import _engine
 from tests.test_cuda_architectures import _every_module_job
 from window_helpers import check_windows_match_autograd, perturbed_bypass
@@ -32,20 +32,11 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides whi
 def expert_adapters(tmp_path_factory):
     """Per model: ``experts`` (q_proj, the router's weight and both expert parameters, r=4; PEFT 0.21 adapts Qwen2-MoE's
     router only so) and ``down`` (the experts' down projection alone, PEFT's bare parameter name, r=2 with rsLoRA)."""
-    made = {}
-
-    def get(model_dir):
-        if model_dir not in made:
-            root = tmp_path_factory.mktemp("expert-adapters")
-            made[model_dir] = {
-                "experts": make_lora_adapter(model_dir, root / "experts", seed=1, r=4, lora_alpha=8,
-                                             target_modules=["q_proj"], target_parameters=["gate.weight", *EXPERTS]),
-                "down": make_lora_adapter(model_dir, root / "down", seed=2, r=2, lora_alpha=4, use_rslora=True,
-                                          target_modules=[], target_parameters=["down_proj"]),
-            }
-        return made[model_dir]
-
-    return get
+    return lora_adapters_per_model(tmp_path_factory, "expert-adapters", {
+        "experts": dict(seed=1, r=4, lora_alpha=8, target_modules=["q_proj"],
+                        target_parameters=["gate.weight", *EXPERTS]),
+        "down": dict(seed=2, r=2, lora_alpha=4, use_rslora=True, target_modules=[], target_parameters=["down_proj"]),
+    })
 
 
 @pytest.mark.parametrize("arch", MOES)

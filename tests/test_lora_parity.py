@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coserve import LLM, SamplingParams
-from peft_helpers import check_mixed_batch_matches_peft, make_lora_adapter, peft_model
+from peft_helpers import check_mixed_batch_matches_peft, lora_adapters_per_model, peft_model
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides which tokens run",
            "JSON: {\"key\": [1, 2", "Once upon"]
@@ -14,21 +14,11 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides whi
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    made = {}
-
-    def get(model_dir):
-        if model_dir not in made:
-            root = tmp_path_factory.mktemp("adapters")
-            made[model_dir] = {
-                "attn": make_lora_adapter(model_dir, root / "attn", seed=1, r=8, lora_alpha=16,
-                                          target_modules=["q_proj", "v_proj"]),
-                "mlp": make_lora_adapter(model_dir, root / "mlp", seed=2, r=4, lora_alpha=8, use_rslora=True,
-                                         target_modules=["k_proj", "o_proj", "gate_proj", "up_proj",
-                                                         "down_proj"]),
-            }
-        return made[model_dir]
-
-    return get
+    return lora_adapters_per_model(tmp_path_factory, "adapters", {
+        "attn": dict(seed=1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+        "mlp": dict(seed=2, r=4, lora_alpha=8, use_rslora=True,
+                    target_modules=["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    })
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "smollm3", "olmo2"])
