@@ -78,8 +78,8 @@ class BackgroundResponses:
 
     def events(self, response_id: str, stored: dict, starting_after: int | None) -> EventLog:
         """The kept events of the stored background response ``response_id`` (the caller's: ``stored``), to follow
-        after ``starting_after``; a 400 naming ``stream`` where none are kept, naming ``starting_after`` past
-        them."""
+        after ``starting_after``; a 400 naming ``stream`` where none are kept, naming ``starting_after`` below
+        -1."""
         if not stored.get("background"):
             raise bad_request(f"stream: response {response_id!r} was not made in the background; only a background "
                               "response's events can be streamed again", "stream")
@@ -94,9 +94,8 @@ class BackgroundResponses:
         return events
 
     def forget(self, response_id: str) -> None:
-        """A deleted response's events go with it (a finished one's; a running one's when it ends)."""
-        if response_id not in self.running:
-            self.logs.pop(response_id, None)
+        """A deleted response's events go with it (a running one's task and its readers keep their own hold)."""
+        self.logs.pop(response_id, None)
 
     async def stop(self) -> None:
         """At shutdown: cancel every one still generating (each stored ``cancelled``)."""
