@@ -63,7 +63,6 @@ def test_the_sliding_window_is_read_as_transformers_reads_it(model_factory, arch
     assert cfg.sliding_window == (hf.sliding_window if slides else None)
     assert [cfg.attention_window(i) for i in range(cfg.num_layers)] == [
         hf.sliding_window if slides and kind == "sliding_attention" else None for kind in kinds]
-    assert cfg.max_context == cfg.max_position_embeddings
     # the KV blocks behind a window are freed only where every layer slides
     assert cfg.kv_window == (hf.sliding_window if slides and set(kinds) == {"sliding_attention"} else None)
 

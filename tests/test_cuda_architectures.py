@@ -20,17 +20,23 @@ from tests.conftest import ARCHS
 from tests.test_batch_invariance import _logprobs, _prompts
 from tests.test_coserving import _engine, _examples
 from tests.test_model_parity import PROMPTS
+from model_variants import phi3_longrope
 from window_helpers import check_windows_match_autograd, perturbed_bypass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 WINDOWED = {"mistral": {"sliding_window": 24}}  # the tiny Mistral attends to its whole context unless given one
 
 
+SERVED = [*ARCHS, "phi3:longrope"]  # and LongRoPE past its original context of 32 (a decode graph's rows included)
+
+
 def _model(model_factory, config_variant, arch):
+    if arch == "phi3:longrope":
+        return phi3_longrope(config_variant)
     return config_variant(arch, **WINDOWED[arch]) if arch in WINDOWED else model_factory(arch)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", SERVED)
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole-prompts", "chunks-of-7"])
 def test_greedy_tokens_on_cuda_are_hfs(model_factory, config_variant, arch, chunk):
     path = _model(model_factory, config_variant, arch)
@@ -64,7 +70,7 @@ def _every_module_job(engine, out_dir) -> FinetuneJob:
     return FinetuneJob(model, bypass, _examples(model.cfg.vocab_size, 0), cfg)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", SERVED)
 def test_co_served_logprobs_on_cuda_are_bit_for_bit_as_alone(model_factory, config_variant, tmp_path, arch):
     model_dir = _model(model_factory, config_variant, arch)
     prompts = _prompts(7)

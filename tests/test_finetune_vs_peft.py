@@ -16,6 +16,7 @@ from coserve.finetune.runner import run_job
 from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.model.loader import load_model
 from coserve.peft.trainable import load_model_trainable
+from model_variants import phi3_longrope
 from peft_helpers import PeftTraining, make_dora_adapter, make_ia3_adapter, make_lora_adapter
 
 
@@ -72,7 +73,8 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("qwen2", "ia3"), ("qwen2", "dora"),
                                           ("qwen3", ["q_proj", "k_proj", "v_proj", "down_proj"]),
                                           ("phi3", ["qkv_proj", "gate_up_proj"]), ("phi3", "ia3"),
-                                          ("phi3", "dora"), ("mistral:window=8", ["q_proj", "k_proj", "v_proj"]),
+                                          ("phi3", "dora"), ("phi3:longrope", ["qkv_proj", "o_proj"]),
+                                          ("mistral:window=8", ["q_proj", "k_proj", "v_proj"]),
                                           ("gemma3", ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),
                                           ("gemma3", "ia3"), ("gemma2", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
                                           ("granite", ["q_proj", "o_proj", "up_proj", "down_proj"]),
@@ -90,9 +92,12 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("qwen3_moe", {"target_modules": "all-linear"}),
                                           ("qwen2_moe", {"target_modules": "all-linear"})])
 def test_training_matches_peft(model_factory, config_variant, tmp_path, optimizer, tol, arch, targets):
-    """``mistral:window=8``: every layer slides over 8 positions, shorter than most training sequences."""
-    model_dir = config_variant("mistral", sliding_window=8) if ":window=" in arch else model_factory(arch)
-    phi3 = arch == "phi3"  # Phi-3's fused modules: one bypass over all of q, k and v, one over gate and up
+    """``mistral:window=8``: every layer slides over 8 positions, shorter than most training sequences;
+    ``phi3:longrope``: LongRoPE's original context is 14 tokens, so that some sequences rotate by its long factors
+    (each by its own length, as PEFT's forward of a batch of one)."""
+    model_dir = (config_variant("mistral", sliding_window=8) if ":window=" in arch
+                 else phi3_longrope(config_variant, original=14) if arch == "phi3:longrope" else model_factory(arch))
+    phi3 = arch.startswith("phi3")  # Phi-3's fused modules: one bypass over all of q, k and v, one over gate and up
     if targets == "ia3":  # PEFT's default IA3 placement: k_proj and v_proj outputs, down_proj input
         placement = ({"target_modules": ["qkv_proj", "down_proj"], "feedforward_modules": ["down_proj"]} if phi3 else
                      {"target_modules": ["k_proj", "v_proj", "down_proj"], "feedforward_modules": ["down_proj"]}
@@ -107,6 +112,8 @@ def test_training_matches_peft(model_factory, config_variant, tmp_path, optimize
         start = make_lora_adapter(model_dir, tmp_path / "start", seed=3, r=4, lora_alpha=8, **kwargs)
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     examples = _greedy_halves(model_dir, start, _examples(model.cfg.vocab_size, 6, seed=5))
+    if model.long_rope_from is not None:  # sequences on both sides of the original context
+        assert {len(e.token_ids) > model.long_rope_from for e in examples} == {True, False}
     steps = 3
     cfg = FinetuneConfig(output_dir=str(tmp_path / "out"), batch_size=2, lr=0.05 if optimizer == "sgd" else 0.01,
                          optimizer=optimizer, warmup_steps=1, lr_scheduler="linear", max_grad_norm=1.0,

@@ -9,6 +9,7 @@ from coserve import LLM, SamplingParams
 from coserve.model.attention import PagedKVCache
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.model.loader import load_model
+from model_variants import phi3_longrope
 
 PROMPTS = [
     "The quick brown fox",
@@ -38,11 +39,12 @@ def _flat_logits(path, prompts_ids, splits=None):
         tables.append(list(range(next_block, next_block + nb))[::-1])  # scattered, reversed blocks
         next_block += nb
     chunks, tokens, row = [], [], 0
+    long = model.long_rope_from  # LongRoPE: a prompt past the original context rotates by the long factors
     for ids, table in zip(prompts_ids, tables):
-        chunks.append(SequenceChunk(row, row + len(ids), len(ids), table))
+        chunks.append(SequenceChunk(row, row + len(ids), len(ids), table, long is not None and len(ids) > long))
         tokens.append(ids)
         row += len(ids)
-    batch = build_forward_batch(tokens, chunks, 4, list(range(row)), torch.device("cpu"))
+    batch = build_forward_batch(tokens, chunks, 4, list(range(row)), torch.device("cpu"), long_rope_from=long)
     logits = model.logits(model.forward(batch, cache))
     return [logits[c.start:c.end] for c in chunks]
 
@@ -295,33 +297,39 @@ def test_sliding_layers_beside_whole_context_ones_keep_their_k_v_in_a_pool_of_th
         assert out.token_ids == _hf_greedy(hf, seq, 12)
 
 
-def test_phi3_partial_rotation_and_longrope_serve_as_hf_does(config_variant, hf_model_cache, tmp_path):
-    """Phi-3.5/Phi-4-mini's rotary settings: the first half of each head rotates (``partial_rotary_factor``) by
-    LongRoPE's short factors, cos and sin scaled by its attention factor; the context is capped at the original one
-    (the long factors past it are not built): logits and greedy tokens as HF's, longer contexts refused naming it."""
-    head = 16  # the tiny preset's head width: 8 dimensions rotate, in 4 frequencies
-    fields = {"partial_rotary_factor": 0.5, "max_position_embeddings": 512, "original_max_position_embeddings": 32,
-              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                  "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [4.0] * (head // 4),
-                                  "original_max_position_embeddings": 32}}
-    path = config_variant("phi3", **fields)
-    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7)
-    assert llm.engine.max_model_len == 32 and llm.engine.model_config.rotary_dim == 8
-    assert llm.engine.model_config.rope.attention_factor > 1
+def test_phi3_longrope_serves_as_hf_does_past_the_original_context(config_variant, hf_model_cache):
+    """With long factors (Phi-3-mini-128k, Phi-3.5-mini) the context is the model's whole one, rotated as
+    transformers rotates it: a prompt past the original context by the long factors from its first token; a shorter
+    one by the short factors until it grows past it, and then computed again by the long ones (as transformers'
+    Phi-3 generate computes its cache again). Logits, and greedy tokens with prompts in chunks of 7, as HF's forward
+    and generate; with prefix caching, a long prompt does not reuse the blocks of a sequence that stayed short, and
+    reuses those of one that grew long."""
+    path = phi3_longrope(config_variant)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7, enable_prefix_caching=True)
+    assert llm.engine.max_model_len == 512 and llm.engine.model.long_rope_from == 32
+    assert llm.engine.model_config.rotary_dim == 8 and llm.engine.model_config.rope.attention_factor > 1
     hf = hf_model_cache(path)
-    ids = [llm.tokenizer(p)["input_ids"][:12] for p in PROMPTS]
-    for seq, got in zip(ids, _flat_logits(path, ids)):
+    base = [llm.tokenizer(p)["input_ids"] for p in PROMPTS]
+    short, long = [ids[:12] for ids in base], [(ids * 40)[:40] for ids in base]
+    for seq, got in zip(short + long, _flat_logits(path, short + long)):
         with torch.inference_mode():
             torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
-    outs = llm.generate(ids, SamplingParams(max_tokens=32 - 12, temperature=0, ignore_eos=True))
-    for seq, out in zip(ids, outs):
-        assert out.token_ids == _hf_greedy(hf, seq, len(out.token_ids))
-    with pytest.raises(ValueError, match="max_model_len: 48 is more than the model's LongRoPE original context of 32"):
-        LLM(path, dtype="float32", device="cpu", max_model_len=48)
-    from coserve import FinetuneConfig, LoraConfig
-    data = tmp_path / "long.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "' + "word " * 40 + '"}, '
-                    '{"role": "assistant", "content": "ok"}]}\n')
-    with pytest.raises(ValueError, match="more than the model's LongRoPE original context of 32"):
-        llm.finetune(str(data), peft=LoraConfig(r=2, target_modules=["o_proj"]),
-                     config=FinetuneConfig(output_dir=str(tmp_path / "out"), max_steps=1, max_seq_len=64))
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = llm.generate(short + long, greedy)
+    for seq, out in zip(short + long, outs):
+        assert out.token_ids == _hf_greedy(hf, seq, 40)
+    assert llm.engine.scheduler.num_long_rope_recomputes == len(short)  # each short prompt's sequence, once
+    drafting = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7, speculative_tokens=3)
+    assert [o.token_ids for o in drafting.generate(short, greedy)] == [o.token_ids for o in outs[:len(short)]]
+    assert drafting.engine.scheduler.num_draft_tokens > 0
+    fresh = [7, 8, 9] + short[3][:9]  # no sequence so far starts so
+    kept = fresh + llm.generate([fresh], SamplingParams(max_tokens=8, temperature=0))[0].token_ids  # 20 tokens
+    hits = llm.engine.scheduler.prefix_cache_hits
+    extended = kept + [5] * 20  # 40 tokens, the first 16 in a block the short sequence cached
+    assert llm.generate([extended], greedy)[0].token_ids == _hf_greedy(hf, extended, 40)
+    assert llm.engine.scheduler.prefix_cache_hits == hits
+    crossed = short[0] + outs[0].token_ids + [5, 6, 7]  # its first 48 tokens cached since it grew long
+    assert llm.generate([crossed], greedy)[0].token_ids == _hf_greedy(hf, crossed, 40)
+    assert llm.engine.scheduler.prefix_cache_hits >= hits + 48
+    with pytest.raises(ValueError, match="max_model_len: 600 is more than the model's max_position_embeddings of 512"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=600)

@@ -8,7 +8,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
 
 from coserve.model.config import ModelConfig, RopeConfig
-from coserve.model.rope import RotaryEmbedding
+from coserve.model.rope import RotaryEmbedding, rope_row, sequence_rows
 
 
 def hf_tables(positions: torch.Tensor, head_dim: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +57,7 @@ def phi3_config(rope_scaling: dict | None, partial: float) -> dict:
            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
            "max_position_embeddings": 512, "original_max_position_embeddings": 64, "partial_rotary_factor": partial}
     if rope_scaling is not None:
-        raw["rope_scaling"] = rope_scaling
+        raw["rope_scaling"] = dict(rope_scaling)  # a copy: transformers writes into the one it is given
     return raw
 
 
@@ -92,13 +92,49 @@ def test_phi3_partial_rotation_and_longrope_are_hfs_bit_for_bit(scaling, partial
     assert torch.allclose(out, x.grad, rtol=0, atol=1e-6)
 
 
-def test_longrope_caps_the_context_at_the_original_and_bad_factors_are_named():
-    cfg = ModelConfig.from_dict(phi3_config(LONGROPE, 0.5))
-    assert cfg.max_context == 64 and "LongRoPE original context of 64 tokens" in cfg.context_cap[1]
+@pytest.mark.parametrize("partial", [0.5, 1.0])
+def test_longrope_long_rows_are_hfs_past_the_original_context(partial):
+    """Past the original context (64 positions) transformers rotates a whole forward by the long factors: coserve's
+    long rows (``rope_row``) are its tables bit for bit, for a prompt's forward (every token) and for a decode step
+    at or past position 64; a forward within 64 keeps to the short rows."""
+    scaling = LONGROPE if partial == 0.5 else {**LONGROPE, "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.6, 3.0, 4.0],
+                                               "long_factor": [2.0, 3.0, 5.0, 8.0, 9.0, 11.0, 16.0, 20.0]}
+    raw = phi3_config(scaling, partial)
+    cfg = ModelConfig.from_dict(raw)
+    hf_rope = Phi3RotaryEmbedding(Phi3Config(**{k: v for k, v in raw.items() if k != "architectures"}))
+    cpu = torch.device("cpu")
+    rope = RotaryEmbedding(cfg.rope, cfg.head_dim, 512, cpu, torch.float32, cfg.rotary_dim, cfg.long_rope_from)
+    assert cfg.long_rope_from == rope.long_from == 64 and rope.cos.shape[0] == 64 + 512
+    g = torch.Generator().manual_seed(3)
+    for n in (40, 64, 65, 300):  # one forward over a sequence of n tokens
+        cos, sin = hf_rope(torch.zeros(1), torch.arange(n)[None])
+        rows = sequence_rows(n, 64, cpu)
+        assert rows.tolist() == [rope_row(p, n > 64, 64) for p in range(n)]
+        assert torch.equal(rope.cos[rows], cos[0])
+        q, k = torch.randn(n, 4, 16, generator=g), torch.randn(n, 2, 16, generator=g)
+        q_hf, k_hf = phi3_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        q_ours, k_ours = rope(q, k, rows)
+        assert torch.equal(q_ours, q_hf[0].transpose(0, 1)) and torch.equal(k_ours, k_hf[0].transpose(0, 1))
+    for p in (0, 63, 64, 200, 511):  # a decode step: HF's forward of that position (a sequence at 64 or past it
+        cos, _ = hf_rope(torch.zeros(1), torch.tensor([[p]]))  # is long: the scheduler computed it again so)
+        assert torch.equal(rope.cos[rope_row(p, p >= 64, 64)], cos[0, 0])
+    within = RotaryEmbedding(cfg.rope, cfg.head_dim, 64, cpu, torch.float32, cfg.rotary_dim, cfg.long_rope_from)
+    assert within.long_from is None and within.cos.shape[0] == 64  # a context kept within 64: no long rows
+
+
+def test_longrope_needs_both_factors_and_bad_factors_are_named():
+    assert ModelConfig.from_dict(phi3_config(LONGROPE, 0.5)).long_rope_from == 64
+    assert ModelConfig.from_dict({**phi3_config(LONGROPE, 0.5), "max_position_embeddings": 64}).long_rope_from is None
+    with pytest.raises(ValueError, match="longrope's long_factor must be a list of numbers, got None"):
+        ModelConfig.from_dict(phi3_config({k: v for k, v in LONGROPE.items() if k != "long_factor"}, 0.5))
     with pytest.raises(ValueError, match="short_factor has 3 values; the model rotates 8 dimensions, so 4"):
         ModelConfig.from_dict(phi3_config({**LONGROPE, "short_factor": [1.0, 2.0, 3.0]}, 0.5))
+    with pytest.raises(ValueError, match="long_factor has 5 values; the model rotates 8 dimensions, so 4"):
+        ModelConfig.from_dict(phi3_config({**LONGROPE, "long_factor": [1.0] * 5}, 0.5))
     with pytest.raises(ValueError, match="short_factor must be a list of numbers"):
         ModelConfig.from_dict(phi3_config({**LONGROPE, "short_factor": "x"}, 0.5))
+    with pytest.raises(ValueError, match="long_factor must be a list of numbers"):
+        ModelConfig.from_dict(phi3_config({**LONGROPE, "long_factor": [1, "2", 3, 4]}, 0.5))
     with pytest.raises(ValueError, match="partial_rotary_factor 0.1 leaves 1 of 16"):
         ModelConfig.from_dict(phi3_config(None, 0.1))
     with pytest.raises(ValueError, match="field 'hidden_act': 'gelu'"):

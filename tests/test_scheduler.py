@@ -243,3 +243,43 @@ def test_the_delay_factor_is_checked():
     for bad in (-1, float("inf"), True, "2"):
         with pytest.raises(ValueError, match="scheduler_delay_factor"):
             SchedulerConfig(scheduler_delay_factor=bad)
+
+
+def test_a_request_growing_past_longropes_original_context_is_computed_again_by_the_long_factors():
+    """LongRoPE (Phi-3, original context 12 here): a request whose sequence grows past the original context runs
+    its next iteration as a prompt of all its tokens, every one rotated by the long factors (``long_rope``), its
+    blocks keyed apart from the short ones in the prefix cache; one longer from the start is long from its first
+    chunk."""
+    s = Scheduler(SchedulerConfig(64, 8, 64, 2, long_rope_from=12), BlockManager(64, 4, enable_caching=True))
+    s.add_request(req("short", 10, max_tokens=8))
+    s.add_request(req("long", 13, max_tokens=2))
+    plan, _ = run_step(s)
+    assert [(c.request_id, c.start, len(c.token_ids), c.long_rope) for c in plan.chunks] == [
+        ("short", 0, 10, False), ("long", 0, 13, True)]
+    short = s.requests["short"]
+    keys = list(short.block_keys)
+    for _ in range(2):  # positions 10 and 11: the sequence holds 13 tokens, 12 computed
+        plan, _ = run_step(s)
+        assert [c.long_rope for c in plan.chunks if c.request_id == "short"] == [False]
+    plan, _ = run_step(s)
+    chunk = next(c for c in plan.chunks if c.request_id == "short")
+    assert (chunk.start, len(chunk.token_ids), chunk.long_rope, chunk.sample) == (0, 13, True, True)
+    assert s.num_long_rope_recomputes == 1 and s.num_preemptions == 0
+    assert len(keys) == 2 and short.block_keys[:2] != keys  # its blocks again, under other keys
+    run_step(s)
+    assert short.num_computed_tokens == 14 and len(short.output_token_ids) == 5
+    s.blocks.check_invariants()
+
+
+def test_drafts_stop_at_longropes_original_context():
+    """A short sequence's n-gram drafts end at LongRoPE's original context: their logits rotate by the short
+    factors, as the tokens before them."""
+    def drafts(long_rope_from):
+        s = Scheduler(SchedulerConfig(64, 8, 64, 2, speculative_tokens=4, long_rope_from=long_rope_from),
+                      BlockManager(64, 4))
+        s.add_request(Request("r", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=8, temperature=0),
+                              None, frozenset({0}), 0.0))
+        run_step(s, token=3)  # the sequence ends 1, 2, 3: drafts 4, 1, 2, 3 follow
+        plan, _ = run_step(s)
+        return plan.chunks[0].num_drafts
+    assert drafts(None) == 4 and drafts(12) == 1  # 11 tokens known: position 11 is the last within 12

@@ -47,7 +47,7 @@ def check_windows_match_autograd(model, bypass, n: int, remat: str, forward_size
     ref = [p.grad.clone() for p in bypass.parameters()]
     bypass.zero_grad()
     state = new_sequence_state(ids, targets, model.cfg.num_layers, model.cfg.hidden_size, model.cfg.num_kv_heads,
-                               model.cfg.head_dim, model.device, model.dtype)
+                               model.cfg.head_dim, model.device, model.dtype, model.long_rope_from)
     state.dropout_seed = dropout_seed
     if remat != "all":
         names = {"cheap": lambda: planned_keeps(executor_plan(model, bypass.config, "cheap", max_tokens=n)),

@@ -124,7 +124,7 @@ def build_requests(args, tokenizer) -> list[tuple[float, str, int]]:
     if len(times) < args.num_requests:
         raise ValueError(f"--num-requests: only {len(times)} arrivals drawn; lower it or raise --rate")
     from coserve.model.config import ModelConfig
-    context = ModelConfig.from_dir(Path(args.model)).max_context
+    context = ModelConfig.from_dir(Path(args.model)).max_position_embeddings
     out = []
     for i, t in enumerate(times):
         text, p, r = entries[i % len(entries)]

@@ -132,7 +132,7 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}: {value} is not a file")
     earlier = [row for path in args.with_results for row in read_rows(Path(path))]
     cfg = ModelConfig.from_dir(args.model)
-    max_len = args.max_model_len or cfg.max_context
+    max_len = args.max_model_len or cfg.max_position_embeddings
     tokenizer = load_tokenizer(Path(args.model))
     if not 0 < args.finetune_memory_target <= 1:
         raise ValueError(f"--finetune-memory-target: must be in (0, 1], got {args.finetune_memory_target}")

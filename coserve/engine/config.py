@@ -28,7 +28,7 @@ class EngineConfig:
     model: str  # a Hugging Face model directory
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
     device: str | None = None  # None = cuda when available, else cpu
-    max_model_len: int | None = None  # None = the model's max_position_embeddings (its sliding window where shorter)
+    max_model_len: int | None = None  # None = the model's max_position_embeddings (no more is accepted)
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None = as many as kv_cache_memory_gb holds
     kv_cache_memory_gb: float = 1.0  # memory for the KV cache when num_kv_blocks is None

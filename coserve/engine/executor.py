@@ -309,7 +309,7 @@ class ModelExecutor:
         if (self.graphs is None or plan.adapters or not self.graphs.covers_lengths(plan.chunks)
                 or any(c.prompt_targets is not None for c in plan.chunks)):
             return None
-        chunks = [SequenceChunk(i, i + 1, c.end, c.block_table) for i, c in enumerate(plan.chunks)]
+        chunks = [SequenceChunk(i, i + 1, c.end, c.block_table, c.long_rope) for i, c in enumerate(plan.chunks)]
         return self.graphs.forward([c.token_ids[0] for c in plan.chunks], chunks, rows)
 
     def _score_prompts(self, plan: IterationPlan, batch, hidden: torch.Tensor, result: ExecutionResult) -> None:
@@ -328,13 +328,14 @@ class ModelExecutor:
         row = 0
         for c in plan.chunks:
             n = len(c.token_ids)
-            chunks.append(SequenceChunk(row, row + n, c.end, c.block_table))
+            chunks.append(SequenceChunk(row, row + n, c.end, c.block_table, c.long_rope))
             tokens.append(c.token_ids)
             if c.sample:  # a speculative chunk's every row: the fed token's and each draft's next token
                 logits_rows.extend(range(row + n - 1 - c.num_drafts, row + n))
             row += n
         return build_forward_batch(tokens, chunks, self.cache.block_size, logits_rows, self.model.device,
-                                   varlen=not self.model.cfg.per_chunk_attention)
+                                   varlen=not self.model.cfg.per_chunk_attention, 
+                                   long_rope_from=self.model.long_rope_from)
 
     def _adapter_batch(self, plan: IterationPlan, num_rows: int):
         """The adapters (LoRA, IA3 or both) of the plan's rows; rows past its tokens (padding) use the base model."""

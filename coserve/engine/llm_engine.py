@@ -80,13 +80,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_cfg)
-        cap = model_cfg.context_cap
-        if config.max_model_len is not None and cap is not None and config.max_model_len > cap[0]:
-            raise ValueError(f"max_model_len: {config.max_model_len} is more than {cap[1]}")
-        self.max_model_len = config.max_model_len or model_cfg.max_context  # the cap, where there is one
-        if config.max_model_len is None and cap is not None:
-            log.info("the context is capped at %s, below the model's %d positions", cap[1],
-                     model_cfg.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > model_cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len: {config.max_model_len} is more than the model's "
+                             f"max_position_embeddings of {model_cfg.max_position_embeddings}")
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.model_config = model_cfg
         # only the coserve policy runs finetuning windows beside inference rows (the others, whole iterations)
@@ -370,7 +367,8 @@ class LLMEngine:
                                          temporal_interval=c.temporal_interval,
                                          speculative_tokens=c.speculative_tokens,
                                          scheduling_policy=c.scheduling_policy,
-                                         scheduler_delay_factor=c.scheduler_delay_factor),
+                                         scheduler_delay_factor=c.scheduler_delay_factor,
+                                         long_rope_from=self.model.long_rope_from),
                          BlockManager(num_blocks, c.block_size, c.enable_prefix_caching, self.window_storages,
                                       self.model_config.kv_window or (self.model_config.pooled_window
                                                                       if self.window_storages else None)),

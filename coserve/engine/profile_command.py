@@ -39,7 +39,7 @@ def run(args) -> int:
     prepare_output("--samples", args.samples)
     cfg = ModelConfig.from_dir(args.model)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype, cfg)
-    model = load_model(args.model, dtype, device, max_positions=max(cfg.max_context, args.max_context))
+    model = load_model(args.model, dtype, device, max_positions=max(cfg.max_position_embeddings, args.max_context))
     fuse = plan_fusion(model, args.fuse_finetuning).fuse  # GEMM tiles (or packs) as the engine's would be
     key = latency_key(args.model, device, dtype, fuse, model.gemms)
     bar = tqdm(total=args.points * (args.repeats + 1), desc="profile", unit="iteration")

@@ -77,9 +77,6 @@ class FinetuneJob:
         self.examples = [Example(list(e.token_ids), list(e.targets)) for e in examples]
         self.validation = [Example(list(e.token_ids), list(e.targets)) for e in validation or ()]
         longest = self.longest_tokens
-        cap = model.cfg.context_cap
-        if cap is not None and longest > cap[0]:
-            raise ValueError(f"examples: a sequence has {longest} tokens, more than {cap[1]}; lower max_seq_len")
         if longest > model.rope.max_positions:
             raise ValueError(f"examples: a sequence has {longest} tokens; the model was loaded with positions "
                              f"for {model.rope.max_positions} (lower max_seq_len or load it with more)")
@@ -288,7 +285,7 @@ class FinetuneJob:
     def _sequence(self, ex: Example) -> SequenceState:
         c = self.model.cfg
         return new_sequence_state(ex.token_ids, ex.targets, c.num_layers, c.hidden_size, c.num_kv_heads,
-                                  c.head_dim, self.model.device, self.model.dtype)
+                                  c.head_dim, self.model.device, self.model.dtype, self.model.long_rope_from)
 
     def _loss_scale(self) -> float:
         """Losses are means per target token: of the step's sequences, or of the queued validation sequences."""

@@ -11,6 +11,7 @@ from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.finetune.token_windows import training_rows
 from coserve.finetune.window_attention import window_attention
 from coserve.model.decoder import Bypass, DecoderModel
+from coserve.model.rope import sequence_rows
 
 
 def whole_sequence_loss(model: DecoderModel, bypass: Bypass, token_ids: list[int], targets: list[int],
@@ -26,7 +27,7 @@ def whole_sequence_logits(model: DecoderModel, bypass: Bypass, token_ids: list[i
                           dropout_seed: int | None = 0) -> torch.Tensor:
     """The sequence's logits ``[N, V]`` (float32) in one autograd forward."""
     ids = torch.tensor(token_ids, device=model.device)
-    positions = torch.arange(len(token_ids), device=model.device)
+    positions = sequence_rows(len(token_ids), model.long_rope_from, model.device)  # the rotary tables' rows
     def attend(q, k, v, i):
         return window_attention(q, k, v, model.attention[i])
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from coserve.model.rope import sequence_rows
+
 IGNORE_INDEX = -100  # a position without a loss target
 
 
@@ -20,7 +22,7 @@ class SequenceState:
 
     token_ids: torch.Tensor  # [N] long
     targets: torch.Tensor  # [N] long: the next token each position predicts, or IGNORE_INDEX
-    positions: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long: each token's row of the rotary tables (``sequence_rows``; dropout's too)
     layer_inputs: list[torch.Tensor]  # per layer [N, H]: the layer's input (kept)
     k: list[torch.Tensor]  # per layer [N, Hkv, D]: post-RoPE keys (kept)
     v: list[torch.Tensor]  # per layer [N, Hkv, D]: values (kept)
@@ -71,8 +73,11 @@ class SequenceState:
 
 
 def new_sequence_state(token_ids: list[int], targets: list[int], num_layers: int, hidden: int,
-                       num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> SequenceState:
-    """Allocate the state of one training sequence; ``targets[t]`` is what position ``t`` predicts."""
+                       num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
+                       long_rope_from: int | None = None) -> SequenceState:
+    """Allocate the state of one training sequence; ``targets[t]`` is what position ``t`` predicts;
+    ``long_rope_from``: the model's LongRoPE original context where its rotary tables have long rows
+    (``DecoderModel.long_rope_from``)."""
     n = len(token_ids)
     if n == 0 or len(targets) != n:
         raise ValueError(f"a sequence needs tokens and one target per token, got {n} and {len(targets)}")
@@ -86,7 +91,7 @@ def new_sequence_state(token_ids: list[int], targets: list[int], num_layers: int
     return SequenceState(
         token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
-        positions=torch.arange(n, device=device),
+        positions=sequence_rows(n, long_rope_from, device),
         layer_inputs=[empty(n, hidden) for _ in range(num_layers)],
         k=[empty(n, num_kv_heads, head_dim) for _ in range(num_layers)],
         v=[empty(n, num_kv_heads, head_dim) for _ in range(num_layers)],

@@ -48,10 +48,12 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192  # llama3, longrope: the pre-scaling context
     # the first fraction of each head's dimensions that rotates (Phi-3's partial_rotary_factor); the rest pass through
     partial_rotary_factor: float = 1.0
-    # longrope: each frequency divided by short_factor's (contexts up to original_max_position_embeddings), cos and
-    # sin multiplied by attention_factor (transformers' default: sqrt(1 + ln(factor) / ln(original)), factor =
-    # max_position_embeddings / original where the config gives none)
+    # longrope: each frequency divided by short_factor's (contexts up to original_max_position_embeddings) or
+    # long_factor's (past it: ``ModelConfig.long_rope_from``), cos and sin multiplied by attention_factor
+    # (transformers' default: sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original where
+    # the config gives none)
     short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
 
 
@@ -137,10 +139,11 @@ class ModelConfig:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ModelConfigError(f"config.json: num_experts_per_tok must be 1 to {self.num_experts}, got "
                                    f"{self.experts_per_token}")
-        if self.rope.rope_type == "longrope" and len(self.rope.short_factor) != self.rotary_dim // 2:
-            raise ModelConfigError(f"field 'rope_scaling': short_factor has {len(self.rope.short_factor)} values; "
-                                   f"the model rotates {self.rotary_dim} dimensions, so {self.rotary_dim // 2} are "
-                                   "needed")
+        for name in ("short_factor", "long_factor") if self.rope.rope_type == "longrope" else ():
+            n = len(getattr(self.rope, name))
+            if n != self.rotary_dim // 2:
+                raise ModelConfigError(f"field 'rope_scaling': {name} has {n} values; the model rotates "
+                                       f"{self.rotary_dim} dimensions, so {self.rotary_dim // 2} are needed")
 
     @property
     def rotary_dim(self) -> int:
@@ -214,22 +217,11 @@ class ModelConfig:
         return self.attention_windows[layer] if self.attention_windows else None
 
     @property
-    def context_cap(self) -> tuple[int, str] | None:
-        """Where coserve runs a shorter context than ``max_position_embeddings``, and why: LongRoPE's original
-        context (past it the model rotates every position by its long factors, which coserve does not build). None
-        where nothing caps it."""
+    def long_rope_from(self) -> int | None:
+        """LongRoPE's original context where the model runs past it: a sequence whose prompt is longer, and every
+        token at or past that position, rotate by the long factors (``model/rope.py``). None for any other model."""
         n = self.rope.original_max_position_embeddings
-        if self.rope.rope_type == "longrope" and n < self.max_position_embeddings:
-            return n, (f"the model's LongRoPE original context of {n} tokens (coserve rotates by its short factors; "
-                       "the long factors past it are not built)")
-        return None
-
-    @property
-    def max_context(self) -> int:
-        """The longest sequence coserve runs as the checkpoint's model does: ``max_position_embeddings``, or
-        ``context_cap`` where that is shorter."""
-        cap = self.context_cap
-        return self.max_position_embeddings if cap is None else cap[0]
+        return n if self.rope.rope_type == "longrope" and n < self.max_position_embeddings else None
 
     @property
     def q_size(self) -> int:
@@ -500,15 +492,17 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
 
 
 def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial: float) -> RopeConfig:
-    """Phi-3's LongRoPE as transformers computes it for contexts up to the original one (its short factors)."""
+    """Phi-3's LongRoPE as transformers computes it: short factors within the original context, long ones past it
+    (both required, as transformers requires them)."""
     original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-    short = params.get("short_factor")
+    short, long = params.get("short_factor"), params.get("long_factor")
     if original is None:
         raise ModelConfigError("field 'rope_scaling': longrope needs 'original_max_position_embeddings'")
-    if not isinstance(short, list) or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
-                                               for f in short):
-        raise ModelConfigError(f"field 'rope_scaling': longrope's short_factor must be a list of numbers, "
-                               f"got {short!r}")
+    for name, factors in (("short_factor", short), ("long_factor", long)):
+        if not isinstance(factors, list) or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                                     for f in factors):
+            raise ModelConfigError(f"field 'rope_scaling': longrope's {name} must be a list of numbers, "
+                                   f"got {factors!r}")
     original = int(original)
     attention = params.get("attention_factor")
     if attention is None:
@@ -516,4 +510,5 @@ def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeConfig(theta=theta, rope_type="longrope", original_max_position_embeddings=original,
                       partial_rotary_factor=partial, short_factor=tuple(float(f) for f in short),
+                      long_factor=tuple(float(f) for f in long),
                       attention_factor=float(attention))

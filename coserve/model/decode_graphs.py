@@ -28,6 +28,7 @@ from coserve.model.attention import PagedKVCache
 from coserve.model.decoder import DecoderModel
 from coserve.model import forward_batch
 from coserve.model.forward_batch import ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys, long_tensor
+from coserve.model.rope import rope_row
 
 MIN_GRAPH_BLOCKS = 4  # the smallest block bucket (a power of two)
 
@@ -137,6 +138,7 @@ class DecodeGraphs:
         scratch = self.scratch_block
         positions = [c.context_len - 1 for c in chunks]
         slots = [c.block_table[p // bs] * bs + p % bs for c, p in zip(chunks, positions)]
+        positions = [rope_row(p, c.long_rope, self.model.long_rope_from) for c, p in zip(chunks, positions)]
         tables: list[int] = []
         for c in chunks:
             table = c.block_table[:blocks]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from coserve.model.rope import rope_row
+
 
 def long_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
     """``torch.tensor(values, dtype=torch.long, device=device)`` for Python ints, through an ``array`` of int64:
@@ -27,6 +29,8 @@ class SequenceChunk:
     end: int  # one past its last row
     context_len: int  # tokens of the sequence in the cache once this chunk is written (prefix + chunk)
     block_table: list[int]  # the sequence's KV blocks, in position order
+    long_rope: bool = False  # the sequence is past LongRoPE's original context: every token rotates by the long
+    #   factors (``rope_row``)
 
     @property
     def num_new(self) -> int:
@@ -166,7 +170,8 @@ class ForwardBatch:
     """
 
     token_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long, position of each token in its own sequence
+    positions: torch.Tensor  # [T] long, each token's row of the rotary tables: its position in its own sequence
+    #   (``rope_row``: LongRoPE's long rows follow the short ones)
     slot_mapping: torch.Tensor  # [T] long, flat KV-cache slot (block * block_size + offset) per token
     chunks: list[SequenceChunk]  # one per sequence, in row order
     logits_rows: torch.Tensor  # [N] long, rows whose next-token logits are wanted
@@ -184,16 +189,19 @@ class ForwardBatch:
 
 
 def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChunk], block_size: int,
-                        logits_rows: list[int], device: torch.device, varlen: bool = True) -> ForwardBatch:
+                        logits_rows: list[int], device: torch.device, varlen: bool = True,
+                        long_rope_from: int | None = None) -> ForwardBatch:
     """Assemble a ForwardBatch from per-sequence token lists and chunk descriptions; ``varlen`` False lays it out
-    per chunk on CUDA too (a model whose attention caps its scores: ``paged_attention`` caps those)."""
+    per chunk on CUDA too (a model whose attention caps its scores: ``paged_attention`` caps those); 
+    ``long_rope_from``: the model's LongRoPE original context where its rotary tables have long rows
+    (``DecoderModel.long_rope_from``)."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     for tokens, chunk in zip(chunks_tokens, chunks):
         first = chunk.context_len - chunk.num_new
         for pos in range(first, chunk.context_len):
-            positions.append(pos)
+            positions.append(rope_row(pos, chunk.long_rope, long_rope_from))
             slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
         token_ids.extend(tokens)
     batch = ForwardBatch(token_ids=long_tensor(token_ids, device), positions=long_tensor(positions, device),

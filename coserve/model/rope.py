@@ -1,5 +1,6 @@
-"""Rotary position embeddings: plain RoPE, linear and Llama-3 frequency scaling and Phi-3's LongRoPE (within its
-original context), over all of each head or its first dimensions (``partial_rotary_factor``), as HF computes them."""
+"""Rotary position embeddings: plain RoPE, linear and Llama-3 frequency scaling and Phi-3's LongRoPE (its short
+factors within the original context, its long ones past it), over all of each head or its first dimensions
+(``partial_rotary_factor``), as HF computes them."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import torch
 from coserve.model.config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
     """The ``head_dim // 2`` rotation frequencies, float32, scaled per ``rope.rope_type`` (``head_dim``: the rotated
-    dimensions, where only part of a head rotates)."""
+    dimensions, where only part of a head rotates; ``long``: LongRoPE's long factors, else its short ones)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    if rope.rope_type == "longrope":  # each frequency divided by its short factor (transformers' order of operations)
-        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** exponents)
+    if rope.rope_type == "longrope":  # each frequency divided by its factor (transformers' order of operations)
+        factors = rope.long_factor if long else rope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** exponents)
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":  # positions interpolated: every frequency divided by the factor
         return inv_freq / rope.factor
@@ -33,18 +35,38 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_row(position: int, long_rope: bool, long_from: int | None) -> int:
+    """The row of a ``RotaryEmbedding``'s tables that rotates a token at ``position``: the position itself, or, for a
+    sequence past LongRoPE's original context (``long_rope``; ``long_from``: that context, where the tables have
+    long rows), ``long_from + position``: every token of such a sequence rotates by the long factors, as transformers
+    rotates a forward whose longest position is past the original context (its Phi-3 generate computes the whole
+    sequence again when it grows past it: ``Scheduler``)."""
+    return long_from + position if long_rope and long_from is not None else position
+
+
+def sequence_rows(n: int, long_from: int | None, device: torch.device) -> torch.Tensor:
+    """``rope_row`` of the ``n`` tokens of one whole sequence in one forward (a training sequence: every token by the
+    long factors where ``n`` is past ``long_from``, as transformers rotates a forward over it)."""
+    rows = torch.arange(n, device=device)
+    return rows + long_from if long_from is not None and n > long_from else rows
+
+
 class RotaryEmbedding:
-    """A cos/sin table for every position up to ``max_positions``, applied by position id to the first
-    ``rotary_dim`` dimensions of each head (all of them by default); the others pass through."""
+    """A cos/sin table for every position up to ``max_positions``, applied by row (``rope_row``: a token's position,
+    LongRoPE's long rows after the short ones) to the first ``rotary_dim`` dimensions of each head (all of them by
+    default); the others pass through."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int,
-                 device: torch.device, dtype: torch.dtype, rotary_dim: int | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, rotary_dim: int | None = None,
+                 long_from: int | None = None) -> None:
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        inv_freq = inverse_frequencies(rope, rotary_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, rotary_dim/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = _cos_sin(inverse_frequencies(rope, rotary_dim), max_positions)
+        # LongRoPE past its original context: the short rows of positions [0, long_from), then the long rows of
+        # every position (a long prompt's tokens rotate by the long factors from position 0)
+        self.long_from = long_from if long_from is not None and long_from < max_positions else None
+        if self.long_from is not None:
+            long_cos, long_sin = _cos_sin(inverse_frequencies(rope, rotary_dim, long=True), max_positions)
+            cos, sin = torch.cat([cos[:self.long_from], long_cos]), torch.cat([sin[:self.long_from], long_sin])
         if rope.attention_factor != 1.0:  # LongRoPE's, on both tables before the cast (as HF)
             cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
         self.cos = cos.to(device=device, dtype=dtype)
@@ -84,12 +106,19 @@ class RotaryEmbedding:
             out[..., r:] = dy[..., r:]
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin_signed)`` ``[T, 1, R]`` of ``positions`` (``sin_signed``: sin with its first half negated; R the
-        rotated dimensions); the last call's are reused while the same ``positions`` tensor comes back (every layer
-        of one forward passes the same one)."""
+        """``(cos, sin_signed)`` ``[T, 1, R]`` of ``positions`` (rows: ``rope_row``; ``sin_signed``: sin with its first
+        half negated; R the rotated dimensions); the last call's are reused while the same ``positions`` tensor comes
+        back (every layer of one forward passes the same one)."""
         last = self._last
         if last is not None and last[0] is positions:
             return last[1], last[2]
         cos, sin_signed = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
         self._last = (positions, cos, sin_signed)
         return cos, sin_signed
+
+
+def _cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin ``[P, R]`` of positions ``0 .. P - 1`` rotated by ``inv_freq`` ``[R / 2]``."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, R/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [P, R]
+    return emb.cos(), emb.sin()

@@ -100,6 +100,9 @@ class SchedulerConfig:
     #   this many times the latency of the last iteration that admitted prompts, so that several share one
     #   prefill pass (where a pass costs its kernel launches whatever its tokens); 0 = admit at once
     fairness: FairnessWeights = field(default_factory=FairnessWeights)  # VTC cost of input, output, finetuning tokens
+    long_rope_from: int | None = None  # LongRoPE's original context (Phi-3 past it): a request longer than this is
+    #   computed with every token rotated by the long factors, and one that grows past it is computed again from
+    #   its first token so, as transformers' Phi-3 generate does (``Request.long_rope``)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_loras", "min_finetune_window",

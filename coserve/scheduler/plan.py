@@ -31,6 +31,7 @@ class InferenceChunk:
     num_drafts: int = 0
     # an embedding request's last prompt chunk (with ``sample``): its last row is pooled into the embedding instead
     pooling: PoolingParams | None = None
+    long_rope: bool = False  # the request is past LongRoPE's original context (``Request.long_rope``)
 
     @property
     def end(self) -> int:

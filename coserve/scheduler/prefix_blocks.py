@@ -20,10 +20,11 @@ def block_keys(request: Request, num_blocks: int, block_size: int) -> list[int]:
     """The prefix-cache keys of ``request``'s first ``num_blocks`` blocks (their tokens must be known), computed
     once each and kept on the request."""
     keys = request.block_keys
+    salt = request.cache_salt + "\x00long" if request.long_rope else request.cache_salt  # LongRoPE's K/V differ
     while len(keys) < num_blocks:
         i = len(keys)
         keys.append(block_key(keys[-1] if keys else None,
-                              tuple(request.token_ids(i * block_size, (i + 1) * block_size)), request.cache_salt))
+                              tuple(request.token_ids(i * block_size, (i + 1) * block_size)), salt))
     return keys[:num_blocks]
 
 

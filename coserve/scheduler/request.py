@@ -47,6 +47,8 @@ class Request:
     pooling: PoolingParams | None = None  # an embedding request: its prompt's last hidden state is its output (it
     #   ends when the prompt is computed, with no token sampled)
     embedding: list[float] | None = None  # an embedding request's result, once its prompt is computed
+    long_rope: bool = False  # its tokens are more than the model's LongRoPE original context: every one of them
+    #   rotates by the long factors (``SchedulerConfig.long_rope_from``), and its blocks' prefix-cache keys say so
 
     @property
     def num_tokens(self) -> int:

@@ -88,6 +88,8 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculative decoding: n-gram drafts proposed
         self.num_accepted_drafts = 0  # of them, the ones the model agreed with
         self.prefix_cache_hits = 0  # of them, found cached (not computed again)
+        self.num_long_rope_recomputes = 0  # running requests computed again as they grew past LongRoPE's original
+        #   context (``SchedulerConfig.long_rope_from``)
         # scheduler_delay_factor: when each waiting request was queued (by this clock; a preempted one is not here:
         # it resumes at once), when the last iteration that admitted prompts was planned, and how long it took
         self._queued_at: dict[str, float] = {}
@@ -256,6 +258,11 @@ class Scheduler:
             self.running.sort(key=_priority)
         while scheduled < len(self.running) and budget > 0:
             request = self.running[scheduled]
+            if self._long_rope_due(request, request.num_computed_tokens + 1):  # its next token is past the original
+                self.blocks.free(request.request_id)  # context: every token again, by the long factors
+                request.num_computed_tokens = request.num_registered_blocks = 0
+                self._to_long_rope(request)
+                self.num_long_rope_recomputes += 1
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n > 1:
                 n = self._prefill_chunk(plan, request, n)
@@ -414,6 +421,8 @@ class Scheduler:
             if (request.adapter is not None and request.adapter not in adapters
                     and len(adapters) >= self.config.max_loras):
                 break  # first come, first served: wait until an adapter's requests finish
+            if self._long_rope_due(request, request.num_tokens):  # before its prefix-cache keys are read
+                self._to_long_rope(request)
             prefix = cached_prefix(self.blocks, request)
             if not self.blocks.can_allocate(request.request_id, request.num_tokens, prefix):
                 break  # admitted only when the whole prompt fits
@@ -466,6 +475,8 @@ class Scheduler:
         p = request.params
         limit = min(self.config.speculative_tokens, budget - 1, p.max_tokens - len(request.output_token_ids) - 1,
                     self.config.max_model_len - request.num_tokens - 1)
+        if self.config.long_rope_from is not None and not request.long_rope:  # drafts within the original context
+            limit = min(limit, self.config.long_rope_from - request.num_tokens)  # (their logits rotate short)
         if limit <= 0 or not p.speculable:
             return []
         drafts = propose_drafts(request.token_ids(0, request.num_tokens), limit)
@@ -488,7 +499,20 @@ class Scheduler:
             request_id=request.request_id, start=start, token_ids=request.token_ids(start, start + n) + list(drafts),
             block_table=self.blocks.block_table(request.request_id), adapter=request.adapter,
             sample=sample, params=request.params, num_output_tokens=len(request.output_token_ids), history=history,
-            prompt_targets=targets, num_drafts=len(drafts), pooling=request.pooling if sample else None)
+            prompt_targets=targets, num_drafts=len(drafts), pooling=request.pooling if sample else None,
+            long_rope=request.long_rope)
+
+    def _long_rope_due(self, request: Request, num_tokens: int) -> bool:
+        """Whether computing ``request``'s first ``num_tokens`` tokens takes it past LongRoPE's original context
+        while its tokens so far rotated by the short factors."""
+        return (self.config.long_rope_from is not None and not request.long_rope
+                and num_tokens > self.config.long_rope_from)
+
+    def _to_long_rope(self, request: Request) -> None:
+        """From now on every token of ``request`` rotates by LongRoPE's long factors (it holds no computed token):
+        its blocks' prefix-cache keys change with that."""
+        request.long_rope = True
+        request.block_keys = []
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.request_id)
