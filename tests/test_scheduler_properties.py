@@ -22,7 +22,6 @@ def test_every_request_finishes_within_budgets_and_frees_its_blocks(reqs, num_bl
     """... under a sliding window too (``kv_window``: a request gives up the blocks behind it, never one its next
     chunk reads; or, with ``spare`` >= 0, sliding layers beside whole-context ones, their K/V in a pool of their own
     just large enough for one request's chunk and window plus ``spare``), with the prefix cache on or off."""
-    capacity = num_blocks * block_size
     hybrid = kv_window is not None and spare >= 0
     storages = -(-budget // block_size) + -(-kv_window // block_size) + 2 + spare if hybrid else 0
     s = Scheduler(SchedulerConfig(budget, max_seqs, 64, max_loras),
@@ -30,7 +29,10 @@ def test_every_request_finishes_within_budgets_and_frees_its_blocks(reqs, num_bl
                                window=kv_window))
     pending = []
     for i, (arrive, n_prompt, max_tokens, adapter) in enumerate(reqs):
-        n_prompt = min(n_prompt, capacity - max_tokens)  # what the engine's validation guarantees
+        # what the engine's validation guarantees: the whole sequence fits the cache, or where every layer slides,
+        # what it holds at once (prompts longer than the cache, then)
+        while n_prompt > 0 and s.blocks.most_held(n_prompt + max_tokens, budget) > num_blocks:
+            n_prompt -= 1
         if n_prompt < 1:
             continue
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -55,8 +57,8 @@ def test_every_request_finishes_within_budgets_and_frees_its_blocks(reqs, num_bl
                 table = s.blocks.block_table(c.request_id)
                 assert all(s.blocks.windows.has(b) for b in table[first_read // block_size:-(-c.end // block_size)])
             elif kv_window is not None and not caching:  # (a cached prefix is held until its first chunk has run)
-                held = s.blocks.blocks_for(max(c.end, s.requests[c.request_id].num_prompt_tokens))
-                assert s.blocks.num_held(c.request_id) <= held - first_read // block_size  # the rest is released
+                assert s.blocks.num_held(c.request_id) == s.blocks.held_for(c.start, c.end)  # the rest is released
+                assert s.blocks.held_for(c.start, c.end) <= s.blocks.most_held(c.end, budget)
         s.blocks.check_invariants()
         s.update(plan, ExecutionResult(sampled={c.request_id: 5 for c in plan.chunks if c.sample}))
         step += 1

@@ -330,11 +330,12 @@ class LLMEngine:
         if pooling is None and len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_model_len}")
-        capacity = self.scheduler.blocks.num_blocks * self.scheduler.blocks.block_size
+        blocks = self.scheduler.blocks
         need = len(token_ids) if pooling is not None else min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if need > capacity:
-            raise ValueError(f"prompt: {len(token_ids)} tokens plus max_tokens={params.max_tokens} need "
-                             f"{need} KV slots; the whole cache holds {capacity}")
+        held = blocks.most_held(need, self.config.max_num_batched_tokens)  # every layer sliding: a window's and a
+        if held > blocks.num_blocks:  # chunk's at once
+            raise ValueError(f"prompt: {len(token_ids)} tokens plus max_tokens={params.max_tokens} need {held} KV "
+                             f"blocks of {blocks.block_size} tokens at once; the whole cache holds {blocks.num_blocks}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
@@ -506,16 +507,22 @@ class LLMEngine:
 
     def _kv_blocks(self, cfg: ModelConfig) -> tuple[int, int]:
         """The main pool's blocks (``num_kv_blocks``, else as many as ``kv_cache_memory_gb`` holds, but no more
-        than every running request at full length) and, for a model whose sliding layers sit beside whole-context
-        ones, their own pool's storages: as many as the running requests' windows and one iteration's new tokens
-        can read (each request at most ``ceil((window - 1) / block_size) + 2`` blocks besides its new tokens'),
-        where that is fewer than the main blocks (else, or with ``disable_hybrid_kv_cache_manager``, 0: those
-        layers keep K/V in the main blocks)."""
+        than every running request holds at full length, or, where every layer slides, within its window) and, for
+        a model whose sliding layers sit beside whole-context ones, their own pool's storages: as many as the
+        running requests' windows and one iteration's new tokens can read (each request at most
+        ``ceil((window - 1) / block_size) + 2`` blocks besides its new tokens'), where that is fewer than the main
+        blocks (else, or with ``disable_hybrid_kv_cache_manager``, 0: those layers keep K/V in the main blocks)."""
         c = self.config
+
+        def windows_of(window: int) -> int:  # the most blocks the running requests read within their windows
+            per_request = -(-(window - 1) // c.block_size) + 2
+            return c.max_num_seqs * per_request + -(-c.max_num_batched_tokens // c.block_size)
+
         by_use = -(-c.max_num_seqs * self.max_model_len // c.block_size)
+        if cfg.kv_window is not None:  # every layer slides: requests give up the blocks behind their windows
+            by_use = min(by_use, windows_of(cfg.kv_window))
         window = None if c.disable_hybrid_kv_cache_manager else cfg.pooled_window
-        demand = (0 if window is None else c.max_num_seqs * (-(-(window - 1) // c.block_size) + 2)
-                  + -(-c.max_num_batched_tokens // c.block_size))
+        demand = 0 if window is None else windows_of(window)
 
         def per_block(layers: int) -> int:
             return PagedKVCache.bytes_per_block(layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)

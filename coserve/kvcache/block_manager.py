@@ -97,6 +97,32 @@ class BlockManager:
         """Extra blocks ``seq_id`` needs to hold ``num_tokens`` tokens in all."""
         return max(0, self.blocks_for(num_tokens) - self.num_blocks_of(seq_id))
 
+    @property
+    def releases(self) -> bool:
+        """Whether sequences give up the blocks behind their window (every layer slides: ``release_front``)."""
+        return self.window is not None and self.windows is None
+
+    def held_for(self, start: int, end: int) -> int:
+        """Blocks a sequence holds while it computes positions ``[start, end)``: every block up to ``end``, or,
+        where it gives up those behind its window, those its first query reads on."""
+        return self.blocks_for(end) - (self._window_start(start) if self.releases else 0)
+
+    def most_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence holds at once while it computes ``num_tokens`` positions in chunks of at most
+        ``chunk``: all of them, or, where it gives up those behind its window, no more than a window and a chunk
+        span (``held_for``)."""
+        n = self.blocks_for(num_tokens)
+        return min(n, self.blocks_for(self.window - 1 + chunk) + 1) if self.releases else n
+
+    def can_admit(self, seq_id: str, num_tokens: int, chunk: int, prefix: list[int] = ()) -> bool:
+        """Whether a sequence can start on ``num_tokens`` known tokens computed in chunks of at most ``chunk``
+        (after a cached ``prefix``): its whole table fits the free blocks, or, where it gives up the blocks behind
+        its window, the most it holds at once (``most_held``; the prefix blocks other sequences hold cost none)."""
+        if not self.releases:
+            return self.can_allocate(seq_id, num_tokens, prefix)
+        shared = sum(1 for b in prefix if b is not None and self._refs[b] > 0)
+        return self.most_held(num_tokens, chunk) - shared <= self.num_free_blocks
+
     def can_allocate(self, seq_id: str, num_tokens: int, prefix: list[int] = ()) -> bool:
         """Whether ``allocate(seq_id, num_tokens, prefix)`` would succeed."""
         return self._cost(seq_id, num_tokens, prefix) <= self.num_free_blocks
@@ -113,7 +139,7 @@ class BlockManager:
         pool, cut to the longest run whose last blocks within the window have their sliding layers' K/V (the first
         position after the run reads them). Where every layer slides, the longest prefix whose last window is
         cached, the places before it None (no layer reads them: the sequence starts without them)."""
-        if self.window is not None and self.windows is None:
+        if self.releases:
             return self._match_window(keys)
         out = []
         for key in keys:
@@ -212,7 +238,7 @@ class BlockManager:
         if self.window is None:
             return
         count = self._window_start(position)
-        if self.windows is None:
+        if self.releases:
             self.release_front(seq_id, count)
         else:
             self.uncover_front(seq_id, count)

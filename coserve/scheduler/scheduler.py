@@ -266,7 +266,8 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n > 1:
                 n = self._prefill_chunk(plan, request, n)
-            if self.blocks.blocks_for(request.num_computed_tokens + n) > self.blocks.num_blocks:
+            held = self.blocks.held_for(request.num_computed_tokens, request.num_computed_tokens + n)
+            if held > self.blocks.num_blocks:
                 self.running.pop(scheduled)  # can never fit, even alone: stop it rather than spin
                 self._finish(request, "length")
                 continue
@@ -424,17 +425,21 @@ class Scheduler:
             if self._long_rope_due(request, request.num_tokens):  # before its prefix-cache keys are read
                 self._to_long_rope(request)
             prefix = cached_prefix(self.blocks, request)
-            if not self.blocks.can_allocate(request.request_id, request.num_tokens, prefix):
-                break  # admitted only when the whole prompt fits
+            if not self.blocks.can_admit(request.request_id, request.num_tokens, self.config.max_num_batched_tokens,
+                                         prefix):
+                break  # admitted only when the whole prompt fits (every layer sliding: what it holds at once)
             start = len(prefix) * self.blocks.block_size
             n = self._prefill_chunk(plan, request, min(request.num_tokens - start, budget), start)
+            # every layer sliding, the blocks of its first chunk (its later chunks take theirs as those behind the
+            # window are given up); else the whole prompt's
+            held = start + n if self.blocks.releases else request.num_tokens
             window = self.blocks.window_places(start, start + n)  # its first chunk's keys (sliding layers)
             if not self.blocks.can_cover(request.request_id, *window, prefix):
                 break
             self.waiting.remove(request)
             self._queued_at.pop(request.request_id, None)
             self.vtc.charge_input(request.tenant, request.num_tokens)
-            self.blocks.allocate(request.request_id, request.num_tokens, prefix)
+            self.blocks.allocate(request.request_id, held, prefix)
             self.blocks.cover(request.request_id, *window)
             if prefix:  # those blocks' K/V are in the cache already: computing starts after them
                 request.num_registered_blocks = len(prefix)
