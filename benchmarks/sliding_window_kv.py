@@ -3,14 +3,15 @@ alternated.
 
     python benchmarks/sliding_window_kv.py --model DIR [--requests 24] [--prompt-tokens 128] [--max-tokens 384]
         [--num-kv-blocks 256 | --kv-cache-memory-gb G] [--block-size 16] [--max-num-seqs 16]
-        [--max-num-batched-tokens 512] [--repeats 2] [--out FILE]
+        [--max-num-batched-tokens 512] [--repeats 2] [--way release|keep|pool|main] [--out FILE]
 
 Where every layer of ``DIR`` slides (Mistral-7B-v0.1's layout: ``sliding_window`` in its config.json), a running
 request gives up its blocks once they are wholly behind the window (``release``), against keeping every block to the
 end (``keep``), on ``--num-kv-blocks`` blocks. Where sliding layers sit beside whole-context ones (Gemma 2 and 3),
 the sliding layers keep their K/V in a pool of their own (``pool``), against keeping it in the main blocks
 (``main``, ``disable_hybrid_kv_cache_manager``), on ``--kv-cache-memory-gb`` of KV memory (so that the pool's saving
-shows as main blocks). Greedy requests of random prompt tokens (seed 0), all submitted at once; reported for each
+shows as main blocks). ``--way`` runs one of them alone (``release`` with prompts longer than the whole cache, which
+``keep`` cannot hold). Greedy requests of random prompt tokens (seed 0), all submitted at once; reported for each
 way: the whole run's seconds, output tokens per second, preemptions, the main blocks and the most held at once. The
 greedy tokens of the two ways must agree (checked).
 """
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--way", choices=("release", "keep", "pool", "main"), help="run this way alone")
     ap.add_argument("--out")
     args = ap.parse_args()
     size = ({"kv_cache_memory_gb": args.kv_cache_memory_gb} if args.kv_cache_memory_gb
@@ -82,6 +84,10 @@ def main() -> None:
                              "KV memory or a smaller --max-num-seqs / --max-num-batched-tokens")
     else:
         raise SystemExit(f"{args.model}: no layer slides (config.json's sliding_window); nothing to free")
+    if args.way is not None:
+        if args.way not in ways:
+            raise SystemExit(f"--way: {args.way} is not one of this model's ({', '.join(ways)})")
+        ways = (args.way,)
     rng = random.Random(0)
     prompts = [[rng.randrange(5, cfg.vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

@@ -187,8 +187,8 @@ def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(con
     """Where every layer slides (Mistral-7B-v0.1, Phi-3-mini-4k), a running request gives up its KV blocks once they
     are wholly behind the window, and other requests take them: five requests that together held more than 60 blocks
     run in 40 without a preemption, greedy tokens as HF's well past the window (with n-gram drafts too) and logprobs
-    bit for bit those of a cache that holds everything; a prompt longer than the whole cache is served, holding a
-    window's and a chunk's blocks at once. A model with a layer over its whole context (Qwen3 sliding above its first
+    bit for bit those of a cache that holds everything; prompts longer than the whole cache are served, each holding
+    a window's span decoding, its prompt's chunks cut to the free blocks. A model with a layer over its whole context (Qwen3 sliding above its first
     layer only) keeps every block: there the same requests preempt."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device (there released places are read by the variable-length kernel and decode graphs)")
@@ -232,14 +232,16 @@ def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(con
     for seq, a, b, c in zip(ids, roomy, tight, drafted):
         assert b.token_ids == c.token_ids == _hf_greedy(hf, seq, 40)
         assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
-    # a prompt longer than the whole cache: it holds a window's and a chunk's blocks at once (10), not its 35
-    longer = (list(range(11, 300, 7)) * 3)[:100]
-    small = LLM(path, dtype="float32", device=device, block_size=4, num_kv_blocks=12, max_num_batched_tokens=13)
+    # prompts longer than the whole cache: each holds a window's span of blocks decoding (7), not its 35, its
+    # prompt's chunks cut to the free blocks
+    longer = [(list(range(11 + i, 300, 7)) * 3)[:100] for i in range(2)]
+    small = LLM(path, dtype="float32", device=device, block_size=4, num_kv_blocks=9, max_num_batched_tokens=13)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    assert small.generate([longer], greedy)[0].token_ids == _hf_greedy(hf, longer, 40)
-    smaller = LLM(path, dtype="float32", device=device, block_size=4, num_kv_blocks=9, max_num_batched_tokens=13)
-    with pytest.raises(ValueError, match="need 10 KV blocks of 4 tokens at once; the whole cache holds 9"):
-        smaller.generate([longer], greedy)
+    for seq, out in zip(longer, small.generate(longer, greedy)):
+        assert out.token_ids == _hf_greedy(hf, seq, 40)
+    smaller = LLM(path, dtype="float32", device=device, block_size=4, num_kv_blocks=6, max_num_batched_tokens=13)
+    with pytest.raises(ValueError, match="need 7 KV blocks of 4 tokens at once; the whole cache holds 6"):
+        smaller.generate(longer, greedy)
 
 
 @pytest.mark.parametrize("arch,fields", [

@@ -283,3 +283,21 @@ def test_drafts_stop_at_longropes_original_context():
         plan, _ = run_step(s)
         return plan.chunks[0].num_drafts
     assert drafts(None) == 4 and drafts(12) == 1  # 11 tokens known: position 11 is the last within 12
+
+
+def test_where_every_layer_slides_prompts_longer_than_the_cache_run_in_chunks_cut_to_the_free_blocks():
+    """Window 8 over a cache of 8 blocks of 4 (32 positions): a request is admitted when its window's span fits (3
+    blocks decoding), and its prompt's chunks are cut to the free blocks (the blocks behind its window come back as
+    it goes) rather than preempting for them."""
+    s = Scheduler(SchedulerConfig(24, 8, 256, 2), BlockManager(8, 4, window=8))
+    s.add_request(req("a", 40, max_tokens=3))  # 40 prompt tokens: more than the cache holds
+    s.add_request(req("b", 30, max_tokens=3))
+    chunks = []
+    while s.has_unfinished():
+        plan, _ = run_step(s)
+        chunks += [(c.request_id, c.start, len(c.token_ids)) for c in plan.chunks]
+        s.blocks.check_invariants()
+    assert chunks[:2] == [("a", 0, 24), ("a", 24, 16)]  # b waits: a's chunk leaves 2 free blocks, b's span is 3
+    assert ("b", 0, 20) in chunks  # 23 of the budget left, 30 to go: cut to the 5 free blocks
+    assert s.num_preemptions == 0 and s.blocks.num_free_blocks == 8
+    assert [len(s.requests[r].output_token_ids) for r in "ab"] == [3, 3]

@@ -332,8 +332,8 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}")
         blocks = self.scheduler.blocks
         need = len(token_ids) if pooling is not None else min(len(token_ids) + params.max_tokens, self.max_model_len)
-        held = blocks.most_held(need, self.config.max_num_batched_tokens)  # every layer sliding: a window's and a
-        if held > blocks.num_blocks:  # chunk's at once
+        held = blocks.most_held(need)  # every layer sliding: a window's span at once
+        if held > blocks.num_blocks:
             raise ValueError(f"prompt: {len(token_ids)} tokens plus max_tokens={params.max_tokens} need {held} KV "
                              f"blocks of {blocks.block_size} tokens at once; the whole cache holds {blocks.num_blocks}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"

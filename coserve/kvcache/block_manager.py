@@ -107,21 +107,28 @@ class BlockManager:
         where it gives up those behind its window, those its first query reads on."""
         return self.blocks_for(end) - (self._window_start(start) if self.releases else 0)
 
-    def most_held(self, num_tokens: int, chunk: int) -> int:
-        """The most blocks a sequence holds at once while it computes ``num_tokens`` positions in chunks of at most
-        ``chunk``: all of them, or, where it gives up those behind its window, no more than a window and a chunk
-        span (``held_for``)."""
+    def most_held(self, num_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` positions holds at once computed a token at a time (its
+        decode steps): all of them, or, where it gives up those behind its window, a window's span (``held_for``)."""
         n = self.blocks_for(num_tokens)
-        return min(n, self.blocks_for(self.window - 1 + chunk) + 1) if self.releases else n
+        return min(n, self.blocks_for(self.window) + 1) if self.releases else n
 
-    def can_admit(self, seq_id: str, num_tokens: int, chunk: int, prefix: list[int] = ()) -> bool:
-        """Whether a sequence can start on ``num_tokens`` known tokens computed in chunks of at most ``chunk``
-        (after a cached ``prefix``): its whole table fits the free blocks, or, where it gives up the blocks behind
-        its window, the most it holds at once (``most_held``; the prefix blocks other sequences hold cost none)."""
+    def can_admit(self, seq_id: str, num_tokens: int, prefix: list[int] = ()) -> bool:
+        """Whether a sequence can start on ``num_tokens`` known tokens (after a cached ``prefix``): its whole table
+        fits the free blocks, or, where it gives up the blocks behind its window, what it holds at once decoding
+        (``most_held``; the prefix blocks other sequences hold cost none). Its prompt's chunks are then cut to the
+        free blocks (``fit_tokens``)."""
         if not self.releases:
             return self.can_allocate(seq_id, num_tokens, prefix)
         shared = sum(1 for b in prefix if b is not None and self._refs[b] > 0)
-        return self.most_held(num_tokens, chunk) - shared <= self.num_free_blocks
+        return self.most_held(num_tokens) - shared <= self.num_free_blocks
+
+    def fit_tokens(self, seq_id: str, start: int, n: int, prefix: list[int] = ()) -> int:
+        """The most of ``n`` positions from ``start`` that ``seq_id`` can take blocks for from the free ones
+        (``allocate``; a sequence not yet allocated: after ``prefix``); 0 if none."""
+        table = len(self._tables.get(seq_id, ())) or len(prefix)
+        revived = sum(1 for b in prefix if b is not None and self._refs[b] == 0)
+        return max(0, min(n, (table + self.num_free_blocks - revived) * self.block_size - start))
 
     def can_allocate(self, seq_id: str, num_tokens: int, prefix: list[int] = ()) -> bool:
         """Whether ``allocate(seq_id, num_tokens, prefix)`` would succeed."""

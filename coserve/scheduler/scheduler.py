@@ -266,6 +266,9 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n > 1:
                 n = self._prefill_chunk(plan, request, n)
+            if n > 1 and self.blocks.releases:  # every layer sliding: a prompt's chunk cut to the free blocks (the
+                n = max(1, self.blocks.fit_tokens(request.request_id, request.num_computed_tokens, n))  # ones behind
+                #   its window come back as it goes) rather than preempting for it
             held = self.blocks.held_for(request.num_computed_tokens, request.num_computed_tokens + n)
             if held > self.blocks.num_blocks:
                 self.running.pop(scheduled)  # can never fit, even alone: stop it rather than spin
@@ -425,13 +428,14 @@ class Scheduler:
             if self._long_rope_due(request, request.num_tokens):  # before its prefix-cache keys are read
                 self._to_long_rope(request)
             prefix = cached_prefix(self.blocks, request)
-            if not self.blocks.can_admit(request.request_id, request.num_tokens, self.config.max_num_batched_tokens,
-                                         prefix):
-                break  # admitted only when the whole prompt fits (every layer sliding: what it holds at once)
+            if not self.blocks.can_admit(request.request_id, request.num_tokens, prefix):
+                break  # admitted only when the whole prompt fits (every layer sliding: its window's span)
             start = len(prefix) * self.blocks.block_size
             n = self._prefill_chunk(plan, request, min(request.num_tokens - start, budget), start)
-            # every layer sliding, the blocks of its first chunk (its later chunks take theirs as those behind the
-            # window are given up); else the whole prompt's
+            if self.blocks.releases:  # every layer sliding: the blocks of its first chunk, cut to the free ones (its
+                n = self.blocks.fit_tokens(request.request_id, start, n, prefix)  # later chunks take theirs as those
+                if n == 0:  # behind the window are given up); else the whole prompt's
+                    break
             held = start + n if self.blocks.releases else request.num_tokens
             window = self.blocks.window_places(start, start + n)  # its first chunk's keys (sliding layers)
             if not self.blocks.can_cover(request.request_id, *window, prefix):
