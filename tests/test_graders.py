@@ -139,21 +139,22 @@ def test_a_python_grader_runs_in_its_own_process():
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX resource limits")
-def test_a_python_grader_cannot_take_more_than_its_memory_or_write_large_files(tmp_path):
+def test_a_python_grader_cannot_take_more_than_its_memory_or_write_large_files():
     big = parse_grader({"type": "python", "name": "big",
                         "source": "def grade(s, i):\n    if i['what'] == 'memory':\n"
                                   "        b = bytearray(3 * 2**30)\n"
                                   "    else:\n        open(i['path'], 'wb').write(bytes(65 * 2**20))\n"
                                   "    return 1.0\n"})
-    out = big.outcomes([make_sample("x")] * 2, [{"what": "memory"}, {"what": "file", "path": str(tmp_path / "f")}])[0]
+    out = big.outcomes([make_sample("x")] * 2, [{"what": "memory"}, {"what": "file", "path": "f"}])[0]  # (its own
+    #   working directory)
     assert out[0].kind == "python_grader_runtime_error" and "MemoryError" in str(out[0])
     assert out[1].kind == "python_grader_runtime_error" and "File too large" in str(out[1])
 
 
 def test_a_python_grader_has_no_network_where_the_kernel_gives_it_a_namespace():
     """A grader that connects to a socket listening on this machine's loopback fails: its process runs in a network
-    namespace of its own (no interface up). Skipped where the kernel lets no process take one (the grader then runs
-    with the network, and the server logs it)."""
+    namespace of its own (no interface up), and Landlock (ABI 4 on) refuses it TCP. Skipped where the kernel allows
+    neither (the grader then runs with the network, and the server logs it)."""
     import socket
 
     from coserve.finetune import python_grader
@@ -166,8 +167,39 @@ def test_a_python_grader_has_no_network_where_the_kernel_gives_it_a_namespace():
             f"    socket.create_connection(('127.0.0.1', {port}), timeout=5).close()\n    return 1.0\n")})
         out = g.outcomes([make_sample("x")], [{}])[0]
     if not python_grader.network_isolated:
-        pytest.skip("this kernel gives a process no network namespace of its own")
-    assert out[0].kind == "python_grader_runtime_error" and "OSError" in str(out[0])
+        pytest.skip("this kernel gives a process no network namespace of its own, nor Landlock's TCP rules")
+    assert out[0].kind == "python_grader_runtime_error"  # unreachable, or refused by Landlock
+    assert "OSError: [Errno 101]" in str(out[0]) or "PermissionError" in str(out[0]), str(out[0])
+
+
+def test_a_python_grader_reads_only_pythons_libraries_and_writes_only_its_own_directory(tmp_path):
+    """Where the kernel has Landlock, a grader cannot open the server's files (a state directory's, or any outside
+    Python's and the system's libraries) for reading or writing; it imports the standard library and installed
+    packages (numpy), and writes and reads files in its own working directory, which is gone after it. Skipped
+    without Landlock (the grader then reads what the server's user can, and the server logs it)."""
+    from coserve.finetune import python_grader
+    secret = tmp_path / "state" / "store.sqlite3"
+    secret.parent.mkdir()
+    secret.write_text("another tenant's data")
+    g = parse_grader({"type": "python", "name": "fs", "source": (
+        "import os\ndef grade(s, i):\n"
+        "    if i['do'] == 'read':\n        return len(open(i['path']).read())\n"
+        "    if i['do'] == 'list':\n        return len(os.listdir(i['path']))\n"
+        "    if i['do'] == 'write':\n        open(i['path'], 'w').write('x')\n        return 1.0\n"
+        "    import decimal, numpy, statistics, tempfile\n"
+        "    with open('own.txt', 'w') as f:\n        f.write('kept')\n"
+        "    with tempfile.NamedTemporaryFile('w') as t:\n        t.write('x')\n"
+        "    return float(numpy.float64(len(open('own.txt').read())) + statistics.mean([0, 0]))\n")})
+    items = [{"do": "read", "path": str(secret)}, {"do": "list", "path": str(secret.parent)},
+             {"do": "write", "path": str(tmp_path / "new")}, {"do": "read", "path": "/etc/hostname"},
+             {"do": "own"}]
+    out = g.outcomes([make_sample("x")] * len(items), items)[0]
+    if not python_grader.filesystem_isolated:
+        pytest.skip("this kernel has no Landlock")
+    assert out[-1] == 4.0  # its own file, the standard library and numpy
+    for o in out[:-1]:
+        assert o.kind == "python_grader_runtime_error" and "PermissionError" in str(o), str(o)
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_python_grader_over_its_time_limit_fails(monkeypatch):
