@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-lora-loading", action="store_true", help="enable POST /v1/load_lora_adapter")
     p.add_argument("--python-graders", action="store_true",
                    help="run python graders (grader runs and reinforcement fine-tuning): callers' code, each batch in "
-                        "an isolated Python process with a time limit but with this user's rights; off by default")
+                        "an isolated Python process with a time limit, shut off from the network and from this "
+                        "user's files where the kernel allows it (a network namespace, Landlock); off by default")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (the default with tools): read the calls a model writes in its "
                         "text with --tool-call-parser")
