@@ -92,6 +92,38 @@ def test_a_response_goes_on_with_a_conversation_and_adds_its_turn(alice, bob):
     assert e.value.body["param"] == "conversation"
 
 
+def test_a_replys_logprobs_are_read_back_where_include_asks_for_them(alice):
+    """A response made with ``include: ["message.output_text.logprobs"]`` keeps its reply's token logprobs in the
+    conversation; listing or reading the item returns them only where ``include`` names them (else ``[]``), as
+    OpenAI does. Pages come from SQLite: ``after`` and ``limit`` both ways across 25 items."""
+    conv = alice.conversations.create()
+    reply = alice.responses.create(model=BASE, conversation=conv.id, input="Hi.", max_output_tokens=4, temperature=0,
+                                   include=["message.output_text.logprobs"])
+    want = [lp.token for lp in reply.output[0].content[0].logprobs]
+    assert len(want) == 4
+    include = ["message.output_text.logprobs"]
+    newest = alice.conversations.items.list(conv.id, include=include).data[0]
+    assert newest.id == reply.output[0].id and [lp.token for lp in newest.content[0].logprobs] == want
+    assert alice.conversations.items.list(conv.id).data[0].content[0].logprobs == []
+    item = alice.conversations.items.retrieve(reply.output[0].id, conversation_id=conv.id, include=include)
+    assert [lp.token for lp in item.content[0].logprobs] == want
+    assert alice.conversations.items.retrieve(reply.output[0].id, conversation_id=conv.id).content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.conversations.items.list(conv.id, include=["file_search_call.results"])
+    assert e.value.body["param"] == "include[0]"
+    for n in range(23):  # 25 items in all
+        alice.conversations.items.create(conv.id, items=[{"role": "user", "content": f"line {n}"}])
+    oldest = [i.id for i in alice.conversations.items.list(conv.id, order="asc", limit=100).data]
+    assert len(oldest) == 25
+    newest_first = [i.id for i in alice.conversations.items.list(conv.id, limit=100).data]
+    assert newest_first == oldest[::-1]
+    page = alice.conversations.items.list(conv.id, order="asc", limit=10, after=oldest[9])
+    assert [i.id for i in page.data] == oldest[10:20] and page.has_more
+    page = alice.conversations.items.list(conv.id, limit=10, after=oldest[9])  # newest first: those before it
+    assert [i.id for i in page.data] == oldest[:9][::-1] and not page.has_more
+    assert [i.id for i in alice.conversations.items.list(conv.id, order="asc")] == oldest  # the client's pages
+
+
 @pytest.mark.parametrize("call, param", [
     (lambda c, conv: c.conversations.create(items=[{"role": "user", "content": "x"}] * 21), "items"),
     (lambda c, conv: c.conversations.create(items=[{"type": "message", "role": "robot", "content": "x"}]), "items.0"),

@@ -81,6 +81,14 @@ def kept_items(items: list[Item], taken: set[str]) -> list[dict]:
     return kept
 
 
+def shown(item: dict, logprobs: bool) -> dict:
+    """A kept item as the API returns it: a reply's ``output_text`` parts with their token logprobs where ``include``
+    asks for them (``message.output_text.logprobs``), else with none (``logprobs: []``), as OpenAI returns them."""
+    if logprobs or item.get("type") != "message" or not any(p.get("logprobs") for p in item.get("content", ())):
+        return item
+    return {**item, "content": [{**p, "logprobs": []} if p.get("logprobs") else p for p in item["content"]]}
+
+
 def output_items(output: list[dict], taken: set[str]) -> list[dict]:
     """A finished response's ``output`` as a conversation keeps it (its items and their ids as the response has
     them, a taken id replaced)."""

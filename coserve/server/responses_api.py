@@ -328,7 +328,7 @@ class ResponseShape:
         if self.conversation_id is not None:
             said = self.body.input if isinstance(self.body.input, list) else [
                 InputMessage(role="user", content=self.body.input)]
-            taken = {i["id"] for i in ctx.store.conversation_items(self.tenant, self.conversation_id) or []}
+            taken = ctx.store.conversation_item_ids(self.tenant, self.conversation_id) or set()
             added = kept_items(said, taken) + output_items(final["output"], taken)
             ctx.store.add_conversation_items(self.tenant, self.conversation_id, added)  # (deleted meanwhile: none)
         if self.body.store is False:

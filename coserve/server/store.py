@@ -512,6 +512,43 @@ class Store:
                                       (conversation,)).fetchall()
         return [json.loads(obj) for (obj,) in rows]
 
+    def conversation_items_page(self, tenant: str, conversation: str, after: str | None, limit: int,
+                                newest_first: bool) -> tuple[list[dict], bool] | None:
+        """``limit`` of the tenant's conversation's items after the item ``after`` (from the first where None),
+        newest first or oldest first, and whether more follow; None if it has no conversation by that id. KeyError
+        where none of its items has the id ``after``."""
+        op, order = ("<", "DESC") if newest_first else (">", "ASC")
+        with self._lock:
+            if self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
+                                  (conversation, tenant)).fetchone() is None:
+                return None
+            where, params = "conversation = ?", [conversation]
+            if after is not None:
+                row = self._conn.execute("SELECT seq FROM conversation_items WHERE conversation = ? AND id = ?",
+                                         (conversation, after)).fetchone()
+                if row is None:
+                    raise KeyError(after)
+                where, params = where + f" AND seq {op} ?", params + [row[0]]
+            rows = self._conn.execute(f"SELECT obj FROM conversation_items WHERE {where} ORDER BY seq {order} "
+                                      "LIMIT ?", (*params, limit + 1)).fetchall()
+        return [json.loads(obj) for (obj,) in rows[:limit]], len(rows) > limit
+
+    def conversation_item(self, tenant: str, conversation: str, item: str) -> dict | None:
+        """One item of the tenant's conversation, or None."""
+        row = self._one("SELECT i.obj FROM conversation_items i JOIN conversations c ON c.id = i.conversation "
+                        "WHERE i.conversation = ? AND i.id = ? AND c.tenant = ?", (conversation, item, tenant))
+        return None if row is None else json.loads(row[0])
+
+    def conversation_item_ids(self, tenant: str, conversation: str) -> set[str] | None:
+        """The ids of the tenant's conversation's items; None if it has no conversation by that id."""
+        with self._lock:
+            if self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
+                                  (conversation, tenant)).fetchone() is None:
+                return None
+            rows = self._conn.execute("SELECT id FROM conversation_items WHERE conversation = ?",
+                                      (conversation,)).fetchall()
+        return {i for (i,) in rows}
+
     def delete_conversation_item(self, tenant: str, conversation: str, item: str) -> bool:
         with self._lock, self._conn:
             cur = self._conn.execute("DELETE FROM conversation_items WHERE conversation = ? AND id = ? AND "
