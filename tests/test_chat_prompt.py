@@ -53,6 +53,27 @@ def test_template_kwargs_reach_the_template(tokenizer):
     assert "<think>" not in render_conversation(tokenizer, user, chat_template_kwargs={"enable_thinking": True})
 
 
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(tokenizer):
+    """OpenAI's ``reasoning_effort`` (a chat request's, a Responses request's ``reasoning.effort``) is the template's
+    ``reasoning_effort``, as gpt-oss's template reads it; ``chat_template_kwargs`` naming it wins; a value OpenAI does
+    not have is refused naming the field."""
+    from pydantic import ValidationError
+
+    from coserve.server.protocol import ChatCompletionRequest
+    tokenizer = load_tokenizer(tokenizer.name_or_path)
+    tokenizer.chat_template = THINKING + "{{- 'effort: ' + reasoning_effort if reasoning_effort is defined }}"
+
+    def rendered(**fields):
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": PREFIXED[:1], **fields})
+        return render_conversation(tokenizer, PREFIXED[:1], chat_template_kwargs=body.template_kwargs())
+
+    assert rendered().endswith("assistant\n")
+    assert rendered(reasoning_effort="low").endswith("assistant\neffort: low")
+    assert rendered(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}).endswith("high")
+    with pytest.raises(ValidationError, match="reasoning_effort"):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": PREFIXED[:1], "reasoning_effort": "lots"})
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt's default, true
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),

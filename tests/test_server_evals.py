@@ -268,13 +268,14 @@ def test_stored_chat_completions_are_graded_as_stored_or_sampled_again(client):
 def test_stored_responses_are_graded_as_stored_or_sampled_again(client):
     """A ``logs`` eval over stored responses (a ``responses`` run whose source is ``responses``): with no model the
     stored replies themselves are graded, picked by metadata, instructions, temperature and limit; with a model each
-    stored response's input is answered again through the Responses API; ``users`` and ``tools`` pick by the
-    request's ``user`` and the tools it offered. Unfinished responses are not items; a filter coserve lacks, or
-    stored responses as a completions run's source, is a 400 naming the field."""
+    stored response's input is answered again through the Responses API; ``users``, ``tools`` and
+    ``reasoning_effort`` pick by the request's ``user``, the tools it offered and its ``reasoning.effort``. Unfinished
+    responses are not items; a bad filter, or stored responses as a completions run's source, is a 400 naming the
+    field."""
     tag = {"usecase": "stored-responses"}
     asked = [q["q"] for q in ITEMS[:3]]
     lookup = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
-    extra = [{"user": "u1"}, {"tools": [lookup], "tool_choice": "none"}, {}]
+    extra = [{"user": "u1"}, {"tools": [lookup], "tool_choice": "none"}, {"reasoning": {"effort": "low"}}]
     stored = [client.responses.create(model=BASE, input=q, max_output_tokens=5, temperature=0, metadata=tag,
                                       instructions="Answer briefly." if i < 2 else None, **extra[i])
               for i, q in enumerate(asked)]
@@ -289,7 +290,9 @@ def test_stored_responses_are_graded_as_stored_or_sampled_again(client):
     picked = _run_items(client, ev.id, {"type": "responses", "source": {
         "type": "responses", "metadata": tag, "instructions_search": "briefly", "temperature": 0, "limit": 1}})
     assert [x.datasource_item["response_id"] for x in picked] == [stored[0].id]
-    for field, value, want in (("users", ["u1", "u9"], [stored[0].id]), ("tools", ["lookup"], [stored[1].id])):
+    assert stored[2].reasoning.effort == "low" and stored[0].reasoning.effort is None
+    for field, value, want in (("users", ["u1", "u9"], [stored[0].id]), ("tools", ["lookup"], [stored[1].id]),
+                               ("reasoning_effort", "low", [stored[2].id])):
         picked = _run_items(client, ev.id, {"type": "responses", "source": {"type": "responses", "metadata": tag,
                                                                               field: value}})
         assert [x.datasource_item["response_id"] for x in picked] == want, field
@@ -302,7 +305,7 @@ def test_stored_responses_are_graded_as_stored_or_sampled_again(client):
     for data_source, param in (
             ({"type": "responses", "source": {"type": "responses", "metadata": {"usecase": "none such"}}},
              "data_source.source"),
-            ({"type": "responses", "source": {"type": "responses", "reasoning_effort": "low"}},
+            ({"type": "responses", "source": {"type": "responses", "reasoning_effort": "lots"}},
              "data_source.source.reasoning_effort"),
             ({"type": "responses", "source": {"type": "responses", "users": "u1"}}, "data_source.source.users"),
             ({"type": "responses", "source": {"type": "responses", "temperature": "hot"}},

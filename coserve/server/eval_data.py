@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from coserve.finetune.grader_template import Template, make_sample
 from coserve.finetune.graders import Grader
@@ -18,6 +18,7 @@ from coserve.guided.validate import SchemaValidator
 from coserve.server.errors import APIError, bad_request, found
 from coserve.server.grader_judge import request_grader
 from coserve.server.response_format import guided_schema
+from coserve.server.protocol import ReasoningEffort
 from coserve.server.response_items import output_messages
 
 CRITERIA_TYPES = ("string_check", "text_similarity", "python", "score_model", "label_model")
@@ -266,14 +267,14 @@ def response_sample(reply: dict) -> dict:
 
 
 RESPONSE_FILTERS = ("type", "metadata", "model", "created_after", "created_before", "limit", "instructions_search",
-                    "temperature", "top_p", "users", "tools")
+                    "temperature", "top_p", "users", "tools", "reasoning_effort")
 
 
 def stored_response_entries(source: dict, store, tenant: str, as_of: int | None = None) -> list[dict]:
     """The tenant's finished stored responses a ``responses`` source picks (``_stored_filters``, and
-    ``instructions_search``, ``temperature``, ``top_p``, ``users``, ``tools``), oldest first, as items (``input``: the
-    messages each answered, ``response_id``) and samples (its reply, as a responses run's sample shows it); a filter
-    OpenAI has and coserve does not (``reasoning_effort``: no reasoning effort is kept) is a 400 naming it."""
+    ``instructions_search``, ``temperature``, ``top_p``, ``users``, ``tools``, ``reasoning_effort``: the request's
+    ``reasoning.effort``), oldest first, as items (``input``: the messages each answered, ``response_id``) and samples
+    (its reply, as a responses run's sample shows it); a filter OpenAI does not have is a 400 naming it."""
     where = "data_source.source"
     unknown = next((k for k in source if k not in RESPONSE_FILTERS), None)
     if unknown is not None:
@@ -294,9 +295,13 @@ def stored_response_entries(source: dict, store, tenant: str, as_of: int | None 
         if value is not None and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
             raise bad_request(f"{where}.{key}: expected a non-empty array of strings", f"{where}.{key}")
         names[key] = value
+    effort = source.get("reasoning_effort")
+    if effort is not None and effort not in get_args(ReasoningEffort):
+        raise bad_request(f"{where}.reasoning_effort: expected one of {', '.join(get_args(ReasoningEffort))}",
+                          f"{where}.reasoning_effort")
     try:
         found = store.list_responses(tenant, **_stored_filters(source, as_of), instructions_search=search, **numbers,
-                                     **names)
+                                     **names, reasoning_effort=effort)
     except ValueError as e:
         raise bad_request(f"{where}.{e}", f"{where}.metadata") from None
     if not found:

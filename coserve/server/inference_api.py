@@ -452,7 +452,7 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest | TokenizeReques
         text = render_conversation(tokenizer, messages, tools=template_tools(getattr(body, "tools", None)),
                                    add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message,
-                                   chat_template_kwargs=body.chat_template_kwargs)
+                                   chat_template_kwargs=body.template_kwargs())
     except ChatPromptError as e:
         raise bad_request(str(e), e.param) from e
     return encode(tokenizer, text, add_special_tokens=False)

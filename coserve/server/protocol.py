@@ -172,12 +172,24 @@ class ChatMessage(Body):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's
+
+
 class ChatTemplateOptions(Body):
-    """vLLM's controls over the chat template's rendering (``coserve/model/chat_prompt.py``)."""
+    """vLLM's controls over the chat template's rendering (``coserve/model/chat_prompt.py``), and OpenAI's
+    ``reasoning_effort``, which the template receives as ``reasoning_effort`` (as vLLM passes it: gpt-oss's template
+    reads it; one that does not ignores it) unless ``chat_template_kwargs`` names it."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``reasoning_effort`` where given."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
 class ChatCompletionRequest(Sampling, ChatTemplateOptions):
@@ -475,6 +487,14 @@ class ConversationRef(Body):
     id: str
 
 
+class ReasoningOptions(Body):
+    """The Responses API's ``reasoning``: ``effort`` as chat's ``reasoning_effort``; ``summary`` kept (coserve writes
+    no summaries of reasoning)."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(Body):
     model: str
     input: str | list[InputMessage | FunctionCallInput | FunctionCallOutputInput | CustomToolCallInput
@@ -489,6 +509,7 @@ class ResponsesRequest(Body):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | CustomChoice | None = None
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
+    reasoning: ReasoningOptions | None = None  # its effort goes to the chat template (ChatTemplateOptions) and is kept
     conversation: str | ConversationRef | None = None  # OpenAI's Conversations API (conversations_api.py)
     truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest messages dropped to fit the context
     store: bool | None = None

@@ -83,7 +83,8 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
         return ChatCompletionRequest.model_validate({
             "model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
             "seed": body.seed, "response_format": response_format, "tools": tools or None, "tool_choice": choice,
-            "parallel_tool_calls": body.parallel_tool_calls})
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None})
     except ValidationError as e:  # what the Responses API accepts and chat does not
         raise bad_request(f"input: {e.errors()[0]['msg']}", "input") from None
 
@@ -368,6 +369,8 @@ class ResponseShape:
                "previous_response_id": b.previous_response_id, "store": b.store is not False,
                "conversation": None if self.conversation_id is None else {"id": self.conversation_id},
                "truncation": b.truncation or "disabled",
+               "reasoning": {"effort": b.reasoning.effort if b.reasoning else None,
+                             "summary": b.reasoning.summary if b.reasoning else None},
                "background": b.background,
                "metadata": b.metadata or {}, "user": b.user, "usage": None}
         if out is not None:

@@ -419,16 +419,17 @@ class Store:
     def list_responses(self, tenant: str, model: str | None = None, metadata: dict[str, str] | None = None,
                        limit: int = 20, created: tuple[int | None, int | None] = (None, None),
                        instructions_search: str | None = None, temperature: float | None = None,
-                       top_p: float | None = None, users: list[str] | None = None, tools: list[str] | None = None
-                       ) -> list[tuple[dict, list[dict]]]:
+                       top_p: float | None = None, users: list[str] | None = None, tools: list[str] | None = None,
+                       reasoning_effort: str | None = None) -> list[tuple[dict, list[dict]]]:
         """The tenant's finished stored responses (``completed`` or ``incomplete``), oldest first, each with its
         conversation: those of ``model``, whose metadata holds every pair of ``metadata``, created within
         ``created`` (bounds included), whose instructions contain ``instructions_search``, sampled at
-        ``temperature`` and ``top_p``, made for one of ``users``, offered one of ``tools`` (by name), where given;
-        at most ``limit``."""
+        ``temperature`` and ``top_p``, made for one of ``users``, offered one of ``tools`` (by name), asked for
+        ``reasoning_effort``, where given; at most ``limit``."""
         where, params = _created_where("tenant = ? AND json_extract(obj, '$.status') IN ('completed', 'incomplete')",
                                        [tenant], created)
-        for path, value in (("$.model", model), ("$.temperature", temperature), ("$.top_p", top_p)):
+        for path, value in (("$.model", model), ("$.temperature", temperature), ("$.top_p", top_p),
+                            ("$.reasoning.effort", reasoning_effort)):
             if value is not None:
                 where += " AND json_extract(obj, ?) = ?"
                 params += [path, value]
