@@ -46,6 +46,32 @@ def test_a_stream_holds_back_what_may_become_a_call():
     assert visible_text("a < b") == "a < b"
 
 
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("text, calls", [
+    (LLAMA, [ParsedCall("get_weather", '{"city": "Paris"}')]),
+    ("\n " + LLAMA + " ; " + '{"name": "t", "arguments": {}};', [ParsedCall("get_weather", '{"city": "Paris"}'),
+                                                               ParsedCall("t", "{}")]),
+    ('{"name": "t", "parameters": "{\\"x\\": 1}"}', [ParsedCall("t", '{"x": 1}')]),
+])
+def test_llama3_json_calls_are_a_reply_of_objects_separated_by_semicolons(text, calls):
+    assert parse_tool_calls(text, "llama3_json") == (None, calls)
+
+
+@pytest.mark.parametrize("text", ["Just text.", "It is " + LLAMA, LLAMA + " and more", LLAMA + "; {oops}",
+                                  '{"answer": 42}', LLAMA[:-3], "[" + LLAMA + "]"])
+def test_anything_but_a_llama3_reply_of_calls_stays_text(text):
+    assert parse_tool_calls(text, "llama3_json") == (text, [])
+
+
+def test_a_llama3_stream_shows_text_only_once_it_cannot_be_calls():
+    assert visible_text("  ", "llama3_json") == ""
+    assert visible_text(' {"na', "llama3_json") == ""
+    assert visible_text("Sure, {", "llama3_json") == "Sure, {"
+    assert visible_text("<tool_call>", "llama3_json") == "<tool_call>"  # another format's tag is text here
+
+
 def test_an_unknown_parser_is_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes"):
+    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json"):
         ServerConfig(model="m", state_dir="s", tool_call_parser="mistral")

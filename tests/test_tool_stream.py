@@ -77,6 +77,28 @@ def test_hermes_calls_stream_as_written_and_join_into_the_finished_reply():
     assert json.loads(made[0].arguments)["city"] == 'Par"is' and made[1].arguments == '{"x": 1}'
 
 
+LLAMA = ('{"name": "get_weather", "parameters": {"city": "Par\\"is", "days": [1, 2], "deep": {"a": {}}}} ; '
+         '{"parameters": "{\\"x\\": 1}", "name": "t"}')
+
+
+def test_llama3_calls_stream_as_written_and_join_into_the_finished_reply():
+    content, made = parse_tool_calls(LLAMA, "llama3_json")
+    assert content is None and [c.name for c in made] == ["get_weather", "t"]
+    final = (content, [tool_call(c.name, c.arguments) for c in made])
+    for seed in range(20):
+        rng = random.Random(seed)
+        got_content, calls, early = feed(ToolCallStream(True, "llama3_json"), LLAMA,
+                                         iter(lambda: rng.randint(1, 6), None), final)
+        assert got_content == ""
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
+        assert early > 1
+    text = "Paris is sunny; " + LLAMA  # text first: a reply in text, streamed as it comes
+    assert feed(ToolCallStream(True, "llama3_json"), text, iter(lambda: 3, None), (text, [])) == (text, [], 0)
+    spoiled = LLAMA + " and then more"  # calls streamed stand; the text comes at the end (as with hermes)
+    got, calls, _ = feed(ToolCallStream(True, "llama3_json"), spoiled, iter(lambda: 5, None), (spoiled, []))
+    assert got == spoiled and [c["name"] for c in calls] == ["get_weather", "t"]
+
+
 def test_a_required_list_streams_each_calls_parameters_as_written():
     plan = ToolPlan(None, {"type": "array"})
     text = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}},

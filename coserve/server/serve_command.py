@@ -11,6 +11,7 @@ from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
 from coserve.output_path import prepare_directory
 from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
+from coserve.server.tool_parser import PARSERS
 
 DEFAULT_STATE_DIR = "coserve-state"
 
@@ -66,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (the default with tools): read the calls a model writes in its "
                         "text with --tool-call-parser")
-    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
-                   help="the format of tool calls in the text (hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--tool-call-parser", choices=list(PARSERS), default=None,
+                   help="the format of tool calls in the text (hermes: <tool_call>{json}</tool_call> after any text; "
+                        "llama3_json: a reply of {\"name\", \"parameters\"} objects separated by ;)")
     p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
                    help="chat replies carry the model's <think> reasoning as reasoning_content, apart from the "
                         "content; structured outputs constrain the content only (vLLM's flag)")

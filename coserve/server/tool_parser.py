@@ -1,10 +1,14 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Only the Hermes format is known (``hermes``: Hermes, Qwen2/2.5 and the many models trained on it): each
-call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after any text. A reply whose blocks
-are not all whole JSON calls is text, as vLLM leaves it; names are not checked against the request's
-tools (as vLLM does not). A call's ``arguments`` are the JSON text the model wrote for them (so that a
-stream can send them as they are written: ``tool_stream.py``).
+Two formats, by vLLM's names:
+- ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>``, after any text;
+- ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
+  "parameters": {...}}`` objects separated by ``;`` (their ``<|python_tag|>``, a special token, is not in the text);
+  a reply that does not begin with ``{`` is text.
+A reply that is not all whole JSON calls is text, as vLLM leaves it; names are not checked against the request's
+tools (as vLLM does not). A call's ``arguments`` are the JSON text the model wrote for them (so that a stream can
+send them as they are written: ``tool_stream.py``, through ``call_views``).
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from coserve.server.call_text import NotACall, scan_call
+from coserve.server.call_text import CallView, NotACall, scan_call, skip_ws, value_end
 
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")  # where a Hermes call's arguments may be (the first written counts)
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
@@ -27,9 +31,11 @@ class ParsedCall:
     arguments: str  # JSON text, as OpenAI's tool_calls carry it
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """``(content, calls)`` of a finished output: the text before the first block (None when blank) and each
-    block's call; ``(text, [])`` when there is no block or one is not a call."""
+def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[ParsedCall]]:
+    """``(content, calls)`` of a finished output: the text before the calls (None when blank) and each call;
+    ``(text, [])`` when there is none or one is not a call."""
+    if parser == "llama3_json":
+        return _llama3_calls(text)
     start = text.find(OPEN)
     if start < 0:
         return text, []
@@ -61,9 +67,69 @@ def _call(body: str) -> ParsedCall | None:
     return ParsedCall(view.name, view.arguments)
 
 
-def visible_text(text: str) -> str:
+def _llama3_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """Llama 3's reply of calls: JSON objects from the first character on (blanks aside), separated by ``;``."""
+    i = skip_ws(text, 0)
+    if not text.startswith("{", i):
+        return text, []
+    calls = []
+    while i < len(text):
+        end = value_end(text, i)
+        call = None if end is None else _call(text[i:end])
+        if call is None:
+            return text, []
+        calls.append(call)
+        i = skip_ws(text, end)
+        if i < len(text):
+            if text[i] != ";":
+                return text, []  # text after a call: not a reply of calls
+            i = skip_ws(text, i + 1)
+    return None, calls
+
+
+def call_views(text: str, parser: str) -> list[CallView]:
+    """The calls of a growing output as far as they are written (the last one may be open); NotACall once the
+    text cannot be calls."""
+    if parser == "llama3_json":
+        return _llama3_views(text)
+    views: list[CallView] = []
+    start = text.find(OPEN)
+    while start >= 0:
+        body = start + len(OPEN)
+        close = text.find(CLOSE, body)
+        views.append(scan_call(text[body:close if close >= 0 else len(text)], 0, ARGUMENT_KEYS))
+        if close < 0:
+            break
+        start = text.find(OPEN, close + len(CLOSE))
+    return views
+
+
+def _llama3_views(text: str) -> list[CallView]:
+    i = skip_ws(text, 0)
+    if i < len(text) and text[i] != "{":
+        raise NotACall("a Llama 3 reply of calls begins with {")
+    views: list[CallView] = []
+    while i < len(text):
+        view = scan_call(text, i, ARGUMENT_KEYS)
+        views.append(view)
+        if view.end is None:
+            break
+        i = skip_ws(text, view.end)
+        if i < len(text):
+            if text[i] != ";":
+                break  # text after a whole call: not a reply of calls (the finished text says so), but the calls
+                #   before it were whole, as a Hermes block before text after it
+            i = skip_ws(text, i + 1)
+    return views
+
+
+def visible_text(text: str, parser: str = "hermes") -> str:
     """What of a growing output may be streamed as text now: everything before a block has begun, less a tail
-    that could still turn into ``<tool_call>``."""
+    that could still turn into ``<tool_call>``; with ``llama3_json``, all of it once it does not begin with ``{``
+    (none while it is blank)."""
+    if parser == "llama3_json":
+        i = skip_ws(text, 0)
+        return "" if i == len(text) or text[i] == "{" else text
     start = text.find(OPEN)
     if start >= 0:
         return text[:start]

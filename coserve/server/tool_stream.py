@@ -3,7 +3,7 @@ as OpenAI and vLLM stream them: a call's first delta carries its index, id, type
 arguments' text comes in pieces, each delta ``{"index", "function": {"arguments": piece}}``; joined, the
 pieces are the final reply's arguments.
 
-The text before the first ``<tool_call>`` streams as content (less a tail that may become one). A call is
+The text before the first call streams as content (less a tail that may become one). A call is
 announced once its name is whole, calls in order. The final reply is decided on the finished text as without
 streaming (``ToolPlan.reply``); ``finish`` sends what is left. Where the finished text is not calls after all
 (a malformed block, text after the calls, or an output cut short) the calls already streamed stand, as with
@@ -16,33 +16,20 @@ from __future__ import annotations
 import logging
 import secrets
 
-from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list
-from coserve.server.tool_parser import ARGUMENT_KEYS, CLOSE, OPEN, visible_text
+from coserve.server.call_text import NotACall, scan_call_list
+from coserve.server.tool_parser import call_views, visible_text
 
 log = logging.getLogger("coserve.server")
 
 
-def hermes_views(text: str) -> list[CallView]:
-    """The calls of a text's ``<tool_call>`` blocks as far as they are written (the last one may be open)."""
-    views: list[CallView] = []
-    start = text.find(OPEN)
-    while start >= 0:
-        body = start + len(OPEN)
-        close = text.find(CLOSE, body)
-        views.append(scan_call(text[body:close if close >= 0 else len(text)], 0, ARGUMENT_KEYS))
-        if close < 0:
-            break
-        start = text.find(OPEN, close + len(CLOSE))
-    return views
-
-
 class ToolCallStream:
     """One streamed choice's content and tool-call deltas, from its text as it grows (``update``) to its end
-    (``finish``). ``auto``: Hermes blocks after free text; else a guided JSON array of ``{"name",
-    "parameters"}`` calls."""
+    (``finish``). ``auto``: calls in free text, read by ``parser`` (``tool_parser.PARSERS``); else a guided JSON
+    array of ``{"name", "parameters"}`` calls."""
 
-    def __init__(self, auto: bool) -> None:
+    def __init__(self, auto: bool, parser: str = "hermes") -> None:
         self.auto = auto
+        self.parser = parser
         self.content_sent = 0  # characters of the text sent as content (auto)
         self.ids: list[str] = []  # the announced calls' ids, in order
         self.arguments_sent: list[str] = []  # each announced call's arguments sent so far
@@ -53,13 +40,13 @@ class ToolCallStream:
         stop string can still cut)."""
         content = ""
         if self.auto:
-            shown = visible_text(text)
+            shown = visible_text(text, self.parser)
             if shown.strip():  # blank text before the calls is no content (as the finished reply reads it)
                 content, self.content_sent = shown[self.content_sent:], len(shown)
         if self.broken:
             return content, []
         try:
-            views = hermes_views(text) if self.auto else scan_call_list(text)
+            views = call_views(text, self.parser) if self.auto else scan_call_list(text)
         except NotACall:
             self.broken = True
             return content, []

@@ -49,6 +49,7 @@ class ToolPlan:
     auto: bool = False
     custom: bool = False  # the named tool is a custom one: the output is its input, as written
     custom_guide: dict | None = None  # a custom tool's guide: {"guided_grammar": ...} / {"guided_regex": ...}
+    parser: str = "hermes"  # auto: the format calls are read in (tool_parser.PARSERS)
 
     def guide(self) -> dict | None:
         """The ``SamplingParams`` guide of the output (None: free text)."""
@@ -73,7 +74,7 @@ class ToolPlan:
     def reply(self, text: str) -> tuple[str | None, list[dict]]:
         """``(content, tool_calls)`` of an output that ended by itself; no calls: ``(text, [])``."""
         if self.auto:
-            content, parsed = parse_tool_calls(text)
+            content, parsed = parse_tool_calls(text, self.parser)
             return content, [tool_call(c.name, c.arguments) for c in parsed]
         made = self.calls(text)
         return (text, []) if made is None else (None, made)
@@ -124,7 +125,8 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPla
                               "calls a model writes freely; this server was started without one (coserve serve "
                               "--enable-auto-tool-choice --tool-call-parser hermes); set tool_choice to 'required', "
                               "to a named function, or to 'none'", "tool_choice")
-        return ToolPlan(None, None, auto=True)  # parameters are the model's to follow: nothing guides them
+        return ToolPlan(None, None, auto=True, parser=parser)  # parameters are the model's to follow: nothing
+        #   guides them
     if any(getattr(body, f) is not None for f in ("response_format", "guided_json", "guided_choice",
                                                    "guided_regex", "guided_grammar", "structured_outputs")):
         raise bad_request("tool_choice: a named or required call is guided already (by its parameters or its "
