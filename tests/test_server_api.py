@@ -384,28 +384,33 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(alice):
     assert reply.output[0].type == "message"
 
 
-def test_auto_tool_choice_reads_llama3_calls_on_a_server_started_with_llama3_json(model_factory, tmp_path):
-    """--tool-call-parser llama3_json: a reply of {"name", "parameters"} objects separated by ';' becomes tool_calls
-    with no content, whole and streamed (the arguments in pieces); a reply that begins with text is text. The
-    random-weight model is made to write calls by guided_regex."""
+@pytest.mark.parametrize("parser, calls, pieces", [
+    ("llama3_json", r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Oslo)", "unit": "C"\}\}; '
+                    r'\{"name": "get_time", "parameters": \{\}\}', 3),  # arguments in pieces as written
+    ("pythonic", r"\[get_weather\(city='(Paris|Oslo)', unit='C'\), get_time\(\)\]", 1),  # whole once closed
+])
+def test_auto_tool_choice_reads_the_calls_of_the_servers_parser(model_factory, tmp_path, parser, calls, pieces):
+    """--tool-call-parser llama3_json (a reply of {"name", "parameters"} objects separated by ';') and pythonic (a
+    Python list of calls): the calls become tool_calls with no content, whole and streamed; a reply that begins with
+    text is text. The random-weight model is made to write calls by guided_regex."""
     srv = start_server(model_factory("llama"), tmp_path / "state", "--served-model-name", BASE,
-                       "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+                       "--enable-auto-tool-choice", "--tool-call-parser", parser)
     try:
         client = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
-        forced = {"guided_regex": r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Oslo)", "unit": "C"\}\}; '
-                                  r'\{"name": "get_time", "parameters": \{\}\}'}
-        ask = dict(model=BASE, messages=HELLO, max_tokens=200, temperature=0, tools=[WEATHER, TIME], extra_body=forced)
+        ask = dict(model=BASE, messages=HELLO, max_tokens=200, temperature=0, tools=[WEATHER, TIME],
+                   extra_body={"guided_regex": calls})
         choice = client.chat.completions.create(**ask).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "get_time"]
         assert json.loads(choice.message.tool_calls[0].function.arguments)["unit"] == "C"
         chunks = list(client.chat.completions.create(**ask, stream=True))
-        calls, reason = streamed_calls(chunks)
-        assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        streamed, reason = streamed_calls(chunks)
+        assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in streamed.values()] == [
             (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-        assert calls[0]["pieces"] > 3 and not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        text = client.chat.completions.create(**{**ask, "extra_body": {"guided_regex": r"Sunny; \{\}"}})
-        assert text.choices[0].message.content == "Sunny; {}" and text.choices[0].message.tool_calls is None
+        assert streamed[0]["pieces"] >= pieces
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        text = client.chat.completions.create(**{**ask, "extra_body": {"guided_regex": r"Sunny; \{\}\[\]"}})
+        assert text.choices[0].message.content == "Sunny; {}[]" and text.choices[0].message.tool_calls is None
     finally:
         srv.stop()
 

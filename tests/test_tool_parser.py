@@ -72,6 +72,27 @@ def test_a_llama3_stream_shows_text_only_once_it_cannot_be_calls():
     assert visible_text("<tool_call>", "llama3_json") == "<tool_call>"  # another format's tag is text here
 
 
+@pytest.mark.parametrize("text, calls", [
+    ('[get_weather(city="Paris")]', [ParsedCall("get_weather", '{"city": "Paris"}')]),
+    (" [f(a=1, b=[1, (2, 3)], c={'k': None}, d=True, e='é'), g()]\n",
+     [ParsedCall("f", '{"a": 1, "b": [1, [2, 3]], "c": {"k": null}, "d": true, "e": "é"}'), ParsedCall("g", "{}")]),
+    ("[f(s='a, b) ]', t=\"\"\"x\ny\"\"\")]", [ParsedCall("f", '{"s": "a, b) ]", "t": "x\\ny"}')]),
+])
+def test_pythonic_calls_are_a_python_list_of_calls_with_literal_keywords(text, calls):
+    assert parse_tool_calls(text, "pythonic") == (None, calls)
+
+
+@pytest.mark.parametrize("text", ["Just text.", "[]", "[f(1)]", "[f(a=x)]", "[f(a={1, 2})]", "[f(**k)]", "[obj.f()]",
+                                  "[f(a=1)] and more", "[f(a=1)", "Calls: [f()]", '[{"name": "f"}]'])
+def test_anything_but_a_list_of_calls_stays_text_for_pythonic(text):
+    assert parse_tool_calls(text, "pythonic") == (text, [])
+
+
+def test_a_pythonic_stream_shows_text_only_once_it_cannot_be_calls():
+    assert visible_text(" [get_w", "pythonic") == "" and visible_text("\n", "pythonic") == ""
+    assert visible_text("It is [f()]", "pythonic") == "It is [f()]"
+
+
 def test_an_unknown_parser_is_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json"):
+    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic"):
         ServerConfig(model="m", state_dir="s", tool_call_parser="mistral")

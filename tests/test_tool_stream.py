@@ -99,6 +99,27 @@ def test_llama3_calls_stream_as_written_and_join_into_the_finished_reply():
     assert got == spoiled and [c["name"] for c in calls] == ["get_weather", "t"]
 
 
+PYTHONIC = "[get_weather(city='Par\"is, (x)', days=[1, 2], deep={'a': {}}), get_time()]"
+
+
+def test_pythonic_calls_stream_each_named_first_and_its_arguments_once_whole():
+    """A Python call's arguments become JSON only when its ``)`` is written: its name goes out first, its arguments
+    in one piece; joined, the deltas are the finished reply's calls."""
+    content, made = parse_tool_calls(PYTHONIC, "pythonic")
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in made] == [
+        ("get_weather", {"city": 'Par"is, (x)', "days": [1, 2], "deep": {"a": {}}}), ("get_time", {})]
+    final = (content, [tool_call(c.name, c.arguments) for c in made])
+    for seed in range(20):
+        rng = random.Random(seed)
+        stream = ToolCallStream(True, "pythonic")
+        got_content, calls, early = feed(stream, PYTHONIC, iter(lambda: rng.randint(1, 6), None), final)
+        assert got_content == "" and not stream.broken
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
+        assert early >= 1  # the first call's arguments went out before the output ended
+    text = "Sunny [f()]"
+    assert feed(ToolCallStream(True, "pythonic"), text, iter(lambda: 2, None), (text, [])) == (text, [], 0)
+
+
 def test_a_required_list_streams_each_calls_parameters_as_written():
     plan = ToolPlan(None, {"type": "array"})
     text = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}},

@@ -1,11 +1,13 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Two formats, by vLLM's names:
+Three formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
   "parameters": {...}}`` objects separated by ``;`` (their ``<|python_tag|>``, a special token, is not in the text);
-  a reply that does not begin with ``{`` is text.
+  a reply that does not begin with ``{`` is text;
+- ``pythonic`` (Llama 3.2 and 4, ToolACE): the reply is a Python list of calls, ``[f(a=1), g(b="x")]``
+  (``pythonic_calls.py``); a reply that does not begin with ``[`` is text.
 A reply that is not all whole JSON calls is text, as vLLM leaves it; names are not checked against the request's
 tools (as vLLM does not). A call's ``arguments`` are the JSON text the model wrote for them (so that a stream can
 send them as they are written: ``tool_stream.py``, through ``call_views``).
@@ -18,8 +20,10 @@ import re
 from dataclasses import dataclass
 
 from coserve.server.call_text import CallView, NotACall, scan_call, skip_ws, value_end
+from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "pythonic")
+LEADS = {"llama3_json": "{", "pythonic": "["}  # what a reply of calls begins with, in the formats that are nothing else
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")  # where a Hermes call's arguments may be (the first written counts)
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
@@ -36,6 +40,9 @@ def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, lis
     ``(text, [])`` when there is none or one is not a call."""
     if parser == "llama3_json":
         return _llama3_calls(text)
+    if parser == "pythonic":
+        calls = parse_pythonic(text)
+        return (text, []) if calls is None else (None, [ParsedCall(name, arguments) for name, arguments in calls])
     start = text.find(OPEN)
     if start < 0:
         return text, []
@@ -92,6 +99,8 @@ def call_views(text: str, parser: str) -> list[CallView]:
     text cannot be calls."""
     if parser == "llama3_json":
         return _llama3_views(text)
+    if parser == "pythonic":
+        return pythonic_views(text)
     views: list[CallView] = []
     start = text.find(OPEN)
     while start >= 0:
@@ -125,11 +134,11 @@ def _llama3_views(text: str) -> list[CallView]:
 
 def visible_text(text: str, parser: str = "hermes") -> str:
     """What of a growing output may be streamed as text now: everything before a block has begun, less a tail
-    that could still turn into ``<tool_call>``; with ``llama3_json``, all of it once it does not begin with ``{``
-    (none while it is blank)."""
-    if parser == "llama3_json":
+    that could still turn into ``<tool_call>``; with ``llama3_json`` and ``pythonic``, all of it once it does not
+    begin with ``{`` or ``[`` (none while it is blank)."""
+    if parser in LEADS:
         i = skip_ws(text, 0)
-        return "" if i == len(text) or text[i] == "{" else text
+        return "" if i == len(text) or text[i] == LEADS[parser] else text
     start = text.find(OPEN)
     if start >= 0:
         return text[:start]
