@@ -93,6 +93,18 @@ def test_a_pythonic_stream_shows_text_only_once_it_cannot_be_calls():
     assert visible_text("It is [f()]", "pythonic") == "It is [f()]"
 
 
+MISTRAL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "t"}]'
+
+
+def test_mistral_calls_are_a_json_array_of_calls_and_anything_else_is_text():
+    assert parse_tool_calls("\n" + MISTRAL, "mistral") == (None, [ParsedCall("get_weather", '{"city": "Paris"}'),
+                                                                 ParsedCall("t", "{}")])
+    for text in ("Just text.", "[]", '[{"name": "t", "arguments": "{}"}]', '[{"arguments": {}}]', MISTRAL + " more",
+                 "Calls: " + MISTRAL, '{"name": "t"}', MISTRAL[:-5]):
+        assert parse_tool_calls(text, "mistral") == (text, [])
+    assert visible_text(" [{\"na", "mistral") == "" and visible_text("No [", "mistral") == "No ["
+
+
 def test_an_unknown_parser_is_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic"):
-        ServerConfig(model="m", state_dir="s", tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, mistral"):
+        ServerConfig(model="m", state_dir="s", tool_call_parser="granite")

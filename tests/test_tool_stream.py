@@ -120,6 +120,20 @@ def test_pythonic_calls_stream_each_named_first_and_its_arguments_once_whole():
     assert feed(ToolCallStream(True, "pythonic"), text, iter(lambda: 2, None), (text, [])) == (text, [], 0)
 
 
+def test_mistral_calls_stream_as_written_and_join_into_the_finished_reply():
+    text = json.dumps([{"name": "get_weather", "arguments": {"city": 'Par"is', "days": [1, 2]}},
+                       {"name": "get_time", "arguments": {}}])
+    content, made = parse_tool_calls(text, "mistral")
+    final = (content, [tool_call(c.name, c.arguments) for c in made])
+    for seed in range(10):
+        rng = random.Random(seed)
+        got_content, calls, early = feed(ToolCallStream(True, "mistral"), text, iter(lambda: rng.randint(1, 6), None),
+                                         final)
+        assert got_content == "" and [(c["name"], c["arguments"]) for c in calls] == [
+            (c.name, c.arguments) for c in made]
+        assert early > 1
+
+
 def test_a_required_list_streams_each_calls_parameters_as_written():
     plan = ToolPlan(None, {"type": "array"})
     text = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}},

@@ -1,13 +1,16 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Three formats, by vLLM's names:
+Four formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
   "parameters": {...}}`` objects separated by ``;`` (their ``<|python_tag|>``, a special token, is not in the text);
   a reply that does not begin with ``{`` is text;
 - ``pythonic`` (Llama 3.2 and 4, ToolACE): the reply is a Python list of calls, ``[f(a=1), g(b="x")]``
-  (``pythonic_calls.py``); a reply that does not begin with ``[`` is text.
+  (``pythonic_calls.py``); a reply that does not begin with ``[`` is text;
+- ``mistral`` (Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct: their ``[TOOL_CALLS]``, a special token, is not in
+  the text): the reply is a JSON array of ``{"name", "arguments"}`` objects; one that does not begin with ``[`` is
+  text. (The newer ``[TOOL_CALLS]name[ARGS]{...}`` form, whose markers are special tokens too, is not read.)
 A reply that is not all whole JSON calls is text, as vLLM leaves it; names are not checked against the request's
 tools (as vLLM does not). A call's ``arguments`` are the JSON text the model wrote for them (so that a stream can
 send them as they are written: ``tool_stream.py``, through ``call_views``).
@@ -19,11 +22,12 @@ import json
 import re
 from dataclasses import dataclass
 
-from coserve.server.call_text import CallView, NotACall, scan_call, skip_ws, value_end
+from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list, skip_ws, value_end
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 
-PARSERS = ("hermes", "llama3_json", "pythonic")
-LEADS = {"llama3_json": "{", "pythonic": "["}  # what a reply of calls begins with, in the formats that are nothing else
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+LEADS = {"llama3_json": "{", "pythonic": "[", "mistral": "["}  # what a reply of calls begins with, in the formats
+#   where it is nothing else
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")  # where a Hermes call's arguments may be (the first written counts)
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
@@ -43,6 +47,8 @@ def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, lis
     if parser == "pythonic":
         calls = parse_pythonic(text)
         return (text, []) if calls is None else (None, [ParsedCall(name, arguments) for name, arguments in calls])
+    if parser == "mistral":
+        return _mistral_calls(text)
     start = text.find(OPEN)
     if start < 0:
         return text, []
@@ -94,6 +100,19 @@ def _llama3_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
     return None, calls
 
 
+def _mistral_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """Mistral's reply of calls: a JSON array of ``{"name", "arguments": {...}}`` objects and nothing else."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text, []
+    if not (isinstance(value, list) and value and all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"]
+            and isinstance(c.get("arguments", {}), dict) for c in value)):
+        return text, []
+    return None, [ParsedCall(v.name, v.arguments) for v in scan_call_list(text, ("arguments",))]
+
+
 def call_views(text: str, parser: str) -> list[CallView]:
     """The calls of a growing output as far as they are written (the last one may be open); NotACall once the
     text cannot be calls."""
@@ -101,6 +120,8 @@ def call_views(text: str, parser: str) -> list[CallView]:
         return _llama3_views(text)
     if parser == "pythonic":
         return pythonic_views(text)
+    if parser == "mistral":
+        return scan_call_list(text, ("arguments",))
     views: list[CallView] = []
     start = text.find(OPEN)
     while start >= 0:
