@@ -334,7 +334,7 @@ class ModelExecutor:
                 logits_rows.extend(range(row + n - 1 - c.num_drafts, row + n))
             row += n
         return build_forward_batch(tokens, chunks, self.cache.block_size, logits_rows, self.model.device,
-                                   varlen=not self.model.cfg.per_chunk_attention, 
+                                   varlen=not self.model.cfg.per_chunk_attention,
                                    long_rope_from=self.model.long_rope_from)
 
     def _adapter_batch(self, plan: IterationPlan, num_rows: int):

@@ -67,6 +67,18 @@ def _landlock(libc, workdir: str) -> tuple[bool, bool]:
     ruleset = libc.syscall(CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if ruleset < 0:
         return False, False
+    try:
+        if not _add_rules(libc, ruleset, workdir, fs):
+            return False, False
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(RESTRICT_SELF, ruleset, 0) != 0:
+            return False, False
+        return True, bool(net)
+    finally:
+        os.close(ruleset)
+
+
+def _add_rules(libc, ruleset: int, workdir: str, fs: int) -> bool:
+    """Allow reading Python's and the system's libraries, and everything within ``workdir``."""
     rules = [(p, EXECUTE | READ_FILE | READ_DIR) for p in _readable()]
     rules += [(workdir, fs), ("/dev/null", READ_FILE | WRITE_FILE)]
     for path, rights in rules:
@@ -80,10 +92,8 @@ def _landlock(libc, workdir: str) -> tuple[bool, bool]:
         added = libc.syscall(ADD_RULE, ruleset, RULE_PATH_BENEATH, ctypes.byref(beneath), ctypes.c_uint32(0))
         os.close(fd)
         if added != 0:
-            return False, False
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(RESTRICT_SELF, ruleset, 0) != 0:
-        return False, False
-    return True, bool(net)
+            return False
+    return True
 
 
 def _shut_in(workdir: str) -> dict:

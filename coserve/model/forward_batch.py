@@ -192,7 +192,7 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
                         logits_rows: list[int], device: torch.device, varlen: bool = True,
                         long_rope_from: int | None = None) -> ForwardBatch:
     """Assemble a ForwardBatch from per-sequence token lists and chunk descriptions; ``varlen`` False lays it out
-    per chunk on CUDA too (a model whose attention caps its scores: ``paged_attention`` caps those); 
+    per chunk on CUDA too (a model whose attention caps its scores: ``paged_attention`` caps those);
     ``long_rope_from``: the model's LongRoPE original context where its rotary tables have long rows
     (``DecoderModel.long_rope_from``)."""
     token_ids: list[int] = []

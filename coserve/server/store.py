@@ -497,17 +497,20 @@ class Store:
         """Append ``items`` (their ids new to the conversation) to the tenant's conversation; False if it has none
         by that id."""
         with self._lock, self._conn:
-            if self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
-                                  (conversation, tenant)).fetchone() is None:
+            if not self._owns_conversation(tenant, conversation):
                 return False
             self._insert_items(conversation, items)
         return True
 
+    def _owns_conversation(self, tenant: str, conversation: str) -> bool:
+        """Whether the tenant has a conversation by that id (the lock held)."""
+        return self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
+                                  (conversation, tenant)).fetchone() is not None
+
     def conversation_items(self, tenant: str, conversation: str) -> list[dict] | None:
         """The tenant's conversation's items, oldest first; None if it has none by that id."""
         with self._lock:
-            if self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
-                                  (conversation, tenant)).fetchone() is None:
+            if not self._owns_conversation(tenant, conversation):
                 return None
             rows = self._conn.execute("SELECT obj FROM conversation_items WHERE conversation = ? ORDER BY seq",
                                       (conversation,)).fetchall()
@@ -520,8 +523,7 @@ class Store:
         where none of its items has the id ``after``."""
         op, order = ("<", "DESC") if newest_first else (">", "ASC")
         with self._lock:
-            if self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
-                                  (conversation, tenant)).fetchone() is None:
+            if not self._owns_conversation(tenant, conversation):
                 return None
             where, params = "conversation = ?", [conversation]
             if after is not None:
@@ -543,8 +545,7 @@ class Store:
     def conversation_item_ids(self, tenant: str, conversation: str) -> set[str] | None:
         """The ids of the tenant's conversation's items; None if it has no conversation by that id."""
         with self._lock:
-            if self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
-                                  (conversation, tenant)).fetchone() is None:
+            if not self._owns_conversation(tenant, conversation):
                 return None
             rows = self._conn.execute("SELECT id FROM conversation_items WHERE conversation = ?",
                                       (conversation,)).fetchall()
