@@ -105,6 +105,34 @@ def test_mistral_calls_are_a_json_array_of_calls_and_anything_else_is_text():
     assert visible_text(" [{\"na", "mistral") == "" and visible_text("No [", "mistral") == "No ["
 
 
+SCHEMAS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array"}, "where": {"type": "object"}, "note": {"type": ["string", "null"]},
+    "limit": {"type": ["integer", "null"]}}}}
+XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n 007 Paris\n</parameter>\n<parameter=days>\n3\n"
+       "</parameter>\n<parameter=temp>\n21.0\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n"
+       "<parameter=hours>\n[9, 12]\n</parameter>\n<parameter=where>\n{'lat': 1.5}\n</parameter>\n"
+       "<parameter=note>\nnull\n</parameter>\n<parameter=limit>\nmany\n</parameter>\n<parameter=extra>\n{\"a\": 1}\n"
+       "</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_calls_are_read_by_their_parameters_types():
+    """Each value as the tool declares it, as vLLM's qwen3_coder reads it: a string as written (one newline each
+    side dropped), numbers (a whole one as an integer), booleans, JSON or a Python literal, null; a value that is not
+    its type, or a parameter the tool does not declare, stays text."""
+    content, calls = parse_tool_calls("Let me see.\n" + XML + "\n" + XML.replace("get_weather", "get_time"),
+                                      "qwen3_coder", SCHEMAS)
+    assert content == "Let me see.\n" and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": " 007 Paris", "days": 3, "temp": 21, "metric": True,
+                                              "hours": [9, 12], "where": {"lat": 1.5}, "note": None, "limit": "many",
+                                              "extra": '{"a": 1}'}
+    assert json.loads(calls[1].arguments)["days"] == "3"  # get_time declares nothing: text
+    for text in ("Just text.", XML + " and more", "<tool_call>\n{\"name\": \"t\"}\n</tool_call>",
+                 "<tool_call><function=f>stray text<parameter=a>1</parameter></function></tool_call>"):
+        assert parse_tool_calls(text, "qwen3_coder", SCHEMAS) == (text, [])
+    assert visible_text("Hi <tool_c", "qwen3_coder") == "Hi "
+
+
 def test_an_unknown_parser_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, mistral"):
         ServerConfig(model="m", state_dir="s", tool_call_parser="granite")

@@ -134,6 +134,23 @@ def test_mistral_calls_stream_as_written_and_join_into_the_finished_reply():
         assert early > 1
 
 
+def test_qwen3_coder_calls_stream_each_named_first_and_its_arguments_once_whole():
+    schemas = {"get_weather": {"properties": {"days": {"type": "integer"}}}}
+    text = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>"
+            "\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+    content, made = parse_tool_calls(text, "qwen3_coder", schemas)
+    assert content == "Checking.\n" and [(c.name, json.loads(c.arguments)) for c in made] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]
+    final = (content, [tool_call(c.name, c.arguments) for c in made])
+    for seed in range(20):
+        rng = random.Random(seed)
+        stream = ToolCallStream(True, "qwen3_coder", schemas)
+        got_content, calls, early = feed(stream, text, iter(lambda: rng.randint(1, 6), None), final)
+        assert got_content == content and not stream.broken
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
+        assert early >= 1
+
+
 def test_a_required_list_streams_each_calls_parameters_as_written():
     plan = ToolPlan(None, {"type": "array"})
     text = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}},

@@ -545,7 +545,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
             return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                             "finish_reason": reason}]}
         # a list of calls (required, or read from free text): each choice's stream of them
-        calls = [ToolCallStream(tools.auto, tools.parser) if tools is not None and tools.listed else None
+        calls = [ToolCallStream(tools.auto, tools.parser, tools.schemas) if tools is not None and tools.listed else None
                  for _ in range(body.n)]
         safe = [""] * body.n  # each choice's text that no stop string can still cut
         splits = [ReasoningSplit(job.reasoning.opened) if job.reasoning is not None else None for _ in range(body.n)]

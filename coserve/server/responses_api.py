@@ -505,7 +505,7 @@ class ResponseShape:
         items carry the ids the stream announced. Where the finished text is not calls after all, the events
         sent stand and ``response.completed`` carries the reply as read from the finished text."""
         job, choice = self.job, self.job.choices[0]
-        stream = ToolCallStream(self.tools.auto, self.tools.parser)
+        stream = ToolCallStream(self.tools.auto, self.tools.parser, self.tools.schemas)
         self.streamed_call_ids = stream.ids  # the final items' call ids, for the calls announced here
         safe, held = "", ""  # the text no stop string can cut; message text not sent yet (blank so far)
         message, items = None, []  # the message's output index once open; the call items' output indexes

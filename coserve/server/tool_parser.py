@@ -1,6 +1,6 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Four formats, by vLLM's names:
+Five formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
@@ -11,6 +11,9 @@ Four formats, by vLLM's names:
 - ``mistral`` (Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct: their ``[TOOL_CALLS]``, a special token, is not in
   the text): the reply is a JSON array of ``{"name", "arguments"}`` objects; one that does not begin with ``[`` is
   text. (The newer ``[TOOL_CALLS]name[ARGS]{...}`` form, whose markers are special tokens too, is not read.)
+- ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=name><parameter=key>value</parameter></function>
+  </tool_call>`` blocks after any text, each value read by the type the request's tool declares for it
+  (``xml_calls.py``; ``schemas``: the tools' ``parameters`` by name).
 A reply that is not all whole JSON calls is text, as vLLM leaves it; names are not checked against the request's
 tools (as vLLM does not). A call's ``arguments`` are the JSON text the model wrote for them (so that a stream can
 send them as they are written: ``tool_stream.py``, through ``call_views``).
@@ -24,8 +27,9 @@ from dataclasses import dataclass
 
 from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list, skip_ws, value_end
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
+from coserve.server.xml_calls import parse_xml_calls, xml_views
 
-PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
 LEADS = {"llama3_json": "{", "pythonic": "[", "mistral": "["}  # what a reply of calls begins with, in the formats
 #   where it is nothing else
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -39,9 +43,13 @@ class ParsedCall:
     arguments: str  # JSON text, as OpenAI's tool_calls carry it
 
 
-def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[ParsedCall]]:
+def parse_tool_calls(text: str, parser: str = "hermes", schemas: dict[str, dict] | None = None
+                     ) -> tuple[str | None, list[ParsedCall]]:
     """``(content, calls)`` of a finished output: the text before the calls (None when blank) and each call;
     ``(text, [])`` when there is none or one is not a call."""
+    if parser == "qwen3_coder":
+        found = parse_xml_calls(text, schemas or {})
+        return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
     if parser == "llama3_json":
         return _llama3_calls(text)
     if parser == "pythonic":
@@ -113,9 +121,11 @@ def _mistral_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
     return None, [ParsedCall(v.name, v.arguments) for v in scan_call_list(text, ("arguments",))]
 
 
-def call_views(text: str, parser: str) -> list[CallView]:
+def call_views(text: str, parser: str, schemas: dict[str, dict] | None = None) -> list[CallView]:
     """The calls of a growing output as far as they are written (the last one may be open); NotACall once the
     text cannot be calls."""
+    if parser == "qwen3_coder":
+        return xml_views(text, schemas or {})
     if parser == "llama3_json":
         return _llama3_views(text)
     if parser == "pythonic":

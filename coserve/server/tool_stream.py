@@ -27,9 +27,10 @@ class ToolCallStream:
     (``finish``). ``auto``: calls in free text, read by ``parser`` (``tool_parser.PARSERS``); else a guided JSON
     array of ``{"name", "parameters"}`` calls."""
 
-    def __init__(self, auto: bool, parser: str = "hermes") -> None:
+    def __init__(self, auto: bool, parser: str = "hermes", schemas: dict[str, dict] | None = None) -> None:
         self.auto = auto
         self.parser = parser
+        self.schemas = schemas  # the tools' parameters, by name (qwen3_coder reads values by their types)
         self.content_sent = 0  # characters of the text sent as content (auto)
         self.ids: list[str] = []  # the announced calls' ids, in order
         self.arguments_sent: list[str] = []  # each announced call's arguments sent so far
@@ -46,7 +47,7 @@ class ToolCallStream:
         if self.broken:
             return content, []
         try:
-            views = call_views(text, self.parser) if self.auto else scan_call_list(text)
+            views = call_views(text, self.parser, self.schemas) if self.auto else scan_call_list(text)
         except NotACall:
             self.broken = True
             return content, []

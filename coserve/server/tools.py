@@ -50,6 +50,7 @@ class ToolPlan:
     custom: bool = False  # the named tool is a custom one: the output is its input, as written
     custom_guide: dict | None = None  # a custom tool's guide: {"guided_grammar": ...} / {"guided_regex": ...}
     parser: str = "hermes"  # auto: the format calls are read in (tool_parser.PARSERS)
+    schemas: dict[str, dict] | None = None  # auto: each function's parameters, by name (qwen3_coder types values)
 
     def guide(self) -> dict | None:
         """The ``SamplingParams`` guide of the output (None: free text)."""
@@ -74,7 +75,7 @@ class ToolPlan:
     def reply(self, text: str) -> tuple[str | None, list[dict]]:
         """``(content, tool_calls)`` of an output that ended by itself; no calls: ``(text, [])``."""
         if self.auto:
-            content, parsed = parse_tool_calls(text, self.parser)
+            content, parsed = parse_tool_calls(text, self.parser, self.schemas)
             return content, [tool_call(c.name, c.arguments) for c in parsed]
         made = self.calls(text)
         return (text, []) if made is None else (None, made)
@@ -125,8 +126,9 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None = None) -> ToolPla
                               "calls a model writes freely; this server was started without one (coserve serve "
                               "--enable-auto-tool-choice --tool-call-parser hermes); set tool_choice to 'required', "
                               "to a named function, or to 'none'", "tool_choice")
-        return ToolPlan(None, None, auto=True, parser=parser)  # parameters are the model's to follow: nothing
-        #   guides them
+        schemas = {t.function.name: t.function.parameters or {} for t in tools if isinstance(t, Tool)}
+        return ToolPlan(None, None, auto=True, parser=parser, schemas=schemas)  # parameters are the model's to
+        #   follow: nothing guides them
     if any(getattr(body, f) is not None for f in ("response_format", "guided_json", "guided_choice",
                                                    "guided_regex", "guided_grammar", "structured_outputs")):
         raise bad_request("tool_choice: a named or required call is guided already (by its parameters or its "
