@@ -644,6 +644,31 @@ def test_responses_are_stored_chained_and_private_to_their_tenant(alice, bob):
         alice.responses.retrieve(first.id)
 
 
+def test_a_responses_requests_input_tokens_are_counted_without_answering_it(alice, bob):
+    """``responses.input_tokens.count``: the prompt's tokens as ``responses.create`` reports them in ``usage``, its
+    instructions, tools, and the response it goes on from included; the model may be left out; an unknown model or
+    another tenant's response is a 404, an empty input a 400."""
+    lookup = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+    ask = {"input": "Remember the word apple.", "instructions": "Be brief.", "tools": [lookup], "tool_choice": "none"}
+    counted = alice.responses.input_tokens.count(model=BASE, **ask)
+    first = alice.responses.create(model=BASE, max_output_tokens=3, temperature=0, **ask)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == first.usage.input_tokens
+    assert alice.responses.input_tokens.count(**ask).input_tokens == counted.input_tokens  # no model
+    plain = alice.responses.input_tokens.count(input="Remember the word apple.")
+    assert plain.input_tokens < counted.input_tokens  # less the instructions and the tool
+    chained = alice.responses.input_tokens.count(input="Which word?", previous_response_id=first.id)
+    follow = alice.responses.create(model=BASE, input="Which word?", previous_response_id=first.id,
+                                    max_output_tokens=2, temperature=0)
+    assert chained.input_tokens == follow.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.input_tokens.count(model="no-such-model", input="hi")
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.input_tokens.count(input="hi", previous_response_id=first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.input_tokens.count(input=[])
+    assert e.value.body["param"] == "input"
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "number", "multipleOf": 2}}}},
      "text.format"),

@@ -519,3 +519,9 @@ class ResponsesRequest(Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1])  # vLLM's extension
+
+
+class InputTokensRequest(ResponsesRequest):
+    """``POST /v1/responses/input_tokens``: a Responses request whose prompt is counted, its model optional."""
+
+    model: str | None = None

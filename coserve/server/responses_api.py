@@ -38,7 +38,7 @@ from coserve.server.inference_api import (chat_logprobs, make_request, max_token
                                           off_loop_if_long, render_chat, sampling_params, submit)
 from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, FunctionChoice, FunctionTool, InputMessage,
-                                     ResponsesCustomTool, ResponsesRequest, list_page)
+                                     InputTokensRequest, ResponsesCustomTool, ResponsesRequest, list_page)
 from coserve.server.paging import check_limit, page_after
 from coserve.server.reasoning import END, ReasoningParser, ReasoningSplit
 from coserve.server.response_items import input_items, output_messages
@@ -81,7 +81,7 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
         choice = {"type": "custom", "custom": {"name": choice.name}}
     try:
         return ChatCompletionRequest.model_validate({
-            "model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
+            "model": body.model or "", "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
             "seed": body.seed, "response_format": response_format, "tools": tools or None, "tool_choice": choice,
             "parallel_tool_calls": body.parallel_tool_calls,
             "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None})
@@ -116,28 +116,10 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
     if body.background and body.store is False:
         raise bad_request("background: a background response is stored for GET to read: leave store true",
                           "background")
-    history: list[dict] = []
-    conversation_id = None
-    if body.conversation is not None:  # a stored conversation goes on, and gains this response's input and output
-        conversation_id = body.conversation if isinstance(body.conversation, str) else body.conversation.id
-        if body.previous_response_id is not None:
-            raise bad_request("conversation: cannot be used with previous_response_id", "conversation")
-        items = ctx.store.conversation_items(tenant, conversation_id)
-        if items is None:
-            raise not_found("conversation", conversation_id, "conversation")
-        history = messages_of(parse_items(items, "conversation"))
-    if body.previous_response_id is not None:  # its conversation goes on (its instructions do not, as OpenAI's)
-        stored = ctx.store.get_response(tenant, body.previous_response_id)
-        if stored is None:
-            raise not_found("response", body.previous_response_id, "previous_response_id")
-        history = stored[1]
+    history, conversation_id = _history(ctx, tenant, body)
     try:
-        conversation = history + input_messages(body)
-        chat = chat_request(body, conversation)
         adapter = await ctx.models.resolve(tenant, body.model)
-        ids = await off_loop_if_long(messages_chars(chat.messages), render_chat, ctx, chat)
-        if body.truncation == "auto":
-            chat, ids = await _truncated(ctx, body, conversation, chat, ids)
+        conversation, chat, ids = await _prompt(ctx, body, history)
         max_tokens = max_tokens_for(ctx, len(ids), body.max_output_tokens, "max_output_tokens", "input")
         tools = tool_plan(chat, ctx.config.tool_call_parser)
         if tools is not None and not tools.auto:
@@ -165,6 +147,52 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
     final = shape.response(job.choices[0].out)
     shape.keep(ctx, final)
     return final
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(body: InputTokensRequest, request: Request, ctx: ServerContext = Depends(context)):
+    """OpenAI's count of a Responses request's input tokens: the prompt it would send (the stored conversation or
+    previous response it goes on from, its instructions, tools and ``truncation``), not answered."""
+    tenant = tenant_of(request)
+    history, _ = _history(ctx, tenant, body)
+    try:
+        if body.model is not None:
+            await ctx.models.resolve(tenant, body.model)
+        _, _, ids = await _prompt(ctx, body, history)
+    except APIError as e:
+        raise _renamed(e) from None
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+
+def _history(ctx: ServerContext, tenant: str, body: ResponsesRequest) -> tuple[list[dict], str | None]:
+    """The messages a request goes on from (a stored conversation's, or a previous response's with its output),
+    and the stored conversation's id where it names one."""
+    if body.conversation is not None:  # a stored conversation goes on, and gains this response's input and output
+        conversation_id = body.conversation if isinstance(body.conversation, str) else body.conversation.id
+        if body.previous_response_id is not None:
+            raise bad_request("conversation: cannot be used with previous_response_id", "conversation")
+        items = ctx.store.conversation_items(tenant, conversation_id)
+        if items is None:
+            raise not_found("conversation", conversation_id, "conversation")
+        return messages_of(parse_items(items, "conversation")), conversation_id
+    if body.previous_response_id is not None:  # its conversation goes on (its instructions do not, as OpenAI's)
+        stored = ctx.store.get_response(tenant, body.previous_response_id)
+        if stored is None:
+            raise not_found("response", body.previous_response_id, "previous_response_id")
+        return stored[1], None
+    return [], None
+
+
+async def _prompt(ctx: ServerContext, body: ResponsesRequest, history: list[dict]
+                  ) -> tuple[list[dict], ChatCompletionRequest, list[int]]:
+    """The conversation (``history`` and the request's input), the chat request it stands for, and the prompt's
+    token ids, its oldest messages dropped under ``truncation: auto``."""
+    conversation = history + input_messages(body)
+    chat = chat_request(body, conversation)
+    ids = await off_loop_if_long(messages_chars(chat.messages), render_chat, ctx, chat)
+    if body.truncation == "auto":
+        chat, ids = await _truncated(ctx, body, conversation, chat, ids)
+    return conversation, chat, ids
 
 
 async def _truncated(ctx: ServerContext, body: ResponsesRequest, conversation: list[dict],
