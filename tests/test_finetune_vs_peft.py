@@ -16,7 +16,7 @@ from coserve.finetune.runner import run_job
 from coserve.finetune.sequence_state import IGNORE_INDEX
 from coserve.model.loader import load_model
 from coserve.peft.trainable import load_model_trainable
-from model_variants import phi3_longrope
+from model_variants import phi3_longrope, yarn_variant
 from peft_helpers import PeftTraining, make_dora_adapter, make_ia3_adapter, make_lora_adapter
 
 
@@ -74,6 +74,7 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("qwen3", ["q_proj", "k_proj", "v_proj", "down_proj"]),
                                           ("phi3", ["qkv_proj", "gate_up_proj"]), ("phi3", "ia3"),
                                           ("phi3", "dora"), ("phi3:longrope", ["qkv_proj", "o_proj"]),
+                                          ("qwen3:yarn", ["q_proj", "k_proj", "v_proj"]),
                                           ("mistral:window=8", ["q_proj", "k_proj", "v_proj"]),
                                           ("gemma3", ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),
                                           ("gemma3", "ia3"), ("gemma2", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
@@ -94,9 +95,12 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
 def test_training_matches_peft(model_factory, config_variant, tmp_path, optimizer, tol, arch, targets):
     """``mistral:window=8``: every layer slides over 8 positions, shorter than most training sequences;
     ``phi3:longrope``: LongRoPE's original context is 14 tokens, so that some sequences rotate by its long factors
-    (each by its own length, as PEFT's forward of a batch of one)."""
+    (each by its own length, as PEFT's forward of a batch of one); ``qwen3:yarn``: YaRN over an original context
+    of 8."""
     model_dir = (config_variant("mistral", sliding_window=8) if ":window=" in arch
-                 else phi3_longrope(config_variant, original=14) if arch == "phi3:longrope" else model_factory(arch))
+                 else phi3_longrope(config_variant, original=14) if arch == "phi3:longrope"
+                 else yarn_variant(model_factory, config_variant, "qwen3", original=8) if arch == "qwen3:yarn"
+                 else model_factory(arch))
     phi3 = arch.startswith("phi3")  # Phi-3's fused modules: one bypass over all of q, k and v, one over gate and up
     if targets == "ia3":  # PEFT's default IA3 placement: k_proj and v_proj outputs, down_proj input
         placement = ({"target_modules": ["qkv_proj", "down_proj"], "feedforward_modules": ["down_proj"]} if phi3 else

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from coserve import LLM, SamplingParams
 from coserve.model.attention import PagedKVCache
 from coserve.model.forward_batch import SequenceChunk, build_forward_batch
 from coserve.model.loader import load_model
-from model_variants import phi3_longrope
+from model_variants import phi3_longrope, yarn_variant
 
 PROMPTS = [
     "The quick brown fox",
@@ -98,6 +100,25 @@ def test_llama3_rope_scaling_tied_embeddings_and_shards(model_factory, hf_model_
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 32)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_yarn_rope_scaling_serves_as_hf_does(model_factory, config_variant, hf_model_cache, arch):
+    """YaRN (Qwen2.5 and Qwen3's long-context setting: factor 4 over an original context of 32 here), its
+    frequencies and attention factor: logits and greedy tokens with prompts in chunks of 7 as HF's, past the original
+    context."""
+    path = yarn_variant(model_factory, config_variant, arch)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7)
+    rope = llm.engine.model_config.rope
+    assert rope.rope_type == "yarn" and rope.attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+    hf = hf_model_cache(path)
+    ids = [(llm.tokenizer(p)["input_ids"] * 20)[:40] for p in PROMPTS]
+    for seq, got in zip(ids, _flat_logits(path, ids)):
+        with torch.inference_mode():
+            torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
+    outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for seq, out in zip(ids, outs):
+        assert out.token_ids == _hf_greedy(hf, seq, 24)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

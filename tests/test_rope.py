@@ -51,6 +51,41 @@ def test_backward_of_the_rotation_is_autograds():
     assert torch.equal(out, x.grad)
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},  # Qwen2.5/3's long contexts
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+     "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},  # DeepSeek's attention factor
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.25},
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_yarn_is_hfs_bit_for_bit(scaling, dtype):
+    """YaRN's frequencies and attention factor against transformers' own Llama rotary embedding: the tables and
+    the rotations bit for bit, in float32 and bfloat16."""
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
+           "max_position_embeddings": 256, "rope_scaling": dict(scaling)}
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.rope.rope_type == "yarn"
+    hf_rope = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
+    positions = torch.tensor([0, 1, 7, 15, 16, 40, 100, 255])
+    cos, sin = hf_rope(torch.zeros(1, dtype=dtype), positions[None])
+    rope = RotaryEmbedding(cfg.rope, cfg.head_dim, 256, torch.device("cpu"), dtype)
+    assert torch.equal(rope.cos[positions], cos[0])
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(8, 4, 16, generator=g).to(dtype), torch.randn(8, 2, 16, generator=g).to(dtype)
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_ours, k_ours = rope(q, k, positions)
+    assert torch.equal(q_ours, q_hf[0].transpose(0, 1)) and torch.equal(k_ours, k_hf[0].transpose(0, 1))
+
+
+def test_yarn_needs_its_factor():
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 16}}
+    with pytest.raises(ValueError, match="field 'rope_scaling': yarn needs 'factor'"):
+        ModelConfig.from_dict(raw)
+
+
 def phi3_config(rope_scaling: dict | None, partial: float) -> dict:
     """A small Phi-3 config.json (head_dim 16) with ``partial_rotary_factor`` and, optionally, LongRoPE."""
     raw = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 96,

@@ -29,7 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
 }
 MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM")
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 class ModelConfigError(ValueError):
@@ -38,7 +38,7 @@ class ModelConfigError(ValueError):
 
 @dataclass(slots=True)
 class RopeConfig:
-    """Rotary embedding parameters (plain RoPE, linear or Llama-3 frequency scaling, or Phi-3's LongRoPE)."""
+    """Rotary embedding parameters (plain RoPE, linear, Llama-3 or YaRN frequency scaling, or Phi-3's LongRoPE)."""
 
     theta: float = 10000.0
     rope_type: str = "default"  # one of ROPE_TYPES
@@ -54,6 +54,12 @@ class RopeConfig:
     # the config gives none)
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # yarn (Qwen2.5/3's long contexts, gpt-oss): frequencies blended between interpolated (divided by factor) and
+    # kept, over the dimensions between beta_fast and beta_slow rotations within the original context (their bounds
+    # rounded out where truncate), cos and sin multiplied by attention_factor (0.1 ln(factor) + 1, or mscale's ratio)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
     attention_factor: float = 1.0
 
 
@@ -475,6 +481,8 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=float(params.get("factor", 1.0)),
                           partial_rotary_factor=partial)
+    if rope_type == "yarn":
+        return _yarn(raw, params, theta, partial)
     if rope_type != "llama3":
         return RopeConfig(theta=theta, rope_type=rope_type, partial_rotary_factor=partial)
     try:
@@ -489,6 +497,34 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
         )
     except KeyError as e:
         raise ModelConfigError(f"field 'rope_scaling': llama3 scaling needs {e.args[0]!r}") from e
+
+
+def _yarn(raw: dict[str, Any], params: dict[str, Any], theta: float, partial: float) -> RopeConfig:
+    """YaRN as transformers computes it (``_compute_yarn_parameters``): the original context from the config's own
+    ``original_max_position_embeddings``, else the scaling's, else ``max_position_embeddings``; ``factor``
+    required (None: their ratio); the attention factor from ``factor`` (and ``mscale``/``mscale_all_dim`` where both
+    are given) unless set."""
+    if "factor" not in params:
+        raise ModelConfigError("field 'rope_scaling': yarn needs 'factor'")
+    original = raw.get("original_max_position_embeddings",
+                       params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 2048)))
+    factor = params["factor"]
+    factor = float(int(raw.get("max_position_embeddings", 2048)) / int(original) if factor is None else factor)
+    if factor <= 0:
+        raise ModelConfigError(f"field 'rope_scaling': yarn's factor must be positive, got {factor}")
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else get_mscale(factor))
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=int(original),
+                      partial_rotary_factor=partial, attention_factor=float(attention),
+                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      truncate=bool(params.get("truncate", True)))
 
 
 def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial: float) -> RopeConfig:

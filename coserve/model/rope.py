@@ -1,4 +1,4 @@
-"""Rotary position embeddings: plain RoPE, linear and Llama-3 frequency scaling and Phi-3's LongRoPE (its short
+"""Rotary position embeddings: plain RoPE, linear, Llama-3 and YaRN frequency scaling and Phi-3's LongRoPE (its short
 factors within the original context, its long ones past it), over all of each head or its first dimensions
 (``partial_rotary_factor``), as HF computes them."""
 
@@ -18,6 +18,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> 
     if rope.rope_type == "longrope":  # each frequency divided by its factor (transformers' order of operations)
         factors = rope.long_factor if long else rope.short_factor
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** exponents)
+    if rope.rope_type == "yarn":
+        return _yarn_frequencies(rope, head_dim, rope.theta ** exponents)
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":  # positions interpolated: every frequency divided by the factor
         return inv_freq / rope.factor
@@ -33,6 +35,25 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> 
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_frequencies(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies, transformers' operations in its order: the dimensions that turn fewer than ``beta_slow``
+    times within the original context interpolated (divided by ``factor``), those that turn more than ``beta_fast``
+    times kept, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # the share of each frequency extrapolated (kept as it is)
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
 
 
 def rope_row(position: int, long_rope: bool, long_from: int | None) -> int:
@@ -67,7 +88,7 @@ class RotaryEmbedding:
         if self.long_from is not None:
             long_cos, long_sin = _cos_sin(inverse_frequencies(rope, rotary_dim, long=True), max_positions)
             cos, sin = torch.cat([cos[:self.long_from], long_cos]), torch.cat([sin[:self.long_from], long_sin])
-        if rope.attention_factor != 1.0:  # LongRoPE's, on both tables before the cast (as HF)
+        if rope.attention_factor != 1.0:  # LongRoPE's and YaRN's, on both tables before the cast (as HF)
             cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
         self.cos = cos.to(device=device, dtype=dtype)
         half = rotary_dim // 2
