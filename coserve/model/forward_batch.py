@@ -200,8 +200,9 @@ def build_forward_batch(chunks_tokens: list[list[int]], chunks: list[SequenceChu
     slots: list[int] = []
     for tokens, chunk in zip(chunks_tokens, chunks):
         first = chunk.context_len - chunk.num_new
+        shift = rope_row(0, chunk.long_rope, long_rope_from)  # the same for every token of the chunk
         for pos in range(first, chunk.context_len):
-            positions.append(rope_row(pos, chunk.long_rope, long_rope_from))
+            positions.append(pos + shift)
             slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
         token_ids.extend(tokens)
     batch = ForwardBatch(token_ids=long_tensor(token_ids, device), positions=long_tensor(positions, device),
