@@ -14,24 +14,23 @@ Five formats, by vLLM's names:
 - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=name><parameter=key>value</parameter></function>
   </tool_call>`` blocks after any text, each value read by the type the request's tool declares for it
   (``xml_calls.py``; ``schemas``: the tools' ``parameters`` by name).
-A reply that is not all whole JSON calls is text, as vLLM leaves it; names are not checked against the request's
-tools (as vLLM does not). A call's ``arguments`` are the JSON text the model wrote for them (so that a stream can
-send them as they are written: ``tool_stream.py``, through ``call_views``).
+A reply that is not all whole calls is text, as vLLM leaves it; names are not checked against the request's tools
+(as vLLM does not). A JSON call's ``arguments`` are the JSON text the model wrote for them, so that a stream can send
+them as they are written (``tool_stream.py``, through ``call_views``); a Python or XML call's are made from its
+values, and go whole once the call is.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list, skip_ws, value_end
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 from coserve.server.xml_calls import parse_xml_calls, xml_views
 
-PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
-LEADS = {"llama3_json": "{", "pythonic": "[", "mistral": "["}  # what a reply of calls begins with, in the formats
-#   where it is nothing else
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")  # where a Hermes call's arguments may be (the first written counts)
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
@@ -46,17 +45,34 @@ class ParsedCall:
 def parse_tool_calls(text: str, parser: str = "hermes", schemas: dict[str, dict] | None = None
                      ) -> tuple[str | None, list[ParsedCall]]:
     """``(content, calls)`` of a finished output: the text before the calls (None when blank) and each call;
-    ``(text, [])`` when there is none or one is not a call."""
-    if parser == "qwen3_coder":
-        found = parse_xml_calls(text, schemas or {})
-        return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
-    if parser == "llama3_json":
-        return _llama3_calls(text)
-    if parser == "pythonic":
-        calls = parse_pythonic(text)
-        return (text, []) if calls is None else (None, [ParsedCall(name, arguments) for name, arguments in calls])
-    if parser == "mistral":
-        return _mistral_calls(text)
+    ``(text, [])`` when there is none or one is not a call. ``schemas``: the tools' ``parameters``, by name."""
+    return FORMATS[parser].parse(text, schemas or {})
+
+
+def call_views(text: str, parser: str, schemas: dict[str, dict] | None = None) -> list[CallView]:
+    """The calls of a growing output as far as they are written (the last one may be open); NotACall once the
+    text cannot be calls."""
+    return FORMATS[parser].views(text, schemas or {})
+
+
+def visible_text(text: str, parser: str = "hermes") -> str:
+    """What of a growing output may be streamed as text now: everything before a block has begun, less a tail
+    that could still turn into ``<tool_call>``; in a format whose reply is nothing but calls, all of it once it does
+    not begin as they do (none while it is blank)."""
+    lead = FORMATS[parser].lead
+    if lead is not None:
+        i = skip_ws(text, 0)
+        return "" if i == len(text) or text[i] == lead else text
+    start = text.find(OPEN)
+    if start >= 0:
+        return text[:start]
+    for keep in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-keep:]):
+            return text[:-keep]
+    return text
+
+
+def _hermes_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     start = text.find(OPEN)
     if start < 0:
         return text, []
@@ -88,7 +104,7 @@ def _call(body: str) -> ParsedCall | None:
     return ParsedCall(view.name, view.arguments)
 
 
-def _llama3_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+def _llama3_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     """Llama 3's reply of calls: JSON objects from the first character on (blanks aside), separated by ``;``."""
     i = skip_ws(text, 0)
     if not text.startswith("{", i):
@@ -108,7 +124,7 @@ def _llama3_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
     return None, calls
 
 
-def _mistral_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+def _mistral_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     """Mistral's reply of calls: a JSON array of ``{"name", "arguments": {...}}`` objects and nothing else."""
     try:
         value = json.loads(text)
@@ -121,17 +137,7 @@ def _mistral_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
     return None, [ParsedCall(v.name, v.arguments) for v in scan_call_list(text, ("arguments",))]
 
 
-def call_views(text: str, parser: str, schemas: dict[str, dict] | None = None) -> list[CallView]:
-    """The calls of a growing output as far as they are written (the last one may be open); NotACall once the
-    text cannot be calls."""
-    if parser == "qwen3_coder":
-        return xml_views(text, schemas or {})
-    if parser == "llama3_json":
-        return _llama3_views(text)
-    if parser == "pythonic":
-        return pythonic_views(text)
-    if parser == "mistral":
-        return scan_call_list(text, ("arguments",))
+def _hermes_views(text: str, schemas: dict) -> list[CallView]:
     views: list[CallView] = []
     start = text.find(OPEN)
     while start >= 0:
@@ -144,7 +150,7 @@ def call_views(text: str, parser: str, schemas: dict[str, dict] | None = None) -
     return views
 
 
-def _llama3_views(text: str) -> list[CallView]:
+def _llama3_views(text: str, schemas: dict) -> list[CallView]:
     i = skip_ws(text, 0)
     if i < len(text) and text[i] != "{":
         raise NotACall("a Llama 3 reply of calls begins with {")
@@ -163,17 +169,31 @@ def _llama3_views(text: str) -> list[CallView]:
     return views
 
 
-def visible_text(text: str, parser: str = "hermes") -> str:
-    """What of a growing output may be streamed as text now: everything before a block has begun, less a tail
-    that could still turn into ``<tool_call>``; with ``llama3_json`` and ``pythonic``, all of it once it does not
-    begin with ``{`` or ``[`` (none while it is blank)."""
-    if parser in LEADS:
-        i = skip_ws(text, 0)
-        return "" if i == len(text) or text[i] == LEADS[parser] else text
-    start = text.find(OPEN)
-    if start >= 0:
-        return text[:start]
-    for keep in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-keep:]):
-            return text[:-keep]
-    return text
+def _pythonic_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    calls = parse_pythonic(text)
+    return (text, []) if calls is None else (None, [ParsedCall(name, arguments) for name, arguments in calls])
+
+
+def _xml_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    found = parse_xml_calls(text, schemas)
+    return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
+
+
+@dataclass(frozen=True, slots=True)
+class CallFormat:
+    """One ``--tool-call-parser``: how a finished reply and a growing one are read."""
+
+    parse: Callable[[str, dict], tuple[str | None, list[ParsedCall]]]
+    views: Callable[[str, dict], list[CallView]]
+    lead: str | None = None  # what a reply of calls begins with, where it is nothing but calls (None: calls in
+    #   ``<tool_call>`` blocks after any text)
+
+
+FORMATS = {
+    "hermes": CallFormat(_hermes_calls, _hermes_views),
+    "llama3_json": CallFormat(_llama3_calls, _llama3_views, "{"),
+    "pythonic": CallFormat(_pythonic_calls, lambda text, schemas: pythonic_views(text), "["),
+    "mistral": CallFormat(_mistral_calls, lambda text, schemas: scan_call_list(text, ("arguments",)), "["),
+    "qwen3_coder": CallFormat(_xml_calls, xml_views),
+}
+PARSERS = tuple(FORMATS)
