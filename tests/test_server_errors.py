@@ -101,6 +101,8 @@ def test_version_says_which_build_answers_without_a_key(server):
     (CHAT, {"max_tokens": 2.5}, "max_tokens"),
     (CHAT, {"stream_options": "x", "stream": True}, "stream_options"),
     (CHAT, {"seed": 2**70}, "seed"),  # used to stop the engine (torch cannot seed with it)
+    (CHAT, {"reasoning_effort": "lots"}, "reasoning_effort"),
+    ("/v1/responses", {"model": BASE, "input": "hi", "reasoning": {"effort": "lots"}}, "reasoning.effort"),
     (COMPLETIONS, {"prompt": {"a": 1}}, "prompt"),
     (COMPLETIONS, {"prompt": ["a", 1]}, "prompt[1]"),
     (COMPLETIONS, {"prompt": "a", "echo": "yes"}, "echo"),
