@@ -51,6 +51,19 @@ def _flat_logits(path, prompts_ids, splits=None):
     return [logits[c.start:c.end] for c in chunks]
 
 
+def _as_hf(path, llm, hf, ids: list[list[int]], n: int, logits: bool = True):
+    """Logits of one flat forward over ``ids`` (where ``logits``) and ``n`` greedy tokens of each through ``llm``, as
+    HF's forward and generate give them; the outputs."""
+    if logits:
+        for seq, got in zip(ids, _flat_logits(path, ids)):
+            with torch.inference_mode():
+                torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
+    outs = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    for seq, out in zip(ids, outs):
+        assert out.token_ids == _hf_greedy(hf, seq, n)
+    return outs
+
+
 def test_prefill_logits_match_hf(tiny_model, hf_model_cache):
     llm = LLM(tiny_model, dtype="float32", device="cpu")
     ids = [llm.tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -111,14 +124,7 @@ def test_yarn_rope_scaling_serves_as_hf_does(model_factory, config_variant, hf_m
     llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7)
     rope = llm.engine.model_config.rope
     assert rope.rope_type == "yarn" and rope.attention_factor == pytest.approx(0.1 * math.log(4) + 1)
-    hf = hf_model_cache(path)
-    ids = [(llm.tokenizer(p)["input_ids"] * 20)[:40] for p in PROMPTS]
-    for seq, got in zip(ids, _flat_logits(path, ids)):
-        with torch.inference_mode():
-            torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
-    outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    for seq, out in zip(ids, outs):
-        assert out.token_ids == _hf_greedy(hf, seq, 24)
+    _as_hf(path, llm, hf_model_cache(path), [(llm.tokenizer(p)["input_ids"] * 20)[:40] for p in PROMPTS], 24)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -183,13 +189,7 @@ def test_a_sliding_window_model_attends_past_its_window_as_hf_does(model_factory
     assert llm.engine.max_model_len == 512 and llm.engine.model_config.sliding_window == 24
     hf = hf_model_cache(path)
     ids = [(llm.tokenizer(p)["input_ids"] * 6)[:n] for p, n in zip(PROMPTS, (12, 30, 5, 38, 25))]
-    if setting == "default":
-        for seq, got in zip(ids, _flat_logits(path, ids)):
-            with torch.inference_mode():
-                torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
-    outs = llm.generate(ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    for seq, out in zip(ids, outs):
-        assert out.token_ids == _hf_greedy(hf, seq, 40)
+    _as_hf(path, llm, hf, ids, 40, logits=setting == "default")
     long = list(range(5, 45))
     full = hf_model_cache(model_factory(arch))  # the same weights, every layer over its whole context
     with torch.inference_mode():
@@ -343,13 +343,8 @@ def test_phi3_longrope_serves_as_hf_does_past_the_original_context(config_varian
     hf = hf_model_cache(path)
     base = [llm.tokenizer(p)["input_ids"] for p in PROMPTS]
     short, long = [ids[:12] for ids in base], [(ids * 40)[:40] for ids in base]
-    for seq, got in zip(short + long, _flat_logits(path, short + long)):
-        with torch.inference_mode():
-            torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
+    outs = _as_hf(path, llm, hf, short + long, 40)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    outs = llm.generate(short + long, greedy)
-    for seq, out in zip(short + long, outs):
-        assert out.token_ids == _hf_greedy(hf, seq, 40)
     assert llm.engine.scheduler.num_long_rope_recomputes == len(short)  # each short prompt's sequence, once
     drafting = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=7, speculative_tokens=3)
     assert [o.token_ids for o in drafting.generate(short, greedy)] == [o.token_ids for o in outs[:len(short)]]
