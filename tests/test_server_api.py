@@ -1071,8 +1071,9 @@ def test_a_background_response_streams_and_a_dropped_stream_picks_up_where_it_le
 
 def test_the_responses_api_gives_the_reply_texts_logprobs_as_the_chat_api_does(alice):
     """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the reply's tokens, their logprobs and
-    alternatives, equal to the chat API's for the same conversation; whole, and in a stream's done events and final
-    response; an unknown ``include`` value is a 400 naming it."""
+    alternatives, equal to the chat API's for the same conversation; whole, and in a stream's deltas (each the
+    tokens generated since the last), done events and final response; an unknown ``include`` value is a 400 naming
+    it."""
     ask = {"model": BASE, "input": "Name a colour.", "max_output_tokens": 6, "temperature": 0}
     whole = alice.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2)
     chat = alice.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Name a colour."}],
@@ -1087,6 +1088,8 @@ def test_the_responses_api_gives_the_reply_texts_logprobs_as_the_chat_api_does(a
     (done,) = [e for e in events if e.type == "response.output_text.done"]
     final = events[-1].response.output[0].content[0].logprobs
     assert [t.logprob for t in done.logprobs] == [t.logprob for t in final] == [t.logprob for t in got]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and [t.token for e in deltas for t in e.logprobs] == [t.token for t in got]
     with pytest.raises(openai.BadRequestError) as e:
         alice.responses.create(**ask, include=["file_search_call.results"])
     assert e.value.body["param"] == "include[0]"

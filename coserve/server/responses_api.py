@@ -319,11 +319,15 @@ class ResponseShape:
         thought, reply = self.parser.split(self.job.reasoning, text)
         return thought, reply or ""
 
+    def reply_logprobs(self, out: RequestOutput) -> list:
+        """The token logprobs of the reply so far: those after the reasoning, its tags included."""
+        seq = out.outputs[0]
+        skip = self.job.reasoning.count(seq.token_ids) if self.parser is not None else 0
+        return (seq.logprobs or [])[skip:]
+
     def items(self, out: RequestOutput) -> list[dict]:
-        if self.logprobs_of is not None:  # the reply's tokens: those after the reasoning, its tags included
-            seq = out.outputs[0]
-            skip = self.job.reasoning.count(seq.token_ids) if self.parser is not None else 0
-            self.text_logprobs = self.logprobs_of((seq.logprobs or [])[skip:])
+        if self.logprobs_of is not None:
+            self.text_logprobs = self.logprobs_of(self.reply_logprobs(out))
         (thought, text), reason = self.split(out.outputs[0].text), finish_reason(out)
         status = "incomplete" if reason == "length" else "completed"
         said = self.reply_items(text, reason, status)
@@ -445,6 +449,7 @@ class ResponseShape:
                     yield e
             else:
                 delta, self.pending = self.pending, ""
+                logprobs_sent = 0  # the reply's tokens whose logprobs a delta carried (where asked)
                 while True:
                     if delta:
                         choice.sent_text()
@@ -452,8 +457,12 @@ class ResponseShape:
                         yield event(f"response.{self._named_events}.delta", item_id=self.item_id, output_index=at,
                                     delta=delta)
                     elif delta:
+                        fresh = []  # the tokens generated since the last delta, as the chat API's chunks carry them
+                        if self.logprobs_of is not None and choice.out is not None:
+                            tokens = self.reply_logprobs(choice.out)
+                            fresh, logprobs_sent = self.logprobs_of(tokens[logprobs_sent:]), len(tokens)
                         yield event("response.output_text.delta", item_id=self.message_id, output_index=at,
-                                    content_index=0, delta=delta, logprobs=[])
+                                    content_index=0, delta=delta, logprobs=fresh)
                     if choice.out is not None and choice.out.finished:
                         break
                     out = await advance(choice, job, ctx)
