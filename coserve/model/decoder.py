@@ -184,7 +184,8 @@ class DecoderModel:
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, device, dtype, cfg.rotary_dim,
                                     cfg.long_rope_from)
-        self.long_rope_from = self.rope.long_from  # LongRoPE's original context where its long rows are built (rope_row)
+        self.long_rope_from = self.rope.long_from  # LongRoPE's original context where its long rows are built
+        #   (rope_row)
         local = (RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_positions, device, dtype, cfg.rotary_dim)
                  if cfg.rope_local is not None else self.rope)
         # each layer's rotation (Gemma 3's sliding layers have their own)
