@@ -133,6 +133,17 @@ def test_qwen3_coder_calls_are_read_by_their_parameters_types():
     assert visible_text("Hi <tool_c", "qwen3_coder") == "Hi "
 
 
+def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
+    calls = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")]
+    assert parse_tool_calls(MISTRAL, "granite") == (None, calls)
+    assert parse_tool_calls(" <tool_call>" + MISTRAL, "granite") == (None, calls)
+    for text in ("Just text.", "<tool_call>", "<tool_call>[]", "Calls: " + MISTRAL, "<tool_call>" + MISTRAL + " more"):
+        assert parse_tool_calls(text, "granite") == (text, [])
+    assert visible_text(" <tool_c", "granite") == "" and visible_text("<tool_call>[{", "granite") == ""
+    assert visible_text("<b>", "granite") == "<b>"
+
+
 def test_an_unknown_parser_is_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, mistral"):
-        ServerConfig(model="m", state_dir="s", tool_call_parser="granite")
+    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, mistral, "
+                                         "granite, qwen3_coder"):
+        ServerConfig(model="m", state_dir="s", tool_call_parser="kimi_k2")

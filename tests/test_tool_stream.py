@@ -120,14 +120,16 @@ def test_pythonic_calls_stream_each_named_first_and_its_arguments_once_whole():
     assert feed(ToolCallStream(True, "pythonic"), text, iter(lambda: 2, None), (text, [])) == (text, [], 0)
 
 
-def test_mistral_calls_stream_as_written_and_join_into_the_finished_reply():
-    text = json.dumps([{"name": "get_weather", "arguments": {"city": 'Par"is', "days": [1, 2]}},
-                       {"name": "get_time", "arguments": {}}])
-    content, made = parse_tool_calls(text, "mistral")
+@pytest.mark.parametrize("parser, before", [("mistral", ""), ("granite", ""), ("granite", "<tool_call>")])
+def test_json_array_calls_stream_as_written_and_join_into_the_finished_reply(parser, before):
+    text = before + json.dumps([{"name": "get_weather", "arguments": {"city": 'Par"is', "days": [1, 2]}},
+                                {"name": "get_time", "arguments": {}}])
+    content, made = parse_tool_calls(text, parser)
+    assert content is None and len(made) == 2
     final = (content, [tool_call(c.name, c.arguments) for c in made])
     for seed in range(10):
         rng = random.Random(seed)
-        got_content, calls, early = feed(ToolCallStream(True, "mistral"), text, iter(lambda: rng.randint(1, 6), None),
+        got_content, calls, early = feed(ToolCallStream(True, parser), text, iter(lambda: rng.randint(1, 6), None),
                                          final)
         assert got_content == "" and [(c["name"], c["arguments"]) for c in calls] == [
             (c.name, c.arguments) for c in made]

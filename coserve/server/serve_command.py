@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=list(PARSERS), default=None,
                    help="the format of tool calls in the text (hermes: <tool_call>{json}</tool_call> after any text; "
                         "llama3_json: a reply of {\"name\", \"parameters\"} objects separated by ;, pythonic: a reply "
-                        "[f(a=1), g(b='x')], mistral: a reply [{\"name\", \"arguments\"}, ...], qwen3_coder: "
+                        "[f(a=1), g(b='x')], mistral: a reply [{\"name\", \"arguments\"}, ...], granite: the same "
+                        "after any <tool_call>, qwen3_coder: "
                         "<tool_call><function=f><parameter=a>1</parameter></function></tool_call> after any text)")
     p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
                    help="chat replies carry the model's <think> reasoning as reasoning_content, apart from the "

@@ -1,6 +1,6 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Five formats, by vLLM's names:
+Six formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
@@ -11,6 +11,8 @@ Five formats, by vLLM's names:
 - ``mistral`` (Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct: their ``[TOOL_CALLS]``, a special token, is not in
   the text): the reply is a JSON array of ``{"name", "arguments"}`` objects; one that does not begin with ``[`` is
   text. (The newer ``[TOOL_CALLS]name[ARGS]{...}`` form, whose markers are special tokens too, is not read.)
+- ``granite`` (IBM Granite 3): the same JSON array, after ``<tool_call>`` where the model writes it as text (its
+  ``<|tool_call|>`` token is special);
 - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=name><parameter=key>value</parameter></function>
   </tool_call>`` blocks after any text, each value read by the type the request's tool declares for it
   (``xml_calls.py``; ``schemas``: the tools' ``parameters`` by name).
@@ -59,10 +61,10 @@ def visible_text(text: str, parser: str = "hermes") -> str:
     """What of a growing output may be streamed as text now: everything before a block has begun, less a tail
     that could still turn into ``<tool_call>``; in a format whose reply is nothing but calls, all of it once it does
     not begin as they do (none while it is blank)."""
-    lead = FORMATS[parser].lead
-    if lead is not None:
-        i = skip_ws(text, 0)
-        return "" if i == len(text) or text[i] == lead else text
+    leads = FORMATS[parser].leads
+    if leads:
+        rest = text[skip_ws(text, 0):]
+        return "" if not rest or any(rest.startswith(lead) or lead.startswith(rest) for lead in leads) else text
     start = text.find(OPEN)
     if start >= 0:
         return text[:start]
@@ -179,21 +181,38 @@ def _xml_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
 
 
+GRANITE_OPEN = "<tool_call>"  # what Granite 3.1 and later write before their calls (3.0: a special token)
+
+
+def _granite_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    body = text.strip().removeprefix(GRANITE_OPEN)
+    _, calls = _mistral_calls(body, schemas)
+    return (text, []) if not calls else (None, calls)
+
+
+def _granite_views(text: str, schemas: dict) -> list[CallView]:
+    rest = text[skip_ws(text, 0):]
+    if GRANITE_OPEN.startswith(rest):  # blank, or the tag half written
+        return []
+    return scan_call_list(rest.removeprefix(GRANITE_OPEN), ("arguments",))
+
+
 @dataclass(frozen=True, slots=True)
 class CallFormat:
     """One ``--tool-call-parser``: how a finished reply and a growing one are read."""
 
     parse: Callable[[str, dict], tuple[str | None, list[ParsedCall]]]
     views: Callable[[str, dict], list[CallView]]
-    lead: str | None = None  # what a reply of calls begins with, where it is nothing but calls (None: calls in
+    leads: tuple[str, ...] = ()  # what a reply of calls begins with, where it is nothing but calls (none: calls in
     #   ``<tool_call>`` blocks after any text)
 
 
 FORMATS = {
     "hermes": CallFormat(_hermes_calls, _hermes_views),
-    "llama3_json": CallFormat(_llama3_calls, _llama3_views, "{"),
-    "pythonic": CallFormat(_pythonic_calls, lambda text, schemas: pythonic_views(text), "["),
-    "mistral": CallFormat(_mistral_calls, lambda text, schemas: scan_call_list(text, ("arguments",)), "["),
+    "llama3_json": CallFormat(_llama3_calls, _llama3_views, ("{",)),
+    "pythonic": CallFormat(_pythonic_calls, lambda text, schemas: pythonic_views(text), ("[",)),
+    "mistral": CallFormat(_mistral_calls, lambda text, schemas: scan_call_list(text, ("arguments",)), ("[",)),
+    "granite": CallFormat(_granite_calls, _granite_views, ("[", GRANITE_OPEN)),
     "qwen3_coder": CallFormat(_xml_calls, xml_views),
 }
 PARSERS = tuple(FORMATS)
