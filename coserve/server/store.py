@@ -507,14 +507,20 @@ class Store:
         return self._conn.execute("SELECT 1 FROM conversations WHERE id = ? AND tenant = ?",
                                   (conversation, tenant)).fetchone() is not None
 
-    def conversation_items(self, tenant: str, conversation: str) -> list[dict] | None:
-        """The tenant's conversation's items, oldest first; None if it has none by that id."""
+    def _conversation_column(self, tenant: str, conversation: str, column: str) -> list | None:
+        """One column (``obj`` or ``id``) of the tenant's conversation's items, oldest first; None if it has no
+        conversation by that id."""
         with self._lock:
             if not self._owns_conversation(tenant, conversation):
                 return None
-            rows = self._conn.execute("SELECT obj FROM conversation_items WHERE conversation = ? ORDER BY seq",
+            rows = self._conn.execute(f"SELECT {column} FROM conversation_items WHERE conversation = ? ORDER BY seq",
                                       (conversation,)).fetchall()
-        return [json.loads(obj) for (obj,) in rows]
+        return [value for (value,) in rows]
+
+    def conversation_items(self, tenant: str, conversation: str) -> list[dict] | None:
+        """The tenant's conversation's items, oldest first; None if it has none by that id."""
+        objs = self._conversation_column(tenant, conversation, "obj")
+        return None if objs is None else [json.loads(obj) for obj in objs]
 
     def conversation_items_page(self, tenant: str, conversation: str, after: str | None, limit: int,
                                 newest_first: bool) -> tuple[list[dict], bool] | None:
@@ -544,12 +550,8 @@ class Store:
 
     def conversation_item_ids(self, tenant: str, conversation: str) -> set[str] | None:
         """The ids of the tenant's conversation's items; None if it has no conversation by that id."""
-        with self._lock:
-            if not self._owns_conversation(tenant, conversation):
-                return None
-            rows = self._conn.execute("SELECT id FROM conversation_items WHERE conversation = ?",
-                                      (conversation,)).fetchall()
-        return {i for (i,) in rows}
+        ids = self._conversation_column(tenant, conversation, "id")
+        return None if ids is None else set(ids)
 
     def delete_conversation_item(self, tenant: str, conversation: str, item: str) -> bool:
         with self._lock, self._conn:
