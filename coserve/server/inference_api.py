@@ -31,7 +31,6 @@ from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, D
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
 from coserve.server.reasoning import ReasoningSplit
 from coserve.server.response_format import guided_output
-from coserve.server.tool_stream import ToolCallStream
 from coserve.server.stored_chat import store_after, store_chat
 from coserve.server.tools import ToolPlan, template_messages, template_tools, tool_plan
 
@@ -545,8 +544,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
             return {**head(c), "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                             "finish_reason": reason}]}
         # a list of calls (required, or read from free text): each choice's stream of them
-        calls = [ToolCallStream(tools.auto, tools.parser, tools.schemas) if tools is not None and tools.listed else None
-                 for _ in range(body.n)]
+        calls = [tools.stream() if tools is not None and tools.listed else None for _ in range(body.n)]
         safe = [""] * body.n  # each choice's text that no stop string can still cut
         splits = [ReasoningSplit(job.reasoning.opened) if job.reasoning is not None else None for _ in range(body.n)]
         sent = events(job, ctx, chunk, last, *stream_usage(body.stream_options))

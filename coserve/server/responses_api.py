@@ -43,7 +43,6 @@ from coserve.server.paging import check_limit, page_after
 from coserve.server.reasoning import END, ReasoningParser, ReasoningSplit
 from coserve.server.response_items import input_items, output_messages
 from coserve.server.response_format import guided_schema
-from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import ToolPlan, tool_plan
 
 router = APIRouter(route_class=TextJSONRoute)
@@ -319,15 +318,13 @@ class ResponseShape:
         thought, reply = self.parser.split(self.job.reasoning, text)
         return thought, reply or ""
 
-    def reply_logprobs(self, out: RequestOutput) -> list:
-        """The token logprobs of the reply so far: those after the reasoning, its tags included."""
-        seq = out.outputs[0]
-        skip = self.job.reasoning.count(seq.token_ids) if self.parser is not None else 0
-        return (seq.logprobs or [])[skip:]
+    def reasoning_length(self, out: RequestOutput) -> int:
+        """How many of the output's tokens are reasoning, its tags included (the reply's logprobs follow them)."""
+        return self.job.reasoning.count(out.outputs[0].token_ids) if self.parser is not None else 0
 
     def items(self, out: RequestOutput) -> list[dict]:
         if self.logprobs_of is not None:
-            self.text_logprobs = self.logprobs_of(self.reply_logprobs(out))
+            self.text_logprobs = self.logprobs_of((out.outputs[0].logprobs or [])[self.reasoning_length(out):])
         (thought, text), reason = self.split(out.outputs[0].text), finish_reason(out)
         status = "incomplete" if reason == "length" else "completed"
         said = self.reply_items(text, reason, status)
@@ -449,7 +446,8 @@ class ResponseShape:
                     yield e
             else:
                 delta, self.pending = self.pending, ""
-                logprobs_sent = 0  # the reply's tokens whose logprobs a delta carried (where asked)
+                logprobs_sent = None  # the output's tokens whose logprobs have gone (where asked): from the end of
+                #   the reasoning, which has ended when the reply's text flows
                 while True:
                     if delta:
                         choice.sent_text()
@@ -459,7 +457,9 @@ class ResponseShape:
                     elif delta:
                         fresh = []  # the tokens generated since the last delta, as the chat API's chunks carry them
                         if self.logprobs_of is not None and choice.out is not None:
-                            tokens = self.reply_logprobs(choice.out)
+                            tokens = choice.out.outputs[0].logprobs or []
+                            if logprobs_sent is None:
+                                logprobs_sent = self.reasoning_length(choice.out)
                             fresh, logprobs_sent = self.logprobs_of(tokens[logprobs_sent:]), len(tokens)
                         yield event("response.output_text.delta", item_id=self.message_id, output_index=at,
                                     content_index=0, delta=delta, logprobs=fresh)
@@ -542,7 +542,7 @@ class ResponseShape:
         items carry the ids the stream announced. Where the finished text is not calls after all, the events
         sent stand and ``response.completed`` carries the reply as read from the finished text."""
         job, choice = self.job, self.job.choices[0]
-        stream = ToolCallStream(self.tools.auto, self.tools.parser, self.tools.schemas)
+        stream = self.tools.stream()
         self.streamed_call_ids = stream.ids  # the final items' call ids, for the calls announced here
         safe, held = "", ""  # the text no stop string can cut; message text not sent yet (blank so far)
         message, items = None, []  # the message's output index once open; the call items' output indexes

@@ -35,6 +35,7 @@ from coserve.server.protocol import (ChatCompletionRequest, ChatMessage, CustomD
                                      NamedCustomChoice, Tool)
 from coserve.server.response_format import checked_schema
 from coserve.server.tool_parser import parse_tool_calls
+from coserve.server.tool_stream import ToolCallStream
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -65,6 +66,11 @@ class ToolPlan:
     def piece(self, text: str) -> dict:
         """A streamed named call's ``tool_calls`` delta carrying more of what it is called with."""
         return {"index": 0, **({"custom": {"input": text}} if self.custom else {"function": {"arguments": text}})}
+
+    def stream(self) -> ToolCallStream:
+        """A streamed choice's reader of a listed reply (``listed``): calls in free text in the server's format
+        (``auto``), or a guided list."""
+        return ToolCallStream(self.auto, self.parser, self.schemas)
 
     @property
     def listed(self) -> bool:
