@@ -7,7 +7,8 @@ import random
 import pytest
 
 from coserve.scheduler.sampling_params import ReasoningTokens
-from coserve.server.reasoning import (ReasoningParser, ReasoningParserError, ReasoningSplit, reasoning_parser)
+from coserve.server.reasoning import (FORMATS, PARSERS, ReasoningParser, ReasoningParserError, ReasoningSplit,
+                                      reasoning_parser)
 
 START, END = 90, 91  # the tags' ids in these tests
 QWEN3 = ReasoningParser("qwen3", START, END)
@@ -106,3 +107,45 @@ def test_a_parser_needs_the_tags_as_single_tokens():
         reasoning_parser("qwen3", _Tokenizer({"<think>": [90]}))
     with pytest.raises(ReasoningParserError, match="--reasoning-parser: 'o1'"):
         reasoning_parser("o1", _Tokenizer({}))
+
+
+SEED = {"<seed:think>": [70], "</seed:think>": [71]}
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("text,opened,expected", CASES)
+def test_seed_oss_splits_at_its_own_tags_as_the_others_do_at_think(text, opened, expected, seed):
+    """The same replies written with Seed-OSS's tags split as they do with ``<think>``, whole and streamed; its
+    ``<think>`` is plain text."""
+    seed_text = text.replace("<think>", "<seed:think>").replace("</think>", "</seed:think>")
+    swap = lambda part: part if part is None else part.replace("<think>", "<seed:think>").replace(  # noqa: E731
+        "</think>", "</seed:think>")
+    parser = reasoning_parser("seed_oss", _Tokenizer(SEED))
+    assert parser.split(ReasoningTokens(70, 71, opened), seed_text) == tuple(map(swap, expected))
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(seed_text)), min(len(seed_text) - 1, 4))) if len(seed_text) > 1 else []
+    machine, reasoning, content = parser.splitter(ReasoningTokens(70, 71, opened)), "", ""
+    pieces = [seed_text[a:b] for a, b in zip([0, *cuts], [*cuts, len(seed_text)])] or [""]
+    for i, piece in enumerate(pieces):
+        r, c = machine.feed(piece, final=i == len(pieces) - 1)
+        reasoning, content = reasoning + r, content + c
+    assert ((reasoning if machine.reasoned else None), content or None) == tuple(map(swap, expected))
+    assert parser.split(ReasoningTokens(70, 71, True), "a<think>b</think>c") == ("a<think>b</think>c", None)
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_each_parser_begins_the_output_where_its_models_template_leaves_it(name):
+    """With no tag in the prompt, DeepSeek-R1, MiniMax-M2 and Seed-OSS begin inside the reasoning (their templates
+    open it, or the models never write the start tag); Qwen3 and GLM-4.5 begin with the reply unless they write
+    ``<think>`` first. A prompt's last tag decides for every parser."""
+    tags = FORMATS[name]
+    parser = reasoning_parser(name, _Tokenizer({tags.start: [START], tags.end: [END]}))
+    assert parser.tokens([1, 2]).opened == (name in ("deepseek_r1", "minimax_m2", "seed_oss"))
+    assert parser.tokens([1, START, 2]).opened and not parser.tokens([START, END, 2]).opened
+    assert parser.split(parser.tokens([1]), f"x{tags.end}y") == (("x", "y") if parser.tokens([1]).opened
+                                                                  else (None, f"x{tags.end}y"))
+
+
+def test_a_parser_whose_tags_the_vocabulary_lacks_is_refused_naming_them():
+    with pytest.raises(ReasoningParserError, match=r"--reasoning-parser seed_oss: .*'<seed:think>'"):
+        reasoning_parser("seed_oss", _Tokenizer({"<think>": [90], "</think>": [91]}))

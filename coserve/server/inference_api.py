@@ -29,7 +29,6 @@ from coserve.server.json_text import TextJSONRoute
 from coserve.server.models import ADAPTER_NAME, load_adapter
 from coserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                      Sampling, TokenizeRequest, UnloadLoraRequest)
-from coserve.server.reasoning import ReasoningSplit
 from coserve.server.response_format import guided_output
 from coserve.server.stored_chat import store_after, store_chat
 from coserve.server.tools import ToolPlan, template_messages, template_tools, tool_plan
@@ -546,7 +545,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
         # a list of calls (required, or read from free text): each choice's stream of them
         calls = [tools.stream() if tools is not None and tools.listed else None for _ in range(body.n)]
         safe = [""] * body.n  # each choice's text that no stop string can still cut
-        splits = [ReasoningSplit(job.reasoning.opened) if job.reasoning is not None else None for _ in range(body.n)]
+        splits = [ctx.reasoning.splitter(job.reasoning) if job.reasoning is not None else None for _ in range(body.n)]
         sent = events(job, ctx, chunk, last, *stream_usage(body.stream_options))
         if body.store:  # kept once the stream has ended whole
             sent = store_after(sent, ctx, tenant, body, lambda: whole_chat(ctx, body, job, tools, echoed))

@@ -1,16 +1,23 @@
-"""Reasoning a model writes before its reply, between ``<think>`` and ``</think>`` (vLLM's ``--reasoning-parser``).
+"""Reasoning a model writes before its reply, between two tags (vLLM's ``--reasoning-parser``).
 
-``deepseek_r1``: DeepSeek-R1 and its distillations, whose chat template opens ``<think>`` in the prompt: the output
-is reasoning until ``</think>``, all of it if that never comes. ``qwen3``: Qwen3, which writes ``<think>`` itself
-when it thinks (and whose template, with ``enable_thinking`` false, closes an empty one in the prompt): the output is
-reasoning from a leading ``<think>`` to ``</think>``, or from the start where the prompt left a ``<think>`` open;
-else it is all reply. Either way the text after ``</think>`` is the reply (``content``), and the tags are dropped.
+The parsers, by vLLM's names, differ in their tags and in where the output begins when the prompt does not say:
+- ``deepseek_r1`` (DeepSeek-R1 and its distillations, whose chat template opens ``<think>`` in the prompt) and
+  ``minimax_m2`` (MiniMax-M2): ``<think>`` ... ``</think>``; the output is reasoning until ``</think>``, all of it
+  if that never comes;
+- ``seed_oss`` (Seed-OSS): the same, between ``<seed:think>`` and ``</seed:think>``;
+- ``qwen3`` (Qwen3, which writes ``<think>`` itself when it thinks, and whose template, with ``enable_thinking``
+  false, closes an empty one in the prompt) and ``glm45`` (GLM-4.5 and 4.6, the same switch): the output is
+  reasoning from a leading ``<think>`` to ``</think>``, else all reply.
+For every parser the prompt's last tag decides first: a prompt that leaves the reasoning open (its template wrote
+the start tag) begins the output inside it, and one that closed it begins the output with the reply. The text after
+the end tag is the reply (``content``), and the tags are dropped.
 
 A stream and a whole reply are split by the same machine (``ReasoningSplit``), so that a stream's
 ``reasoning_content`` and ``content`` deltas add up to the whole reply's: vLLM's qwen3 parser, which splits a whole
 reply at a ``</think>`` wherever it is but streams text before any tag as reasoning, can disagree with itself there.
-The tags must be single tokens of the model's vocabulary (as vLLM requires): the engine then starts a structured
-output's guide after ``</think>``, and the reasoning's tokens are counted by id (``reasoning_tokens``).
+The tags must be single tokens of the model's vocabulary (as vLLM requires), kept in the decoded text (not special
+tokens): the engine then starts a structured output's guide after the end tag, and the reasoning's tokens are
+counted by id (``reasoning_tokens``).
 """
 
 from __future__ import annotations
@@ -19,8 +26,26 @@ from dataclasses import dataclass
 
 from coserve.scheduler.sampling_params import ReasoningTokens
 
-PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkFormat:
+    """One parser's tags, and whether the output begins inside the reasoning where the prompt has no tag."""
+
+    start: str
+    end: str
+    opened: bool
+
+
+FORMATS = {
+    "deepseek_r1": ThinkFormat(START, END, opened=True),
+    "qwen3": ThinkFormat(START, END, opened=False),
+    "glm45": ThinkFormat(START, END, opened=False),
+    "minimax_m2": ThinkFormat(START, END, opened=True),
+    "seed_oss": ThinkFormat("<seed:think>", "</seed:think>", opened=True),
+}
+PARSERS = tuple(FORMATS)
 
 
 class ReasoningParserError(ValueError):
@@ -29,22 +54,30 @@ class ReasoningParserError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ReasoningParser:
-    """One server's parser: its name and the tags' token ids in the model's vocabulary."""
+    """One server's parser: its name, its tags, and their token ids in the model's vocabulary."""
 
     name: str
     start_id: int
     end_id: int
 
+    @property
+    def tags(self) -> ThinkFormat:
+        return FORMATS[self.name]
+
     def tokens(self, prompt_ids: list[int]) -> ReasoningTokens:
         """What the engine needs of a request with ``prompt_ids``: the tags, and whether its output begins inside
-        the reasoning (the prompt's last tag opens one; always with ``deepseek_r1``, unless the prompt closed it)."""
+        the reasoning (the prompt's last tag opens one; with no tag, as the parser's format says)."""
         last = next((t for t in reversed(prompt_ids) if t in (self.start_id, self.end_id)), None)
-        opened = last == self.start_id or (self.name == "deepseek_r1" and last is None)
+        opened = last == self.start_id or (self.tags.opened and last is None)
         return ReasoningTokens(self.start_id, self.end_id, opened)
+
+    def splitter(self, tokens: ReasoningTokens) -> ReasoningSplit:
+        """The machine that splits the text of a request's output (``tokens``: ``tokens(prompt_ids)``)."""
+        return ReasoningSplit(tokens.opened, self.tags.start, self.tags.end)
 
     def split(self, tokens: ReasoningTokens, text: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a whole reply (None where there is none)."""
-        machine = ReasoningSplit(tokens.opened)
+        machine = self.splitter(tokens)
         reasoning, content = machine.feed(text, final=True)
         return (reasoning if machine.reasoned else None), (content or None)
 
@@ -55,7 +88,7 @@ def reasoning_parser(name: str, tokenizer) -> ReasoningParser:
     if name not in PARSERS:
         raise ReasoningParserError(f"--reasoning-parser: {name!r} is not one of {', '.join(PARSERS)}")
     ids = []
-    for tag in (START, END):
+    for tag in (FORMATS[name].start, FORMATS[name].end):
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1:
             raise ReasoningParserError(
@@ -71,9 +104,10 @@ class ReasoningSplit:
     A tail that could still become a tag is held back until the next text (or the end) settles it.
     """
 
-    def __init__(self, opened: bool) -> None:
+    def __init__(self, opened: bool, start: str = START, end: str = END) -> None:
         self.opened = opened  # the prompt left the reasoning open: the output begins inside it
-        self.mode = "start"  # a leading <think> may still come (dropped, as vLLM's parsers drop it, opened or not)
+        self.start, self.end = start, end  # the tags
+        self.mode = "start"  # a leading start tag may still come (dropped, as vLLM's parsers drop it, opened or not)
         self.reasoned = opened  # whether any of the reply was reasoning
         self._held = ""
 
@@ -81,20 +115,20 @@ class ReasoningSplit:
         text, self._held = self._held + text, ""
         reasoning = ""
         if self.mode == "start":
-            if text.startswith(START):
-                text, self.mode, self.reasoned = text[len(START):], "reasoning", True
-            elif START.startswith(text) and not final:  # nothing yet, or maybe the beginning of <think>
+            if text.startswith(self.start):
+                text, self.mode, self.reasoned = text[len(self.start):], "reasoning", True
+            elif self.start.startswith(text) and not final:  # nothing yet, or maybe the beginning of the tag
                 self._held = text
                 return "", ""
             else:
                 self.mode = "reasoning" if self.opened else "content"
         if self.mode == "reasoning":
-            end = text.find(END)
+            end = text.find(self.end)
             if end < 0:
-                keep = 0 if final else _tag_prefix(text, END)
+                keep = 0 if final else _tag_prefix(text, self.end)
                 reasoning, self._held = text[:len(text) - keep], text[len(text) - keep:]
                 return reasoning, ""
-            reasoning, text, self.mode = text[:end], text[end + len(END):], "content"
+            reasoning, text, self.mode = text[:end], text[end + len(self.end):], "content"
         return reasoning, text
 
 

@@ -40,7 +40,7 @@ from coserve.server.json_text import TextJSONRoute
 from coserve.server.protocol import (ChatCompletionRequest, CustomChoice, FunctionChoice, FunctionTool, InputMessage,
                                      InputTokensRequest, ResponsesCustomTool, ResponsesRequest, list_page)
 from coserve.server.paging import check_limit, page_after
-from coserve.server.reasoning import END, ReasoningParser, ReasoningSplit
+from coserve.server.reasoning import ReasoningParser
 from coserve.server.response_items import input_items, output_messages
 from coserve.server.response_format import guided_schema
 from coserve.server.tools import ToolPlan, tool_plan
@@ -330,7 +330,7 @@ class ResponseShape:
         said = self.reply_items(text, reason, status)
         if thought is None:
             return said
-        ended = END in out.outputs[0].text  # else the output ended inside its reasoning
+        ended = self.parser.tags.end in out.outputs[0].text  # else the output ended inside its reasoning
         return [self.reasoning_item(thought, "completed" if ended else status), *said]
 
     def reasoning_item(self, text: str, status: str) -> dict:
@@ -499,7 +499,7 @@ class ResponseShape:
         """The output up to the end of its reasoning: the reasoning item (opened at its first text, at index 0) with
         its text as it is written; the reply text read with the reasoning's end is kept for the reply's events."""
         job, choice = self.job, self.job.choices[0]
-        split, said = ReasoningSplit(job.reasoning.opened), ""
+        split, said = self.parser.splitter(job.reasoning), ""
         while split.mode != "content" and not (choice.out is not None and choice.out.finished):
             out = await advance(choice, job, ctx)
             thought, self.pending = split.feed(choice.delta.next(out.outputs[0].text, out.finished), out.finished)

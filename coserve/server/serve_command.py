@@ -11,6 +11,7 @@ from coserve.engine.config import FUSE_CHOICES
 from coserve.engine.slo_options import add_slo_arguments, slo_settings
 from coserve.output_path import prepare_directory
 from coserve.server.config import DEFAULT_GIL_SWITCH_INTERVAL_MS
+from coserve.server import reasoning
 from coserve.server.tool_parser import PARSERS
 
 DEFAULT_STATE_DIR = "coserve-state"
@@ -73,9 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "[f(a=1), g(b='x')], mistral: a reply [{\"name\", \"arguments\"}, ...], granite: the same "
                         "after any <tool_call>, qwen3_coder: "
                         "<tool_call><function=f><parameter=a>1</parameter></function></tool_call> after any text)")
-    p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
-                   help="chat replies carry the model's <think> reasoning as reasoning_content, apart from the "
-                        "content; structured outputs constrain the content only (vLLM's flag)")
+    p.add_argument("--reasoning-parser", choices=list(reasoning.PARSERS), default=None,
+                   help="chat replies carry the model's reasoning (<think>...</think>; seed_oss: "
+                        "<seed:think>...</seed:think>) as reasoning_content, apart from the content; structured "
+                        "outputs constrain the content only (vLLM's flag)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
                    help="a POST /v1/files body, and a part of an upload (POST /v1/uploads/{id}/parts)")
