@@ -115,6 +115,27 @@ def test_skip_special_tokens_false_writes_them_into_the_text(llm):
         SamplingParams(skip_special_tokens="no")
 
 
+def test_the_token_that_stopped_the_output_is_not_in_its_text(llm):
+    """As in vLLM, the stop token (EOS, or one of ``stop_token_ids``, special or not) ends the output's token ids
+    but not its text, unless ``include_stop_str_in_output``: with ``skip_special_tokens`` False, EOS's text does not
+    end every reply."""
+    eos, word = llm.tokenizer.eos_token_id, llm.tokenizer.encode("the", add_special_tokens=False)[0]
+    forced = dict(max_tokens=4, temperature=0, skip_special_tokens=False)
+    out = llm.generate("Hi", SamplingParams(logit_bias={eos: 100.0}, **forced))[0].outputs[0]
+    assert out.token_ids == [eos] and out.text == "" and out.finish_reason == "stop"
+    kept = llm.generate("Hi", SamplingParams(logit_bias={eos: 100.0}, include_stop_str_in_output=True, **forced))[0]
+    assert kept.outputs[0].text == llm.tokenizer.eos_token
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, stop_token_ids=[word],
+                            logit_bias={word: 100.0})
+    out = llm.generate("Hi", params)[0].outputs[0]
+    assert out.token_ids == [word] and out.text == "" and out.stop_reason == word
+    free = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].outputs[0]
+    stopped = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                stop_token_ids=[free.token_ids[2]]))[0].outputs[0]
+    assert stopped.token_ids == free.token_ids[:3]
+    assert stopped.text == llm.tokenizer.decode(free.token_ids[:2], skip_special_tokens=True)
+
+
 def test_bad_word_bans_are_hfs_no_bad_words_processor_over_the_output():
     """The tokens ``bad_word_bans`` bans are those HF's ``NoBadWordsLogitsProcessor`` sets to -inf, given the output
     so far (random word sequences of 1-3 tokens that often end the output)."""

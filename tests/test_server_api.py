@@ -388,8 +388,8 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(alice):
     ("llama3_json", r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Oslo)", "unit": "C"\}\}; '
                     r'\{"name": "get_time", "parameters": \{\}\}', 3),  # arguments in pieces as written
     ("pythonic", r"\[get_weather\(city='(Paris|Oslo)', unit='C'\), get_time\(\)\]", 1),  # whole once closed
-    ("mistral", r'\[\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", "unit": "C"\}\}, '
-                r'\{"name": "get_time", "arguments": \{\}\}\]', 3),
+    ("mistral", r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Oslo)", "unit": "C"\}'
+                r'\[TOOL_CALLS\]get_time\[ARGS\]\{\}', 3),
     ("granite", r'<tool_call>\[\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", "unit": "C"\}\}, '
                 r'\{"name": "get_time", "arguments": \{\}\}\]', 3),
     ("qwen3_coder", r"<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Oslo)\n</parameter>\n"
@@ -398,7 +398,8 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(alice):
 ])
 def test_auto_tool_choice_reads_the_calls_of_the_servers_parser(model_factory, tmp_path, parser, calls, pieces):
     """--tool-call-parser llama3_json (a reply of {"name", "parameters"} objects separated by ';'), pythonic (a
-    Python list of calls), mistral and granite (a JSON array of {"name", "arguments"}) and qwen3_coder (XML blocks):
+    Python list of calls), mistral ([TOOL_CALLS]name[ARGS]{...}), granite (a JSON array of {"name", "arguments"})
+    and qwen3_coder (XML blocks):
     the calls become tool_calls with no content, whole and streamed; a reply that begins with text is text. The
     random-weight model is made to write calls by guided_regex."""
     srv = start_server(model_factory("llama"), tmp_path / "state", "--served-model-name", BASE,

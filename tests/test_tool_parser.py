@@ -94,15 +94,49 @@ def test_a_pythonic_stream_shows_text_only_once_it_cannot_be_calls():
 
 
 MISTRAL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "t"}]'
+NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]t[CALL_ID]a1b2c3d4e[ARGS]{}'
 
 
-def test_mistral_calls_are_a_json_array_of_calls_and_anything_else_is_text():
-    assert parse_tool_calls("\n" + MISTRAL, "mistral") == (None, [ParsedCall("get_weather", '{"city": "Paris"}'),
-                                                                 ParsedCall("t", "{}")])
-    for text in ("Just text.", "[]", '[{"name": "t", "arguments": "{}"}]', '[{"arguments": {}}]', MISTRAL + " more",
-                 "Calls: " + MISTRAL, '{"name": "t"}', MISTRAL[:-5]):
-        assert parse_tool_calls(text, "mistral") == (text, [])
-    assert visible_text(" [{\"na", "mistral") == "" and visible_text("No [", "mistral") == "No ["
+@pytest.mark.parametrize("text, content", [
+    ("[TOOL_CALLS]" + MISTRAL, None),  # v0.3's array
+    ("\n[TOOL_CALLS] " + MISTRAL + "\n", None),
+    (NAMED, None),  # v11's name[ARGS]{...}, v13's [CALL_ID]
+    ("Let me check. " + NAMED, "Let me check. "),
+    ('[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]t{}', None),  # [ARGS] decoded away
+])
+def test_mistral_calls_follow_tool_calls_in_either_form(text, content):
+    calls = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")]
+    assert parse_tool_calls(text, "mistral") == (content, calls)
+
+
+@pytest.mark.parametrize("text", [
+    "Just text.", MISTRAL, "[TOOL_CALLS]", "[TOOL_CALLS][]", '[TOOL_CALLS][{"name": "t", "arguments": "{}"}]',
+    "[TOOL_CALLS]" + MISTRAL + " more", NAMED + " more", '[TOOL_CALLS]get weather[ARGS]{}',
+    '[TOOL_CALLS][ARGS]{}', '[TOOL_CALLS]t[ARGS][1]', '[TOOL_CALLS]t[ARGS]{"a": }', '[TOOL_CALLS]t[ARGS]{"a": 1',
+    '[TOOL_CALLS]t[CALL_ID]abc', "[TOOL_CALLS]t[ARGS]",
+])
+def test_anything_but_whole_mistral_calls_after_the_marker_is_text(text):
+    assert parse_tool_calls(text, "mistral") == (text, [])
+
+
+def test_a_mistral_stream_shows_the_text_before_the_marker():
+    assert visible_text("Hi [TOOL_", "mistral") == "Hi " and visible_text("Hi [TOOL_CALLS]f", "mistral") == "Hi "
+    assert visible_text("a [b]", "mistral") == "a [b]" and visible_text("[", "mistral") == ""
+
+
+def test_a_mistral_auto_request_decodes_special_tokens_into_its_text():
+    """Mistral's markers are special tokens: as vLLM's parser does, a request it reads keeps them in its text
+    (``skip_special_tokens`` False), and no other parser's or plan's does."""
+    from coserve.server.inference_api import sampling_params
+    from coserve.server.protocol import ChatCompletionRequest
+    from coserve.server.tools import ToolPlan
+
+    assert ToolPlan(None, None, auto=True, parser="mistral").keeps_special
+    assert not ToolPlan(None, None, auto=True, parser="hermes").keeps_special
+    assert not ToolPlan(None, {"type": "array"}, parser="mistral").keeps_special  # required: a guided list
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}])
+    assert sampling_params(body, 8, None, 0).skip_special_tokens
+    assert not sampling_params(body, 8, None, 0, keep_special=True).skip_special_tokens
 
 
 SCHEMAS = {"get_weather": {"type": "object", "properties": {
@@ -136,6 +170,7 @@ def test_qwen3_coder_calls_are_read_by_their_parameters_types():
 def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
     calls = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")]
     assert parse_tool_calls(MISTRAL, "granite") == (None, calls)
+    assert parse_tool_calls(MISTRAL, "mistral") == (MISTRAL, [])  # Mistral's needs its marker
     assert parse_tool_calls(" <tool_call>" + MISTRAL, "granite") == (None, calls)
     for text in ("Just text.", "<tool_call>", "<tool_call>[]", "Calls: " + MISTRAL, "<tool_call>" + MISTRAL + " more"):
         assert parse_tool_calls(text, "granite") == (text, [])

@@ -120,7 +120,8 @@ def test_pythonic_calls_stream_each_named_first_and_its_arguments_once_whole():
     assert feed(ToolCallStream(True, "pythonic"), text, iter(lambda: 2, None), (text, [])) == (text, [], 0)
 
 
-@pytest.mark.parametrize("parser, before", [("mistral", ""), ("granite", ""), ("granite", "<tool_call>")])
+@pytest.mark.parametrize("parser, before", [("mistral", "[TOOL_CALLS]"), ("granite", ""),
+                                            ("granite", "<tool_call>")])
 def test_json_array_calls_stream_as_written_and_join_into_the_finished_reply(parser, before):
     text = before + json.dumps([{"name": "get_weather", "arguments": {"city": 'Par"is', "days": [1, 2]}},
                                 {"name": "get_time", "arguments": {}}])
@@ -133,6 +134,25 @@ def test_json_array_calls_stream_as_written_and_join_into_the_finished_reply(par
                                          final)
         assert got_content == "" and [(c["name"], c["arguments"]) for c in calls] == [
             (c.name, c.arguments) for c in made]
+        assert early > 1
+
+
+@pytest.mark.parametrize("before", ["", "Checking. "])
+def test_mistral_named_calls_stream_as_written_after_the_text_before_them(before):
+    """Mistral's v11 form: the text before ``[TOOL_CALLS]`` streams as content, each call is announced once its
+    name is whole (``[ARGS]`` or ``[CALL_ID]`` after it), its arguments go out as written; joined, the deltas are the
+    finished reply's calls."""
+    text = (before + '[TOOL_CALLS]get_weather[ARGS]{"city": "Par\\"is", "days": [1, 2]}'
+            '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}')
+    content, made = parse_tool_calls(text, "mistral")
+    assert content == (before or None) and [c.name for c in made] == ["get_weather", "get_time"]
+    final = (content, [tool_call(c.name, c.arguments) for c in made])
+    for seed in range(20):
+        rng = random.Random(seed)
+        stream = ToolCallStream(True, "mistral")
+        got_content, calls, early = feed(stream, text, iter(lambda: rng.randint(1, 6), None), final)
+        assert got_content == before and not stream.broken
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
         assert early > 1
 
 

@@ -19,6 +19,7 @@ class _RequestText:
     stop_reason: str | int | None = None
     finish_reason: str | None = None
     before_min_tokens: int = 0  # characters out before min_tokens were: a stop string must end after them
+    stop_token: bool = False  # a stop token (EOS, stop_token_ids) ended it: its text is not the output's (vLLM's)
 
 
 class OutputProcessor:
@@ -42,6 +43,7 @@ class OutputProcessor:
             state.finish_reason = event.finish_reason
             if event.new_token_id in request.params.stop_token_ids:
                 state.stop_reason = event.new_token_id
+            state.stop_token = event.finish_reason == "stop" and not request.params.include_stop_str_in_output
         params = request.params
         if not params.stop:
             return False
@@ -80,5 +82,10 @@ class OutputProcessor:
     @staticmethod
     def _text(request: Request, state: _RequestText, exact: bool) -> str:
         """The request's output text; until ``exact`` is asked for (the final output, stop strings), less an
-        unfinished UTF-8 character at its end (``IncrementalText``)."""
-        return state.text if state.cut else state.detokenizer.text(request.output_token_ids, exact)
+        unfinished UTF-8 character at its end (``IncrementalText``). The token that stopped it (EOS, a stop token
+        id) is left out of the text, as vLLM leaves it out (unless ``include_stop_str_in_output``): its text shows
+        where ``skip_special_tokens`` is False, or where a stop token id is not a special token."""
+        if state.cut:
+            return state.text
+        ids = request.output_token_ids
+        return state.detokenizer.text(ids[:-1] if state.stop_token else ids, exact)

@@ -132,9 +132,11 @@ def logit_bias(body: Sampling, vocab_size: int) -> dict[int, float]:
 
 def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index: int,
                     bias: dict[int, float] | None = None, prompt_logprobs: int | None = None,
-                    guided: dict[str, Any] | None = None, reasoning: ReasoningTokens | None = None) -> SamplingParams:
+                    guided: dict[str, Any] | None = None, reasoning: ReasoningTokens | None = None,
+                    keep_special: bool = False) -> SamplingParams:
     """``body``'s sampling fields as ``SamplingParams``; ``guided``: the guided_* fields (``guided_output``);
-    ``reasoning``: a reasoning parser's tags, after which the guide begins."""
+    ``reasoning``: a reasoning parser's tags, after which the guide begins; ``keep_special``: the text shows special
+    tokens whatever ``skip_special_tokens`` says (a tool-call parser reads them: ``ToolPlan.keeps_special``)."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS:
         raise bad_request(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
@@ -154,7 +156,8 @@ def sampling_params(body: Sampling, max_tokens: int, logprobs: int | None, index
                           logit_bias=bias or {}, prompt_logprobs=prompt_logprobs, **(guided or {}),
                           min_p=body.min_p, min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
                           include_stop_str_in_output=body.include_stop_str_in_output,
-                          allowed_token_ids=body.allowed_token_ids, skip_special_tokens=body.skip_special_tokens,
+                          allowed_token_ids=body.allowed_token_ids,
+                          skip_special_tokens=body.skip_special_tokens and not keep_special,
                           bad_words=list(body.bad_words or []), reasoning=reasoning)
 
 
@@ -495,8 +498,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
     prompt_top = prompt_scoring(body)
     job = new_job(request, f"chatcmpl-{secrets.token_hex(12)}", body.model, body.n)
     job.reasoning = ctx.reasoning.tokens(ids) if ctx.reasoning is not None else None
+    keep_special = tools is not None and tools.keeps_special
     params = [sampling_params(body, max_tokens, num_top, j, bias, prompt_logprobs=prompt_top, guided=guided,
-                              reasoning=job.reasoning) for j in range(body.n)]
+                              reasoning=job.reasoning, keep_special=keep_special) for j in range(body.n)]
     submit(ctx, job, [(make_request(ctx, tenant, ids, p, adapter, "messages", body.priority), "") for p in params],
            body.stream)
 

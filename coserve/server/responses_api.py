@@ -128,7 +128,8 @@ async def responses(body: ResponsesRequest, request: Request, ctx: ServerContext
             guided = None if schema is None else {"guided_json": schema}
         reasoning = ctx.reasoning.tokens(ids) if ctx.reasoning is not None else None
         num_top = (body.top_logprobs or 0) if wants_logprobs(body) else None
-        params = sampling_params(chat, max_tokens, num_top, 0, guided=guided, reasoning=reasoning)
+        params = sampling_params(chat, max_tokens, num_top, 0, guided=guided, reasoning=reasoning,
+                                 keep_special=tools is not None and tools.keeps_special)
         ctx.client.check_capacity(1)
         job = new_job(request, f"resp_{secrets.token_hex(12)}", body.model)
         job.reasoning = reasoning

@@ -8,11 +8,13 @@ Six formats, by vLLM's names:
   a reply that does not begin with ``{`` is text;
 - ``pythonic`` (Llama 3.2 and 4, ToolACE): the reply is a Python list of calls, ``[f(a=1), g(b="x")]``
   (``pythonic_calls.py``); a reply that does not begin with ``[`` is text;
-- ``mistral`` (Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct: their ``[TOOL_CALLS]``, a special token, is not in
-  the text): the reply is a JSON array of ``{"name", "arguments"}`` objects; one that does not begin with ``[`` is
-  text. (The newer ``[TOOL_CALLS]name[ARGS]{...}`` form, whose markers are special tokens too, is not read.)
-- ``granite`` (IBM Granite 3): the same JSON array, after ``<tool_call>`` where the model writes it as text (its
-  ``<|tool_call|>`` token is special);
+- ``mistral``: the calls after ``[TOOL_CALLS]``, after any text, in either of Mistral's forms: a JSON array of
+  ``{"name", "arguments"}`` objects (Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct), or ``name[ARGS]{...}``
+  per call, each after its own ``[TOOL_CALLS]`` (tokenizers v11 and later: Mistral Small 3.1/3.2, Devstral,
+  Magistral, Ministral 3; v13's ``name[CALL_ID]id[ARGS]{...}`` too). Its markers are special tokens: as vLLM does,
+  a request read by this parser decodes special tokens into its text (``keeps_special``).
+- ``granite`` (IBM Granite 3): the JSON array of Mistral's first form, after ``<tool_call>`` where the model writes
+  it as text (its ``<|tool_call|>`` token is special);
 - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=name><parameter=key>value</parameter></function>
   </tool_call>`` blocks after any text, each value read by the type the request's tool declares for it
   (``xml_calls.py``; ``schemas``: the tools' ``parameters`` by name).
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list, skip_ws, value_end
+from coserve.server.mistral_calls import TOOL_CALLS, call_array, mistral_calls, mistral_views
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 from coserve.server.xml_calls import parse_xml_calls, xml_views
 
@@ -58,18 +61,18 @@ def call_views(text: str, parser: str, schemas: dict[str, dict] | None = None) -
 
 
 def visible_text(text: str, parser: str = "hermes") -> str:
-    """What of a growing output may be streamed as text now: everything before a block has begun, less a tail
-    that could still turn into ``<tool_call>``; in a format whose reply is nothing but calls, all of it once it does
-    not begin as they do (none while it is blank)."""
-    leads = FORMATS[parser].leads
-    if leads:
+    """What of a growing output may be streamed as text now: everything before the calls have begun, less a tail
+    that could still turn into their marker (``<tool_call>``, ``[TOOL_CALLS]``); in a format whose reply is nothing
+    but calls, all of it once it does not begin as they do (none while it is blank)."""
+    form = FORMATS[parser]
+    if form.leads:
         rest = text[skip_ws(text, 0):]
-        return "" if not rest or any(rest.startswith(lead) or lead.startswith(rest) for lead in leads) else text
-    start = text.find(OPEN)
+        return "" if not rest or any(rest.startswith(lead) or lead.startswith(rest) for lead in form.leads) else text
+    start = text.find(form.opens)
     if start >= 0:
         return text[:start]
-    for keep in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-keep:]):
+    for keep in range(min(len(form.opens) - 1, len(text)), 0, -1):
+        if form.opens.startswith(text[-keep:]):
             return text[:-keep]
     return text
 
@@ -127,16 +130,8 @@ def _llama3_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall
 
 
 def _mistral_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
-    """Mistral's reply of calls: a JSON array of ``{"name", "arguments": {...}}`` objects and nothing else."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text, []
-    if not (isinstance(value, list) and value and all(
-            isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"]
-            and isinstance(c.get("arguments", {}), dict) for c in value)):
-        return text, []
-    return None, [ParsedCall(v.name, v.arguments) for v in scan_call_list(text, ("arguments",))]
+    found = mistral_calls(text)
+    return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
 
 
 def _hermes_views(text: str, schemas: dict) -> list[CallView]:
@@ -185,9 +180,8 @@ GRANITE_OPEN = "<tool_call>"  # what Granite 3.1 and later write before their ca
 
 
 def _granite_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
-    body = text.strip().removeprefix(GRANITE_OPEN)
-    _, calls = _mistral_calls(body, schemas)
-    return (text, []) if not calls else (None, calls)
+    calls = call_array(text.strip().removeprefix(GRANITE_OPEN))
+    return (text, []) if calls is None else (None, [ParsedCall(n, a) for n, a in calls])
 
 
 def _granite_views(text: str, schemas: dict) -> list[CallView]:
@@ -203,15 +197,18 @@ class CallFormat:
 
     parse: Callable[[str, dict], tuple[str | None, list[ParsedCall]]]
     views: Callable[[str, dict], list[CallView]]
-    leads: tuple[str, ...] = ()  # what a reply of calls begins with, where it is nothing but calls (none: calls in
-    #   ``<tool_call>`` blocks after any text)
+    leads: tuple[str, ...] = ()  # what a reply of calls begins with, where it is nothing but calls (none: calls
+    #   after any text, from ``opens`` on)
+    opens: str = OPEN  # what the calls after any text begin with
+    keeps_special: bool = False  # the markers are special tokens: a request read by it decodes them into its text
 
 
 FORMATS = {
     "hermes": CallFormat(_hermes_calls, _hermes_views),
     "llama3_json": CallFormat(_llama3_calls, _llama3_views, ("{",)),
     "pythonic": CallFormat(_pythonic_calls, lambda text, schemas: pythonic_views(text), ("[",)),
-    "mistral": CallFormat(_mistral_calls, lambda text, schemas: scan_call_list(text, ("arguments",)), ("[",)),
+    "mistral": CallFormat(_mistral_calls, lambda text, schemas: mistral_views(text), opens=TOOL_CALLS,
+                          keeps_special=True),
     "granite": CallFormat(_granite_calls, _granite_views, ("[", GRANITE_OPEN)),
     "qwen3_coder": CallFormat(_xml_calls, xml_views),
 }

@@ -34,7 +34,7 @@ from coserve.server.errors import bad_request
 from coserve.server.protocol import (ChatCompletionRequest, ChatMessage, CustomDef, CustomTool, CustomToolCall,
                                      NamedCustomChoice, Tool)
 from coserve.server.response_format import checked_schema
-from coserve.server.tool_parser import parse_tool_calls
+from coserve.server.tool_parser import FORMATS, parse_tool_calls
 from coserve.server.tool_stream import ToolCallStream
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -71,6 +71,12 @@ class ToolPlan:
         """A streamed choice's reader of a listed reply (``listed``): calls in free text in the server's format
         (``auto``), or a guided list."""
         return ToolCallStream(self.auto, self.parser, self.schemas)
+
+    @property
+    def keeps_special(self) -> bool:
+        """Whether the output's text must show special tokens (the parser's markers are such tokens, as Mistral's
+        ``[TOOL_CALLS]``): vLLM's parsers turn ``skip_special_tokens`` off for such requests too."""
+        return self.auto and FORMATS[self.parser].keeps_special
 
     @property
     def listed(self) -> bool:
