@@ -390,18 +390,20 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(alice):
     ("pythonic", r"\[get_weather\(city='(Paris|Oslo)', unit='C'\), get_time\(\)\]", 1),  # whole once closed
     ("mistral", r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Oslo)", "unit": "C"\}'
                 r'\[TOOL_CALLS\]get_time\[ARGS\]\{\}', 3),
-    ("granite", r'<tool_call>\[\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", "unit": "C"\}\}, '
-                r'\{"name": "get_time", "arguments": \{\}\}\]', 3),
+    ("kimi_k2", r'<\|tool_calls_section_begin\|><\|tool_call_begin\|>functions\.get_weather:0'
+                r'<\|tool_call_argument_begin\|>\{"city": "(Paris|Oslo)", "unit": "C"\}<\|tool_call_end\|>'
+                r'<\|tool_call_begin\|>functions\.get_time:1<\|tool_call_argument_begin\|>\{\}<\|tool_call_end\|>'
+                r'<\|tool_calls_section_end\|>', 3),
     ("qwen3_coder", r"<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Oslo)\n</parameter>\n"
                     r"<parameter=unit>\nC\n</parameter>\n</function>\n</tool_call>\n"
                     r"<tool_call>\n<function=get_time>\n</function>\n</tool_call>", 1),
 ])
 def test_auto_tool_choice_reads_the_calls_of_the_servers_parser(model_factory, tmp_path, parser, calls, pieces):
     """--tool-call-parser llama3_json (a reply of {"name", "parameters"} objects separated by ';'), pythonic (a
-    Python list of calls), mistral ([TOOL_CALLS]name[ARGS]{...}), granite (a JSON array of {"name", "arguments"})
-    and qwen3_coder (XML blocks):
-    the calls become tool_calls with no content, whole and streamed; a reply that begins with text is text. The
-    random-weight model is made to write calls by guided_regex."""
+    Python list of calls), mistral ([TOOL_CALLS]name[ARGS]{...}), kimi_k2 (a section of marked calls, each with
+    its own id) and qwen3_coder (XML blocks): the calls become tool_calls with no content, whole and streamed; a
+    reply that begins with text is text. The random-weight model is made to write calls by guided_regex. (granite
+    and the DeepSeek formats are read on plain data: test_tool_parser.py, test_tool_stream.py.)"""
     srv = start_server(model_factory("llama"), tmp_path / "state", "--served-model-name", BASE,
                        "--enable-auto-tool-choice", "--tool-call-parser", parser)
     try:
@@ -412,10 +414,14 @@ def test_auto_tool_choice_reads_the_calls_of_the_servers_parser(model_factory, t
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "get_time"]
         assert json.loads(choice.message.tool_calls[0].function.arguments)["unit"] == "C"
+        if parser == "kimi_k2":  # the ids the model wrote, which its template writes back
+            assert [c.id for c in choice.message.tool_calls] == ["functions.get_weather:0", "functions.get_time:1"]
         chunks = list(client.chat.completions.create(**ask, stream=True))
         streamed, reason = streamed_calls(chunks)
         assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in streamed.values()] == [
             (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        if parser == "kimi_k2":
+            assert [c["id"] for c in streamed.values()] == [c.id for c in choice.message.tool_calls]
         assert streamed[0]["pieces"] >= pieces
         assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         text = client.chat.completions.create(**{**ask, "extra_body": {"guided_regex": r"Sunny; \{\}\[\]"}})

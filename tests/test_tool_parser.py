@@ -132,11 +132,51 @@ def test_a_mistral_auto_request_decodes_special_tokens_into_its_text():
     from coserve.server.tools import ToolPlan
 
     assert ToolPlan(None, None, auto=True, parser="mistral").keeps_special
+    assert ToolPlan(None, None, auto=True, parser="kimi_k2").keeps_special
     assert not ToolPlan(None, None, auto=True, parser="hermes").keeps_special
     assert not ToolPlan(None, {"type": "array"}, parser="mistral").keeps_special  # required: a guided list
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}])
     assert sampling_params(body, 8, None, 0).skip_special_tokens
     assert not sampling_params(body, 8, None, 0, keep_special=True).skip_special_tokens
+
+
+V3_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"
+V31_CALL = "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"
+KIMI_CALL = "<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+SECTION_FORMS = {
+    "deepseek_v3": ("<｜tool▁calls▁begin｜>", V3_CALL, "<｜tool▁calls▁end｜>"),
+    "deepseek_v31": ("<｜tool▁calls▁begin｜>", V31_CALL, "<｜tool▁calls▁end｜>"),
+    "kimi_k2": ("<|tool_calls_section_begin|>", KIMI_CALL, "<|tool_calls_section_end|>"),
+}
+
+
+def section(parser: str, calls: list[tuple[str, str]], before: str = "", end: bool = True) -> str:
+    begin, call, close = SECTION_FORMS[parser]
+    return before + begin + "".join(call.format(name=n, args=a, index=i) for i, (n, a) in enumerate(calls)) + (
+        close if end else "")
+
+
+@pytest.mark.parametrize("parser", SECTION_FORMS)
+@pytest.mark.parametrize("before, end", [("", True), ("Let me check. ", True), ("", False)])
+def test_section_calls_follow_the_text_before_their_markers(parser, before, end):
+    """DeepSeek-V3's fenced calls, V3.1's and Kimi K2's: the text before the section is content; each call's
+    arguments are the JSON the model wrote; Kimi's calls keep the ids the model wrote."""
+    text = section(parser, [("get_weather", '{"city": "Paris"}'), ("t", "{}")], before, end)
+    content, calls = parse_tool_calls(text, parser)
+    assert content == (before or None)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}'), ("t", "{}")]
+    assert [c.ident for c in calls] == (["functions.get_weather:0", "functions.t:1"] if parser == "kimi_k2"
+                                        else [None, None])
+    assert visible_text(before + SECTION_FORMS[parser][0][:5], parser) == before
+
+
+@pytest.mark.parametrize("parser", SECTION_FORMS)
+def test_anything_but_whole_section_calls_is_text(parser):
+    begin, call, close = SECTION_FORMS[parser]
+    good = section(parser, [("f", '{"a": 1}')])
+    for text in ("Just text.", begin, begin + "junk", good + " more", section(parser, [("f g", "{}")]),
+                 section(parser, [("f", "[1]")]), section(parser, [("f", '{"a": ')]), good.replace(close, "")[:-3]):
+        assert parse_tool_calls(text, parser) == (text, [])
 
 
 SCHEMAS = {"get_weather": {"type": "object", "properties": {
@@ -180,5 +220,5 @@ def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
 
 def test_an_unknown_parser_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, mistral, "
-                                         "granite, qwen3_coder"):
-        ServerConfig(model="m", state_dir="s", tool_call_parser="kimi_k2")
+                                         "granite, qwen3_coder, deepseek_v3, deepseek_v31, kimi_k2"):
+        ServerConfig(model="m", state_dir="s", tool_call_parser="glm45")

@@ -15,6 +15,7 @@ from coserve.server.call_text import NotACall, scan_call, scan_call_list
 from coserve.server.tool_parser import parse_tool_calls
 from coserve.server.tool_stream import ToolCallStream
 from coserve.server.tools import ToolPlan, tool_call
+from tests.test_tool_parser import SECTION_FORMS, section
 
 HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\"is", "days": [1, 2], '
           '"deep": {"a": {}}}}\n</tool_call>\n<tool_call>{"arguments": "{\\"x\\": 1}", "name": "t"}</tool_call>')
@@ -153,6 +154,25 @@ def test_mistral_named_calls_stream_as_written_after_the_text_before_them(before
         got_content, calls, early = feed(stream, text, iter(lambda: rng.randint(1, 6), None), final)
         assert got_content == before and not stream.broken
         assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
+        assert early > 1
+
+
+@pytest.mark.parametrize("parser", SECTION_FORMS)
+def test_section_calls_stream_as_written_after_the_text_before_them(parser):
+    """DeepSeek's and Kimi K2's sections: the text before streams as content, each call is announced once its
+    name is whole (with the id a Kimi call wrote), its arguments go out as written; joined, the deltas are the
+    finished reply's calls."""
+    text = section(parser, [("get_weather", '{"city": "Par\\"is", "days": [1, 2]}'), ("get_time", "{}")],
+                   "Checking. ")
+    content, made = parse_tool_calls(text, parser)
+    final = (content, [tool_call(c.name, c.arguments, c.ident) for c in made])
+    for seed in range(20):
+        rng = random.Random(seed)
+        stream = ToolCallStream(True, parser)
+        got_content, calls, early = feed(stream, text, iter(lambda: rng.randint(1, 6), None), final)
+        assert got_content == "Checking. " and not stream.broken
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
+        assert [c["id"] for c in calls][0].startswith("functions.get_weather:0" if parser == "kimi_k2" else "call_")
         assert early > 1
 
 

@@ -31,6 +31,7 @@ class CallView:
     name: str | None  # once its string is whole
     arguments: str  # the arguments' text so far: an object's raw text, or a string's decoded content once whole
     end: int | None  # index just past the object's closing brace, once it is written
+    ident: str | None = None  # the call's id, where the model writes one (Kimi K2)
 
 
 def skip_ws(text: str, i: int) -> int:

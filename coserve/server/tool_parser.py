@@ -1,6 +1,6 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Six formats, by vLLM's names:
+Nine formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
@@ -17,7 +17,9 @@ Six formats, by vLLM's names:
   it as text (its ``<|tool_call|>`` token is special);
 - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=name><parameter=key>value</parameter></function>
   </tool_call>`` blocks after any text, each value read by the type the request's tool declares for it
-  (``xml_calls.py``; ``schemas``: the tools' ``parameters`` by name).
+  (``xml_calls.py``; ``schemas``: the tools' ``parameters`` by name);
+- ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2``: a section of marker tokens after any text
+  (``section_calls.py``), decoded into the text as ``mistral``'s are.
 A reply that is not all whole calls is text, as vLLM leaves it; names are not checked against the request's tools
 (as vLLM does not). A JSON call's ``arguments`` are the JSON text the model wrote for them, so that a stream can send
 them as they are written (``tool_stream.py``, through ``call_views``); a Python or XML call's are made from its
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list, skip_ws, value_end
 from coserve.server.mistral_calls import TOOL_CALLS, call_array, mistral_calls, mistral_views
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
+from coserve.server.section_calls import SECTIONS, section_calls, section_views
 from coserve.server.xml_calls import parse_xml_calls, xml_views
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -45,6 +48,7 @@ BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re
 class ParsedCall:
     name: str
     arguments: str  # JSON text, as OpenAI's tool_calls carry it
+    ident: str | None = None  # the id the model wrote for it (Kimi K2), else one is made
 
 
 def parse_tool_calls(text: str, parser: str = "hermes", schemas: dict[str, dict] | None = None
@@ -203,6 +207,16 @@ class CallFormat:
     keeps_special: bool = False  # the markers are special tokens: a request read by it decodes them into its text
 
 
+def _section_format(name: str) -> CallFormat:
+    form = SECTIONS[name]
+
+    def parse(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+        found = section_calls(text, form)
+        return (text, []) if found is None else (found[0], [ParsedCall(c.name, c.arguments, c.ident)
+                                                            for c in found[1]])
+    return CallFormat(parse, lambda text, schemas: section_views(text, form), opens=form.begin, keeps_special=True)
+
+
 FORMATS = {
     "hermes": CallFormat(_hermes_calls, _hermes_views),
     "llama3_json": CallFormat(_llama3_calls, _llama3_views, ("{",)),
@@ -211,5 +225,6 @@ FORMATS = {
                           keeps_special=True),
     "granite": CallFormat(_granite_calls, _granite_views, ("[", GRANITE_OPEN)),
     "qwen3_coder": CallFormat(_xml_calls, xml_views),
+    **{name: _section_format(name) for name in SECTIONS},
 }
 PARSERS = tuple(FORMATS)

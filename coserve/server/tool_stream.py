@@ -55,7 +55,7 @@ class ToolCallStream:
         for i, view in enumerate(views):
             if view.name is None:
                 break  # calls are announced in order, each with its name
-            delta = self._announce(i, view.name) if i == len(self.ids) else None
+            delta = self._announce(i, view.name, view.ident) if i == len(self.ids) else None
             piece = self._piece(i, view.arguments)
             if delta is not None:
                 delta["function"]["arguments"] = piece

@@ -88,7 +88,7 @@ class ToolPlan:
         """``(content, tool_calls)`` of an output that ended by itself; no calls: ``(text, [])``."""
         if self.auto:
             content, parsed = parse_tool_calls(text, self.parser, self.schemas)
-            return content, [tool_call(c.name, c.arguments) for c in parsed]
+            return content, [tool_call(c.name, c.arguments, c.ident) for c in parsed]
         made = self.calls(text)
         return (text, []) if made is None else (None, made)
 
@@ -111,8 +111,9 @@ class ToolPlan:
         return [tool_call(v.name, v.arguments) for v in scan_call_list(text)]
 
 
-def tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+def tool_call(name: str, arguments: str, ident: str | None = None) -> dict:
+    """An OpenAI ``tool_calls`` entry; ``ident``: the id the model wrote (Kimi K2's), else a new one."""
+    return {"id": ident or f"call_{secrets.token_hex(12)}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
