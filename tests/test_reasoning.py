@@ -94,11 +94,15 @@ def test_reasoning_tokens_are_counted_by_id_and_the_reply_starts_after_the_end_t
 
 
 class _Tokenizer:
-    def __init__(self, vocab):
-        self.vocab = vocab
+    def __init__(self, vocab, special=()):
+        self.vocab, self.special = vocab, set(special)
 
     def encode(self, text, add_special_tokens=True):
         return list(self.vocab.get(text, [1, 2, 3]))
+
+    def decode(self, ids, skip_special_tokens=False):
+        names = {i: t for t, (i, *_) in self.vocab.items()}
+        return "".join("" if skip_special_tokens and names[i] in self.special else names[i] for i in ids)
 
 
 def test_a_parser_needs_the_tags_as_single_tokens():
@@ -141,6 +145,7 @@ def test_each_parser_begins_the_output_where_its_models_template_leaves_it(name)
     tags = FORMATS[name]
     parser = reasoning_parser(name, _Tokenizer({tags.start: [START], tags.end: [END]}))
     assert parser.tokens([1, 2]).opened == (name in ("deepseek_r1", "minimax_m2", "seed_oss"))
+    assert not parser.special
     assert parser.tokens([1, START, 2]).opened and not parser.tokens([START, END, 2]).opened
     assert parser.split(parser.tokens([1]), f"x{tags.end}y") == (("x", "y") if parser.tokens([1]).opened
                                                                   else (None, f"x{tags.end}y"))
@@ -149,3 +154,14 @@ def test_each_parser_begins_the_output_where_its_models_template_leaves_it(name)
 def test_a_parser_whose_tags_the_vocabulary_lacks_is_refused_naming_them():
     with pytest.raises(ReasoningParserError, match=r"--reasoning-parser seed_oss: .*'<seed:think>'"):
         reasoning_parser("seed_oss", _Tokenizer({"<think>": [90], "</think>": [91]}))
+
+
+def test_magistrals_think_tags_are_special_tokens_so_its_text_keeps_them():
+    """Mistral's ``[THINK]`` and ``[/THINK]`` are special tokens: the parser says so, and each request's tags carry
+    it (the engine then decodes special tokens into the text); the reply is reasoning only after ``[THINK]``."""
+    tags = {"[THINK]": [30], "[/THINK]": [31]}
+    parser = reasoning_parser("mistral", _Tokenizer(tags, special=tags))
+    assert parser.special and parser.tokens([1, 2]) == ReasoningTokens(30, 31, False, True)
+    assert parser.split(parser.tokens([1]), "[THINK]Add them.[/THINK]4") == ("Add them.", "4")
+    assert parser.split(parser.tokens([1]), "4") == (None, "4")
+    assert not reasoning_parser("mistral", _Tokenizer(tags)).special  # written as text: nothing to keep

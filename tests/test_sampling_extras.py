@@ -136,6 +136,19 @@ def test_the_token_that_stopped_the_output_is_not_in_its_text(llm):
     assert stopped.text == llm.tokenizer.decode(free.token_ids[:2], skip_special_tokens=True)
 
 
+def test_reasoning_tags_that_are_special_tokens_stay_in_the_text(llm):
+    """A reasoning parser whose tags are special tokens (Magistral's ``[THINK]``) must find them in the text: a
+    request whose ``reasoning`` says so decodes special tokens, whatever ``skip_special_tokens`` says."""
+    from coserve.scheduler.sampling_params import ReasoningTokens
+
+    start, end = (llm.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
+    forced = dict(max_tokens=2, temperature=0, ignore_eos=True, logit_bias={start: 100.0})
+    hidden = llm.generate("Hi", SamplingParams(reasoning=ReasoningTokens(start, end, False), **forced))[0]
+    shown = llm.generate("Hi", SamplingParams(reasoning=ReasoningTokens(start, end, False, special=True), **forced))[0]
+    assert hidden.token_ids == shown.token_ids == [start, start]
+    assert hidden.text == "" and shown.text == "<|im_start|><|im_start|>"
+
+
 def test_bad_word_bans_are_hfs_no_bad_words_processor_over_the_output():
     """The tokens ``bad_word_bans`` bans are those HF's ``NoBadWordsLogitsProcessor`` sets to -inf, given the output
     so far (random word sequences of 1-3 tokens that often end the output)."""

@@ -30,9 +30,10 @@ class OutputProcessor:
         self._texts: dict[str, _RequestText] = {}
 
     def add(self, request: Request, prompt: str | None) -> None:
+        params = request.params
+        skip = params.skip_special_tokens and not (params.reasoning is not None and params.reasoning.special)
         self._texts[request.request_id] = _RequestText(
-            prompt, [] if request.params.logprobs is not None else None,
-            IncrementalText(self.tokenizer, request.params.skip_special_tokens))
+            prompt, [] if params.logprobs is not None else None, IncrementalText(self.tokenizer, skip))
 
     def process(self, request: Request, event: TokenEvent) -> bool:
         """Record one new token; returns True when a stop string has just ended the request."""

@@ -43,6 +43,8 @@ class ReasoningTokens:
     start: int  # <think>
     end: int  # </think>
     opened: bool
+    special: bool = False  # the tags are special tokens (Mistral's [THINK]): the output's text keeps special tokens
+    #   whatever skip_special_tokens says, so that a parser finds them there
 
     def reply_start(self, output_ids: list[int]) -> int | None:
         """Where the reply after the reasoning begins in ``output_ids``, or None while the output is reasoning; 0 where

@@ -7,7 +7,10 @@ The parsers, by vLLM's names, differ in their tags and in where the output begin
 - ``seed_oss`` (Seed-OSS): the same, between ``<seed:think>`` and ``</seed:think>``;
 - ``qwen3`` (Qwen3, which writes ``<think>`` itself when it thinks, and whose template, with ``enable_thinking``
   false, closes an empty one in the prompt) and ``glm45`` (GLM-4.5 and 4.6, the same switch): the output is
-  reasoning from a leading ``<think>`` to ``</think>``, else all reply.
+  reasoning from a leading ``<think>`` to ``</think>``, else all reply;
+- ``mistral`` (Magistral): the same, between ``[THINK]`` and ``[/THINK]``, which are special tokens of its
+  tokenizer: the text of a request it reads then keeps special tokens (``ReasoningTokens.special``), as vLLM's
+  parser reads them.
 For every parser the prompt's last tag decides first: a prompt that leaves the reasoning open (its template wrote
 the start tag) begins the output inside it, and one that closed it begins the output with the reply. The text after
 the end tag is the reply (``content``), and the tags are dropped.
@@ -15,9 +18,9 @@ the end tag is the reply (``content``), and the tags are dropped.
 A stream and a whole reply are split by the same machine (``ReasoningSplit``), so that a stream's
 ``reasoning_content`` and ``content`` deltas add up to the whole reply's: vLLM's qwen3 parser, which splits a whole
 reply at a ``</think>`` wherever it is but streams text before any tag as reasoning, can disagree with itself there.
-The tags must be single tokens of the model's vocabulary (as vLLM requires), kept in the decoded text (not special
-tokens): the engine then starts a structured output's guide after the end tag, and the reasoning's tokens are
-counted by id (``reasoning_tokens``).
+The tags must be single tokens of the model's vocabulary (as vLLM requires): the engine then starts a structured
+output's guide after the end tag, and the reasoning's tokens are counted by id (``reasoning_tokens``). Where they
+are special tokens, the output's text keeps special tokens so that the split finds them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ FORMATS = {
     "glm45": ThinkFormat(START, END, opened=False),
     "minimax_m2": ThinkFormat(START, END, opened=True),
     "seed_oss": ThinkFormat("<seed:think>", "</seed:think>", opened=True),
+    "mistral": ThinkFormat("[THINK]", "[/THINK]", opened=False),
 }
 PARSERS = tuple(FORMATS)
 
@@ -59,6 +63,7 @@ class ReasoningParser:
     name: str
     start_id: int
     end_id: int
+    special: bool = False  # the tags are special tokens (decoding skips them unless told not to)
 
     @property
     def tags(self) -> ThinkFormat:
@@ -69,7 +74,7 @@ class ReasoningParser:
         the reasoning (the prompt's last tag opens one; with no tag, as the parser's format says)."""
         last = next((t for t in reversed(prompt_ids) if t in (self.start_id, self.end_id)), None)
         opened = last == self.start_id or (self.tags.opened and last is None)
-        return ReasoningTokens(self.start_id, self.end_id, opened)
+        return ReasoningTokens(self.start_id, self.end_id, opened, self.special)
 
     def splitter(self, tokens: ReasoningTokens) -> ReasoningSplit:
         """The machine that splits the text of a request's output (``tokens``: ``tokens(prompt_ids)``)."""
@@ -95,7 +100,9 @@ def reasoning_parser(name: str, tokenizer) -> ReasoningParser:
                 f"--reasoning-parser {name}: the model's tokenizer has no single token for {tag!r} "
                 f"(it encodes it as {len(encoded)} tokens); a reasoning model's tokenizer does")
         ids.append(encoded[0])
-    return ReasoningParser(name, ids[0], ids[1])
+    special = any(tokenizer.decode([i], skip_special_tokens=True) != tag
+                  for i, tag in zip(ids, (FORMATS[name].start, FORMATS[name].end)))
+    return ReasoningParser(name, ids[0], ids[1], special)
 
 
 class ReasoningSplit:

@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "deepseek_v3, deepseek_v31, kimi_k2: their sections of marker tokens after any text)")
     p.add_argument("--reasoning-parser", choices=list(reasoning.PARSERS), default=None,
                    help="chat replies carry the model's reasoning (<think>...</think>; seed_oss: "
-                        "<seed:think>...</seed:think>) as reasoning_content, apart from the content; structured "
-                        "outputs constrain the content only (vLLM's flag)")
+                        "<seed:think>...</seed:think>; mistral: [THINK]...[/THINK]) as reasoning_content, apart "
+                        "from the content; structured outputs constrain the content only (vLLM's flag)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
                    help="a POST /v1/files body, and a part of an upload (POST /v1/uploads/{id}/parts)")
