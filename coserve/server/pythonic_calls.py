@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 
 from coserve.server.call_text import CallView, NotACall, skip_ws
 
 OPENING, CLOSING = "([{", ")]}"
+PLAIN = re.compile(r"[^'\"()\[\]{},]+")  # a run of characters the scan has nothing to do with
 
 
 def parse_pythonic(text: str) -> list[tuple[str, str]] | None:
@@ -57,6 +59,10 @@ def pythonic_views(text: str) -> list[CallView]:
     views: list[CallView] = []
     start, depth, pos = i + 1, 0, i + 1
     while pos < len(text):
+        plain = PLAIN.match(text, pos)  # skipped by the regex engine: a stream re-reads the text at every token
+        if plain is not None:
+            pos = plain.end()
+            continue
         c = text[pos]
         if c in "'\"":
             end = _string_end(text, pos)
@@ -95,12 +101,12 @@ def _string_end(text: str, i: int) -> int | None:
     """Index just past the Python string literal whose quote is at ``text[i]`` (single or triple quoted); None
     while it is not closed."""
     quote = text[i] * 3 if text.startswith(text[i] * 3, i) else text[i]
-    pos = i + len(quote)
-    while pos < len(text):
-        if text[pos] == "\\":
-            pos += 2
-            continue
-        if text.startswith(quote, pos):
+    start = pos = i + len(quote)
+    while (pos := text.find(quote, pos)) >= 0:  # found by str.find: a stream re-reads the text at every token
+        slash = pos
+        while slash > start and text[slash - 1] == "\\":
+            slash -= 1
+        if (pos - slash) % 2 == 0:  # not escaped
             return pos + len(quote)
         pos += 1
     return None

@@ -32,6 +32,7 @@ from coserve.server.call_text import CallView
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+FUNCTION_CLOSE = "</function>"
 FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
 NAMED = re.compile(r"\s*<function=([^>\n]+)>")
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -62,16 +63,18 @@ def xml_views(text: str, schemas: dict[str, dict]) -> list[CallView]:
     with their arguments once ``</function>`` is."""
     views: list[CallView] = []
     start = text.find(OPEN)
-    for m in BLOCK.finditer(text, start) if start >= 0 else ():
-        body = m.group(1)
-        call = _call(body, schemas)
+    while start >= 0:  # the blocks found by str.find (a stream re-reads the text at every token)
+        close = text.find(CLOSE, start + len(OPEN))
+        end = len(text) if close < 0 else close + len(CLOSE)
+        body = text[start + len(OPEN):close if close >= 0 else len(text)]
+        call = _call(body, schemas) if FUNCTION_CLOSE in body else None
         if call is not None:
-            views.append(CallView(call[0], call[1], m.end()))
+            views.append(CallView(call[0], call[1], end))
+            start = text.find(OPEN, end)
             continue
         named = NAMED.match(body)
-        if named is None:
-            break
-        views.append(CallView(named.group(1).strip(), "", None))
+        if named is not None:
+            views.append(CallView(named.group(1).strip(), "", None))
         break
     return views
 
