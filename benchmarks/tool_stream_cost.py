@@ -30,6 +30,9 @@ def call_text(parser: str, code: str) -> str:
         "mistral": f"[TOOL_CALLS]write[ARGS]{args}",
         "granite": f'<tool_call>[{{"name": "write", "arguments": {args}}}]',
         "qwen3_coder": f"<tool_call>\n<function=write>\n<parameter=code>\n{code}</parameter>\n</function>\n</tool_call>",
+        "seed_oss": (f"<seed:tool_call>\n<function=write>\n<parameter=code>\n{code}</parameter>\n</function>\n"
+                     "</seed:tool_call>"),
+        "glm45": f"<tool_call>write\n<arg_key>code</arg_key>\n<arg_value>{code}</arg_value>\n</tool_call>",
         "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>write\n```json\n"
                         f"{args}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
         "deepseek_v31": (f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>write<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"

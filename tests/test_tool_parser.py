@@ -207,6 +207,37 @@ def test_qwen3_coder_calls_are_read_by_their_parameters_types():
     assert visible_text("Hi <tool_c", "qwen3_coder") == "Hi "
 
 
+def test_seed_oss_calls_are_qwen3_coders_in_blocks_of_their_own():
+    seed = XML.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
+    assert parse_tool_calls("Hi " + seed, "seed_oss", SCHEMAS) == (
+        "Hi ", parse_tool_calls(XML, "qwen3_coder", SCHEMAS)[1])
+    assert parse_tool_calls(XML, "seed_oss", SCHEMAS) == (XML, [])
+    assert visible_text("Hi <seed:tool", "seed_oss") == "Hi "
+
+
+GLM = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> 007 Paris</arg_value>\n<arg_key>days</arg_key>"
+       "\n<arg_value>3</arg_value>\n<arg_key>where</arg_key>\n<arg_value>{'lat': 1.5}</arg_value>\n<arg_key>note"
+       "</arg_key>\n<arg_value>many\nlines</arg_value>\n<arg_key>n</arg_key><arg_value>NaN</arg_value>\n</tool_call>")
+
+
+def test_glm45_calls_read_their_values_as_vllm_does():
+    """A value the tool declares a string is as written (stripped); any other is JSON, else a Python literal, else
+    as written (NaN, which JSON text cannot carry, too)."""
+    content, calls = parse_tool_calls("Checking.\n" + GLM + "\n<tool_call>get_time\n</tool_call>", "glm45",
+                                      {"get_weather": {"properties": {"city": {"type": "string"}}}})
+    assert content == "Checking.\n" and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "007 Paris", "days": 3, "where": {"lat": 1.5},
+                                              "note": "many\nlines", "n": "NaN"}
+    assert calls[1].arguments == "{}"
+    as_strings = {"get_weather": {"properties": {"days": {"type": "string"}, "where": {"type": "string"}}}}
+    assert json.loads(parse_tool_calls(GLM, "glm45", as_strings)[1][0].arguments) == {
+        "city": "007 Paris", "days": "3", "where": "{'lat': 1.5}", "note": "many\nlines", "n": "NaN"}
+    for text in ("Just text.", GLM + " more", GLM[:-len("</tool_call>")], "<tool_call>get weather\n</tool_call>",
+                 "<tool_call>f\nstray<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+                 GLM + " between " + GLM):
+        assert parse_tool_calls(text, "glm45") == (text, [])
+
+
 def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
     calls = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")]
     assert parse_tool_calls(MISTRAL, "granite") == (None, calls)
@@ -220,5 +251,5 @@ def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
 
 def test_an_unknown_parser_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, mistral, "
-                                         "granite, qwen3_coder, deepseek_v3, deepseek_v31, kimi_k2"):
-        ServerConfig(model="m", state_dir="s", tool_call_parser="glm45")
+                                         "granite, qwen3_coder, seed_oss, glm45, deepseek_v3, deepseek_v31, kimi_k2"):
+        ServerConfig(model="m", state_dir="s", tool_call_parser="minimax_m2")

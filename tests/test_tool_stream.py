@@ -176,6 +176,42 @@ def test_section_calls_stream_as_written_after_the_text_before_them(parser):
         assert early > 1
 
 
+@pytest.mark.parametrize("parser", ["glm45", "seed_oss"])
+def test_glm45_and_seed_oss_calls_stream_each_named_first_and_its_arguments_once_whole(parser):
+    schemas = {"get_weather": {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
+    if parser == "glm45":
+        blocks = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days"
+                  "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>")
+    else:
+        blocks = ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>"
+                  "\n2\n</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=get_time>\n"
+                  "</function>\n</seed:tool_call>")
+    text = "Checking.\n" + blocks
+    content, made = parse_tool_calls(text, parser, schemas)
+    assert content == "Checking.\n" and [(c.name, json.loads(c.arguments)) for c in made] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]
+    final = (content, [tool_call(c.name, c.arguments) for c in made])
+    for seed in range(20):
+        rng = random.Random(seed)
+        stream = ToolCallStream(True, parser, schemas)
+        got_content, calls, early = feed(stream, text, iter(lambda: rng.randint(1, 6), None), final)
+        assert got_content == content and not stream.broken
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
+        assert early >= 1
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss"])
+def test_an_xml_call_whose_block_is_closing_keeps_the_arguments_it_sent(parser, caplog):
+    """Between ``</function>`` and the block's closing tag the call is whole: a stream fed a character at a time
+    never has to take back arguments it sent (the reader warns if it would)."""
+    tag = "seed:tool_call" if parser == "seed_oss" else "tool_call"
+    text = f"<{tag}>\n<function=f>\n<parameter=a>\nx\n</parameter>\n</function>\n</{tag}>"
+    stream = ToolCallStream(True, parser)
+    sent = "".join(d["function"].get("arguments", "") for at in range(1, len(text) + 1)
+                   for d in stream.update(text[:at])[1])
+    assert sent == '{"a": "x"}' and "do not extend" not in caplog.text
+
+
 def test_qwen3_coder_calls_stream_each_named_first_and_its_arguments_once_whole():
     schemas = {"get_weather": {"properties": {"days": {"type": "integer"}}}}
     text = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>"

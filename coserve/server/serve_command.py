@@ -73,8 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "llama3_json: a reply of {\"name\", \"parameters\"} objects separated by ;, pythonic: a reply "
                         "[f(a=1), g(b='x')], mistral: [TOOL_CALLS]f[ARGS]{...} or [TOOL_CALLS][{\"name\", "
                         "\"arguments\"}, ...] after any text, granite: the array after any <tool_call>, qwen3_coder: "
-                        "<tool_call><function=f><parameter=a>1</parameter></function></tool_call> after any text; "
-                        "deepseek_v3, deepseek_v31, kimi_k2: their sections of marker tokens after any text)")
+                        "<tool_call><function=f><parameter=a>1</parameter></function></tool_call> after any text, "
+                        "seed_oss: the same in <seed:tool_call>, glm45: <tool_call>f<arg_key>a</arg_key>"
+                        "<arg_value>1</arg_value></tool_call> after any text; deepseek_v3, deepseek_v31, kimi_k2: "
+                        "their sections of marker tokens after any text)")
     p.add_argument("--reasoning-parser", choices=list(reasoning.PARSERS), default=None,
                    help="chat replies carry the model's reasoning (<think>...</think>; seed_oss: "
                         "<seed:think>...</seed:think>; mistral: [THINK]...[/THINK]) as reasoning_content, apart "

@@ -1,6 +1,6 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Nine formats, by vLLM's names:
+Eleven formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
@@ -17,7 +17,10 @@ Nine formats, by vLLM's names:
   it as text (its ``<|tool_call|>`` token is special);
 - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=name><parameter=key>value</parameter></function>
   </tool_call>`` blocks after any text, each value read by the type the request's tool declares for it
-  (``xml_calls.py``; ``schemas``: the tools' ``parameters`` by name);
+  (``xml_calls.py``; ``schemas``: the tools' ``parameters`` by name); ``seed_oss`` (Seed-OSS): the same in
+  ``<seed:tool_call>`` blocks;
+- ``glm45`` (GLM-4.5/4.6): ``<tool_call>name`` then ``<arg_key>k</arg_key><arg_value>v</arg_value>`` pairs,
+  ``</tool_call>``, after any text (``glm_calls.py``);
 - ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2``: a section of marker tokens after any text
   (``section_calls.py``), decoded into the text as ``mistral``'s are.
 A reply that is not all whole calls is text, as vLLM leaves it; names are not checked against the request's tools
@@ -37,7 +40,8 @@ from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_li
 from coserve.server.mistral_calls import TOOL_CALLS, call_array, mistral_calls, mistral_views
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 from coserve.server.section_calls import SECTIONS, section_calls, section_views
-from coserve.server.xml_calls import parse_xml_calls, xml_views
+from coserve.server.glm_calls import parse_glm_calls, glm_views
+from coserve.server.xml_calls import SEED_CLOSE, SEED_OPEN, parse_xml_calls, xml_views
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")  # where a Hermes call's arguments may be (the first written counts)
@@ -176,7 +180,19 @@ def _pythonic_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCa
 
 
 def _xml_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
-    found = parse_xml_calls(text, schemas)
+    return _found(text, parse_xml_calls(text, schemas))
+
+
+def _seed_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    return _found(text, parse_xml_calls(text, schemas, (SEED_OPEN, SEED_CLOSE)))
+
+
+def _glm_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    return _found(text, parse_glm_calls(text, schemas))
+
+
+def _found(text: str, found: tuple[str | None, list[tuple[str, str]]] | None) -> tuple[str | None, list[ParsedCall]]:
+    """A reader's ``(content, [(name, arguments)])`` as the parsers give it; ``(text, [])`` for None."""
     return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
 
 
@@ -225,6 +241,9 @@ FORMATS = {
                           keeps_special=True),
     "granite": CallFormat(_granite_calls, _granite_views, ("[", GRANITE_OPEN)),
     "qwen3_coder": CallFormat(_xml_calls, xml_views),
+    "seed_oss": CallFormat(_seed_calls, lambda text, schemas: xml_views(text, schemas, (SEED_OPEN, SEED_CLOSE)),
+                           opens=SEED_OPEN, keeps_special=True),
+    "glm45": CallFormat(_glm_calls, glm_views, keeps_special=True),
     **{name: _section_format(name) for name in SECTIONS},
 }
 PARSERS = tuple(FORMATS)

@@ -1,4 +1,5 @@
-"""Tool calls in Qwen3-Coder's XML (vLLM's ``qwen3_coder`` parser), after any text::
+"""Tool calls in Qwen3-Coder's XML (vLLM's ``qwen3_coder`` parser; ``seed_oss``: the same in ``<seed:tool_call>``
+blocks), after any text::
 
     <tool_call>
     <function=get_weather>
@@ -27,11 +28,12 @@ import ast
 import json
 import math
 import re
+from collections.abc import Iterator
 
 from coserve.server.call_text import CallView
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"  # Seed-OSS writes the same calls in these
 FUNCTION_CLOSE = "</function>"
 FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
 NAMED = re.compile(r"\s*<function=([^>\n]+)>")
@@ -39,38 +41,49 @@ PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTAL
 STRINGS = ("string", "str", "text", "varchar", "char", "enum")
 
 
-def parse_xml_calls(text: str, schemas: dict[str, dict]) -> tuple[str | None, list[tuple[str, str]]] | None:
+def blocks(text: str, tags: tuple[str, str]) -> Iterator[tuple[int, str, int, bool]]:
+    """``(start, body, end, closed)`` of each block between ``tags`` in order, found by ``str.find`` (a stream
+    re-reads the text at every token); the last one may still be open (its body running to the end)."""
+    opening, closing = tags
+    start = text.find(opening)
+    while start >= 0:
+        close = text.find(closing, start + len(opening))
+        if close < 0:
+            yield start, text[start + len(opening):], len(text), False
+            return
+        yield start, text[start + len(opening):close], close + len(closing), True
+        start = text.find(opening, close + len(closing))
+
+
+def parse_xml_calls(text: str, schemas: dict[str, dict], tags: tuple[str, str] = (OPEN, CLOSE)
+                    ) -> tuple[str | None, list[tuple[str, str]]] | None:
     """``(content, [(name, arguments), ...])`` of a finished output: the text before the first block (None when
-    blank) and each block's call; None when there is no block, one is not a call, or text follows them.
-    ``schemas``: each tool's ``parameters`` schema, by name."""
-    start = text.find(OPEN)
-    if start < 0:
-        return None
-    calls = []
-    for m in BLOCK.finditer(text, start):
-        call = _call(m.group(1), schemas)
-        if call is None:
+    blank) and each block's call; None when there is no block, one is not a call, or text is between or after
+    them. ``schemas``: each tool's ``parameters`` schema, by name; ``tags``: the blocks' (Seed-OSS's are its own)."""
+    calls, first, last = [], None, 0
+    for start, body, end, _ in blocks(text, tags):
+        call = _call(body, schemas)
+        if call is None or (first is not None and text[last:start].strip()):
             return None
+        first = start if first is None else first
         calls.append(call)
-    if BLOCK.sub("", text[start:]).strip():
+        last = end
+    if first is None or text[last:].strip():
         return None
-    content = text[:start]
+    content = text[:first]
     return (content if content.strip() else None), calls
 
 
-def xml_views(text: str, schemas: dict[str, dict]) -> list[CallView]:
+def xml_views(text: str, schemas: dict[str, dict], tags: tuple[str, str] = (OPEN, CLOSE)) -> list[CallView]:
     """The calls of a growing output's blocks as far as they are written: named once ``<function=name>`` is,
     with their arguments once ``</function>`` is."""
     views: list[CallView] = []
-    start = text.find(OPEN)
-    while start >= 0:  # the blocks found by str.find (a stream re-reads the text at every token)
-        close = text.find(CLOSE, start + len(OPEN))
-        end = len(text) if close < 0 else close + len(CLOSE)
-        body = text[start + len(OPEN):close if close >= 0 else len(text)]
-        call = _call(body, schemas) if FUNCTION_CLOSE in body else None
+    for _, body, end, closed in blocks(text, tags):
+        call, function_end = None, body.rfind(FUNCTION_CLOSE) + len(FUNCTION_CLOSE)
+        if function_end >= len(FUNCTION_CLOSE) and (closed or tags[1].startswith(body[function_end:].lstrip())):
+            call = _call(body[:function_end], schemas)  # whole, its block closed or closing
         if call is not None:
             views.append(CallView(call[0], call[1], end))
-            start = text.find(OPEN, end)
             continue
         named = NAMED.match(body)
         if named is not None:

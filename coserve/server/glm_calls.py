@@ -1,0 +1,85 @@
+"""Tool calls as GLM-4.5 and 4.6 write them (vLLM's ``glm45`` parser), after any text::
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    <arg_key>days</arg_key>
+    <arg_value>3</arg_value>
+    </tool_call>
+
+A value is read as vLLM reads it: as written (stripped) where the request's tool declares the parameter a string,
+else as JSON, else as a Python literal, else as written. A call's ``arguments`` are those values as a JSON object.
+A stream announces a call once its name's line is written and sends its arguments whole once ``</tool_call>`` is.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+from coserve.server.call_text import CallView
+from coserve.server.xml_calls import CLOSE, OPEN, blocks
+
+NAME = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?=\n|<arg_key>|$)")
+PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def parse_glm_calls(text: str, schemas: dict[str, dict]) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """``(content, [(name, arguments), ...])`` of a finished output: the text before the first block (None when
+    blank) and each closed block's call; None when there is no block, one is not a call, or text is between or
+    after them."""
+    views = glm_views(text, schemas)
+    found = list(blocks(text, (OPEN, CLOSE)))
+    if not found or len(views) != len(found) or any(v.end is None for v in views):
+        return None
+    for (_, _, end, _), (start, _, _, _) in zip(found, found[1:]):
+        if text[end:start].strip():
+            return None
+    if text[found[-1][2]:].strip():
+        return None
+    content = text[:found[0][0]]
+    return (content if content.strip() else None), [(v.name, v.arguments) for v in views]
+
+
+def glm_views(text: str, schemas: dict[str, dict]) -> list[CallView]:
+    """The calls of a growing output's blocks as far as they are written: named once the name's line is, with
+    their arguments once the block is closed. A block that cannot be a call ends the views."""
+    views: list[CallView] = []
+    for _, body, end, closed in blocks(text, (OPEN, CLOSE)):
+        named = NAME.match(body)
+        if named is None or (not closed and named.end() == len(body)):
+            break  # not a call, or its name may still be growing
+        name = named.group(1)
+        if not closed:
+            views.append(CallView(name, "", None))
+            break
+        rest = body[named.end():]
+        if PAIR.sub("", rest).strip():
+            break  # text that is no argument
+        properties = (schemas.get(name) or {}).get("properties") or {}
+        arguments = {key.strip(): _value(value.strip(), properties.get(key.strip()))
+                     for key, value in PAIR.findall(rest)}
+        views.append(CallView(name, json.dumps(arguments, ensure_ascii=False), end))
+    return views
+
+
+def _value(raw: str, schema: dict | None):
+    """A value as its parameter's declared type reads it: a string as written, anything else JSON or a Python
+    literal where it is one."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return raw
+    try:
+        return json.loads(raw, parse_constant=_not_json)
+    except ValueError:  # JSONDecodeError, or NaN and Infinity, which JSON text cannot carry
+        pass
+    try:
+        value = ast.literal_eval(raw)
+        json.dumps(value)  # a tuple is a list; a set or bytes is not JSON
+        return value
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return raw
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
