@@ -172,6 +172,25 @@ def test_a_python_grader_has_no_network_where_the_kernel_gives_it_a_namespace():
     assert "OSError: [Errno 101]" in str(out[0]) or "PermissionError" in str(out[0]), str(out[0])
 
 
+def test_a_python_grader_can_make_no_internet_socket_udp_included():
+    """A seccomp filter refuses the grader sockets of IPv4, IPv6 and raw packets, UDP included (which neither
+    Landlock nor a missing namespace would stop); Unix sockets are allowed. Skipped where the filter cannot be set
+    (another architecture, or a kernel without seccomp filters)."""
+    from coserve.finetune import python_grader
+    g = parse_grader({"type": "python", "name": "udp", "source": (
+        "import socket\ndef grade(s, i):\n"
+        "    if i['do'] == 'udp':\n"
+        "        socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', 9))\n"
+        "    if i['do'] == 'ipv6':\n        socket.socket(socket.AF_INET6, socket.SOCK_STREAM)\n"
+        "    socket.socketpair()[0].close()\n    return 1.0\n")})
+    out = g.outcomes([make_sample("x")] * 3, [{"do": "udp"}, {"do": "ipv6"}, {"do": "unix"}])[0]
+    if not python_grader.sockets_refused:
+        pytest.skip("no seccomp filter on this machine")
+    for o in out[:2]:
+        assert o.kind == "python_grader_runtime_error" and "PermissionError" in str(o), str(o)
+    assert out[2] == 1.0 and python_grader.network_isolated  # a Unix socket pair works
+
+
 def test_a_python_grader_reads_only_pythons_libraries_and_writes_only_its_own_directory(tmp_path):
     """Where the kernel has Landlock, a grader cannot open the server's files (a state directory's, or any outside
     Python's and the system's libraries) for reading or writing; it imports the standard library and installed

@@ -6,8 +6,11 @@ Shut in, on Linux, before the grader's code runs:
 - no network: a network namespace of its own (``unshare``; as root, or through a user namespace), no interface up;
 - the filesystem through Landlock (kernel 5.13 on): reading only Python's own libraries and the system's shared
   libraries, and anything only within its own working directory (a fresh temporary one); the server's files, its
-  state directory included, cannot be opened. Landlock's ABI 4 and later also refuses it TCP connections and binds
-  (the network's fallback where no namespace can be had), ABI 6 and later signals and abstract Unix sockets outside.
+  state directory included, cannot be opened. Landlock's ABI 4 and later also refuses it TCP connections and binds,
+  ABI 6 and later signals and abstract Unix sockets outside;
+- no Internet sockets at all, through a seccomp filter (x86-64 and arm64): ``socket`` of IPv4, IPv6 or raw packets
+  fails with EACCES (UDP included, which Landlock does not cover), as do ``io_uring_setup`` (its rings can open
+  sockets) and calls of another ABI. This holds where no namespace can be had and under any Landlock ABI.
 
 It imports nothing of coserve: it runs in a bare interpreter, and the grader's code runs after it.
 """
@@ -31,6 +34,58 @@ SCOPED = 0b11  # abstract Unix sockets and signals (ABI 6)
 PR_SET_NO_NEW_PRIVS = 38
 # the system's shared libraries (those Python's extension modules load) and the loader's cache
 SYSTEM_LIBRARIES = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache")
+
+
+# seccomp (linux/seccomp.h, linux/filter.h, linux/audit.h): a filter refusing Internet sockets
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+LOAD_WORD, RETURN = 0x20, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_RET|BPF_K
+JUMPS = {"eq": 0x15, "ge": 0x35}  # BPF_JMP|BPF_JEQ|BPF_K, BPF_JMP|BPF_JGE|BPF_K
+ALLOW, REFUSE = 0x7FFF0000, 0x00050000 | 13  # SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO with EACCES
+NR, ARCH, ARG0 = 0, 4, 16  # offsets in struct seccomp_data (the first argument's low word: little-endian machines)
+# machine: (AUDIT_ARCH_*, socket, io_uring_setup, the first number of another ABI's calls (x32), if any)
+SYSCALLS = {"x86_64": (0xC000003E, 41, 425, 0x40000000), "aarch64": (0xC00000B7, 198, 425, None)}
+INTERNET = (2, 10, 17)  # AF_INET, AF_INET6, AF_PACKET
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _socket_filter(arch: int, socket_nr: int, io_uring_nr: int, other_abi: int | None) -> list[_SockFilter]:
+    """The filter's program: another architecture's or ABI's calls, ``io_uring_setup``, and ``socket`` of an
+    Internet family are refused; anything else is allowed."""
+    code = [("load", ARCH), ("eq", arch, "next", "refuse"), ("load", NR)]
+    code += [("ge", other_abi, "refuse", "next")] if other_abi is not None else []
+    code += [("eq", io_uring_nr, "refuse", "next"), ("eq", socket_nr, "next", "allow"), ("load", ARG0)]
+    code += [("eq", family, "refuse", "next") for family in INTERNET]
+    code += [("return", ALLOW), ("return", REFUSE)]
+    where = {"next": None, "allow": len(code) - 2, "refuse": len(code) - 1}
+    program = []
+    for i, (op, k, *targets) in enumerate(code):
+        if op in JUMPS:
+            jt, jf = (0 if where[t] is None else where[t] - i - 1 for t in targets)
+            program.append(_SockFilter(JUMPS[op], jt, jf, k))
+        else:
+            program.append(_SockFilter(LOAD_WORD if op == "load" else RETURN, 0, 0, k))
+    return program
+
+
+def _no_internet_sockets(libc) -> bool:
+    """A seccomp filter on this process (and on any it starts): a socket of the Internet (IPv4, IPv6, raw packets)
+    cannot be made, whatever namespaces and Landlock give; Unix sockets can. False where this machine's call
+    numbers are not known here or the kernel refuses the filter."""
+    machine = os.uname().machine
+    if machine not in SYSCALLS:
+        return False
+    program = _socket_filter(*SYSCALLS[machine])
+    prog = _SockFprog(len(program), (_SockFilter * len(program))(*program))
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return False
+    return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -102,9 +157,10 @@ def _shut_in(workdir: str) -> dict:
         libc = ctypes.CDLL(None, use_errno=True)
         network = _no_network(libc)
         filesystem, tcp = _landlock(libc, workdir)
+        sockets = _no_internet_sockets(libc)
     except (OSError, AttributeError):  # not Linux, or no such calls
-        network = filesystem = tcp = False
-    return {"network": network or tcp, "filesystem": filesystem}
+        network = filesystem = tcp = sockets = False
+    return {"network": network or tcp or sockets, "filesystem": filesystem, "sockets": sockets}
 
 
 def _limit(job: dict) -> None:

@@ -2,10 +2,11 @@
 (``grader_runner.py``; isolated mode: no user site, no ``PYTHON*`` variables, a bare environment, a fresh temporary
 working directory) with a time limit and, on POSIX systems, limits on its memory (2 GiB of address space) and on the
 files it writes (64 MiB each), on a whole batch of samples at once. On Linux, as far as the kernel allows, the
-process has no network (a namespace of its own; else Landlock refuses it TCP), as OpenAI's python grader has none,
-and reads only Python's and the system's libraries, writing only within its own directory (Landlock):
-``network_isolated`` and ``filesystem_isolated`` say what the last run had, and the first run without either logs a
-warning. Each sample's outcome comes back on its own: a number, or the error its call raised."""
+process has no network (a namespace of its own, and a seccomp filter that refuses it Internet sockets; Landlock
+refuses it TCP too), as OpenAI's python grader has none, and reads only Python's and the system's libraries,
+writing only within its own directory (Landlock): ``network_isolated``, ``sockets_refused`` and
+``filesystem_isolated`` say what the last run had, and the first run without network or filesystem isolation logs
+a warning. Each sample's outcome comes back on its own: a number, or the error its call raised."""
 
 from __future__ import annotations
 
@@ -29,18 +30,21 @@ RUNNER = Path(__file__).with_name("grader_runner.py")  # the process's script
 
 network_isolated: bool | None = None  # whether the last python grader ran without network (None: none has run)
 filesystem_isolated: bool | None = None  # whether it ran shut in its own directory (Landlock)
+sockets_refused: bool | None = None  # whether its Internet sockets were refused (seccomp)
 
 
 def _note_isolation(isolation: dict) -> None:
-    global network_isolated, filesystem_isolated
+    global network_isolated, filesystem_isolated, sockets_refused
     network, filesystem = isolation.get("network") is True, isolation.get("filesystem") is True
     if not network and network_isolated is not False:
         log.warning("python graders run with the network: this kernel lets no process take a network namespace of "
-                    "its own (unshare CLONE_NEWNET) nor restrict its TCP (Landlock ABI 4)")
+                    "its own (unshare CLONE_NEWNET), filter its sockets (seccomp) nor restrict its TCP (Landlock "
+                    "ABI 4)")
     if not filesystem and filesystem_isolated is not False:
         log.warning("python graders can read the server's files: this kernel has no Landlock (5.13 and later) to "
                     "shut them in their own directory")
     network_isolated, filesystem_isolated = network, filesystem
+    sockets_refused = isolation.get("sockets") is True
 
 
 def check_source(source: object, where: str) -> str:
