@@ -33,6 +33,8 @@ def call_text(parser: str, code: str) -> str:
         "seed_oss": (f"<seed:tool_call>\n<function=write>\n<parameter=code>\n{code}</parameter>\n</function>\n"
                      "</seed:tool_call>"),
         "glm45": f"<tool_call>write\n<arg_key>code</arg_key>\n<arg_value>{code}</arg_value>\n</tool_call>",
+        "minimax_m2": ('<minimax:tool_call>\n<invoke name="write">\n<parameter name="code">'
+                       f"{code}</parameter>\n</invoke>\n</minimax:tool_call>"),
         "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>write\n```json\n"
                         f"{args}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
         "deepseek_v31": (f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>write<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"

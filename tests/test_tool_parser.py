@@ -238,6 +238,25 @@ def test_glm45_calls_read_their_values_as_vllm_does():
         assert parse_tool_calls(text, "glm45") == (text, [])
 
 
+MINIMAX = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city"> Paris </parameter>\n'
+           '<parameter name="days">3</parameter>\n<parameter name="where">{"lat": 1.5}</parameter>\n</invoke>\n'
+           "<invoke name=get_time>\n</invoke>\n</minimax:tool_call>")
+
+
+def test_minimax_m2_calls_are_the_invokes_of_its_blocks():
+    """Each ``invoke`` of a block is a call, its values (stripped) read by their declared types as Qwen3-Coder's
+    are; anything else in a block, or text after the blocks, leaves the reply text."""
+    content, calls = parse_tool_calls("Let me see.\n" + MINIMAX + "\n" + MINIMAX, "minimax_m2", SCHEMAS)
+    assert content == "Let me see.\n" and [c.name for c in calls] == ["get_weather", "get_time"] * 2
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "days": 3, "where": {"lat": 1.5}}
+    assert calls[1].arguments == "{}"
+    for text in ("Just text.", MINIMAX + " more", MINIMAX.replace("</invoke>\n<invoke", "</invoke>x<invoke"),
+                 '<minimax:tool_call><invoke name="f">stray</invoke></minimax:tool_call>',
+                 "<minimax:tool_call>\n</minimax:tool_call>"):
+        assert parse_tool_calls(text, "minimax_m2", SCHEMAS) == (text, [])
+    assert visible_text("Hi <minimax:", "minimax_m2") == "Hi "
+
+
 def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
     calls = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")]
     assert parse_tool_calls(MISTRAL, "granite") == (None, calls)
@@ -251,5 +270,6 @@ def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
 
 def test_an_unknown_parser_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, mistral, "
-                                         "granite, qwen3_coder, seed_oss, glm45, deepseek_v3, deepseek_v31, kimi_k2"):
-        ServerConfig(model="m", state_dir="s", tool_call_parser="minimax_m2")
+                                         "granite, qwen3_coder, seed_oss, glm45, minimax_m2, deepseek_v3, "
+                                         "deepseek_v31, kimi_k2"):
+        ServerConfig(model="m", state_dir="s", tool_call_parser="hunyuan_a13b")

@@ -176,12 +176,16 @@ def test_section_calls_stream_as_written_after_the_text_before_them(parser):
         assert early > 1
 
 
-@pytest.mark.parametrize("parser", ["glm45", "seed_oss"])
-def test_glm45_and_seed_oss_calls_stream_each_named_first_and_its_arguments_once_whole(parser):
+@pytest.mark.parametrize("parser", ["glm45", "seed_oss", "minimax_m2"])
+def test_glm45_seed_oss_and_minimax_calls_stream_each_named_first_and_its_arguments_once_whole(parser):
     schemas = {"get_weather": {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
     if parser == "glm45":
         blocks = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days"
                   "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>")
+    elif parser == "minimax_m2":
+        blocks = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Oslo</parameter>\n'
+                  '<parameter name="days">2</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n'
+                  "</minimax:tool_call>")
     else:
         blocks = ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>"
                   "\n2\n</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=get_time>\n"

@@ -75,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "\"arguments\"}, ...] after any text, granite: the array after any <tool_call>, qwen3_coder: "
                         "<tool_call><function=f><parameter=a>1</parameter></function></tool_call> after any text, "
                         "seed_oss: the same in <seed:tool_call>, glm45: <tool_call>f<arg_key>a</arg_key>"
-                        "<arg_value>1</arg_value></tool_call> after any text; deepseek_v3, deepseek_v31, kimi_k2: "
-                        "their sections of marker tokens after any text)")
+                        "<arg_value>1</arg_value></tool_call> after any text, minimax_m2: <invoke name=f>"
+                        "<parameter name=a>1</parameter></invoke> in <minimax:tool_call> blocks; deepseek_v3, "
+                        "deepseek_v31, kimi_k2: their sections of marker tokens after any text)")
     p.add_argument("--reasoning-parser", choices=list(reasoning.PARSERS), default=None,
                    help="chat replies carry the model's reasoning (<think>...</think>; seed_oss: "
                         "<seed:think>...</seed:think>; mistral: [THINK]...[/THINK]) as reasoning_content, apart "

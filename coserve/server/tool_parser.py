@@ -1,6 +1,6 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Eleven formats, by vLLM's names:
+Twelve formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
@@ -21,6 +21,8 @@ Eleven formats, by vLLM's names:
   ``<seed:tool_call>`` blocks;
 - ``glm45`` (GLM-4.5/4.6): ``<tool_call>name`` then ``<arg_key>k</arg_key><arg_value>v</arg_value>`` pairs,
   ``</tool_call>``, after any text (``glm_calls.py``);
+- ``minimax_m2`` (MiniMax-M2): ``<invoke name="f"><parameter name="a">1</parameter></invoke>`` calls in
+  ``<minimax:tool_call>`` blocks after any text (``minimax_calls.py``), values typed as ``qwen3_coder``'s;
 - ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2``: a section of marker tokens after any text
   (``section_calls.py``), decoded into the text as ``mistral``'s are.
 A reply that is not all whole calls is text, as vLLM leaves it; names are not checked against the request's tools
@@ -37,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list, skip_ws, value_end
+from coserve.server.minimax_calls import OPEN as MINIMAX_OPEN
+from coserve.server.minimax_calls import minimax_views, parse_minimax_calls
 from coserve.server.mistral_calls import TOOL_CALLS, call_array, mistral_calls, mistral_views
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 from coserve.server.section_calls import SECTIONS, section_calls, section_views
@@ -191,6 +195,10 @@ def _glm_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     return _found(text, parse_glm_calls(text, schemas))
 
 
+def _minimax_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    return _found(text, parse_minimax_calls(text, schemas))
+
+
 def _found(text: str, found: tuple[str | None, list[tuple[str, str]]] | None) -> tuple[str | None, list[ParsedCall]]:
     """A reader's ``(content, [(name, arguments)])`` as the parsers give it; ``(text, [])`` for None."""
     return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
@@ -244,6 +252,7 @@ FORMATS = {
     "seed_oss": CallFormat(_seed_calls, lambda text, schemas: xml_views(text, schemas, (SEED_OPEN, SEED_CLOSE)),
                            opens=SEED_OPEN, keeps_special=True),
     "glm45": CallFormat(_glm_calls, glm_views, keeps_special=True),
+    "minimax_m2": CallFormat(_minimax_calls, minimax_views, opens=MINIMAX_OPEN, keeps_special=True),
     **{name: _section_format(name) for name in SECTIONS},
 }
 PARSERS = tuple(FORMATS)

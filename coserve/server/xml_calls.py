@@ -101,11 +101,12 @@ def _call(body: str, schemas: dict[str, dict]) -> tuple[str, str] | None:
     if not name or PARAMETER.sub("", inner).strip():
         return None  # text that is no parameter
     properties = (schemas.get(name) or {}).get("properties") or {}
-    arguments = {key.strip(): _value(raw, properties.get(key.strip())) for key, raw in PARAMETER.findall(inner)}
+    arguments = {key.strip(): typed_value(raw, properties.get(key.strip()))
+                 for key, raw in PARAMETER.findall(inner)}
     return name, json.dumps(arguments, ensure_ascii=False)
 
 
-def _value(raw: str, schema: dict | None):
+def typed_value(raw: str, schema: dict | None):
     """A parameter's raw text as its declared type reads it (vLLM's conversion)."""
     if raw.strip().lower() == "null":
         return None
