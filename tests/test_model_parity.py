@@ -22,11 +22,18 @@ PROMPTS = [
 ]
 
 
+_HF_GREEDY: dict[tuple[str, str, tuple[int, ...], int], list[int]] = {}  # HF's greedy tokens, by model directory,
+#   dtype, prompt and length: the engine settings each test a model against the same reference
+
+
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    key = (str(hf.config._name_or_path), str(hf.dtype), tuple(ids), n)
+    if key not in _HF_GREEDY:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        _HF_GREEDY[key] = out[0, len(ids):].tolist()
+    return list(_HF_GREEDY[key])
 
 
 def _flat_logits(path, prompts_ids, splits=None):
