@@ -257,6 +257,25 @@ def test_minimax_m2_calls_are_the_invokes_of_its_blocks():
     assert visible_text("Hi <minimax:", "minimax_m2") == "Hi "
 
 
+def test_phi4_mini_calls_follow_functools():
+    calls = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")]
+    phi4 = 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "t", "parameters": {}}]'
+    assert parse_tool_calls("\n" + phi4, "phi4_mini_json") == (None, calls)
+    for text in ("Just text.", MISTRAL, "functools[]", "Calls: " + phi4, phi4 + " more", phi4[:-2]):
+        assert parse_tool_calls(text, "phi4_mini_json") == (text, [])
+    assert visible_text(" functo", "phi4_mini_json") == "" and visible_text("fun fact", "phi4_mini_json") == "fun fact"
+
+
+def test_llama4_reads_pythonic_calls_with_or_without_its_wrapper_and_json_as_llama3():
+    calls = [ParsedCall("f", '{"a": 1}')]
+    for text in ("[f(a=1)]", "<|python_start|>[f(a=1)]<|python_end|>", " <|python_start|>[f(a=1)]"):
+        assert parse_tool_calls(text, "llama4_pythonic") == (None, calls)
+    for text in ("Sunny", "<|python_start|>Sunny<|python_end|>", "[f(a=1)] more"):
+        assert parse_tool_calls(text, "llama4_pythonic") == (text, [])
+    assert visible_text("<|pyth", "llama4_pythonic") == ""
+    assert parse_tool_calls(LLAMA, "llama4_json") == parse_tool_calls(LLAMA, "llama3_json")
+
+
 def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
     calls = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")]
     assert parse_tool_calls(MISTRAL, "granite") == (None, calls)
@@ -269,7 +288,8 @@ def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
 
 
 def test_an_unknown_parser_is_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, mistral, "
-                                         "granite, qwen3_coder, seed_oss, glm45, minimax_m2, deepseek_v3, "
-                                         "deepseek_v31, kimi_k2"):
+    with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, "
+                                         "llama4_pythonic, llama4_json, phi4_mini_json, mistral, granite, "
+                                         "qwen3_coder, "
+                                         "seed_oss, glm45, minimax_m2, deepseek_v3, deepseek_v31, kimi_k2"):
         ServerConfig(model="m", state_dir="s", tool_call_parser="hunyuan_a13b")

@@ -119,10 +119,13 @@ def test_pythonic_calls_stream_each_named_first_and_its_arguments_once_whole():
         assert early >= 1  # the first call's arguments went out before the output ended
     text = "Sunny [f()]"
     assert feed(ToolCallStream(True, "pythonic"), text, iter(lambda: 2, None), (text, [])) == (text, [], 0)
+    wrapped = "<|python_start|>" + PYTHONIC + "<|python_end|>"  # Llama 4's, its special tokens kept
+    got_content, calls, _ = feed(ToolCallStream(True, "llama4_pythonic"), wrapped, iter(lambda: 3, None), final)
+    assert got_content == "" and [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]
 
 
 @pytest.mark.parametrize("parser, before", [("mistral", "[TOOL_CALLS]"), ("granite", ""),
-                                            ("granite", "<tool_call>")])
+                                            ("granite", "<tool_call>"), ("phi4_mini_json", "functools")])
 def test_json_array_calls_stream_as_written_and_join_into_the_finished_reply(parser, before):
     text = before + json.dumps([{"name": "get_weather", "arguments": {"city": 'Par"is', "days": [1, 2]}},
                                 {"name": "get_time", "arguments": {}}])

@@ -23,18 +23,18 @@ TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 NAME = re.compile(r"[A-Za-z0-9_-]*")
 
 
-def call_array(text: str) -> list[tuple[str, str]] | None:
+def call_array(text: str, keys: tuple[str, ...] = ("arguments",)) -> list[tuple[str, str]] | None:
     """The ``(name, arguments)`` of a JSON array of ``{"name", "arguments": {...}}`` objects and nothing else (None
-    where ``text`` is not one)."""
+    where ``text`` is not one); ``keys``: where a call's arguments may be (the first written counts)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
     if not (isinstance(value, list) and value and all(
             isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"]
-            and isinstance(c.get("arguments", {}), dict) for c in value)):
+            and isinstance(next((c[k] for k in c if k in keys), {}), dict) for c in value)):
         return None
-    return [(v.name, v.arguments) for v in scan_call_list(text, ("arguments",))]
+    return [(v.name, v.arguments) for v in scan_call_list(text, keys)]
 
 
 def mistral_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:

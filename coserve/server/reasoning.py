@@ -6,8 +6,9 @@ The parsers, by vLLM's names, differ in their tags and in where the output begin
   if that never comes;
 - ``seed_oss`` (Seed-OSS): the same, between ``<seed:think>`` and ``</seed:think>``;
 - ``qwen3`` (Qwen3, which writes ``<think>`` itself when it thinks, and whose template, with ``enable_thinking``
-  false, closes an empty one in the prompt) and ``glm45`` (GLM-4.5 and 4.6, the same switch): the output is
-  reasoning from a leading ``<think>`` to ``</think>``, else all reply;
+  false, closes an empty one in the prompt), ``glm45`` (GLM-4.5 and 4.6, the same switch) and ``deepseek_v3``
+  (DeepSeek-V3.1 and later, whose template ends the prompt with ``<think>`` where ``thinking`` is asked for, and
+  ``</think>`` where not): the output is reasoning from a leading ``<think>`` to ``</think>``, else all reply;
 - ``mistral`` (Magistral): the same, between ``[THINK]`` and ``[/THINK]``, which are special tokens of its
   tokenizer: the text of a request it reads then keeps special tokens (``ReasoningTokens.special``), as vLLM's
   parser reads them.
@@ -45,6 +46,7 @@ FORMATS = {
     "deepseek_r1": ThinkFormat(START, END, opened=True),
     "qwen3": ThinkFormat(START, END, opened=False),
     "glm45": ThinkFormat(START, END, opened=False),
+    "deepseek_v3": ThinkFormat(START, END, opened=False),
     "minimax_m2": ThinkFormat(START, END, opened=True),
     "seed_oss": ThinkFormat("<seed:think>", "</seed:think>", opened=True),
     "mistral": ThinkFormat("[THINK]", "[/THINK]", opened=False),

@@ -71,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=list(PARSERS), default=None,
                    help="the format of tool calls in the text (hermes: <tool_call>{json}</tool_call> after any text; "
                         "llama3_json: a reply of {\"name\", \"parameters\"} objects separated by ;, pythonic: a reply "
-                        "[f(a=1), g(b='x')], mistral: [TOOL_CALLS]f[ARGS]{...} or [TOOL_CALLS][{\"name\", "
-                        "\"arguments\"}, ...] after any text, granite: the array after any <tool_call>, qwen3_coder: "
+                        "[f(a=1), g(b='x')] (llama4_pythonic: also in <|python_start|>; llama4_json: as llama3_json), "
+                        "phi4_mini_json: functools[{\"name\", \"arguments\"}, ...], mistral: [TOOL_CALLS]f[ARGS]{...} "
+                        "or [TOOL_CALLS][{\"name\", \"arguments\"}, ...] after any text, granite: the array after any <tool_call>, qwen3_coder: "
                         "<tool_call><function=f><parameter=a>1</parameter></function></tool_call> after any text, "
                         "seed_oss: the same in <seed:tool_call>, glm45: <tool_call>f<arg_key>a</arg_key>"
                         "<arg_value>1</arg_value></tool_call> after any text, minimax_m2: <invoke name=f>"

@@ -1,13 +1,17 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Twelve formats, by vLLM's names:
+Fifteen formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
   "parameters": {...}}`` objects separated by ``;`` (their ``<|python_tag|>``, a special token, is not in the text);
   a reply that does not begin with ``{`` is text;
 - ``pythonic`` (Llama 3.2 and 4, ToolACE): the reply is a Python list of calls, ``[f(a=1), g(b="x")]``
-  (``pythonic_calls.py``); a reply that does not begin with ``[`` is text;
+  (``pythonic_calls.py``); a reply that does not begin with ``[`` is text; ``llama4_pythonic`` reads the same
+  inside Llama 4's ``<|python_start|>`` ... ``<|python_end|>`` where the text keeps them, and ``llama4_json`` is
+  ``llama3_json`` (as in vLLM);
+- ``phi4_mini_json`` (Phi-4-mini): the reply is ``functools[`` then the JSON array of ``{"name", "arguments"}``
+  calls;
 - ``mistral``: the calls after ``[TOOL_CALLS]``, after any text, in either of Mistral's forms: a JSON array of
   ``{"name", "arguments"}`` objects (Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct), or ``name[ARGS]{...}``
   per call, each after its own ``[TOOL_CALLS]`` (tokenizers v11 and later: Mistral Small 3.1/3.2, Devstral,
@@ -219,6 +223,46 @@ def _granite_views(text: str, schemas: dict) -> list[CallView]:
     return scan_call_list(rest.removeprefix(GRANITE_OPEN), ("arguments",))
 
 
+PHI4_LEAD = "functools["  # what Phi-4-mini's reply of calls begins with
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around its calls (special tokens)
+
+
+def _phi4_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    body = text.strip()
+    calls = call_array(body[len(PHI4_LEAD) - 1:], ARGUMENT_KEYS) if body.startswith(PHI4_LEAD) else None
+    return (text, []) if calls is None else (None, [ParsedCall(n, a) for n, a in calls])
+
+
+def _phi4_views(text: str, schemas: dict) -> list[CallView]:
+    rest = text[skip_ws(text, 0):]
+    if PHI4_LEAD.startswith(rest):  # blank, or its lead half written
+        return []
+    if not rest.startswith(PHI4_LEAD):
+        raise NotACall(f"a Phi-4-mini reply of calls begins with {PHI4_LEAD!r}")
+    return scan_call_list(rest[len(PHI4_LEAD) - 1:], ARGUMENT_KEYS)
+
+
+def _unwrapped(text: str) -> str:
+    """Llama 4's calls without the ``<|python_start|>`` and ``<|python_end|>`` a text decoded with its special
+    tokens keeps around them."""
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START):].removesuffix(PYTHON_END)
+    return body
+
+
+def _llama4_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    content, calls = _pythonic_calls(_unwrapped(text), schemas)
+    return (text, []) if not calls else (content, calls)
+
+
+def _llama4_views(text: str, schemas: dict) -> list[CallView]:
+    rest = text[skip_ws(text, 0):]
+    if rest and PYTHON_START.startswith(rest):  # the wrapper half written
+        return []
+    return pythonic_views(_unwrapped(text))
+
+
 @dataclass(frozen=True, slots=True)
 class CallFormat:
     """One ``--tool-call-parser``: how a finished reply and a growing one are read."""
@@ -245,6 +289,9 @@ FORMATS = {
     "hermes": CallFormat(_hermes_calls, _hermes_views),
     "llama3_json": CallFormat(_llama3_calls, _llama3_views, ("{",)),
     "pythonic": CallFormat(_pythonic_calls, lambda text, schemas: pythonic_views(text), ("[",)),
+    "llama4_pythonic": CallFormat(_llama4_calls, _llama4_views, ("[", PYTHON_START)),
+    "llama4_json": CallFormat(_llama3_calls, _llama3_views, ("{",)),
+    "phi4_mini_json": CallFormat(_phi4_calls, _phi4_views, (PHI4_LEAD,)),
     "mistral": CallFormat(_mistral_calls, lambda text, schemas: mistral_views(text), opens=TOOL_CALLS,
                           keeps_special=True),
     "granite": CallFormat(_granite_calls, _granite_views, ("[", GRANITE_OPEN)),
