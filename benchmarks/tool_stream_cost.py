@@ -27,9 +27,13 @@ def call_text(parser: str, code: str) -> str:
         "hermes": f'<tool_call>{{"name": "write", "arguments": {args}}}</tool_call>',
         "llama3_json": f'{{"name": "write", "parameters": {args}}}',
         "pythonic": f"[write(code={code!r})]",
+        "llama4_pythonic": f"<|python_start|>[write(code={code!r})]<|python_end|>",
+        "llama4_json": f'{{"name": "write", "parameters": {args}}}',
+        "phi4_mini_json": f'functools[{{"name": "write", "arguments": {args}}}]',
         "mistral": f"[TOOL_CALLS]write[ARGS]{args}",
         "granite": f'<tool_call>[{{"name": "write", "arguments": {args}}}]',
-        "qwen3_coder": f"<tool_call>\n<function=write>\n<parameter=code>\n{code}</parameter>\n</function>\n</tool_call>",
+        "qwen3_coder": (f"<tool_call>\n<function=write>\n<parameter=code>\n{code}</parameter>\n</function>\n"
+                        "</tool_call>"),
         "seed_oss": (f"<seed:tool_call>\n<function=write>\n<parameter=code>\n{code}</parameter>\n</function>\n"
                      "</seed:tool_call>"),
         "glm45": f"<tool_call>write\n<arg_key>code</arg_key>\n<arg_value>{code}</arg_value>\n</tool_call>",
