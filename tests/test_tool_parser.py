@@ -207,6 +207,16 @@ def test_qwen3_coder_calls_are_read_by_their_parameters_types():
     assert visible_text("Hi <tool_c", "qwen3_coder") == "Hi "
 
 
+def test_values_json_text_cannot_carry_stay_text():
+    """NaN and Infinity (JSON's parser takes them, JSON text does not) and a set stay the text the model wrote:
+    the arguments are always JSON."""
+    xml = ("<tool_call>\n<function=f>\n<parameter=a>\nNaN\n</parameter>\n<parameter=b>\n{1, 2}\n</parameter>\n"
+           "<parameter=c>\n[Infinity]\n</parameter>\n<parameter=d>\n(1, 2)\n</parameter>\n</function>\n</tool_call>")
+    schemas = {"f": {"properties": {k: {"type": "object"} for k in "abcd"}}}
+    (call,) = parse_tool_calls(xml, "qwen3_coder", schemas)[1]
+    assert json.loads(call.arguments) == {"a": "NaN", "b": "{1, 2}", "c": "[Infinity]", "d": [1, 2]}
+
+
 def test_seed_oss_calls_are_qwen3_coders_in_blocks_of_their_own():
     seed = XML.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
     assert parse_tool_calls("Hi " + seed, "seed_oss", SCHEMAS) == (

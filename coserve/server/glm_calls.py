@@ -14,12 +14,11 @@ A stream announces a call once its name's line is written and sends its argument
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 
 from coserve.server.call_text import CallView
-from coserve.server.xml_calls import CLOSE, OPEN, blocks
+from coserve.server.xml_calls import CLOSE, OPEN, blocks, json_or_literal
 
 NAME = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?=\n|<arg_key>|$)")
 PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -69,17 +68,4 @@ def _value(raw: str, schema: dict | None):
     literal where it is one."""
     if isinstance(schema, dict) and schema.get("type") == "string":
         return raw
-    try:
-        return json.loads(raw, parse_constant=_not_json)
-    except ValueError:  # JSONDecodeError, or NaN and Infinity, which JSON text cannot carry
-        pass
-    try:
-        value = ast.literal_eval(raw)
-        json.dumps(value)  # a tuple is a list; a set or bytes is not JSON
-        return value
-    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-        return raw
-
-
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not JSON")
+    return json_or_literal(raw, raw)

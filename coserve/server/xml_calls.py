@@ -129,12 +129,23 @@ def typed_value(raw: str, schema: dict | None):
         return raw
     if kind.startswith("bool"):
         return text.lower() == "true"
+    return json_or_literal(text, raw)
+
+
+def json_or_literal(text: str, raw: str):
+    """``text`` read as JSON, else as a Python literal that JSON can carry; else ``raw`` (a string). NaN and
+    Infinity, which JSON text cannot carry, stay text."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            value = ast.literal_eval(text)
-            json.dumps(value)  # a tuple is a list; a set or bytes is not JSON
-            return value
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            return raw
+        return json.loads(text, parse_constant=_not_json)
+    except ValueError:  # JSONDecodeError too
+        pass
+    try:
+        value = ast.literal_eval(text)
+        json.dumps(value, allow_nan=False)  # a tuple is a list; a set, bytes or nan is not JSON
+        return value
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return raw
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
