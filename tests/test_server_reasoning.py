@@ -77,6 +77,19 @@ def test_the_reasoning_comes_apart_from_the_reply_whole_and_streamed(client, thi
         whole.usage.completion_tokens_details.reasoning_tokens
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(client, thinker):
+    """vLLM's ``include_reasoning``: False sends the reply alone, whole and streamed; the reasoning is still split
+    off it and counted."""
+    ask = dict(model="think", messages=TWO, max_tokens=40, temperature=0, extra_body={"include_reasoning": False})
+    whole = client.chat.completions.create(**ask)
+    message = whole.choices[0].message
+    assert message.content == ANSWER and not {"reasoning_content", "reasoning"} & set(message.model_extra or {})
+    assert whole.usage.completion_tokens_details.reasoning_tokens == _tokens(thinker[0], f"<think>{THOUGHT}</think>")
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    assert not any({"reasoning_content", "reasoning"} & set(d.model_extra or {}) for d in deltas)
+
+
 def test_a_reply_without_reasoning_is_all_content(client):
     """The base model never opens <think>: with the qwen3 parser its whole reply is content, none of it reasoning."""
     whole = client.chat.completions.create(model=client.models.list().data[0].id, messages=TWO, max_tokens=12,

@@ -525,7 +525,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: S
                 delta = {**({"content": text} if text else {}), **({"tool_calls": made} if made else {})}
             else:
                 delta = ({"content": text} if tools is None else {"tool_calls": [tools.piece(text)]}) if text else {}
-            if thought:  # under both names vLLM has used (``reasoning``, its newer one)
+            if thought and body.include_reasoning:  # under both names vLLM has used (``reasoning``, its newer one)
                 delta = {"reasoning_content": thought, "reasoning": thought, **delta}
             logprobs = new_logprobs(c, out)
             if not delta and not logprobs:
@@ -574,7 +574,7 @@ def whole_chat(ctx: ServerContext, body: ChatCompletionRequest, job: Job, tools:
             message = {"role": "assistant", "content": echoed + (content or "") if echoed else content,
                        "tool_calls": made}
             reason = "tool_calls"
-        if thought is not None:  # under both names vLLM has used (``reasoning``, its newer one)
+        if thought is not None and body.include_reasoning:  # under both of vLLM's names (``reasoning``: its newer)
             message["reasoning_content"] = message["reasoning"] = thought
         choices.append({"index": c.index, "message": message,
                         "logprobs": ({"content": chat_logprobs(ctx, c.out.outputs[0].logprobs or [],

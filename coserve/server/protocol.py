@@ -202,6 +202,7 @@ class ChatCompletionRequest(Sampling, ChatTemplateOptions):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | NamedCustomChoice | None = None
     parallel_tool_calls: bool = True
     echo: bool = False  # vLLM's extension: the reply begins with the last message where it is the assistant's
+    include_reasoning: bool = True  # vLLM's extension: False leaves the reasoning (--reasoning-parser) out of the reply
     functions: Any = None
     function_call: Any = None
     store: bool | None = None  # OpenAI's: keep it for GET /v1/chat/completions (coserve/server/stored_chat.py)
