@@ -43,12 +43,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list, skip_ws, value_end
-from coserve.server.minimax_calls import OPEN as MINIMAX_OPEN
-from coserve.server.minimax_calls import minimax_views, parse_minimax_calls
+from coserve.server.glm_calls import glm_views, parse_glm_calls
+from coserve.server.minimax_calls import OPEN as MINIMAX_OPEN, minimax_views, parse_minimax_calls
 from coserve.server.mistral_calls import TOOL_CALLS, call_array, mistral_calls, mistral_views
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 from coserve.server.section_calls import SECTIONS, section_calls, section_views
-from coserve.server.glm_calls import parse_glm_calls, glm_views
 from coserve.server.xml_calls import SEED_CLOSE, SEED_OPEN, parse_xml_calls, xml_views
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -146,8 +145,7 @@ def _llama3_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall
 
 
 def _mistral_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
-    found = mistral_calls(text)
-    return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
+    return _found(text, mistral_calls(text))
 
 
 def _hermes_views(text: str, schemas: dict) -> list[CallView]:
@@ -213,7 +211,7 @@ GRANITE_OPEN = "<tool_call>"  # what Granite 3.1 and later write before their ca
 
 def _granite_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     calls = call_array(text.strip().removeprefix(GRANITE_OPEN))
-    return (text, []) if calls is None else (None, [ParsedCall(n, a) for n, a in calls])
+    return _found(text, None if calls is None else (None, calls))
 
 
 def _granite_views(text: str, schemas: dict) -> list[CallView]:
@@ -230,7 +228,7 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, ar
 def _phi4_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     body = text.strip()
     calls = call_array(body[len(PHI4_LEAD) - 1:], ARGUMENT_KEYS) if body.startswith(PHI4_LEAD) else None
-    return (text, []) if calls is None else (None, [ParsedCall(n, a) for n, a in calls])
+    return _found(text, None if calls is None else (None, calls))
 
 
 def _phi4_views(text: str, schemas: dict) -> list[CallView]:
