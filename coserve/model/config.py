@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True, "fused": False},
     "OlmoeForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
+    "SeedOssForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
 }
 MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -291,6 +292,7 @@ class ModelConfig:
                 **(_moe_fields(raw, arch) if arch in MOES else {}),
             )
             _check_activation(raw, "gelu_pytorch_tanh" if arch in GEMMAS else "silu")
+            _check_biases(raw, arch)
         except KeyError as e:
             raise ModelConfigError(f"missing field {e.args[0]!r}") from e
         except (TypeError, ValueError) as e:
@@ -348,6 +350,18 @@ def _windows_of(kinds: list, window: int | None, layers: int) -> tuple[int | Non
     if len(kinds) != layers:
         raise ModelConfigError(f"field 'layer_types': {len(kinds)} entries for {layers} layers")
     return tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
+
+
+def _check_biases(raw: dict[str, Any], arch: str) -> None:
+    """Biases coserve's layers do not add are refused, naming the field: on the attention's output projection (Llama's
+    ``attention_bias`` puts one there beside q/k/v's; Seed-OSS's ``attention_out_bias``) and on the MLP's
+    (``mlp_bias``)."""
+    if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
+        raise ModelConfigError("field 'attention_bias': Llama's biases on q/k/v and the output projection are not "
+                               "supported")
+    for field in ("attention_out_bias", "mlp_bias"):
+        if raw.get(field):
+            raise ModelConfigError(f"field {field!r}: a bias there is not supported")
 
 
 def _check_activation(raw: dict[str, Any], expected: str) -> None:

@@ -45,7 +45,7 @@ import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, GraniteConfig,
                           LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config,
                           PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                          SmolLM3Config)
+                          SeedOssConfig, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -63,6 +63,9 @@ ATTN_SCORE_STD = 1.0
 ROUTER_LOGIT_STD = 2.0
 #: With tied embeddings, ``o_proj`` and ``down_proj`` weights are scaled by this.
 TIED_RESIDUAL_GAIN = 10.0
+#: Standard deviation of q/k/v biases where a layer has them (HF initialises them to zeros, which would leave a
+#: bias the engine forgot unnoticed by the parity tests)
+QKV_BIAS_STD = 0.1
 
 
 def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> str:
@@ -110,8 +113,7 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
                  tie_word_embeddings: bool | None = None,
                  rope_scaling: dict[str, Any] | None = None, head_dim: int | None = None) -> PreTrainedConfig:
     """The HF config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``, ``Qwen3Config``, ``Phi3Config``,
-    ``Gemma2Config``, ``Gemma3TextConfig`` or ``GraniteConfig``)
-    ``create_model`` uses.
+    ``Gemma2Config``, ``Gemma3TextConfig``, ``GraniteConfig``, ``SeedOssConfig``, ...) ``create_model`` uses.
 
     Raises ``ValueError`` naming the field for an unknown preset, arch or dtype, or a bad
     ``rope_scaling`` or ``head_dim``.
@@ -171,6 +173,9 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         elif arch == "olmoe":  # Llama's layer, q and k each normalised over all their heads, experts as Qwen3-MoE's
             cfg = OlmoeConfig(**{**common, "intermediate_size": p.expert_size(arch)}, num_experts=NUM_EXPERTS,
                               num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False, clip_qkv=None)
+        elif arch == "seed_oss":  # Llama's layer with q/k/v biases (Seed-OSS-36B: dropouts of 0.1 in training)
+            cfg = SeedOssConfig(**common, head_dim=head_dim, attention_bias=True, attention_out_bias=False,
+                                mlp_bias=False, attention_dropout=0.0, residual_dropout=0.0)
         elif arch == "phi3":  # q/k/v in one matrix (qkv_proj), gate and up in another (gate_up_proj)
             cfg = Phi3Config(**common, original_max_position_embeddings=p.max_position_embeddings,
                              sliding_window=None)
@@ -228,6 +233,11 @@ def shape_init(model: PreTrainedModel) -> None:
             else:
                 layer.self_attn.q_proj.weight.mul_(qk_gain)
                 layer.self_attn.k_proj.weight.mul_(qk_gain)
+                gen = torch.Generator().manual_seed(1000 + index)
+                for name in ("q_proj", "k_proj", "v_proj"):  # Qwen2's and Seed-OSS's biases, set apart from zero
+                    bias = getattr(layer.self_attn, name).bias
+                    if bias is not None:
+                        bias.copy_(torch.randn(bias.shape, generator=gen) * QKV_BIAS_STD)
             if hasattr(layer.self_attn, "q_norm"):  # Qwen3's per-head norms (OLMo 2's over all heads; see above)
                 q_norm, k_norm = layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight
                 q_norm.copy_(torch.linspace(0.5, 1.5, q_norm.numel()))

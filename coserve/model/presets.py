@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3",
-                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss")
 #: The mixtures of experts among them: each layer's MLP is ``NUM_EXPERTS`` experts, ``EXPERTS_PER_TOKEN`` a token
 #: (Mixtral 8x7B: 8 and 2; Qwen3-30B-A3B: 128 and 8; OLMoE-1B-7B: 64 and 8), each as wide as the preset's MLP
 #: (Qwen3-MoE's and OLMoE's: half as wide, their moe_intermediate_size or intermediate_size)
@@ -47,7 +47,7 @@ class ModelPreset:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h
-        if arch in ("qwen2", "qwen2_moe"):  # q/k/v biases
+        if arch in ("qwen2", "qwen2_moe", "seed_oss"):  # q/k/v biases
             attn += q + 2 * kv
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
