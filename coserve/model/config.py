@@ -359,9 +359,9 @@ def _check_biases(raw: dict[str, Any], arch: str) -> None:
     if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
         raise ModelConfigError("field 'attention_bias': Llama's biases on q/k/v and the output projection are not "
                                "supported")
-    for field in ("attention_out_bias", "mlp_bias"):
-        if raw.get(field):
-            raise ModelConfigError(f"field {field!r}: a bias there is not supported")
+    for name in ("attention_out_bias", "mlp_bias"):
+        if raw.get(name):
+            raise ModelConfigError(f"field {name!r}: a bias there is not supported")
 
 
 def _check_activation(raw: dict[str, Any], expected: str) -> None:
