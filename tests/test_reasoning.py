@@ -140,8 +140,8 @@ def test_seed_oss_splits_at_its_own_tags_as_the_others_do_at_think(text, opened,
 @pytest.mark.parametrize("name", PARSERS)
 def test_each_parser_begins_the_output_where_its_models_template_leaves_it(name):
     """With no tag in the prompt, DeepSeek-R1, MiniMax-M2 and Seed-OSS begin inside the reasoning (their templates
-    open it, or the models never write the start tag); Qwen3 and GLM-4.5 begin with the reply unless they write
-    ``<think>`` first. A prompt's last tag decides for every parser."""
+    open it, or the models never write the start tag); the others (Qwen3, GLM-4.5, DeepSeek-V3.1, Magistral) begin
+    with the reply unless they write the start tag first. A prompt's last tag decides for every parser."""
     tags = FORMATS[name]
     parser = reasoning_parser(name, _Tokenizer({tags.start: [START], tags.end: [END]}))
     assert parser.tokens([1, 2]).opened == (name in ("deepseek_r1", "minimax_m2", "seed_oss"))
