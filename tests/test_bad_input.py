@@ -67,11 +67,13 @@ def test_the_sliding_window_is_read_as_transformers_reads_it(model_factory, arch
     assert cfg.kv_window == (hf.sliding_window if slides and set(kinds) == {"sliding_attention"} else None)
 
 
-@pytest.mark.parametrize("arch, field", [("llama", "attention_bias"), ("seed_oss", "attention_out_bias"),
-                                         ("llama", "mlp_bias"), ("seed_oss", "mlp_bias")])
+@pytest.mark.parametrize("arch, field", [("llama", "attention_bias"), ("olmo3", "attention_bias"),
+                                         ("seed_oss", "attention_out_bias"), ("llama", "mlp_bias"),
+                                         ("seed_oss", "mlp_bias")])
 def test_biases_the_layers_do_not_add_are_refused_by_field(model_factory, arch, field):
-    """A bias on the attention's output projection (Llama's ``attention_bias`` puts one there too) or on the MLP
-    would be left out of the forward: such a config is refused, naming the field, not served wrong."""
+    """A bias on the attention's output projection (the ``attention_bias`` of Llama, OLMo 3 and others puts one there
+    too) or on the MLP would be left out of the forward: such a config is refused, naming the field, not served
+    wrong."""
     from coserve.model.config import ModelConfig
     raw = json.loads((model_factory(arch) / "config.json").read_text())
     with pytest.raises(ModelConfigError, match=f"field '{field}'"):

@@ -150,7 +150,7 @@ def test_mixtures_of_experts_count_their_parameters_as_hf_does():
 
 
 def test_small_preset_has_about_30m_parameters():
-    for arch in (*ARCHS, "seed_oss"):
+    for arch in (*ARCHS, "seed_oss", "olmo3"):
         cfg = build_config("small", arch)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)

@@ -21,7 +21,8 @@ def adapters(tmp_path_factory):
     })
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "smollm3", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3",
+                                  "seed_oss"])
 def test_mixed_adapter_batch_matches_peft(model_factory, hf_model_cache, adapters, arch):
     model_dir = model_factory(arch)
     check_mixed_batch_matches_peft(model_dir, hf_model_cache(model_dir), adapters(model_dir),

@@ -276,11 +276,12 @@ def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(con
     ("gemma3", {}),  # a sliding layer, then a whole-context one
     ("gemma2", {}),  # the same, its scores soft-capped (laid out per chunk)
     ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1, "layer_types": None}),
+    ("olmo3", {}),  # a sliding layer (plain RoPE), then a whole-context one (YaRN)
 ])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_sliding_layers_beside_whole_context_ones_keep_their_k_v_in_a_pool_of_their_own(
         model_factory, config_variant, hf_model_cache, arch, fields, device):
-    """Where sliding layers sit beside whole-context ones (Gemma 2 and 3; Qwen with ``max_window_layers``), the
+    """Where sliding layers sit beside whole-context ones (Gemma 2 and 3, OLMo 3; Qwen with ``max_window_layers``), the
     sliding layers' K/V live in a smaller pool, one storage per block some request reads within its window (sized
     for ``max_num_seqs`` windows): greedy tokens as HF's well past the window, with preemption, n-gram drafts, and
     the prefix cache serving a second turn; logprobs bit for bit those of the same engine whose sliding layers keep
@@ -311,7 +312,7 @@ def test_sliding_layers_beside_whole_context_ones_keep_their_k_v_in_a_pool_of_th
             max_tokens=50, temperature=0, ignore_eos=True)  # (drafts are for requests that ask no logprobs)
         return llm, llm.generate(prompts, sampling), held[0]
 
-    window = 32 if arch.startswith("gemma") else 24
+    window = 32 if arch.startswith("gemma") or arch == "olmo3" else 24
     plain, kept, _ = run(5, disable_hybrid_kv_cache_manager=True)
     assert plain.engine.window_storages == 0 and plain.engine.model_config.pooled_window == window
     assert run(20)[0].engine.window_storages == 0  # 20 requests' windows would need more than the 100 main blocks

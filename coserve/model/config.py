@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
     "SeedOssForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
+    "Olmo3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
 }
 MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -278,6 +279,7 @@ class ModelConfig:
                                       SUPPORTED_ARCHITECTURES[arch]["qkv_bias"])),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 rope=_rope_from_dict(_gemma_rope(raw, "full_attention") if arch == "Gemma3ForCausalLM" else
+                                     _olmo3_rope(raw, "full_attention") if arch == "Olmo3ForCausalLM" else
                                      {"rope_theta": 2_000_000.0, **raw} if arch == "SmolLM3ForCausalLM" else raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
@@ -287,8 +289,10 @@ class ModelConfig:
                 **(_gemma_fields(raw, arch) if arch in GEMMAS else {}),
                 **(_granite_fields(raw) if arch == "GraniteForCausalLM" else {}),
                 nope_layers=_nope_layers(raw) if arch == "SmolLM3ForCausalLM" else (),
-                olmo2=arch == "Olmo2ForCausalLM",
-                qk_norm_whole=arch in ("Olmo2ForCausalLM", "OlmoeForCausalLM"),
+                olmo2=arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"),
+                qk_norm_whole=arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM"),
+                **({"rope_local": _rope_from_dict(_olmo3_rope(raw, "sliding_attention"))}
+                   if arch == "Olmo3ForCausalLM" else {}),
                 **(_moe_fields(raw, arch) if arch in MOES else {}),
             )
             _check_activation(raw, "gelu_pytorch_tanh" if arch in GEMMAS else "silu")
@@ -317,6 +321,10 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
     if arch in GEMMAS:  # layer_types, else every sliding_window_pattern-th layer full (Gemma 2: every other)
         pattern = int(raw.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 2))
         kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(layers)]
+        return _windows_of(kinds, raw.get("sliding_window", 4096), layers)
+    if arch == "Olmo3ForCausalLM":  # layer_types, else three layers in four sliding (each fourth full)
+        kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
                                            for i in range(layers)]
         return _windows_of(kinds, raw.get("sliding_window", 4096), layers)
     if arch == "SmolLM3ForCausalLM":  # with use_sliding_window, layer_types (else its NoPE layers) slide
@@ -353,12 +361,11 @@ def _windows_of(kinds: list, window: int | None, layers: int) -> tuple[int | Non
 
 
 def _check_biases(raw: dict[str, Any], arch: str) -> None:
-    """Biases coserve's layers do not add are refused, naming the field: on the attention's output projection (Llama's
-    ``attention_bias`` puts one there beside q/k/v's; Seed-OSS's ``attention_out_bias``) and on the MLP's
-    (``mlp_bias``)."""
-    if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
-        raise ModelConfigError("field 'attention_bias': Llama's biases on q/k/v and the output projection are not "
-                               "supported")
+    """Biases coserve's layers do not add are refused, naming the field: on the attention's output projection (the
+    ``attention_bias`` of Llama and the others puts one there beside q/k/v's; Qwen2's and Seed-OSS's are q/k/v's
+    alone; Seed-OSS's ``attention_out_bias``) and on the MLP's (``mlp_bias``)."""
+    if raw.get("attention_bias") and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "SeedOssForCausalLM"):
+        raise ModelConfigError("field 'attention_bias': biases on q/k/v and the output projection are not supported")
     for name in ("attention_out_bias", "mlp_bias"):
         if raw.get(name):
             raise ModelConfigError(f"field {name!r}: a bias there is not supported")
@@ -385,6 +392,19 @@ def _gemma_rope(raw: dict[str, Any], kind: str) -> dict[str, Any]:
                                            "rope_theta": raw.get("rope_local_base_freq", 10000.0)},
                 "rope_scaling": None}
     return {**raw, "rope_parameters": None, "rope_theta": raw.get("rope_theta", 1_000_000.0)}
+
+
+def _olmo3_rope(raw: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``raw`` with OLMo 3's RoPE of one kind of layer as a plain ``rope_parameters``: transformers 5 nests them by
+    kind; in 4.x spelling ``rope_scaling`` (YaRN in OLMo 3) is the full layers' alone, and both kinds share
+    ``rope_theta`` (500,000 where absent)."""
+    nested = raw.get("rope_parameters") or {}
+    theta = raw.get("rope_theta", 500_000.0)
+    if kind in nested:
+        return {**raw, "rope_parameters": {"rope_theta": theta, **nested[kind]}, "rope_scaling": None}
+    if kind == "sliding_attention":
+        return {**raw, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
+    return {**raw, "rope_parameters": None, "rope_theta": theta}
 
 
 def _gemma_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:

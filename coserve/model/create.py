@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, GraniteConfig,
                           LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config,
-                          PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                          SeedOssConfig, SmolLM3Config)
+                          Olmo3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -125,7 +125,8 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
         head_dim = p.head_dim
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: must be a positive even integer, got {head_dim!r}")
-    elif arch in ("qwen2", "phi3", "granite", "smollm3", "olmo2", "olmoe", "qwen2_moe") and head_dim != p.head_dim:
+    elif (arch in ("qwen2", "phi3", "granite", "smollm3", "olmo2", "olmo3", "olmoe", "qwen2_moe")
+          and head_dim != p.head_dim):
         raise ValueError(f"head_dim: {arch} heads are hidden_size / num_attention_heads ({p.head_dim}) wide")
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     common: dict[str, Any] = dict(
@@ -150,6 +151,18 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
             cfg = gemma2_config(common, p, head_dim)
         elif arch == "olmo2":  # norms of the outputs, not of the inputs; q and k each normalised over all heads
             cfg = Olmo2Config(**common)
+        elif arch == "olmo3":  # OLMo 2's layer, alternately sliding over a sixteenth of the context (OLMo 3: three
+            # layers in four, over 4,096 positions) and full; the full layers' RoPE YaRN-scaled (factor 2), the
+            # sliding ones' plain, as OLMo 3 7B's (factor 8)
+            cfg = Olmo3Config(**{k: v for k, v in common.items() if k != "rope_parameters"},
+                              sliding_window=max(16, p.max_position_embeddings // 16),
+                              layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                           for i in range(p.num_hidden_layers)],
+                              rope_parameters={
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": p.rope_theta},
+                                  "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": p.rope_theta,
+                                                     "original_max_position_embeddings":
+                                                         p.max_position_embeddings // 2}})
         elif arch == "smollm3":  # Llama's layer; every other layer without RoPE here (SmolLM3: every fourth)
             cfg = SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=False)
         elif arch == "granite":  # Llama's layer with multipliers (Granite 3: 12, 0.22, 1/128 and 8), set apart from 1

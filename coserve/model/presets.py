@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3",
-                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss")
+                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "olmo3")
 #: The mixtures of experts among them: each layer's MLP is ``NUM_EXPERTS`` experts, ``EXPERTS_PER_TOKEN`` a token
 #: (Mixtral 8x7B: 8 and 2; Qwen3-30B-A3B: 128 and 8; OLMoE-1B-7B: 64 and 8), each as wide as the preset's MLP
 #: (Qwen3-MoE's and OLMoE's: half as wide, their moe_intermediate_size or intermediate_size)
@@ -51,7 +51,7 @@ class ModelPreset:
             attn += q + 2 * kv
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
-        if arch in ("olmo2", "olmoe"):  # q and k RMSNorm over all their heads (OLMo 2: no input norm; below: the
+        if arch in ("olmo2", "olmo3", "olmoe"):  # q and k RMSNorm over all their heads (OLMo 2: no input norm; below: the
             # two output norms)
             attn += q + kv
         if arch == "qwen3_moe":  # q and k RMSNorm over each head
