@@ -30,6 +30,7 @@ def call_text(parser: str, code: str) -> str:
         "llama4_pythonic": f"<|python_start|>[write(code={code!r})]<|python_end|>",
         "llama4_json": f'{{"name": "write", "parameters": {args}}}',
         "phi4_mini_json": f'functools[{{"name": "write", "arguments": {args}}}]',
+        "olmo3": f"<function_calls>\nwrite(code={code!r})\n</function_calls>",
         "mistral": f"[TOOL_CALLS]write[ARGS]{args}",
         "granite": f'<tool_call>[{{"name": "write", "arguments": {args}}}]',
         "qwen3_coder": (f"<tool_call>\n<function=write>\n<parameter=code>\n{code}</parameter>\n</function>\n"

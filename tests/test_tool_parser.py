@@ -286,6 +286,22 @@ def test_llama4_reads_pythonic_calls_with_or_without_its_wrapper_and_json_as_lla
     assert parse_tool_calls(LLAMA, "llama4_json") == parse_tool_calls(LLAMA, "llama3_json")
 
 
+OLMO3 = ('<function_calls>\nget_weather(city="Paris", days=3, metric=true, note=null, xs=[1, false])\nget_time()\n'
+         "</function_calls>")
+
+
+def test_olmo3_calls_are_python_calls_one_per_line_with_jsons_literals():
+    content, calls = parse_tool_calls(OLMO3, "olmo3")
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "metric": True, "note": None, "xs": [1, False]}), ("get_time", {})]
+    assert parse_tool_calls(OLMO3.removesuffix("</function_calls>"), "olmo3")[1] == calls  # cut after its last call
+    for text in ("Just text.", "get_time()", OLMO3 + " more", "<function_calls>\nget time()\n</function_calls>",
+                 "<function_calls>\nf(a=b)\n</function_calls>", "<function_calls></function_calls>"):
+        assert parse_tool_calls(text, "olmo3") == (text, [])
+    assert parse_tool_calls("[f(a=null)]", "pythonic") == ("[f(a=null)]", [])  # JSON's names are OLMo 3's alone
+    assert visible_text("<func", "olmo3") == "" and visible_text("<b>", "olmo3") == "<b>"
+
+
 def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
     calls = [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("t", "{}")]
     assert parse_tool_calls(MISTRAL, "granite") == (None, calls)
@@ -299,7 +315,7 @@ def test_granite_calls_are_mistrals_array_after_any_tool_call_tag():
 
 def test_an_unknown_parser_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--tool-call-parser: must be one of hermes, llama3_json, pythonic, "
-                                         "llama4_pythonic, llama4_json, phi4_mini_json, mistral, granite, "
+                                         "llama4_pythonic, llama4_json, phi4_mini_json, olmo3, mistral, granite, "
                                          "qwen3_coder, "
                                          "seed_oss, glm45, minimax_m2, deepseek_v3, deepseek_v31, kimi_k2"):
         ServerConfig(model="m", state_dir="s", tool_call_parser="hunyuan_a13b")

@@ -119,6 +119,13 @@ def test_pythonic_calls_stream_each_named_first_and_its_arguments_once_whole():
         assert early >= 1  # the first call's arguments went out before the output ended
     text = "Sunny [f()]"
     assert feed(ToolCallStream(True, "pythonic"), text, iter(lambda: 2, None), (text, [])) == (text, [], 0)
+    olmo3 = "<function_calls>\n" + PYTHONIC[1:-1].replace("), ", ")\n") + "\n</function_calls>"  # a call a line
+    for seed in range(10):
+        rng = random.Random(seed)
+        got_content, calls, early = feed(ToolCallStream(True, "olmo3"), olmo3, iter(lambda: rng.randint(1, 6), None),
+                                         final)
+        assert got_content == "" and [(c["name"], c["arguments"]) for c in calls] == [
+            (c.name, c.arguments) for c in made] and early >= 1
     wrapped = "<|python_start|>" + PYTHONIC + "<|python_end|>"  # Llama 4's, its special tokens kept
     got_content, calls, _ = feed(ToolCallStream(True, "llama4_pythonic"), wrapped, iter(lambda: 3, None), final)
     assert got_content == "" and [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in made]

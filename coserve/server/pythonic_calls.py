@@ -20,8 +20,19 @@ OPENING, CLOSING = "([{", ")]}"
 PLAIN = re.compile(r"[^'\"()\[\]{},]+")  # a run of characters the scan has nothing to do with
 
 
-def parse_pythonic(text: str) -> list[tuple[str, str]] | None:
-    """``(name, arguments)`` of each call of a finished reply that is a non-empty list of calls; None otherwise."""
+JSON_NAMES = {"null": None, "true": True, "false": False}  # what OLMo 3 writes for Python's None, True and False
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's ``null``, ``true`` and ``false`` in a call's values, read as the constants they name."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.copy_location(ast.Constant(JSON_NAMES[node.id]), node) if node.id in JSON_NAMES else node
+
+
+def parse_pythonic(text: str, json_names: bool = False) -> list[tuple[str, str]] | None:
+    """``(name, arguments)`` of each call of a finished reply that is a non-empty list of calls; None otherwise.
+    ``json_names``: ``null``, ``true`` and ``false`` are values too (OLMo 3's)."""
     body = text.strip()
     if not (body.startswith("[") and body.endswith("]")):
         return None
@@ -31,24 +42,25 @@ def parse_pythonic(text: str) -> list[tuple[str, str]] | None:
         return None
     if not isinstance(tree, ast.List) or not tree.elts:
         return None
-    calls = [_call(e) for e in tree.elts]
+    calls = [_call(e, json_names) for e in tree.elts]
     return None if any(c is None for c in calls) else calls
 
 
-def _call(node: ast.expr) -> tuple[str, str] | None:
+def _call(node: ast.expr, json_names: bool = False) -> tuple[str, str] | None:
     """A call node's name and keywords as JSON text; None if it is not ``name(keyword=literal, ...)``."""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
         return None
     if any(k.arg is None for k in node.keywords):  # **mapping
         return None
     try:
-        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        arguments = {k.arg: ast.literal_eval(_JsonNames().visit(k.value) if json_names else k.value)
+                     for k in node.keywords}
         return node.func.id, json.dumps(arguments, ensure_ascii=False)
     except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, or not JSON (a set, bytes)
         return None
 
 
-def pythonic_views(text: str) -> list[CallView]:
+def pythonic_views(text: str, json_names: bool = False) -> list[CallView]:
     """The calls of a growing reply as far as they are written: each named once ``name(`` is, with its arguments
     once its ``)`` is; NotACall once the text cannot be a list of calls."""
     i = skip_ws(text, 0)
@@ -85,7 +97,7 @@ def pythonic_views(text: str) -> list[CallView]:
                 break
             if depth == 0:
                 try:
-                    call = _call(ast.parse(text[start:pos + 1].strip(), mode="eval").body)
+                    call = _call(ast.parse(text[start:pos + 1].strip(), mode="eval").body, json_names)
                 except SyntaxError:
                     call = None
                 if call is None:

@@ -1,6 +1,6 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Fifteen formats, by vLLM's names:
+Sixteen formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
@@ -11,7 +11,8 @@ Fifteen formats, by vLLM's names:
   inside Llama 4's ``<|python_start|>`` ... ``<|python_end|>`` where the text keeps them, and ``llama4_json`` is
   ``llama3_json`` (as in vLLM);
 - ``phi4_mini_json`` (Phi-4-mini): the reply is ``functools[`` then the JSON array of ``{"name", "arguments"}``
-  calls;
+  calls; ``olmo3`` (OLMo 3): the reply is ``<function_calls>`` then one Python call per line
+  (``olmo3_calls.py``);
 - ``mistral``: the calls after ``[TOOL_CALLS]``, after any text, in either of Mistral's forms: a JSON array of
   ``{"name", "arguments"}`` objects (Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct), or ``name[ARGS]{...}``
   per call, each after its own ``[TOOL_CALLS]`` (tokenizers v11 and later: Mistral Small 3.1/3.2, Devstral,
@@ -46,6 +47,7 @@ from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_li
 from coserve.server.glm_calls import glm_views, parse_glm_calls
 from coserve.server.minimax_calls import OPEN as MINIMAX_OPEN, minimax_views, parse_minimax_calls
 from coserve.server.mistral_calls import TOOL_CALLS, call_array, mistral_calls, mistral_views
+from coserve.server.olmo3_calls import OPEN as OLMO3_OPEN, olmo3_views, parse_olmo3
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 from coserve.server.section_calls import SECTIONS, section_calls, section_views
 from coserve.server.xml_calls import SEED_CLOSE, SEED_OPEN, parse_xml_calls, xml_views
@@ -249,6 +251,11 @@ def _unwrapped(text: str) -> str:
     return body
 
 
+def _olmo3_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
+    calls = parse_olmo3(text)
+    return _found(text, None if calls is None else (None, calls))
+
+
 def _llama4_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     content, calls = _pythonic_calls(_unwrapped(text), schemas)
     return (text, []) if not calls else (content, calls)
@@ -290,6 +297,7 @@ FORMATS = {
     "llama4_pythonic": CallFormat(_llama4_calls, _llama4_views, ("[", PYTHON_START)),
     "llama4_json": CallFormat(_llama3_calls, _llama3_views, ("{",)),
     "phi4_mini_json": CallFormat(_phi4_calls, _phi4_views, (PHI4_LEAD,)),
+    "olmo3": CallFormat(_olmo3_calls, lambda text, schemas: olmo3_views(text), (OLMO3_OPEN,)),
     "mistral": CallFormat(_mistral_calls, lambda text, schemas: mistral_views(text), opens=TOOL_CALLS,
                           keeps_special=True),
     "granite": CallFormat(_granite_calls, _granite_views, ("[", GRANITE_OPEN)),
