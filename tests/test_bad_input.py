@@ -81,6 +81,20 @@ def test_biases_the_layers_do_not_add_are_refused_by_field(model_factory, arch, 
     assert ModelConfig.from_dict({**raw, field: False}).qkv_bias == (arch == "seed_oss")
 
 
+def test_olmo3s_two_ropes_read_alike_in_either_spelling(model_factory):
+    """OLMo 3's config nests each kind of layer's RoPE in transformers 5 (``rope_parameters`` by kind); in 4.x
+    spelling ``rope_scaling`` is the full layers' alone and both kinds share ``rope_theta``: the same model either
+    way, the sliding layers' RoPE plain."""
+    from coserve.model.config import ModelConfig
+    raw = json.loads((model_factory("olmo3") / "config.json").read_text())
+    full = raw["rope_parameters"]["full_attention"]
+    old = {**{k: v for k, v in raw.items() if k != "rope_parameters"}, "rope_theta": full["rope_theta"],
+           "rope_scaling": {k: v for k, v in full.items() if k != "rope_theta"}}
+    new, legacy = ModelConfig.from_dict(raw), ModelConfig.from_dict(old)
+    assert new.rope == legacy.rope and new.rope.rope_type == "yarn"
+    assert new.rope_local == legacy.rope_local and new.rope_local.rope_type == "default"
+
+
 def test_layers_of_other_kinds_are_refused_by_field(model_factory):
     from coserve.model.config import ModelConfig
     raw = json.loads((model_factory("qwen3") / "config.json").read_text())
