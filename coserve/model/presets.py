@@ -51,8 +51,8 @@ class ModelPreset:
             attn += q + 2 * kv
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
-        if arch in ("olmo2", "olmo3", "olmoe"):  # q and k RMSNorm over all their heads (OLMo 2: no input norm; below: the
-            # two output norms)
+        if arch in ("olmo2", "olmo3", "olmoe"):  # q and k RMSNorm over all their heads (OLMo 2 and 3: no input norm;
+            # below: the two output norms)
             attn += q + kv
         if arch == "qwen3_moe":  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
