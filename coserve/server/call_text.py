@@ -34,6 +34,32 @@ class CallView:
     ident: str | None = None  # the call's id, where the model writes one (Kimi K2)
 
 
+def after_lead(text: str, lead: str, required: bool = True) -> str | None:
+    """What follows ``lead`` at the start of a growing reply of calls (blanks before it aside): None while the
+    reply is blank or the lead half written; where it begins otherwise, the reply itself if the lead is not
+    ``required``, else NotACall."""
+    rest = text[skip_ws(text, 0):]
+    if lead.startswith(rest):
+        return None
+    if rest.startswith(lead):
+        return rest[len(lead):]
+    if required:
+        raise NotACall(f"a reply of calls begins with {lead!r}")
+    return rest
+
+
+def whole_calls(views: list[CallView]) -> list[CallView] | None:
+    """``views`` where there is at least one and each is a whole call (its end written, a name, a JSON object's
+    arguments); None otherwise."""
+    for view in views:
+        try:
+            if view.end is None or not view.name or not isinstance(json.loads(view.arguments), dict):
+                return None
+        except json.JSONDecodeError:
+            return None
+    return views or None
+
+
 def skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i] in WHITESPACE:
         i += 1

@@ -18,27 +18,19 @@ import json
 import re
 
 from coserve.server.call_text import CallView
-from coserve.server.xml_calls import CLOSE, OPEN, blocks, json_or_literal
+from coserve.server.xml_calls import CLOSE, OPEN, block_calls, blocks, json_or_literal
 
 NAME = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?=\n|<arg_key>|$)")
 PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 def parse_glm_calls(text: str, schemas: dict[str, dict]) -> tuple[str | None, list[tuple[str, str]]] | None:
-    """``(content, [(name, arguments), ...])`` of a finished output: the text before the first block (None when
-    blank) and each closed block's call; None when there is no block, one is not a call, or text is between or
-    after them."""
-    views = glm_views(text, schemas)
-    found = list(blocks(text, (OPEN, CLOSE)))
-    if not found or len(views) != len(found) or any(v.end is None for v in views):
-        return None
-    for (_, _, end, _), (start, _, _, _) in zip(found, found[1:]):
-        if text[end:start].strip():
-            return None
-    if text[found[-1][2]:].strip():
-        return None
-    content = text[:found[0][0]]
-    return (content if content.strip() else None), [(v.name, v.arguments) for v in views]
+    """``(content, [(name, arguments), ...])`` of a finished output (``xml_calls.block_calls``): a call per closed
+    block."""
+    def read(body: str, closed: bool) -> list[tuple[str, str]] | None:
+        call = _call(body, schemas) if closed else None
+        return None if call is None else [call]
+    return block_calls(text, (OPEN, CLOSE), read)
 
 
 def glm_views(text: str, schemas: dict[str, dict]) -> list[CallView]:
@@ -46,21 +38,30 @@ def glm_views(text: str, schemas: dict[str, dict]) -> list[CallView]:
     their arguments once the block is closed. A block that cannot be a call ends the views."""
     views: list[CallView] = []
     for _, body, end, closed in blocks(text, (OPEN, CLOSE)):
+        if closed:
+            call = _call(body, schemas)
+            if call is None:
+                break
+            views.append(CallView(*call, end))
+            continue
         named = NAME.match(body)
-        if named is None or (not closed and named.end() == len(body)):
-            break  # not a call, or its name may still be growing
-        name = named.group(1)
-        if not closed:
-            views.append(CallView(name, "", None))
-            break
-        rest = body[named.end():]
-        if PAIR.sub("", rest).strip():
-            break  # text that is no argument
-        properties = (schemas.get(name) or {}).get("properties") or {}
-        arguments = {key.strip(): _value(value.strip(), properties.get(key.strip()))
-                     for key, value in PAIR.findall(rest)}
-        views.append(CallView(name, json.dumps(arguments, ensure_ascii=False), end))
+        if named is not None and named.end() < len(body):  # (else its name may still be growing)
+            views.append(CallView(named.group(1), "", None))
+        break
     return views
+
+
+def _call(body: str, schemas: dict[str, dict]) -> tuple[str, str] | None:
+    """A closed block's call: its name and arguments as JSON text; None if the body is not one."""
+    named = NAME.match(body)
+    if named is None:
+        return None
+    name, rest = named.group(1), body[named.end():]
+    if PAIR.sub("", rest).strip():
+        return None  # text that is no argument
+    properties = (schemas.get(name) or {}).get("properties") or {}
+    arguments = {key.strip(): _value(value.strip(), properties.get(key.strip())) for key, value in PAIR.findall(rest)}
+    return name, json.dumps(arguments, ensure_ascii=False)
 
 
 def _value(raw: str, schema: dict | None):

@@ -20,7 +20,7 @@ import json
 import re
 
 from coserve.server.call_text import CallView
-from coserve.server.xml_calls import blocks, typed_value
+from coserve.server.xml_calls import block_calls, blocks, typed_value
 
 OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 INVOKE_CLOSE = "</invoke>"
@@ -30,21 +30,12 @@ PARAMETER = re.compile(r"<parameter name=([\"']?)([^\"'>\n]+)\1>(.*?)</parameter
 
 
 def parse_minimax_calls(text: str, schemas: dict[str, dict]) -> tuple[str | None, list[tuple[str, str]]] | None:
-    """``(content, [(name, arguments), ...])`` of a finished output: the text before the first block (None when
-    blank) and each block's calls; None when there is no block, a block holds anything but whole calls, or text is
-    between or after the blocks."""
-    calls, first, last = [], None, 0
-    for start, body, end, _ in blocks(text, (OPEN, CLOSE)):
-        found, rest = _invokes(body, start + len(OPEN), schemas)
-        if not found or rest.strip() or (first is not None and text[last:start].strip()):
-            return None
-        first = start if first is None else first
-        calls += [(v.name, v.arguments) for v in found]
-        last = end
-    if first is None or text[last:].strip():
-        return None
-    content = text[:first]
-    return (content if content.strip() else None), calls
+    """``(content, [(name, arguments), ...])`` of a finished output (``xml_calls.block_calls``): each block's calls,
+    a block holding anything else not calls."""
+    def read(body: str, closed: bool) -> list[tuple[str, str]] | None:
+        found, rest = _invokes(body, 0, schemas)
+        return None if not found or rest.strip() else [(v.name, v.arguments) for v in found]
+    return block_calls(text, (OPEN, CLOSE), read)
 
 
 def minimax_views(text: str, schemas: dict[str, dict]) -> list[CallView]:

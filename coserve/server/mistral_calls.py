@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 
-from coserve.server.call_text import CallView, NotACall, scan_call_list, skip_ws, value_end
+from coserve.server.call_text import CallView, NotACall, scan_call_list, skip_ws, value_end, whole_calls
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 NAME = re.compile(r"[A-Za-z0-9_-]*")
@@ -49,21 +49,12 @@ def mistral_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
         calls = call_array(text[body:])
         return None if calls is None else (content, calls)
     try:
-        views = mistral_views(text)
+        views = whole_calls(mistral_views(text))
     except NotACall:
         return None
-    calls = []
-    for view in views:
-        try:
-            whole = view.end is not None and isinstance(json.loads(view.arguments), dict)
-        except json.JSONDecodeError:
-            whole = False
-        if not whole or not view.name:
-            return None
-        calls.append((view.name, view.arguments))
-    if not calls or skip_ws(text, views[-1].end) < len(text):
-        return None  # text after the calls: not a reply of calls
-    return content, calls
+    if views is None or skip_ws(text, views[-1].end) < len(text):
+        return None  # not all whole calls, or text after them
+    return content, [(v.name, v.arguments) for v in views]
 
 
 def mistral_views(text: str) -> list[CallView]:

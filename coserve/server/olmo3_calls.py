@@ -15,7 +15,7 @@ lines of calls, which its stream sends as text; here both read the same).
 
 from __future__ import annotations
 
-from coserve.server.call_text import CallView, NotACall, skip_ws
+from coserve.server.call_text import CallView, after_lead
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 
 OPEN, CLOSE = "<function_calls>", "</function_calls>"
@@ -39,11 +39,8 @@ def parse_olmo3(text: str) -> list[tuple[str, str]] | None:
 
 def olmo3_views(text: str) -> list[CallView]:
     """The calls of a growing reply as far as they are written; NotACall once it cannot be a reply of calls."""
-    rest = text[skip_ws(text, 0):]
-    if OPEN.startswith(rest):  # blank, or the tag half written
+    body = after_lead(text, OPEN)
+    if body is None:
         return []
-    if not rest.startswith(OPEN):
-        raise NotACall(f"an OLMo 3 reply of calls begins with {OPEN!r}")
-    body = rest[len(OPEN):]
     end = body.find(CLOSE)
     return pythonic_views(_lines_as_list(body if end < 0 else body[:end]), json_names=True)

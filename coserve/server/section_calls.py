@@ -17,11 +17,10 @@ JSON object the model wrote, sent by a stream as written (``section_views``).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
-from coserve.server.call_text import CallView, NotACall, skip_ws, value_end
+from coserve.server.call_text import CallView, NotACall, skip_ws, value_end, whole_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,36 +50,25 @@ NAME = re.compile(r"[A-Za-z0-9_-]+")
 KIMI_ID = re.compile(r"(?:[\w.-]*\.)?([A-Za-z0-9_-]+):\d+")
 
 
-@dataclass(frozen=True, slots=True)
-class SectionCall:
-    name: str
-    arguments: str
-    ident: str | None  # the id the model wrote (Kimi K2), else None
-
-
-def section_calls(text: str, form: Section) -> tuple[str | None, list[SectionCall]] | None:
-    """``(content, calls)`` of a finished output whose calls follow its text in ``form``'s section (content None
-    where blank); None where there is no section or it is not all whole calls."""
+def section_calls(text: str, form: Section) -> tuple[str | None, list[tuple[str, str, str | None]]] | None:
+    """``(content, [(name, arguments, id), ...])`` of a finished output whose calls follow its text in ``form``'s
+    section (content None where blank; the id the model wrote, else None); None where there is no section or it is
+    not all whole calls."""
     at = text.find(form.begin)
     if at < 0:
         return None
     try:
-        views = section_views(text, form)
+        views = whole_calls(section_views(text, form))
     except NotACall:
         return None
-    calls, i = [], skip_ws(text, at + len(form.begin))
-    for view in views:
-        if view.end is None or not view.name or not _is_object(view.arguments):
-            return None
-        calls.append(SectionCall(view.name, view.arguments, view.ident))
-        i = skip_ws(text, view.end)
-    if not calls:
+    if views is None:
         return None
+    i = skip_ws(text, views[-1].end)
     if text.startswith(form.end, i):
         i = skip_ws(text, i + len(form.end))
     if i < len(text):
         return None  # text after the calls: not a reply of calls
-    return (text[:at] if text[:at].strip() else None), calls
+    return (text[:at] if text[:at].strip() else None), [(v.name, v.arguments, v.ident) for v in views]
 
 
 def section_views(text: str, form: Section) -> list[CallView]:
@@ -150,10 +138,3 @@ def _open_or_not(text: str, j: int, marker: str, name: str, arguments: str, iden
     if marker.startswith(text[j:]):
         return CallView(name, arguments, None, ident)
     raise NotACall(f"{marker!r} was expected after a call's arguments, not {text[j:j + 20]!r}")
-
-
-def _is_object(arguments: str) -> bool:
-    try:
-        return isinstance(json.loads(arguments), dict)
-    except json.JSONDecodeError:
-        return False

@@ -39,22 +39,21 @@ values, and go whole once the call is.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coserve.server.call_text import CallView, NotACall, scan_call, scan_call_list, skip_ws, value_end
+from coserve.server.call_text import (CallView, NotACall, after_lead, scan_call, scan_call_list, skip_ws,
+                                      value_end)
 from coserve.server.glm_calls import glm_views, parse_glm_calls
 from coserve.server.minimax_calls import OPEN as MINIMAX_OPEN, minimax_views, parse_minimax_calls
 from coserve.server.mistral_calls import TOOL_CALLS, call_array, mistral_calls, mistral_views
 from coserve.server.olmo3_calls import OPEN as OLMO3_OPEN, olmo3_views, parse_olmo3
 from coserve.server.pythonic_calls import parse_pythonic, pythonic_views
 from coserve.server.section_calls import SECTIONS, section_calls, section_views
-from coserve.server.xml_calls import SEED_CLOSE, SEED_OPEN, parse_xml_calls, xml_views
+from coserve.server.xml_calls import SEED_CLOSE, SEED_OPEN, block_calls, parse_xml_calls, xml_views
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")  # where a Hermes call's arguments may be (the first written counts)
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,19 +94,8 @@ def visible_text(text: str, parser: str = "hermes") -> str:
 
 
 def _hermes_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
-    start = text.find(OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for m in BLOCK.finditer(text, start):
-        call = _call(m.group(1))
-        if call is None:
-            return text, []
-        calls.append(call)
-    if BLOCK.sub("", text[start:]).strip():
-        return text, []  # text between or after the blocks: not a reply of calls
-    content = text[:start]
-    return (content if content.strip() else None), calls
+    found = block_calls(text, (OPEN, CLOSE), lambda body, closed: None if (call := _call(body)) is None else [call])
+    return (text, []) if found is None else found
 
 
 def _call(body: str) -> ParsedCall | None:
@@ -203,24 +191,26 @@ def _minimax_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCal
     return _found(text, parse_minimax_calls(text, schemas))
 
 
-def _found(text: str, found: tuple[str | None, list[tuple[str, str]]] | None) -> tuple[str | None, list[ParsedCall]]:
-    """A reader's ``(content, [(name, arguments)])`` as the parsers give it; ``(text, [])`` for None."""
-    return (text, []) if found is None else (found[0], [ParsedCall(n, a) for n, a in found[1]])
+def _found(text: str, found: tuple[str | None, list[tuple]] | None) -> tuple[str | None, list[ParsedCall]]:
+    """A reader's ``(content, [(name, arguments[, id])])`` as the parsers give it; ``(text, [])`` for None."""
+    return (text, []) if found is None else (found[0], [ParsedCall(*call) for call in found[1]])
+
+
+def _only_calls(text: str, calls: list[tuple[str, str]] | None) -> tuple[str | None, list[ParsedCall]]:
+    """A reply that is nothing but ``calls`` (None: not calls)."""
+    return _found(text, None if calls is None else (None, calls))
 
 
 GRANITE_OPEN = "<tool_call>"  # what Granite 3.1 and later write before their calls (3.0: a special token)
 
 
 def _granite_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
-    calls = call_array(text.strip().removeprefix(GRANITE_OPEN))
-    return _found(text, None if calls is None else (None, calls))
+    return _only_calls(text, call_array(text.strip().removeprefix(GRANITE_OPEN)))
 
 
 def _granite_views(text: str, schemas: dict) -> list[CallView]:
-    rest = text[skip_ws(text, 0):]
-    if GRANITE_OPEN.startswith(rest):  # blank, or the tag half written
-        return []
-    return scan_call_list(rest.removeprefix(GRANITE_OPEN), ("arguments",))
+    rest = after_lead(text, GRANITE_OPEN, required=False)
+    return [] if rest is None else scan_call_list(rest, ("arguments",))
 
 
 PHI4_LEAD = "functools["  # what Phi-4-mini's reply of calls begins with
@@ -229,17 +219,13 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, ar
 
 def _phi4_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
     body = text.strip()
-    calls = call_array(body[len(PHI4_LEAD) - 1:], ARGUMENT_KEYS) if body.startswith(PHI4_LEAD) else None
-    return _found(text, None if calls is None else (None, calls))
+    return _only_calls(text, call_array(body[len(PHI4_LEAD) - 1:], ARGUMENT_KEYS) if body.startswith(PHI4_LEAD)
+                       else None)
 
 
 def _phi4_views(text: str, schemas: dict) -> list[CallView]:
-    rest = text[skip_ws(text, 0):]
-    if PHI4_LEAD.startswith(rest):  # blank, or its lead half written
-        return []
-    if not rest.startswith(PHI4_LEAD):
-        raise NotACall(f"a Phi-4-mini reply of calls begins with {PHI4_LEAD!r}")
-    return scan_call_list(rest[len(PHI4_LEAD) - 1:], ARGUMENT_KEYS)
+    rest = after_lead(text, PHI4_LEAD)
+    return [] if rest is None else scan_call_list("[" + rest, ARGUMENT_KEYS)
 
 
 def _unwrapped(text: str) -> str:
@@ -252,8 +238,7 @@ def _unwrapped(text: str) -> str:
 
 
 def _olmo3_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
-    calls = parse_olmo3(text)
-    return _found(text, None if calls is None else (None, calls))
+    return _only_calls(text, parse_olmo3(text))
 
 
 def _llama4_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
@@ -262,10 +247,8 @@ def _llama4_calls(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall
 
 
 def _llama4_views(text: str, schemas: dict) -> list[CallView]:
-    rest = text[skip_ws(text, 0):]
-    if rest and PYTHON_START.startswith(rest):  # the wrapper half written
-        return []
-    return pythonic_views(_unwrapped(text))
+    rest = after_lead(text, PYTHON_START, required=False)
+    return [] if rest is None else pythonic_views(rest.removesuffix(PYTHON_END))
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,12 +265,8 @@ class CallFormat:
 
 def _section_format(name: str) -> CallFormat:
     form = SECTIONS[name]
-
-    def parse(text: str, schemas: dict) -> tuple[str | None, list[ParsedCall]]:
-        found = section_calls(text, form)
-        return (text, []) if found is None else (found[0], [ParsedCall(c.name, c.arguments, c.ident)
-                                                            for c in found[1]])
-    return CallFormat(parse, lambda text, schemas: section_views(text, form), opens=form.begin, keeps_special=True)
+    return CallFormat(lambda text, schemas: _found(text, section_calls(text, form)),
+                      lambda text, schemas: section_views(text, form), opens=form.begin, keeps_special=True)
 
 
 FORMATS = {

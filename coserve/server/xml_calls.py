@@ -28,7 +28,7 @@ import ast
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from coserve.server.call_text import CallView
 
@@ -55,23 +55,30 @@ def blocks(text: str, tags: tuple[str, str]) -> Iterator[tuple[int, str, int, bo
         start = text.find(opening, close + len(closing))
 
 
-def parse_xml_calls(text: str, schemas: dict[str, dict], tags: tuple[str, str] = (OPEN, CLOSE)
-                    ) -> tuple[str | None, list[tuple[str, str]]] | None:
-    """``(content, [(name, arguments), ...])`` of a finished output: the text before the first block (None when
-    blank) and each block's call; None when there is no block, one is not a call, or text is between or after
-    them. ``schemas``: each tool's ``parameters`` schema, by name; ``tags``: the blocks' (Seed-OSS's are its own)."""
+def block_calls(text: str, tags: tuple[str, str], read: Callable[[str, bool], list | None]
+                ) -> tuple[str | None, list] | None:
+    """``(content, calls)`` of a finished output whose calls are in blocks between ``tags`` after any text: the text
+    before the first block (None when blank) and the calls ``read(body, closed)`` finds in each block (None: the
+    block is not calls); None when there is no block, one is not calls, or text is between or after them."""
     calls, first, last = [], None, 0
-    for start, body, end, _ in blocks(text, tags):
-        call = _call(body, schemas)
-        if call is None or (first is not None and text[last:start].strip()):
+    for start, body, end, closed in blocks(text, tags):
+        found = read(body, closed)
+        if found is None or (first is not None and text[last:start].strip()):
             return None
         first = start if first is None else first
-        calls.append(call)
+        calls += found
         last = end
     if first is None or text[last:].strip():
         return None
     content = text[:first]
     return (content if content.strip() else None), calls
+
+
+def parse_xml_calls(text: str, schemas: dict[str, dict], tags: tuple[str, str] = (OPEN, CLOSE)
+                    ) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """``(content, [(name, arguments), ...])`` of a finished output (``block_calls``), a call per block.
+    ``schemas``: each tool's ``parameters`` schema, by name; ``tags``: the blocks' (Seed-OSS's are its own)."""
+    return block_calls(text, tags, lambda body, closed: None if (call := _call(body, schemas)) is None else [call])
 
 
 def xml_views(text: str, schemas: dict[str, dict], tags: tuple[str, str] = (OPEN, CLOSE)) -> list[CallView]:
