@@ -23,7 +23,7 @@ from tests.test_coserving import _engine
 from tests.test_cuda_architectures import _every_module_job
 from window_helpers import check_windows_match_autograd, perturbed_bypass
 
-MOES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+MOES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 PROMPTS = ["The quick brown fox", "def add(a, b):", "A", "Scheduling decides which tokens run", "Once upon", "JSON"]
 

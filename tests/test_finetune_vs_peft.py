@@ -87,6 +87,9 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("qwen3_moe", ["q_proj", "v_proj"]),
                                           ("olmoe", ["q_proj", "k_proj", "o_proj"]),
                                           ("qwen2_moe", ["q_proj", "v_proj", "o_proj"]),
+                                          ("glm4_moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                                          ("glm4_moe", {"target_modules": ["gate", "k_proj"],
+                                                        "target_parameters": ["gate_up_proj", "down_proj"]}),
                                           ("mixtral", {"target_modules": ["q_proj"], "target_parameters":
                                                        ["experts.gate_up_proj", "experts.down_proj"]}),
                                           ("qwen2_moe", {"target_modules": [], "target_parameters": ["down_proj"]}),

@@ -1,9 +1,10 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and its shared expert; coserve/model/moe.py). HF parity of
-logits and greedy tokens runs in test_model_parity.py (all four are in conftest's ARCHS), training against PEFT in
+"""Mixtures of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and its shared expert, GLM-4.5 with its sigmoid router and
+dense first layer; coserve/model/moe.py). HF parity of logits and greedy tokens runs in test_model_parity.py (all
+five are in conftest's ARCHS), training against PEFT in
 test_finetune_vs_peft.py. Here: a co-served job changes no inference logprob, finetuning windows (the pruned
 backward, from the kept routing and experts' gate/up or recomputing them; every layer under autograd) match one
-whole-sequence backward, the expert calls are padded to batch-invariant sizes, and what coserve does not run is
-refused naming the field or module."""
+whole-sequence backward, the expert calls are padded to batch-invariant sizes, GLM-4.5's routing is its router's,
+Qwen-MoE's dense layers run as HF's, and what coserve does not run is refused naming the field or module."""
 
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from coserve.finetune.pruned_layer import BASE_KEEPS, new_keeps
 from coserve.model.config import ModelConfig, ModelConfigError
+from coserve.model.create import build_config, shape_init
 from coserve.model.loader import load_model
 from coserve.model.moe import route
+from coserve.model.tokenizer_builder import build_tokenizer, save_tokenizer
 from coserve.peft.config import IA3Config, LoraConfig, for_model
 from tests.test_batch_invariance import _logprobs, _prompts
 from tests.test_coserving import _engine
 from tests.test_cuda_architectures import _every_module_job
+from tests.test_model_parity import _flat_logits
 from window_helpers import check_windows_match_autograd, perturbed_bypass
 
-MOES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+MOES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
 
 
 @pytest.mark.parametrize("arch", MOES)
@@ -51,9 +56,14 @@ def test_window_schedules_match_one_whole_sequence_backward(model_factory, arch,
     1.02e-5 under every keep set alike, ``all`` (each layer by autograd) included: float32's floor here, not the
     pruned backward's."""
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
-    every, none = new_keeps(model, 4, BASE_KEEPS)[0].base, new_keeps(model, 4, ())[0].base
+    first = model.cfg.dense_layers[-1] + 1 if model.cfg.dense_layers else 0  # GLM-4.5's first layer is dense
+    every, none = new_keeps(model, 4, BASE_KEEPS)[first].base, new_keeps(model, 4, ())[first].base
     assert {"moe.probs", "moe.gu", "attn.o"} <= set(every) and not {"gate", "up"} & set(every)
     assert set(none) == {"moe.probs"}
+    if first:  # a dense layer keeps its own MLP's gate and up, as wide as its MLP
+        dense = new_keeps(model, 4, BASE_KEEPS)[0].base
+        assert not {"moe.probs", "moe.gu"} & set(dense)
+        assert dense["gate"].shape == dense["up"].shape == (4, model.cfg.dense_intermediate_size)
     bypass = perturbed_bypass(peft, model, seed=4)
     check_windows_match_autograd(model, bypass, 47, remat, (5, 1, 30, 11), [1, 3, 16, 47], seed=1, dropout_seed=2,
                                  tol=2e-5)
@@ -88,14 +98,73 @@ def test_routing_renormalises_where_the_config_says():
     assert torch.allclose(route(cfg, logits)[1].sum(-1), torch.ones(1))
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("mlp_only_layers", [0], "field 'mlp_only_layers'"),
-    ("decoder_sparse_step", 2, "field 'decoder_sparse_step'"),
-    ("use_sliding_window", True, "field 'use_sliding_window'"),
-    ("num_experts_per_tok", 9, "num_experts_per_tok must be 1 to 4"),
+@pytest.mark.parametrize("groups,topk_groups,norm", [(1, 1, True), (2, 1, True), (4, 2, False), (4, 3, True)])
+def test_glm_routing_is_its_routers(model_factory, groups, topk_groups, norm):
+    """GLM-4.5's experts and weights from random logits, as ``Glm4MoeTopkRouter`` picks and weighs them: sigmoid
+    scores plus a correction bias, the experts of the best groups (by their two best biased scores) alone, the weights
+    the unbiased scores, renormalised where the config says, then scaled."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+    raw = json.loads((model_factory("glm4_moe") / "config.json").read_text())
+    raw.update(n_routed_experts=16, num_experts_per_tok=4, n_group=groups, topk_group=topk_groups, norm_topk_prob=norm,
+               routed_scaling_factor=1.7)
+    cfg = ModelConfig.from_dict(raw)
+    gen = torch.Generator().manual_seed(groups * 10 + topk_groups)
+    hidden = torch.randn(64, 8, generator=gen)
+    hf = Glm4MoeTopkRouter(type("C", (), {"num_experts_per_tok": 4, "num_local_experts": 16, "hidden_size": 8,
+                                          "routed_scaling_factor": 1.7, "n_group": groups, "topk_group": topk_groups,
+                                          "norm_topk_prob": norm})())
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(16, 8, generator=gen))
+        hf.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.3)
+        logits, hf_weights, hf_experts = hf(hidden)
+    experts, weights = route(cfg, logits, hf.e_score_correction_bias)
+    order, hf_order = experts.sort(-1), hf_experts.sort(-1)  # HF's come unsorted; each token's set is what counts
+    assert torch.equal(order.values, hf_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices),
+                               atol=1e-6, rtol=1e-6)
+    if topk_groups < groups:  # some token's experts changed by the groups: the test reaches the grouping
+        ungrouped = route(ModelConfig.from_dict({**raw, "topk_group": groups}), logits, hf.e_score_correction_bias)
+        assert not torch.equal(order.values, ungrouped[0].sort(-1).values)
+
+
+def _hf_written(path, arch: str, **fields):
+    """A tiny ``arch`` model written by transformers with ``fields`` set on its config (new weights)."""
+    cfg = build_config("tiny", arch)
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    shape_init(model)
+    model.save_pretrained(str(path))
+    save_tokenizer(build_tokenizer(cfg.vocab_size), path, model_max_length=cfg.max_position_embeddings)
+    return path
+
+
+@pytest.mark.parametrize("arch,fields,dense", [("qwen3_moe", {"mlp_only_layers": [1]}, (1,)),
+                                                ("qwen2_moe", {"decoder_sparse_step": 2}, (0,))])
+def test_qwen_moes_dense_layers_run_as_hfs(tmp_path, arch, fields, dense):
+    """Qwen-MoE's layers with a dense MLP (``mlp_only_layers``, and those ``decoder_sparse_step`` skips) run it, as
+    HF's: the same logits."""
+    path = _hf_written(tmp_path / "model", arch, **fields)
+    assert ModelConfig.from_dir(path).dense_layers == dense
+    ids = [[5, 17, 300, 41, 9, 2200, 77], [3, 1000]]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for seq, got in zip(ids, _flat_logits(path, ids)):
+        with torch.inference_mode():
+            torch.testing.assert_close(got, hf(torch.tensor([seq])).logits[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch,field,value,message", [
+    ("qwen3_moe", "mlp_only_layers", [2], "field 'mlp_only_layers': must list layers 0 to 1"),
+    ("qwen3_moe", "decoder_sparse_step", 0, "field 'decoder_sparse_step': must be positive"),
+    ("qwen3_moe", "use_sliding_window", True, "field 'use_sliding_window'"),
+    ("qwen3_moe", "num_experts_per_tok", 9, "num_experts_per_tok must be 1 to 4"),
+    ("glm4_moe", "n_group", 3, "n_group 3 does not divide the 8 experts"),
+    ("glm4_moe", "n_group", 8, "topk_group 1 of n_group 8 leaves fewer than num_experts_per_tok"),
+    ("glm4_moe", "first_k_dense_replace", 3, "field 'first_k_dense_replace': must be 0 to 2"),
 ])
-def test_what_is_not_run_is_refused_naming_the_field(model_factory, field, value, message):
-    raw = json.loads((model_factory("qwen3_moe") / "config.json").read_text())
+def test_what_is_not_run_is_refused_naming_the_field(model_factory, arch, field, value, message):
+    raw = json.loads((model_factory(arch) / "config.json").read_text())
     with pytest.raises(ModelConfigError, match=message):
         ModelConfig.from_dict({**raw, field: value})
 

@@ -91,13 +91,16 @@ class LayerKeep:
         return [*self.base.values(), *self.bypass.values()]
 
 
-def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[str, ...] = BASE_KEEPS) -> LayerKeep:
-    """Room for one layer's ``names`` (a subset of BASE_KEEPS; those of q/k norms only where the model has them)
-    over ``n`` tokens."""
+def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[str, ...] = BASE_KEEPS,
+                   layer: int = 0) -> LayerKeep:
+    """Room for layer ``layer``'s ``names`` (a subset of BASE_KEEPS; those of q/k norms only where the model has them;
+    a dense MLP's gate/up or a mixture's routing, whichever the layer has) over ``n`` tokens."""
     c = model.cfg
+    moe = c.moe_layer(layer)
+    inter = c.dense_intermediate_size if c.moe and not moe else c.intermediate_size  # a dense layer's in a mixture
     shapes = {"rms_attn": (n, 1), "q": (n, c.num_heads, c.head_dim), "attn.o": (n, c.q_size),
               "attn.lse": (n, c.num_heads), "resid": (n, c.hidden_size), "rms_mlp": (n, 1),
-              "gate": (n, c.intermediate_size), "up": (n, c.intermediate_size),
+              "gate": (n, inter), "up": (n, inter),
               "q_pre": (n, c.num_heads, c.head_dim), "q_rms": (n, c.num_heads, 1),
               "k_pre": (n, c.num_kv_heads, c.head_dim), "k_rms": (n, c.num_kv_heads, 1),
               "moe.probs": (n, c.num_experts), "moe.gu": (n, c.experts_per_token, 2 * c.intermediate_size)}
@@ -108,11 +111,11 @@ def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[st
         raise ValueError("new_layer_keep: attention's output and log-sum-exp are kept together or not at all")
     if not c.qk_norm:  # no q/k norms: nothing of theirs to keep
         names = set(names) - set(_QK_NORM_KEEPS)
-    if c.moe:  # the router's probabilities always (a few bytes), the experts' gate/up where the plan keeps gate/up
-        gu = bool({"gate", "up", "moe.gu"} & set(names))
+    gu = bool({"gate", "up", "moe.gu"} & set(names))
+    if moe:  # the router's probabilities always (a few bytes), the experts' gate/up where the plan keeps gate/up
         names = set(names) - {"gate", "up"} | {"moe.probs"} | ({"moe.gu"} if gu else set())
-    else:
-        names = set(names) - set(_MOE_KEEPS)
+    else:  # a dense MLP's gate and up where the plan keeps them (or a mixture's plan its experts')
+        names = set(names) - set(_MOE_KEEPS) | ({"gate", "up"} if c.moe and gu else set())
     if c.attn_softcap is not None:  # capped scores: no kept-output backward (autograd recomputes attention)
         names = set(names) - {"attn.o", "attn.lse"}
     if "attn.o" in names and not kept_attention_supported(model.device):
@@ -124,7 +127,7 @@ def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[st
 
 def new_keeps(model: DecoderModel, n: int, names: frozenset[str] | tuple[str, ...] = BASE_KEEPS) -> list[LayerKeep]:
     """Every layer's ``LayerKeep`` for a sequence of ``n`` tokens."""
-    return [new_layer_keep(model, n, names) for _ in range(model.cfg.num_layers)]
+    return [new_layer_keep(model, n, names, i) for i in range(model.cfg.num_layers)]
 
 
 def forward_layer(model: DecoderModel, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, attend,
@@ -265,7 +268,7 @@ def backward_layer(model: DecoderModel, layer: DecoderLayer, bypass, keep: Layer
         elif gate is None or up is None or _touches(bypass, *_STAGES[1]):
             stats2 = _norm_stats(resid, rstd2, eps)
             h2 = rms_norm(resid, layer.post_norm, eps, stats2)
-        inter = cfg.intermediate_size
+        inter = layer.gate_weight.shape[0]  # the MLP's width (a mixture's dense layers': dense_intermediate_size)
         if (gate is None or up is None) and _touches(bypass, "gate_up_proj"):  # Phi-3's bypass: over both at once
             gate, up = bypass_output(bypass, None, i, "gate_up_proj", h2,
                                      model.linear(h2, layer.gate_up)).chunk(2, dim=-1)

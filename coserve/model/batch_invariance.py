@@ -72,10 +72,13 @@ def invariance_violations(model: DecoderModel, linear: Callable[[torch.Tensor, t
     defaults to the model's own (``forward_linear``)."""
     linear = linear or forward_linear(model)
     layer = model.layers[0]
-    weights = {"qkv": layer.qkv, "o_proj": layer.o, "gate_up": layer.gate_up, "down_proj": layer.down,
-               "lm_head": model.lm_head}
-    if layer.router is not None:  # a mixture: its router and an expert's matrices (each expert's the same shapes)
-        weights.update(gate_up=layer.expert_gate_up[0], down_proj=layer.expert_down[0], router=layer.router)
+    weights = {"qkv": layer.qkv, "o_proj": layer.o, "lm_head": model.lm_head}
+    dense = next((lay for lay in model.layers if lay.router is None), None)
+    if dense is not None:  # a dense MLP (in a mixture, its dense layers')
+        weights.update(gate_up=dense.gate_up, down_proj=dense.down)
+    moe = next((lay for lay in model.layers if lay.router is not None), None)
+    if moe is not None:  # a mixture: its router and an expert's matrices (each expert's the same shapes)
+        weights.update(expert_gate_up=moe.expert_gate_up[0], expert_down=moe.expert_down[0], router=moe.router)
     generator = torch.Generator(device=model.device).manual_seed(0)
     found = []
     with torch.inference_mode():

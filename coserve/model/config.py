@@ -29,8 +29,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
     "SeedOssForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
     "Olmo3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
+    "Glm4MoeForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},  # read: attention_bias, use_qk_norm
 }
-MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM")
+MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM")
+ROUTERS = ("softmax", "sigmoid")  # ModelConfig.router
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
@@ -120,8 +122,22 @@ class ModelConfig:
     norm_topk_prob: bool = False
     moe_weights_float32: bool = False
     # Qwen2-MoE: beside the experts, a shared SiLU-gated expert of this width that every token runs through, its output
-    # scaled by sigmoid(h @ shared_expert_gate) (0: none)
+    # scaled by sigmoid(h @ shared_expert_gate) (0: none); GLM-4.5's shared experts (``shared_experts``, as one of
+    # their summed width) add theirs unscaled (``shared_expert_gated`` False)
     shared_expert_size: int = 0
+    shared_expert_gated: bool = True
+    # GLM-4.5 (DeepSeek-V3's routing): the router's logits (in float32) go through a sigmoid, not a softmax; each
+    # token's experts are the highest of those scores plus the layer's ``e_score_correction_bias`` among the
+    # ``topk_groups`` of ``expert_groups`` groups whose two best such scores sum highest; their weights are the scores
+    # themselves (renormalised where ``norm_topk_prob``), times ``routed_scaling``
+    router: str = "softmax"  # one of ROUTERS
+    expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    # a mixture's layers whose MLP is one dense SiLU-gated MLP of ``dense_intermediate_size`` (GLM-4.5's first
+    # ``first_k_dense_replace``; Qwen-MoE's ``mlp_only_layers``, and those ``decoder_sparse_step`` skips)
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -147,6 +163,18 @@ class ModelConfig:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ModelConfigError(f"config.json: num_experts_per_tok must be 1 to {self.num_experts}, got "
                                    f"{self.experts_per_token}")
+        if self.router not in ROUTERS:
+            raise ModelConfigError(f"config.json: router {self.router!r} is not one of {', '.join(ROUTERS)}")
+        if self.num_experts and (self.expert_groups <= 0 or self.num_experts % self.expert_groups):
+            raise ModelConfigError(f"config.json: n_group {self.expert_groups} does not divide the "
+                                   f"{self.num_experts} experts into equal groups")
+        if self.num_experts and (not 0 < self.topk_groups <= self.expert_groups or self.topk_groups * (
+                self.num_experts // self.expert_groups) < self.experts_per_token):
+            raise ModelConfigError(f"config.json: topk_group {self.topk_groups} of n_group {self.expert_groups} "
+                                   f"leaves fewer than num_experts_per_tok ({self.experts_per_token}) of "
+                                   f"{self.num_experts} experts to choose from")
+        if self.dense_layers and self.dense_intermediate_size <= 0:
+            raise ModelConfigError("config.json: intermediate_size (the dense layers' MLP width) must be positive")
         for name in ("short_factor", "long_factor") if self.rope.rope_type == "longrope" else ():
             n = len(getattr(self.rope, name))
             if n != self.rotary_dim // 2:
@@ -188,8 +216,13 @@ class ModelConfig:
 
     @property
     def moe(self) -> bool:
-        """Whether the layers' MLPs are mixtures of experts (Mixtral, Qwen3-MoE, OLMoE)."""
+        """Whether the model's MLPs are mixtures of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5), in every
+        layer but ``dense_layers``."""
         return self.num_experts > 0
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def sliding_window(self) -> int | None:
@@ -266,7 +299,8 @@ class ModelConfig:
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["moe_intermediate_size" if arch in ("Qwen3MoeForCausalLM",
-                                                                              "Qwen2MoeForCausalLM")
+                                                                              "Qwen2MoeForCausalLM",
+                                                                              "Glm4MoeForCausalLM")
                                           else "intermediate_size"]),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=heads,
@@ -280,10 +314,14 @@ class ModelConfig:
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 rope=_rope_from_dict(_gemma_rope(raw, "full_attention") if arch == "Gemma3ForCausalLM" else
                                      _olmo3_rope(raw, "full_attention") if arch == "Olmo3ForCausalLM" else
-                                     {"rope_theta": 2_000_000.0, **raw} if arch == "SmolLM3ForCausalLM" else raw),
+                                     {"rope_theta": 2_000_000.0, **raw} if arch == "SmolLM3ForCausalLM" else
+                                     # Glm4MoeConfig's defaults: half of each head rotates, theta 10,000
+                                     {"rope_theta": 10_000.0, "partial_rotary_factor": 0.5, **raw}
+                                     if arch == "Glm4MoeForCausalLM" else raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
-                qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
+                qk_norm=(bool(raw.get("use_qk_norm", False)) if arch == "Glm4MoeForCausalLM"
+                         else SUPPORTED_ARCHITECTURES[arch]["qk_norm"]),
                 attention_windows=_attention_windows(raw, arch),
                 fused=SUPPORTED_ARCHITECTURES[arch]["fused"],
                 **(_gemma_fields(raw, arch) if arch in GEMMAS else {}),
@@ -362,9 +400,10 @@ def _windows_of(kinds: list, window: int | None, layers: int) -> tuple[int | Non
 
 def _check_biases(raw: dict[str, Any], arch: str) -> None:
     """Biases coserve's layers do not add are refused, naming the field: on the attention's output projection (the
-    ``attention_bias`` of Llama and the others puts one there beside q/k/v's; Qwen2's and Seed-OSS's are q/k/v's
-    alone; Seed-OSS's ``attention_out_bias``) and on the MLP's (``mlp_bias``)."""
-    if raw.get("attention_bias") and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "SeedOssForCausalLM"):
+    ``attention_bias`` of Llama and the others puts one there beside q/k/v's; Qwen2's, Seed-OSS's and GLM-4.5's are
+    q/k/v's alone; Seed-OSS's ``attention_out_bias``) and on the MLP's (``mlp_bias``)."""
+    if raw.get("attention_bias") and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "SeedOssForCausalLM",
+                                                  "Glm4MoeForCausalLM"):
         raise ModelConfigError("field 'attention_bias': biases on q/k/v and the output projection are not supported")
     for name in ("attention_out_bias", "mlp_bias"):
         if raw.get(name):
@@ -425,28 +464,62 @@ def _gemma_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
-    """``ModelConfig``'s mixture-of-experts fields as transformers reads them (OLMoE's as Qwen3-MoE's). Qwen3-MoE's
-    dense layers (``mlp_only_layers``, a ``decoder_sparse_step`` above 1) are refused, naming the field: every layer
-    here is a mixture."""
+    """``ModelConfig``'s mixture-of-experts fields as transformers reads them (OLMoE's as Qwen3-MoE's; GLM-4.5's
+    ``_glm4_moe_fields``)."""
     if arch == "MixtralForCausalLM":
         return {"num_experts": int(raw.get("num_local_experts", 8)),
                 "experts_per_token": int(raw.get("num_experts_per_tok", 2)), "norm_topk_prob": True,
                 "moe_weights_float32": True}
+    if arch == "Glm4MoeForCausalLM":
+        return _glm4_moe_fields(raw)
     if raw.get("clip_qkv") is not None:  # OLMoE's option (null in its released checkpoints)
         raise ModelConfigError(f"field 'clip_qkv': clamping q, k and v ({raw['clip_qkv']}) is not supported")
     if raw.get("use_sliding_window"):
         raise ModelConfigError("field 'use_sliding_window': sliding layers are not supported in a mixture of experts")
-    if raw.get("mlp_only_layers"):
-        raise ModelConfigError("field 'mlp_only_layers': layers with a dense MLP among the experts' are not supported")
-    if int(raw.get("decoder_sparse_step", 1)) != 1:
-        raise ModelConfigError(f"field 'decoder_sparse_step': {raw['decoder_sparse_step']} leaves dense layers among "
-                               "the experts'; only 1 is supported")
     # the released checkpoints' num_experts; transformers 5 writes it as num_local_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", 128))
-    return {"num_experts": int(experts), "experts_per_token": int(raw.get("num_experts_per_tok", 8)),
-            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
-            "shared_expert_size": int(raw.get("shared_expert_intermediate_size", 0))
-            if arch == "Qwen2MoeForCausalLM" else 0}
+    fields = {"num_experts": int(experts), "experts_per_token": int(raw.get("num_experts_per_tok", 8)),
+              "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+              "shared_expert_size": int(raw.get("shared_expert_intermediate_size", 0))
+              if arch == "Qwen2MoeForCausalLM" else 0}
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        fields.update(_qwen_dense_layers(raw))
+    return fields
+
+
+def _qwen_dense_layers(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen-MoE's layers with a dense MLP, as transformers builds them: those in ``mlp_only_layers``, and those whose
+    number plus one ``decoder_sparse_step`` does not divide; their MLP of ``intermediate_size``."""
+    layers = int(raw.get("num_hidden_layers", 0))
+    step = int(raw.get("decoder_sparse_step", 1))
+    if step <= 0:
+        raise ModelConfigError(f"field 'decoder_sparse_step': must be positive, got {step}")
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in only):
+        raise ModelConfigError(f"field 'mlp_only_layers': must list layers 0 to {layers - 1}, got {only!r}")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return {"dense_layers": dense, "dense_intermediate_size": int(raw["intermediate_size"]) if dense else 0}
+
+
+def _glm4_moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's mixture (transformers' ``Glm4MoeConfig`` defaults where a field is absent): sigmoid routing with a
+    correction bias among groups of experts, ``n_shared_experts`` ungated shared experts, and the first
+    ``first_k_dense_replace`` layers dense. Its multi-token prediction layers (``num_nextn_predict_layers``, stored as
+    layers past ``num_hidden_layers``) are not run, as transformers does not run them."""
+    layers = int(raw.get("num_hidden_layers", 0))
+    first_dense = int(raw.get("first_k_dense_replace", 1))
+    if not 0 <= first_dense <= layers:
+        raise ModelConfigError(f"field 'first_k_dense_replace': must be 0 to {layers}, got {first_dense}")
+    size = int(raw.get("moe_intermediate_size", 1408))
+    return {"num_experts": int(raw.get("n_routed_experts", 128)),
+            "experts_per_token": int(raw.get("num_experts_per_tok", 8)),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)), "moe_weights_float32": True,
+            "shared_expert_size": size * int(raw.get("n_shared_experts", 1)), "shared_expert_gated": False,
+            "router": "sigmoid", "expert_groups": int(raw.get("n_group", 1)),
+            "topk_groups": int(raw.get("topk_group", 1)),
+            "routed_scaling": float(raw.get("routed_scaling_factor", 1.0)),
+            "dense_layers": tuple(range(first_dense)),
+            "dense_intermediate_size": int(raw.get("intermediate_size", 10944)) if first_dense else 0}
 
 
 def _nope_layers(raw: dict[str, Any]) -> tuple[int, ...]:

@@ -42,14 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, GraniteConfig,
-                          LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config,
-                          Olmo3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                          Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, Glm4MoeConfig,
+                          GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
+                          OlmoeConfig, Phi3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
-from coserve.model.presets import ARCHS, DTYPES, EXPERTS_PER_TOKEN, NUM_EXPERTS, ModelPreset, get_preset
+from coserve.model.presets import (ARCHS, DTYPES, EXPERTS_PER_TOKEN, GLM_DENSE_LAYERS, GLM_EXPERTS, GLM_GROUPS,
+                                   NUM_EXPERTS, ModelPreset, get_preset)
 from coserve.model.tokenizer_builder import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, build_tokenizer,
                                              save_tokenizer)
 
@@ -66,6 +67,8 @@ TIED_RESIDUAL_GAIN = 10.0
 #: Standard deviation of q/k/v biases where a layer has them (HF initialises them to zeros, which would leave a
 #: bias the engine forgot unnoticed by the parity tests)
 QKV_BIAS_STD = 0.1
+#: GLM-4.5's router's correction bias, added to its sigmoid scores (each in (0, 1)) to choose a token's experts
+ROUTER_BIAS_STD = 0.2
 
 
 def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> str:
@@ -183,6 +186,16 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
                                  moe_intermediate_size=p.expert_size(arch),
                                  shared_expert_intermediate_size=p.intermediate_size, decoder_sparse_step=1,
                                  mlp_only_layers=[])
+        elif arch == "glm4_moe":  # GLM-4.5: q/k/v biases, q and k normalised per head, half of each head rotated;
+            # the first layer dense, then experts routed by sigmoid scores and a correction bias within the better of
+            # two groups, their weights renormalised and scaled (2.5, as GLM-4.5's), beside an ungated shared expert
+            cfg = Glm4MoeConfig(**{**common, "rope_parameters": {**common["rope_parameters"],
+                                                                  "partial_rotary_factor": 0.5}},
+                                head_dim=head_dim, attention_bias=True, use_qk_norm=True,
+                                moe_intermediate_size=p.expert_size(arch), n_routed_experts=GLM_EXPERTS,
+                                num_experts_per_tok=EXPERTS_PER_TOKEN, n_shared_experts=1, n_group=GLM_GROUPS,
+                                topk_group=1, first_k_dense_replace=GLM_DENSE_LAYERS, norm_topk_prob=True,
+                                routed_scaling_factor=2.5, num_nextn_predict_layers=0)
         elif arch == "olmoe":  # Llama's layer, q and k each normalised over all their heads, experts as Qwen3-MoE's
             cfg = OlmoeConfig(**{**common, "intermediate_size": p.expert_size(arch)}, num_experts=NUM_EXPERTS,
                               num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False, clip_qkv=None)
@@ -270,6 +283,9 @@ def shape_init(model: PreTrainedModel) -> None:
                 gen = torch.Generator().manual_seed(index)
                 moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen) * ROUTER_LOGIT_STD
                                       / math.sqrt(hidden))
+                bias = getattr(moe.gate, "e_score_correction_bias", None)
+                if bias is not None:  # GLM-4.5's (zeros at init): enough to change some tokens' experts
+                    bias.copy_(torch.randn(bias.shape, generator=gen) * ROUTER_BIAS_STD)
             if tied:
                 layer.self_attn.o_proj.weight.mul_(TIED_RESIDUAL_GAIN)
                 (moe.experts.down_proj if hasattr(moe, "experts") else layer.mlp.down_proj.weight).mul_(

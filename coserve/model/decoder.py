@@ -15,7 +15,7 @@ from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
 from coserve.model.linear_modules import (MIXTRAL_EXPERT_NAMES, ROUTER, SHARED_EXPERT_MODULES, V4_EXPERT_NAMES,
                                           ExpertShapes, shared_expert_shapes)
-from coserve.model.moe import expert_names, moe_mlp, router_name, row_sigmoid, shared_expert_names
+from coserve.model.moe import expert_names, moe_mlp, router_bias_name, router_name, row_sigmoid, shared_expert_names
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
 from coserve.model.rope import RotaryEmbedding
@@ -116,22 +116,28 @@ class DecoderLayer:
             self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
         # Mixtral, Qwen3-MoE: the router [E, H] and each expert's fused gate/up [2I, H] and down [H, I] (moe.py), in
-        # place of the one MLP
-        self.router, self.expert_gate_up, self.expert_down = None, [], []
-        # Qwen2-MoE: the shared expert's fused gate/up [2S, H] and down [H, S], and its gate [1, H]
+        # place of the one MLP (GLM-4.5: the router in float32, as transformers keeps it, and its correction bias [E])
+        self.router, self.router_bias, self.expert_gate_up, self.expert_down = None, None, [], []
+        # Qwen2-MoE: the shared expert's fused gate/up [2S, H] and down [H, S], and its gate [1, H] (GLM-4.5: none)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         self.gate_up = self.down = self.gate_weight = self.up_weight = None
-        if cfg.moe:
-            self.router = gemm_layout(state[router_name(cfg, index)].to(device=device, dtype=dtype))
+        if cfg.moe_layer(index):
+            sigmoid = cfg.router == "sigmoid"
+            self.router = gemm_layout(state[router_name(cfg, index)].to(
+                device=device, dtype=torch.float32 if sigmoid else dtype))
+            if sigmoid:
+                self.router_bias = state[router_bias_name(index)].to(device=device, dtype=torch.float32)
             for e in range(cfg.num_experts):
                 gate, up, down = (state[n].to(device=device, dtype=dtype) for n in expert_names(cfg, index, e))
                 self.expert_gate_up.append(gemm_layout(torch.cat([gate, up])))
                 self.expert_down.append(gemm_layout(down))
             if cfg.shared_expert_size:
-                gate, up, down, scale = (state[n].to(device=device, dtype=dtype) for n in shared_expert_names(index))
+                gate, up, down, scale = (None if n is None else state[n].to(device=device, dtype=dtype)
+                                         for n in shared_expert_names(cfg, index))
                 self.shared_gate_up = gemm_layout(torch.cat([gate, up]))
-                self.shared_down, self.shared_gate = gemm_layout(down), gemm_layout(scale)
-        else:
+                self.shared_down = gemm_layout(down)
+                self.shared_gate = None if scale is None else gemm_layout(scale)
+        else:  # a dense MLP (in a mixture, GLM-4.5's first layers': dense_layers)
             self.gate_up = gemm_layout(w("mlp.gate_up_proj.weight") if cfg.fused else  # [2I, H]
                                        torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
             self.down = gemm_layout(w("mlp.down_proj.weight"))
@@ -236,8 +242,11 @@ class DecoderModel:
         ``qkv_proj`` and ``gate_up_proj``, each one module; ``coserve/model/linear_modules.py``)."""
         c = self.cfg
         h, i = c.hidden_size, c.intermediate_size
-        if c.moe:  # the router; the experts' matrices are no modules: PEFT adapts them as parameters (expert_shapes)
-            shared = shared_expert_shapes(h, c.shared_expert_size)
+        if c.moe:  # the router; the experts' matrices are no modules: PEFT adapts them as parameters (expert_shapes).
+            # Qwen2-MoE's shared expert's modules; not GLM-4.5's (PEFT 0.21 on transformers 5 reads its gate_proj,
+            # up_proj, down_proj and all-linear as the experts' parameters, and adapts neither its shared experts nor
+            # its dense layers' MLPs with them), nor its dense layers' MLPs
+            shared = shared_expert_shapes(h, c.shared_expert_size) if c.shared_expert_gated else {}
             return {"q_proj": (h, c.q_size), "k_proj": (h, c.kv_size), "v_proj": (h, c.kv_size),
                     "o_proj": (c.q_size, h), ROUTER: (h, c.num_experts), **shared}
         if c.fused:
@@ -254,8 +263,9 @@ class DecoderModel:
             return None
         h, i = c.hidden_size, c.intermediate_size
         names = MIXTRAL_EXPERT_NAMES if c.architecture == "MixtralForCausalLM" else V4_EXPERT_NAMES
+        layers = tuple(j for j in range(c.num_layers) if c.moe_layer(j)) if c.dense_layers else ()
         return ExpertShapes(c.num_experts, {"experts.gate_up_proj": (h, 2 * i), "experts.down_proj": (i, h)},
-                            bool(c.shared_expert_size), names)
+                            bool(c.shared_expert_size) and c.shared_expert_gated, names, layers)
 
     def module_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen ``[out, in]`` weight and the bias (or None) of one targetable module (views of the fused ones)."""
@@ -370,10 +380,10 @@ class DecoderModel:
             # bypass's kept tensor of the router goes to the tap as "moe.router" (its PEFT name, "gate", is the dense
             # MLP's gate output among the kept tensors)
             logits = bypass_output(bypass, tap and _renamed(tap, ROUTER, "moe.router"), i, ROUTER, h,
-                                   linear(h, layer.router))
+                                   linear(h.to(layer.router.dtype), layer.router))  # GLM-4.5's: in float32
             mlp = moe_mlp(cfg, h, logits, layer.expert_gate_up, layer.expert_down, self.linear, self.act,
-                          self.padded_rows, tap, bypass, i)
-            if layer.shared_gate_up is not None:  # Qwen2-MoE's shared expert, over every row, gated
+                          self.padded_rows, tap, bypass, i, layer.router_bias)
+            if layer.shared_gate_up is not None:  # the shared expert, over every row (Qwen2-MoE's gated)
                 mlp = mlp + self.shared_expert(layer, h, linear, bypass, tap)[0]
             return x + mlp, k, v
         gate0, up0 = bypass_output(bypass, tap, i, "gate_up_proj", h, linear(h, layer.gate_up)).chunk(2, dim=-1)
@@ -394,10 +404,11 @@ class DecoderModel:
 
     def shared_expert(self, layer: DecoderLayer, h: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None,
                       bypass: Bypass | None = None, tap: Tap | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Qwen2-MoE's shared expert over rows ``h``: its gated output ``[T, H]``, and what its backward reads: the
-        gate/up product ``[T, 2S]``, the ungated output and the gate's sigmoid ``[T, 1]``. A ``bypass`` of its modules
-        (``SHARED_EXPERT_MODULES``: its gate, up and down projections, and its gate) acts as on a dense MLP's."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The shared expert over rows ``h``: its gated output ``[T, H]``, and what its backward reads: the gate/up
+        product ``[T, 2S]``, the ungated output and the gate's sigmoid ``[T, 1]`` (None: GLM-4.5's, ungated). A
+        ``bypass`` of Qwen2-MoE's modules (``SHARED_EXPERT_MODULES``: its gate, up and down projections, and its gate)
+        acts as on a dense MLP's."""
         linear, i = linear or self.linear, layer.index
         gu = linear(h, layer.shared_gate_up)
         gate0, up0 = gu.chunk(2, dim=-1)
@@ -408,6 +419,8 @@ class DecoderModel:
             gu = torch.cat([gate, up], dim=-1)
         gate, up = gu.chunk(2, dim=-1)
         out = bypassed_linear(bypass, tap, i, down_module, self.act(gate) * up, layer.shared_down, linear)
+        if layer.shared_gate is None:
+            return out, gu, out, None
         scale = row_sigmoid(bypass_output(bypass, tap, i, gate_z, h, linear(h, layer.shared_gate)))
         return scale * out, gu, out, scale
 

@@ -48,6 +48,13 @@ class ExpertShapes:
     modules: dict[str, tuple[int, int]]
     shared_expert: bool = False  # Qwen2-MoE's, beside the experts (its modules: SHARED_EXPERT_MODULES)
     v4_names: tuple[str, str, str] = V4_EXPERT_NAMES  # its experts' modules by transformers 4's names
+    layers: tuple[int, ...] = ()  # the layers holding the mixture where others have a dense MLP (empty: every layer)
+
+    def in_layer(self, module: str, layer: int) -> bool:
+        """Whether ``layer`` has ``module``: a mixture's (its router, experts and shared expert) only where the layer
+        holds it; any other in every layer."""
+        return not self.layers or layer in self.layers or module not in (ROUTER, *SHARED_EXPERT_MODULES,
+                                                                          *EXPERT_MODULES)
 
 
 def shared_expert_shapes(hidden: int, size: int) -> dict[str, tuple[int, int]]:

@@ -1,10 +1,12 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): the checkpoint's names, and the forward over a flat
-batch, with the LoRA of the experts where an adapter has one (PEFT's ``target_parameters``).
+"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5): the checkpoint's names, and the forward
+over a flat batch, with the LoRA of the experts where an adapter has one (PEFT's ``target_parameters``).
 
-Each token's router logits (a linear map of the MLP's input) go through a float32 softmax; the token runs through
-the ``experts_per_token`` experts scoring highest, each a SiLU-gated MLP, and their outputs are summed weighted by
-those scores (renormalised to sum to one where the config says), as HF's ``MixtralExperts``, ``Qwen3MoeExperts`` and
-``OlmoeExperts`` compute them: expert by expert in index order, each adding into a zero-initialised output.
+Each token's router logits (a linear map of the MLP's input) go through a float32 softmax (GLM-4.5: a sigmoid,
+``router_scores``); the token runs through the ``experts_per_token`` experts scoring highest (GLM-4.5: by the scores
+plus a correction bias, among the best groups of experts: ``route_scores``), each a SiLU-gated MLP, and their outputs
+are summed weighted by those scores (renormalised to sum to one where the config says; GLM-4.5's then scaled), as HF's
+``MixtralExperts``, ``Qwen3MoeExperts``, ``OlmoeExperts`` and ``Glm4MoeExperts`` compute them: expert by expert in
+index order, each adding into a zero-initialised output.
 
 Batch invariance: an expert's matmul runs over the rows routed to it, whose count depends on the batch beside them;
 each expert's rows are therefore padded with zero rows to ``padded_rows`` of their count (at least
@@ -38,8 +40,17 @@ def expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, s
     return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
 
-def shared_expert_names(layer: int) -> tuple[str, str, str, str]:
-    """Qwen2-MoE's shared expert's ``(gate [S, H], up [S, H], down [H, S])`` and its gate ``[1, H]``."""
+def router_bias_name(layer: int) -> str:
+    """GLM-4.5's correction bias ``[E]`` of ``layer``'s router (added to its scores to choose the experts)."""
+    return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+
+
+def shared_expert_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str, str | None]:
+    """The shared expert's ``(gate [S, H], up [S, H], down [H, S])`` and its gate ``[1, H]``: Qwen2-MoE's
+    ``shared_expert`` and ``shared_expert_gate``; GLM-4.5's ``shared_experts``, ungated (None)."""
+    if not cfg.shared_expert_gated:
+        p = f"model.layers.{layer}.mlp.shared_experts"
+        return p + ".gate_proj.weight", p + ".up_proj.weight", p + ".down_proj.weight", None
     p = f"model.layers.{layer}.mlp.shared_expert"
     return p + ".gate_proj.weight", p + ".up_proj.weight", p + ".down_proj.weight", p + "_gate.weight"
 
@@ -51,18 +62,50 @@ def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(torch.cat([x, torch.zeros_like(x)], dim=-1), dim=-1)[:, :1]
 
 
-def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's experts ``[T, k]`` (highest score first) and their weights ``[T, k]`` (float32 for Mixtral, else
-    the logits' dtype) from router logits ``[T, E]``."""
-    return route_probs(cfg, torch.softmax(logits, dim=-1, dtype=torch.float32), logits.dtype)
+def elementwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` of a float32 ``[T, E]``, each element as the first entry of the softmax of ``[x, 0]``: a row's
+    values then do not depend on the row count (``row_sigmoid``)."""
+    return torch.softmax(torch.stack([x, torch.zeros_like(x)], dim=-1), dim=-1)[..., 0]
 
 
-def route_probs(cfg: ModelConfig, probs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route`` from the router's float32 probabilities ``[T, E]`` (the softmax of its logits)."""
-    weights, experts = torch.topk(probs, cfg.experts_per_token, dim=-1)
+def router_scores(cfg: ModelConfig, logits: torch.Tensor) -> torch.Tensor:
+    """The router's float32 scores ``[T, E]`` from its logits: their softmax, or GLM-4.5's sigmoid of each."""
+    if cfg.router == "sigmoid":
+        return elementwise_sigmoid(logits.float())
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's experts ``[T, k]`` and their weights ``[T, k]`` (float32 for Mixtral and GLM-4.5, else the logits'
+    dtype) from router logits ``[T, E]`` (``bias``: GLM-4.5's correction bias of the layer)."""
+    return route_scores(cfg, router_scores(cfg, logits), logits.dtype, bias)
+
+
+def route_scores(cfg: ModelConfig, scores: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` from the router's float32 scores ``[T, E]`` (``router_scores``). A softmax router's experts are its
+    ``experts_per_token`` highest probabilities, highest first; GLM-4.5's the highest of ``scores + bias`` within the
+    ``topk_groups`` groups (of ``expert_groups`` equal ones, in index order) whose two best such scores sum highest,
+    weighted by their scores (renormalised over them plus 1e-20 where ``norm_topk_prob``), times ``routed_scaling``,
+    as ``Glm4MoeTopkRouter``."""
+    k = cfg.experts_per_token
+    if cfg.router != "sigmoid":
+        weights, experts = torch.topk(scores, k, dim=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights if cfg.moe_weights_float32 else weights.to(dtype)
+    choice = scores if bias is None else scores + bias
+    if cfg.topk_groups < cfg.expert_groups:  # the experts of the best groups only
+        grouped = choice.unflatten(1, (cfg.expert_groups, -1))
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+    experts = torch.topk(choice, k, dim=-1).indices
+    weights = scores.gather(1, experts)
     if cfg.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return experts, weights if cfg.moe_weights_float32 else weights.to(dtype)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, (weights * cfg.routed_scaling).to(torch.float32 if cfg.moe_weights_float32 else dtype)
 
 
 def expert_groups(experts: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -85,18 +128,18 @@ def expert_groups(experts: torch.Tensor, num_experts: int) -> list[tuple[int, to
 def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: list[torch.Tensor],
             down: list[torch.Tensor], linear: Callable[..., torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor],
             padded_rows: Callable[[int], int], tap: Callable[[str, torch.Tensor], None] | None = None,
-            bypass=None, layer: int = 0) -> torch.Tensor:
-    """The mixture's output ``[T, H]`` for MLP inputs ``h`` ``[T, H]`` and their router logits ``[T, E]``: each
-    expert's fused ``gate_up`` ``[2I, H]`` and ``down`` ``[H, I]``; ``linear`` runs a frozen matmul,
-    ``padded_rows(n)`` the rows an expert's call over ``n`` routed rows runs in. Differentiable (a finetuning
-    window's recompute runs it under autograd). A finetuning window's ``tap`` gets the router's probabilities
-    (``moe.probs`` ``[T, E]`` float32) and each row's experts' gate/up outputs (``moe.gu`` ``[T, k, 2I]``, in the order
-    of its experts), which its pruned backward reads (``coserve/finetune/moe_backward.py``). A ``bypass`` (a
-    ``Bypass`` of layer ``layer``) adapting the experts (``EXPERT_MODULES`` in its ``modules``) adds its LoRA to each
-    expert's call (``expert_output``); a tap then also gets what its backward reads, under the module's name
-    (``[T, k * r]``: each row's, by its experts in order)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    experts, weights = route_probs(cfg, probs, logits.dtype)
+            bypass=None, layer: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The mixture's output ``[T, H]`` for MLP inputs ``h`` ``[T, H]`` and their router logits ``[T, E]``: each expert's
+    fused ``gate_up`` ``[2I, H]`` and ``down`` ``[H, I]``; ``linear`` runs a frozen matmul, ``padded_rows(n)`` the rows
+    an expert's call over ``n`` routed rows runs in; ``bias``: GLM-4.5's correction bias of the router. Differentiable
+    (a finetuning window's recompute runs it under autograd). A finetuning window's ``tap`` gets the router's scores
+    (``moe.probs`` ``[T, E]`` float32: ``router_scores``) and each row's experts' gate/up outputs (``moe.gu`` ``[T, k,
+    2I]``, in the order of its experts), which its pruned backward reads (``coserve/finetune/moe_backward.py``). A
+    ``bypass`` (a ``Bypass`` of layer ``layer``) adapting the experts (``EXPERT_MODULES`` in its ``modules``) adds its
+    LoRA to each expert's call (``expert_output``); a tap then also gets what its backward reads, under the module's
+    name (``[T, k * r]``: each row's, by its experts in order)."""
+    probs = router_scores(cfg, logits)
+    experts, weights = route_scores(cfg, probs, logits.dtype, bias)
     k = cfg.experts_per_token
     kept = h.new_empty(h.shape[0], k, gate_up[0].shape[0]) if tap is not None else None
     adapted = [m for m in EXPERT_MODULES if bypass is not None and m in bypass.modules]

@@ -6,12 +6,15 @@ from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3",
-                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "olmo3")
+                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "olmo3", "glm4_moe")
 #: The mixtures of experts among them: each layer's MLP is ``NUM_EXPERTS`` experts, ``EXPERTS_PER_TOKEN`` a token
 #: (Mixtral 8x7B: 8 and 2; Qwen3-30B-A3B: 128 and 8; OLMoE-1B-7B: 64 and 8), each as wide as the preset's MLP
 #: (Qwen3-MoE's and OLMoE's: half as wide, their moe_intermediate_size or intermediate_size)
-MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
+#: GLM-4.5's (``glm4_moe``): twice as many experts in two groups, a token's from the better group; its first layer
+#: dense, as GLM-4.5-Air's (GLM-4.5: 160 experts, 8 a token, the first three layers dense)
+GLM_EXPERTS, GLM_GROUPS, GLM_DENSE_LAYERS = 2 * NUM_EXPERTS, 2, 1
 #: Weight dtypes ``create_model`` can write.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -41,29 +44,37 @@ class ModelPreset:
         """An expert's MLP width as ``create-model`` writes ``arch`` (a mixture of experts)."""
         return self.intermediate_size if arch == "mixtral" else self.intermediate_size // 2
 
+    def num_experts(self, arch: str) -> int:
+        """How many experts a layer of ``arch`` (a mixture of experts) has as ``create-model`` writes it."""
+        return GLM_EXPERTS if arch == "glm4_moe" else NUM_EXPERTS
+
     def num_parameters(self, arch: str = "llama", tie_word_embeddings: bool | None = None) -> int:
         """Parameter count of this preset as ``arch`` (analytic; matches the HF model's count)."""
         tied = self.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h
-        if arch in ("qwen2", "qwen2_moe", "seed_oss"):  # q/k/v biases
+        if arch in ("qwen2", "qwen2_moe", "seed_oss", "glm4_moe"):  # q/k/v biases
             attn += q + 2 * kv
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
         if arch in ("olmo2", "olmo3", "olmoe"):  # q and k RMSNorm over all their heads (OLMo 2 and 3: no input norm;
             # below: the two output norms)
             attn += q + kv
-        if arch == "qwen3_moe":  # q and k RMSNorm over each head
+        if arch in ("qwen3_moe", "glm4_moe"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
-        mlp = 3 * h * self.intermediate_size
+        dense = mlp = 3 * h * self.intermediate_size
         if arch in MOE_ARCHS:  # the router, and each expert (half the preset's width but Mixtral's)
-            mlp = NUM_EXPERTS * (h + 3 * h * self.expert_size(arch))
+            mlp = self.num_experts(arch) * (h + 3 * h * self.expert_size(arch))
             if arch == "qwen2_moe":  # the shared expert (the preset's MLP width) and its gate
                 mlp += 3 * h * self.intermediate_size + h
-        layer = attn + mlp + (4 if arch.startswith("gemma") else 2) * h  # input, post-attention RMSNorm (Gemma: 2 more)
+            if arch == "glm4_moe":  # one shared expert as wide as the others (its router's correction bias: a buffer)
+                mlp += 3 * h * self.expert_size(arch)
+        norms = (4 if arch.startswith("gemma") else 2) * h  # input, post-attention RMSNorm (Gemma: 2 more)
+        dense_layers = min(GLM_DENSE_LAYERS, self.num_hidden_layers) if arch == "glm4_moe" else 0
+        layers = self.num_hidden_layers * (attn + mlp + norms) + dense_layers * (dense - mlp)
         embed = self.vocab_size * h
-        return self.num_hidden_layers * layer + h + embed * (1 if tied else 2)
+        return layers + h + embed * (1 if tied else 2)
 
 
 PRESETS: dict[str, ModelPreset] = {

@@ -10,7 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from coserve.model.config import ModelConfig
-from coserve.model.moe import expert_names, router_name, shared_expert_names
+from coserve.model.moe import expert_names, router_bias_name, router_name, shared_expert_names
 
 
 class WeightLoadError(ValueError):
@@ -53,6 +53,7 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The HF tensor names and shapes a checkpoint of this config must hold."""
     h, i = cfg.hidden_size, cfg.intermediate_size
+    dense = cfg.dense_intermediate_size if cfg.moe else i  # a dense MLP's width (in a mixture, its dense layers')
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (cfg.vocab_size, h),
         "model.norm.weight": (h,),
@@ -65,28 +66,33 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.o_proj.weight": (h, cfg.q_size),
         })
-        if cfg.moe:  # a router and each expert's gate, up and down
+        moe = cfg.moe_layer(layer)
+        if moe:  # a router and each expert's gate, up and down
             shapes[router_name(cfg, layer)] = (cfg.num_experts, h)
+            if cfg.router == "sigmoid":  # GLM-4.5's correction bias
+                shapes[router_bias_name(layer)] = (cfg.num_experts,)
             for e in range(cfg.num_experts):
                 gate, up, down = expert_names(cfg, layer, e)
                 shapes.update({gate: (i, h), up: (i, h), down: (h, i)})
-            if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its gate
+            if cfg.shared_expert_size:  # the shared expert (Qwen2-MoE's and its gate)
                 s = cfg.shared_expert_size
-                gate, up, down, scale = shared_expert_names(layer)
-                shapes.update({gate: (s, h), up: (s, h), down: (h, s), scale: (1, h)})
+                gate, up, down, scale = shared_expert_names(cfg, layer)
+                shapes.update({gate: (s, h), up: (s, h), down: (h, s)})
+                if scale is not None:
+                    shapes[scale] = (1, h)
         else:
-            shapes[p + "mlp.down_proj.weight"] = (h, i)
+            shapes[p + "mlp.down_proj.weight"] = (h, dense)
         if cfg.fused:  # Phi-3: q, k and v in one matrix, gate and up in another
             shapes[p + "self_attn.qkv_proj.weight"] = (cfg.q_size + 2 * cfg.kv_size, h)
-            shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, h)
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * dense, h)
         else:
             shapes.update({
                 p + "self_attn.q_proj.weight": (cfg.q_size, h),
                 p + "self_attn.k_proj.weight": (cfg.kv_size, h),
                 p + "self_attn.v_proj.weight": (cfg.kv_size, h),
             })
-            if not cfg.moe:
-                shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h)})
+            if not moe:
+                shapes.update({p + "mlp.gate_proj.weight": (dense, h), p + "mlp.up_proj.weight": (dense, h)})
         if cfg.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)

@@ -195,6 +195,8 @@ class TrainableLora(TrainableBypass):
                                   config.alpha_pattern, [*config.target_modules, *config.target_parameters], num_layers)
         for layer in range(num_layers):
             for module in config.target_modules:
+                if experts is not None and not experts.in_layer(module, layer):  # a dense layer: no router there
+                    continue
                 fan_in, fan_out = module_shapes[module]
                 rank = self.ranks[module]
                 a = torch.empty(rank, fan_in)
@@ -215,6 +217,8 @@ class TrainableLora(TrainableBypass):
         self._expert_names: dict[str, tuple[tuple[int, str], str]] = {}  # PEFT name -> (key, "A" | "B")
         for layer in range(num_layers):
             for module in config.target_parameters:
+                if not experts.in_layer(module, layer):  # a dense layer: no experts there
+                    continue
                 fan_in, fan_out = experts.modules[module]
                 n, rank = experts.num_experts, self.ranks[module]
                 a = torch.empty(n * rank, fan_in)
