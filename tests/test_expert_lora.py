@@ -211,13 +211,16 @@ def test_coserve_finetune_trains_the_experts_into_an_adapter_the_engine_serves(m
                                           ("mixtral", ["w2"]), ("qwen3_moe", ["gate_proj", "up_proj", "down_proj"]),
                                           ("olmoe", ["gate_proj", "up_proj"]), ("qwen2_moe", "all-linear"),
                                           ("qwen2_moe", ["gate_proj", "up_proj", "down_proj"]),
-                                          ("qwen2_moe", ["q_proj", "shared_expert_gate"])])
+                                          ("qwen2_moe", ["q_proj", "shared_expert_gate"]),
+                                          ("glm4_moe", "all-linear"), ("glm4_moe", ["gate_proj", "up_proj", "down_proj"]),
+                                          ("glm4_moe", ["down_proj", "o_proj"])])
 def test_pefts_names_on_a_mixture_adapt_what_peft_adapts(model_factory, arch, targets):
     """PEFT 0.21 on transformers 5 reads ``all-linear`` (the attention, the router and both expert parameters) and
     transformers 4's names of the experts (Mixtral's w1/w3/w2, the others' gate_proj/up_proj/down_proj) as the
     experts' parameters, gate and up together at twice the rank and alpha (``rank_pattern``); on Qwen2-MoE those
-    names, and ``all-linear`` beside the attention, are its shared expert's modules: coserve's adapter has PEFT's
-    tensors, name for name and shape for shape, and its config."""
+    names, and ``all-linear`` beside the attention, are its shared expert's modules; on GLM-4.5 the experts' again,
+    in its mixture's layers alone (not its dense first layer's MLP, nor its shared experts): coserve's adapter has
+    PEFT's tensors, name for name and shape for shape, and its config."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -235,6 +238,15 @@ def test_pefts_names_on_a_mixture_adapt_what_peft_adapts(model_factory, arch, ta
     assert set(saved["target_parameters"] or ()) == {f"experts.{p}" if "gate.weight" != p else p
                                                      for p in pc.target_parameters or ()}
     assert saved["rank_pattern"] == pc.rank_pattern and saved["alpha_pattern"] == pc.alpha_pattern
+
+
+def test_glms_shared_experts_and_dense_mlps_are_refused_naming_the_field(model_factory):
+    """GLM-4.5's shared experts and its dense layers' MLP take no adapter here yet: PEFT's names of them are refused,
+    naming the field, not trained as something else."""
+    glm = load_model(model_factory("glm4_moe"), torch.float32, torch.device("cpu"))
+    for targets in (["shared_experts.down_proj"], ["mlp.shared_experts.gate_proj", "q_proj"]):
+        with pytest.raises(ValueError, match=r"target_modules: unknown module\(s\) \[.*shared_experts"):
+            for_model(LoraConfig(target_modules=targets), glm.module_shapes(), glm.expert_shapes())
 
 
 def test_transformers_4_names_refused_as_peft_refuses_them(model_factory):
