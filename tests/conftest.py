@@ -24,7 +24,7 @@ os.environ["COSERVE_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="coserve-te
 os.environ["COSERVE_GEMMS_FILE"] = os.path.join(os.path.dirname(os.environ["COSERVE_PROFILE"]), "gemms.json")
 
 ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "mixtral",
-         "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "olmo3", "glm4_moe")
+         "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "olmo3", "glm4_moe", "gpt_oss")
 _GEMM_ENV = {k: os.environ.get(k) for k in ("MKL_CBWR", "COSERVE_STRICT_GEMMS", "COSERVE_MKL_CBWR_ORIGINAL")}
 
 

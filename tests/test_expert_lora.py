@@ -212,15 +212,17 @@ def test_coserve_finetune_trains_the_experts_into_an_adapter_the_engine_serves(m
                                           ("olmoe", ["gate_proj", "up_proj"]), ("qwen2_moe", "all-linear"),
                                           ("qwen2_moe", ["gate_proj", "up_proj", "down_proj"]),
                                           ("qwen2_moe", ["q_proj", "shared_expert_gate"]),
-                                          ("glm4_moe", "all-linear"), ("glm4_moe", ["gate_proj", "up_proj", "down_proj"]),
-                                          ("glm4_moe", ["down_proj", "o_proj"])])
+                                          ("glm4_moe", "all-linear"),
+                                          ("glm4_moe", ["gate_proj", "up_proj", "down_proj"]),
+                                          ("glm4_moe", ["down_proj", "o_proj"]), ("gpt_oss", "all-linear")])
 def test_pefts_names_on_a_mixture_adapt_what_peft_adapts(model_factory, arch, targets):
     """PEFT 0.21 on transformers 5 reads ``all-linear`` (the attention, the router and both expert parameters) and
     transformers 4's names of the experts (Mixtral's w1/w3/w2, the others' gate_proj/up_proj/down_proj) as the
     experts' parameters, gate and up together at twice the rank and alpha (``rank_pattern``); on Qwen2-MoE those
     names, and ``all-linear`` beside the attention, are its shared expert's modules; on GLM-4.5 the experts' again,
-    in its mixture's layers alone (not its dense first layer's MLP, nor its shared experts): coserve's adapter has
-    PEFT's tensors, name for name and shape for shape, and its config."""
+    in its mixture's layers alone (not its dense first layer's MLP, nor its shared experts); on gpt-oss ``all-linear``
+    is the attention alone: coserve's adapter has PEFT's tensors, name for name and shape for shape, and its
+    config."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM

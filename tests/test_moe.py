@@ -27,7 +27,7 @@ from tests.test_cuda_architectures import _every_module_job
 from tests.test_model_parity import _flat_logits
 from window_helpers import check_windows_match_autograd, perturbed_bypass
 
-MOES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
+MOES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "gpt_oss")
 
 
 @pytest.mark.parametrize("arch", MOES)
@@ -58,7 +58,8 @@ def test_window_schedules_match_one_whole_sequence_backward(model_factory, arch,
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
     first = model.cfg.dense_layers[-1] + 1 if model.cfg.dense_layers else 0  # GLM-4.5's first layer is dense
     every, none = new_keeps(model, 4, BASE_KEEPS)[first].base, new_keeps(model, 4, ())[first].base
-    assert {"moe.probs", "moe.gu", "attn.o"} <= set(every) and not {"gate", "up"} & set(every)
+    kept_attention = set() if model.cfg.explicit_attention else {"attn.o"}  # gpt-oss's sinks: recomputed
+    assert {"moe.probs", "moe.gu"} | kept_attention <= set(every) and not {"gate", "up"} & set(every)
     assert set(none) == {"moe.probs"}
     if first:  # a dense layer keeps its own MLP's gate and up, as wide as its MLP
         dense = new_keeps(model, 4, BASE_KEEPS)[0].base
@@ -171,12 +172,14 @@ def test_what_is_not_run_is_refused_naming_the_field(model_factory, arch, field,
 
 @pytest.mark.parametrize("arch", MOES)
 def test_a_mixtures_modules_are_its_attention_and_its_router(model_factory, arch):
-    """A mixture's adaptable modules are its attention's and its router's (``gate``, PEFT's name), and Qwen2-MoE's
-    shared expert's; its experts are parameters (PEFT's ``target_parameters``, test_expert_lora.py). A module it lacks
-    is refused naming what it has."""
+    """A mixture's adaptable modules are its attention's and its router's (``gate``, PEFT's name; not gpt-oss's, no
+    module PEFT adapts), and Qwen2-MoE's shared expert's; its experts are parameters (PEFT's ``target_parameters``,
+    test_expert_lora.py). A module it lacks is refused naming what it has."""
     modules = load_model(model_factory(arch), torch.float32, torch.device("cpu")).module_shapes()
     shared = {"shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate"}
-    assert set(modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate"} | (shared if arch == "qwen2_moe" else set())
+    router = set() if arch == "gpt_oss" else {"gate"}
+    shared = shared if arch == "qwen2_moe" else set()
+    assert set(modules) == {"q_proj", "k_proj", "v_proj", "o_proj"} | router | shared
     with pytest.raises(ValueError, match=r"\['gate_up_proj'\] are not modules of this model, which has q_proj"):
         for_model(LoraConfig(target_modules=["q_proj", "gate_up_proj"]), modules)
 

@@ -19,7 +19,7 @@ import torch
 
 from coserve.model.decoder import DecoderLayer, DecoderModel
 from coserve.model.linear_modules import EXPERT_MODULES, ROUTER, SHARED_EXPERT_MODULES
-from coserve.model.moe import expert_groups, route_scores
+from coserve.model.moe import clamped_glu, clamped_glu_backward, expert_groups, route_scores
 from coserve.peft.trainable import add_grads
 
 
@@ -51,21 +51,29 @@ def moe_input_grad(model: DecoderModel, layer: DecoderLayer, h: torch.Tensor | N
             pad = model.padded_rows(rows.numel()) - rows.numel()
             if pad > 0:
                 x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-            g_u = model.linear(x, layer.expert_gate_up[e])[:rows.numel()]
+            bias = None if layer.expert_gate_up_bias is None else layer.expert_gate_up_bias[e]  # gpt-oss's
+            g_u = model.linear(x, layer.expert_gate_up[e], bias)[:rows.numel()]
             if gate_up_lora:
                 g_u = bypass.expert_output(layer.index, EXPERT_MODULES[0], e, rows, h[rows], g_u)
         gate, up = g_u.chunk(2, dim=-1)
-        act = model.act(gate)
+        glu = cfg.glu_alpha > 0  # gpt-oss's clamped SwiGLU, else SiLU's
+        act = None if glu else model.act(gate)
+        m = clamped_glu(gate, up, cfg.glu_alpha, cfg.glu_limit) if glu else act * up
         dmw = model.input_grad(dout[rows], layer.expert_down[e])  # dL/dm, the weight not yet applied
         if down_lora:  # its LoRA's gradients for the weighted dout, its share of dL/dm for dout itself
-            dmw += bypass.expert_backward(layer.index, EXPERT_MODULES[1], e, act * up, lora_xa[EXPERT_MODULES[1]],
+            dmw += bypass.expert_backward(layer.index, EXPERT_MODULES[1], e, m, lora_xa[EXPERT_MODULES[1]],
                                           dout[rows], weights[rows, slot, None])
-        dw[rows, slot] = (dmw.float() * (act * up).float()).sum(-1)
+        dw[rows, slot] = (dmw.float() * m.float()).sum(-1)
+        if layer.expert_down_bias is not None:  # y_e = down_e(m) + b: the weight's gradient has <dy, b> too
+            dw[rows, slot] += (dout[rows].float() * layer.expert_down_bias[e].float()).sum(-1)
         dm = (dmw * weights[rows, slot, None]).to(dout.dtype)
         dgu = torch.empty_like(g_u)
         dgate, dup = dgu.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(dm * up, gate, grad_input=dgate)
-        torch.mul(dm, act, out=dup)
+        if glu:
+            clamped_glu_backward(dm, gate, up, cfg.glu_alpha, cfg.glu_limit, dgate, dup)
+        else:
+            torch.ops.aten.silu_backward.grad_input(dm * up, gate, grad_input=dgate)
+            torch.mul(dm, act, out=dup)
         dx = model.input_grad(dgu, layer.expert_gate_up[e])
         if gate_up_lora:
             dx += bypass.expert_backward(layer.index, EXPERT_MODULES[0], e, h[rows], lora_xa[EXPERT_MODULES[0]], dgu)

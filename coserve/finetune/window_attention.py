@@ -21,8 +21,9 @@ from coserve.model.forward_batch import causal_mask
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Attention of the window's queries over the sequence's first ``p + n`` keys, causal within the window (and
-    under the layer's sliding window, over each query's last ``window`` positions alone; with a soft cap, Gemma
-    2's capped scores: ``capped_attention``, whose backward autograd takes: no kept-output backward).
+    under the layer's sliding window, over each query's last ``window`` positions alone; with a soft cap or sinks,
+    Gemma 2's capped scores or gpt-oss's sinks: ``explicit_attention``, whose backward autograd takes: no kept-output
+    backward).
 
     Args:
         q: ``[n, Hq, D]`` rotated queries of the window's tokens (positions ``p .. p + n - 1``).
@@ -37,7 +38,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     masked = bool(p) or w is not None
     mask = _allowed(n, p, q.device, w) if masked else None
     out = sdpa(*_heads_first(q, k, v), attn_mask=mask, is_causal=not masked, scale=spec.scale,
-               enable_gqa=True, softcap=spec.softcap)  # [1, Hq, n, D]
+               enable_gqa=True, softcap=spec.softcap, sinks=spec.sinks)  # [1, Hq, n, D]
     return _merged_heads(out)
 
 
@@ -96,8 +97,8 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
 
 
 def _uncapped(spec: AttentionSpec, name: str) -> None:
-    if spec.softcap is not None:
-        raise ValueError(f"{name}: the kernels keep no capped attention (softcap {spec.softcap}); recompute it")
+    if spec.explicit:
+        raise ValueError(f"{name}: the kernels keep no capped attention nor one with sinks; recompute it")
 
 
 def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,34 +22,50 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 EFFICIENT_CAUSAL_FROM_BOTTOM_RIGHT = 2  # the memory-efficient kernel's ``custom_mask_type`` for chunks after a prefix
 
 
-def sdpa(q: torch.Tensor, *args, softcap: float | None = None, **kwargs) -> torch.Tensor:
+def sdpa(q: torch.Tensor, *args, softcap: float | None = None, sinks: tuple[float, ...] | None = None,
+         **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` restricted to :data:`SDPA_BACKENDS` on CUDA (elsewhere there is no cuDNN
     kernel to keep out, and entering the restriction costs ~11 us a call on this CPU, per layer per iteration); with
-    ``softcap`` (Gemma 2's), ``capped_attention``."""
-    if softcap is not None:
-        return capped_attention(q, *args, softcap=softcap, **kwargs)
+    ``softcap`` (Gemma 2's) or ``sinks`` (gpt-oss's), ``explicit_attention``."""
+    if softcap is not None or sinks is not None:
+        return explicit_attention(q, *args, softcap=softcap, sinks=sinks, **kwargs)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, *args, **kwargs)
     with sdpa_kernel(SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, *args, **kwargs)
 
 
-def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                     softcap: float = 0.0) -> torch.Tensor:
-    """Attention whose scaled scores are soft-capped, ``cap * tanh(s / cap)``, before the mask and the softmax (in
-    float32), as HF's eager Gemma 2 attention computes it; ``scaled_dot_product_attention``'s arguments (a boolean
-    ``attn_mask``), its fused kernels having no cap. K/V heads shared by several query heads are repeated."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                       is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                       softcap: float | None = None, sinks: tuple[float, ...] | None = None) -> torch.Tensor:
+    """Attention written out in torch, ``scaled_dot_product_attention``'s arguments (a boolean ``attn_mask``): the
+    scaled scores soft-capped, ``cap * tanh(s / cap)``, before the mask (Gemma 2, as HF's eager attention); each query
+    head's sink logit a last column of the softmax, dropped after it (gpt-oss, as HF's eager attention). The softmax
+    in float32. K/V heads shared by several query heads are repeated. ``q`` ``[..., Hq, n, D]``; under a CPU's
+    grouped decode, ``[D, Hkv, Hq // Hkv, Dh]`` with K/V ``[D, Hkv, L, Dh]``: its sinks then by K/V head and
+    group."""
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         attn_mask = causal_mask(q.shape[-2], k.shape[-2] - q.shape[-2], q.device)
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    heads = q.shape[-3]  # the query heads, or (a CPU's grouped decode) the K/V heads, each over its group's rows
+    sink = _sink_column(sinks, q.device).view(heads, -1 if heads != len(sinks) else 1, 1)
+    combined = torch.cat([scores.float(), sink.expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.matmul(torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype), v)
+
+
+@functools.lru_cache(maxsize=256)
+def _sink_column(sinks: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A layer's sink logits ``[Hq]`` in float32 on ``device``, made once."""
+    return torch.tensor(sinks, dtype=torch.float32, device=device)
 
 
 class PagedKVCache:
@@ -170,8 +186,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     cache.write(layer, batch.slot_mapping, k, v, memo)
     window = spec.window
     if batch.varlen is not None:
-        if spec.softcap is not None:
-            raise ValueError("paged_attention: a soft cap needs the batch laid out per chunk "
+        if spec.explicit:
+            raise ValueError("paged_attention: a soft cap or sinks need the batch laid out per chunk "
                              "(build_forward_batch(..., varlen=False))")
         return _varlen_attention(q, layer, cache, batch.varlen, spec, memo).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
@@ -229,7 +245,8 @@ def _chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk:
     """One chunk's queries over keys/values ``[L, Hkv, D]``: causal without ``mask``, else as it says."""
     qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     o = sdpa(qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
-             attn_mask=mask, is_causal=mask is None, scale=spec.scale, enable_gqa=True, softcap=spec.softcap)
+             attn_mask=mask, is_causal=mask is None, scale=spec.scale, enable_gqa=True, softcap=spec.softcap,
+             sinks=spec.sinks)
     out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
 
@@ -274,7 +291,8 @@ def _single_token_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, gr
     k, v = kc.transpose(1, 2), vc.transpose(1, 2)  # [D, Hkv, L, Dh]
     if q.is_cuda:  # [D, Hq, 1, Dh]
         return sdpa(q.unsqueeze(2), k, v, attn_mask=valid, scale=spec.scale, enable_gqa=True,
-                    softcap=spec.softcap).squeeze(2)
+                    softcap=spec.softcap, sinks=spec.sinks).squeeze(2)
     d, hq, dh = q.shape
     grouped = q.view(d, k.shape[1], hq // k.shape[1], dh)  # [D, Hkv, Hq // Hkv, Dh]
-    return sdpa(grouped, k, v, attn_mask=valid, scale=spec.scale, softcap=spec.softcap).reshape(d, hq, dh)
+    return sdpa(grouped, k, v, attn_mask=valid, scale=spec.scale, softcap=spec.softcap,
+                sinks=spec.sinks).reshape(d, hq, dh)

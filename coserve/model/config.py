@@ -30,8 +30,10 @@ SUPPORTED_ARCHITECTURES = {
     "SeedOssForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},
     "Olmo3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},
     "Glm4MoeForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": False},  # read: attention_bias, use_qk_norm
+    "GptOssForCausalLM": {"qkv_bias": True, "qk_norm": False, "fused": False},  # attention_bias: o_proj's too
 }
-MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM")
+MOES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM",
+        "GptOssForCausalLM")
 ROUTERS = ("softmax", "sigmoid")  # ModelConfig.router
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
@@ -138,6 +140,18 @@ class ModelConfig:
     # ``first_k_dense_replace``; Qwen-MoE's ``mlp_only_layers``, and those ``decoder_sparse_step`` skips)
     dense_layers: tuple[int, ...] = ()
     dense_intermediate_size: int = 0
+    # gpt-oss: per-head sink logits in each attention's softmax (``sinks``: a column of the denominator, no value),
+    # a bias on the output projection beside q/k/v's, the norms' weights applied in float32 before the cast; its
+    # router's logits biased; each expert's gate/up and down biased, gate and up interleaved in the checkpoint, its
+    # gate clamped above and up on both sides at ``glu_limit``, the two joined as ``(up + 1) * gate *
+    # sigmoid(glu_alpha * gate)`` (0: SiLU's ``silu(gate) * up``)
+    attn_sinks: bool = False
+    o_bias: bool = False
+    norms_float32: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    glu_alpha: float = 0.0
+    glu_limit: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -209,10 +223,16 @@ class ModelConfig:
 
     @property
     def per_chunk_attention(self) -> bool:
-        """Whether attention needs each chunk's own call (Gemma 2's capped scores), not CUDA's one variable-length
-        call over every chunk (``build_forward_batch``'s ``varlen``), nor decode graphs of it. A sliding window
-        needs neither: the variable-length kernel masks it (its ``window_size``)."""
-        return self.attn_softcap is not None
+        """Whether attention needs each chunk's own call (Gemma 2's capped scores, gpt-oss's sinks), not CUDA's one
+        variable-length call over every chunk (``build_forward_batch``'s ``varlen``), nor decode graphs of it. A
+        sliding window needs neither: the variable-length kernel masks it (its ``window_size``)."""
+        return self.attn_softcap is not None or self.attn_sinks
+
+    @property
+    def explicit_attention(self) -> bool:
+        """Whether attention runs written out in torch (Gemma 2's capped scores, gpt-oss's sinks: no fused kernel
+        has them), its backward by autograd: no kept-output backward."""
+        return self.attn_softcap is not None or self.attn_sinks
 
     @property
     def moe(self) -> bool:
@@ -328,6 +348,7 @@ class ModelConfig:
                 **(_granite_fields(raw) if arch == "GraniteForCausalLM" else {}),
                 nope_layers=_nope_layers(raw) if arch == "SmolLM3ForCausalLM" else (),
                 olmo2=arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"),
+                **(_gpt_oss_fields(raw) if arch == "GptOssForCausalLM" else {}),
                 qk_norm_whole=arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM"),
                 **({"rope_local": _rope_from_dict(_olmo3_rope(raw, "sliding_attention"))}
                    if arch == "Olmo3ForCausalLM" else {}),
@@ -361,6 +382,10 @@ def _attention_windows(raw: dict[str, Any], arch: str) -> tuple[int | None, ...]
         kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(layers)]
         return _windows_of(kinds, raw.get("sliding_window", 4096), layers)
+    if arch == "GptOssForCausalLM":  # layer_types, else every other layer sliding (the first), over 128 positions
+        kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                           for i in range(layers)]
+        return _windows_of(kinds, raw.get("sliding_window", 128), layers)
     if arch == "Olmo3ForCausalLM":  # layer_types, else three layers in four sliding (each fourth full)
         kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
                                            for i in range(layers)]
@@ -400,10 +425,10 @@ def _windows_of(kinds: list, window: int | None, layers: int) -> tuple[int | Non
 
 def _check_biases(raw: dict[str, Any], arch: str) -> None:
     """Biases coserve's layers do not add are refused, naming the field: on the attention's output projection (the
-    ``attention_bias`` of Llama and the others puts one there beside q/k/v's; Qwen2's, Seed-OSS's and GLM-4.5's are
-    q/k/v's alone; Seed-OSS's ``attention_out_bias``) and on the MLP's (``mlp_bias``)."""
+    ``attention_bias`` of Llama and the others puts one there beside q/k/v's, which gpt-oss's layer adds; Qwen2's,
+    Seed-OSS's and GLM-4.5's are q/k/v's alone; Seed-OSS's ``attention_out_bias``) and on the MLP's (``mlp_bias``)."""
     if raw.get("attention_bias") and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "SeedOssForCausalLM",
-                                                  "Glm4MoeForCausalLM"):
+                                                  "Glm4MoeForCausalLM", "GptOssForCausalLM"):
         raise ModelConfigError("field 'attention_bias': biases on q/k/v and the output projection are not supported")
     for name in ("attention_out_bias", "mlp_bias"):
         if raw.get(name):
@@ -472,6 +497,9 @@ def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
                 "moe_weights_float32": True}
     if arch == "Glm4MoeForCausalLM":
         return _glm4_moe_fields(raw)
+    if arch == "GptOssForCausalLM":  # the top-k logits' softmax: the softmax's top-k renormalised
+        return {"num_experts": int(raw.get("num_local_experts", 128)),
+                "experts_per_token": int(raw.get("num_experts_per_tok", 4)), "norm_topk_prob": True}
     if raw.get("clip_qkv") is not None:  # OLMoE's option (null in its released checkpoints)
         raise ModelConfigError(f"field 'clip_qkv': clamping q, k and v ({raw['clip_qkv']}) is not supported")
     if raw.get("use_sliding_window"):
@@ -485,6 +513,17 @@ def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         fields.update(_qwen_dense_layers(raw))
     return fields
+
+
+def _gpt_oss_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's layer beyond Llama's (transformers' ``GptOssConfig`` defaults where a field is absent): sinks, the
+    output projection's bias (with q/k/v's, ``attention_bias``), float32 norm weights, and its experts' biases and
+    clamped, shifted SwiGLU."""
+    alpha, limit = float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))
+    if alpha <= 0 or limit <= 0:
+        raise ModelConfigError(f"fields 'swiglu_alpha' and 'swiglu_limit' must be positive, got {alpha} and {limit}")
+    return {"attn_sinks": True, "o_bias": bool(raw.get("attention_bias", True)), "norms_float32": True,
+            "router_bias": True, "expert_bias": True, "glu_alpha": alpha, "glu_limit": limit}
 
 
 def _qwen_dense_layers(raw: dict[str, Any]) -> dict[str, Any]:

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GenerationConfig, Glm4MoeConfig,
-                          GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
-                          OlmoeConfig, Phi3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen2MoeConfig,
-                          Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+                          GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                          Olmo3Config, OlmoeConfig, Phi3Config, PreTrainedConfig, PreTrainedModel, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
@@ -67,6 +67,10 @@ TIED_RESIDUAL_GAIN = 10.0
 #: Standard deviation of q/k/v biases where a layer has them (HF initialises them to zeros, which would leave a
 #: bias the engine forgot unnoticed by the parity tests)
 QKV_BIAS_STD = 0.1
+#: gpt-oss's SwiGLU limit in created models (gpt-oss's: 7), where a random model's gate/up values clamp
+GLU_LIMIT = 0.25
+#: Standard deviation of created gpt-oss models' sinks and biases (HF initialises the biases to zeros, the sinks near)
+SINK_STD, GPT_OSS_BIAS_STD = 1.0, 0.1
 #: GLM-4.5's router's correction bias, added to its sigmoid scores (each in (0, 1)) to choose a token's experts
 ROUTER_BIAS_STD = 0.2
 
@@ -196,6 +200,19 @@ def build_config(preset: str = "tiny", arch: str = "llama", dtype: str = "float3
                                 num_experts_per_tok=EXPERTS_PER_TOKEN, n_shared_experts=1, n_group=GLM_GROUPS,
                                 topk_group=1, first_k_dense_replace=GLM_DENSE_LAYERS, norm_topk_prob=True,
                                 routed_scaling_factor=2.5, num_nextn_predict_layers=0)
+        elif arch == "gpt_oss":  # gpt-oss: every other layer sliding (the first), sinks, biases on q/k/v and the
+            # output projection, experts with biases and a clamped SwiGLU (its limit low enough here to clamp some of a
+            # random model's values, as gpt-oss's 7 clamps a trained one's), YaRN (truncate off, as gpt-oss's)
+            cfg = GptOssConfig(**{k: v for k, v in common.items() if k not in ("rope_parameters", "intermediate_size")},
+                               intermediate_size=p.expert_size(arch), head_dim=head_dim, attention_bias=True,
+                               num_local_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
+                               sliding_window=max(16, p.max_position_embeddings // 16),
+                               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(p.num_hidden_layers)],
+                               swiglu_limit=GLU_LIMIT,
+                               rope_parameters={"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                "truncate": False, "rope_theta": p.rope_theta,
+                                                "original_max_position_embeddings": p.max_position_embeddings // 2})
         elif arch == "olmoe":  # Llama's layer, q and k each normalised over all their heads, experts as Qwen3-MoE's
             cfg = OlmoeConfig(**{**common, "intermediate_size": p.expert_size(arch)}, num_experts=NUM_EXPERTS,
                               num_experts_per_tok=EXPERTS_PER_TOKEN, norm_topk_prob=False, clip_qkv=None)
@@ -281,11 +298,24 @@ def shape_init(model: PreTrainedModel) -> None:
             if hasattr(moe, "experts"):  # a router (HF initialises Qwen3-MoE's to zeros): logits of std
                 # ROUTER_LOGIT_STD, so that each token's top experts stand apart by far more than round-off
                 gen = torch.Generator().manual_seed(index)
-                moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen) * ROUTER_LOGIT_STD
-                                      / math.sqrt(hidden))
-                bias = getattr(moe.gate, "e_score_correction_bias", None)
+                router = moe.router if hasattr(moe, "router") else moe.gate  # gpt-oss's name
+                router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * ROUTER_LOGIT_STD
+                                    / math.sqrt(hidden))
+                bias = getattr(router, "e_score_correction_bias", None)
                 if bias is not None:  # GLM-4.5's (zeros at init): enough to change some tokens' experts
                     bias.copy_(torch.randn(bias.shape, generator=gen) * ROUTER_BIAS_STD)
+                for name in ("bias", "gate_up_proj_bias", "down_proj_bias"):  # gpt-oss's router's and experts'
+                    bias = getattr(router if name == "bias" else moe.experts, name, None)
+                    if bias is not None:
+                        bias.copy_(torch.randn(bias.shape, generator=gen) * GPT_OSS_BIAS_STD)
+            sinks = getattr(layer.self_attn, "sinks", None)
+            if sinks is not None:  # gpt-oss's, one logit a head beside the scores (std ATTN_SCORE_STD)
+                sinks.copy_(torch.randn(sinks.shape, generator=torch.Generator().manual_seed(2000 + index))
+                            * SINK_STD)
+            o_bias = getattr(layer.self_attn.o_proj, "bias", None)
+            if o_bias is not None:  # gpt-oss's
+                o_bias.copy_(torch.randn(o_bias.shape, generator=torch.Generator().manual_seed(3000 + index))
+                             * GPT_OSS_BIAS_STD)
             if tied:
                 layer.self_attn.o_proj.weight.mul_(TIED_RESIDUAL_GAIN)
                 (moe.experts.down_proj if hasattr(moe, "experts") else layer.mlp.down_proj.weight).mul_(

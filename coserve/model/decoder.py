@@ -15,7 +15,8 @@ from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
 from coserve.model.linear_modules import (MIXTRAL_EXPERT_NAMES, ROUTER, SHARED_EXPERT_MODULES, V4_EXPERT_NAMES,
                                           ExpertShapes, shared_expert_shapes)
-from coserve.model.moe import expert_names, moe_mlp, router_bias_name, router_name, row_sigmoid, shared_expert_names
+from coserve.model.moe import (expert_names, fused_expert_names, moe_mlp, router_bias_name, router_name, row_sigmoid,
+                               shared_expert_names)
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
 from coserve.model.rope import RotaryEmbedding
@@ -81,7 +82,7 @@ class DecoderLayer:
             cast, as their HF norms do), else in the model's dtype."""
             if cfg.gemma:
                 return (1 + state[p + name].float()).to(device)
-            return state[p + name].float().to(device) if cfg.olmo2 else w(name)
+            return state[p + name].float().to(device) if cfg.olmo2 or cfg.norms_float32 else w(name)
 
         self.index = index
         # the attention's input norm, and the MLP's (Gemma's pre_feedforward_layernorm; its post_attention_layernorm
@@ -115,9 +116,14 @@ class DecoderLayer:
             self.k_norm_whole = norm("self_attn.k_norm.weight").unsqueeze(0)
             self.k_weight = self.qkv[cfg.q_size:cfg.q_size + cfg.kv_size]
         self.o = gemm_layout(w("self_attn.o_proj.weight"))
+        self.o_bias = w("self_attn.o_proj.bias") if cfg.o_bias else None  # gpt-oss's
+        # gpt-oss: each head's sink logit, in the attention's softmax (AttentionSpec.sinks)
+        self.sinks = tuple(state[p + "self_attn.sinks"].float().tolist()) if cfg.attn_sinks else None
         # Mixtral, Qwen3-MoE: the router [E, H] and each expert's fused gate/up [2I, H] and down [H, I] (moe.py), in
         # place of the one MLP (GLM-4.5: the router in float32, as transformers keeps it, and its correction bias [E])
         self.router, self.router_bias, self.expert_gate_up, self.expert_down = None, None, [], []
+        # gpt-oss: its router's logits' bias [E], and each expert's gate/up [2I] and down [H] biases
+        self.router_logit_bias, self.expert_gate_up_bias, self.expert_down_bias = None, None, None
         # Qwen2-MoE: the shared expert's fused gate/up [2S, H] and down [H, S], and its gate [1, H] (GLM-4.5: none)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         self.gate_up = self.down = self.gate_weight = self.up_weight = None
@@ -127,7 +133,11 @@ class DecoderLayer:
                 device=device, dtype=torch.float32 if sigmoid else dtype))
             if sigmoid:
                 self.router_bias = state[router_bias_name(index)].to(device=device, dtype=torch.float32)
-            for e in range(cfg.num_experts):
+            if cfg.router_bias:
+                self.router_logit_bias = w("mlp.router.bias")
+            if cfg.expert_bias:  # gpt-oss: all experts in one tensor each, gate and up interleaved
+                self._fused_experts(cfg, state, index, device, dtype)
+            for e in range(0 if cfg.expert_bias else cfg.num_experts):
                 gate, up, down = (state[n].to(device=device, dtype=dtype) for n in expert_names(cfg, index, e))
                 self.expert_gate_up.append(gemm_layout(torch.cat([gate, up])))
                 self.expert_down.append(gemm_layout(down))
@@ -145,6 +155,19 @@ class DecoderLayer:
         # Views of the fused weights that a finetuning backward recomputes alone (one object each, so that a
         # packed copy can be found for them: coserve/model/packed_gemm.py).
         self.q_weight = self.qkv[:cfg.q_size]
+
+    def _fused_experts(self, cfg: ModelConfig, state: dict[str, torch.Tensor], index: int, device: torch.device,
+                       dtype: torch.dtype) -> None:
+        """gpt-oss's experts as the others' are held: each one's gate rows, then its up rows ``[2I, H]`` (the
+        checkpoint's ``[H, 2I]`` columns alternate gate and up) and its down ``[H, I]``, with their biases."""
+        gate_up, gate_up_bias, down, down_bias = (state[n].to(device=device, dtype=dtype)
+                                                  for n in fused_expert_names(index))
+        self.expert_gate_up_bias, self.expert_down_bias = [], []
+        for e in range(cfg.num_experts):
+            self.expert_gate_up.append(gemm_layout(torch.cat([gate_up[e, :, 0::2].t(), gate_up[e, :, 1::2].t()])))
+            self.expert_gate_up_bias.append(torch.cat([gate_up_bias[e, 0::2], gate_up_bias[e, 1::2]]))
+            self.expert_down.append(gemm_layout(down[e].t()))
+            self.expert_down_bias.append(down_bias[e].contiguous())
 
     def frozen_weights(self) -> tuple[torch.Tensor, ...]:
         """The matmul weights, and the views of them a backward recomputes alone."""
@@ -185,6 +208,7 @@ class DecoderModel:
         self.lm_head = (self.embed if cfg.tie_word_embeddings  # the embedding's own rows: gathered by token
                         else gemm_layout(state["lm_head.weight"].to(device=device, dtype=dtype)))
         self.norm = ((1 + state["model.norm.weight"].float()).to(device) if cfg.gemma  # as DecoderLayer's norms
+                     else state["model.norm.weight"].float().to(device) if cfg.norms_float32
                      else state["model.norm.weight"].to(device=device, dtype=dtype))
         self.norm_f32 = self.norm.float()  # for the finetuning head's backward, as DecoderLayer's
         self.layers = [DecoderLayer(cfg, state, i, device, dtype) for i in range(cfg.num_layers)]
@@ -202,8 +226,8 @@ class DecoderModel:
         # the MLP's gate: SiLU, or Gemma's tanh-approximated GELU (HF's gelu_pytorch_tanh)
         self.act = functools.partial(F.gelu, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu
         # each layer's attention: scale, sliding window (None: its whole context), Gemma 2's cap on the scores
-        self.attention = [AttentionSpec(cfg.scale, cfg.attention_window(i), cfg.attn_softcap)
-                          for i in range(cfg.num_layers)]
+        self.attention = [AttentionSpec(cfg.scale, cfg.attention_window(i), cfg.attn_softcap, layer.sinks)
+                          for i, layer in enumerate(self.layers)]
         self.gemm_tile_rows = 0  # > 0: inference rows run in calls of whole tiles (coserve/model/tiled_gemm.py)
         self.packed: PackedWeights | None = None
         self.pack_gemms(gemm_backend(device, dtype) if pack_gemms else None)
@@ -247,8 +271,10 @@ class DecoderModel:
             # up_proj, down_proj and all-linear as the experts' parameters, and adapts neither its shared experts nor
             # its dense layers' MLPs with them), nor its dense layers' MLPs
             shared = shared_expert_shapes(h, c.shared_expert_size) if c.shared_expert_gated else {}
+            # gpt-oss's router: no module PEFT adapts (its all-linear is the attention alone)
+            router = {} if c.architecture == "GptOssForCausalLM" else {ROUTER: (h, c.num_experts)}
             return {"q_proj": (h, c.q_size), "k_proj": (h, c.kv_size), "v_proj": (h, c.kv_size),
-                    "o_proj": (c.q_size, h), ROUTER: (h, c.num_experts), **shared}
+                    "o_proj": (c.q_size, h), **router, **shared}
         if c.fused:
             return {"qkv_proj": (h, c.q_size + 2 * c.kv_size), "o_proj": (c.q_size, h), "gate_up_proj": (h, 2 * i),
                     "down_proj": (i, h)}
@@ -264,8 +290,10 @@ class DecoderModel:
         h, i = c.hidden_size, c.intermediate_size
         names = MIXTRAL_EXPERT_NAMES if c.architecture == "MixtralForCausalLM" else V4_EXPERT_NAMES
         layers = tuple(j for j in range(c.num_layers) if c.moe_layer(j)) if c.dense_layers else ()
+        refused = ("gpt-oss's experts take no adapter in coserve yet (their gate and up interleaved, each biased)"
+                   if c.expert_bias else "")
         return ExpertShapes(c.num_experts, {"experts.gate_up_proj": (h, 2 * i), "experts.down_proj": (i, h)},
-                            bool(c.shared_expert_size) and c.shared_expert_gated, names, layers)
+                            bool(c.shared_expert_size) and c.shared_expert_gated, names, layers, refused)
 
     def module_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen ``[out, in]`` weight and the bias (or None) of one targetable module (views of the fused ones)."""
@@ -280,7 +308,7 @@ class DecoderModel:
                    "gate_up_proj": lay.gate_up, ROUTER: lay.router}
         if lay.shared_gate_up is not None:  # Qwen2-MoE's shared expert
             weights.update(zip(SHARED_EXPERT_MODULES, (*lay.shared_gate_up.chunk(2), lay.shared_down, lay.shared_gate)))
-        return weights[module], None
+        return weights[module], lay.o_bias if module == "o_proj" else None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, bypass: Bypass | None = None,
@@ -368,7 +396,7 @@ class DecoderModel:
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if tap is not None:
             tap("q", q)
-        attn = bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, linear)
+        attn = bypassed_linear(bypass, tap, i, "o_proj", attend(q, k, v, i), layer.o, linear, layer.o_bias)
         if layer.attn_out_norm is not None:  # Gemma
             attn = rms_norm(attn, layer.attn_out_norm, cfg.rms_norm_eps)
         x = x + (attn if cfg.residual_multiplier is None else attn * cfg.residual_multiplier)  # Granite's
@@ -380,9 +408,11 @@ class DecoderModel:
             # bypass's kept tensor of the router goes to the tap as "moe.router" (its PEFT name, "gate", is the dense
             # MLP's gate output among the kept tensors)
             logits = bypass_output(bypass, tap and _renamed(tap, ROUTER, "moe.router"), i, ROUTER, h,
-                                   linear(h.to(layer.router.dtype), layer.router))  # GLM-4.5's: in float32
+                                   linear(h.to(layer.router.dtype), layer.router,  # GLM-4.5's: in float32
+                                          layer.router_logit_bias))
+            biases = (layer.expert_gate_up_bias, layer.expert_down_bias) if layer.expert_down_bias else None
             mlp = moe_mlp(cfg, h, logits, layer.expert_gate_up, layer.expert_down, self.linear, self.act,
-                          self.padded_rows, tap, bypass, i, layer.router_bias)
+                          self.padded_rows, tap, bypass, i, layer.router_bias, biases)
             if layer.shared_gate_up is not None:  # the shared expert, over every row (Qwen2-MoE's gated)
                 mlp = mlp + self.shared_expert(layer, h, linear, bypass, tap)[0]
             return x + mlp, k, v
@@ -471,11 +501,13 @@ def _renamed(tap: Tap, name: str, to: str) -> Tap:
 
 
 def bypassed_linear(bypass: Bypass | None, tap: Tap | None, layer: int, module: str, x: torch.Tensor,
-                    weight: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+                    weight: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A frozen module's output (its ``bias`` included: gpt-oss's output projection) through the bypass of it."""
     if bypass is None or module not in bypass.modules:
-        return linear(x, weight)
+        return linear(x, weight, bias)
     x = bypass.input(layer, module, x)
-    return bypass_output(bypass, tap, layer, module, x, linear(x, weight))
+    return bypass_output(bypass, tap, layer, module, x, linear(x, weight, bias))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -49,6 +49,8 @@ class ExpertShapes:
     shared_expert: bool = False  # Qwen2-MoE's, beside the experts (its modules: SHARED_EXPERT_MODULES)
     v4_names: tuple[str, str, str] = V4_EXPERT_NAMES  # its experts' modules by transformers 4's names
     layers: tuple[int, ...] = ()  # the layers holding the mixture where others have a dense MLP (empty: every layer)
+    refused: str = ""  # why no adapter of the experts is taken (empty: they take LoRA), where PEFT's all-linear
+    #   leaves them out too
 
     def in_layer(self, module: str, layer: int) -> bool:
         """Whether ``layer`` has ``module``: a mixture's (its router, experts and shared expert) only where the layer
@@ -124,6 +126,8 @@ def resolve_expert_targets(targets: Iterable[str], experts: ExpertShapes | None,
     targets = [t for t in targets if not is_router_parameter(t)]
     if targets and experts is None:
         raise ValueError(f"{field}: {targets} name experts' parameters; this model is no mixture of experts")
+    if targets and experts.refused:
+        raise ValueError(f"{field}: {targets}: {experts.refused}")
     return expert_parameter_names(targets, field)
 
 

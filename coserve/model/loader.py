@@ -8,6 +8,7 @@ import torch
 
 from coserve.model.config import ModelConfig
 from coserve.model.decoder import DecoderModel
+from coserve.model.mxfp4 import dequantize_state
 from coserve.model.weights import check_state_dict, load_state_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,9 +39,11 @@ def resolve_device(name: str | None) -> torch.device:
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, pack_gemms: bool = True) -> DecoderModel:
     """Read config and weights from ``model_dir``; errors name the file and tensor at fault. ``pack_gemms``: MKL
-    packs of the frozen weights where they apply (CPU, float32: ``coserve/model/packed_gemm.py``)."""
+    packs of the frozen weights where they apply (CPU, float32: ``coserve/model/packed_gemm.py``). gpt-oss's MXFP4
+    experts are dequantized to ``dtype`` (``coserve/model/mxfp4.py``)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     state = load_state_dict(model_dir)
+    dequantize_state(state, dtype)
     check_state_dict(state, cfg, model_dir)
     return DecoderModel(cfg, state, device, dtype, max_positions or cfg.max_position_embeddings, pack_gemms)

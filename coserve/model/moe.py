@@ -26,9 +26,36 @@ from coserve.model.linear_modules import EXPERT_MODULES
 
 
 def router_name(cfg: ModelConfig, layer: int) -> str:
-    """The checkpoint's router weight ``[E, H]`` of ``layer``."""
+    """The checkpoint's router weight ``[E, H]`` of ``layer`` (gpt-oss's bias beside it: ``.bias``)."""
+    if cfg.architecture == "GptOssForCausalLM":
+        return f"model.layers.{layer}.mlp.router.weight"
     block = "block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp"
     return f"model.layers.{layer}.{block}.gate.weight"
+
+
+def fused_expert_names(layer: int) -> tuple[str, str, str, str]:
+    """gpt-oss's experts, as its checkpoint holds them: ``(gate_up [E, H, 2I] (gate and up interleaved), its bias
+    [E, 2I], down [E, I, H], its bias [E, H])``."""
+    p = f"model.layers.{layer}.mlp.experts."
+    return p + "gate_up_proj", p + "gate_up_proj_bias", p + "down_proj", p + "down_proj_bias"
+
+
+def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated unit: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``,
+    as ``GptOssExperts._apply_gate``."""
+    g = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+
+def clamped_glu_backward(dm: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
+                         dgate: torch.Tensor, dup: torch.Tensor) -> None:
+    """The gradients of ``clamped_glu`` at ``gate`` and ``up`` (into ``dgate`` and ``dup``) given ``dm`` at its
+    output; none through a clamped value (torch's clamp passes it at the bounds themselves)."""
+    g = gate.clamp(max=limit)
+    u = up.clamp(-limit, limit)
+    s = torch.sigmoid(g * alpha)
+    torch.mul(dm * (u + 1) * (s + g * alpha * s * (1 - s)), gate <= limit, out=dgate)
+    torch.mul(dm * (g * s), (up >= -limit) & (up <= limit), out=dup)
 
 
 def expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -128,16 +155,18 @@ def expert_groups(experts: torch.Tensor, num_experts: int) -> list[tuple[int, to
 def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: list[torch.Tensor],
             down: list[torch.Tensor], linear: Callable[..., torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor],
             padded_rows: Callable[[int], int], tap: Callable[[str, torch.Tensor], None] | None = None,
-            bypass=None, layer: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
+            bypass=None, layer: int = 0, bias: torch.Tensor | None = None,
+            expert_biases: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> torch.Tensor:
     """The mixture's output ``[T, H]`` for MLP inputs ``h`` ``[T, H]`` and their router logits ``[T, E]``: each expert's
     fused ``gate_up`` ``[2I, H]`` and ``down`` ``[H, I]``; ``linear`` runs a frozen matmul, ``padded_rows(n)`` the rows
-    an expert's call over ``n`` routed rows runs in; ``bias``: GLM-4.5's correction bias of the router. Differentiable
-    (a finetuning window's recompute runs it under autograd). A finetuning window's ``tap`` gets the router's scores
-    (``moe.probs`` ``[T, E]`` float32: ``router_scores``) and each row's experts' gate/up outputs (``moe.gu`` ``[T, k,
-    2I]``, in the order of its experts), which its pruned backward reads (``coserve/finetune/moe_backward.py``). A
-    ``bypass`` (a ``Bypass`` of layer ``layer``) adapting the experts (``EXPERT_MODULES`` in its ``modules``) adds its
-    LoRA to each expert's call (``expert_output``); a tap then also gets what its backward reads, under the module's
-    name (``[T, k * r]``: each row's, by its experts in order)."""
+    an expert's call over ``n`` routed rows runs in; ``bias``: GLM-4.5's correction bias of the router;
+    ``expert_biases``: gpt-oss's biases of each expert's gate/up and down (its gated unit ``clamped_glu``).
+    Differentiable (a finetuning window's recompute runs it under autograd). A finetuning window's ``tap`` gets the
+    router's scores (``moe.probs`` ``[T, E]`` float32: ``router_scores``) and each row's experts' gate/up outputs
+    (``moe.gu`` ``[T, k, 2I]``, in the order of its experts), which its pruned backward reads
+    (``coserve/finetune/moe_backward.py``). A ``bypass`` (a ``Bypass`` of layer ``layer``) adapting the experts
+    (``EXPERT_MODULES`` in its ``modules``) adds its LoRA to each expert's call (``expert_output``); a tap then also
+    gets what its backward reads, under the module's name (``[T, k * r]``: each row's, by its experts in order)."""
     probs = router_scores(cfg, logits)
     experts, weights = route_scores(cfg, probs, logits.dtype, bias)
     k = cfg.experts_per_token
@@ -158,18 +187,20 @@ def moe_mlp(cfg: ModelConfig, h: torch.Tensor, logits: torch.Tensor, gate_up: li
         return y
 
     out = torch.zeros_like(h)
+    gu_bias, down_bias = expert_biases or (None, None)
     for e, rows, slot in expert_groups(experts, cfg.num_experts):
         n = rows.numel()
         x = h[rows]
         pad = padded_rows(n) - n
         if pad > 0:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        gu = adapt(EXPERT_MODULES[0], e, rows, slot, x, linear(x, gate_up[e]))
+        gu = adapt(EXPERT_MODULES[0], e, rows, slot, x, linear(x, gate_up[e], None if gu_bias is None else gu_bias[e]))
         if kept is not None:
             kept[rows, slot] = gu[:n]
         gate, up = gu.chunk(2, dim=-1)
-        m = act(gate) * up
-        y = adapt(EXPERT_MODULES[1], e, rows, slot, m, linear(m, down[e]))[:n] * weights[rows, slot, None]
+        m = clamped_glu(gate, up, cfg.glu_alpha, cfg.glu_limit) if cfg.glu_alpha else act(gate) * up
+        y = linear(m, down[e], None if down_bias is None else down_bias[e])
+        y = adapt(EXPERT_MODULES[1], e, rows, slot, m, y)[:n] * weights[rows, slot, None]
         out = out.index_add(0, rows, y.to(out.dtype))
     if tap is not None:
         tap("moe.probs", probs)

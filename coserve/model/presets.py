@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 #: Architectures ``create_model`` can write, each an HF ``model_type``.
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3",
-                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "olmo3", "glm4_moe")
+                          "olmo2", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "olmo3", "glm4_moe",
+                          "gpt_oss")
 #: The mixtures of experts among them: each layer's MLP is ``NUM_EXPERTS`` experts, ``EXPERTS_PER_TOKEN`` a token
 #: (Mixtral 8x7B: 8 and 2; Qwen3-30B-A3B: 128 and 8; OLMoE-1B-7B: 64 and 8), each as wide as the preset's MLP
 #: (Qwen3-MoE's and OLMoE's: half as wide, their moe_intermediate_size or intermediate_size)
-MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
+MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "gpt_oss")
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 #: GLM-4.5's (``glm4_moe``): twice as many experts in two groups, a token's from the better group; its first layer
 #: dense, as GLM-4.5-Air's (GLM-4.5: 160 experts, 8 a token, the first three layers dense)
@@ -54,8 +55,10 @@ class ModelPreset:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h
-        if arch in ("qwen2", "qwen2_moe", "seed_oss", "glm4_moe"):  # q/k/v biases
+        if arch in ("qwen2", "qwen2_moe", "seed_oss", "glm4_moe", "gpt_oss"):  # q/k/v biases
             attn += q + 2 * kv
+        if arch == "gpt_oss":  # the output projection's bias, each head's sink
+            attn += h + self.num_attention_heads
         if arch in ("qwen3", "gemma3"):  # q and k RMSNorm over each head
             attn += 2 * self.head_dim
         if arch in ("olmo2", "olmo3", "olmoe"):  # q and k RMSNorm over all their heads (OLMo 2 and 3: no input norm;
@@ -70,6 +73,8 @@ class ModelPreset:
                 mlp += 3 * h * self.intermediate_size + h
             if arch == "glm4_moe":  # one shared expert as wide as the others (its router's correction bias: a buffer)
                 mlp += 3 * h * self.expert_size(arch)
+            if arch == "gpt_oss":  # the router's bias, each expert's gate/up and down biases
+                mlp += self.num_experts(arch) * (1 + 2 * self.expert_size(arch) + h)
         norms = (4 if arch.startswith("gemma") else 2) * h  # input, post-attention RMSNorm (Gemma: 2 more)
         dense_layers = min(GLM_DENSE_LAYERS, self.num_hidden_layers) if arch == "glm4_moe" else 0
         layers = self.num_hidden_layers * (attn + mlp + norms) + dense_layers * (dense - mlp)

@@ -10,7 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from coserve.model.config import ModelConfig
-from coserve.model.moe import expert_names, router_bias_name, router_name, shared_expert_names
+from coserve.model.moe import expert_names, fused_expert_names, router_bias_name, router_name, shared_expert_names
 
 
 class WeightLoadError(ValueError):
@@ -71,7 +71,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[router_name(cfg, layer)] = (cfg.num_experts, h)
             if cfg.router == "sigmoid":  # GLM-4.5's correction bias
                 shapes[router_bias_name(layer)] = (cfg.num_experts,)
-            for e in range(cfg.num_experts):
+            if cfg.router_bias:  # gpt-oss's bias of the logits
+                shapes[p + "mlp.router.bias"] = (cfg.num_experts,)
+            if cfg.expert_bias:  # gpt-oss: every expert in one tensor each, with their biases
+                e = cfg.num_experts
+                shapes.update(zip(fused_expert_names(layer), ((e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h))))
+            for e in range(0 if cfg.expert_bias else cfg.num_experts):
                 gate, up, down = expert_names(cfg, layer, e)
                 shapes.update({gate: (i, h), up: (i, h), down: (h, i)})
             if cfg.shared_expert_size:  # the shared expert (Qwen2-MoE's and its gate)
@@ -93,6 +98,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             })
             if not moe:
                 shapes.update({p + "mlp.gate_proj.weight": (dense, h), p + "mlp.up_proj.weight": (dense, h)})
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.attn_sinks:
+            shapes[p + "self_attn.sinks"] = (cfg.num_heads,)
         if cfg.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)

@@ -142,6 +142,8 @@ def _read_weights(adapter: LoraAdapter, path: Path, module_shapes: dict[str, tup
             if experts is None:
                 raise AdapterError(f"{weights_file}: tensor {key!r} adapts experts; this model is no mixture of "
                                    "experts")
+            if experts.refused:
+                raise AdapterError(f"{weights_file}: tensor {key!r} adapts experts: {experts.refused}")
             if layer >= num_layers:
                 raise AdapterError(f"{weights_file}: tensor {key!r} is for layer {layer}; the model has {num_layers} "
                                    "layers")

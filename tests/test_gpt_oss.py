@@ -1,0 +1,97 @@
+"""gpt-oss beyond the parity tests every architecture runs (conftest's ARCHS: HF's logits and greedy tokens, PEFT's
+training, windows against autograd, co-served logprobs bit for bit): its MXFP4 experts dequantized as transformers
+dequantizes them, its clamped SwiGLU's backward, and its experts' adapters refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from coserve.model.loader import load_model
+from coserve.model.moe import clamped_glu, clamped_glu_backward
+from coserve.model.mxfp4 import dequantize_mxfp4
+from coserve.peft.config import LoraConfig, for_model
+from tests.test_model_parity import _flat_logits
+from tests.test_moe import _hf_written
+
+
+def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ``[*shape, 16]`` of random codes and scales ``shape`` of exponents around 2**-4."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(119, 126, shape, generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_blocks_dequantize_as_transformers_dequantizes_them(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    blocks, scales = _random_mxfp4((3, 10, 4), seed=1)
+    ours = dequantize_mxfp4(blocks, scales, dtype)
+    assert ours.shape == (3, 4 * 32, 10) and ours.dtype == dtype
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype))
+    with pytest.raises(ValueError, match="MXFP4 blocks .* and scales .* do not pair"):
+        dequantize_mxfp4(blocks, scales[:, :, :3])
+
+
+def test_an_mxfp4_checkpoint_runs_as_its_dequantized_weights(tmp_path):
+    """The tiny gpt-oss (its experts 64 wide, whole MXFP4 blocks) with its experts replaced by MXFP4 ones: coserve
+    reading the blocks and scales gives HF's logits over the same weights written dense."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    src = _hf_written(tmp_path / "src", "gpt_oss", intermediate_size=64)
+    dense, packed = tmp_path / "dense", tmp_path / "mxfp4"
+    for out in (dense, packed):
+        shutil.copytree(src, out)
+    state = load_file(str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+    dense_state, packed_state = dict(state), dict(state)
+    for layer in range(cfg["num_hidden_layers"]):
+        for n, (rows, cols) in (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i))):
+            name = f"model.layers.{layer}.mlp.experts.{n}"
+            blocks, scales = _random_mxfp4((e, rows, cols // 32), seed=10 * layer + len(n))
+            dense_state[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            del packed_state[name]
+            packed_state[name + "_blocks"], packed_state[name + "_scales"] = blocks, scales
+    save_file(dense_state, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed_state, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
+    ids = [[5, 17, 300, 41, 9, 2200, 77, 1000, 3]]
+    with torch.inference_mode():
+        want = hf(torch.tensor(ids)).logits[0]
+    got = _flat_logits(packed, ids)[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert not torch.allclose(got, _flat_logits(src, ids)[0], atol=1e-2)  # the experts changed the logits
+
+
+def test_the_clamped_swiglus_backward_is_autograds():
+    """Through both clamps (values past the limit on either side) and the shifted up."""
+    gen = torch.Generator().manual_seed(0)
+    gate, up = [torch.randn(64, 24, generator=gen, dtype=torch.float64).mul(2).requires_grad_() for _ in range(2)]
+    alpha, limit = 1.702, 1.5
+    assert (gate > limit).any() and (up.abs() > limit).any()
+    dm = torch.randn(64, 24, generator=gen, dtype=torch.float64)
+    clamped_glu(gate, up, alpha, limit).backward(dm)
+    dgate, dup = torch.empty_like(dm), torch.empty_like(dm)
+    clamped_glu_backward(dm, gate.detach(), up.detach(), alpha, limit, dgate, dup)
+    torch.testing.assert_close(dgate, gate.grad)
+    torch.testing.assert_close(dup, up.grad)
+
+
+def test_its_experts_take_no_adapter_and_its_all_linear_is_the_attention(model_factory):
+    """As PEFT 0.21 on transformers 5: ``all-linear`` is the attention alone (its router no module PEFT adapts);
+    its experts' parameters, which PEFT adapts with their gate and up interleaved, are refused here, naming the
+    field, not trained some other way."""
+    model = load_model(model_factory("gpt_oss"), torch.float32, torch.device("cpu"))
+    config = for_model(LoraConfig(target_modules="all-linear"), model.module_shapes(), model.expert_shapes())
+    assert config.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"] and not config.target_parameters
+    with pytest.raises(ValueError, match=r"target_parameters: .*gpt-oss's experts take no adapter"):
+        for_model(LoraConfig(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]),
+                  model.module_shapes(), model.expert_shapes())
+    with pytest.raises(ValueError, match="target_modules"):
+        for_model(LoraConfig(target_modules=["router"]), model.module_shapes(), model.expert_shapes())
