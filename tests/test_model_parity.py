@@ -135,7 +135,8 @@ def test_yarn_rope_scaling_serves_as_hf_does(model_factory, config_variant, hf_m
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])  # Gemma: norm weights (1 + w) in float32, then the cast
+# Gemma: norm weights (1 + w) in float32, then the cast; GLM-4.5: its router in float32; gpt-oss: sinks, float32 norms
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "glm4_moe", "gpt_oss"])
 def test_half_precision_runs_close_to_hf(model_factory, hf_model_cache, dtype, arch):
     path = model_factory(arch)
     llm = LLM(path, dtype=dtype, device="cpu")
