@@ -58,12 +58,11 @@ def test_greedy_tokens_on_cuda_are_hfs(model_factory, config_variant, arch, chun
 
 
 def _every_module_job(engine, out_dir) -> FinetuneJob:
-    """LoRA on every module the model adapts (PEFT's all-linear; a mixture's attention and its experts, but
-    gpt-oss's, which take none yet)."""
+    """LoRA on every module the model adapts (PEFT's all-linear; a mixture's attention and its experts)."""
     model = engine.model
     experts = model.expert_shapes()
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=list(model.module_shapes()),
-                      target_parameters=list(experts.modules) if experts and not experts.refused else [])
+                      target_parameters=list(experts.modules) if experts else [])
     bypass = TrainableLora(peft, model.module_shapes(), model.cfg.num_layers, model.device,
                            torch.Generator().manual_seed(0), experts=experts)
     cfg = FinetuneConfig(output_dir=str(out_dir), batch_size=2, max_steps=2, epochs=2, lr=1e-2, optimizer="sgd",

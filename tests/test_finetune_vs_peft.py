@@ -89,6 +89,8 @@ def _peft_train(model_dir, adapter_dir, examples, cfg: FinetuneConfig, steps: in
                                           ("qwen2_moe", ["q_proj", "v_proj", "o_proj"]),
                                           ("glm4_moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),
                                           ("gpt_oss", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                                          ("gpt_oss", {"target_modules": ["o_proj"], "target_parameters":
+                                                       ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
                                           ("glm4_moe", {"target_modules": ["gate", "k_proj"],
                                                         "target_parameters": ["gate_up_proj", "down_proj"]}),
                                           ("mixtral", {"target_modules": ["q_proj"], "target_parameters":

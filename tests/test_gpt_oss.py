@@ -1,6 +1,6 @@
 """gpt-oss beyond the parity tests every architecture runs (conftest's ARCHS: HF's logits and greedy tokens, PEFT's
-training, windows against autograd, co-served logprobs bit for bit): its MXFP4 experts dequantized as transformers
-dequantizes them, its clamped SwiGLU's backward, and its experts' adapters refused."""
+training, windows against autograd, co-served logprobs bit for bit; its experts' LoRA in test_expert_lora.py): its
+MXFP4 experts dequantized as transformers dequantizes them, its clamped SwiGLU's backward, and PEFT's names on it."""
 
 from __future__ import annotations
 
@@ -83,15 +83,29 @@ def test_the_clamped_swiglus_backward_is_autograds():
     torch.testing.assert_close(dup, up.grad)
 
 
-def test_its_experts_take_no_adapter_and_its_all_linear_is_the_attention(model_factory):
-    """As PEFT 0.21 on transformers 5: ``all-linear`` is the attention alone (its router no module PEFT adapts);
-    its experts' parameters, which PEFT adapts with their gate and up interleaved, are refused here, naming the
-    field, not trained some other way."""
+def test_its_all_linear_is_the_attention_and_it_has_no_transformers_4_names(model_factory):
+    """As PEFT 0.21 on transformers 5: ``all-linear`` is the attention alone (its router no module PEFT adapts, its
+    experts left out); ``down_proj``, which names the experts of the models transformers 4 held per expert, names
+    nothing here (PEFT: no such module); its experts' parameters take LoRA by ``target_parameters``."""
     model = load_model(model_factory("gpt_oss"), torch.float32, torch.device("cpu"))
-    config = for_model(LoraConfig(target_modules="all-linear"), model.module_shapes(), model.expert_shapes())
+    shapes, experts = model.module_shapes(), model.expert_shapes()
+    config = for_model(LoraConfig(target_modules="all-linear"), shapes, experts)
     assert config.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"] and not config.target_parameters
-    with pytest.raises(ValueError, match=r"target_parameters: .*gpt-oss's experts take no adapter"):
-        for_model(LoraConfig(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]),
-                  model.module_shapes(), model.expert_shapes())
-    with pytest.raises(ValueError, match="target_modules"):
-        for_model(LoraConfig(target_modules=["router"]), model.module_shapes(), model.expert_shapes())
+    for targets in (["down_proj"], ["router"]):
+        with pytest.raises(ValueError, match="target_modules"):
+            for_model(LoraConfig(target_modules=targets), shapes, experts)
+    config = for_model(LoraConfig(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]), shapes,
+                       experts)
+    assert config.target_parameters == ["experts.gate_up_proj"]
+
+
+def test_its_gate_up_loras_rows_are_read_and_written_in_pefts_interleaved_order():
+    """PEFT's ``lora_B`` of gpt-oss's gate/up has gate's and up's rows alternating; coserve holds gate's then up's,
+    and writes them back as they came."""
+    from coserve.peft.expert_lora import b_from_peft, b_to_peft
+    experts, out, r = 3, 8, 2
+    b = torch.arange(out * r * experts, dtype=torch.float32).reshape(out, r * experts)
+    ours = b_from_peft(b, experts, interleaved=True)
+    plain = b_from_peft(b, experts)
+    assert torch.equal(ours[:, :out // 2], plain[:, 0::2]) and torch.equal(ours[:, out // 2:], plain[:, 1::2])
+    assert torch.equal(b_to_peft(ours, interleaved=True), b)

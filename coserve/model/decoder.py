@@ -288,12 +288,12 @@ class DecoderModel:
         if not c.moe:
             return None
         h, i = c.hidden_size, c.intermediate_size
-        names = MIXTRAL_EXPERT_NAMES if c.architecture == "MixtralForCausalLM" else V4_EXPERT_NAMES
+        gpt_oss = c.architecture == "GptOssForCausalLM"  # no transformers 4 names; gate and up interleaved
+        names = (MIXTRAL_EXPERT_NAMES if c.architecture == "MixtralForCausalLM" else () if gpt_oss
+                 else V4_EXPERT_NAMES)
         layers = tuple(j for j in range(c.num_layers) if c.moe_layer(j)) if c.dense_layers else ()
-        refused = ("gpt-oss's experts take no adapter in coserve yet (their gate and up interleaved, each biased)"
-                   if c.expert_bias else "")
         return ExpertShapes(c.num_experts, {"experts.gate_up_proj": (h, 2 * i), "experts.down_proj": (i, h)},
-                            bool(c.shared_expert_size) and c.shared_expert_gated, names, layers, refused)
+                            bool(c.shared_expert_size) and c.shared_expert_gated, names, layers, gpt_oss)
 
     def module_weight(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen ``[out, in]`` weight and the bias (or None) of one targetable module (views of the fused ones)."""

@@ -47,10 +47,10 @@ class ExpertShapes:
     num_experts: int
     modules: dict[str, tuple[int, int]]
     shared_expert: bool = False  # Qwen2-MoE's, beside the experts (its modules: SHARED_EXPERT_MODULES)
-    v4_names: tuple[str, str, str] = V4_EXPERT_NAMES  # its experts' modules by transformers 4's names
+    v4_names: tuple[str, ...] = V4_EXPERT_NAMES  # its experts' modules by transformers 4's names (gpt-oss: none, and
+    #   PEFT's all-linear leaves its experts out)
     layers: tuple[int, ...] = ()  # the layers holding the mixture where others have a dense MLP (empty: every layer)
-    refused: str = ""  # why no adapter of the experts is taken (empty: they take LoRA), where PEFT's all-linear
-    #   leaves them out too
+    gate_up_interleaved: bool = False  # PEFT's gate/up interleaves gate's and up's rows (gpt-oss's: expert_lora.py)
 
     def in_layer(self, module: str, layer: int) -> bool:
         """Whether ``layer`` has ``module``: a mixture's (its router, experts and shared expert) only where the layer
@@ -126,8 +126,6 @@ def resolve_expert_targets(targets: Iterable[str], experts: ExpertShapes | None,
     targets = [t for t in targets if not is_router_parameter(t)]
     if targets and experts is None:
         raise ValueError(f"{field}: {targets} name experts' parameters; this model is no mixture of experts")
-    if targets and experts.refused:
-        raise ValueError(f"{field}: {targets}: {experts.refused}")
     return expert_parameter_names(targets, field)
 
 

@@ -147,8 +147,8 @@ def for_model(config: LoraConfig | IA3Config, modules: Iterable[str], experts: E
         names = [m for m in modules if m != ROUTER] if all_linear else [  # PEFT wraps no router there, no expert
             f"shared_expert.{m}" if m in V4_EXPERT_NAMES else m for m in names]
         all_linear = False
-    if experts is not None and not experts.shared_expert and not experts.refused:  # transformers 4's names of the
-        # experts, as PEFT reads them (not gpt-oss's: its all-linear is the attention alone)
+    if experts is not None and not experts.shared_expert and experts.v4_names:  # transformers 4's names of the
+        # experts, as PEFT reads them (gpt-oss has none, and its all-linear is the attention alone)
         rest, parameters, rank_pattern, alpha_pattern = expert_targets_from_v4(
             [] if all_linear else names, experts.v4_names, config.r, config.lora_alpha, all_linear)
         names = [ALL_LINEAR] if all_linear else rest

@@ -5,6 +5,11 @@ with one ``lora_A`` ``[E * r, in]`` and one ``lora_B`` ``[out, r * E]``: expert 
 with ``A_e`` rows ``e * r .. e * r + r - 1`` of ``lora_A`` and ``B_e`` columns ``e, E + e, 2E + e, ...`` of ``lora_B``
 (``get_delta_weight``'s reshapes). coserve keeps them per expert, ``A`` ``[E, r, in]`` and ``B`` ``[E, out, r]``.
 
+gpt-oss's gate/up parameter is ``[E, in, out]`` (PEFT's delta then ``[E, in, out]``, the same ``B_e A_e`` transposed)
+and interleaves gate's and up's outputs (gate's the even ones), which coserve holds as all of gate's then all of up's
+(``DecoderLayer._fused_experts``): its ``B_e``'s rows are reordered so on reading and back on writing
+(``interleaved``).
+
 Where both parameters of a layer's experts are adapted, PEFT nests one wrapper in the other, in the order of the
 module's parameters: gate/up's tensors are named ``mlp.experts.base_layer.lora_A.weight``, down's
 ``mlp.experts.lora_A.weight``; with one adapted, it is ``mlp.experts.lora_A.weight``. Reading tells them apart by
@@ -28,9 +33,11 @@ def a_from_peft(a: torch.Tensor, num_experts: int) -> torch.Tensor:
     return a.reshape(num_experts, a.shape[0] // num_experts, a.shape[1]).contiguous()
 
 
-def b_from_peft(b: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """PEFT's ``lora_B`` ``[out, r * E]`` (column ``j * E + e``: expert e's j-th) as per-expert ``[E, out, r]``."""
-    return b.reshape(b.shape[0], b.shape[1] // num_experts, num_experts).permute(2, 0, 1).contiguous()
+def b_from_peft(b: torch.Tensor, num_experts: int, interleaved: bool = False) -> torch.Tensor:
+    """PEFT's ``lora_B`` ``[out, r * E]`` (column ``j * E + e``: expert e's j-th) as per-expert ``[E, out, r]``; an
+    ``interleaved`` gate/up's rows (gpt-oss's) as gate's then up's."""
+    b = b.reshape(b.shape[0], b.shape[1] // num_experts, num_experts).permute(2, 0, 1)
+    return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1) if interleaved else b.contiguous()
 
 
 def a_to_peft(a: torch.Tensor) -> torch.Tensor:
@@ -38,8 +45,11 @@ def a_to_peft(a: torch.Tensor) -> torch.Tensor:
     return a.reshape(a.shape[0] * a.shape[1], a.shape[2])
 
 
-def b_to_peft(b: torch.Tensor) -> torch.Tensor:
+def b_to_peft(b: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """``b_from_peft``'s inverse."""
+    if interleaved:  # gate's rows back to the even places, up's to the odd
+        half = b.shape[1] // 2
+        b = torch.stack([b[:, :half], b[:, half:]], dim=2).flatten(1, 2)
     return b.permute(1, 2, 0).reshape(b.shape[1], b.shape[2] * b.shape[0])
 
 
