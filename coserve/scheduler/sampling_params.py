@@ -62,6 +62,33 @@ class ReasoningTokens:
         return len(output_ids) if begin is None else begin
 
 
+@dataclass(frozen=True, slots=True)
+class HarmonyTokens(ReasoningTokens):
+    """gpt-oss's harmony messages (``coserve/server/harmony.py``) as reasoning tags: ``start`` is ``<|channel|>``,
+    ``end`` ``<|end|>``; the reasoning is the ``analysis`` messages before the first message of another channel, whose
+    header (``<|channel|>`` ... ``<|message|>``) ends it: a structured output's guide constrains that message's body."""
+
+    message: int = -1  # <|message|>
+    analysis: tuple[int, ...] = ()  # the channel name's tokens
+
+    def reply_start(self, output_ids: list[int]) -> int | None:
+        if not output_ids or output_ids[0] != self.start:  # no harmony header (yet): all reply
+            return 0
+        at = 0
+        while True:  # each message: its header, then (an analysis one) its body to <|end|>
+            try:
+                channel = output_ids.index(self.start, at)
+                message = output_ids.index(self.message, channel)
+            except ValueError:
+                return None
+            if tuple(output_ids[channel + 1:message]) != self.analysis:
+                return message + 1
+            try:
+                at = output_ids.index(self.end, message) + 1
+            except ValueError:
+                return None
+
+
 class Reasoning(Protocol):
     """A reasoning parser as the engine's callers use it (``coserve/server/reasoning.py``'s ``ReasoningParser``)."""
 

@@ -11,7 +11,10 @@ The parsers, by vLLM's names, differ in their tags and in where the output begin
   ``</think>`` where not): the output is reasoning from a leading ``<think>`` to ``</think>``, else all reply;
 - ``mistral`` (Magistral): the same, between ``[THINK]`` and ``[/THINK]``, which are special tokens of its
   tokenizer: the text of a request it reads then keeps special tokens (``ReasoningTokens.special``), as vLLM's
-  parser reads them.
+  parser reads them;
+- ``openai_gptoss`` (gpt-oss): its harmony messages, the ``analysis`` ones reasoning, the ``final`` one the reply
+  (``harmony.py``; its markers are special tokens, kept in the text likewise), read from the output's text by
+  ``HarmonySplit`` and from its tokens by ``HarmonyTokens``.
 For every parser the prompt's last tag decides first: a prompt that leaves the reasoning open (its template wrote
 the start tag) begins the output inside it, and one that closed it begins the output with the reply. The text after
 the end tag is the reply (``content``), and the tags are dropped.
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coserve.scheduler.sampling_params import ReasoningTokens
+from coserve.scheduler.sampling_params import HarmonyTokens, ReasoningTokens
+from coserve.server import harmony
 
 START, END = "<think>", "</think>"
 
@@ -50,7 +54,9 @@ FORMATS = {
     "minimax_m2": ThinkFormat(START, END, opened=True),
     "seed_oss": ThinkFormat("<seed:think>", "</seed:think>", opened=True),
     "mistral": ThinkFormat("[THINK]", "[/THINK]", opened=False),
+    "openai_gptoss": ThinkFormat(harmony.CHANNEL, harmony.END, opened=False),  # harmony.py's messages, not tags
 }
+HARMONY = "openai_gptoss"
 PARSERS = tuple(FORMATS)
 
 
@@ -66,6 +72,8 @@ class ReasoningParser:
     start_id: int
     end_id: int
     special: bool = False  # the tags are special tokens (decoding skips them unless told not to)
+    message_id: int = -1  # harmony's <|message|>
+    analysis_ids: tuple[int, ...] = ()  # harmony's analysis channel's name
 
     @property
     def tags(self) -> ThinkFormat:
@@ -74,12 +82,16 @@ class ReasoningParser:
     def tokens(self, prompt_ids: list[int]) -> ReasoningTokens:
         """What the engine needs of a request with ``prompt_ids``: the tags, and whether its output begins inside
         the reasoning (the prompt's last tag opens one; with no tag, as the parser's format says)."""
+        if self.name == HARMONY:  # a harmony prompt ends each message it holds: the output begins a new one
+            return HarmonyTokens(self.start_id, self.end_id, False, True, self.message_id, self.analysis_ids)
         last = next((t for t in reversed(prompt_ids) if t in (self.start_id, self.end_id)), None)
         opened = last == self.start_id or (self.tags.opened and last is None)
         return ReasoningTokens(self.start_id, self.end_id, opened, self.special)
 
-    def splitter(self, tokens: ReasoningTokens) -> ReasoningSplit:
+    def splitter(self, tokens: ReasoningTokens) -> ReasoningSplit | harmony.HarmonySplit:
         """The machine that splits the text of a request's output (``tokens``: ``tokens(prompt_ids)``)."""
+        if self.name == HARMONY:
+            return harmony.HarmonySplit()
         return ReasoningSplit(tokens.opened, self.tags.start, self.tags.end)
 
     def split(self, tokens: ReasoningTokens, text: str) -> tuple[str | None, str | None]:
@@ -104,7 +116,14 @@ def reasoning_parser(name: str, tokenizer) -> ReasoningParser:
         ids.append(encoded[0])
     special = any(tokenizer.decode([i], skip_special_tokens=True) != tag
                   for i, tag in zip(ids, (FORMATS[name].start, FORMATS[name].end)))
-    return ReasoningParser(name, ids[0], ids[1], special)
+    if name != HARMONY:
+        return ReasoningParser(name, ids[0], ids[1], special)
+    message = tokenizer.encode(harmony.MESSAGE, add_special_tokens=False)
+    if len(message) != 1:
+        raise ReasoningParserError(f"--reasoning-parser {name}: the model's tokenizer has no single token for "
+                                   f"{harmony.MESSAGE!r}; gpt-oss's does")
+    return ReasoningParser(name, ids[0], ids[1], True, message[0],
+                           tuple(tokenizer.encode("analysis", add_special_tokens=False)))
 
 
 class ReasoningSplit:

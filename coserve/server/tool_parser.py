@@ -1,6 +1,6 @@
 """Tool calls a model writes freely in its text, for ``tool_choice: "auto"`` (vLLM's ``--tool-call-parser``).
 
-Sixteen formats, by vLLM's names:
+Seventeen formats, by vLLM's names:
 - ``hermes`` (Hermes, Qwen2/2.5/3 and the many models trained on it): each call is ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, after any text;
 - ``llama3_json`` (Llama 3.1 and 3.2's JSON tool calling): the reply is nothing but calls, ``{"name": ...,
@@ -29,7 +29,9 @@ Sixteen formats, by vLLM's names:
 - ``minimax_m2`` (MiniMax-M2): ``<invoke name="f"><parameter name="a">1</parameter></invoke>`` calls in
   ``<minimax:tool_call>`` blocks after any text (``minimax_calls.py``), values typed as ``qwen3_coder``'s;
 - ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2``: a section of marker tokens after any text
-  (``section_calls.py``), decoded into the text as ``mistral``'s are.
+  (``section_calls.py``), decoded into the text as ``mistral``'s are;
+- ``openai`` (gpt-oss): its harmony ``commentary`` messages to ``functions.NAME``, as ``--reasoning-parser
+  openai_gptoss`` leaves them in the reply (``harmony.py``), after any text.
 A reply that is not all whole calls is text, as vLLM leaves it; names are not checked against the request's tools
 (as vLLM does not). A JSON call's ``arguments`` are the JSON text the model wrote for them, so that a stream can send
 them as they are written (``tool_stream.py``, through ``call_views``); a Python or XML call's are made from its
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from coserve.server.call_text import (CallView, NotACall, after_lead, scan_call, scan_call_list, skip_ws,
                                       value_end)
 from coserve.server.glm_calls import glm_views, parse_glm_calls
+from coserve.server.harmony import CALL_OPEN as HARMONY_CALL, harmony_calls, harmony_views
 from coserve.server.minimax_calls import OPEN as MINIMAX_OPEN, minimax_views, parse_minimax_calls
 from coserve.server.mistral_calls import TOOL_CALLS, call_array, mistral_calls, mistral_views
 from coserve.server.olmo3_calls import OPEN as OLMO3_OPEN, olmo3_views, parse_olmo3
@@ -286,5 +289,7 @@ FORMATS = {
     "glm45": CallFormat(_glm_calls, glm_views, keeps_special=True),
     "minimax_m2": CallFormat(_minimax_calls, minimax_views, opens=MINIMAX_OPEN, keeps_special=True),
     **{name: _section_format(name) for name in SECTIONS},
+    "openai": CallFormat(lambda text, schemas: _found(text, harmony_calls(text)),
+                         lambda text, schemas: harmony_views(text), opens=HARMONY_CALL, keeps_special=True),
 }
 PARSERS = tuple(FORMATS)
