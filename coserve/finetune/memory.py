@@ -18,8 +18,10 @@ def autograd_saved_bytes(model: DecoderModel, bypass: Bypass, token_ids: list[in
     """
     weights = {model.embed.data_ptr(), model.lm_head.data_ptr(), model.norm.data_ptr()}
     for layer in model.layers:
-        for t in (layer.input_norm, layer.post_norm, layer.qkv, layer.qkv_bias, layer.qk_norm, layer.o, layer.gate_up,
-                  layer.down, layer.router, *layer.expert_gate_up, *layer.expert_down):
+        for t in (layer.input_norm, layer.post_norm, layer.qkv, layer.qkv_bias, layer.qk_norm, layer.o, layer.o_bias,
+                  layer.gate_up, layer.down, layer.router, layer.router_bias, layer.router_logit_bias,
+                  *layer.expert_gate_up, *layer.expert_down, *(layer.expert_gate_up_bias or ()),
+                  *(layer.expert_down_bias or ()), layer.shared_gate_up, layer.shared_down, layer.shared_gate):
             if t is not None:
                 weights.add(t.data_ptr())
     weights.update(p.data_ptr() for p in getattr(bypass, "parameters", lambda: [])())
