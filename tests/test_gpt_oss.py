@@ -109,3 +109,32 @@ def test_its_gate_up_loras_rows_are_read_and_written_in_pefts_interleaved_order(
     plain = b_from_peft(b, experts)
     assert torch.equal(ours[:, :out // 2], plain[:, 0::2]) and torch.equal(ours[:, out // 2:], plain[:, 1::2])
     assert torch.equal(b_to_peft(ours, interleaved=True), b)
+
+
+def test_gpt_oss_20bs_config_reads_as_transformers_reads_it():
+    """The fields of gpt-oss-20b's config.json (transformers 4.55's spelling, its MXFP4 quantization config beside
+    them): every other layer sliding over 128 positions, YaRN by 32 over 4,096 untruncated, 32 experts 4 a token, the
+    output projection's bias, SwiGLU clamped at 7."""
+    from transformers import GptOssConfig
+
+    from coserve.model.config import ModelConfig
+    raw = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+           "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+           "initial_context_length": 4096, "intermediate_size": 2880,
+           "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+           "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+           "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+           "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn"], "quant_method": "mxfp4"},
+           "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                   "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                   "truncate": False},
+           "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+           "vocab_size": 201088}
+    cfg = ModelConfig.from_dict(raw)
+    hf = GptOssConfig.from_dict({k: v for k, v in raw.items() if k != "quantization_config"})
+    assert cfg.attention_windows == tuple(128 if kind == "sliding_attention" else None for kind in hf.layer_types)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.intermediate_size) == (32, 4, 2880)
+    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.rope.theta) == ("yarn", 32.0, 150000.0)
+    assert cfg.rope.original_max_position_embeddings == 4096 and not cfg.rope.truncate
+    assert cfg.o_bias and cfg.qkv_bias and cfg.attn_sinks and (cfg.glu_alpha, cfg.glu_limit) == (1.702, 7.0)
+    assert (cfg.q_size, cfg.kv_size) == (64 * 64, 8 * 64)

@@ -128,6 +128,31 @@ def test_glm_routing_is_its_routers(model_factory, groups, topk_groups, norm):
         assert not torch.equal(order.values, ungrouped[0].sort(-1).values)
 
 
+def test_glm_45_airs_config_reads_as_transformers_reads_it():
+    """The fields of GLM-4.5-Air's config.json (transformers 4.54's spelling): half of each 128-wide head rotated by
+    theta 10^6, the first layer dense (10,944 wide), 128 experts of 1,408 and one shared expert, 8 a token by sigmoid
+    scores in one group, q/k/v biases, no q/k norms; its multi-token prediction layer left out."""
+    from transformers import Glm4MoeConfig
+    raw = {"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+           "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+           "hidden_size": 4096, "partial_rotary_factor": 0.5, "intermediate_size": 10944,
+           "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
+           "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
+           "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+           "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
+           "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16", "use_qk_norm": False, "vocab_size": 151552}
+    cfg = ModelConfig.from_dict(raw)
+    hf = Glm4MoeConfig.from_dict(raw)
+    assert cfg.rotary_dim == int(128 * hf.rope_parameters["partial_rotary_factor"]) == 64
+    assert cfg.rope.theta == hf.rope_parameters["rope_theta"] == 1e6
+    assert cfg.dense_layers == tuple(range(hf.first_k_dense_replace)) == (0,)
+    assert (cfg.dense_intermediate_size, cfg.intermediate_size, cfg.shared_expert_size) == (10944, 1408, 1408)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.router, cfg.expert_groups) == (128, 8, "sigmoid", 1)
+    assert cfg.qkv_bias and not cfg.qk_norm and not cfg.shared_expert_gated and cfg.num_layers == 46
+    assert cfg.eos_token_ids == [151329, 151336, 151338]
+
+
 def _hf_written(path, arch: str, **fields):
     """A tiny ``arch`` model written by transformers with ``fields`` set on its config (new weights)."""
     cfg = build_config("tiny", arch)
