@@ -284,3 +284,25 @@ def test_the_kept_output_kernels_refuse_capped_scores():
     out, lse = window_attention_lse(q, k, k, AttentionSpec(0.3, window=4))
     with pytest.raises(ValueError, match="window_attention_backward: the kernels keep no capped attention"):
         window_attention_backward(out, q, k, k, out, lse, capped)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_the_kept_output_kernels_carry_sinks_as_autograd_does(window):
+    """gpt-oss's sinks on the kernels: the output scaled by ``sigmoid(lse - sink)``, and the backward from the kept
+    output and log-sum-exp alone, equal to autograd through the written-out attention with its sink column (queries
+    after a prefix, grouped K/V heads, with and without a sliding window)."""
+    from coserve.finetune.window_attention import window_attention, window_attention_backward, window_attention_lse
+    from coserve.model.attention_spec import AttentionSpec
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64).float().requires_grad_()
+               for shape in ((5, 4, 8), (9, 2, 8), (9, 2, 8)))
+    spec = AttentionSpec(0.35, window=window, sinks=(0.5, -1.0, 2.0, 0.0))
+    ref = window_attention(q, k, v, spec)  # explicit_attention: the sink a softmax column
+    dout = torch.randn(ref.shape, generator=gen)
+    dq, dk, dv = torch.autograd.grad(ref, (q, k, v), dout)
+    with torch.no_grad():
+        out, lse = window_attention_lse(q, k, v, spec)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+        assert not torch.allclose(out, window_attention_lse(q, k, v, AttentionSpec(0.35, window=window))[0])
+        for got, want in zip(window_attention_backward(dout, q, k, v, out, lse, spec), (dq, dk, dv)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

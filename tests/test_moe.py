@@ -58,8 +58,7 @@ def test_window_schedules_match_one_whole_sequence_backward(model_factory, arch,
     model = load_model(model_factory(arch), torch.float32, torch.device("cpu"))
     first = model.cfg.dense_layers[-1] + 1 if model.cfg.dense_layers else 0  # GLM-4.5's first layer is dense
     every, none = new_keeps(model, 4, BASE_KEEPS)[first].base, new_keeps(model, 4, ())[first].base
-    kept_attention = set() if model.cfg.explicit_attention else {"attn.o"}  # gpt-oss's sinks: recomputed
-    assert {"moe.probs", "moe.gu"} | kept_attention <= set(every) and not {"gate", "up"} & set(every)
+    assert {"moe.probs", "moe.gu", "attn.o"} <= set(every) and not {"gate", "up"} & set(every)
     assert set(none) == {"moe.probs"}
     if first:  # a dense layer keeps its own MLP's gate and up, as wide as its MLP
         dense = new_keeps(model, 4, BASE_KEEPS)[0].base

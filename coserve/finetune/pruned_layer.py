@@ -62,7 +62,7 @@ def executor_plan(model: DecoderModel, peft_config: Any, rematerialize: str,
     shape = LayerShape.from_model_config(model.cfg, model.embed.element_size(), context_tokens=max(1, tokens // 2))
     # Where attention's kept-output backward exists, the plan may keep the output; else the
     # executor recomputes attention from q, K and V in its backward.
-    how = "flash" if kept_attention_supported(model.device) and not model.cfg.explicit_attention else "recompute"
+    how = "flash" if kept_attention_supported(model.device) and model.cfg.attn_softcap is None else "recompute"
     return plan_model(shape, peft_config, model.cfg.num_layers, rematerialize, attention_backward=how,
                       memory_target=memory_target, op_flops=dispatch_flops / tokens)
 
@@ -116,7 +116,7 @@ def new_layer_keep(model: DecoderModel, n: int, names: frozenset[str] | tuple[st
         names = set(names) - {"gate", "up"} | {"moe.probs"} | ({"moe.gu"} if gu else set())
     else:  # a dense MLP's gate and up where the plan keeps them (or a mixture's plan its experts')
         names = set(names) - set(_MOE_KEEPS) | ({"gate", "up"} if c.moe and gu else set())
-    if c.explicit_attention:  # capped scores, sinks: no kept-output backward (autograd recomputes attention)
+    if c.attn_softcap is not None:  # capped scores: no kept-output backward (autograd recomputes attention)
         names = set(names) - {"attn.o", "attn.lse"}
     if "attn.o" in names and not kept_attention_supported(model.device):
         raise ValueError(f"new_layer_keep: no kept-output attention backward on {model.device.type}")

@@ -6,6 +6,13 @@ gradients from the kept output alone, without recomputing the forward, through t
 pairs PyTorch's own SDPA backward uses (``kept_attention_supported``): the flash kernels on
 the CPU (they take a mask and grouped K/V heads), the memory-efficient ones on CUDA (K/V
 heads repeated per query head, the mask as an additive bias).
+
+gpt-oss's sinks ride on the same kernels: with a sink ``s`` a row's output is the kernel's ``o`` times ``r =
+sigmoid(lse - s)`` (the sink's share of the softmax taken out). Its backward, for ``y = r o`` and ``g = dL/dy``:
+``o`` gets ``r g``, and ``lse`` gets ``<g, o> r (1 - r)``, which adds ``p`` times that to the scores' gradient; the
+kernels compute the scores' gradient as ``p (dP - D)`` with ``D = <dO, O>`` taken from the output they are given, so
+handing them ``dO = r g`` and ``O = y`` gives ``D = r^2 <g, o>``, which is the standard ``<r g, o>`` less that
+``lse`` term: the kept ``y`` and ``lse`` suffice, as without sinks.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import functools
 
 import torch
 
-from coserve.model.attention import sdpa
+from coserve.model.attention import sdpa, sink_logits
 from coserve.model.attention_spec import AttentionSpec
 from coserve.model.forward_batch import causal_mask
 
@@ -22,8 +29,8 @@ from coserve.model.forward_batch import causal_mask
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Attention of the window's queries over the sequence's first ``p + n`` keys, causal within the window (and
     under the layer's sliding window, over each query's last ``window`` positions alone; with a soft cap or sinks,
-    Gemma 2's capped scores or gpt-oss's sinks: ``explicit_attention``, whose backward autograd takes: no kept-output
-    backward).
+    Gemma 2's capped scores or gpt-oss's sinks: ``explicit_attention``, whose backward autograd takes; a capped
+    layer has no kept-output backward, a layer with sinks has, ``window_attention_lse``'s).
 
     Args:
         q: ``[n, Hq, D]`` rotated queries of the window's tokens (positions ``p .. p + n - 1``).
@@ -49,8 +56,8 @@ def kept_attention_supported(device: torch.device) -> bool:
 
 def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``window_attention`` and the log-sum-exp of each query's scaled scores: ``([n, Hq*D], [n, Hq] float32)``;
-    uncapped scores only (a capped layer's plan keeps no attention output)."""
+    """``window_attention`` and the log-sum-exp of each query's scaled scores (without the sinks'):
+    ``([n, Hq*D], [n, Hq] float32)``; uncapped scores only (a capped layer's plan keeps no attention output)."""
     _uncapped(spec, "window_attention_lse")
     n, p, w, scale = *_sizes(q, k, spec.window), spec.scale
     masked = bool(p) or w is not None
@@ -62,15 +69,23 @@ def window_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *_heads_first(q, k, v), 0.0, not masked,
             attn_mask=_additive_mask(n, p, q.device, q.dtype, w) if masked else None, scale=scale)
-    return _merged_heads(out), _rows_first(lse).float()
+    lse = _rows_first(lse).float()
+    if spec.sinks is not None:  # each row's output scaled by what the sink leaves of its softmax
+        out = (_rows_first(out) * _sink_share(lse, spec).unsqueeze(-1).to(out.dtype)).flatten(1)
+        return out, lse
+    return _merged_heads(out), lse
 
 
 def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, spec: AttentionSpec
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq [n, Hq, D], dk [p + n, Hkv, D], dv [p + n, Hkv, D])`` of ``window_attention`` given
-    dL/d(output) ``dout`` ``[n, Hq*D]``, the kept ``out`` and ``lse`` of ``window_attention_lse``."""
+    dL/d(output) ``dout`` ``[n, Hq*D]``, the kept ``out`` and ``lse`` of ``window_attention_lse`` (with sinks: the
+    module docstring)."""
     _uncapped(spec, "window_attention_backward")
+    if spec.sinks is not None:
+        share = _sink_share(lse, spec).to(dout.dtype)
+        dout = (dout.unflatten(1, (share.shape[1], -1)) * share.unsqueeze(-1)).flatten(1)
     n, p, w, scale = *_sizes(q, k, spec.window), spec.scale
     masked = bool(p) or w is not None
     heads, d = q.shape[1], q.shape[2]
@@ -97,8 +112,13 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
 
 
 def _uncapped(spec: AttentionSpec, name: str) -> None:
-    if spec.explicit:
-        raise ValueError(f"{name}: the kernels keep no capped attention nor one with sinks; recompute it")
+    if spec.softcap is not None:
+        raise ValueError(f"{name}: the kernels keep no capped attention (softcap {spec.softcap}); recompute it")
+
+
+def _sink_share(lse: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """``sigmoid(lse - sink)`` ``[n, Hq]`` float32: what of each row's softmax its head's sink leaves to the keys."""
+    return torch.sigmoid(lse - sink_logits(spec.sinks, lse.device))
 
 
 def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

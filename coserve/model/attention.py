@@ -57,13 +57,13 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_m
     if sinks is None:
         return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
     heads = q.shape[-3]  # the query heads, or (a CPU's grouped decode) the K/V heads, each over its group's rows
-    sink = _sink_column(sinks, q.device).view(heads, -1 if heads != len(sinks) else 1, 1)
+    sink = sink_logits(sinks, q.device).view(heads, -1 if heads != len(sinks) else 1, 1)
     combined = torch.cat([scores.float(), sink.expand(*scores.shape[:-1], 1)], dim=-1)
     return torch.matmul(torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype), v)
 
 
 @functools.lru_cache(maxsize=256)
-def _sink_column(sinks: tuple[float, ...], device: torch.device) -> torch.Tensor:
+def sink_logits(sinks: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """A layer's sink logits ``[Hq]`` in float32 on ``device``, made once."""
     return torch.tensor(sinks, dtype=torch.float32, device=device)
 

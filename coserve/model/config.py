@@ -229,12 +229,6 @@ class ModelConfig:
         return self.attn_softcap is not None or self.attn_sinks
 
     @property
-    def explicit_attention(self) -> bool:
-        """Whether attention runs written out in torch (Gemma 2's capped scores, gpt-oss's sinks: no fused kernel
-        has them), its backward by autograd: no kept-output backward."""
-        return self.attn_softcap is not None or self.attn_sinks
-
-    @property
     def moe(self) -> bool:
         """Whether the model's MLPs are mixtures of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5), in every
         layer but ``dense_layers``."""
