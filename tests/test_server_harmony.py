@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from server_helpers import start_server
+from server_helpers import start_server, train_replies
 
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
 FIRST_ID = 8100  # the ids the markers take (rare merges of the tiny vocabulary's)
@@ -55,18 +55,11 @@ def _harmony_tokenizer(model_dir) -> None:
 @pytest.fixture(scope="module")
 def harmonist(model_factory, tmp_path_factory):
     """The tiny Qwen3 model with harmony's markers, and an adapter that answers in harmony's messages."""
-    from coserve.cli import main
     root = tmp_path_factory.mktemp("harmony")
     model = root / "model"
     shutil.copytree(model_factory("qwen3"), model)
     _harmony_tokenizer(model)
-    data = root / "harmony.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": [*msgs, {"role": "assistant", "content": reply}]})
-                              for msgs, reply in ((TWO, REPLY), (WEATHER, CALL))))
-    assert main(["finetune", "--model", str(model), "--data", str(data), "--output", str(root / "harmony"),
-                 "--max-steps", "60", "--batch-size", "2", "--lr", "0.01", "--lora-r", "8", "--lora-alpha", "16",
-                 "--target-modules", "all-linear", "--no-progress"]) == 0
-    return model, root / "harmony"
+    return model, train_replies(model, [(TWO, REPLY), (WEATHER, CALL)], root / "harmony")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from server_helpers import start_server, wait_for_job
+from server_helpers import start_server, train_replies, wait_for_job
 
 THOUGHT, ANSWER = "Two and two make four.", "The answer is 4."
 TWO = [{"role": "user", "content": "What is 2+2?"}]
@@ -24,17 +24,9 @@ COLOUR = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture(scope="module")
 def thinker(model_factory, tmp_path_factory):
     """The tiny Qwen3 model and an adapter that thinks before it answers."""
-    from coserve.cli import main
-    root = tmp_path_factory.mktemp("reasoning")
-    data = root / "think.jsonl"
     pairs = [(TWO, f"<think>{THOUGHT}</think>{ANSWER}"), (COLOUR, "<think>Pick one.</think>Blue.")]
-    data.write_text("\n".join(json.dumps({"messages": [*msgs, {"role": "assistant", "content": reply}]})
-                              for msgs, reply in pairs))
     model = model_factory("qwen3")
-    assert main(["finetune", "--model", str(model), "--data", str(data), "--output", str(root / "think"),
-                 "--max-steps", "60", "--batch-size", "2", "--lr", "0.01", "--lora-r", "8", "--lora-alpha", "16",
-                 "--target-modules", "all-linear", "--no-progress"]) == 0
-    return model, root / "think"
+    return model, train_replies(model, pairs, tmp_path_factory.mktemp("reasoning") / "think")
 
 
 @pytest.fixture(scope="module")
