@@ -138,3 +138,14 @@ def test_gpt_oss_20bs_config_reads_as_transformers_reads_it():
     assert cfg.rope.original_max_position_embeddings == 4096 and not cfg.rope.truncate
     assert cfg.o_bias and cfg.qkv_bias and cfg.attn_sinks and (cfg.glu_alpha, cfg.glu_limit) == (1.702, 7.0)
     assert (cfg.q_size, cfg.kv_size) == (64 * 64, 8 * 64)
+
+
+def test_the_clamped_swiglu_gives_each_row_the_same_bits_whatever_the_row_count():
+    """An expert's call holds as many rows as were routed to it, a co-served window's among them: each row's gated
+    unit must not depend on how many rows are beside it (as ``moe_mlp`` calls it, on the halves of one gate/up
+    buffer, 88 wide as the tiny model's)."""
+    gen = torch.Generator().manual_seed(1)
+    gu = torch.randn(40, 2 * 88, generator=gen)
+    alone = [clamped_glu(*gu[:rows].chunk(2, dim=-1), 1.702, 0.25) for rows in range(1, 41)]
+    for rows, out in enumerate(alone, start=1):
+        assert torch.equal(out, alone[-1][:rows]), rows

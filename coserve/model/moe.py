@@ -42,9 +42,11 @@ def fused_expert_names(layer: int) -> tuple[str, str, str, str]:
 
 def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's gated unit: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``,
-    as ``GptOssExperts._apply_gate``."""
+    as ``GptOssExperts._apply_gate``. The sigmoid element by element (``elementwise_sigmoid``): over a contiguous
+    ``[P, I]`` an elementwise kernel computes the last few elements by its scalar path, and which rows those are
+    depends on the expert call's row count, which a co-served window changes."""
     g = gate.clamp(max=limit)
-    return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+    return (up.clamp(-limit, limit) + 1) * (g * elementwise_sigmoid(g * alpha))
 
 
 def clamped_glu_backward(dm: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
