@@ -149,3 +149,28 @@ def test_the_clamped_swiglu_gives_each_row_the_same_bits_whatever_the_row_count(
     alone = [clamped_glu(*gu[:rows].chunk(2, dim=-1), 1.702, 0.25) for rows in range(1, 41)]
     for rows, out in enumerate(alone, start=1):
         assert torch.equal(out, alone[-1][:rows]), rows
+
+
+@pytest.mark.parametrize("form", ["causal-chunk", "chunk-after-prefix", "grouped-decode"])
+def test_serving_attention_with_sinks_on_the_flash_kernel_is_the_written_out_form(form):
+    """A CPU serves attention with sinks by the flash kernel (its output times ``sigmoid(lse - sink)``, no scores
+    held), the written-out form being what autograd runs: the two agree on a prompt's chunk, a chunk after a
+    prefix, and a CPU's grouped decode (the K/V heads' query heads as rows)."""
+    from coserve.model.attention import explicit_attention
+    from coserve.model.forward_batch import causal_mask
+    gen = torch.Generator().manual_seed(2)
+    sinks = (0.5, -1.0, 2.0, 0.0)
+    if form == "grouped-decode":  # 3 sequences, 2 K/V heads of 2 query heads each, 7 keys (the last 2 of one masked)
+        q, k, v = (torch.randn(*s, generator=gen) for s in ((3, 2, 2, 8), (3, 2, 7, 8), (3, 2, 7, 8)))
+        mask = torch.ones(3, 1, 1, 7, dtype=torch.bool)
+        mask[1, ..., 5:] = False
+        kwargs = {"attn_mask": mask, "scale": 0.35}
+    else:
+        p = 0 if form == "causal-chunk" else 4
+        q, k, v = (torch.randn(*s, generator=gen) for s in ((1, 4, 5, 8), (1, 2, 5 + p, 8), (1, 2, 5 + p, 8)))
+        kwargs = ({"is_causal": True} if not p else {"attn_mask": causal_mask(5, p, q.device)}) | {
+            "scale": 0.35, "enable_gqa": True}
+    with torch.no_grad():
+        served = explicit_attention(q, k, v, sinks=sinks, **kwargs)
+    written = explicit_attention(q.requires_grad_(), k, v, sinks=sinks, **kwargs)  # under autograd: written out
+    torch.testing.assert_close(served, written.detach(), atol=1e-6, rtol=1e-5)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from coserve.model.attention_spec import AttentionSpec
+from coserve.model.row_invariant import elementwise_sigmoid
 from coserve.model.forward_batch import (ForwardBatch, SequenceChunk, SingleTokenGroup, VarlenKeys, causal_mask,
                                          long_tensor)
 
@@ -44,6 +45,9 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_m
     in float32. K/V heads shared by several query heads are repeated. ``q`` ``[..., Hq, n, D]``; under a CPU's
     grouped decode, ``[D, Hkv, Hq // Hkv, Dh]`` with K/V ``[D, Hkv, L, Dh]``: its sinks then by K/V head and
     group."""
+    if sinks is not None and softcap is None and not q.is_cuda and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):  # the kernel's lse takes no grad
+        return _flash_with_sinks(q, k, v, attn_mask, is_causal, scale, sinks)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
@@ -60,6 +64,21 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_m
     sink = sink_logits(sinks, q.device).view(heads, -1 if heads != len(sinks) else 1, 1)
     combined = torch.cat([scores.float(), sink.expand(*scores.shape[:-1], 1)], dim=-1)
     return torch.matmul(torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype), v)
+
+
+def _flash_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                      is_causal: bool, scale: float | None, sinks: tuple[float, ...]) -> torch.Tensor:
+    """``explicit_attention`` with sinks on a CPU, by the flash kernel (no scores held): its output times what each
+    row's sink leaves of the softmax, ``sigmoid(lse - sink)`` (element by element as a softmax, so that a row's bits
+    do not depend on the rows beside it)."""
+    mask = None
+    if attn_mask is not None:
+        mask = torch.zeros(attn_mask.shape, device=q.device, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
+                                                                         scale=scale)
+    heads = q.shape[-3]
+    sink = sink_logits(sinks, q.device).view(heads, -1 if heads != len(sinks) else 1)
+    return out * elementwise_sigmoid(lse.float() - sink).unsqueeze(-1).to(out.dtype)
 
 
 @functools.lru_cache(maxsize=256)

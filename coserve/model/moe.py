@@ -23,6 +23,7 @@ import torch
 
 from coserve.model.config import ModelConfig
 from coserve.model.linear_modules import EXPERT_MODULES
+from coserve.model.row_invariant import elementwise_sigmoid
 
 
 def router_name(cfg: ModelConfig, layer: int) -> str:
@@ -89,12 +90,6 @@ def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
     on its own, where an elementwise kernel over a column computes its last few rows by a scalar path whose bits
     differ from its vector path's (so a row's value would depend on the row count, and co-serving would change it)."""
     return torch.softmax(torch.cat([x, torch.zeros_like(x)], dim=-1), dim=-1)[:, :1]
-
-
-def elementwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(x)`` of a float32 ``[T, E]``, each element as the first entry of the softmax of ``[x, 0]``: a row's
-    values then do not depend on the row count (``row_sigmoid``)."""
-    return torch.softmax(torch.stack([x, torch.zeros_like(x)], dim=-1), dim=-1)[..., 0]
 
 
 def router_scores(cfg: ModelConfig, logits: torch.Tensor) -> torch.Tensor:
