@@ -44,7 +44,8 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_m
     head's sink logit a last column of the softmax, dropped after it (gpt-oss, as HF's eager attention). The softmax
     in float32. K/V heads shared by several query heads are repeated. ``q`` ``[..., Hq, n, D]``; under a CPU's
     grouped decode, ``[D, Hkv, Hq // Hkv, Dh]`` with K/V ``[D, Hkv, L, Dh]``: its sinks then by K/V head and
-    group."""
+    group. Sinks without a cap on a CPU, where autograd records nothing (serving), run on the flash kernel instead
+    (``_flash_with_sinks``): no scores held."""
     if sinks is not None and softcap is None and not q.is_cuda and not (
             torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):  # the kernel's lse takes no grad
         return _flash_with_sinks(q, k, v, attn_mask, is_causal, scale, sinks)
@@ -60,8 +61,7 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_m
         scores = scores.masked_fill(~attn_mask, float("-inf"))
     if sinks is None:
         return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
-    heads = q.shape[-3]  # the query heads, or (a CPU's grouped decode) the K/V heads, each over its group's rows
-    sink = sink_logits(sinks, q.device).view(heads, -1 if heads != len(sinks) else 1, 1)
+    sink = _sinks_by_row(sinks, q).unsqueeze(-1)
     combined = torch.cat([scores.float(), sink.expand(*scores.shape[:-1], 1)], dim=-1)
     return torch.matmul(torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype), v)
 
@@ -76,9 +76,14 @@ def _flash_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
         mask = torch.zeros(attn_mask.shape, device=q.device, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
                                                                          scale=scale)
+    return out * elementwise_sigmoid(lse.float() - _sinks_by_row(sinks, q)).unsqueeze(-1).to(out.dtype)
+
+
+def _sinks_by_row(sinks: tuple[float, ...], q: torch.Tensor) -> torch.Tensor:
+    """The sink logit of each of ``q``'s heads and rows, ``[heads, 1]`` (``q`` ``[..., Hq, n, D]``), or ``[Hkv, G]``
+    under a CPU's grouped decode (``q`` ``[D, Hkv, G, Dh]``, the K/V heads' query heads as rows)."""
     heads = q.shape[-3]
-    sink = sink_logits(sinks, q.device).view(heads, -1 if heads != len(sinks) else 1)
-    return out * elementwise_sigmoid(lse.float() - sink).unsqueeze(-1).to(out.dtype)
+    return sink_logits(sinks, q.device).view(heads, -1 if heads != len(sinks) else 1)
 
 
 @functools.lru_cache(maxsize=256)
