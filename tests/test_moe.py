@@ -285,10 +285,10 @@ def test_expert_groups_are_each_experts_rows_in_order():
 def test_the_shared_experts_gate_rounds_each_row_as_it_would_alone():
     """Qwen2-MoE's ``sigmoid(h @ g)`` over a column of rows: ``torch.sigmoid`` there rounds some rows otherwise by the
     row count (seen on this CPU from 57 rows on: a co-served window's rows would change an inference row's bits);
-    ``row_sigmoid`` (the softmax of ``[x, 0]``, computed row by row) does not, and stays within 1e-7 of it."""
-    from coserve.model.moe import row_sigmoid
+    ``elementwise_sigmoid`` (the softmax of ``[x, 0]``, computed row by row) does not, and stays within 1e-7 of it."""
+    from coserve.model.row_invariant import elementwise_sigmoid
     torch.manual_seed(0)
     x = torch.randn(1500, 1) * 3
-    whole = row_sigmoid(x)
-    assert all(torch.equal(row_sigmoid(x[:n]), whole[:n]) for n in range(1, 1500, 13))
+    whole = elementwise_sigmoid(x)
+    assert all(torch.equal(elementwise_sigmoid(x[:n]), whole[:n]) for n in range(1, 1500, 13))
     assert torch.allclose(whole, torch.sigmoid(x), atol=1e-7, rtol=0)

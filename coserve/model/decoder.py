@@ -15,8 +15,9 @@ from coserve.model.config import ModelConfig
 from coserve.model.forward_batch import ForwardBatch
 from coserve.model.linear_modules import (MIXTRAL_EXPERT_NAMES, ROUTER, SHARED_EXPERT_MODULES, V4_EXPERT_NAMES,
                                           ExpertShapes, shared_expert_shapes)
-from coserve.model.moe import (expert_names, fused_expert_names, moe_mlp, router_bias_name, router_name, row_sigmoid,
+from coserve.model.moe import (expert_names, fused_expert_names, moe_mlp, router_bias_name, router_name,
                                shared_expert_names)
+from coserve.model.row_invariant import elementwise_sigmoid
 from coserve.model.norm_grad import rms_norm_stats
 from coserve.model.packed_gemm import PackedWeights, gemm_backend
 from coserve.model.rope import RotaryEmbedding
@@ -451,7 +452,7 @@ class DecoderModel:
         out = bypassed_linear(bypass, tap, i, down_module, self.act(gate) * up, layer.shared_down, linear)
         if layer.shared_gate is None:
             return out, gu, out, None
-        scale = row_sigmoid(bypass_output(bypass, tap, i, gate_z, h, linear(h, layer.shared_gate)))
+        scale = elementwise_sigmoid(bypass_output(bypass, tap, i, gate_z, h, linear(h, layer.shared_gate)))
         return scale * out, gu, out, scale
 
     def input_norm(self, x: torch.Tensor, weight: torch.Tensor | None, tap: Tap | None, name: str) -> torch.Tensor:

@@ -85,13 +85,6 @@ def shared_expert_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str, st
     return p + ".gate_proj.weight", p + ".up_proj.weight", p + ".down_proj.weight", p + "_gate.weight"
 
 
-def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(x)`` of a column ``[T, 1]``, as ``softmax([x, 0])``'s first entry: the softmax kernel computes each row
-    on its own, where an elementwise kernel over a column computes its last few rows by a scalar path whose bits
-    differ from its vector path's (so a row's value would depend on the row count, and co-serving would change it)."""
-    return torch.softmax(torch.cat([x, torch.zeros_like(x)], dim=-1), dim=-1)[:, :1]
-
-
 def router_scores(cfg: ModelConfig, logits: torch.Tensor) -> torch.Tensor:
     """The router's float32 scores ``[T, E]`` from its logits: their softmax, or GLM-4.5's sigmoid of each."""
     if cfg.router == "sigmoid":
