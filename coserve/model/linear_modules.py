@@ -58,6 +58,11 @@ class ExpertShapes:
         return not self.layers or layer in self.layers or module not in (ROUTER, *SHARED_EXPERT_MODULES,
                                                                           *EXPERT_MODULES)
 
+    def interleaves(self, module: str) -> bool:
+        """Whether PEFT's ``lora_B`` of expert parameter ``module`` holds gate's and up's rows alternately (gpt-oss's
+        gate/up: ``coserve/peft/expert_lora.py``)."""
+        return module == EXPERT_MODULES[0] and self.gate_up_interleaved
+
 
 def shared_expert_shapes(hidden: int, size: int) -> dict[str, tuple[int, int]]:
     """``(in_features, out_features)`` of Qwen2-MoE's shared expert's modules (``SHARED_EXPERT_MODULES``) for its

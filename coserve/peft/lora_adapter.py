@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from coserve.model.linear_modules import EXPERT_MODULES, ExpertShapes, resolve_expert_targets
+from coserve.model.linear_modules import ExpertShapes, resolve_expert_targets
 from coserve.model.rank_pattern import check_patterns, module_ranks
 from coserve.peft.adapter_dir import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, check_target_names, layer_module,
                                       peft_type, read_adapter_config, read_adapter_tensors)
@@ -202,8 +202,7 @@ def _read_expert_pair(adapter: LoraAdapter, weights_file: Path, layer: int, pair
             if (layer, module) in adapter.expert_a:
                 raise AdapterError(f"{weights_file}: layer {layer}'s {module} is adapted twice")
             adapter.expert_a[(layer, module)] = a_from_peft(a.float(), experts.num_experts)
-            adapter.expert_b[(layer, module)] = b_from_peft(b.float(), experts.num_experts,
-                                                            module == EXPERT_MODULES[0] and experts.gate_up_interleaved)
+            adapter.expert_b[(layer, module)] = b_from_peft(b.float(), experts.num_experts, experts.interleaves(module))
             return module
     n = experts.num_experts
     want = " or ".join(f"{m} (r={ranks[m]}) A {(n * ranks[m], i)} and B {(o, n * ranks[m])}"

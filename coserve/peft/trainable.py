@@ -13,8 +13,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file
 
-from coserve.model.linear_modules import (ALL_TARGET_MODULES, EXPERT_MODULES, ROUTER, ROUTER_PARAMETER, ExpertShapes,
-                                          module_name)
+from coserve.model.linear_modules import ALL_TARGET_MODULES, ROUTER, ROUTER_PARAMETER, ExpertShapes, module_name
 from coserve.model.rank_pattern import module_ranks
 from coserve.peft.config import IA3Config, LoraConfig, for_model
 from coserve.peft.dropout import keep_mask, mix_seed
@@ -246,18 +245,14 @@ class TrainableLora(TrainableBypass):
         if name not in self._expert_names:
             return tensor
         (_, module), which = self._expert_names[name]
-        return a_to_peft(tensor) if which == "A" else b_to_peft(tensor, self._interleaved(module))
+        return a_to_peft(tensor) if which == "A" else b_to_peft(tensor, self.experts.interleaves(module))
 
     def _loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name not in self._expert_names:
             return tensor
         key, which = self._expert_names[name]
         n = self.ea[key].shape[0]
-        return a_from_peft(tensor, n) if which == "A" else b_from_peft(tensor, n, self._interleaved(key[1]))
-
-    def _interleaved(self, module: str) -> bool:
-        """Whether PEFT's file interleaves this expert parameter's gate and up rows (gpt-oss's gate/up)."""
-        return module == EXPERT_MODULES[0] and self.experts is not None and self.experts.gate_up_interleaved
+        return a_from_peft(tensor, n) if which == "A" else b_from_peft(tensor, n, self.experts.interleaves(key[1]))
 
     def _weights_t(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A^T, B^T)`` cut from autograd. Without grad (the finetuning executors' windows) the views are made once
